@@ -1,0 +1,16 @@
+"""Parallel building blocks: column/row linear, vocab embedding, vocab-parallel cross entropy,
+norms, attention, MLP, transformer layer and block."""
+from .attention import RotaryEmbedding, SelfAttention, apply_rotary_pos_emb  # noqa: F401
+from .cross_entropy import vocab_parallel_cross_entropy  # noqa: F401
+from .embedding import LanguageModelEmbedding, VocabParallelEmbedding  # noqa: F401
+from .linear import ColumnParallelLinear, RowParallelLinear  # noqa: F401
+from .mlp import MLP  # noqa: F401
+from .norm import LayerNorm, RMSNorm, build_norm  # noqa: F401
+from .sharding import (  # noqa: F401
+    full_shape,
+    initialize_parameters,
+    set_tensor_parallel_attributes,
+    shard_tensor,
+    unshard_tensors,
+)
+from .transformer import TransformerBlock, TransformerLayer  # noqa: F401

@@ -1,0 +1,113 @@
+"""Self-attention with a fused, column-parallel QKV projection and grouped-query heads.
+
+Heads are split over TP ranks (Shoeybi et al. 2019, sec. 3, Fig. 3b): each rank owns
+`num_query_groups / tp` KV groups and their `num_attention_heads / tp` query heads, runs the
+core attention locally, and a row-parallel output projection sums the result.
+
+Fused QKV layout (the dense weight, rows): for each query group g in order,
+`[q heads of g (heads_per_group * d), k_g (d), v_g (d)]`. A contiguous split of the rows over
+TP then gives each rank whole groups, so the same dense weight works at any TP. Grouped-query
+attention is Ainslie et al. 2023; query head i reads KV group i // heads_per_group, as in HF.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallel_state import get_rng_tracker, get_tensor_model_parallel_world_size
+
+from .linear import ColumnParallelLinear, RowParallelLinear
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (Su et al. 2021, RoFormer, sec. 3.4), "rotate half" layout.
+
+    `forward(seq_len, offset=0)` -> `(cos, sin)`, each `[s, 1, 1, d]` float32 for positions
+    offset..offset+s-1. The frequencies are inv_freq_i = base^(-2i/d).
+    """
+
+    def __init__(self, dim: int, base: float = 10000.0):
+        super().__init__()
+        self.dim, self.base = dim, base
+
+    def forward(self, seq_len: int, offset: int = 0, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = 1.0 / (self.base ** (torch.arange(0, self.dim, 2, device=device,
+                                                     dtype=torch.float64) / self.dim))
+        pos = torch.arange(offset, offset + seq_len, device=device, dtype=torch.float64)
+        freqs = torch.outer(pos, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None, None, :]
+        return emb.cos().float(), emb.sin().float()
+
+
+def apply_rotary_pos_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x [s, b, n, d]` by angles given as `cos, sin [s, 1, 1, d]`."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class SelfAttention(nn.Module):
+    """Causal multi-head / grouped-query self-attention.
+
+    `forward(x [s, b, h] (or [s/tp, b, h] with SP), rotary=(cos, sin) | None, kv_cache=None)`
+    -> `[s, b, h]` (or `[s/tp, b, h]`). `kv_cache`, when given, is an object with
+    `update(layer_number, k, v) -> (k_all, v_all)` taking and returning `[b, g, s, d]` local
+    KV heads; it is how inference appends to its cache.
+    """
+
+    def __init__(self, config, layer_number: int, sequence_parallel: bool = False):
+        super().__init__()
+        tp = get_tensor_model_parallel_world_size()
+        self.layer_number = layer_number
+        self.head_dim = config.kv_channels
+        self.num_heads = config.num_attention_heads // tp
+        self.num_groups = config.num_query_groups // tp
+        self.heads_per_group = config.num_attention_heads // config.num_query_groups
+        self.attention_dropout = config.attention_dropout
+        qkv_size = config.query_projection_size + 2 * config.kv_projection_size
+        self.linear_qkv = ColumnParallelLinear(
+            config.hidden_size, qkv_size, bias=config.add_qkv_bias,
+            sequence_parallel=sequence_parallel, init="normal")
+        self.linear_proj = RowParallelLinear(
+            config.query_projection_size, config.hidden_size, bias=config.add_bias_linear,
+            sequence_parallel=sequence_parallel, init="scaled_normal")
+
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+                kv_cache=None) -> torch.Tensor:
+        mixed = self.linear_qkv(x)  # [s, b, groups * (heads_per_group + 2) * d]
+        s, b = mixed.shape[:2]
+        mixed = mixed.view(s, b, self.num_groups, self.heads_per_group + 2, self.head_dim)
+        q, k, v = mixed.split([self.heads_per_group, 1, 1], dim=3)
+        q = q.reshape(s, b, self.num_heads, self.head_dim)
+        k = k.squeeze(3)  # [s, b, g, d]
+        v = v.squeeze(3)
+        if rotary is not None:
+            cos, sin = rotary
+            q, k = apply_rotary_pos_emb(q, cos, sin), apply_rotary_pos_emb(k, cos, sin)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_number, k, v)
+        out = self._core_attention(q, k, v)
+        out = out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
+        return self.linear_proj(out)
+
+    def _core_attention(self, q, k, v):
+        """Scaled dot-product attention (Vaswani et al. 2017, eq. 1) with a causal mask.
+
+        q `[b, n, sq, d]`, k/v `[b, g, sk, d]`; when sk > sq (decoding with a cache) query i
+        sits at position sk - sq + i. Attention dropout draws from the TP stream since heads
+        are sharded.
+        """
+        sq, sk = q.shape[2], k.shape[2]
+        p = self.attention_dropout if self.training else 0.0
+        kwargs = dict(enable_gqa=self.heads_per_group > 1)
+        if sq == sk:
+            kwargs["is_causal"] = True
+        elif sq > 1:
+            kwargs["attn_mask"] = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+        if p > 0:
+            with get_rng_tracker().fork():
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, **kwargs)
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+

@@ -1,0 +1,119 @@
+"""Column- and row-parallel linear layers (Shoeybi et al. 2019, sec. 3, Fig. 3).
+
+Y = X A with A split by columns: each rank computes X A_i (ColumnParallelLinear). Y = X A with
+A split by rows and X split by columns: each rank computes X_i A_i and the partial sums are
+reduced (RowParallelLinear). A column layer followed by a row layer needs one all-reduce in
+forward and one in backward. With sequence parallelism (Korthikanti et al. 2022, sec. 4.2.2)
+the column layer's input arrives as a sequence shard `[s/tp, b, h]` and is all-gathered, and
+the row layer reduce-scatters its output back to a sequence shard.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallel_state import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    get_tensor_model_parallel_world_size,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+
+from .sharding import set_tensor_parallel_attributes
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what} ({n}) is not divisible by tensor-model-parallel-size ({d})")
+    return n // d
+
+
+class ColumnParallelLinear(nn.Module):
+    """`Y = X A^T + b` with the weight's output dim split over TP ranks.
+
+    Input `[s, b, in]` (or `[s/tp, b, in]` with sequence_parallel); output `[s, b, out/tp]`, or
+    `[s, b, out]` with gather_output. `num_fused_parts` > 1 marks a weight made of that many
+    blocks stacked on the output dim, each split separately (SwiGLU's [gate; up]).
+    `forward(x, weight=...)` uses an external weight (tied output layer).
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool = True,
+                 gather_output: bool = False, sequence_parallel: bool = False,
+                 init: str = "normal", num_fused_parts: int = 1, skip_weight: bool = False,
+                 full_rows: int | None = None, params_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        tp = get_tensor_model_parallel_world_size()
+        self.input_size, self.output_size = input_size, output_size
+        self.output_size_per_partition = _divide(output_size, tp, "output size")
+        self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel and tp > 1
+        if skip_weight:
+            self.weight = None
+        else:
+            self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, input_size,
+                                                   dtype=params_dtype))
+            set_tensor_parallel_attributes(self.weight, partition_dim=0, init=init,
+                                           num_fused_parts=num_fused_parts, full_rows=full_rows)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.output_size_per_partition, dtype=params_dtype))
+            set_tensor_parallel_attributes(self.bias, partition_dim=0, init="zeros",
+                                           num_fused_parts=num_fused_parts)
+        else:
+            self.bias = None
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        weight = self.weight if weight is None else weight
+        if weight is None:
+            raise ValueError("ColumnParallelLinear built with skip_weight needs forward(x, weight)")
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True)
+        else:
+            x = copy_to_tensor_model_parallel_region(x)
+        y = F.linear(x, weight, self.bias)
+        return gather_from_tensor_model_parallel_region(y) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (f"in={self.input_size}, out={self.output_size} "
+                f"(per rank {self.output_size_per_partition}), sp={self.sequence_parallel}")
+
+
+class RowParallelLinear(nn.Module):
+    """`Y = X A^T + b` with the weight's input dim split over TP ranks.
+
+    Input `[s, b, in/tp]` (already split, as a column layer leaves it); output `[s, b, out]`
+    summed over TP, or `[s/tp, b, out]` reduce-scattered with sequence_parallel. The bias is
+    added once, after the reduction.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool = True,
+                 sequence_parallel: bool = False, init: str = "scaled_normal",
+                 params_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        tp = get_tensor_model_parallel_world_size()
+        self.input_size, self.output_size = input_size, output_size
+        self.input_size_per_partition = _divide(input_size, tp, "input size")
+        self.sequence_parallel = sequence_parallel and tp > 1
+        self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition,
+                                               dtype=params_dtype))
+        set_tensor_parallel_attributes(self.weight, partition_dim=1, init=init)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size, dtype=params_dtype))
+            set_tensor_parallel_attributes(self.bias, partition_dim=None, init="zeros",
+                                           sequence_parallel=self.sequence_parallel)
+        else:
+            self.bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(y)
+        else:
+            y = reduce_from_tensor_model_parallel_region(y)
+        return y + self.bias.to(y.dtype) if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return (f"in={self.input_size} (per rank {self.input_size_per_partition}), "
+                f"out={self.output_size}, sp={self.sequence_parallel}")

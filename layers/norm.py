@@ -1,0 +1,54 @@
+"""LayerNorm and RMSNorm over the hidden dim, replicated across TP ranks.
+
+Under sequence parallelism they run on `[s/tp, b, h]` shards, so their weight gradients are
+partial sums; the weights are tagged `sequence_parallel` and the trainer sums those gradients
+over TP after backward (Korthikanti et al. 2022, sec. 4.2.2).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .sharding import set_tensor_parallel_attributes
+
+
+class LayerNorm(nn.Module):
+    """`y = (x - mean) / sqrt(var + eps) * weight + bias` over the last dim (Ba et al. 2016)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, sequence_parallel: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size))
+        self.bias = nn.Parameter(torch.empty(hidden_size))
+        set_tensor_parallel_attributes(self.weight, partition_dim=None, init="ones",
+                                       sequence_parallel=sequence_parallel)
+        set_tensor_parallel_attributes(self.bias, partition_dim=None, init="zeros",
+                                       sequence_parallel=sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+
+
+class RMSNorm(nn.Module):
+    """`y = x / sqrt(mean(x^2) + eps) * weight` (Zhang & Sennrich 2019), computed in float32."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, sequence_parallel: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size))
+        set_tensor_parallel_attributes(self.weight, partition_dim=None, init="ones",
+                                       sequence_parallel=sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def build_norm(config, sequence_parallel: bool = False) -> nn.Module:
+    cls = RMSNorm if config.normalization == "RMSNorm" else LayerNorm
+    return cls(config.hidden_size, config.layernorm_epsilon, sequence_parallel=sequence_parallel)

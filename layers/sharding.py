@@ -1,0 +1,105 @@
+"""How a full (dense) tensor maps onto this rank's shard, and layout-independent initialization.
+
+Every parameter of a parallel layer carries a few attributes that say how it is sharded:
+
+- `tensor_model_parallel` (bool): split across TP ranks along `partition_dim`;
+- `partition_dim` (int) and `num_fused_parts` (int): a fused weight such as SwiGLU's
+  [gate; up] is `num_fused_parts` blocks stacked along `partition_dim`, and each block is split
+  separately, so a rank holds [gate_r; up_r];
+- `sequence_parallel` (bool): replicated, but used on sequence shards, so its gradient is summed
+  over TP after backward;
+- `init` (str): "normal", "scaled_normal" (std / sqrt(2 * num_layers), GPT-2 / Megatron
+  output projections), "zeros" or "ones";
+- `full_rows` (int, optional): rows of the real tensor before vocab padding (padding rows are 0);
+- `init_key` (str, optional): the name that seeds its init (tied copies share one key).
+
+`initialize_parameters(model, seed, ...)` makes, for every parameter, the full tensor from a
+generator seeded by (seed, global name) and keeps this rank's shard. Parameter names use
+global layer numbers, so the same seed gives the same full weights at any TP/PP/VPP/DP.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+from torch import nn
+
+from parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+
+def set_tensor_parallel_attributes(param: nn.Parameter, *, partition_dim: int | None,
+                                   init: str, num_fused_parts: int = 1,
+                                   sequence_parallel: bool = False,
+                                   full_rows: int | None = None) -> nn.Parameter:
+    """Tag `param` with how it is sharded and initialized (see the module docstring)."""
+    param.tensor_model_parallel = partition_dim is not None
+    param.partition_dim = partition_dim
+    param.num_fused_parts = num_fused_parts
+    param.sequence_parallel = sequence_parallel
+    param.init = init
+    param.full_rows = full_rows
+    return param
+
+
+def full_shape(param: torch.Tensor, tp: int | None = None) -> tuple[int, ...]:
+    """Shape of the dense tensor this shard belongs to (padded vocab included)."""
+    tp = tp or get_tensor_model_parallel_world_size()
+    shape = list(param.shape)
+    if getattr(param, "tensor_model_parallel", False):
+        shape[param.partition_dim] *= tp
+    return tuple(shape)
+
+
+def shard_tensor(full: torch.Tensor, param: torch.Tensor, rank: int | None = None,
+                 size: int | None = None) -> torch.Tensor:
+    """This rank's shard of the dense tensor `full`, following `param`'s attributes."""
+    size = size or get_tensor_model_parallel_world_size()
+    rank = get_tensor_model_parallel_rank() if rank is None else rank
+    if not getattr(param, "tensor_model_parallel", False) or size == 1:
+        return full
+    dim, parts = param.partition_dim, getattr(param, "num_fused_parts", 1)
+    blocks = full.chunk(parts, dim=dim)
+    return torch.cat([b.chunk(size, dim=dim)[rank] for b in blocks], dim=dim)
+
+
+def unshard_tensors(shards: list[torch.Tensor], param: torch.Tensor) -> torch.Tensor:
+    """Inverse of `shard_tensor`: the dense tensor from the shards of ranks 0..tp-1."""
+    if not getattr(param, "tensor_model_parallel", False) or len(shards) == 1:
+        return shards[0]
+    dim, parts = param.partition_dim, getattr(param, "num_fused_parts", 1)
+    per_rank = [s.chunk(parts, dim=dim) for s in shards]
+    return torch.cat([torch.cat([r[p] for r in per_rank], dim=dim) for p in range(parts)], dim=dim)
+
+
+def _seed_for(seed: int, key: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(key.encode())) % (2**63 - 1)
+
+
+def make_full_tensor(param: torch.Tensor, key: str, seed: int, std: float,
+                     num_layers: int) -> torch.Tensor:
+    """The dense float32 tensor for parameter `key`, identical for any parallel layout."""
+    shape = full_shape(param)
+    kind = getattr(param, "init", "normal")
+    if kind == "zeros":
+        return torch.zeros(shape)
+    if kind == "ones":
+        return torch.ones(shape)
+    if kind not in ("normal", "scaled_normal"):
+        raise ValueError(f"unknown init {kind!r} for parameter {key}")
+    if kind == "scaled_normal":
+        std = std / math.sqrt(2.0 * num_layers)
+    rows = getattr(param, "full_rows", None) or shape[0]
+    gen = torch.Generator().manual_seed(_seed_for(seed, key))
+    full = torch.zeros(shape)
+    full[:rows].normal_(0.0, std, generator=gen)
+    return full
+
+
+@torch.no_grad()
+def initialize_parameters(model: nn.Module, seed: int, std: float, num_layers: int) -> None:
+    """Fill every parameter with its shard of the seeded full tensor (layout-independent)."""
+    for name, param in model.named_parameters():
+        key = getattr(param, "init_key", None) or name
+        full = make_full_tensor(param, key, seed, std, num_layers)
+        param.copy_(shard_tensor(full, param).to(param.dtype))

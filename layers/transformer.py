@@ -1,0 +1,64 @@
+"""Pre-norm transformer layer and block, built from the parallel pieces.
+
+Layer: `x = x + dropout(attn(norm1(x)))`, `x = x + dropout(mlp(norm2(x)))` (GPT-2 / Llama
+pre-normalization, Radford et al. 2019 sec. 2.3). Activations are `[s, b, h]`, or sequence
+shards `[s/tp, b, h]` under sequence parallelism, where norms and dropout run on the shard.
+
+A block holds the layers of one pipeline chunk in a ModuleDict keyed by *global* layer number
+(0-based), so parameter names (`layers.7.mlp.linear_fc1.weight`) are the same at any pipeline
+layout; they seed initialization and key checkpoints.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from parallel_state import dropout, get_tensor_model_parallel_world_size
+
+from .attention import SelfAttention
+from .mlp import MLP
+from .norm import build_norm
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, config, layer_number: int, sequence_parallel: bool = False):
+        super().__init__()
+        sp = sequence_parallel and get_tensor_model_parallel_world_size() > 1
+        self.layer_number = layer_number
+        self.hidden_dropout = config.hidden_dropout
+        self.sequence_parallel = sp
+        self.input_layernorm = build_norm(config, sequence_parallel=sp)
+        self.self_attention = SelfAttention(config, layer_number, sequence_parallel=sp)
+        self.pre_mlp_layernorm = build_norm(config, sequence_parallel=sp)
+        self.mlp = MLP(config, sequence_parallel=sp)
+
+    def forward(self, x: torch.Tensor, rotary=None, kv_cache=None) -> torch.Tensor:
+        """`x [s, b, h]` (or `[s/tp, b, h]`) -> same shape."""
+        attn = self.self_attention(self.input_layernorm(x), rotary=rotary, kv_cache=kv_cache)
+        x = x + dropout(attn, self.hidden_dropout, self.training, sharded=self.sequence_parallel)
+        mlp = self.mlp(self.pre_mlp_layernorm(x))
+        return x + dropout(mlp, self.hidden_dropout, self.training, sharded=self.sequence_parallel)
+
+
+class TransformerBlock(nn.Module):
+    """The layers `layer_numbers` (global, 0-based) of the model, plus the final norm when
+    `post_layer_norm` (the last pipeline stage)."""
+
+    def __init__(self, config, layer_numbers: list[int], post_layer_norm: bool = True,
+                 sequence_parallel: bool = False):
+        super().__init__()
+        sp = sequence_parallel and get_tensor_model_parallel_world_size() > 1
+        self.layers = nn.ModuleDict({
+            str(n): TransformerLayer(config, n, sequence_parallel=sp) for n in layer_numbers})
+        self.final_layernorm = build_norm(config, sequence_parallel=sp) if post_layer_norm else None
+        self.checkpoint_fn = None  # set by the recompute policy: fn(layer, x, *args) -> x
+
+    def forward(self, x: torch.Tensor, rotary=None, kv_cache=None) -> torch.Tensor:
+        for layer in self.layers.values():
+            if self.checkpoint_fn is not None and self.training:
+                x = self.checkpoint_fn(layer, x, rotary)
+            else:
+                x = layer(x, rotary=rotary, kv_cache=kv_cache)
+        if self.final_layernorm is not None:
+            x = self.final_layernorm(x)
+        return x

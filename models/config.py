@@ -1,0 +1,176 @@
+"""ModelConfig: the one description of a transformer's shape, with Megatron-LM's field names.
+
+A config is validated once (`validate`) and then read everywhere; layers never re-check it.
+Named sizes live in `configs/*.yaml` and load through `ModelConfig.from_dict`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the flag and how to fix it."""
+
+
+_POSITION_TYPES = ("learned_absolute", "rope", "relative", "none")
+_NORMS = ("LayerNorm", "RMSNorm")
+_ACTIVATIONS = ("gelu", "swiglu")
+
+
+@dataclass
+class ModelConfig:
+    """Shape and numerics of a decoder (GPT-2 / Llama families) or encoder-decoder (T5).
+
+    Sizes are counts (not bytes). `ffn_hidden_size` defaults to 4*h for GeLU and to
+    Llama's 2/3 * 4h rounded up to a multiple of 256 for SwiGLU.
+    """
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: int | None = None  # None: multi-head attention (= num_attention_heads)
+    ffn_hidden_size: int | None = None
+    kv_channels: int | None = None  # per-head dim; None: hidden_size / num_attention_heads
+    seq_length: int = 128
+    max_position_embeddings: int | None = None  # None: seq_length
+    vocab_size: int = 512  # true tokenizer vocabulary (before padding)
+    make_vocab_size_divisible_by: int = 128
+    position_embedding_type: str = "learned_absolute"
+    rotary_base: float = 10000.0
+    normalization: str = "LayerNorm"
+    layernorm_epsilon: float = 1e-5
+    activation: str = "gelu"  # "gelu" (tanh approximation, as GPT-2) or "swiglu"
+    add_bias_linear: bool = True
+    add_qkv_bias: bool | None = None  # None: same as add_bias_linear
+    untie_embeddings_and_output_weights: bool = False
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    init_method_std: float = 0.02
+    # T5 only (encoder-decoder); a decoder-only model ignores them.
+    encoder_num_layers: int | None = None
+    decoder_num_layers: int | None = None
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
+    name: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.kv_channels is None and self.num_attention_heads:
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.ffn_hidden_size is None:
+            if self.activation == "swiglu":
+                self.ffn_hidden_size = 256 * math.ceil(int(8 * self.hidden_size / 3) / 256)
+            else:
+                self.ffn_hidden_size = 4 * self.hidden_size
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        if self.add_qkv_bias is None:
+            self.add_qkv_bias = self.add_bias_linear
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        """Build from a mapping (YAML); unknown keys raise `ConfigError` naming them."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(k for k in d if k.replace("-", "_") not in names)
+        if unknown:
+            raise ConfigError(
+                f"unknown model config key(s) {unknown}; valid keys are {sorted(names)}"
+            )
+        return cls(**{k.replace("-", "_"): v for k, v in d.items()})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # ------------------------------------------------------------------ derived sizes
+    @property
+    def query_projection_size(self) -> int:
+        return self.kv_channels * self.num_attention_heads
+
+    @property
+    def kv_projection_size(self) -> int:
+        return self.kv_channels * self.num_query_groups
+
+    def padded_vocab_size(self, tensor_model_parallel_size: int = 1) -> int:
+        """Vocab rounded up to a multiple of make_vocab_size_divisible_by * tp (Megatron)."""
+        multiple = self.make_vocab_size_divisible_by * tensor_model_parallel_size
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+    def num_parameters(self, include_embedding: bool = True) -> int:
+        """Exact parameter count of the unpadded, untied-if-configured dense model."""
+        h, f, L = self.hidden_size, self.ffn_hidden_size, self.num_layers
+        qkv_out = self.query_projection_size + 2 * self.kv_projection_size
+        norm = 2 * h if self.normalization == "LayerNorm" else h
+        fc1_out = 2 * f if self.activation == "swiglu" else f
+        layer = h * qkv_out + self.query_projection_size * h + h * fc1_out + f * h + 2 * norm
+        if self.add_qkv_bias:
+            layer += qkv_out
+        if self.add_bias_linear:
+            layer += h + fc1_out + h
+        total = L * layer + norm
+        if include_embedding:
+            total += self.vocab_size * h
+            if self.untie_embeddings_and_output_weights:
+                total += self.vocab_size * h
+            if self.position_embedding_type == "learned_absolute":
+                total += self.max_position_embeddings * h
+        return total
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, tensor_model_parallel_size: int = 1) -> None:
+        """Raise `ConfigError` naming the field and the fix for any inconsistent value."""
+        tp = tensor_model_parallel_size
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                     "vocab_size", "ffn_hidden_size", "kv_channels"):
+            if getattr(self, name) is None or getattr(self, name) <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, "
+                                  f"got {getattr(self, name)}")
+        if self.position_embedding_type not in _POSITION_TYPES:
+            raise ConfigError(f"--position-embedding-type must be one of {_POSITION_TYPES}, "
+                              f"got {self.position_embedding_type!r}")
+        if self.normalization not in _NORMS:
+            raise ConfigError(f"--normalization must be one of {_NORMS}, "
+                              f"got {self.normalization!r}")
+        if self.activation not in _ACTIVATIONS:
+            raise ConfigError(f"--activation must be one of {_ACTIVATIONS}, "
+                              f"got {self.activation!r}")
+        if self.kv_channels * self.num_attention_heads != self.hidden_size and \
+                self.kv_channels == self.hidden_size // self.num_attention_heads:
+            raise ConfigError(
+                f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
+                f"{self.num_attention_heads}; pick sizes where it is, or set --kv-channels")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ConfigError(
+                f"--num-attention-heads {self.num_attention_heads} is not divisible by "
+                f"--num-query-groups {self.num_query_groups}; each query group must hold the "
+                f"same number of heads")
+        if self.num_attention_heads % tp:
+            raise ConfigError(
+                f"--num-attention-heads {self.num_attention_heads} is not divisible by "
+                f"--tensor-model-parallel-size {tp}; use a tp that divides the head count")
+        if self.num_query_groups % tp:
+            raise ConfigError(
+                f"--num-query-groups {self.num_query_groups} is not divisible by "
+                f"--tensor-model-parallel-size {tp}; use a tp that divides the number of "
+                f"KV heads (or fewer, larger groups)")
+        if self.ffn_hidden_size % tp:
+            raise ConfigError(
+                f"--ffn-hidden-size {self.ffn_hidden_size} is not divisible by "
+                f"--tensor-model-parallel-size {tp}")
+        if self.position_embedding_type == "rope" and self.kv_channels % 2:
+            raise ConfigError(f"RoPE needs an even head dim, got --kv-channels {self.kv_channels}")
+        if self.max_position_embeddings < self.seq_length and \
+                self.position_embedding_type == "learned_absolute":
+            raise ConfigError(
+                f"--seq-length {self.seq_length} exceeds --max-position-embeddings "
+                f"{self.max_position_embeddings}; raise max-position-embeddings or shorten "
+                f"the sequence")
+        for name in ("hidden_dropout", "attention_dropout"):
+            p = getattr(self, name)
+            if not 0.0 <= p < 1.0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1), got {p}")

@@ -1,0 +1,124 @@
+"""GPTModel: decoder-only transformer covering GPT-2 and Llama-style families by config.
+
+GPT-2: learned positions, LayerNorm, GeLU, biases, tied embeddings. Llama: RoPE, RMSNorm,
+SwiGLU, grouped-query attention, no biases, tied or untied output layer. One class, chosen by
+`ModelConfig` fields. `pre_process` / `post_process` say whether this pipeline stage holds
+the embedding / the final norm, output layer and loss.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from layers import (
+    ColumnParallelLinear,
+    LanguageModelEmbedding,
+    RotaryEmbedding,
+    TransformerBlock,
+    initialize_parameters,
+    vocab_parallel_cross_entropy,
+)
+from parallel_state import get_tensor_model_parallel_world_size
+
+from .config import ModelConfig
+
+WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
+
+
+class GPTModel(nn.Module):
+    """Decoder-only language model, sharded over TP (and a slice of layers for PP).
+
+    Args:
+        config: the model shape (validated for this TP size).
+        pre_process: this stage holds the embedding (first pipeline stage).
+        post_process: this stage holds final norm, output layer and loss (last stage).
+        layer_numbers: global, 0-based layer indices held here (default: all layers).
+        sequence_parallel: run norms/dropout on `[s/tp, b, h]` sequence shards.
+    """
+
+    def __init__(self, config: ModelConfig, *, pre_process: bool = True, post_process: bool = True,
+                 layer_numbers: list[int] | None = None, sequence_parallel: bool = False):
+        super().__init__()
+        tp = get_tensor_model_parallel_world_size()
+        config.validate(tp)
+        self.config = config
+        self.pre_process, self.post_process = pre_process, post_process
+        self.sequence_parallel = sequence_parallel and tp > 1
+        self.padded_vocab_size = config.padded_vocab_size(tp)
+        self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
+        if layer_numbers is None:
+            layer_numbers = list(range(config.num_layers))
+        self.layer_numbers = list(layer_numbers)
+
+        if pre_process:
+            self.embedding = LanguageModelEmbedding(config, self.padded_vocab_size,
+                                                    sequence_parallel=self.sequence_parallel)
+        self.rotary = (RotaryEmbedding(config.kv_channels, config.rotary_base)
+                       if config.position_embedding_type == "rope" else None)
+        self.decoder = TransformerBlock(config, self.layer_numbers, post_layer_norm=post_process,
+                                        sequence_parallel=self.sequence_parallel)
+        if post_process:
+            tied_here = self.share_embeddings_and_output_weights and pre_process
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size, self.padded_vocab_size, bias=False,
+                sequence_parallel=self.sequence_parallel, skip_weight=tied_here,
+                full_rows=config.vocab_size)
+            if self.share_embeddings_and_output_weights and not pre_process:
+                # The last stage's copy of the tied embedding: same init, kept equal by an
+                # all-reduce of its gradient with the first stage's copy.
+                self.output_layer.weight.init_key = WORD_EMBEDDINGS
+                self.output_layer.weight.shared_embedding = True
+        if pre_process and self.share_embeddings_and_output_weights and not post_process:
+            self.embedding.word_embeddings.weight.shared_embedding = True
+
+    # ------------------------------------------------------------------ weights
+    def init_weights(self, seed: int) -> None:
+        """Layout-independent init: the dense weights depend only on `seed` (see layers.sharding)."""
+        initialize_parameters(self, seed, self.config.init_method_std, self.config.num_layers)
+
+    def output_weight(self) -> torch.Tensor:
+        if self.post_process and self.output_layer.weight is not None:
+            return self.output_layer.weight
+        return self.embedding.word_embeddings.weight
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, input_ids: torch.Tensor | None = None, *,
+                position_ids: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None,
+                hidden_states: torch.Tensor | None = None,
+                kv_cache=None, position_offset: int = 0,
+                label_smoothing: float = 0.0) -> torch.Tensor:
+        """Run this stage.
+
+        Args:
+            input_ids: `[b, s]` token ids (first stage; also used for the length elsewhere).
+            position_ids: `[b, s]` learned-position ids (default 0..s-1).
+            labels: `[b, s]` next-token targets (-100 = ignore) on the last stage.
+            hidden_states: `[s, b, h]` (`[s/tp, b, h]` with SP) from the previous stage.
+            kv_cache: inference cache (see layers.attention.SelfAttention).
+            position_offset: position of the first token (decoding with a cache).
+        Returns:
+            last stage with labels: per-token loss `[b, s]` float32 (nats);
+            last stage without labels: vocab-parallel logits `[b, s, v_padded/tp]`;
+            other stages: hidden states `[s, b, h]` (or `[s/tp, b, h]`).
+        """
+        if self.pre_process:
+            x = self.embedding(input_ids, position_ids)
+        else:
+            if hidden_states is None:
+                raise ValueError("a stage without the embedding needs hidden_states")
+            x = hidden_states
+        rotary = None
+        if self.rotary is not None:
+            seq_len = x.shape[0] * (get_tensor_model_parallel_world_size()
+                                    if self.sequence_parallel else 1)
+            rotary = self.rotary(seq_len, position_offset, device=x.device)
+        x = self.decoder(x, rotary=rotary, kv_cache=kv_cache)
+        if not self.post_process:
+            return x
+        logits = self.output_layer(x, weight=self.output_weight())  # [s, b, v/tp]
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), vocab_size=self.config.vocab_size,
+                                            label_smoothing=label_smoothing)
+        return loss.t()

@@ -1,0 +1,42 @@
+"""The process grid (pp x dp x tp on one DeviceMesh), its getters, the TP-aware RNG tracker and
+the collectives with autograd. See grid.py, random.py and mappings.py."""
+from .grid import (  # noqa: F401
+    Grid,
+    GridError,
+    default_device,
+    destroy_model_parallel,
+    get_data_parallel_group,
+    get_data_parallel_rank,
+    get_data_parallel_world_size,
+    get_device,
+    get_embedding_group,
+    get_grid,
+    get_model_parallel_group,
+    get_pipeline_model_parallel_group,
+    get_pipeline_model_parallel_next_rank,
+    get_pipeline_model_parallel_prev_rank,
+    get_pipeline_model_parallel_rank,
+    get_pipeline_model_parallel_world_size,
+    get_tensor_model_parallel_group,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    get_virtual_pipeline_model_parallel_rank,
+    get_virtual_pipeline_model_parallel_world_size,
+    initialize_distributed,
+    initialize_model_parallel,
+    is_pipeline_first_stage,
+    is_pipeline_last_stage,
+    model_parallel_is_initialized,
+    set_virtual_pipeline_model_parallel_rank,
+)
+from .mappings import (  # noqa: F401
+    all_reduce_sequence_parallel_grads,
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from .random import dropout, get_rng_tracker, model_parallel_seed  # noqa: F401

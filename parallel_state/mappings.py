@@ -1,0 +1,216 @@
+"""Collectives with autograd: each forward is paired with its dual in backward.
+
+Names follow the Megatron-LM paper (Shoeybi et al. 2019, sec. 3, the `f` and `g` operators)
+and the sequence-parallel paper (Korthikanti et al. 2022, sec. 4.2.2, `g` and `g-bar`):
+
+| function                                   | forward            | backward            |
+|--------------------------------------------|--------------------|---------------------|
+| copy_to_tensor_model_parallel_region (f)   | identity           | all-reduce          |
+| reduce_from_tensor_model_parallel_region(g)| all-reduce         | identity            |
+| scatter_to_tensor_model_parallel_region    | split last dim     | all-gather last dim |
+| gather_from_tensor_model_parallel_region   | all-gather last dim| split last dim      |
+| scatter_to_sequence_parallel_region        | split dim 0        | all-gather dim 0    |
+| gather_from_sequence_parallel_region       | all-gather dim 0   | reduce-scatter dim 0|
+| reduce_scatter_to_sequence_parallel_region | reduce-scatter dim0| all-gather dim 0    |
+
+All act on the current grid's tensor-parallel group and are identities on one TP rank.
+Sequence-parallel tensors are `[s, b, h]` with the sequence (dim 0) split across TP ranks.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import grid
+
+
+def _tp() -> tuple[int, int]:
+    return grid.get_tensor_model_parallel_world_size(), grid.get_tensor_model_parallel_rank()
+
+
+def _all_reduce(x: torch.Tensor) -> torch.Tensor:
+    if _tp()[0] == 1:
+        return x
+    x = x.contiguous()
+    dist.all_reduce(x, group=grid.get_tensor_model_parallel_group())
+    return x
+
+
+def _split_last(x: torch.Tensor) -> torch.Tensor:
+    size, rank = _tp()
+    if size == 1:
+        return x
+    if x.shape[-1] % size:
+        raise ValueError(f"last dim {x.shape[-1]} is not divisible by tensor-parallel size {size}")
+    return x.chunk(size, dim=-1)[rank].contiguous()
+
+
+def _gather_last(x: torch.Tensor) -> torch.Tensor:
+    size, _ = _tp()
+    if size == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x, group=grid.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=-1)
+
+
+def _split_first(x: torch.Tensor) -> torch.Tensor:
+    size, rank = _tp()
+    if size == 1:
+        return x
+    if x.shape[0] % size:
+        raise ValueError(f"sequence length {x.shape[0]} is not divisible by tensor-parallel "
+                         f"size {size}; sequence parallelism needs --seq-length divisible by --tp")
+    return x.chunk(size, dim=0)[rank].contiguous()
+
+
+def _gather_first(x: torch.Tensor) -> torch.Tensor:
+    size, _ = _tp()
+    if size == 1:
+        return x
+    x = x.contiguous()
+    out = torch.empty((x.shape[0] * size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x, group=grid.get_tensor_model_parallel_group())
+    return out
+
+
+def _reduce_scatter_first(x: torch.Tensor) -> torch.Tensor:
+    size, _ = _tp()
+    if size == 1:
+        return x
+    if x.shape[0] % size:
+        raise ValueError(f"dim 0 ({x.shape[0]}) is not divisible by tensor-parallel size {size}")
+    x = x.contiguous()
+    out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, x, group=grid.get_tensor_model_parallel_group())
+    return out
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_reduce(g)
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return _all_reduce(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return _split_last(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_last(g)
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return _gather_last(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _split_last(g)
+
+
+class _ScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return _split_first(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_first(g)
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tensor_parallel_output_grad):
+        ctx.tensor_parallel_output_grad = tensor_parallel_output_grad
+        return _gather_first(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        # When the consumer is tensor-parallel (each rank holds a partial gradient of the
+        # full sequence) the gradients must be summed; otherwise each rank keeps its slice.
+        if ctx.tensor_parallel_output_grad:
+            return _reduce_scatter_first(g), None
+        return _split_first(g), None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return _reduce_scatter_first(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_first(g)
+
+
+def copy_to_tensor_model_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    """`f`: identity forward, all-reduce of the gradient over TP backward."""
+    return _CopyToTP.apply(x)
+
+
+def reduce_from_tensor_model_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    """`g`: all-reduce over TP forward, identity backward."""
+    return _ReduceFromTP.apply(x)
+
+
+def scatter_to_tensor_model_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    """Keep this rank's slice of the last dim; backward all-gathers it."""
+    return _ScatterToTP.apply(x)
+
+
+def gather_from_tensor_model_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    """All-gather the last dim `[..., n/tp] -> [..., n]`; backward keeps this rank's slice."""
+    return _GatherFromTP.apply(x)
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    """`[s, b, h] -> [s/tp, b, h]` (this rank's sequence shard); backward all-gathers."""
+    return _ScatterToSP.apply(x)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor,
+                                         tensor_parallel_output_grad: bool = True) -> torch.Tensor:
+    """`g` of sequence parallelism: `[s/tp, b, h] -> [s, b, h]`; backward reduce-scatters."""
+    return _GatherFromSP.apply(x, tensor_parallel_output_grad)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    """`g-bar`: sum partial `[s, b, h]` over TP and keep `[s/tp, b, h]`; backward all-gathers."""
+    return _ReduceScatterToSP.apply(x)
+
+
+def all_reduce_sequence_parallel_grads(params) -> None:
+    """Sum over TP the gradients of parameters used on sequence shards (norm weights/biases).
+
+    Under sequence parallelism each TP rank sees only its tokens, so the gradient of a
+    replicated norm weight is partial; forgetting this sum is the classic SP bug.
+    """
+    size, _ = _tp()
+    grads = [p.grad for p in params if p.grad is not None and getattr(p, "sequence_parallel", False)]
+    if size == 1 or not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=grid.get_tensor_model_parallel_group())
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset: offset + g.numel()].view_as(g))
+        offset += g.numel()
