@@ -1,0 +1,27 @@
+"""Pretrain a GPT / Llama-style model with data, tensor, sequence (and pipeline) parallelism.
+
+    python train.py                                   # demo: embedded stdlib corpus, 1 process
+    torchrun --nproc-per-node 4 train.py --config configs/tiny-llama.yaml --tp 2
+
+Config: a YAML file (--config) plus Megatron-named flags that override it; see README.md.
+"""
+import sys
+
+from models.config import ConfigError
+from training.arguments import parse_config
+
+
+def main(argv=None) -> int:
+    try:
+        config = parse_config(argv)
+        from training.trainer import pretrain
+
+        pretrain(config)
+    except ConfigError as e:
+        print(f"train.py: configuration error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

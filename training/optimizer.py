@@ -1,0 +1,87 @@
+"""AdamW with weight-decay groups, the learning-rate schedule, and exact gradient clipping.
+
+Gradient norm across a parallel model (Megatron's `clip_grad_norm_fp32`): a parameter
+replicated over TP ranks (norm weights, row-parallel biases, position embeddings) is counted on
+TP rank 0 only, a sharded one on every rank (each holds a disjoint slice), and the tied
+embedding's second copy on the last pipeline stage not at all; the squares are summed over the
+tensor x pipeline ranks of one model replica. Data-parallel replicas hold identical, already
+reduced gradients, so they are not summed again.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import parallel_state as ps
+
+
+def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas=(0.9, 0.999),
+                    eps: float = 1e-8) -> torch.optim.AdamW:
+    """AdamW (Loshchilov & Hutter 2019); biases and norm weights (1-D tensors) get no decay."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim == 1 else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
+
+
+def learning_rate(iteration: int, *, lr: float, min_lr: float, warmup_iters: int,
+                  decay_iters: int, style: str = "cosine") -> float:
+    """LR for 0-based `iteration`: linear warmup to `lr`, then decay to `min_lr`.
+
+    Cosine decay is SGDR's annealing without restarts (Loshchilov & Hutter 2017, eq. 5):
+    min_lr + (lr - min_lr) * (1 + cos(pi * t / T)) / 2, with t counted after warmup.
+    """
+    step = iteration + 1
+    if warmup_iters > 0 and step <= warmup_iters:
+        return lr * step / warmup_iters
+    if style == "constant":
+        return lr
+    span = max(decay_iters - warmup_iters, 1)
+    ratio = min(max((step - warmup_iters) / span, 0.0), 1.0)
+    if style == "linear":
+        coeff = 1.0 - ratio
+    elif style == "cosine":
+        coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    else:
+        raise ValueError(f"unknown --lr-decay-style {style!r}; use cosine, linear or constant")
+    return min_lr + coeff * (lr - min_lr)
+
+
+def counts_toward_norm(param: nn.Parameter) -> bool:
+    """True if this rank owns `param` for the global gradient norm (see module docstring)."""
+    if getattr(param, "shared_embedding", False) and ps.model_parallel_is_initialized() \
+            and ps.is_pipeline_last_stage(ignore_virtual=True) \
+            and not ps.is_pipeline_first_stage(ignore_virtual=True):
+        return False
+    return getattr(param, "tensor_model_parallel", False) or ps.get_tensor_model_parallel_rank() == 0
+
+
+def global_grad_norm(params: list[nn.Parameter]) -> float:
+    """L2 norm of the full model's gradient, each parameter counted exactly once."""
+    owned = [p.grad for p in params if p.grad is not None and counts_toward_norm(p)]
+    device = owned[0].device if owned else ps.get_device()
+    sq = torch.zeros((), dtype=torch.float32, device=device)
+    if owned:
+        sq = torch.stack([g.float().pow(2).sum() for g in owned]).sum()
+    if ps.model_parallel_is_initialized() and \
+            dist.get_world_size(ps.get_model_parallel_group()) > 1:
+        dist.all_reduce(sq, group=ps.get_model_parallel_group())
+    return float(sq.sqrt())
+
+
+def clip_grads(params: list[nn.Parameter], max_norm: float) -> float:
+    """Scale gradients so their global norm is at most `max_norm` (0 disables); returns the
+    norm before clipping."""
+    norm = global_grad_norm(params)
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(scale)
+    return norm

@@ -1,0 +1,223 @@
+"""The pretraining loop: resolved config -> grid -> data -> model -> optimizer -> iterations.
+
+`pretrain(config)` is what `train.py` runs; tests call it too. It returns the list of metric
+records it logged (every rank gets the same losses).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import parallel_state as ps
+from models import GPTModel
+
+from .arguments import Config
+from .distributed import DistributedDataParallel
+from .metrics import MetricsLogger, format_duration, peak_memory_bytes
+from .optimizer import build_optimizer, clip_grads, learning_rate
+from .schedules import get_forward_backward_func
+
+
+def _rank0_print(*args) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, flush=True)
+
+
+# ---------------------------------------------------------------------- data
+def build_data(config: Config):
+    """Tokenizer and train/valid datasets; the embedded default corpus when no --data-path."""
+    from .data import build_tokenizer, build_train_valid_test_datasets, ensure_default_corpus
+
+    t = config.train
+    data_path, tokenizer_path = t.data_path, t.tokenizer_model
+    if not data_path:
+        # One process builds (file lock inside), the others wait and reuse the cache.
+        if dist.get_rank() == 0:
+            prefix, sp_model = ensure_default_corpus()
+        dist.barrier()
+        if dist.get_rank() != 0:
+            with contextlib.redirect_stdout(open(os.devnull, "w")):
+                prefix, sp_model = ensure_default_corpus()
+        data_path, tokenizer_path = [prefix], tokenizer_path or sp_model
+    if tokenizer_path is None:
+        raise ValueError("--data-path was given without --tokenizer-model; pass the "
+                         "SentencePiece .model or HF tokenizer folder used by "
+                         "tools/preprocess_data.py")
+    tokenizer = build_tokenizer(tokenizer_path)
+    gbs = t.global_batch_size
+    eval_runs = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 0
+    num_samples = (t.train_iters * gbs, eval_runs and t.eval_iters * gbs, 0)
+    train_ds, valid_ds, _ = build_train_valid_test_datasets(
+        data_path, t.split, config.model.seq_length, t.seed, num_samples)
+    return tokenizer, train_ds, valid_ds
+
+
+def get_microbatches(dataset, iteration: int, config: Config, device) -> list[dict]:
+    """This DP rank's microbatches of global batch `iteration`.
+
+    Global batch i holds samples [i*gbs, (i+1)*gbs); within each chunk of mbs*dp samples, DP
+    rank r takes [r*mbs, (r+1)*mbs) (Megatron's pretraining sampler), so the set of samples in
+    a step does not depend on the layout.
+    """
+    t = config.train
+    mbs, dp, dp_rank = t.micro_batch_size, config.data_parallel_size, ps.get_data_parallel_rank()
+    base = iteration * t.global_batch_size
+    out = []
+    for m in range(config.num_microbatches):
+        start = base + m * mbs * dp + dp_rank * mbs
+        samples = np.stack([dataset[start + j] for j in range(mbs)]).astype(np.int64)
+        tokens = torch.from_numpy(samples)
+        out.append({
+            "tokens": tokens[:, :-1].contiguous().to(device),
+            "labels": tokens[:, 1:].contiguous().to(device),
+            "loss_mask": torch.ones(mbs, tokens.shape[1] - 1, device=device),
+        })
+    return out
+
+
+def _global_sum(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.clone()
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(x, group=group)
+    return x
+
+
+def evaluate(model, dataset, config: Config, device, autocast_dtype) -> float:
+    """Mean token loss (nats) over `eval_iters` global batches of the validation split."""
+    forward_backward = get_forward_backward_func()
+    model.eval()
+    loss_sum = torch.zeros((), device=device)
+    tokens = torch.zeros((), device=device)
+    for i in range(config.train.eval_iters):
+        mbs = get_microbatches(dataset, i, config, device)
+        loss_sum += forward_backward(model=model, microbatches=mbs, loss_scale=1.0,
+                                     forward_only=True, autocast_dtype=autocast_dtype)
+        tokens += sum(mb["loss_mask"].sum() for mb in mbs)
+    model.train()
+    group = ps.get_data_parallel_group()
+    return float(_global_sum(loss_sum, group) / _global_sum(tokens, group))
+
+
+# ---------------------------------------------------------------------- model
+def build_model(config: Config, device) -> GPTModel:
+    t = config.train
+    model = GPTModel(config.model, sequence_parallel=t.sequence_parallel)
+    model.init_weights(t.seed)
+    return model.to(device)
+
+
+# ---------------------------------------------------------------------- main loop
+def pretrain(config: Config) -> list[dict]:
+    """Train as `config` says; returns the logged metric records (train and valid)."""
+    t = config.train
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    config.validate(world_size)  # before any process-group work
+    device = ps.initialize_distributed(None if t.device == "auto" else t.device)
+    ps.initialize_model_parallel(t.tensor_model_parallel_size, t.pipeline_model_parallel_size,
+                                 t.virtual_pipeline_model_parallel_size, device=device)
+    try:
+        return _train(config, device)
+    finally:
+        ps.destroy_model_parallel()
+
+
+def _train(config: Config, device) -> list[dict]:
+    t, m = config.train, config.model
+    ps.model_parallel_seed(t.seed, ps.get_tensor_model_parallel_rank(),
+                           ps.get_pipeline_model_parallel_rank(), device)
+    tokenizer, train_ds, valid_ds = build_data(config)
+    if m.vocab_size != tokenizer.vocab_size:
+        m.vocab_size = tokenizer.vocab_size
+        m.validate(t.tensor_model_parallel_size)
+    autocast_dtype = torch.bfloat16 if t.bf16 else None
+
+    model = build_model(config, device)
+    ddp = DistributedDataParallel(model, data_parallel_group=ps.get_data_parallel_group(),
+                                  bucket_size=t.ddp_bucket_size,
+                                  overlap_grad_reduce=t.overlap_grad_reduce)
+    optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay,
+                                betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
+    params = [p for p in model.parameters() if p.requires_grad]
+    forward_backward = get_forward_backward_func()
+
+    from .flops import training_flops_per_token
+    flops_per_token = training_flops_per_token(m)
+    peak = t.peak_tflops or _measured_peak_tflops(device, autocast_dtype)
+    is_logger = dist.get_rank() == 0
+    logger = MetricsLogger(t.log_dir, enabled=is_logger,
+                           tensorboard=t.tensorboard is not False)
+    n_params = m.num_parameters()
+    _rank0_print(config.summary())
+    _rank0_print(f"model: {n_params / 1e6:.2f}M parameters, vocab {m.vocab_size} "
+                 f"(padded {model.padded_vocab_size} at tp={t.tensor_model_parallel_size}); "
+                 f"logging to {t.log_dir}")
+
+    records = []
+    decay_iters = t.lr_decay_iters or t.train_iters
+    tokens_per_iter = t.global_batch_size * m.seq_length
+    start, window_start, window_iters = time.time(), time.time(), 0
+    for iteration in range(t.train_iters):
+        lr = learning_rate(iteration, lr=t.lr, min_lr=t.min_lr, warmup_iters=t.lr_warmup_iters,
+                           decay_iters=decay_iters, style=t.lr_decay_style)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        microbatches = get_microbatches(train_ds, iteration, config, device)
+        num_tokens = _global_sum(sum(mb["loss_mask"].sum() for mb in microbatches),
+                                 ps.get_data_parallel_group())
+        ddp.zero_grad_buffer()
+        loss_sum = forward_backward(model=ddp, microbatches=microbatches,
+                                    loss_scale=1.0 / float(num_tokens),
+                                    autocast_dtype=autocast_dtype)
+        ddp.finish_grad_sync()
+        ps.all_reduce_sequence_parallel_grads(params)
+        grad_norm = clip_grads(params, t.clip_grad)
+        optimizer.step()
+        loss = float(_global_sum(loss_sum, ps.get_data_parallel_group()) / num_tokens)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at iteration {iteration + 1}; lower --lr "
+                                     f"or enable --clip-grad")
+        window_iters += 1
+        it = iteration + 1
+        if it % t.log_interval == 0 or it == t.train_iters or it == 1:
+            now = time.time()
+            step_time = (now - window_start) / window_iters
+            tps = tokens_per_iter / step_time
+            tflops = flops_per_token * tps / dist.get_world_size() / 1e12
+            rec = {"iteration": it, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                   "tokens_per_s": tps, "tflops": tflops,
+                   "mfu": tflops / peak if peak else None,
+                   "memory": peak_memory_bytes(device), "step_time_s": step_time,
+                   "elapsed_s": now - start}
+            eta = (now - start) / it * (t.train_iters - it)
+            logger.log(rec, f"iter {it:6d}/{t.train_iters} | loss {loss:.4f} | lr {lr:.3e} | "
+                            f"grad norm {grad_norm:.3f} | {tps:,.0f} tok/s | "
+                            f"{tflops:.3f} TFLOP/s/dev | mfu {rec['mfu'] or 0:.1%} | "
+                            f"mem {rec['memory'] / 2**20:,.0f} MiB | "
+                            f"elapsed {format_duration(now - start)} | eta {format_duration(eta)}")
+            records.append(rec)
+            window_start, window_iters = time.time(), 0
+        if valid_ds is not None and t.eval_interval and \
+                (it % t.eval_interval == 0 or it == t.train_iters):
+            vloss = evaluate(ddp, valid_ds, config, device, autocast_dtype)
+            rec = {"iteration": it, "valid_loss": vloss, "valid_ppl": math.exp(min(vloss, 50))}
+            logger.log(rec, f"validation at iter {it}: loss {vloss:.4f} | "
+                            f"ppl {rec['valid_ppl']:.2f}", prefix="valid")
+            records.append(rec)
+            window_start = time.time()  # eval time is not training throughput
+    logger.close()
+    return records
+
+
+def _measured_peak_tflops(device, autocast_dtype) -> float | None:
+    try:
+        from .flops import measure_peak_tflops
+
+        return measure_peak_tflops(device, autocast_dtype or torch.float32)
+    except Exception:  # measurement is best effort; MFU is then reported as null
+        return None
