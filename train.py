@@ -5,6 +5,7 @@
 
 Config: a YAML file (--config) plus Megatron-named flags that override it; see README.md.
 """
+import os
 import sys
 
 from models.config import ConfigError
@@ -18,7 +19,8 @@ def main(argv=None) -> int:
 
         pretrain(config)
     except ConfigError as e:
-        print(f"train.py: configuration error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # every rank sees the same error; say it once
+            print(f"train.py: configuration error: {e}", file=sys.stderr)
         return 2
     return 0
 

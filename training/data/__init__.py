@@ -1,0 +1,13 @@
+"""Data pipeline: tokenizers, memory-mapped indexed datasets, GPT samples/blends, demo corpus."""
+from training.data.default_corpus import ensure_default_corpus
+from training.data.gpt_dataset import (BlendedDataset, GPTDataset,
+                                       build_train_valid_test_datasets)
+from training.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from training.data.tokenizer import Tokenizer, build_tokenizer, train_sentencepiece
+
+__all__ = [
+    "Tokenizer", "build_tokenizer", "train_sentencepiece",
+    "IndexedDatasetBuilder", "IndexedDataset",
+    "GPTDataset", "BlendedDataset", "build_train_valid_test_datasets",
+    "ensure_default_corpus",
+]
