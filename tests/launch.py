@@ -1,0 +1,33 @@
+"""Run train.py under torchrun in a subprocess and read back its metrics.jsonl."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_train(nproc: int, args: list[str], log_dir: Path, timeout: int = 300,
+              env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc-per-node nproc train.py *args --log-dir log_dir`."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", str(REPO / "train.py"), *args, "--log-dir", str(log_dir)]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"train.py failed ({proc.returncode}): {' '.join(cmd)}\n"
+                             f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def read_metrics(log_dir: Path) -> list[dict]:
+    with open(log_dir / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def train_losses(log_dir: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(log_dir) if "loss" in r]

@@ -1,0 +1,299 @@
+"""The resolved run config: precedence, aliases, every validation error, named model files."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from models.config import ConfigError
+from training.arguments import (
+    Config, TrainConfig, available_models, build_parser, load_model_config, parse_config,
+    parse_data_path,
+)
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def cfg(*argv: str, world_size: int | None = None) -> Config:
+    c = parse_config(list(argv))
+    return c.validate(world_size) if world_size else c
+
+
+def raises(flag: str, *argv: str, world_size: int = 1) -> str:
+    """Assert that validating argv fails with a message that names `flag`."""
+    with pytest.raises(ConfigError) as e:
+        cfg(*argv, world_size=world_size)
+    assert flag in str(e.value), str(e.value)
+    return str(e.value)
+
+
+def write(tmp_path: Path, text: str, name: str = "run.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+# ---------------------------------------------------------------------------- sources
+def test_precedence_model_file_then_run_file_then_flags(tmp_path):
+    run = write(tmp_path, "model: tiny-gpt\nnum_layers: 4\nhidden-size: 128\nlr: 1e-3\n")
+    c = cfg("--config", run, "--hidden-size", "96", "--num-attention-heads", "8")
+    assert c.model.name == "tiny-gpt"
+    assert c.model.seq_length == 64  # model file
+    assert c.model.num_layers == 4  # run file over model file
+    assert c.model.hidden_size == 96 and c.model.num_attention_heads == 8  # flags over both
+    assert c.train.lr == 1e-3  # "1e-3" is a string to YAML 1.1; still read as a float
+    assert c.model.ffn_hidden_size == 4 * 96  # not fixed by the model file: derived from h
+
+
+def test_model_flag_overrides_run_file_model(tmp_path):
+    run = write(tmp_path, "model: tiny-gpt\nnum_layers: 4\n")
+    c = cfg("--config", run, "--model", "tiny-llama")
+    assert c.model.name == "tiny-llama" and c.model.normalization == "RMSNorm"
+    assert c.model.num_layers == 4  # run-file keys still win over the model file
+
+
+def test_aliases_and_megatron_spellings():
+    c = cfg("--model", "tiny-llama", "--tp", "2", "--pp", "2", "--vpp", "2",
+            "--global-batch-size", "8", world_size=8)
+    t = c.train
+    assert (t.tensor_model_parallel_size, t.pipeline_model_parallel_size) == (2, 2)
+    assert t.virtual_pipeline_model_parallel_size == 2
+    assert t.num_layers_per_virtual_pipeline_stage == 1  # 4 layers / (pp 2 x vpp 2)
+    assert c.data_parallel_size == 2 and c.num_microbatches == 4
+    c = cfg("--model", "tiny-llama", "--pp", "2", "--num-layers-per-virtual-pipeline-stage",
+            "1", "--global-batch-size", "2", world_size=2)
+    assert c.train.virtual_pipeline_model_parallel_size == 2
+    assert not cfg("--no-add-bias-linear").model.add_bias_linear
+
+
+def test_yaml_aliases_and_dashes(tmp_path):
+    run = write(tmp_path, "tp: 2\nmicro-batch-size: 4\nddp_bucket_size: 4e7\n")
+    t = cfg("--config", run).train
+    assert (t.tensor_model_parallel_size, t.micro_batch_size) == (2, 4)
+    assert t.ddp_bucket_size == 40_000_000
+
+
+def test_boolean_flags_turn_yaml_true_off(tmp_path):
+    run = write(tmp_path, "sequence_parallel: true\noverlap_grad_reduce: true\nbf16: true\n")
+    t = cfg("--config", run, "--no-sequence-parallel", "--no-overlap-grad-reduce").train
+    assert (t.sequence_parallel, t.overlap_grad_reduce, t.bf16) == (False, False, True)
+    assert cfg("--model", "tiny-gpt", "--untie-embeddings-and-output-weights") \
+        .model.untie_embeddings_and_output_weights
+
+
+def test_defaults_resolved_by_validate():
+    c = cfg("--micro-batch-size", "2", "--train-iters", "50", world_size=4)
+    assert c.train.global_batch_size == 8 and c.num_microbatches == 1
+    assert c.train.lr_decay_iters == 50
+    assert isinstance(c.train.tensorboard, bool)
+    assert c.train.ddp_bucket_size == 40_000_000 and c.train.split == "969,30,1"
+    assert c.train.sequence_parallel is False
+    assert cfg("--sequence-parallel", world_size=1).train.sequence_parallel is False  # tp 1
+
+
+def test_data_path_forms():
+    assert parse_data_path(["a"]) == [(1.0, "a")]
+    assert parse_data_path(["0.3", "a", "0.7", "b"]) == [(0.3, "a"), (0.7, "b")]
+    assert cfg("--data-path", "0.3", "a", "0.7", "b").train.data_path == ["0.3", "a", "0.7", "b"]
+
+
+# ---------------------------------------------------------------------------- unknowns
+def test_unknown_flag_suggests_close_match():
+    with pytest.raises(ConfigError, match="--hidden-size"):
+        parse_config(["--hiden-size", "64"])
+
+
+def test_unknown_yaml_key_suggests_close_match(tmp_path):
+    with pytest.raises(ConfigError, match="--num-layers"):
+        parse_config(["--config", write(tmp_path, "num_layer: 3\n")])
+
+
+def test_unknown_model_name_and_model_key(tmp_path):
+    with pytest.raises(ConfigError, match="tiny-gpt"):
+        parse_config(["--model", "tiny-gtp"])
+    bad = write(tmp_path, "hidden_sise: 8\n", "m.yaml")
+    with pytest.raises(ConfigError, match="hidden_sise"):
+        parse_config(["--model", bad])
+
+
+def test_bad_value_names_the_flag(tmp_path):
+    with pytest.raises(ConfigError, match="--lr"):
+        parse_config(["--lr", "fast"])
+    with pytest.raises(ConfigError, match="--micro-batch-size"):
+        parse_config(["--config", write(tmp_path, "micro_batch_size: 1.5\n")])
+
+
+# ---------------------------------------------------------------------------- validation
+def test_grid_errors():
+    raises("--tensor-model-parallel-size", "--tp", "2", "--pp", "2", world_size=6)
+    raises("--num-attention-heads", "--model", "tiny-gpt", "--tp", "8", world_size=8)
+    raises("--tensor-model-parallel-size", "--tp", "0")
+    with pytest.raises(ConfigError, match="world size"):
+        parse_config([]).validate(0)
+
+
+def test_global_batch_error_names_numbers_and_suggests():
+    msg = raises("--global-batch-size", "--micro-batch-size", "4", "--global-batch-size",
+                 "30", world_size=2)
+    assert "--micro-batch-size 4" in msg and "8" in msg and "--global-batch-size 32" in msg
+    raises("--global-batch-size", "--global-batch-size", "0")
+
+
+def test_sequence_parallel_needs_divisible_seq_length():
+    raises("--sequence-parallel", "--model", "tiny-gpt", "--tp", "2", "--sequence-parallel",
+           "--seq-length", "63", "--max-position-embeddings", "64", world_size=2)
+
+
+def test_pipeline_split_errors():
+    raises("--num-layers", "--model", "tiny-llama", "--num-layers", "5", "--pp", "2",
+           world_size=2)
+    msg = raises("--decoder-first-pipeline-num-layers", "--model", "tiny-llama",
+                 "--num-layers", "8", "--pp", "3", "--decoder-first-pipeline-num-layers", "1",
+                 world_size=3)
+    assert "remaining --num-layers 7" in msg
+    raises("--pipeline-model-parallel-size", "--decoder-last-pipeline-num-layers", "1")
+    c = cfg("--model", "tiny-llama", "--num-layers", "8", "--pp", "4",
+            "--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers",
+            "1", world_size=4)
+    assert c.stage_num_layers() == [1, 3, 3, 1]
+    assert cfg("--model", "tiny-llama", "--pp", "2", world_size=2).stage_num_layers() == [2, 2]
+
+
+def test_virtual_pipeline_errors():
+    raises("--pipeline-model-parallel-size", "--vpp", "2")
+    raises("--pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage", "1")
+    raises("--virtual-pipeline-model-parallel-size", "--model", "tiny-llama", "--pp", "2",
+           "--vpp", "3", "--global-batch-size", "2", world_size=2)
+    raises("--num-layers-per-virtual-pipeline-stage", "--model", "tiny-llama", "--pp", "2",
+           "--num-layers-per-virtual-pipeline-stage", "3", world_size=2)
+    raises("--num-layers-per-virtual-pipeline-stage", "--model", "tiny-llama", "--pp", "2",
+           "--vpp", "1", "--num-layers-per-virtual-pipeline-stage", "1", world_size=2)
+    # interleaving needs num_microbatches % pp == 0 (here 3 microbatches, pp 2)
+    msg = raises("--pipeline-model-parallel-size", "--model", "tiny-llama", "--pp", "2",
+                 "--vpp", "2", "--global-batch-size", "3", world_size=2)
+    assert "--global-batch-size 4" in msg
+    # plain 1F1B may have fewer microbatches than stages (Megatron)
+    assert cfg("--model", "tiny-llama", "--pp", "4", world_size=4).num_microbatches == 1
+
+
+def test_optimizer_errors():
+    raises("--min-lr", "--lr", "1e-4", "--min-lr", "1e-3")
+    raises("--lr", "--lr", "-1")
+    raises("--lr-warmup-iters", "--train-iters", "10", "--lr-warmup-iters", "20")
+    raises("--lr-warmup-iters", "--lr-decay-iters", "5", "--lr-warmup-iters", "6")
+    raises("--lr-decay-style", "--lr-decay-style", "step")
+    raises("--train-iters", "--train-iters", "0")
+    raises("--micro-batch-size", "--micro-batch-size", "0")
+    raises("--adam-beta2", "--adam-beta2", "1.0")
+    raises("--adam-eps", "--adam-eps", "0")
+    raises("--clip-grad", "--clip-grad", "-1")
+    raises("--weight-decay", "--weight-decay", "-0.1")
+    raises("--peak-tflops", "--peak-tflops", "0")
+    raises("--recompute-granularity", "--recompute-granularity", "some")
+    assert cfg("--clip-grad", "0", world_size=1).train.clip_grad == 0
+
+
+def test_data_errors(tmp_path):
+    raises("--data-path", "--data-path", "0.5", "a", "b")
+    raises("--data-path", "--data-path", "x", "a", "0.5", "b")
+    prefix = str(tmp_path / "corpus_text")
+    msg = raises("--data-path", "--data-path", prefix)
+    assert "corpus_text.bin" in msg and "tools/preprocess_data.py" in msg
+    Path(prefix + ".bin").write_bytes(b"")
+    msg = raises("--data-path", "--data-path", "1", prefix)
+    assert "corpus_text.idx" in msg
+    Path(prefix + ".idx").write_bytes(b"")
+    assert cfg("--data-path", "1", prefix, world_size=1).train.data_path == ["1", prefix]
+    raises("--split", "--split", "90,x")
+    raises("--tokenizer-model", "--tokenizer-model", str(tmp_path / "nope.model"))
+
+
+def test_run_errors():
+    raises("--eval-interval", "--eval-interval", "-1")
+    raises("--eval-iters", "--eval-iters", "-1")
+    raises("--log-interval", "--log-interval", "0")
+    raises("--device", "--device", "tpu")
+    assert cfg("--eval-interval", "0", world_size=1).train.eval_interval == 0
+
+
+def test_model_errors_come_from_model_config():
+    raises("--num-query-groups", "--model", "tiny-llama", "--num-query-groups", "3")
+    raises("--position-embedding-type", "--position-embedding-type", "alibi")
+
+
+# ---------------------------------------------------------------------------- output
+def test_to_yaml_round_trip(tmp_path):
+    c = cfg("--model", "tiny-llama", "--tp", "2", "--pp", "2", "--vpp", "2",
+            "--global-batch-size", "16", "--micro-batch-size", "2", "--lr", "3e-3",
+            "--no-overlap-grad-reduce", world_size=8)
+    again = cfg("--config", write(tmp_path, c.to_yaml()), world_size=8)
+    assert again == c
+    assert "data_parallel_size 2" in c.to_yaml()
+    custom = cfg("--hidden-size", "32", "--num-layers", "3", world_size=1)
+    assert cfg("--config", write(tmp_path, custom.to_yaml()), world_size=1) == custom
+
+
+def test_summary_is_short():
+    s = cfg("--model", "gpt2-124m", world_size=1).summary()
+    assert "124.4M" in s and len(s.splitlines()) <= 6
+
+
+def test_help_lists_every_flag():
+    text = build_parser().format_help()
+    for flag in ("--tensor-model-parallel-size", "--tp", "--vpp", "--hidden-size",
+                 "--no-tensorboard", "--data-path", "--peak-tflops", "--profile-pipeline"):
+        assert flag in text
+
+
+# ---------------------------------------------------------------------------- named configs
+NATURAL_TP = {
+    "gpt2-124m": 1, "gpt2-350m": 2, "gpt2-774m": 4, "gpt2-1.5b": 5, "llama-style-135m": 3,
+    "llama-style-1b": 2, "llama-7b": 4, "llama-8b": 8, "llama-70b": 8, "tiny-gpt": 2,
+    "tiny-llama": 2, "small-gpt": 2, "small-llama": 2,
+}
+
+
+def test_every_named_model_is_listed():
+    assert sorted(NATURAL_TP) == available_models()
+
+
+@pytest.mark.parametrize("name", sorted(NATURAL_TP))
+def test_named_models_validate_at_natural_tp(name):
+    tp = NATURAL_TP[name]
+    sp = "--sequence-parallel" if tp in (2, 4, 8) else "--no-sequence-parallel"
+    c = cfg("--model", name, "--tp", str(tp), sp, world_size=tp)
+    assert c.model.name == name and c.train.sequence_parallel == (tp in (2, 4, 8))
+    load_model_config(name).validate(1)
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("gpt2-124m", 124.44e6), ("gpt2-350m", 354.8e6), ("gpt2-774m", 774.0e6),
+    ("gpt2-1.5b", 1557.6e6), ("llama-style-135m", 134.5e6), ("llama-style-1b", 1235.8e6),
+    ("llama-7b", 6738.4e6), ("llama-8b", 8030.3e6), ("llama-70b", 70553.7e6),
+])
+def test_parameter_counts(name, expected):
+    assert load_model_config(name).num_parameters() == pytest.approx(expected, rel=1e-3)
+
+
+def test_gpt2_124m_exact_parameter_count():
+    assert load_model_config("gpt2-124m").num_parameters() == 124_439_808
+
+
+def test_llama_70b_pipeline_layout():
+    c = cfg("--model", "llama-70b", "--tp", "8", "--pp", "8", "--vpp", "5",
+            "--global-batch-size", "64", world_size=128)
+    assert c.data_parallel_size == 2 and c.num_microbatches == 32
+    assert c.train.num_layers_per_virtual_pipeline_stage == 2
+
+
+@pytest.mark.parametrize("run", ["demo", "tiny-gpt", "tiny-llama"])
+def test_run_files_load_and_validate(run):
+    c = cfg("--config", str(CONFIGS / f"{run}.yaml"), world_size=1)
+    assert c.num_microbatches == c.train.global_batch_size // c.train.micro_batch_size
+    assert c.train.train_iters >= 20
+
+
+def test_train_config_defaults_are_megatron_like():
+    t = TrainConfig()
+    assert (t.seed, t.weight_decay, t.adam_beta2, t.clip_grad) == (1234, 0.01, 0.999, 1.0)
+    assert t.log_dir == "runs/latest" and t.overlap_grad_reduce and t.device == "auto"

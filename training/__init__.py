@@ -1,0 +1,1 @@
+"""Training: run configuration, microbatch schedules, optimizer, checkpointing and data."""

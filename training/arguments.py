@@ -1,0 +1,499 @@
+"""The one resolved run configuration: ``cfg = parse_config(); cfg.validate(world_size)``.
+
+Sources, lowest precedence first: the model file (``model: NAME`` / ``--model NAME`` loads
+configs/models/NAME.yaml) < the run file (``--config FILE.yaml``, one flat mapping keyed by flag
+names, ``seq_length`` or ``seq-length``, aliases tp/pp/vpp) < command-line flags. Every
+`ModelConfig` and `TrainConfig` field is a flag; booleans have ``--no-xxx`` twins. Defaults are
+Megatron-LM's (seed 1234, weight decay 0.01, adam beta2 0.999, DDP bucket 40M elements) except
+``--log-interval 10`` and ``--log-dir runs/latest``. `Config.validate` raises `ConfigError`
+before any process-group work and resolves what was left open: global batch (micro × dp), lr
+decay iters (train iters), both vpp spellings, TensorBoard (on when installed), and sequence
+parallel (off at tp 1, where it is a no-op, as Megatron does).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import functools
+import importlib.util
+import os
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from models.config import ConfigError, ModelConfig
+
+MODEL_DIR = Path(__file__).resolve().parents[1] / "configs" / "models"
+ALIASES = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
+           "vpp": "virtual_pipeline_model_parallel_size"}
+
+
+@dataclass
+class TrainConfig:
+    """Parallel layout, batch, optimizer, data and logging settings (Megatron flag names).
+
+    Iterations and batch sizes are counts of optimizer steps and of sequences; ``lr`` is the
+    peak learning rate; ``ddp_bucket_size`` is in elements; ``peak_tflops`` is per device.
+    """
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    decoder_first_pipeline_num_layers: int | None = None
+    decoder_last_pipeline_num_layers: int | None = None
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+    recompute_granularity: str | None = None  # None | "full" | "selective"
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None  # None: micro_batch_size * data_parallel_size
+    train_iters: int = 1000
+    lr: float = 3.0e-4
+    min_lr: float = 0.0
+    lr_warmup_iters: int = 0
+    lr_decay_iters: int | None = None  # None: train_iters
+    lr_decay_style: str = "cosine"  # cosine | linear | constant
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1.0e-8
+    clip_grad: float = 1.0  # 0 disables gradient clipping
+    seed: int = 1234
+    bf16: bool = False
+    data_path: list[str] | None = None  # [prefix] or [w1, prefix1, w2, prefix2, ...]
+    split: str = "969,30,1"
+    tokenizer_model: str | None = None  # SentencePiece .model file or HF tokenizer folder
+    eval_interval: int = 1000  # 0 disables evaluation
+    eval_iters: int = 100
+    log_interval: int = 10
+    log_dir: str = "runs/latest"
+    tensorboard: bool | None = None  # None: on when tensorboard is installed
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None  # None: save only at the end when --save is given
+    ddp_bucket_size: int = 40_000_000
+    overlap_grad_reduce: bool = True
+    peak_tflops: float | None = None  # None: measured at start-up
+    device: str = "auto"  # auto | cpu | cuda
+    profile_pipeline: bool = False
+
+
+@dataclass
+class Config:
+    """The resolved run: model shape, training settings and the values derived from both.
+
+    ``data_parallel_size`` and ``num_microbatches`` are None until `validate(world_size)`.
+    """
+
+    model: ModelConfig
+    train: TrainConfig
+    world_size: int | None = None
+    data_parallel_size: int | None = None
+    num_microbatches: int | None = None
+
+    def validate(self, world_size: int) -> "Config":
+        """Check all against ``world_size``, fill derived values, return self (idempotent)."""
+        t = self.train
+        _check_positive(t, world_size)
+        self.world_size = world_size
+        self.data_parallel_size = _check_grid(t, world_size)
+        self.model.validate(t.tensor_model_parallel_size)
+        _check_sequence_parallel(self.model, t)
+        _check_pipeline(self.model, t)
+        self.num_microbatches = _check_batch(t, self.data_parallel_size)
+        _check_optimizer(t)
+        _check_data(t)
+        _check_run(t)
+        return self
+
+    def stage_num_layers(self) -> list[int]:
+        """Decoder layers held by each pipeline stage (first/last may differ; rest even)."""
+        return _stage_layers(self.model.num_layers, self.train)
+
+    def to_yaml(self) -> str:
+        """A flat run file that `parse_config(["--config", path])` reads back to this config."""
+        lines = ["# shardzoo run configuration (resolved; every key is also a --flag)"]
+        if self.data_parallel_size is not None:
+            lines.append(f"# derived for world size {self.world_size}: data_parallel_size "
+                         f"{self.data_parallel_size}, num_microbatches {self.num_microbatches}")
+        name = self.model.name
+        if name and (MODEL_DIR / f"{name}.yaml").exists():
+            lines.append(yaml.safe_dump({"model": name}, sort_keys=False).rstrip())
+        lines.append("# --- model")
+        model = {k: v for k, v in self.model.to_dict().items() if k in _model_flag_names()}
+        lines.append(yaml.safe_dump(model, sort_keys=False).rstrip())
+        lines.append("# --- training")
+        lines.append(yaml.safe_dump(dataclasses.asdict(self.train), sort_keys=False).rstrip())
+        return "\n".join(lines) + "\n"
+
+    def summary(self) -> str:
+        """A short human-readable block for the start of the log."""
+        m, t, dp = self.model, self.train, self.data_parallel_size
+        return (
+            f"model   {m.name or 'custom'}: {m.num_parameters() / 1e6:.1f}M params, {m.num_layers}"
+            f" layers, hidden {m.hidden_size}, heads {m.num_attention_heads} (kv "
+            f"{m.num_query_groups}), ffn {m.ffn_hidden_size}, seq {m.seq_length}, vocab "
+            f"{m.vocab_size}, {m.position_embedding_type}/{m.normalization}/{m.activation}\n"
+            f"layout  world {self.world_size} = pp {t.pipeline_model_parallel_size} x dp {dp} x "
+            f"tp {t.tensor_model_parallel_size}, vpp {t.virtual_pipeline_model_parallel_size}, "
+            f"sequence parallel {t.sequence_parallel}\n"
+            f"batch   global {t.global_batch_size} = micro {t.micro_batch_size} x "
+            f"{self.num_microbatches} microbatches x dp {dp}\n"
+            f"optim   lr {t.lr:g} -> {t.min_lr:g} {t.lr_decay_style}, warmup {t.lr_warmup_iters}"
+            f", decay {t.lr_decay_iters}, wd {t.weight_decay:g}, clip {t.clip_grad:g}, "
+            f"bf16 {t.bf16}\n"
+            f"run     {t.train_iters} iters, eval every {t.eval_interval} ({t.eval_iters} iters),"
+            f" log every {t.log_interval} -> {t.log_dir}")
+
+
+# ---------------------------------------------------------------------------- validation
+def _check_positive(t: TrainConfig, world_size: int) -> None:
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world size must be a positive integer, got {world_size!r}")
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                 "micro_batch_size", "train_iters", "log_interval", "ddp_bucket_size",
+                 "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+                 "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                 "global_batch_size", "lr_decay_iters", "save_interval"):
+        if getattr(t, name) is not None and getattr(t, name) < 1:  # None: unset, resolved later
+            raise ConfigError(f"{_flag(name)} must be a positive integer, got {getattr(t, name)}")
+
+
+def _check_grid(t: TrainConfig, world_size: int) -> int:
+    tp, pp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size
+    if world_size % (tp * pp):
+        raise ConfigError(
+            f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp} = {tp * pp}; launch a multiple of {tp * pp} "
+            f"processes or change --tp/--pp")
+    return world_size // (tp * pp)
+
+
+def _check_sequence_parallel(m: ModelConfig, t: TrainConfig) -> None:
+    tp = t.tensor_model_parallel_size
+    t.sequence_parallel = t.sequence_parallel and tp > 1  # a no-op at tp 1 (as in Megatron)
+    if t.sequence_parallel and m.seq_length % tp:
+        raise ConfigError(
+            f"--sequence-parallel needs --seq-length {m.seq_length} divisible by "
+            f"--tensor-model-parallel-size {tp}; change one of them or pass --no-sequence-parallel")
+
+
+def _stage_layers(num_layers: int, t: TrainConfig) -> list[int]:
+    pp = t.pipeline_model_parallel_size
+    first, last = t.decoder_first_pipeline_num_layers, t.decoder_last_pipeline_num_layers
+    fixed = [n for n in (first, last) if n is not None]
+    middle, rest = pp - len(fixed), num_layers - sum(fixed)
+    if fixed and pp == 1:
+        raise ConfigError("--decoder-first/last-pipeline-num-layers need "
+                          "--pipeline-model-parallel-size > 1")
+    if rest < 0 or (middle == 0 and rest) or (middle and (rest % middle or rest == 0)):
+        given = [f"--decoder-{k}-pipeline-num-layers {v}" for k, v in (("first", first),
+                                                                      ("last", last)) if v]
+        what = f"after {' and '.join(given)}, the remaining " if given else ""
+        raise ConfigError(f"{what}--num-layers {rest} cannot be split evenly over {middle} "
+                          f"pipeline stage(s) (--pipeline-model-parallel-size {pp}); choose a "
+                          f"divisible --num-layers or set --decoder-first/last-pipeline-num-layers")
+    each = rest // middle if middle else 0
+    return [first if first is not None else each] + [each] * (pp - 2) + \
+        ([last if last is not None else each] if pp > 1 else [])
+
+
+def _check_pipeline(m: ModelConfig, t: TrainConfig) -> None:
+    stages, pp = _stage_layers(m.num_layers, t), t.pipeline_model_parallel_size
+    per_stage, vpp = t.num_layers_per_virtual_pipeline_stage, t.virtual_pipeline_model_parallel_size
+    if (vpp is not None or per_stage is not None) and pp == 1:
+        raise ConfigError("--virtual-pipeline-model-parallel-size / "
+                          "--num-layers-per-virtual-pipeline-stage need "
+                          "--pipeline-model-parallel-size > 1; add --pp or drop the vpp flag")
+    if per_stage is not None:
+        if len(set(stages)) > 1 or stages[0] % per_stage:
+            raise ConfigError(
+                f"--num-layers-per-virtual-pipeline-stage {per_stage} must divide the layers "
+                f"of every pipeline stage {stages}; use a divisor of {stages[0]} or "
+                f"--virtual-pipeline-model-parallel-size")
+        derived = stages[0] // per_stage
+        if vpp is not None and vpp != derived:
+            raise ConfigError(
+                f"--virtual-pipeline-model-parallel-size {vpp} disagrees with "
+                f"--num-layers-per-virtual-pipeline-stage {per_stage} (which gives vpp "
+                f"{derived} = {m.num_layers} layers / (pp {pp} x {per_stage})); pass only one")
+        t.virtual_pipeline_model_parallel_size = vpp = derived
+    if vpp is not None:
+        bad = [n for n in stages if n % vpp]
+        if bad:
+            raise ConfigError(f"--virtual-pipeline-model-parallel-size {vpp} must divide the "
+                              f"layers of each pipeline stage {stages} (not {bad[0]})")
+        if t.num_layers_per_virtual_pipeline_stage is None and len(set(stages)) == 1:
+            t.num_layers_per_virtual_pipeline_stage = stages[0] // vpp
+
+
+def _check_batch(t: TrainConfig, dp: int) -> int:
+    per_step = t.micro_batch_size * dp
+    if t.global_batch_size is None:
+        t.global_batch_size = per_step
+    if t.global_batch_size % per_step:
+        suggest = max(per_step, round(t.global_batch_size / per_step) * per_step)
+        raise ConfigError(
+            f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size "
+            f"{t.micro_batch_size} x data-parallel size {dp} = {per_step}; use e.g. "
+            f"--global-batch-size {suggest}")
+    num_microbatches = t.global_batch_size // per_step
+    pp, vpp = t.pipeline_model_parallel_size, t.virtual_pipeline_model_parallel_size
+    if vpp is not None and vpp > 1 and num_microbatches % pp:
+        raise ConfigError(
+            f"the interleaved schedule (--virtual-pipeline-model-parallel-size {vpp}) needs the "
+            f"number of microbatches ({num_microbatches}) to be a multiple of "
+            f"--pipeline-model-parallel-size {pp}; use --global-batch-size "
+            f"{per_step * pp * max(1, round(num_microbatches / pp))}")
+    return num_microbatches
+
+
+def _check_optimizer(t: TrainConfig) -> None:
+    if t.lr_decay_iters is None:
+        t.lr_decay_iters = t.train_iters
+    if not 0 <= t.min_lr <= t.lr:
+        raise ConfigError(f"need 0 <= --min-lr {t.min_lr} <= --lr {t.lr}: the schedule decays "
+                          f"from --lr down to --min-lr")
+    if t.lr_warmup_iters < 0 or t.lr_warmup_iters > t.lr_decay_iters:
+        raise ConfigError(f"--lr-warmup-iters {t.lr_warmup_iters} must be in [0, "
+                          f"--lr-decay-iters {t.lr_decay_iters}]")
+    _check_choice("lr_decay_style", t.lr_decay_style, ("cosine", "linear", "constant"))
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0.0 <= getattr(t, name) < 1.0:
+            raise ConfigError(f"{_flag(name)} must be in [0, 1), got {getattr(t, name)}")
+    for name, value in (("adam_eps", t.adam_eps), ("peak_tflops", t.peak_tflops)):
+        if value is not None and value <= 0:
+            raise ConfigError(f"{_flag(name)} must be positive, got {value}")
+    for name in ("weight_decay", "clip_grad"):
+        if getattr(t, name) < 0:
+            raise ConfigError(f"{_flag(name)} must be >= 0 (0 disables it), got {getattr(t, name)}")
+    _check_choice("recompute_granularity", t.recompute_granularity, (None, "full", "selective"))
+
+
+def parse_data_path(data_path: list[str]) -> list[tuple[float, str]]:
+    """``[prefix]`` or ``[w1, prefix1, w2, prefix2, ...]`` -> ``[(weight, prefix), ...]``.
+
+    Weights are returned as given (not normalised). Raises `ConfigError` naming --data-path.
+    """
+    if len(data_path) == 1:
+        return [(1.0, data_path[0])]
+    if len(data_path) % 2:
+        raise ConfigError(f"--data-path with several entries must be weight/prefix pairs "
+                          f"(w1 prefix1 w2 prefix2 ...), got {len(data_path)} items: {data_path}")
+    blend = []
+    for w, prefix in zip(data_path[::2], data_path[1::2]):
+        try:
+            blend.append((float(w), prefix))
+        except ValueError:
+            raise ConfigError(f"--data-path weight {w!r} (before {prefix!r}) is not a number; "
+                              f"write pairs like: --data-path 0.7 data/a_text 0.3 data/b_text")
+    if min(w for w, _ in blend) < 0:
+        raise ConfigError(f"--data-path weights {[w for w, _ in blend]} must be >= 0")
+    if not sum(w for w, _ in blend) > 0:
+        raise ConfigError(f"--data-path weights {[w for w, _ in blend]} must not all be zero")
+    return blend
+
+
+def _check_data(t: TrainConfig) -> None:
+    for _, prefix in parse_data_path(t.data_path) if t.data_path else []:
+        for ext in (".bin", ".idx"):
+            if not os.path.exists(prefix + ext):
+                raise ConfigError(
+                    f"--data-path {prefix}: file {prefix + ext} does not exist; pass a prefix "
+                    f"written by tools/preprocess_data.py without .bin/.idx (e.g. "
+                    f"data/corpus_text_document from: python tools/preprocess_data.py --input "
+                    f"FILE --output-prefix data/corpus --tokenizer-model M.model)")
+    try:
+        ratios = [float(p) for p in t.split.replace("/", ",").split(",")]
+    except ValueError:
+        ratios = []
+    if not 1 <= len(ratios) <= 3 or min(ratios) < 0 or sum(ratios) <= 0:
+        raise ConfigError(f"--split {t.split!r} must be 1-3 non-negative comma-separated "
+                          f"numbers (train,valid,test), e.g. --split 969,30,1")
+    if t.tokenizer_model is not None and not os.path.exists(t.tokenizer_model):
+        raise ConfigError(f"--tokenizer-model {t.tokenizer_model} does not exist; pass a "
+                          f"SentencePiece .model file or a Hugging Face tokenizer folder")
+
+
+def _check_run(t: TrainConfig) -> None:
+    for name in ("eval_interval", "eval_iters"):
+        if getattr(t, name) < 0:
+            raise ConfigError(f"{_flag(name)} must be >= 0 (0 disables evaluation), "
+                              f"got {getattr(t, name)}")
+    _check_choice("device", t.device, ("auto", "cpu", "cuda"))
+    installed = importlib.util.find_spec("tensorboard") is not None
+    t.tensorboard = installed if t.tensorboard is None else t.tensorboard
+    if t.tensorboard and not installed:
+        raise ConfigError("--tensorboard is on but tensorboard is not installed; "
+                          "pip install tensorboard, or pass --no-tensorboard")
+
+
+def _check_choice(name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ConfigError(f"{_flag(name)} must be one of {[c for c in choices if c]}, "
+                          f"got {value!r}")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+# ---------------------------------------------------------------------------- parsing
+def _model_flag_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(ModelConfig) if f.name not in ("name", "extra")]
+
+
+@functools.cache
+def _field_types() -> dict[str, tuple[type, bool]]:
+    """field name -> (base type, may be None) for every flag-backed field."""
+    out = {}
+    for cls, names in ((ModelConfig, _model_flag_names()),
+                       (TrainConfig, [f.name for f in dataclasses.fields(TrainConfig)])):
+        hints = typing.get_type_hints(cls)
+        for name in names:
+            args = typing.get_args(hints[name])
+            nullable = type(None) in args
+            base = next(a for a in args if a is not type(None)) if args else hints[name]
+            out[name] = (list if typing.get_origin(base) is list else base, nullable)
+    return out
+
+
+def _convert(name: str, value: Any) -> Any:
+    """Coerce a YAML or command-line value to the field's type; raise ConfigError if not."""
+    base, nullable = _field_types()[name]
+    if value is None or (nullable and isinstance(value, str) and value.lower() in ("none", "null")):
+        if nullable:
+            return None
+        raise ConfigError(f"{_flag(name)} cannot be empty")
+    try:
+        if base is bool:
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("true", "yes", "on", "1", "false", "no", "off", "0"):
+                return str(value).lower() in ("true", "yes", "on", "1")
+        elif base is int and not isinstance(value, bool):
+            if float(value) == int(float(value)):  # also "4e7" and "40_000_000"
+                return int(float(value))
+        elif base is float and not isinstance(value, bool):
+            return float(value)  # also reads "1e-3", which YAML 1.1 leaves a string
+        elif base is str and isinstance(value, (str, int, float)):
+            return str(value)
+        elif base is list:
+            return value.split() if isinstance(value, str) else [str(v) for v in value]
+    except (TypeError, ValueError):
+        pass
+    raise ConfigError(f"{_flag(name)}: cannot read {value!r} as {base.__name__}")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:  # argparse would print and exit(2)
+        raise ConfigError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line parser; every option defaults to 'not given' (argparse.SUPPRESS)."""
+    p = _Parser(description="shardzoo training run", allow_abbrev=False,
+                argument_default=argparse.SUPPRESS)
+    p.add_argument("--config", metavar="FILE.yaml", help="run file; flags override its keys")
+    p.add_argument("--model", metavar="NAME", help=f"model file NAME.yaml in {MODEL_DIR} "
+                   f"(or a path to a .yaml), base of the model fields: {available_models()}")
+    groups = {ModelConfig: p.add_argument_group("model (defaults: the --model file, else these)"),
+              TrainConfig: p.add_argument_group("training")}
+    for cls, group in groups.items():
+        for f in dataclasses.fields(cls):
+            if f.name not in _field_types():
+                continue
+            base, flags = _field_types()[f.name][0], [_flag(f.name)] + \
+                [f"--{a}" for a, n in ALIASES.items() if n == f.name]
+            kw = dict(action=argparse.BooleanOptionalAction) if base is bool else \
+                dict(type=str, nargs="+", metavar="STR") if base is list else \
+                dict(type=_argtype(f.name), metavar=base.__name__.upper())
+            group.add_argument(*flags, dest=f.name, help=f"default: {f.default}", **kw)
+    return p
+
+
+def _argtype(name: str):
+    def convert(text: str) -> Any:
+        try:
+            return _convert(name, text)
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    convert.__name__ = name
+    return convert
+
+
+def available_models() -> list[str]:
+    """Names of the model files in configs/models/."""
+    return sorted(p.stem for p in MODEL_DIR.glob("*.yaml"))
+
+
+def load_model_config(name: str) -> ModelConfig:
+    """`ModelConfig` from configs/models/NAME.yaml (or a .yaml path); ``name`` is recorded."""
+    return ModelConfig.from_dict(_model_file(name))
+
+
+def _model_file(name: str) -> dict[str, Any]:
+    """The fields of a model file, type-checked, with ``name`` set to the file's stem."""
+    is_path = name.endswith((".yaml", ".yml"))
+    path = Path(name) if is_path else MODEL_DIR / f"{name}.yaml"
+    if not path.exists():
+        close = difflib.get_close_matches(name, available_models(), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"--model {name}: no file {path}{hint} Available: {available_models()}")
+    data = yaml.safe_load(path.read_text()) or {}
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    for key in data:
+        if key.replace("-", "_") not in names:
+            raise ConfigError(f"{path}: unknown model key {key!r}{_suggest(key, names)}")
+    data = {k.replace("-", "_"): v for k, v in data.items()}
+    data = {k: v if k in ("name", "extra") else _convert(k, v) for k, v in data.items()}
+    return data | {"name": path.stem if is_path else name}
+
+
+def _suggest(key: str, names: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(key.replace("-", "_"), list(names), n=1)
+    return f"; did you mean {_flag(close[0])}?" if close else ""
+
+
+def _read_run_file(path: str) -> dict[str, Any]:
+    """Flat run file -> {field: value}, with keys normalised and aliases resolved."""
+    data = yaml.safe_load(Path(path).read_text()) if os.path.exists(path) else None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path} must be a YAML file holding one flat mapping of "
+                          f"flag: value (missing, empty or not a mapping)")
+    known = set(_field_types()) | set(ALIASES) | {"model"}
+    out = {}
+    for raw, value in data.items():
+        key = str(raw).lstrip("-").replace("-", "_")
+        if key not in known:
+            raise ConfigError(f"{path}: unknown key {raw!r}{_suggest(key, known)}")
+        key = ALIASES.get(key, key)
+        out[key] = value if key == "model" else _convert(key, value)
+    return out
+
+
+def parse_config(argv: list[str] | None = None) -> Config:
+    """Read --config, --model and flags (argv, default sys.argv[1:]) into one `Config`.
+
+    Precedence: model file < run file < flags. Not yet validated: call `validate(world_size)`.
+    Raises `ConfigError` for unknown keys/flags or unreadable values.
+    """
+    given, unknown = build_parser().parse_known_args(argv)
+    if unknown:
+        options = [s for a in build_parser()._actions for s in a.option_strings]
+        close = difflib.get_close_matches(unknown[0].split("=")[0], options, n=1)
+        raise ConfigError(f"unknown flag(s) {unknown}"
+                          + f"; did you mean {close[0]}?" * bool(close))
+    flags = vars(given)
+    run = _read_run_file(flags.pop("config")) if "config" in flags else {}
+    run.update(flags)  # flags win over the run file
+    model_name = run.pop("model", None)
+    model_fields = set(_model_flag_names())
+    model = _model_file(model_name) if model_name else {}
+    model.update({k: v for k, v in run.items() if k in model_fields})
+    train = TrainConfig(**{k: v for k, v in run.items() if k not in model_fields})
+    return Config(model=ModelConfig.from_dict(model), train=train)
