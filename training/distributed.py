@@ -127,3 +127,18 @@ class DistributedDataParallel(nn.Module):
                 p.grad = p.main_grad
         for bucket in self.buffer.buckets:
             bucket.ready, bucket.handle = 0, None
+
+
+def all_reduce_embedding_grads(params) -> None:
+    """Sum the gradients of the tied word embedding's two copies (first and last pipeline
+    stage) so both take the same update and stay equal (Megatron's embedding group)."""
+    import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return
+    grads = [p.grad for p in params if getattr(p, "shared_embedding", False) and p.grad is not None]
+    group = ps.get_embedding_group()
+    if group is None or not grads:
+        return
+    for g in grads:
+        dist.all_reduce(g, group=group)

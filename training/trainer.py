@@ -16,11 +16,13 @@ import torch.distributed as dist
 
 import parallel_state as ps
 from models import GPTModel
+from models.pipeline import build_model_chunks
 
 from .arguments import Config
-from .distributed import DistributedDataParallel
+from .distributed import DistributedDataParallel, all_reduce_embedding_grads
 from .metrics import MetricsLogger, format_duration, peak_memory_bytes
 from .optimizer import build_optimizer, clip_grads, learning_rate
+from .p2p import TensorSpec
 from .schedules import get_forward_backward_func
 
 
@@ -88,28 +90,50 @@ def _global_sum(x: torch.Tensor, group) -> torch.Tensor:
     return x
 
 
-def evaluate(model, dataset, config: Config, device, autocast_dtype) -> float:
+def pipeline_spec(config: Config, device) -> TensorSpec:
+    """What adjacent stages exchange: hidden states `[s, b, h]` (`[s/tp, b, h]` under SP)."""
+    m, t = config.model, config.train
+    s = m.seq_length // (t.tensor_model_parallel_size if t.sequence_parallel else 1)
+    return TensorSpec(shapes=((s, t.micro_batch_size, m.hidden_size),), dtype=torch.float32,
+                      device=device)
+
+
+def global_loss_sum(loss_sum: torch.Tensor) -> torch.Tensor:
+    """Sum of token losses of the global batch, on every rank (the loss lives on the last
+    pipeline stage of each DP replica)."""
+    loss_sum = _global_sum(loss_sum, ps.get_pipeline_model_parallel_group())
+    return _global_sum(loss_sum, ps.get_data_parallel_group())
+
+
+def evaluate(chunks, dataset, config: Config, device, autocast_dtype) -> float:
     """Mean token loss (nats) over `eval_iters` global batches of the validation split."""
     forward_backward = get_forward_backward_func()
-    model.eval()
+    spec = pipeline_spec(config, device)
+    for c in chunks:
+        c.eval()
     loss_sum = torch.zeros((), device=device)
     tokens = torch.zeros((), device=device)
     for i in range(config.train.eval_iters):
         mbs = get_microbatches(dataset, i, config, device)
-        loss_sum += forward_backward(model=model, microbatches=mbs, loss_scale=1.0,
+        loss_sum += forward_backward(model=chunks, microbatches=mbs, loss_scale=1.0, spec=spec,
                                      forward_only=True, autocast_dtype=autocast_dtype)
         tokens += sum(mb["loss_mask"].sum() for mb in mbs)
-    model.train()
-    group = ps.get_data_parallel_group()
-    return float(_global_sum(loss_sum, group) / _global_sum(tokens, group))
+    for c in chunks:
+        c.train()
+    return float(global_loss_sum(loss_sum) / _global_sum(tokens, ps.get_data_parallel_group()))
 
 
 # ---------------------------------------------------------------------- model
-def build_model(config: Config, device) -> GPTModel:
+def build_model(config: Config, device) -> list[GPTModel]:
+    """This rank's model chunks (one unless virtual pipelining), initialized from the seed."""
     t = config.train
-    model = GPTModel(config.model, sequence_parallel=t.sequence_parallel)
-    model.init_weights(t.seed)
-    return model.to(device)
+    chunks = build_model_chunks(GPTModel, config.model, config.stage_num_layers(),
+                                ps.get_pipeline_model_parallel_rank(),
+                                t.virtual_pipeline_model_parallel_size,
+                                sequence_parallel=t.sequence_parallel)
+    for chunk in chunks:
+        chunk.init_weights(t.seed)
+    return [c.to(device) for c in chunks]
 
 
 # ---------------------------------------------------------------------- main loop
@@ -137,14 +161,16 @@ def _train(config: Config, device) -> list[dict]:
         m.validate(t.tensor_model_parallel_size)
     autocast_dtype = torch.bfloat16 if t.bf16 else None
 
-    model = build_model(config, device)
-    ddp = DistributedDataParallel(model, data_parallel_group=ps.get_data_parallel_group(),
-                                  bucket_size=t.ddp_bucket_size,
-                                  overlap_grad_reduce=t.overlap_grad_reduce)
-    optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay,
+    chunks = build_model(config, device)
+    model = [DistributedDataParallel(c, data_parallel_group=ps.get_data_parallel_group(),
+                                     bucket_size=t.ddp_bucket_size,
+                                     overlap_grad_reduce=t.overlap_grad_reduce) for c in chunks]
+    optimizer = build_optimizer(torch.nn.ModuleList(chunks), lr=t.lr,
+                                weight_decay=t.weight_decay,
                                 betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for c in chunks for p in c.parameters() if p.requires_grad]
     forward_backward = get_forward_backward_func()
+    spec = pipeline_spec(config, device)
 
     from .flops import training_flops_per_token
     flops_per_token = training_flops_per_token(m)
@@ -155,7 +181,7 @@ def _train(config: Config, device) -> list[dict]:
     n_params = m.num_parameters()
     _rank0_print(config.summary())
     _rank0_print(f"model: {n_params / 1e6:.2f}M parameters, vocab {m.vocab_size} "
-                 f"(padded {model.padded_vocab_size} at tp={t.tensor_model_parallel_size}); "
+                 f"(padded {chunks[0].padded_vocab_size} at tp={t.tensor_model_parallel_size}); "
                  f"logging to {t.log_dir}")
 
     records = []
@@ -170,15 +196,18 @@ def _train(config: Config, device) -> list[dict]:
         microbatches = get_microbatches(train_ds, iteration, config, device)
         num_tokens = _global_sum(sum(mb["loss_mask"].sum() for mb in microbatches),
                                  ps.get_data_parallel_group())
-        ddp.zero_grad_buffer()
-        loss_sum = forward_backward(model=ddp, microbatches=microbatches,
-                                    loss_scale=1.0 / float(num_tokens),
+        for ddp in model:
+            ddp.zero_grad_buffer()
+        loss_sum = forward_backward(model=model, microbatches=microbatches,
+                                    loss_scale=1.0 / float(num_tokens), spec=spec,
                                     autocast_dtype=autocast_dtype)
-        ddp.finish_grad_sync()
+        for ddp in model:
+            ddp.finish_grad_sync()
         ps.all_reduce_sequence_parallel_grads(params)
+        all_reduce_embedding_grads(params)
         grad_norm = clip_grads(params, t.clip_grad)
         optimizer.step()
-        loss = float(_global_sum(loss_sum, ps.get_data_parallel_group()) / num_tokens)
+        loss = float(global_loss_sum(loss_sum) / num_tokens)
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at iteration {iteration + 1}; lower --lr "
                                      f"or enable --clip-grad")
@@ -204,7 +233,7 @@ def _train(config: Config, device) -> list[dict]:
             window_start, window_iters = time.time(), 0
         if valid_ds is not None and t.eval_interval and \
                 (it % t.eval_interval == 0 or it == t.train_iters):
-            vloss = evaluate(ddp, valid_ds, config, device, autocast_dtype)
+            vloss = evaluate(model, valid_ds, config, device, autocast_dtype)
             rec = {"iteration": it, "valid_loss": vloss, "valid_ppl": math.exp(min(vloss, 50))}
             logger.log(rec, f"validation at iter {it}: loss {vloss:.4f} | "
                             f"ppl {rec['valid_ppl']:.2f}", prefix="valid")

@@ -1,0 +1,111 @@
+"""Point-to-point exchange of activation / gradient tuples between adjacent pipeline stages.
+
+Used by the training schedules and by pipelined inference. A stage may pass several tensors
+(an encoder-decoder stage sends the encoder output beside the hidden states), so everything
+here moves *tuples* whose shapes are known up front (`[s, b, h]`, or `[s/tp, b, h]` under
+sequence parallelism; the receiver allocates from the shapes it is given).
+
+Every exchange is one `batch_isend_irecv` holding all sends and receives of a schedule step.
+Ordering rule, so that matching is unambiguous on NCCL (which ignores tags) and on gloo (which
+matches by tag): a rank posts its forward-direction sends (to next) before its backward-
+direction sends (to prev), and its forward-direction receives (from prev) before its backward-
+direction receives (from next); forward-direction messages carry tag 0, backward ones tag 1.
+With pp = 2 the next and previous ranks are the same peer and the rule still pairs them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+import parallel_state as ps
+
+FORWARD_TAG, BACKWARD_TAG = 0, 1
+
+Tensors = tuple[torch.Tensor, ...]
+
+
+@dataclass
+class TensorSpec:
+    """Shapes and dtype of the tuple a stage exchanges (one entry per tensor)."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    def empty(self, requires_grad: bool = False) -> Tensors:
+        return tuple(torch.empty(s, dtype=self.dtype, device=self.device,
+                                 requires_grad=requires_grad) for s in self.shapes)
+
+
+def communicate(spec: TensorSpec, *, send_next: Tensors | None = None,
+                send_prev: Tensors | None = None, recv_prev: bool = False,
+                recv_next: bool = False) -> tuple[Tensors | None, Tensors | None]:
+    """One exchange step; returns (tensors from prev, tensors from next), None where not asked.
+
+    Sent tensors are detached and cast to `spec.dtype`; received ones are fresh tensors.
+    """
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return None, None
+    group = ps.get_pipeline_model_parallel_group()
+    nxt, prv = ps.get_pipeline_model_parallel_next_rank(), ps.get_pipeline_model_parallel_prev_rank()
+    ops: list[dist.P2POp] = []
+    keep = []  # contiguous send buffers must live until the ops complete
+
+    def add_sends(tensors, peer, tag):
+        for t in tensors:
+            t = t.detach().to(spec.dtype).contiguous()
+            keep.append(t)
+            ops.append(dist.P2POp(dist.isend, t, peer, group=group, tag=tag))
+
+    if send_next is not None:
+        add_sends(send_next, nxt, FORWARD_TAG)
+    if send_prev is not None:
+        add_sends(send_prev, prv, BACKWARD_TAG)
+    from_prev = spec.empty() if recv_prev else None
+    from_next = spec.empty() if recv_next else None
+    for t in from_prev or ():
+        ops.append(dist.P2POp(dist.irecv, t, prv, group=group, tag=FORWARD_TAG))
+    for t in from_next or ():
+        ops.append(dist.P2POp(dist.irecv, t, nxt, group=group, tag=BACKWARD_TAG))
+    if ops:
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+    if spec.device.type == "cuda":
+        torch.cuda.synchronize()  # a received buffer is read right after (Megatron does this)
+    return from_prev, from_next
+
+
+def recv_forward(spec: TensorSpec) -> Tensors | None:
+    if ps.is_pipeline_first_stage():
+        return None
+    return communicate(spec, recv_prev=True)[0]
+
+
+def send_forward(spec: TensorSpec, outputs: Tensors | None) -> None:
+    if outputs is not None and not ps.is_pipeline_last_stage():
+        communicate(spec, send_next=outputs)
+
+
+def recv_backward(spec: TensorSpec) -> Tensors | None:
+    if ps.is_pipeline_last_stage():
+        return None
+    return communicate(spec, recv_next=True)[1]
+
+
+def send_backward(spec: TensorSpec, grads: Tensors | None) -> None:
+    if grads is not None and not ps.is_pipeline_first_stage():
+        communicate(spec, send_prev=grads)
+
+
+def send_forward_recv_backward(spec: TensorSpec, outputs: Tensors | None) -> Tensors | None:
+    if ps.is_pipeline_last_stage():
+        return None
+    return communicate(spec, send_next=outputs, recv_next=True)[1]
+
+
+def send_backward_recv_forward(spec: TensorSpec, grads: Tensors | None) -> Tensors | None:
+    if ps.is_pipeline_first_stage():
+        return None
+    return communicate(spec, send_prev=grads, recv_prev=True)[0]
