@@ -49,6 +49,7 @@ class ColumnParallelLinear(nn.Module):
         self.input_size, self.output_size = input_size, output_size
         self.output_size_per_partition = _divide(output_size, tp, "output size")
         self.gather_output = gather_output
+        self.num_fused_parts = num_fused_parts
         self.sequence_parallel = sequence_parallel and tp > 1
         if skip_weight:
             self.weight = None
@@ -73,7 +74,13 @@ class ColumnParallelLinear(nn.Module):
         else:
             x = copy_to_tensor_model_parallel_region(x)
         y = F.linear(x, weight, self.bias)
-        return gather_from_tensor_model_parallel_region(y) if self.gather_output else y
+        if not self.gather_output:
+            return y
+        y = gather_from_tensor_model_parallel_region(y)
+        tp = get_tensor_model_parallel_world_size()
+        if self.num_fused_parts > 1 and tp > 1:  # rank-major [tp, parts, n] -> dense [parts, tp, n]
+            y = y.unflatten(-1, (tp, self.num_fused_parts, -1)).transpose(-3, -2).flatten(-3)
+        return y
 
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out={self.output_size} "

@@ -23,15 +23,20 @@ import torch.distributed as dist
 
 from . import grid
 
+# torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def _tp() -> tuple[int, int]:
     return grid.get_tensor_model_parallel_world_size(), grid.get_tensor_model_parallel_rank()
 
 
 def _all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum over TP into a new tensor (the caller's tensor is left untouched)."""
     if _tp()[0] == 1:
         return x
-    x = x.contiguous()
+    x = x.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(x, group=grid.get_tensor_model_parallel_group())
     return x
 
@@ -71,7 +76,7 @@ def _gather_first(x: torch.Tensor) -> torch.Tensor:
         return x
     x = x.contiguous()
     out = torch.empty((x.shape[0] * size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x, group=grid.get_tensor_model_parallel_group())
+    _all_gather_single(out, x, group=grid.get_tensor_model_parallel_group())
     return out
 
 
@@ -83,7 +88,7 @@ def _reduce_scatter_first(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"dim 0 ({x.shape[0]}) is not divisible by tensor-parallel size {size}")
     x = x.contiguous()
     out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x, group=grid.get_tensor_model_parallel_group())
+    _reduce_scatter_single(out, x, group=grid.get_tensor_model_parallel_group())
     return out
 
 

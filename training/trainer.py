@@ -137,8 +137,13 @@ def build_model(config: Config, device) -> list[GPTModel]:
 
 
 # ---------------------------------------------------------------------- main loop
-def pretrain(config: Config) -> list[dict]:
-    """Train as `config` says; returns the logged metric records (train and valid)."""
+def pretrain(config: Config, on_end=None) -> list[dict]:
+    """Train as `config` says; returns the logged metric records (train and valid).
+
+    `on_end(chunks)`, if given, runs on every rank after the last iteration while the grid is
+    still up (tests use it to gather the final weights); its result is appended to the
+    returned list as `{"on_end": result}`.
+    """
     t = config.train
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     config.validate(world_size)  # before any process-group work
@@ -146,12 +151,12 @@ def pretrain(config: Config) -> list[dict]:
     ps.initialize_model_parallel(t.tensor_model_parallel_size, t.pipeline_model_parallel_size,
                                  t.virtual_pipeline_model_parallel_size, device=device)
     try:
-        return _train(config, device)
+        return _train(config, device, on_end)
     finally:
         ps.destroy_model_parallel()
 
 
-def _train(config: Config, device) -> list[dict]:
+def _train(config: Config, device, on_end=None) -> list[dict]:
     t, m = config.train, config.model
     ps.model_parallel_seed(t.seed, ps.get_tensor_model_parallel_rank(),
                            ps.get_pipeline_model_parallel_rank(), device)
@@ -240,6 +245,8 @@ def _train(config: Config, device) -> list[dict]:
             records.append(rec)
             window_start = time.time()  # eval time is not training throughput
     logger.close()
+    if on_end is not None:
+        records.append({"on_end": on_end(chunks)})
     return records
 
 

@@ -1,0 +1,46 @@
+"""The dense (unsharded) state of a model distributed over TP and PP ranks.
+
+Parameter names already use global layer numbers, so gathering is: all-gather each tensor's
+shards over TP and undo the sharding (layers.sharding.unshard_tensors), then merge the
+name->tensor maps of the pipeline stages. Vocab padding rows are cut off, so the result is the
+same at any layout. Collective: every rank of the model-parallel group must call it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import parallel_state as ps
+from layers import unshard_tensors
+
+
+@torch.no_grad()
+def gather_full_state_dict(chunks) -> dict[str, torch.Tensor]:
+    """`{name: dense float32 CPU tensor}` of all parameters of the model, on every rank.
+
+    `chunks` are this rank's model chunks. The tied embedding's second copy on the last stage
+    (`output_layer.weight` tagged `shared_embedding`) is left out: it equals the embedding.
+    """
+    tp = ps.get_tensor_model_parallel_world_size()
+    local: dict[str, torch.Tensor] = {}
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            if getattr(p, "shared_embedding", False) and name.startswith("output_layer"):
+                continue
+            t = p.detach().float().contiguous()
+            if getattr(p, "tensor_model_parallel", False) and tp > 1:
+                parts = [torch.empty_like(t) for _ in range(tp)]
+                dist.all_gather(parts, t, group=ps.get_tensor_model_parallel_group())
+                t = unshard_tensors(parts, p)
+            rows = getattr(p, "full_rows", None)
+            if rows is not None:
+                t = t[:rows]
+            local[name] = t.cpu()
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return local
+    stages: list = [None] * ps.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(stages, local, group=ps.get_pipeline_model_parallel_group())
+    merged: dict[str, torch.Tensor] = {}
+    for stage in stages:
+        merged.update(stage)
+    return merged

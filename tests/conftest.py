@@ -1,0 +1,36 @@
+"""Shared test setup: the repo root and tests/ on sys.path (so `import layers` and
+`from distributed import run_distributed` work under plain `pytest` too, and in spawned
+workers, which inherit sys.path), and a guard that single-process tests see no grid."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for path in (ROOT, os.path.join(ROOT, "tests")):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+
+@pytest.fixture
+def no_grid():
+    """Fail fast if an earlier test leaked a process grid into this (parent) process: without
+    a grid the layers act as one process (tp = 1), which is what dense references rely on."""
+    import parallel_state
+
+    assert not parallel_state.model_parallel_is_initialized(), "a test leaked a process grid"
+    yield
+    assert not parallel_state.model_parallel_is_initialized(), "this test leaked a process grid"
+
+
+@pytest.fixture(scope="session")
+def corpus_env(tmp_path_factory):
+    """Environment for train.py subprocesses: the embedded stdlib corpus built once per test
+    session in a temporary cache (about 6 s), not in the user's ~/.cache."""
+    cache = tmp_path_factory.mktemp("shardzoo-cache")
+    from training.data import ensure_default_corpus
+
+    ensure_default_corpus(str(cache), quiet=True)
+    return {"SHARDZOO_CACHE": str(cache)}

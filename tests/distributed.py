@@ -1,0 +1,192 @@
+"""Run a function on a world of CPU (gloo) processes with the shardzoo grid built: the harness
+every multi-process test uses.
+
+    from distributed import run_distributed
+
+    def _check(x):                     # module level, so it pickles by name
+        from parallel_state import get_tensor_model_parallel_rank
+        return get_tensor_model_parallel_rank() * x
+
+    def test_something():
+        assert run_distributed(_check, 4, 10, tp=2) == [0, 10, 0, 10]
+
+`run_distributed(fn, world_size, *args, tp=1, pp=1, vpp=None, timeout=120)` spawns
+`world_size` processes (spawn context, one CPU thread each, MASTER_ADDR=127.0.0.1 on a free
+port, RANK / WORLD_SIZE / LOCAL_RANK set), and in each one:
+
+1. `parallel_state.initialize_distributed("cpu")` (gloo) and
+   `parallel_state.initialize_model_parallel(tp, pp, vpp, device="cpu")`;
+2. `result = fn(*args)`;
+3. `parallel_state.destroy_model_parallel(destroy_world=True)`;
+
+and returns the results as a list indexed by global rank. Results travel through
+`torch.save`, so anything `torch.save` accepts (tensors, dicts, lists, numbers, strings) comes
+back, as CPU tensors; keep them small (they go through a pipe).
+
+`fn` may tear down and rebuild the grid itself (`destroy_model_parallel()` then
+`initialize_model_parallel(...)`); the harness only destroys what is left at the end.
+
+Failures: the first worker exception is raised in the parent as `WorkerError` (a
+RuntimeError) whose message holds the failing rank and its full traceback text; `.rank`,
+`.traceback` and `.exception` (the original exception when it unpickles, else None) are kept
+for assertions. A worker that dies without reporting raises `WorkerError` with its exit code.
+Nothing hangs: after `timeout` seconds (for the whole world) every worker is killed and
+`TimeoutError` names the ranks that had not answered. Remaining workers are always killed
+before the parent raises.
+
+Cost: each spawn imports torch in every worker (about 2-3 s on 2 cores), so batch many checks
+into one world rather than spawning a world per assertion.
+"""
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import queue as queue_lib
+import socket
+import time
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+__all__ = ["run_distributed", "WorkerError", "free_port"]
+
+
+class WorkerError(RuntimeError):
+    """A worker of `run_distributed` raised or died; the message carries its traceback."""
+
+    def __init__(self, rank: int, traceback_text: str, exception: BaseException | None = None):
+        self.rank = rank
+        self.traceback = traceback_text
+        self.exception = exception
+        super().__init__(f"rank {rank} failed:\n{traceback_text}")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dumps(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _loads(data: bytes):
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _pickled_exception(exc: BaseException) -> bytes | None:
+    try:
+        data = pickle.dumps(exc)
+        pickle.loads(data)
+        return data
+    except Exception:  # noqa: BLE001 - an exception that does not round-trip is sent as text
+        return None
+
+
+def _worker(rank, world_size, port, tp, pp, vpp, fn, args, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    try:
+        import parallel_state
+
+        parallel_state.initialize_distributed("cpu")
+        parallel_state.initialize_model_parallel(tp, pp, vpp, device="cpu")
+        try:
+            result = fn(*args)
+        finally:
+            parallel_state.destroy_model_parallel(destroy_world=True)
+        results.put((rank, "ok", _dumps(result)))
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
+        results.put((rank, "error", (traceback.format_exc(), _pickled_exception(exc))))
+    # Flush the result, then skip interpreter teardown (torch's exit handlers cost seconds
+    # per process on a loaded 2-core machine); the process group is already destroyed.
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+def _kill(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=5)
+
+
+def run_distributed(fn, world_size: int, *args, tp: int = 1, pp: int = 1,
+                    vpp: int | None = None, timeout: float = 120) -> list:
+    """Run `fn(*args)` on `world_size` gloo CPU processes with a (pp, dp, tp) grid built.
+
+    Args:
+        fn: a module-level function (it is pickled by name into the workers).
+        world_size: number of processes; must be a multiple of tp * pp.
+        *args: passed to `fn` (pickled; tensors are fine).
+        tp, pp, vpp: tensor-, pipeline- and virtual-pipeline-parallel sizes of the grid.
+        timeout: seconds for the whole world before every worker is killed.
+    Returns:
+        `[fn's return value on rank 0, ..., on rank world_size - 1]`.
+    Raises:
+        WorkerError: a worker raised (message: rank + traceback) or died without reporting.
+        TimeoutError: not every worker answered within `timeout` seconds.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    saved_omp = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # children read it when they import torch
+    procs = []
+    try:
+        for rank in range(world_size):
+            p = ctx.Process(target=_worker, daemon=True,
+                            args=(rank, world_size, port, tp, pp, vpp, fn, args, results))
+            p.start()
+            procs.append(p)
+    finally:
+        if saved_omp is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved_omp
+
+    out: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) < world_size:
+            try:
+                rank, status, payload = results.get(timeout=0.2)
+            except queue_lib.Empty:
+                for r, p in enumerate(procs):
+                    if r not in out and p.exitcode is not None:
+                        # Give a message sent just before exit a last chance to arrive.
+                        try:
+                            rank, status, payload = results.get(timeout=1.0)
+                            break
+                        except queue_lib.Empty:
+                            raise WorkerError(r, f"worker exited with code {p.exitcode} "
+                                                 f"without reporting a result") from None
+                else:
+                    if time.monotonic() > deadline:
+                        missing = sorted(set(range(world_size)) - set(out))
+                        raise TimeoutError(f"run_distributed({getattr(fn, '__name__', fn)}): "
+                                           f"ranks {missing} did not finish within {timeout} s")
+                    continue
+            if status == "error":
+                text, exc_bytes = payload
+                exc = pickle.loads(exc_bytes) if exc_bytes is not None else None
+                raise WorkerError(rank, text, exc)
+            out[rank] = _loads(payload)
+    finally:
+        if len(out) < world_size:
+            _kill(procs)
+        else:
+            for p in procs:
+                p.join(timeout=10)
+            _kill(procs)
+        results.close()
+    return [out[r] for r in range(world_size)]

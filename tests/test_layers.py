@@ -1,0 +1,651 @@
+"""Every parallel layer, forward and backward, against dense single-process torch at tp = 2, 4.
+
+Two kinds of reference, both float32 with dropout off:
+
+- in-worker checks (linear layers, mappings, embedding, cross entropy, norms under SP): the
+  worker builds the full tensors from a seeded generator (identical on every rank), shards
+  them with `layers.sharding.shard_tensor`, and compares against `torch.nn.functional` on the
+  full tensors; shard gradients are all-gathered over TP and put back together with
+  `unshard_tensors`. Mismatches are recorded, not raised, so the collectives stay in step and
+  one world reports every failing check.
+- module cases (attention, MLP, transformer layer, GPTModel): each worker builds the module
+  at its TP size, runs `initialize_parameters` with a seed, forward + backward, and returns
+  its shards; the parent builds the same module with no grid (tp = 1, the dense model) from
+  the same seed and compares outputs, input grads, every parameter (init is
+  layout-independent) and every parameter gradient (after the SP all-reduce), real vocab rows
+  only for padded vocab tensors.
+
+One spawned world per TP size runs everything (`world` fixture, module scope).
+"""
+from __future__ import annotations
+
+import math
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import parallel_state as ps
+from distributed import run_distributed
+from layers import (
+    MLP,
+    ColumnParallelLinear,
+    LayerNorm,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    SelfAttention,
+    TransformerLayer,
+    VocabParallelEmbedding,
+    apply_rotary_pos_emb,
+    initialize_parameters,
+    shard_tensor,
+    unshard_tensors,
+    vocab_parallel_cross_entropy,
+)
+from models import GPTModel, ModelConfig
+
+TPS = (2, 4)
+RTOL, ATOL = 1e-5, 1e-6
+S, B, H = 8, 2, 32  # sequence, micro batch, hidden: divisible by every TP size tested
+
+
+# ----------------------------------------------------------------------------- helpers
+
+class Expect:
+    """Collects mismatches instead of raising (keeps every rank's collectives in step)."""
+
+    def __init__(self, prefix: str = ""):
+        self.prefix, self.failures = prefix, []
+
+    def close(self, actual, expected, what, rtol=RTOL, atol=ATOL) -> None:
+        a, e = actual.detach().float(), expected.detach().float()
+        if a.shape != e.shape:
+            self.failures.append(f"{self.prefix}{what}: shape {tuple(a.shape)} != {tuple(e.shape)}")
+        elif not torch.allclose(a, e, rtol=rtol, atol=atol):
+            err = (a - e).abs().max().item()
+            self.failures.append(f"{self.prefix}{what}: max |diff| {err:.3g}, "
+                                 f"max |expected| {e.abs().max().item():.3g}")
+
+    def true(self, cond, what) -> None:
+        if not cond:
+            self.failures.append(f"{self.prefix}{what}")
+
+
+def _randn(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _split(dim, parts=1):
+    """A stand-in 'parameter' telling shard_tensor/unshard_tensors how an activation is split."""
+    return types.SimpleNamespace(tensor_model_parallel=True, partition_dim=dim,
+                                 num_fused_parts=parts)
+
+
+def _tp():
+    return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+
+
+def _all_gather(t):
+    """This tensor from every TP rank, in rank order."""
+    parts = [torch.empty_like(t) for _ in range(_tp()[0])]
+    dist.all_gather(parts, t.detach().contiguous(), group=ps.get_tensor_model_parallel_group())
+    return parts
+
+
+def _dense_clone(*tensors):
+    return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+# ----------------------------------------------------------------------------- in-worker checks
+
+def check_mappings(ex: Expect) -> None:
+    tp, rank = _tp()
+    base = _randn(2 * tp, 3, 2 * tp, seed=5)
+    mine = base * (rank + 1)  # a different tensor on every rank
+    everyone = [base * (r + 1) for r in range(tp)]
+    total = sum(everyone)
+
+    def run(fn, x, g):
+        x = x.clone().requires_grad_()
+        y = fn(x)
+        y.backward(g.clone())  # a fresh buffer: the aliasing case is checked separately below
+        return y.detach().clone(), x.grad
+
+    y, dx = run(ps.copy_to_tensor_model_parallel_region, mine, mine)
+    ex.close(y, mine, "copy_to fwd = identity")
+    ex.close(dx, total, "copy_to bwd = all-reduce")
+    y, dx = run(ps.reduce_from_tensor_model_parallel_region, mine, mine)
+    ex.close(y, total, "reduce_from fwd = all-reduce")
+    ex.close(dx, mine, "reduce_from bwd = identity")
+    g = mine.chunk(tp, -1)[0]
+    y, dx = run(ps.scatter_to_tensor_model_parallel_region, mine, g)
+    ex.close(y, mine.chunk(tp, -1)[rank], "scatter_to_tp fwd = own last-dim slice")
+    ex.close(dx, torch.cat([e.chunk(tp, -1)[0] for e in everyone], -1), "scatter_to_tp bwd")
+    y, dx = run(ps.gather_from_tensor_model_parallel_region, mine, torch.cat(everyone, -1))
+    ex.close(y, torch.cat(everyone, -1), "gather_from_tp fwd = all-gather last dim")
+    ex.close(dx, mine, "gather_from_tp bwd = own slice")
+    g = mine.chunk(tp, 0)[0]
+    y, dx = run(ps.scatter_to_sequence_parallel_region, mine, g)
+    ex.close(y, mine.chunk(tp, 0)[rank], "scatter_to_sp fwd = own dim-0 slice")
+    ex.close(dx, torch.cat([e.chunk(tp, 0)[0] for e in everyone], 0), "scatter_to_sp bwd")
+    full_g = torch.cat([base] * tp, 0) * (rank + 1)  # rank-dependent grad of the gathered seq
+    y, dx = run(ps.gather_from_sequence_parallel_region, mine, full_g)
+    ex.close(y, torch.cat(everyone, 0), "gather_from_sp fwd = all-gather dim 0")
+    ex.close(dx, torch.cat([base] * tp, 0).chunk(tp, 0)[rank] * sum(range(1, tp + 1)),
+             "gather_from_sp bwd = reduce-scatter")
+    y, dx = run(lambda x: ps.gather_from_sequence_parallel_region(x, False), mine, full_g)
+    ex.close(dx, full_g.chunk(tp, 0)[rank], "gather_from_sp(tensor_parallel_output_grad=False) "
+                                            "bwd = own slice")
+    g = mine.chunk(tp, 0)[0]
+    y, dx = run(ps.reduce_scatter_to_sequence_parallel_region, mine, g)
+    ex.close(y, total.chunk(tp, 0)[rank], "reduce_scatter_to_sp fwd")
+    ex.close(dx, torch.cat([e.chunk(tp, 0)[0] for e in everyone], 0), "reduce_scatter_to_sp bwd")
+    # The backward all-reduce must not write into a gradient buffer autograd hands to another
+    # branch too: z = copy_to(x) + w gives x and w the same incoming gradient tensor.
+    x, w = mine.clone().requires_grad_(), mine.clone().requires_grad_()
+    (ps.copy_to_tensor_model_parallel_region(x) + w).backward(mine.clone())
+    ex.close(w.grad, mine, "copy_to bwd leaves a sibling branch's gradient alone")
+    ex.close(x.grad, total, "copy_to bwd (sibling case) = all-reduce")
+    # all_reduce_sequence_parallel_grads sums only tensors tagged sequence_parallel
+    tagged, plain = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))
+    tagged.sequence_parallel = True
+    tagged.grad, plain.grad = torch.full((3,), rank + 1.0), torch.full((3,), rank + 1.0)
+    ps.all_reduce_sequence_parallel_grads([tagged, plain])
+    ex.close(tagged.grad, torch.full((3,), float(sum(range(1, tp + 1)))), "SP grads summed")
+    ex.close(plain.grad, torch.full((3,), rank + 1.0), "untagged grads untouched")
+    try:
+        ps.scatter_to_sequence_parallel_region(torch.zeros(tp + 1, 2))
+        ex.true(False, "scatter_to_sp of an indivisible sequence must raise")
+    except ValueError as e:
+        ex.true("--tp" in str(e), f"indivisible-sequence error names --tp: {e}")
+
+
+def check_mappings_leave_caller_tensors_alone(ex: Expect) -> None:
+    """copy_to's backward and reduce_from's forward all-reduce in place (as Megatron does):
+    the caller's gradient / input tensor is overwritten. Harmless inside the layers (the
+    buffers are fresh matmul outputs), a trap for anyone calling the mappings directly."""
+    _, rank = _tp()
+    g = torch.full((2, 3), rank + 1.0)
+    g0 = g.clone()
+    ps.copy_to_tensor_model_parallel_region(torch.zeros(2, 3, requires_grad=True)).backward(g)
+    ex.true(torch.equal(g, g0), "copy_to backward overwrote the caller's gradient tensor")
+    x = torch.full((2, 3), rank + 1.0)
+    x0 = x.clone()
+    ps.reduce_from_tensor_model_parallel_region(x)
+    ex.true(torch.equal(x, x0), "reduce_from forward overwrote the caller's input tensor")
+
+
+def check_column_linear(ex: Expect, combos=None) -> None:
+    IN, OUT = 8, 16
+    combos = combos or [(bias, gather, parts) for bias in (True, False) for gather in (True, False)
+                        for parts in (1, 2) if not (gather and parts > 1)]
+    for bias, gather, parts in combos:
+        tag = f"column(bias={bias}, gather_output={gather}, num_fused_parts={parts}) "
+        layer = ColumnParallelLinear(IN, OUT, bias=bias, gather_output=gather,
+                                     num_fused_parts=parts)
+        W, b = _randn(OUT, IN, seed=1), _randn(OUT, seed=2)
+        with torch.no_grad():
+            layer.weight.copy_(shard_tensor(W, layer.weight))
+            if bias:
+                layer.bias.copy_(shard_tensor(b, layer.bias))
+        x = _randn(S, B, IN, seed=3).requires_grad_()
+        gy = _randn(S, B, OUT, seed=4)
+        out_split = _split(-1, parts)
+        y = layer(x)
+        (y * (gy if gather else shard_tensor(gy, out_split))).sum().backward()
+        xr, Wr, br = _dense_clone(x, W, b)
+        yr = F.linear(xr, Wr, br if bias else None)
+        (yr * gy).sum().backward()
+        ex.close(y if gather else unshard_tensors(_all_gather(y), out_split), yr,
+                 tag + "output")
+        ex.close(x.grad, xr.grad, tag + "input grad")
+        ex.close(unshard_tensors(_all_gather(layer.weight.grad), layer.weight), Wr.grad,
+                 tag + "weight grad")
+        if bias:
+            ex.close(unshard_tensors(_all_gather(layer.bias.grad), layer.bias), br.grad,
+                     tag + "bias grad")
+
+
+def check_row_linear(ex: Expect) -> None:
+    IN, OUT = 16, 8
+    for bias in (True, False):
+        tag = f"row(bias={bias}) "
+        layer = RowParallelLinear(IN, OUT, bias=bias)
+        W, b = _randn(OUT, IN, seed=1), _randn(OUT, seed=2)
+        with torch.no_grad():
+            layer.weight.copy_(shard_tensor(W, layer.weight))
+            if bias:
+                layer.bias.copy_(b)
+        x_full, gy = _randn(S, B, IN, seed=3), _randn(S, B, OUT, seed=4)
+        x = shard_tensor(x_full, _split(-1)).requires_grad_()
+        y = layer(x)
+        (y * gy).sum().backward()
+        xr, Wr, br = _dense_clone(x_full, W, b)
+        yr = F.linear(xr, Wr, br if bias else None)
+        (yr * gy).sum().backward()
+        ex.close(y, yr, tag + "output")
+        ex.close(unshard_tensors(_all_gather(x.grad), _split(-1)), xr.grad, tag + "input grad")
+        ex.close(unshard_tensors(_all_gather(layer.weight.grad), layer.weight), Wr.grad,
+                 tag + "weight grad")
+        if bias:
+            ex.close(layer.bias.grad, br.grad, tag + "bias grad")
+
+
+def check_sequence_parallel_pair(ex: Expect) -> None:
+    """column(SP: all-gather in) -> gelu -> row(SP: reduce-scatter out), fed a sequence shard."""
+    tp, rank = _tp()
+    FFN = 64
+    col = ColumnParallelLinear(H, FFN, sequence_parallel=True)
+    row = RowParallelLinear(FFN, H, sequence_parallel=True)
+    W1, b1, W2, b2 = (_randn(FFN, H, seed=1) * 0.2, _randn(FFN, seed=2), _randn(H, FFN, seed=3) * 0.2,
+                      _randn(H, seed=4))
+    with torch.no_grad():
+        col.weight.copy_(shard_tensor(W1, col.weight))
+        col.bias.copy_(shard_tensor(b1, col.bias))
+        row.weight.copy_(shard_tensor(W2, row.weight))
+        row.bias.copy_(b2)
+    ex.true(getattr(row.bias, "sequence_parallel", False), "row bias tagged sequence_parallel")
+    ex.true(not getattr(col.weight, "sequence_parallel", False), "column weight not SP-tagged")
+    x_full, gy = _randn(S, B, H, seed=5), _randn(S, B, H, seed=6)
+    x = x_full.chunk(tp, 0)[rank].clone().requires_grad_()
+    y = row(F.gelu(col(x)))
+    ex.true(y.shape == (S // tp, B, H), f"SP pair output is a sequence shard, got {tuple(y.shape)}")
+    (y * gy.chunk(tp, 0)[rank]).sum().backward()
+    xr, W1r, b1r, W2r, b2r = _dense_clone(x_full, W1, b1, W2, b2)
+    yr = F.linear(F.gelu(F.linear(xr, W1r, b1r)), W2r, b2r)
+    (yr * gy).sum().backward()
+    ex.close(torch.cat(_all_gather(y), 0), yr, "SP pair output")
+    ex.close(torch.cat(_all_gather(x.grad), 0), xr.grad, "SP pair input grad")
+    for p, ref, name in ((col.weight, W1r, "column weight"), (col.bias, b1r, "column bias"),
+                         (row.weight, W2r, "row weight")):
+        ex.close(unshard_tensors(_all_gather(p.grad), p), ref.grad, f"SP pair {name} grad")
+    partial = row.bias.grad.clone()
+    ps.all_reduce_sequence_parallel_grads(list(col.parameters()) + list(row.parameters()))
+    ex.close(row.bias.grad, b2r.grad, "SP row bias grad after all_reduce_sequence_parallel_grads")
+    ex.true(not torch.allclose(partial, b2r.grad, rtol=RTOL, atol=ATOL),
+            "SP row bias grad before the all-reduce is partial")
+
+
+def check_norms_under_sp(ex: Expect) -> None:
+    tp, rank = _tp()
+    for cls in (LayerNorm, RMSNorm):
+        norm = cls(H, sequence_parallel=True)
+        full = {n: _randn(*p.shape, seed=10 + i) for i, (n, p) in enumerate(norm.named_parameters())}
+        with torch.no_grad():
+            for n, p in norm.named_parameters():
+                p.copy_(full[n])
+        x_full, gy = _randn(S, B, H, seed=7), _randn(S, B, H, seed=8)
+        x = x_full.chunk(tp, 0)[rank].clone().requires_grad_()
+        (norm(x) * gy.chunk(tp, 0)[rank]).sum().backward()
+        xr, wr = _dense_clone(x_full, full["weight"])
+        br = _dense_clone(full["bias"])[0] if cls is LayerNorm else None
+        yr = (F.layer_norm(xr, (H,), wr, br, 1e-5) if cls is LayerNorm
+              else F.rms_norm(xr, (H,), wr, 1e-5))
+        (yr * gy).sum().backward()
+        ex.close(torch.cat(_all_gather(norm(x).detach()), 0), yr, f"{cls.__name__} SP output")
+        ex.close(torch.cat(_all_gather(x.grad), 0), xr.grad, f"{cls.__name__} SP input grad")
+        refs = {"weight": wr.grad, "bias": br.grad if br is not None else None}
+        for n, p in norm.named_parameters():
+            ex.true(not torch.allclose(p.grad, refs[n], rtol=RTOL, atol=ATOL),
+                    f"{cls.__name__}.{n} grad without the SP all-reduce must be partial")
+        ps.all_reduce_sequence_parallel_grads(norm.parameters())
+        for n, p in norm.named_parameters():
+            ex.close(p.grad, refs[n], f"{cls.__name__}.{n} grad after the SP all-reduce")
+
+
+def check_vocab_parallel_embedding(ex: Expect) -> None:
+    tp, rank = _tp()
+    V, E = 50257, 8
+    padded = ModelConfig(vocab_size=V, make_vocab_size_divisible_by=128).padded_vocab_size(tp)
+    ex.true(padded % (128 * tp) == 0 and V <= padded < V + 128 * tp, f"padded vocab {padded}")
+    per_rank = padded // tp
+    ids = _randn(S, B, seed=1).abs().mul(10_000).long().clamp(max=V - 1)
+    boundary = [0, V - 1] + [r * per_rank + d for r in range(1, tp) for d in (-1, 0)]
+    ids.view(-1)[: len(boundary)] = torch.tensor(boundary)
+    gy = _randn(S, B, E, seed=2)
+    for sp in (False, True):
+        tag = f"embedding(sp={sp}) "
+        emb = VocabParallelEmbedding(padded, E, vocab_size=V, reduce_scatter_embeddings=sp)
+        initialize_parameters(emb, seed=3, std=0.5, num_layers=1)
+        W = unshard_tensors(_all_gather(emb.weight), emb.weight)
+        ex.true(W.shape == (padded, E), tag + f"full weight shape {tuple(W.shape)}")
+        ex.true(bool((W[V:] == 0).all()) and bool((W[:V] != 0).any()),
+                tag + "padding rows are initialized to zero, real rows are not")
+        y = emb(ids)
+        (y * (gy.chunk(tp, 0)[rank] if sp else gy)).sum().backward()
+        Wr = W.clone().requires_grad_()
+        yr = F.embedding(ids, Wr)
+        (yr * gy).sum().backward()
+        ex.close(torch.cat(_all_gather(y), 0) if sp else y, yr, tag + "output")
+        dW = unshard_tensors(_all_gather(emb.weight.grad), emb.weight)
+        ex.close(dW, Wr.grad, tag + "weight grad")
+        ex.true(bool((dW[V:] == 0).all()), tag + "padding rows get zero gradient")
+
+
+def check_cross_entropy(ex: Expect) -> None:
+    tp, rank = _tp()
+    cases = [  # (name, real vocab, padded vocab, ignore some, label smoothing)
+        ("plain", 64 * tp, 64 * tp, False, 0.0),
+        ("ignore_index", 64 * tp, 64 * tp, True, 0.0),
+        ("label_smoothing", 64 * tp, 64 * tp, False, 0.1),
+        ("gpt2 vocab padded", 50257, ModelConfig(vocab_size=50257).padded_vocab_size(tp),
+         False, 0.0),
+        ("gpt2 vocab padded + ignore + smoothing", 50257,
+         ModelConfig(vocab_size=50257).padded_vocab_size(tp), True, 0.1),
+        ("whole partitions of padding", 100, 128 * tp, True, 0.1),
+    ]
+    for i, (name, V, Vp, ignore, eps) in enumerate(cases):
+        s, b = 4, 3
+        logits_full = _randn(s, b, Vp, seed=20 + i) * 3
+        logits_full[..., V:] += 20.0  # huge padding logits: wrong unless they are masked out
+        target = (_randn(s, b, seed=40 + i).abs() * 1e6).long() % V
+        target[0, 0], target[1, 0] = V - 1, 0
+        if ignore:
+            target[2, :2] = -100
+        gl = _randn(s, b, seed=60 + i)
+        logits = logits_full.chunk(tp, -1)[rank].clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(logits, target, vocab_size=V if V != Vp else None,
+                                            label_smoothing=eps)
+        (loss * gl).sum().backward()
+        # float64 reference: torch's own float32 label smoothing over 50k classes is off by
+        # ~1e-5 in the grads, more than the parallel kernel (which is within 1e-7 of float64).
+        lr = logits_full[..., :V].double().requires_grad_()
+        ref = F.cross_entropy(lr.reshape(-1, V), target.reshape(-1), reduction="none",
+                              ignore_index=-100, label_smoothing=eps).view(s, b)
+        (ref * gl.double()).sum().backward()
+        ex.close(loss, ref, f"cross entropy [{name}] loss")
+        grad = torch.cat(_all_gather(logits.grad), -1)
+        ex.close(grad[..., :V], lr.grad, f"cross entropy [{name}] logits grad")
+        ex.true(bool((grad[..., V:] == 0).all()), f"cross entropy [{name}] padding grads are 0")
+        if ignore:
+            ex.true(bool((grad[2, :2] == 0).all()) and bool((loss[2, :2] == 0).all()),
+                    f"cross entropy [{name}] ignored tokens: zero loss and zero grad")
+
+
+CHECKS = {
+    "mappings": check_mappings,
+    "mappings_leave_caller_tensors_alone": check_mappings_leave_caller_tensors_alone,
+    "column_linear": check_column_linear,
+    "column_linear_fused_gather_output": lambda ex: check_column_linear(
+        ex, [(True, True, 2), (False, True, 2)]),
+    "row_linear": check_row_linear,
+    "sequence_parallel_pair": check_sequence_parallel_pair,
+    "norms_under_sp": check_norms_under_sp,
+    "vocab_parallel_embedding": check_vocab_parallel_embedding,
+    "cross_entropy": check_cross_entropy,
+}
+
+
+# ----------------------------------------------------------------------------- module cases
+
+def _attention_cfg(tp, gqa, rope):
+    heads, groups = ((4, 2) if tp == 2 else (8, 4)) if gqa else (4, 4)
+    return dict(hidden_size=H, num_attention_heads=heads, num_query_groups=groups, seq_length=S,
+                position_embedding_type="rope" if rope else "learned_absolute",
+                init_method_std=0.3)
+
+
+GPT2 = dict(num_layers=2, hidden_size=H, num_attention_heads=4, seq_length=S, vocab_size=300,
+            make_vocab_size_divisible_by=64, init_method_std=0.1)
+LLAMA = dict(GPT2, num_attention_heads=8, num_query_groups=4, position_embedding_type="rope",
+             normalization="RMSNorm", activation="swiglu", ffn_hidden_size=64,
+             add_bias_linear=False)
+
+
+def case_spec(label: str, tp: int) -> dict:
+    """`kind-variant-sp|nosp` -> what to build. Labels are the same for every TP size."""
+    kind, variant, sp = label.split("-")
+    sp = sp == "sp"
+    if kind == "attention":
+        cfg = _attention_cfg(tp, gqa=variant.startswith("gqa"), rope=variant.endswith("rope"))
+    elif kind == "mlp":
+        cfg = dict(hidden_size=H, num_attention_heads=4, activation=variant, ffn_hidden_size=64,
+                   init_method_std=0.3)
+    elif kind == "layer":
+        cfg = dict(GPT2 if variant == "gpt2" else LLAMA, init_method_std=0.3)
+    else:
+        cfg = dict(GPT2) if variant == "gpt2" else dict(
+            LLAMA, untie_embeddings_and_output_weights=variant == "llamauntied")
+    return dict(kind=kind, cfg=cfg, sp=sp, seed=1234)
+
+
+CASES = [f"{kind}-{v}-{sp}" for kind, variants in (
+    ("attention", ("mha", "mharope", "gqa", "gqarope")), ("mlp", ("gelu", "swiglu")),
+    ("layer", ("gpt2", "llama")), ("gpt", ("gpt2", "llamatied", "llamauntied")))
+    for v in variants for sp in ("nosp", "sp")]
+
+
+def run_case(spec: dict) -> dict:
+    """Build, init, forward, backward (+ SP grad all-reduce); return this rank's tensors.
+    With no grid (the parent) this is the dense tp = 1 reference."""
+    cfg = ModelConfig(**spec["cfg"])
+    sp, kind = spec["sp"], spec["kind"]
+    tp, rank = _tp()
+    torch.manual_seed(0)
+    if kind == "gpt":
+        model = GPTModel(cfg, sequence_parallel=sp)
+        model.init_weights(spec["seed"])
+        ids = (_randn(B, S, seed=1).abs() * 1e4).long() % cfg.vocab_size
+        labels = (_randn(B, S, seed=2).abs() * 1e4).long() % cfg.vocab_size
+        labels[0, :3] = -100
+        loss = model(ids, labels=labels)
+        (loss.sum() / (labels != -100).sum()).backward()  # the training loss: token mean
+        out, dx = loss.detach(), None
+        with torch.no_grad():
+            logits = model(ids)
+    else:
+        build = {"attention": lambda: SelfAttention(cfg, 0, sequence_parallel=sp),
+                 "mlp": lambda: MLP(cfg, sequence_parallel=sp),
+                 "layer": lambda: TransformerLayer(cfg, 0, sequence_parallel=sp)}[kind]
+        model = build()
+        initialize_parameters(model, spec["seed"], cfg.init_method_std, cfg.num_layers)
+        # gy / (S * B): the grads of a token-mean loss, the scale the tolerances are meant for
+        x, gy = _randn(S, B, H, seed=3), _randn(S, B, H, seed=4) / (S * B)
+        if sp and tp > 1:
+            x, gy = x.chunk(tp, 0)[rank], gy.chunk(tp, 0)[rank]
+        x = x.clone().requires_grad_()
+        kwargs = {}
+        if kind != "mlp" and cfg.position_embedding_type == "rope":
+            kwargs["rotary"] = RotaryEmbedding(cfg.kv_channels, cfg.rotary_base)(S)
+        y = model(x, **kwargs)
+        (y * gy).sum().backward()
+        out, dx, logits = y.detach(), x.grad, None
+    ps.all_reduce_sequence_parallel_grads(model.parameters())
+    return dict(out=out, dx=dx, logits=logits,
+                params={n: p.detach().clone() for n, p in model.named_parameters()},
+                grads={n: p.grad.clone() for n, p in model.named_parameters()})
+
+
+# ----------------------------------------------------------------------------- the worlds
+
+def _worker_suite(tp: int) -> dict:
+    rank = dist.get_rank()
+    checks = {}
+    for name, check in CHECKS.items():
+        ex = Expect(prefix=f"[rank {rank}] ")
+        check(ex)
+        checks[name] = ex.failures
+    cases = {label: run_case(case_spec(label, tp)) for label in CASES}
+    return dict(checks=checks, cases=cases)
+
+
+@pytest.fixture(scope="module", params=TPS, ids=lambda tp: f"tp{tp}")
+def world(request):
+    """One spawned world of `tp` processes (grid tp x 1 x 1) running every check and case."""
+    tp = request.param
+    return tp, run_distributed(_worker_suite, tp, tp, tp=tp, timeout=300)
+
+
+def _assert_check(world, name):
+    _, results = world
+    failures = [f for r in results for f in r["checks"][name]]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_layer_against_dense(world, name):
+    _assert_check(world, name)
+
+
+_DENSE: dict[str, dict] = {}
+
+
+def _dense(spec):
+    key = repr({k: v for k, v in spec.items() if k != "sp"})
+    if key not in _DENSE:
+        assert not ps.model_parallel_is_initialized()
+        _DENSE[key] = run_case(spec)
+    return _DENSE[key]
+
+
+@pytest.mark.parametrize("label", CASES)
+def test_module_matches_tp1(world, label, no_grid):
+    """Output, input grad, every parameter and every parameter grad equal the tp=1 model."""
+    tp, results = world
+    spec = case_spec(label, tp)
+    ref = _dense(spec)
+    cfg = ModelConfig(**spec["cfg"])
+    dense_params = dict(_build_dense_params(spec))
+    ex = Expect()
+    sp = spec["sp"]
+    results = [r["cases"][label] for r in results]
+    if sp and spec["kind"] != "gpt":
+        ex.close(torch.cat([r["out"] for r in results], 0), ref["out"], "output (sequence shards)")
+        ex.close(torch.cat([r["dx"] for r in results], 0), ref["dx"], "input grad (shards)")
+    else:
+        for rank, r in enumerate(results):
+            ex.close(r["out"], ref["out"], f"rank {rank} output/loss")
+            if r["dx"] is not None:
+                ex.close(r["dx"], ref["dx"], f"rank {rank} input grad")
+    ex.true(set(ref["grads"]) == set(results[0]["grads"]),
+            f"parameter names differ: {sorted(ref['grads'])} vs {sorted(results[0]['grads'])}")
+    for name, p in dense_params.items():
+        rows = getattr(p, "full_rows", None) or p.shape[0]
+        for what in ("params", "grads"):
+            full = unshard_tensors([r[what][name] for r in results], p)
+            if what == "params":  # layout-independent init: bitwise equal on real rows
+                ex.true(torch.equal(full[:rows], ref[what][name][:rows]),
+                        f"{name}: tp={tp} init differs from tp=1 init")
+            else:
+                ex.close(full[:rows], ref[what][name][:rows], f"{name} grad")
+            ex.true(bool((full[rows:] == 0).all()), f"{name} {what}: padded vocab rows not zero")
+    if spec["kind"] == "gpt":
+        for rank, r in enumerate(results):
+            ex.true(r["logits"].shape == (B, S, ModelConfig(**spec["cfg"]).padded_vocab_size(tp)
+                                          // tp),
+                    f"rank {rank} logits shape {tuple(r['logits'].shape)} != [b, s, v_pad/tp]")
+        logits = torch.cat([r["logits"] for r in results], -1)
+        ex.close(logits[..., :cfg.vocab_size], ref["logits"][..., :cfg.vocab_size],
+                 "vocab-parallel logits (gathered)")
+    assert not ex.failures, f"{label} at tp={tp}:\n" + "\n".join(ex.failures)
+
+
+def _build_dense_params(spec):
+    """Parameters of the dense model (for their sharding attributes), without running it."""
+    cfg = ModelConfig(**spec["cfg"])
+    if spec["kind"] == "gpt":
+        model = GPTModel(cfg)
+    else:
+        model = {"attention": lambda: SelfAttention(cfg, 0), "mlp": lambda: MLP(cfg),
+                 "layer": lambda: TransformerLayer(cfg, 0)}[spec["kind"]]()
+    return model.named_parameters()
+
+
+# ----------------------------------------------------------------------------- single process
+
+def _hf_rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _hf_rope(q, positions, dim, base=10000.0):
+    """HF Llama's RoPE, written independently: q `[b, n, s, d]`, float32 frequencies."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return q * emb.cos() + _hf_rotate_half(q) * emb.sin()
+
+
+def test_rotary_matches_hf_llama(no_grid):
+    s, b, n, d = 16, 2, 3, 8
+    q = _randn(s, b, n, d, seed=1)
+    cos, sin = RotaryEmbedding(d)(s)
+    assert cos.shape == sin.shape == (s, 1, 1, d)
+    ours = apply_rotary_pos_emb(q, cos, sin).permute(1, 2, 0, 3)
+    hf = _hf_rope(q.permute(1, 2, 0, 3), torch.arange(s), d)
+    torch.testing.assert_close(ours, hf, rtol=1e-5, atol=1e-5)
+    # an offset gives the same angles as the tail of a longer table (decoding with a cache)
+    cos2, sin2 = RotaryEmbedding(d)(4, offset=5)
+    torch.testing.assert_close(cos2, RotaryEmbedding(d)(9)[0][5:])
+    # relative: <rope(q, m), rope(k, n)> depends only on m - n
+    k = _randn(1, 1, 1, d, seed=2)
+    qq = q[:1, :1, :1]
+    cos, sin = RotaryEmbedding(d)(12)
+    rot = lambda t, m: apply_rotary_pos_emb(t, cos[m:m + 1], sin[m:m + 1])  # noqa: E731
+    torch.testing.assert_close((rot(qq, 7) * rot(k, 4)).sum(), (rot(qq, 3) * rot(k, 0)).sum(),
+                               rtol=1e-5, atol=1e-5)
+
+
+def _naive_attention(attn, cfg, x, rope):
+    """softmax(Q K^T / sqrt(d) + causal mask) V per head from the documented fused-QKV layout."""
+    s, b, _ = x.shape
+    n, g, d = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
+    hpg = n // g
+    W = attn.linear_qkv.weight.detach().view(g, hpg + 2, d, H)
+    bias = attn.linear_qkv.bias.detach().view(g, hpg + 2, d)
+    q = torch.einsum("sbh,gjdh->sbgjd", x, W[:, :hpg]) + bias[:, :hpg]
+    k = torch.einsum("sbh,gdh->sbgd", x, W[:, hpg]) + bias[:, hpg]
+    v = torch.einsum("sbh,gdh->sbgd", x, W[:, hpg + 1]) + bias[:, hpg + 1]
+    q, k, v = q.reshape(s, b, n, d).permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
+    if rope:
+        q, k = _hf_rope(q, torch.arange(s), d), _hf_rope(k, torch.arange(s), d)
+    mask = torch.ones(s, s, dtype=torch.bool).triu(1)
+    heads = []
+    for i in range(n):
+        scores = q[:, i] @ k[:, i // hpg].transpose(-1, -2) / math.sqrt(d)
+        heads.append(scores.masked_fill(mask, float("-inf")).softmax(-1) @ v[:, i // hpg])
+    out = torch.stack(heads, 2).permute(1, 0, 2, 3).reshape(s, b, n * d)  # [s, b, n*d]
+    return F.linear(out, attn.linear_proj.weight.detach(), attn.linear_proj.bias.detach())
+
+
+class _Cache:
+    def __init__(self):
+        self.k = self.v = None
+
+    def update(self, layer_number, k, v):
+        self.k = k if self.k is None else torch.cat([self.k, k], 2)
+        self.v = v if self.v is None else torch.cat([self.v, v], 2)
+        return self.k, self.v
+
+
+@pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
+@pytest.mark.parametrize("rope", [False, True], ids=["norope", "rope"])
+def test_attention_matches_naive_softmax(gqa, rope, no_grid):
+    cfg = ModelConfig(**_attention_cfg(4, gqa, rope))
+    attn = SelfAttention(cfg, 0)
+    initialize_parameters(attn, 7, 0.3, 1)
+    with torch.no_grad():
+        attn.linear_qkv.bias.normal_(0, 0.3, generator=torch.Generator().manual_seed(8))
+        attn.linear_proj.bias.normal_(0, 0.3, generator=torch.Generator().manual_seed(9))
+    x = _randn(S, B, H, seed=3)
+    rotary = RotaryEmbedding(cfg.kv_channels)
+    with torch.no_grad():
+        full = attn(x, rotary=rotary(S) if rope else None)
+        torch.testing.assert_close(full, _naive_attention(attn, cfg, x, rope), rtol=1e-5,
+                                   atol=1e-5)
+        # KV-cache decoding: prompt, then 2 tokens (sq < sk, masked), then 1 token
+        cache, outs, pos = _Cache(), [], 0
+        for n in (S - 3, 2, 1):
+            outs.append(attn(x[pos:pos + n], rotary=rotary(n, pos) if rope else None,
+                             kv_cache=cache))
+            pos += n
+        torch.testing.assert_close(torch.cat(outs, 0), full, rtol=1e-5, atol=1e-5)
+
+
+def test_cross_entropy_rejects_bad_label_smoothing(no_grid):
+    with pytest.raises(ValueError, match="label_smoothing"):
+        vocab_parallel_cross_entropy(torch.zeros(2, 4), torch.zeros(2, dtype=torch.long),
+                                     label_smoothing=1.0)

@@ -1,0 +1,241 @@
+"""The process grid (ranks, groups, stages, errors), the TP-aware RNG tracker, and the model
+config's TP checks. One world of 8 processes answers every multi-process question."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import parallel_state as ps
+from distributed import run_distributed
+from models import ConfigError, GPTModel, ModelConfig
+from parallel_state.random import MODEL_PARALLEL_RNG, RNGStatesTracker
+
+WORLD = 8
+
+
+# ----------------------------------------------------------------------------- worker side
+
+def _ranks(group):
+    return None if group is None else dist.get_process_group_ranks(group)
+
+
+def _describe() -> dict:
+    return dict(
+        tp=(ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()),
+        dp=(ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()),
+        pp=(ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()),
+        tp_group=_ranks(ps.get_tensor_model_parallel_group()),
+        dp_group=_ranks(ps.get_data_parallel_group()),
+        pp_group=_ranks(ps.get_pipeline_model_parallel_group()),
+        mp_group=_ranks(ps.get_model_parallel_group()),
+        embedding_group=_ranks(ps.get_embedding_group()),
+        first=ps.is_pipeline_first_stage(), last=ps.is_pipeline_last_stage(),
+        next=ps.get_pipeline_model_parallel_next_rank(),
+        prev=ps.get_pipeline_model_parallel_prev_rank(),
+    )
+
+
+def _error(fn, *args) -> str | None:
+    try:
+        fn(*args)
+    except (ps.GridError, ConfigError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _rng_draws() -> dict:
+    """Dropout masks from the default and the TP stream, and an exact replay of the TP stream."""
+    ps.model_parallel_seed(1234, ps.get_tensor_model_parallel_rank(),
+                           ps.get_pipeline_model_parallel_rank())
+    tracker, x = ps.get_rng_tracker(), torch.ones(256)
+    default_mask = ps.dropout(x, 0.5, training=True, sharded=False) != 0
+    before_fork = torch.get_rng_state()
+    states = tracker.get_states()
+    tp_mask = ps.dropout(x, 0.5, training=True, sharded=True) != 0
+    default_untouched = torch.equal(torch.get_rng_state(), before_fork)
+    advanced = not torch.equal(tracker.get_states()[MODEL_PARALLEL_RNG], states[MODEL_PARALLEL_RNG])
+    tracker.set_states(states)  # recompute: replay the region exactly
+    replay = ps.dropout(x, 0.5, training=True, sharded=True) != 0
+    return dict(default=default_mask, tp=tp_mask, replay_equal=torch.equal(replay, tp_mask),
+                default_untouched=default_untouched, tp_stream_advanced=advanced)
+
+
+def _grid_suite() -> dict:
+    out = {"tp2pp2": _describe()}
+    out["twice"] = _error(ps.initialize_model_parallel, 2, 2)
+    ps.destroy_model_parallel()  # the grid only; the world stays up
+    out["no_grid_getter"] = _error(ps.get_tensor_model_parallel_group)
+    out["not_divisible"] = _error(ps.initialize_model_parallel, 3, 1)
+    out["not_divisible_pp"] = _error(ps.initialize_model_parallel, 2, 3)
+    out["non_positive"] = _error(ps.initialize_model_parallel, 0, 1)
+    ps.initialize_model_parallel(4, 1, device="cpu")
+    out["tp4pp1"] = _describe()
+    out["rng"] = _rng_draws()
+    out["bad_model"] = _error(GPTModel, ModelConfig(hidden_size=48, num_attention_heads=6,
+                                                    num_layers=1))
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(2, 2, 2, device="cpu")  # vpp = 2 chunks per stage
+    vpp = []
+    for chunk in range(2):
+        ps.set_virtual_pipeline_model_parallel_rank(chunk)
+        vpp.append((ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage(),
+                    ps.is_pipeline_first_stage(ignore_virtual=True),
+                    ps.is_pipeline_last_stage(ignore_virtual=True)))
+    out["vpp"] = vpp
+    return out
+
+
+@pytest.fixture(scope="module")
+def grid8():
+    return run_distributed(_grid_suite, WORLD, tp=2, pp=2, timeout=180)
+
+
+# ----------------------------------------------------------------------------- expectations
+
+def _megatron_coords(rank, tp, pp, world=WORLD):
+    dp = world // (tp * pp)
+    pp_rank, rest = divmod(rank, dp * tp)
+    dp_rank, tp_rank = divmod(rest, tp)
+    return tp_rank, dp_rank, pp_rank, dp
+
+
+def test_tp2_pp2_groups_follow_megatron_order(grid8):
+    tp_groups = [[0, 1], [2, 3], [4, 5], [6, 7]]
+    dp_groups = [[0, 2], [1, 3], [4, 6], [5, 7]]
+    pp_groups = [[0, 4], [1, 5], [2, 6], [3, 7]]
+    mp_groups = [[0, 1, 4, 5], [2, 3, 6, 7]]
+    for rank, r in enumerate(g["tp2pp2"] for g in grid8):
+        tp_rank, dp_rank, pp_rank, dp = _megatron_coords(rank, 2, 2)
+        assert (r["tp"], r["dp"], r["pp"]) == ((tp_rank, 2), (dp_rank, 2), (pp_rank, 2)), rank
+        assert r["tp_group"] in tp_groups and rank in r["tp_group"], (rank, r)
+        assert r["dp_group"] in dp_groups and rank in r["dp_group"], (rank, r)
+        assert r["pp_group"] in pp_groups and rank in r["pp_group"], (rank, r)
+        assert r["mp_group"] in mp_groups and rank in r["mp_group"], (rank, r)
+        assert r["embedding_group"] == r["pp_group"], (rank, r)  # first + last stage
+        assert (r["first"], r["last"]) == (pp_rank == 0, pp_rank == 1), rank
+        other = r["pp_group"][1 - pp_rank]
+        assert r["next"] == other and r["prev"] == other, (rank, r)  # 2 stages: wraps around
+
+
+def test_tp4_pp1_groups(grid8):
+    for rank, r in enumerate(g["tp4pp1"] for g in grid8):
+        assert r["tp"] == (rank % 4, 4) and r["dp"] == (rank // 4, 2) and r["pp"] == (0, 1)
+        assert r["tp_group"] == list(range(rank - rank % 4, rank - rank % 4 + 4))
+        assert r["dp_group"] == [rank % 4, rank % 4 + 4]
+        assert r["pp_group"] == [rank]
+        assert r["mp_group"] == r["tp_group"]
+        assert r["embedding_group"] is None
+        assert r["first"] and r["last"] and r["next"] == rank and r["prev"] == rank
+
+
+def test_virtual_pipeline_stages(grid8):
+    for rank, g in enumerate(grid8):
+        pp_rank = rank // 4
+        (f0, l0, f0i, l0i), (f1, l1, f1i, l1i) = g["vpp"]
+        assert (f0, l0) == (pp_rank == 0, False), rank  # chunk 0 of stage 0 is the first
+        assert (f1, l1) == (False, pp_rank == 1), rank  # chunk 1 of the last stage is the last
+        assert f0i == f1i == (pp_rank == 0) and l0i == l1i == (pp_rank == 1), rank
+
+
+def test_grid_errors_name_the_fix(grid8):
+    r = grid8[0]
+    assert r["twice"] and "called twice" in r["twice"] and "destroy_model_parallel" in r["twice"]
+    assert r["no_grid_getter"] and "initialize_model_parallel" in r["no_grid_getter"]
+    for key, sizes in (("not_divisible", "(3)"), ("not_divisible_pp", "(3)")):
+        msg = r[key]
+        assert msg and msg.startswith("GridError") and "world size 8" in msg, msg
+        assert "tensor-model-parallel-size" in msg and "--tp/--pp" in msg and sizes in msg, msg
+    assert r["non_positive"] and "must be >= 1" in r["non_positive"]
+    assert all(g["twice"] and g["not_divisible"] for g in grid8)  # every rank, not just rank 0
+
+
+def test_model_rejects_heads_not_divisible_by_tp(grid8):
+    msg = grid8[0]["bad_model"]
+    assert msg and "ConfigError" in msg and "--num-attention-heads" in msg, msg
+
+
+def test_rng_tracker_across_ranks(grid8):
+    rng = [g["rng"] for g in grid8]  # tp4 x dp2 grid: rank = dp_rank * 4 + tp_rank
+    for r in rng:
+        assert r["replay_equal"] and r["default_untouched"] and r["tp_stream_advanced"]
+        assert 0.3 < r["tp"].float().mean() < 0.7
+    for rank in range(WORLD):
+        assert torch.equal(rng[rank]["default"], rng[0]["default"]), "default stream must agree"
+        assert torch.equal(rng[rank]["tp"], rng[rank % 4]["tp"]), "DP replicas must agree"
+    for a in range(4):
+        for b in range(a + 1, 4):
+            assert not torch.equal(rng[a]["tp"], rng[b]["tp"]), f"TP ranks {a} and {b} share masks"
+    assert not torch.equal(rng[0]["tp"], rng[0]["default"])
+
+
+# ----------------------------------------------------------------------------- single process
+
+def test_getters_without_a_grid(no_grid):
+    assert not ps.model_parallel_is_initialized()
+    assert ps.get_tensor_model_parallel_world_size() == 1 and ps.get_tensor_model_parallel_rank() == 0
+    assert ps.get_data_parallel_world_size() == 1 and ps.get_pipeline_model_parallel_world_size() == 1
+    assert ps.is_pipeline_first_stage() and ps.is_pipeline_last_stage()
+    for getter in (ps.get_grid, ps.get_tensor_model_parallel_group, ps.get_data_parallel_group,
+                   ps.get_pipeline_model_parallel_next_rank):
+        with pytest.raises(ps.GridError, match="initialize_model_parallel"):
+            getter()
+
+
+@pytest.mark.skipif(dist.is_available() and dist.is_initialized(),
+                    reason="this process already runs a world")
+def test_initialize_requires_a_world_then_single_process_world(no_grid):
+    with pytest.raises(ps.GridError, match="initialize_distributed"):
+        ps.initialize_model_parallel(1, 1)
+    if "RANK" in os.environ:
+        pytest.skip("RANK is set: initialize_distributed would join that world")
+    try:
+        ps.initialize_distributed("cpu")
+        grid = ps.initialize_model_parallel(1, 1, device="cpu")
+        assert grid.tensor_model_parallel_size == grid.data_parallel_size == 1
+        assert ps.get_pipeline_model_parallel_next_rank() == 0
+    finally:
+        ps.destroy_model_parallel()  # we started the world, so this ends it too
+    assert not dist.is_initialized() and "RANK" not in os.environ
+
+
+def test_rng_tracker_single_process():
+    tracker = RNGStatesTracker()
+    tracker.add("a", 1)
+    with pytest.raises(ValueError, match="already exists"):
+        tracker.add("a", 2)
+    with pytest.raises(KeyError, match="model_parallel_seed"):
+        with tracker.fork("missing"):
+            pass
+    x = torch.ones(16)
+    assert ps.dropout(x, 0.0, training=True, sharded=True) is x
+    assert ps.dropout(x, 0.5, training=False, sharded=False) is x
+    # the seeds model_parallel_seed documents: default = seed + 100 * pp, TP = default + 2718 + tp
+    ps.model_parallel_seed(7, tp_rank=1, pp_rank=2)
+    default = torch.rand(4)
+    with ps.get_rng_tracker().fork():
+        tp_draw = torch.rand(4)
+    torch.manual_seed(7 + 200)
+    assert torch.equal(default, torch.rand(4))
+    torch.manual_seed(7 + 200 + 2718 + 1)
+    assert torch.equal(tp_draw, torch.rand(4))
+
+
+@pytest.mark.parametrize("kwargs,tp,flag", [
+    (dict(hidden_size=48, num_attention_heads=6), 4, "--num-attention-heads"),
+    (dict(hidden_size=64, num_attention_heads=8, num_query_groups=2), 4, "--num-query-groups"),
+    (dict(hidden_size=64, num_attention_heads=8, num_query_groups=3), 1, "--num-query-groups"),
+    (dict(hidden_size=64, num_attention_heads=4, ffn_hidden_size=66), 4, "--ffn-hidden-size"),
+])
+def test_model_config_validate_names_the_flag(kwargs, tp, flag):
+    with pytest.raises(ConfigError) as e:
+        ModelConfig(**kwargs).validate(tp)
+    assert flag in str(e.value), str(e.value)
+    if tp > 1:
+        assert "--tensor-model-parallel-size" in str(e.value), str(e.value)
+
+
+def test_model_config_accepts_gqa_divisible_by_tp():
+    ModelConfig(hidden_size=64, num_attention_heads=8, num_query_groups=4).validate(4)
