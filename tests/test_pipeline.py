@@ -101,3 +101,33 @@ def test_pipeline_matches_single_process(case, references, tmp_path, corpus_env)
             assert any(torch.equal(last, first) for first in firsts)
             pairs += 1
         assert pairs == len(lasts)
+
+
+@pytest.mark.parametrize("vpp", [1, 2])
+def test_profiled_schedule_has_theoretical_bubble(vpp, tmp_path, corpus_env):
+    """--profile-pipeline records the executed schedule; re-timed with uniform costs (F = 1,
+    B = 2) the recorded order of every stage has exactly the bubble (p-1)/(v*m) of Narayanan et
+    al. 2021 sec. 2.2, for 1F1B and interleaved 1F1B (pp = 4, m = 8)."""
+    import json
+
+    from launch import read_metrics, run_train
+    from training.timeline import Span, replay
+
+    args = LLAMA + ["--pp", "4", "--num-layers", "8", "--micro-batch-size", "1",
+                    "--global-batch-size", "8", "--train-iters", "2", "--eval-interval", "0",
+                    "--profile-pipeline", "--no-tensorboard"]
+    if vpp > 1:
+        args += ["--vpp", str(vpp)]
+    run_train(4, args, tmp_path, env=corpus_env)
+    record = [r for r in read_metrics(tmp_path) if "bubble_theory" in r][0]
+    assert record["bubble_theory"] == pytest.approx(3 / (vpp * 8))
+    assert len(record["bubble_replay"]) == len(record["bubble_wall"]) == 4
+    trace = json.loads((tmp_path / "pipeline_timeline.json").read_text())["traceEvents"]
+    per_rank = [[] for _ in range(4)]
+    for e in sorted(trace, key=lambda e: e["ts"]):
+        if e["cat"] in "FB":
+            _, chunk, mb = e["name"].split()
+            per_rank[e["tid"]].append(Span(e["cat"], int(chunk[1:]), int(mb[2:]), 0, 0,
+                                           1.0 if e["cat"] == "F" else 2.0))
+    assert all(len(spans) == 2 * 8 * vpp for spans in per_rank)
+    assert replay(per_rank, 4, vpp) == pytest.approx([3 / (vpp * 8)] * 4, abs=1e-9)

@@ -14,6 +14,7 @@ With pp = 2 the next and previous ranks are the same peer and the rule still pai
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,19 @@ import torch.distributed as dist
 import parallel_state as ps
 
 FORWARD_TAG, BACKWARD_TAG = 0, 1
+
+_timeline = None  # a training.timeline.Timeline while a profiled schedule runs
+
+
+@contextlib.contextmanager
+def recording(timeline):
+    """Record every exchange of the enclosed block as a communication span of `timeline`."""
+    global _timeline
+    previous, _timeline = _timeline, timeline
+    try:
+        yield
+    finally:
+        _timeline = previous
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -70,8 +84,9 @@ def communicate(spec: TensorSpec, *, send_next: Tensors | None = None,
     for t in from_next or ():
         ops.append(dist.P2POp(dist.irecv, t, nxt, group=group, tag=BACKWARD_TAG))
     if ops:
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
+        with _timeline.span("C") if _timeline is not None else contextlib.nullcontext():
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
     if spec.device.type == "cuda":
         torch.cuda.synchronize()  # a received buffer is read right after (Megatron does this)
     return from_prev, from_next

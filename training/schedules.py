@@ -278,10 +278,18 @@ def forward_backward_pipelining_with_interleaving(
 
 
 def get_forward_backward_func() -> Callable:
-    """The schedule for the current grid."""
+    """The schedule for the current grid; pass `timeline=` to record its spans."""
     if ps.get_pipeline_model_parallel_world_size() == 1:
-        return forward_backward_no_pipelining
-    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
-    if vpp is not None and vpp > 1:
-        return forward_backward_pipelining_with_interleaving
-    return forward_backward_pipelining_without_interleaving
+        schedule = forward_backward_no_pipelining
+    elif (ps.get_virtual_pipeline_model_parallel_world_size() or 1) > 1:
+        schedule = forward_backward_pipelining_with_interleaving
+    else:
+        schedule = forward_backward_pipelining_without_interleaving
+
+    def run(**kwargs):
+        with p2p.recording(kwargs.get("timeline")):
+            return schedule(**kwargs)
+
+    run.__name__ = run.__qualname__ = schedule.__name__
+    run.__doc__ = schedule.__doc__
+    return run

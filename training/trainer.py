@@ -23,7 +23,9 @@ from .distributed import DistributedDataParallel, all_reduce_embedding_grads
 from .metrics import MetricsLogger, format_duration, peak_memory_bytes
 from .optimizer import build_optimizer, clip_grads, learning_rate
 from .p2p import TensorSpec
+from .recompute import apply_recompute
 from .schedules import get_forward_backward_func
+from .timeline import Timeline, report as timeline_report
 
 
 def _rank0_print(*args) -> None:
@@ -133,6 +135,8 @@ def build_model(config: Config, device) -> list[GPTModel]:
                                 sequence_parallel=t.sequence_parallel)
     for chunk in chunks:
         chunk.init_weights(t.seed)
+        apply_recompute(chunk, t.recompute_granularity, t.recompute_method,
+                        t.recompute_num_layers)
     return [c.to(device) for c in chunks]
 
 
@@ -189,7 +193,7 @@ def _train(config: Config, device, on_end=None) -> list[dict]:
                  f"(padded {chunks[0].padded_vocab_size} at tp={t.tensor_model_parallel_size}); "
                  f"logging to {t.log_dir}")
 
-    records = []
+    records, profiles = [], []
     decay_iters = t.lr_decay_iters or t.train_iters
     tokens_per_iter = t.global_batch_size * m.seq_length
     start, window_start, window_iters = time.time(), time.time(), 0
@@ -203,9 +207,12 @@ def _train(config: Config, device, on_end=None) -> list[dict]:
                                  ps.get_data_parallel_group())
         for ddp in model:
             ddp.zero_grad_buffer()
+        timeline = Timeline() if t.profile_pipeline and iteration > 0 else None
         loss_sum = forward_backward(model=model, microbatches=microbatches,
                                     loss_scale=1.0 / float(num_tokens), spec=spec,
-                                    autocast_dtype=autocast_dtype)
+                                    autocast_dtype=autocast_dtype, timeline=timeline)
+        if timeline is not None:
+            profiles.append(_gather_timeline(timeline))
         for ddp in model:
             ddp.finish_grad_sync()
         ps.all_reduce_sequence_parallel_grads(params)
@@ -244,10 +251,43 @@ def _train(config: Config, device, on_end=None) -> list[dict]:
                             f"ppl {rec['valid_ppl']:.2f}", prefix="valid")
             records.append(rec)
             window_start = time.time()  # eval time is not training throughput
+    if profiles:
+        records.append(_report_bubble(profiles, config, logger))
     logger.close()
     if on_end is not None:
         records.append({"on_end": on_end(chunks)})
     return records
+
+
+def _gather_timeline(timeline: Timeline):
+    """Spans of the pipeline of DP replica 0 / TP rank 0, ordered by stage (on every rank)."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, timeline.spans)
+    stride = ps.get_data_parallel_world_size() * ps.get_tensor_model_parallel_world_size()
+    return [everyone[p * stride] for p in range(ps.get_pipeline_model_parallel_world_size())]
+
+
+def _report_bubble(profiles, config: Config, logger) -> dict:
+    """Median bubble per stage over the profiled steps, beside (p-1)/(v*m); logged on rank 0."""
+    t = config.train
+    pp, vpp = t.pipeline_model_parallel_size, t.virtual_pipeline_model_parallel_size or 1
+    steps = [timeline_report(p, pp, vpp, config.num_microbatches,
+                             t.log_dir if i == len(profiles) - 1 else None)
+             for i, p in enumerate(profiles)]
+    med = lambda xs: float(np.median(xs))  # noqa: E731
+    rec = {"bubble_theory": steps[0]["bubble_theory"],
+           "bubble_wall": [med([s["bubble_wall"][r] for s in steps]) for r in range(pp)],
+           "bubble_replay": [med([s["bubble_replay"][r] for s in steps]) for r in range(pp)],
+           "profiled_steps": len(steps), "pp": pp, "vpp": vpp,
+           "num_microbatches": config.num_microbatches}
+    fmt = lambda xs: " ".join(f"{x:.3f}" for x in xs)  # noqa: E731
+    logger.log(rec, f"pipeline bubble (idle / compute, median of {len(steps)} steps) for pp={pp} "
+                    f"vpp={vpp} m={config.num_microbatches}: theory (p-1)/(v*m) = "
+                    f"{rec['bubble_theory']:.3f} | replayed per stage: "
+                    f"{fmt(rec['bubble_replay'])} | wall per stage: {fmt(rec['bubble_wall'])} "
+                    f"| timeline: {os.path.join(t.log_dir, 'pipeline_timeline.json')}",
+               prefix="pipeline")
+    return rec
 
 
 def _measured_peak_tflops(device, autocast_dtype) -> float | None:

@@ -1,0 +1,153 @@
+"""Pipeline schedule timeline (`--profile-pipeline`): what each rank did when, and the bubble.
+
+Each rank records the start and end of every forward (F), backward (B) and communication
+(C) span of one training step, with wall-clock times and this thread's CPU time. Rank 0 gathers
+all ranks' spans and reports, per pipeline rank, the bubble fraction beside the theory of
+Narayanan et al. 2021 (SC21), sec. 2.2: bubble time / ideal compute time = (p - 1) / (v * m).
+
+Two measurements are reported:
+
+- *wall*: (step time - compute time) / compute time on each rank, from wall clocks. This is
+  the number to read on dedicated devices (GPUs).
+- *replay*: the executed schedule re-timed with each span's measured CPU time, every rank on
+  its own device: an F or B starts when the rank's previous span ended and its input (the
+  neighbouring virtual stage's output for that microbatch) exists; communication is taken as
+  instantaneous. On a CPU machine where several ranks share a core, wall times mix in the
+  other ranks' work; the replay removes that and measures the schedule itself.
+
+The spans are also written as a Chrome trace (`pipeline_timeline.json`, open in
+chrome://tracing or ui.perfetto.dev) and, when matplotlib is installed, a PNG.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from dataclasses import dataclass
+
+
+@dataclass
+class Span:
+    kind: str  # "F", "B" or "C"
+    chunk: int
+    microbatch: int
+    start: float  # wall seconds
+    end: float
+    cpu: float  # this thread's CPU seconds spent inside the span
+
+
+class Timeline:
+    """Spans of one rank for one training step."""
+
+    def __init__(self) -> None:
+        self.spans: list[Span] = []
+
+    @contextlib.contextmanager
+    def span(self, kind: str, chunk: int = -1, microbatch: int = -1):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            yield
+        finally:
+            self.spans.append(Span(kind, chunk, microbatch, t0, time.perf_counter(),
+                                   time.thread_time() - c0))
+
+
+def theoretical_bubble(pp: int, vpp: int, num_microbatches: int) -> float:
+    """(p - 1) / (v * m), Narayanan et al. 2021, sec. 2.2.2."""
+    return (pp - 1) / (vpp * num_microbatches)
+
+
+def wall_bubble(spans: list[Span]) -> float:
+    """(step time - compute time) / compute time from wall clocks of one rank."""
+    compute = [s for s in spans if s.kind in "FB"]
+    busy = sum(s.end - s.start for s in compute)
+    total = max(s.end for s in spans) - min(s.start for s in spans)
+    return (total - busy) / busy
+
+
+def replay(per_rank: list[list[Span]], pp: int, vpp: int) -> list[float]:
+    """Bubble per pipeline rank of the executed order re-timed with CPU durations.
+
+    `per_rank[r]` are pipeline rank r's spans in execution order. Virtual stage of chunk c on
+    rank r is c * pp + r; F(vs, j) needs F(vs - 1, j) done, B(vs, j) needs B(vs + 1, j) done
+    (and, on the last virtual stage, its own F).
+    """
+    last_vs = pp * vpp - 1
+    done: dict[tuple[str, int, int], float] = {}
+    queues = [[s for s in spans if s.kind in "FB"] for spans in per_rank]
+    clock, busy = [0.0] * pp, [0.0] * pp
+    pos = [0] * pp
+    while any(pos[r] < len(queues[r]) for r in range(pp)):
+        progressed = False
+        for r in range(pp):
+            if pos[r] >= len(queues[r]):
+                continue
+            s = queues[r][pos[r]]
+            vs = s.chunk * pp + r
+            if s.kind == "F":
+                dep = ("F", vs - 1, s.microbatch) if vs > 0 else None
+            else:
+                dep = ("B", vs + 1, s.microbatch) if vs < last_vs else ("F", vs, s.microbatch)
+            if dep is not None and dep not in done:
+                continue
+            start = max(clock[r], done[dep] if dep is not None else 0.0)
+            clock[r] = start + s.cpu
+            busy[r] += s.cpu
+            done[(s.kind, vs, s.microbatch)] = clock[r]
+            pos[r] += 1
+            progressed = True
+        if not progressed:
+            raise RuntimeError("timeline replay is stuck: the recorded schedule is inconsistent")
+    total = max(clock)
+    return [(total - b) / b for b in busy]
+
+
+def report(per_rank: list[list[Span]], pp: int, vpp: int, num_microbatches: int,
+           log_dir: str | None) -> dict:
+    """Bubble numbers per pipeline rank (`per_rank` ordered by pipeline rank), written to
+    `<log_dir>/pipeline_timeline.json` (+ PNG) when log_dir is given."""
+    theory = theoretical_bubble(pp, vpp, num_microbatches)
+    wall = [wall_bubble(s) for s in per_rank]
+    replayed = replay(per_rank, pp, vpp)
+    result = {"pp": pp, "vpp": vpp, "num_microbatches": num_microbatches,
+              "bubble_theory": theory, "bubble_wall": wall, "bubble_replay": replayed}
+    if log_dir:
+        os.makedirs(log_dir, exist_ok=True)
+        t0 = min(s.start for spans in per_rank for s in spans)
+        events = []
+        for r, spans in enumerate(per_rank):
+            for s in spans:
+                events.append({"name": f"{s.kind} c{s.chunk} mb{s.microbatch}", "ph": "X",
+                               "pid": 0, "tid": r, "ts": (s.start - t0) * 1e6,
+                               "dur": (s.end - s.start) * 1e6, "cat": s.kind})
+        with open(os.path.join(log_dir, "pipeline_timeline.json"), "w") as f:
+            json.dump({"traceEvents": events, "metadata": result}, f)
+        _maybe_png(per_rank, t0, os.path.join(log_dir, "pipeline_timeline.png"))
+    return result
+
+
+def _maybe_png(per_rank: list[list[Span]], t0: float, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # the PNG is optional
+        return
+    colors = {"F": "tab:blue", "B": "tab:green", "C": "lightgray"}
+    fig, ax = plt.subplots(figsize=(12, 0.6 * len(per_rank) + 1))
+    for r, spans in enumerate(per_rank):
+        for s in spans:
+            ax.barh(r, s.end - s.start, left=s.start - t0, color=colors[s.kind],
+                    edgecolor="black" if s.kind != "C" else None, linewidth=0.3)
+            if s.kind != "C":
+                ax.text(s.start - t0 + (s.end - s.start) / 2, r, str(s.microbatch),
+                        ha="center", va="center", fontsize=6)
+    ax.set_yticks(range(len(per_rank)), [f"stage {r}" for r in range(len(per_rank))])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds (wall)")
+    ax.set_title("pipeline timeline: F blue, B green, communication gray")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
