@@ -30,16 +30,22 @@ def _all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, vocab_size, label_smoothing, ignore_index):
-        logits = logits.float()
         part = logits.shape[-1]
         start = get_tensor_model_parallel_rank() * part
         valid_cols = (torch.arange(start, start + part, device=logits.device) < vocab_size)
+        # One float32 [s, b, v/tp] buffer, made once and then shifted, exponentiated and
+        # normalized in place (each extra buffer costs a full pass over memory); the caller's
+        # logits are never written.
+        work = logits.float()
+        owned = work is not logits  # a fresh copy (from bf16/fp16) may be written in place
         if not bool(valid_cols.all()):
-            logits = logits.masked_fill(~valid_cols, float("-inf"))
-
-        logits_max = logits.max(dim=-1).values
+            work = work.masked_fill_(~valid_cols, float("-inf")) if owned else \
+                work.masked_fill(~valid_cols, float("-inf"))
+            owned = True
+        logits_max = work.max(dim=-1).values
         _all_reduce(logits_max, dist.ReduceOp.MAX)
-        shifted = logits - logits_max.unsqueeze(-1)
+        shifted = work.sub_(logits_max.unsqueeze(-1)) if owned else \
+            work - logits_max.unsqueeze(-1)
 
         ignored = target == ignore_index
         in_range = (target >= start) & (target < start + part) & ~ignored
@@ -47,15 +53,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         predicted = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
         predicted = predicted.masked_fill(~in_range, 0.0)
         _all_reduce(predicted)
+        if label_smoothing > 0:
+            sum_shifted = shifted.masked_fill(~valid_cols, 0.0).sum(dim=-1)
+            _all_reduce(sum_shifted)
 
-        exp = shifted.exp()
+        exp = shifted.exp_()
         sum_exp = exp.sum(dim=-1)
         _all_reduce(sum_exp)
         log_z = sum_exp.log()
         loss = log_z - predicted
         if label_smoothing > 0:
-            sum_shifted = shifted.masked_fill(~valid_cols, 0.0).sum(dim=-1)
-            _all_reduce(sum_shifted)
             mean_neg_log_p = log_z - sum_shifted / vocab_size
             loss = (1.0 - label_smoothing) * loss + label_smoothing * mean_neg_log_p
         loss = loss.masked_fill(ignored, 0.0)

@@ -4,6 +4,10 @@ Splitting fc1 by columns and fc2 by rows needs no communication between them, si
 SwiGLU are elementwise on the split dim (Shoeybi et al. 2019, sec. 3, Fig. 3a). SwiGLU
 (Shazeer 2020, eq. 6) fuses gate and up projections into one fc1 weight `[gate; up]` whose two
 blocks are split separately, so each rank holds matching gate/up columns.
+
+SwiGLU runs as one autograd function on the fused fc1 output: its backward writes the gate and
+up gradients straight into one `[.., 2f]` buffer, instead of autograd's two half-size gradients
+concatenated by the split's backward (an extra pass over the largest activation).
 """
 from __future__ import annotations
 
@@ -12,6 +16,32 @@ import torch.nn.functional as F
 from torch import nn
 
 from .linear import ColumnParallelLinear, RowParallelLinear
+
+
+class _SwiGLU(torch.autograd.Function):
+    """`[..., 2f] = [gate; up] -> silu(gate) * up  [..., f]` (Shazeer 2020, eq. 6)."""
+
+    @staticmethod
+    def forward(ctx, fused):
+        gate, up = fused.chunk(2, dim=-1)
+        act = F.silu(gate)
+        ctx.save_for_backward(fused, act)
+        return act * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        fused, act = ctx.saved_tensors
+        gate, up = fused.chunk(2, dim=-1)
+        grad_fused = torch.empty_like(fused)
+        grad_gate, grad_up = grad_fused.chunk(2, dim=-1)
+        torch.mul(grad, act, out=grad_up)
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
+        return grad_fused
+
+
+def swiglu(fused: torch.Tensor) -> torch.Tensor:
+    """SwiGLU on a fused `[..., 2f]` tensor `[gate; up]` -> `[..., f]`."""
+    return _SwiGLU.apply(fused)
 
 
 class MLP(nn.Module):
@@ -31,8 +61,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear_fc1(x)
         if self.swiglu:
-            gate, up = y.chunk(2, dim=-1)
-            y = F.silu(gate) * up
+            y = swiglu(y)
         else:
             y = F.gelu(y, approximate="tanh")
         return self.linear_fc2(y)

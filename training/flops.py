@@ -20,6 +20,13 @@ norms, activations, softmax and the loss are not matmuls and are not counted.
 """
 from __future__ import annotations
 
+import time
+
+import torch
+
+# Dense bf16 peak of one GPU from the data sheets (no sparsity), TFLOP/s.
+GPU_PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+
 
 def forward_flops_per_token(config, seq_length: int | None = None,
                             vocab_size: int | None = None) -> float:
@@ -52,3 +59,47 @@ def training_flops_per_token(config, seq_length: int | None = None,
     `forward_flops_per_token`.
     """
     return 3.0 * forward_flops_per_token(config, seq_length, vocab_size)
+
+
+def measured_matmul_peak(dtype: torch.dtype, device: torch.device, n: int = 2048,
+                         repeats: int = 8) -> float:
+    """Best FLOP/s of `repeats` timed `[n, n] x [n, n]` matmuls in `dtype` on `device`."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    torch.matmul(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        torch.matmul(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n ** 3 / best
+
+
+def peak_flops(device: torch.device) -> dict[str, tuple[float, str]]:
+    """`{"fp32"|"bf16": (FLOP/s, how it was obtained)}`."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, tflops in GPU_PEAK_BF16_TFLOPS.items():
+            if key in name:
+                # fp32 runs on TF32 tensor cores at half the bf16 rate when allowed; quote bf16.
+                return {"bf16": (tflops * 1e12, f"{key} data sheet"),
+                        "fp32": (tflops * 1e12 / 2, f"{key} data sheet, TF32")}
+        n = 8192
+        return {"fp32": (measured_matmul_peak(torch.float32, device, n), f"measured {n}^3"),
+                "bf16": (measured_matmul_peak(torch.bfloat16, device, n), f"measured {n}^3")}
+    n = 2048
+    return {"fp32": (measured_matmul_peak(torch.float32, device, n), f"measured {n}^3 matmul"),
+            "bf16": (measured_matmul_peak(torch.bfloat16, device, n), f"measured {n}^3 matmul")}
+
+
+
+
+def measure_peak_tflops(device: torch.device, dtype: torch.dtype = torch.float32) -> float:
+    """Peak TFLOP/s of one device for MFU: the data sheet on known GPUs, else measured."""
+    if device.type == "cuda":
+        return peak_flops(device)["bf16" if dtype == torch.bfloat16 else "fp32"][0] / 1e12
+    return measured_matmul_peak(dtype, device, 2048, repeats=4) / 1e12
