@@ -10,6 +10,7 @@ import sys
 
 from models.config import ConfigError
 from training.arguments import parse_config
+from training.checkpoint_verify import CheckpointError
 
 
 def main(argv=None) -> int:
@@ -22,6 +23,10 @@ def main(argv=None) -> int:
         if os.environ.get("RANK", "0") == "0":  # every rank sees the same error; say it once
             print(f"train.py: configuration error: {e}", file=sys.stderr)
         return 2
+    except CheckpointError as e:  # raised alike on every rank, before any training step
+        if os.environ.get("RANK", "0") == "0":
+            print(f"train.py: checkpoint error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

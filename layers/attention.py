@@ -72,6 +72,7 @@ class SelfAttention(nn.Module):
         self.linear_proj = RowParallelLinear(
             config.query_projection_size, config.hidden_size, bias=config.add_bias_linear,
             sequence_parallel=sequence_parallel, init="scaled_normal")
+        self.checkpoint_fn = None  # selective recompute of the core attention (training/recompute.py)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
                 kv_cache=None) -> torch.Tensor:
@@ -88,7 +89,10 @@ class SelfAttention(nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_number, k, v)
-        out = self._core_attention(q, k, v)
+        if self.checkpoint_fn is not None and self.training and torch.is_grad_enabled():
+            out = self.checkpoint_fn(self._core_attention, q, k, v)
+        else:
+            out = self._core_attention(q, k, v)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
         return self.linear_proj(out)
 

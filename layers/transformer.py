@@ -51,14 +51,32 @@ class TransformerBlock(nn.Module):
         self.layers = nn.ModuleDict({
             str(n): TransformerLayer(config, n, sequence_parallel=sp) for n in layer_numbers})
         self.final_layernorm = build_norm(config, sequence_parallel=sp) if post_layer_norm else None
-        self.checkpoint_fn = None  # set by the recompute policy: fn(layer, x, *args) -> x
+        # Set by the recompute policy (training/recompute.py): `checkpoint_fn(fn, *tensors)`
+        # runs fn keeping only its inputs for backward; `recompute_spans` are the (start,
+        # stop) positions of the layer groups each checkpointed as one unit (training only).
+        self.checkpoint_fn = None
+        self.recompute_spans: list[tuple[int, int]] = []
 
     def forward(self, x: torch.Tensor, rotary=None, kv_cache=None) -> torch.Tensor:
-        for layer in self.layers.values():
-            if self.checkpoint_fn is not None and self.training:
-                x = self.checkpoint_fn(layer, x, rotary)
-            else:
+        layers = list(self.layers.values())
+        recompute = self.checkpoint_fn is not None and self.training and torch.is_grad_enabled()
+        done = 0
+        for start, stop in (self.recompute_spans if recompute else []) + [(len(layers),) * 2]:
+            for layer in layers[done:start]:
                 x = layer(x, rotary=rotary, kv_cache=kv_cache)
+            if stop > start:
+                x = self.checkpoint_fn(_run_layers(layers[start:stop]), x,
+                                       *(rotary if rotary is not None else ()))
+            done = stop
         if self.final_layernorm is not None:
             x = self.final_layernorm(x)
         return x
+
+
+def _run_layers(layers):
+    """`fn(x, *rotary) -> x` through `layers`: a checkpointable unit (tensors as arguments)."""
+    def run(x, *rotary):
+        for layer in layers:
+            x = layer(x, rotary=rotary or None)
+        return x
+    return run

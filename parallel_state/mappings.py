@@ -210,7 +210,10 @@ def all_reduce_sequence_parallel_grads(params) -> None:
     replicated norm weight is partial; forgetting this sum is the classic SP bug.
     """
     size, _ = _tp()
-    grads = [p.grad for p in params if p.grad is not None and getattr(p, "sequence_parallel", False)]
+    # `main_grad`: the float32 gradient under training.distributed (bf16 weights free `.grad`)
+    grads = [getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None
+             else p.grad for p in params if getattr(p, "sequence_parallel", False)]
+    grads = [g for g in grads if g is not None]
     if size == 1 or not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

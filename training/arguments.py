@@ -47,8 +47,10 @@ class TrainConfig:
     decoder_first_pipeline_num_layers: int | None = None
     decoder_last_pipeline_num_layers: int | None = None
     sequence_parallel: bool = False
-    use_distributed_optimizer: bool = False
+    use_distributed_optimizer: bool = False  # ZeRO-1: Adam states/main weights sharded over DP
     recompute_granularity: str | None = None  # None | "full" | "selective"
+    recompute_method: str | None = None  # full only: uniform (default) | block
+    recompute_num_layers: int | None = None  # full only: group size / checkpointed layers (1)
     micro_batch_size: int = 1
     global_batch_size: int | None = None  # None: micro_batch_size * data_parallel_size
     train_iters: int = 1000
@@ -63,7 +65,7 @@ class TrainConfig:
     adam_eps: float = 1.0e-8
     clip_grad: float = 1.0  # 0 disables gradient clipping
     seed: int = 1234
-    bf16: bool = False
+    bf16: bool = False  # bf16 weights/activations; fp32 main weights, grads, Adam states
     data_path: list[str] | None = None  # [prefix] or [w1, prefix1, w2, prefix2, ...]
     split: str = "969,30,1"
     tokenizer_model: str | None = None  # SentencePiece .model file or HF tokenizer folder
@@ -75,6 +77,11 @@ class TrainConfig:
     save: str | None = None
     load: str | None = None
     save_interval: int | None = None  # None: save only at the end when --save is given
+    keep_last: int | None = None  # keep the newest N complete checkpoints (None: all)
+    save_replica: str | None = None  # also copy each completed checkpoint here
+    async_save: bool = False  # write checkpoints in the background
+    load_rng: bool = True  # --no-load-rng: keep the fresh seeds on resume
+    load_optim: bool = True  # --no-load-optim: weights only (fresh AdamW moments)
     ddp_bucket_size: int = 40_000_000
     overlap_grad_reduce: bool = True
     peak_tflops: float | None = None  # None: measured at start-up
@@ -106,6 +113,7 @@ class Config:
         _check_pipeline(self.model, t)
         self.num_microbatches = _check_batch(t, self.data_parallel_size)
         _check_optimizer(t)
+        _check_recompute(self.model, t)
         _check_data(t)
         _check_run(t)
         return self
@@ -158,7 +166,7 @@ def _check_positive(t: TrainConfig, world_size: int) -> None:
                  "micro_batch_size", "train_iters", "log_interval", "ddp_bucket_size",
                  "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
                  "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-                 "global_batch_size", "lr_decay_iters", "save_interval"):
+                 "global_batch_size", "lr_decay_iters", "save_interval", "keep_last"):
         if getattr(t, name) is not None and getattr(t, name) < 1:  # None: unset, resolved later
             raise ConfigError(f"{_flag(name)} must be a positive integer, got {getattr(t, name)}")
 
@@ -274,6 +282,28 @@ def _check_optimizer(t: TrainConfig) -> None:
     _check_choice("recompute_granularity", t.recompute_granularity, (None, "full", "selective"))
 
 
+def _check_recompute(m: ModelConfig, t: TrainConfig) -> None:
+    """--recompute-method / --recompute-num-layers only with --recompute-granularity full, where
+    they default to uniform / 1 (every layer checkpointed on its own); num-layers must fit the
+    largest model chunk (a smaller chunk, e.g. an uneven first stage, checkpoints all its
+    layers under block)."""
+    _check_choice("recompute_method", t.recompute_method, (None, "uniform", "block"))
+    if t.recompute_granularity != "full":
+        for name in ("recompute_method", "recompute_num_layers"):
+            if getattr(t, name) is not None:
+                raise ConfigError(f"{_flag(name)} applies only to --recompute-granularity full "
+                                  f"(got {t.recompute_granularity}); drop it or pass "
+                                  f"--recompute-granularity full")
+        return
+    t.recompute_method = t.recompute_method or "uniform"
+    t.recompute_num_layers = 1 if t.recompute_num_layers is None else t.recompute_num_layers
+    chunk = max(_stage_layers(m.num_layers, t)) // (t.virtual_pipeline_model_parallel_size or 1)
+    if not 1 <= t.recompute_num_layers <= chunk:
+        raise ConfigError(f"--recompute-num-layers {t.recompute_num_layers} must be in [1, "
+                          f"{chunk}] (the layers of a model chunk: --num-layers {m.num_layers} "
+                          f"over pp x vpp); pick a value in that range")
+
+
 def parse_data_path(data_path: list[str]) -> list[tuple[float, str]]:
     """``[prefix]`` or ``[w1, prefix1, w2, prefix2, ...]`` -> ``[(weight, prefix), ...]``.
 
@@ -320,6 +350,7 @@ def _check_data(t: TrainConfig) -> None:
 
 
 def _check_run(t: TrainConfig) -> None:
+    _check_checkpointing(t)
     for name in ("eval_interval", "eval_iters"):
         if getattr(t, name) < 0:
             raise ConfigError(f"{_flag(name)} must be >= 0 (0 disables evaluation), "
@@ -330,6 +361,19 @@ def _check_run(t: TrainConfig) -> None:
     if t.tensorboard and not installed:
         raise ConfigError("--tensorboard is on but tensorboard is not installed; "
                           "pip install tensorboard, or pass --no-tensorboard")
+
+
+def _check_checkpointing(t: TrainConfig) -> None:
+    """--keep-last / --save-replica / --async-save need --save; a --load folder must exist
+    unless it is also --save (a restarted job resumes from it once a checkpoint exists)."""
+    for name in ("keep_last", "save_replica", "async_save", "save_interval"):
+        if getattr(t, name) not in (None, False) and not t.save:
+            raise ConfigError(f"{_flag(name)} needs --save DIR (where checkpoints go); add "
+                              f"--save or drop {_flag(name)}")
+    if t.load and not os.path.exists(t.load) and \
+            os.path.abspath(t.load) != os.path.abspath(t.save or ""):
+        raise ConfigError(f"--load {t.load} does not exist; pass the --save folder of an earlier "
+                          f"run (or one of its iter_XXXXXXX folders), or drop --load")
 
 
 def _check_choice(name: str, value: Any, choices: tuple) -> None:

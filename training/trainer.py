@@ -19,7 +19,11 @@ from models import GPTModel
 from models.pipeline import build_model_chunks
 
 from .arguments import Config
+from .checkpointing import Checkpointer, kill_hook, load_checkpoint
 from .distributed import DistributedDataParallel, all_reduce_embedding_grads
+from .distributed_optimizer import DistributedOptimizer, format_state_bytes, model_state_bytes
+from .memory import (activation_report, format_activation_report,
+                     measure_activation_bytes)
 from .metrics import MetricsLogger, format_duration, peak_memory_bytes
 from .optimizer import build_optimizer, clip_grads, learning_rate
 from .p2p import TensorSpec
@@ -96,8 +100,8 @@ def pipeline_spec(config: Config, device) -> TensorSpec:
     """What adjacent stages exchange: hidden states `[s, b, h]` (`[s/tp, b, h]` under SP)."""
     m, t = config.model, config.train
     s = m.seq_length // (t.tensor_model_parallel_size if t.sequence_parallel else 1)
-    return TensorSpec(shapes=((s, t.micro_batch_size, m.hidden_size),), dtype=torch.float32,
-                      device=device)
+    return TensorSpec(shapes=((s, t.micro_batch_size, m.hidden_size),),
+                      dtype=torch.bfloat16 if t.bf16 else torch.float32, device=device)
 
 
 def global_loss_sum(loss_sum: torch.Tensor) -> torch.Tensor:
@@ -135,6 +139,8 @@ def build_model(config: Config, device) -> list[GPTModel]:
                                 sequence_parallel=t.sequence_parallel)
     for chunk in chunks:
         chunk.init_weights(t.seed)
+        if t.bf16:  # Megatron's Float16Module: bf16 weights (the optimizer keeps fp32 copies)
+            chunk.to(torch.bfloat16)
         apply_recompute(chunk, t.recompute_granularity, t.recompute_method,
                         t.recompute_num_layers)
     return [c.to(device) for c in chunks]
@@ -168,22 +174,29 @@ def _train(config: Config, device, on_end=None) -> list[dict]:
     if m.vocab_size != tokenizer.vocab_size:
         m.vocab_size = tokenizer.vocab_size
         m.validate(t.tensor_model_parallel_size)
-    autocast_dtype = torch.bfloat16 if t.bf16 else None
+    autocast_dtype = None  # --bf16 means bf16 weights and activations, not autocast
 
     chunks = build_model(config, device)
     model = [DistributedDataParallel(c, data_parallel_group=ps.get_data_parallel_group(),
                                      bucket_size=t.ddp_bucket_size,
-                                     overlap_grad_reduce=t.overlap_grad_reduce) for c in chunks]
-    optimizer = build_optimizer(torch.nn.ModuleList(chunks), lr=t.lr,
-                                weight_decay=t.weight_decay,
-                                betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
+                                     overlap_grad_reduce=t.overlap_grad_reduce,
+                                     use_distributed_optimizer=t.use_distributed_optimizer)
+             for c in chunks]
+    if t.use_distributed_optimizer or t.bf16:  # fp32 main weights (sharded over DP: ZeRO-1)
+        optimizer = DistributedOptimizer(model, lr=t.lr, weight_decay=t.weight_decay,
+                                         betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                                         shard=t.use_distributed_optimizer)
+    else:
+        optimizer = build_optimizer(torch.nn.ModuleList(chunks), lr=t.lr,
+                                    weight_decay=t.weight_decay,
+                                    betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
     params = [p for c in chunks for p in c.parameters() if p.requires_grad]
     forward_backward = get_forward_backward_func()
     spec = pipeline_spec(config, device)
 
     from .flops import training_flops_per_token
     flops_per_token = training_flops_per_token(m)
-    peak = t.peak_tflops or _measured_peak_tflops(device, autocast_dtype)
+    peak = t.peak_tflops or _measured_peak_tflops(device, torch.bfloat16 if t.bf16 else None)
     is_logger = dist.get_rank() == 0
     logger = MetricsLogger(t.log_dir, enabled=is_logger,
                            tensorboard=t.tensorboard is not False)
@@ -192,12 +205,16 @@ def _train(config: Config, device, on_end=None) -> list[dict]:
     _rank0_print(f"model: {n_params / 1e6:.2f}M parameters, vocab {m.vocab_size} "
                  f"(padded {chunks[0].padded_vocab_size} at tp={t.tensor_model_parallel_size}); "
                  f"logging to {t.log_dir}")
+    _rank0_print(format_state_bytes(model_state_bytes(model, optimizer)))
+    activations = log_activation_memory(chunks, train_ds, config, device)
+    start_iteration = load_checkpoint(config, chunks, model, optimizer)  # 0: from scratch
+    checkpointer = Checkpointer(config) if t.save else None
 
     records, profiles = [], []
     decay_iters = t.lr_decay_iters or t.train_iters
     tokens_per_iter = t.global_batch_size * m.seq_length
     start, window_start, window_iters = time.time(), time.time(), 0
-    for iteration in range(t.train_iters):
+    for iteration in range(start_iteration, t.train_iters):
         lr = learning_rate(iteration, lr=t.lr, min_lr=t.min_lr, warmup_iters=t.lr_warmup_iters,
                            decay_iters=decay_iters, style=t.lr_decay_style)
         for group in optimizer.param_groups:
@@ -217,7 +234,10 @@ def _train(config: Config, device, on_end=None) -> list[dict]:
             ddp.finish_grad_sync()
         ps.all_reduce_sequence_parallel_grads(params)
         all_reduce_embedding_grads(params)
-        grad_norm = clip_grads(params, t.clip_grad)
+        if isinstance(optimizer, DistributedOptimizer):
+            grad_norm = optimizer.clip_grad_norm(t.clip_grad)
+        else:
+            grad_norm = clip_grads(params, t.clip_grad)
         optimizer.step()
         loss = float(global_loss_sum(loss_sum) / num_tokens)
         if not math.isfinite(loss):
@@ -234,7 +254,7 @@ def _train(config: Config, device, on_end=None) -> list[dict]:
                    "tokens_per_s": tps, "tflops": tflops,
                    "mfu": tflops / peak if peak else None,
                    "memory": peak_memory_bytes(device), "step_time_s": step_time,
-                   "elapsed_s": now - start}
+                   "elapsed_s": now - start, **activations}
             eta = (now - start) / it * (t.train_iters - it)
             logger.log(rec, f"iter {it:6d}/{t.train_iters} | loss {loss:.4f} | lr {lr:.3e} | "
                             f"grad norm {grad_norm:.3f} | {tps:,.0f} tok/s | "
@@ -251,12 +271,45 @@ def _train(config: Config, device, on_end=None) -> list[dict]:
                             f"ppl {rec['valid_ppl']:.2f}", prefix="valid")
             records.append(rec)
             window_start = time.time()  # eval time is not training throughput
+        if checkpointer and t.save_interval and it % t.save_interval == 0:
+            checkpointer.save(it, chunks, model, optimizer)
+        kill_hook(it)  # test hook (training/checkpointing.py); no-op unless its env var is set
+    if checkpointer:
+        if checkpointer.last_saved != max(start_iteration, t.train_iters):
+            checkpointer.save(max(start_iteration, t.train_iters), chunks, model, optimizer)
+        checkpointer.wait()
     if profiles:
         records.append(_report_bubble(profiles, config, logger))
     logger.close()
+    for ddp in model:
+        ddp.finish_param_sync()  # weights are read outside a forward from here on
     if on_end is not None:
         records.append({"on_end": on_end(chunks)})
     return records
+
+
+def log_activation_memory(chunks, dataset, config: Config, device) -> dict:
+    """Measure the activation bytes one microbatch saves for backward on every rank (RNG
+    untouched), print them on rank 0 beside the formulas, and return rank 0's figures for the
+    metrics records: the total, the decoder layers' share, and the layers' model-specific and
+    Korthikanti et al. predictions (training/memory.py)."""
+    t = config.train
+    batch = get_microbatches(dataset, 0, config, device)[0]
+    dtype = next(chunks[0].parameters()).dtype
+    measured = measure_activation_bytes(chunks, batch, pipeline_spec(config, device).shapes[0],
+                                        dtype=dtype)
+    report = activation_report(config.model, measured, micro_batch_size=t.micro_batch_size,
+                               tp=t.tensor_model_parallel_size, sp=t.sequence_parallel,
+                               granularity=t.recompute_granularity, method=t.recompute_method,
+                               recompute_num_layers=t.recompute_num_layers, dtype=dtype)
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, report["activation_bytes_per_microbatch"])
+    _rank0_print(format_activation_report(report) + " | per rank total (MiB): " +
+                 " ".join(f"{b / 2**20:.3f}" for b in per_rank))
+    return {"activation_bytes_per_microbatch": report["activation_bytes_per_microbatch"],
+            "activation_bytes_layers": report["activation_bytes_layers"],
+            "activation_bytes_layers_predicted": report["activation_bytes_layers_model_predicted"],
+            "activation_bytes_layers_paper": report["activation_bytes_layers_paper_predicted"]}
 
 
 def _gather_timeline(timeline: Timeline):

@@ -1,0 +1,64 @@
+"""Print a checkpoint's iteration, layout, model, files and verification status.
+
+    python tools/checkpoint_info.py runs/ckpt                  # the checkpoint `latest` names
+    python tools/checkpoint_info.py runs/ckpt/iter_0000010     # one checkpoint folder
+    python tools/checkpoint_info.py runs/ckpt --no-checksums   # sizes only (fast)
+
+Exit code 0 when the checkpoint is complete and every file matches metadata.json (size and
+sha256), 1 otherwise (the problems are printed, each naming the file and the fix).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from training.checkpoint_verify import (CONFIG, LATEST, CheckpointError,  # noqa: E402
+                                        complete_checkpoints, resolve_checkpoint, summarize)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("path", help="a --save folder or one iter_XXXXXXX checkpoint folder")
+    p.add_argument("--no-checksums", action="store_true", help="check sizes, not sha256")
+    p.add_argument("--show-config", action="store_true", help="print config.yaml too")
+    args = p.parse_args(argv)
+    try:
+        path = resolve_checkpoint(args.path)
+    except CheckpointError as e:
+        print(f"checkpoint: {args.path}\nstatus: BAD\n  {e}")
+        return 1
+    if path is None:
+        print(f"checkpoint: {args.path}\nstatus: BAD\n  no {LATEST} and no checkpoint folder")
+        return 1
+    root = os.path.dirname(os.path.normpath(path))
+    others = [os.path.basename(q) for _, q in complete_checkpoints(root)]
+    meta, problems = summarize(path, checksums=not args.no_checksums)
+    print(f"checkpoint: {path}")
+    if meta is not None:
+        lay, m = meta["layout"], meta["model"]
+        total = sum(f["bytes"] for f in meta["files"])
+        print(f"iteration: {meta['iteration']} (consumed samples {meta.get('consumed_samples')})")
+        print("layout: " + " ".join(f"{k}={v}" for k, v in lay.items()))
+        print(f"model: {m.get('name') or 'custom'}: layers {m['num_layers']}, hidden "
+              f"{m['hidden_size']}, heads {m['num_attention_heads']} (kv "
+              f"{m.get('num_query_groups')}), ffn {m.get('ffn_hidden_size')}, vocab "
+              f"{m['vocab_size']}, {m.get('position_embedding_type')}/{m.get('normalization')}"
+              f"/{m.get('activation')}")
+        print(f"files: {len(meta['files'])}, {total:,} bytes; torch {meta.get('torch_version')}")
+        print(f"checkpoints in {root}: {' '.join(others) or '-'}")
+        if args.show_config and os.path.isfile(os.path.join(path, CONFIG)):
+            print(open(os.path.join(path, CONFIG)).read())
+    if problems:
+        print("status: BAD")
+        for msg in problems:
+            print(f"  {msg}")
+        return 1
+    print("status: OK" + (" (sizes only)" if args.no_checksums else " (sizes and sha256)"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

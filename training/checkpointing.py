@@ -1,0 +1,485 @@
+"""Sharded, layout-independent, atomic (and optionally asynchronous) checkpoints.
+
+Every rank writes its own shards through `torch.distributed.checkpoint` (DCP); nothing is
+gathered to rank 0. Keys do not depend on the parallel layout, so a checkpoint saved at one
+(tp, pp, vpp, dp, distributed optimizer on/off) loads at any other:
+
+- `model.<name>`: the float32 master value of each parameter (`name` uses global layer
+  numbers), a DTensor on the TP sub-mesh: `Shard(partition_dim)` if TP-sharded, else
+  `Replicate()` (DCP keeps one copy of replicated and DP-replicated tensors). With --bf16 the
+  optimizer's float32 main weights are saved, so nothing is lost to rounding.
+- Fused weights (SwiGLU fc1 `[gate; up]`, `num_fused_parts > 1`) are saved as `.part0`,
+  `.part1`: each is a clean `Shard(0)` of its own dense tensor.
+- Vocab-padded tensors (`full_rows`: embedding, output layer) are saved at the saving layout's
+  padded size; a layout with another padded size loads the dense tensor and re-pads it.
+- The tied embedding's last-stage copy is not saved; it loads from the embedding.
+- `optim.exp_avg.<name>`, `optim.exp_avg_sq.<name>` (same keys/sharding as the parameter),
+  `optim.step`, `iteration`, `consumed_samples`. The LR schedule is a pure function of the
+  iteration (training/optimizer.py `learning_rate`), so it is not stored separately.
+- `rng.rank<R>.*`: each rank's torch (and CUDA) generator and TP-tracker states. They are
+  restored only on the same layout (exact resume); on another layout the fresh seeds stay.
+
+ZeRO (--use-distributed-optimizer): DP rank r owns a flat range of each gradient bucket. On
+save, every bucket's main weights and moments are all-gathered over DP, so each rank briefly
+holds the unsharded optimizer state of its TP x PP shard (12 bytes per local parameter); on
+load every rank reads the per-parameter tensors and copies out its own range. This is what
+makes (distributed optimizer on/off) x (dp size) resumable both ways.
+
+Atomicity: shards go to `<save>/iter_XXXXXXX.tmp-<random>/`; after every rank finished,
+rank 0 writes metadata.json (files, sizes, sha256), verifies, renames the folder to
+`iter_XXXXXXX` and replaces `latest_checkpointed_iteration.txt` (temp file + os.replace +
+fsync). A crash at any point leaves the previous checkpoint and marker intact. `--keep-last N`
+prunes older complete checkpoints only after that; `--save-replica DIR` copies a completed
+checkpoint (temp name, then rename).
+
+Async (--async-save): the state is copied (to CPU) synchronously, then a background thread
+writes and finalizes it over its own gloo process group, so its collectives never interleave
+with training's. The next save and the end of training wait for it.
+
+Test hooks (environment, for tests/test_checkpointing.py only):
+`SHARDZOO_TEST_KILL_DURING_SAVE=R:K` SIGKILLs rank R after its shards of iteration K are
+written and before the rename; `SHARDZOO_TEST_KILL_AT=R:K` SIGKILLs rank R after iteration K,
+only on the first torchrun attempt (TORCHELASTIC_RESTART_COUNT 0).
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import threading
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import parallel_state as ps
+from layers import shard_tensor
+
+from .checkpoint_verify import (CONFIG, FORMAT_VERSION, LATEST, METADATA, CheckpointError,
+                                compare_model, complete_checkpoints, describe_files,
+                                iter_dir_name, read_metadata, resolve_checkpoint, verify_files)
+from .distributed_optimizer import DistributedOptimizer
+
+KINDS = ("model", "optim.exp_avg", "optim.exp_avg_sq")
+EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def _print0(msg: str) -> None:
+    if dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def _hook(var: str, iteration: int, first_attempt_only: bool = False) -> None:
+    """Test hook: SIGKILL this process if env `var` is "<this rank>:<iteration>"."""
+    spec = os.environ.get(var)
+    if not spec or spec != f"{dist.get_rank()}:{iteration}":
+        return
+    if first_attempt_only and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_hook(iteration: int) -> None:
+    """Test hook after each iteration (see module docstring: SHARDZOO_TEST_KILL_AT)."""
+    _hook("SHARDZOO_TEST_KILL_AT", iteration, first_attempt_only=True)
+
+
+# ---------------------------------------------------------------------- parameters and keys
+def _entries(chunks):
+    """`[(name, param, key_name)]` of the saved parameters of this rank's chunks; the tied
+    embedding's last-stage copy maps to the embedding's name (loaded from it, never saved)."""
+    out = []
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            tied_copy = getattr(p, "shared_embedding", False) and name.startswith("output_layer")
+            out.append((name, p, EMBEDDING if tied_copy else name, tied_copy))
+    return out
+
+
+def _parts(param) -> int:
+    return getattr(param, "num_fused_parts", 1) if getattr(param, "tensor_model_parallel",
+                                                           False) else 1
+
+
+def _part_keys(kind: str, name: str, param) -> list[str]:
+    n = _parts(param)
+    return [f"{kind}.{name}"] if n == 1 else [f"{kind}.{name}.part{i}" for i in range(n)]
+
+
+def _global_shape(local: torch.Tensor, param) -> torch.Size:
+    shape = list(local.shape)
+    if getattr(param, "tensor_model_parallel", False):
+        shape[param.partition_dim] *= ps.get_tensor_model_parallel_world_size()
+    return torch.Size(shape)
+
+
+def _as_saved(local: torch.Tensor, param) -> torch.Tensor:
+    """This rank's piece of one logical tensor as DCP sees it (DTensor or plain)."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return local
+    shape = _global_shape(local, param)
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, ps.get_grid().mesh["tp"], [Shard(param.partition_dim)],
+                              run_check=False, shape=shape, stride=stride)
+
+
+def _split(local: torch.Tensor, param) -> list[torch.Tensor]:
+    n = _parts(param)
+    return [local] if n == 1 else [c.contiguous() for c in local.chunk(n, param.partition_dim)]
+
+
+# ---------------------------------------------------------------------- optimizer values
+def _flat_states(model, optimizer):
+    """Per DDP wrapper, flat float32 [buffer numel] main weights and moments, assembled from
+    the owned shards (all-gathered over DP when ZeRO-sharded)."""
+    flats = {id(ddp): {k: torch.zeros(ddp.buffer.data.numel(), dtype=torch.float32,
+                                      device=ddp.buffer.data.device) for k in KINDS}
+             for ddp in model}
+    for s in optimizer.shards:
+        f = flats[id(s.ddp)]
+        for kind, src in zip(KINDS, (s.main, s.exp_avg, s.exp_avg_sq)):
+            f[kind][s.lo: s.hi].copy_(src)
+    if optimizer.sharded and ps.get_data_parallel_world_size() > 1:
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        for ddp in model:
+            for bucket in ddp.buffer.buckets:
+                lo, hi = ddp.shard_range(bucket)
+                for kind in KINDS:
+                    flat = flats[id(ddp)][kind]
+                    gather(flat[bucket.start: bucket.end], flat[lo:hi].clone(),
+                           group=ps.get_data_parallel_group())
+    return flats
+
+
+@torch.no_grad()
+def _param_values(chunks, model, optimizer) -> tuple[dict, int]:
+    """`({id(param): {kind: float32 TP-local tensor}}, step)`: master weights and moments."""
+    out = {}
+    if isinstance(optimizer, DistributedOptimizer):
+        flats = _flat_states(model, optimizer)
+        for ddp in model:
+            for p in ddp.params:
+                start = ddp.offsets[id(p)]
+                out[id(p)] = {k: flats[id(ddp)][k][start: start + p.numel()].view_as(p)
+                              for k in KINDS}
+        return out, optimizer.step_count
+    step = 0
+    for _, p, _, _ in _entries(chunks):
+        st = optimizer.state.get(p, {})
+        if "step" in st:
+            step = int(st["step"])
+        zeros = torch.zeros_like(p, dtype=torch.float32)
+        out[id(p)] = {"model": p.detach().float(), "optim.exp_avg": st.get("exp_avg", zeros),
+                      "optim.exp_avg_sq": st.get("exp_avg_sq", zeros)}
+    return out, step
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    r = dist.get_rank()
+    out = {f"rng.rank{r}.torch": torch.get_rng_state()}
+    for name, state in ps.get_rng_tracker().get_states().items():
+        out[f"rng.rank{r}.tracker.{name}"] = state.cpu()
+    if torch.cuda.is_available():
+        out[f"rng.rank{r}.cuda"] = torch.cuda.get_rng_state()
+    return out
+
+
+def _set_rng_state(loaded: dict[str, torch.Tensor]) -> None:
+    prefix = f"rng.rank{dist.get_rank()}."
+    torch.set_rng_state(loaded[prefix + "torch"])
+    tracker = {k[len(prefix + "tracker."):]: v for k, v in loaded.items()
+               if k.startswith(prefix + "tracker.")}
+    ps.get_rng_tracker().set_states(tracker)
+    if prefix + "cuda" in loaded and torch.cuda.is_available():
+        torch.cuda.set_rng_state(loaded[prefix + "cuda"])
+
+
+def _layout(config) -> dict:
+    t = config.train
+    return {"tp": t.tensor_model_parallel_size, "pp": t.pipeline_model_parallel_size,
+            "vpp": t.virtual_pipeline_model_parallel_size, "dp": config.data_parallel_size,
+            "world_size": config.world_size,
+            "distributed_optimizer": t.use_distributed_optimizer, "bf16": t.bf16}
+
+
+def state_to_save(config, chunks, model, optimizer, iteration: int, copy: bool) -> dict:
+    """The flat DCP state dict of this rank (collective over DP when ZeRO-sharded)."""
+    values, step = _param_values(chunks, model, optimizer)
+    sd = {}
+    for name, p, _, tied_copy in _entries(chunks):
+        if tied_copy:
+            continue
+        for kind in KINDS:
+            local = values[id(p)][kind]
+            for key, part in zip(_part_keys(kind, name, p), _split(local, p)):
+                sd[key] = _as_saved(part.detach().clone() if copy else part, p)
+    gbs = config.train.global_batch_size
+    sd.update({"iteration": torch.tensor(iteration), "consumed_samples":
+               torch.tensor(iteration * gbs), "optim.step": torch.tensor(step)})
+    sd.update(_rng_state())
+    return sd
+
+
+# ---------------------------------------------------------------------- save
+class Checkpointer:
+    """Saves (sync or async) and finalizes checkpoints; build it on every rank (collective:
+    with --async-save it creates a gloo group for the background writer)."""
+
+    def __init__(self, config):
+        self.config = config
+        t = config.train
+        self.save_dir, self.async_save = t.save, t.async_save
+        self.group = dist.new_group(backend="gloo") if self.async_save else None
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.last_saved: int | None = None
+
+    def save(self, iteration: int, chunks, model, optimizer) -> None:
+        """Write checkpoint `iteration` (completed steps); returns when written (sync) or when
+        the state is copied (async). Raises `CheckpointError` from a previous async save."""
+        self.wait()
+        state = state_to_save(self.config, chunks, model, optimizer, iteration,
+                              copy=self.async_save)
+        name = [secrets.token_hex(4) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(name, src=0)
+        tmp = os.path.join(self.save_dir, f"{iter_dir_name(iteration)}.tmp-{name[0]}")
+        if dist.get_rank() == 0:
+            os.makedirs(tmp)
+            with open(os.path.join(tmp, CONFIG), "w") as f:
+                f.write(self.config.to_yaml())
+        dist.barrier()
+        self.last_saved = iteration
+        if self.async_save:
+            self.thread = threading.Thread(target=self._write, args=(state, tmp, iteration),
+                                           name=f"checkpoint-{iteration}", daemon=True)
+            self.thread.start()
+        else:
+            self._write(state, tmp, iteration)
+            self.wait()
+
+    def wait(self) -> None:
+        """Wait for an in-flight async save; re-raise its error."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            err, self.error = self.error, None
+            raise err
+
+    def _write(self, state: dict, tmp: str, iteration: int) -> None:
+        try:
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=self.group)
+            _hook("SHARDZOO_TEST_KILL_DURING_SAVE", iteration)
+            self._finalize(tmp, iteration)
+        except BaseException as e:  # noqa: BLE001 - surfaced by wait() on the training thread
+            self.error = e
+
+    def _finalize(self, tmp: str, iteration: int) -> None:
+        g, rank = self.group, dist.get_rank()
+        mine = [n for n in os.listdir(tmp) if n.startswith(f"__{rank}_")]
+        if rank == 0:
+            mine += [".metadata", CONFIG]
+        files = [None] * dist.get_world_size()
+        dist.all_gather_object(files, describe_files(tmp, mine), group=g)
+        status = [None]
+        if rank == 0:
+            try:
+                final = self._publish(tmp, iteration, [f for fs in files for f in fs])
+                status = [f"saved checkpoint {final}"]
+            except BaseException as e:  # noqa: BLE001 - every rank raises the same error
+                status = [e if isinstance(e, CheckpointError) else
+                          CheckpointError(f"saving {tmp} failed: {type(e).__name__}: {e}")]
+        dist.broadcast_object_list(status, src=0, group=g)
+        if isinstance(status[0], BaseException):
+            raise status[0]
+        _print0(status[0])
+
+    def _publish(self, tmp: str, iteration: int, files: list[dict]) -> str:
+        """Rank 0: metadata.json, verify, rename, `latest`, replica, pruning."""
+        meta = {"format_version": FORMAT_VERSION, "iteration": iteration,
+                "consumed_samples": iteration * self.config.train.global_batch_size,
+                "layout": _layout(self.config), "model": self.config.model.to_dict(),
+                "torch_version": torch.__version__,
+                "files": sorted(files, key=lambda f: f["name"])}
+        _write_synced(os.path.join(tmp, METADATA), json.dumps(meta, indent=1))
+        problems = verify_files(tmp, meta, checksums=False)
+        if problems:
+            raise CheckpointError(f"checkpoint {tmp} failed verification after writing; "
+                                  f"the previous checkpoint stays current: " + "; ".join(problems))
+        final = _publish_folder(tmp, self.save_dir, iteration)
+        if self.config.train.save_replica:
+            replica = self.config.train.save_replica
+            os.makedirs(replica, exist_ok=True)
+            rtmp = os.path.join(replica, f"{iter_dir_name(iteration)}.tmp-{secrets.token_hex(4)}")
+            shutil.copytree(final, rtmp)
+            _publish_folder(rtmp, replica, iteration)
+            _prune(replica, self.config.train.keep_last)
+        _prune(self.save_dir, self.config.train.keep_last)
+        return final
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_synced(path: str, text: str) -> None:
+    """Write `path` atomically: temp file, fsync, os.replace, fsync the folder."""
+    tmp = f"{path}.tmp-{secrets.token_hex(4)}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
+def _publish_folder(tmp: str, root: str, iteration: int) -> str:
+    """Rename the verified `tmp` to `root/iter_XXXXXXX` and point `latest` at it. An existing
+    folder of the same iteration (a save that completed after the marker was last written) is
+    moved aside first and removed only once the new one is in place."""
+    final = os.path.join(root, iter_dir_name(iteration))
+    old = None
+    if os.path.exists(final):
+        old = f"{final}.old-{secrets.token_hex(4)}"
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    _write_synced(os.path.join(root, LATEST), f"{iteration}\n")
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _prune(root: str, keep_last: int | None) -> None:
+    """Keep the newest `keep_last` complete checkpoints (the one `latest` names always)."""
+    if not keep_last:
+        return
+    latest = open(os.path.join(root, LATEST)).read().strip()
+    for it, path in complete_checkpoints(root)[:-keep_last]:
+        if str(it) != latest:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------- load
+def load_checkpoint(config, chunks, model, optimizer) -> int:
+    """Load `--load` into the model, optimizer and RNG; returns the iteration to start from
+    (0 when there is no checkpoint yet and `--load` is also `--save`). Collective: every rank
+    calls it; every rank raises the same `CheckpointError` on a bad checkpoint, before any
+    training step and without touching the checkpoint."""
+    t = config.train
+    if not t.load:
+        return 0
+    path = resolve_checkpoint(t.load)
+    if path is None:
+        if t.save and os.path.abspath(t.save) == os.path.abspath(t.load):
+            _print0(f"no checkpoint in {t.load} yet (it is also --save): starting from scratch")
+            return 0
+        raise CheckpointError(f"--load {t.load}: no {LATEST} and no checkpoint folder there; "
+                              f"pass a --save folder of an earlier run or an iter_XXXXXXX "
+                              f"folder, or drop --load to start from scratch")
+    meta = read_metadata(path)
+    compare_model(meta, config.model.to_dict(), path)
+    problems = verify_files(path, meta, rank=dist.get_rank(), world=dist.get_world_size())
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, problems)
+    problems = [p for ps_ in everyone for p in ps_]
+    if problems:
+        raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(problems))
+    same_layout = meta["layout"]["world_size"] == config.world_size and all(
+        meta["layout"][k] == v for k, v in _layout(config).items() if k in ("tp", "pp", "vpp"))
+    iteration = _load_states(path, config, chunks, model, optimizer,
+                             load_rng=same_layout and t.load_rng)
+    if not same_layout and t.load_rng:
+        _print0(f"checkpoint layout {meta['layout']} differs from this run's "
+                f"{_layout(config)}: keeping the freshly seeded RNG (resume is not bitwise)")
+    _print0(f"loaded checkpoint {path} at iteration {iteration}")
+    return iteration
+
+
+def _load_states(path: str, config, chunks, model, optimizer, load_rng: bool) -> int:
+    reader = dcp.FileSystemReader(path)
+    saved = reader.read_metadata().state_dict_metadata
+    kinds = KINDS if config.train.load_optim else KINDS[:1]
+    sd, plan = {}, []  # plan: (param, kind, keys, dense) to rebuild after loading
+    for name, p, key_name, _ in _entries(chunks):
+        for kind in kinds:
+            keys = _part_keys(kind, key_name, p)
+            dense = False
+            for key, local in zip(keys, _split(torch.empty_like(p, dtype=torch.float32), p)):
+                want = _global_shape(local, p)
+                if key not in saved:
+                    raise CheckpointError(
+                        f"{path}: the checkpoint has no tensor {key!r} (this model's parameter "
+                        f"{name}); it was saved from another model or without optimizer state "
+                        f"(then pass --no-load-optim); compare {os.path.join(path, CONFIG)} "
+                        f"with this run's flags")
+                have = torch.Size(saved[key].size)
+                if have != want:
+                    rows = getattr(p, "full_rows", None)
+                    if rows is None or have[1:] != want[1:] or have[0] < rows:
+                        raise CheckpointError(
+                            f"{path}: tensor {key!r} has shape {tuple(have)}, this model "
+                            f"expects {tuple(want)}; the model settings differ from "
+                            f"{os.path.join(path, CONFIG)}")
+                    dense = True  # vocab padded for another TP size: read it whole, re-pad
+                sd[key] = torch.empty(have) if dense else _as_saved(local, p)
+            plan.append((p, kind, keys, dense))
+    scalars = ("iteration", "optim.step")
+    sd.update({k: torch.tensor(0) for k in scalars})
+    if load_rng:
+        sd.update({k: v.clone() for k, v in _rng_state().items()})
+    try:
+        dcp.load(sd, storage_reader=reader)
+    except Exception as e:  # noqa: BLE001 - name the checkpoint and the fix
+        raise CheckpointError(f"reading checkpoint {path} failed ({type(e).__name__}: "
+                              f"{str(e)[:500]}); verify it with tools/checkpoint_info.py "
+                              f"{path}, or load an earlier one") from e
+    values = {}
+    for p, kind, keys, dense in plan:
+        pieces = [sd[k].to_local() if isinstance(sd[k], DTensor) else sd[k] for k in keys]
+        if dense:
+            full = torch.zeros(_global_shape(p, p), dtype=torch.float32)
+            rows = p.full_rows
+            full[:rows] = pieces[0][:rows]
+            local = shard_tensor(full, p)
+        else:
+            local = pieces[0] if len(pieces) == 1 else torch.cat(pieces, p.partition_dim)
+        values.setdefault(id(p), {})[kind] = local
+    _apply(values, int(sd["optim.step"]), chunks, model, optimizer,
+           with_optim=config.train.load_optim)
+    if load_rng:
+        _set_rng_state(sd)
+    return int(sd["iteration"])
+
+
+@torch.no_grad()
+def _apply(values: dict, step: int, chunks, model, optimizer, with_optim: bool) -> None:
+    """Copy loaded float32 TP-local tensors into parameters, main weights and moments."""
+    params = [p for _, p, _, _ in _entries(chunks)]
+    for p in params:
+        p.copy_(values[id(p)]["model"].to(p.device, p.dtype))
+    if isinstance(optimizer, DistributedOptimizer):
+        for s in optimizer.shards:
+            targets = [("model", s.main)] + ([("optim.exp_avg", s.exp_avg),
+                                              ("optim.exp_avg_sq", s.exp_avg_sq)]
+                                             if with_optim else [])
+            for p, p_start, m_start, n in s.segments:
+                for kind, dst in targets:
+                    dst[m_start: m_start + n].copy_(
+                        values[id(p)][kind].reshape(-1)[p_start: p_start + n])
+        if with_optim:
+            optimizer.step_count = step
+        return
+    if with_optim and step > 0:
+        for p in params:
+            optimizer.state[p] = {
+                "step": torch.tensor(float(step)),
+                "exp_avg": values[id(p)]["optim.exp_avg"].to(p.device, p.dtype).clone(),
+                "exp_avg_sq": values[id(p)]["optim.exp_avg_sq"].to(p.device, p.dtype).clone()}

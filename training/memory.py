@@ -1,0 +1,244 @@
+"""Activation memory per rank: measured on any device, beside the paper's and a model formula.
+
+Measured: the bytes autograd keeps for backward during one microbatch's forward, counted with
+`torch.autograd.graph.saved_tensors_hooks` over unique storages (a view, or a tensor saved by
+two ops, counts once; a view keeps its whole storage alive, so the storage is what is counted).
+Parameter storages are not activations and are skipped. Inside a recomputed region
+`torch.utils.checkpoint` installs its own hook, so only what it really keeps (the region's
+inputs) is seen, which is the point.
+
+Predicted, per transformer layer, `s` sequence, `b` micro batch, `h` hidden, `a` heads, `t` TP:
+
+- `paper_layer_bytes`: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+  Transformer Models", sec. 4 and Table 2: `sbh(34 + 5as/h)` bytes without parallelism,
+  `sbh(10 + 24/t + 5as/(ht))` with TP, `sbh(34/t + 5as/(ht))` with TP + SP, without the `5as/h`
+  term under selective recompute, and `2sbh` (the layer input; `/t` under SP) under full
+  recompute. The paper assumes 2-byte activations and 1-byte dropout masks; with
+  `bytes_per_value=4` (float32) every activation doubles and masks stay 1 byte, e.g.
+  `sbh(66 + 9as/h)` without parallelism. Its GPT has GeLU, LayerNorm, biases, MHA and a
+  materialized `s x s` softmax.
+- `model_layer_bytes`: what *our* layer saves, term by term (read off the saved tensors of
+  layers/transformer.py on CPU): SwiGLU or GeLU, GQA, RMSNorm or LayerNorm, SDPA (flash on
+  CPU without dropout: q, k, v, output and log-sum-exp, no `s x s`; the math kernel with
+  dropout: scaled q and k, softmax, float mask and dropped probabilities), dropout masks of
+  the activation dtype (CPU `F.dropout` keeps `input * mask` with a float mask), and under SP
+  the column-parallel linears keep the all-gathered full-sequence input (Megatron keeps the
+  shard and gathers again in backward). Change it with the layer code; the tests compare it to
+  the measurement at several shapes.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+
+import torch
+
+import parallel_state as ps
+
+from .recompute import recompute_spans
+
+
+class SavedTensorMeter:
+    """Context manager: unique storage bytes saved for backward while active, by region.
+
+    Regions: "layers" (inside a TransformerBlock's layers, including recompute inputs at the
+    block level) and "other" (embedding, final norm, output layer, loss).
+
+    Args:
+        chunks: the model chunks run inside the context (their parameters are excluded and
+            their `decoder` blocks define the "layers" region).
+    """
+
+    def __init__(self, chunks):
+        self.params = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()}
+        self.chunks = chunks
+        self.storages: dict[int, tuple[int, str]] = {}
+        self.region = "other"
+        self._handles = []
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr and ptr not in self.params and ptr not in self.storages:
+            self.storages[ptr] = (storage.nbytes(), self.region)
+        return t
+
+    def _set(self, region: str):
+        def hook(*_):
+            self.region = region
+        return hook
+
+    def __enter__(self) -> "SavedTensorMeter":
+        for c in self.chunks:
+            block = c.decoder
+            self._handles += [block.register_forward_pre_hook(self._set("layers")),
+                              block.register_forward_hook(self._set("other"))]
+            if block.final_layernorm is not None:
+                self._handles.append(
+                    block.final_layernorm.register_forward_pre_hook(self._set("other")))
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def bytes(self, region: str | None = None) -> int:
+        return sum(n for n, r in self.storages.values() if region is None or r == region)
+
+
+@contextlib.contextmanager
+def _rng_untouched():
+    """Restore the default generator and the RNG tracker afterwards, so that a measurement
+    does not change the dropout masks of the run."""
+    tracker = ps.get_rng_tracker()
+    cpu, states = torch.get_rng_state(), tracker.get_states()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        tracker.set_states(states)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def measure_activation_bytes(chunks, batch: dict, hidden_shape, dtype=torch.float32,
+                             autocast_dtype=None) -> dict:
+    """Saved-for-backward bytes of one microbatch through this rank's model chunks.
+
+    Each chunk runs forward (training mode) on `batch` (`tokens`, `labels`); a chunk without
+    the embedding gets a zero `hidden_shape` input (`[s, b, h]`, `[s/tp, b, h]` under SP) of
+    `dtype`, which is what it would receive from the previous stage. RNG states are restored.
+    Returns `{"total", "layers", "num_layers"}` (bytes, bytes in decoder layers, layers).
+    """
+    from .schedules import loss_from_batch
+
+    modules = [getattr(c, "module", c) for c in chunks]
+    device = batch["tokens"].device
+    with _rng_untouched(), SavedTensorMeter(modules) as meter:
+        for chunk, module in zip(chunks, modules):
+            hidden = None if module.pre_process else torch.zeros(
+                hidden_shape, dtype=dtype, device=device, requires_grad=True)
+            loss_from_batch(chunk, batch, autocast_dtype, hidden_states=hidden)
+    return {"total": meter.bytes(), "layers": meter.bytes("layers"),
+            "num_layers": sum(len(m.decoder.layers) for m in modules)}
+
+
+# ---------------------------------------------------------------------- formulas
+def paper_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
+                      recompute: str | None = None, bytes_per_value: int = 2,
+                      mask_bytes: int = 1) -> float:
+    """Korthikanti et al. 2022, Table 2, per layer, in bytes (see the module docstring).
+
+    With 2-byte values: replicated `10sbh` (two norm inputs, QKV and fc1 inputs: 4sbh values;
+    two hidden dropout masks: 2sbh), TP-sharded `24sbh/t` (Q, K, V, projection input, GeLU
+    input, fc2 input: 12sbh values), core attention `5as^2b/t` (softmax and dropout output:
+    2as^2b values; the mask: as^2b). SP divides the replicated part by t as well.
+    """
+    e, sbh = bytes_per_value, s * b * h
+    if recompute == "full":
+        return e * sbh / (t if sp else 1)
+    replicated = (4 * e + 2 * mask_bytes) * sbh
+    sharded = 12 * e * sbh
+    core = 0 if recompute == "selective" else (2 * e + mask_bytes) * a * s * s * b
+    return replicated / (t if sp else 1) + (sharded + core) / t
+
+
+def model_layer_bytes(config, s: int, b: int, t: int = 1, sp: bool = False,
+                      recompute: str | None = None, bytes_per_value: int = 4,
+                      dropout: bool | None = None) -> dict:
+    """What one of our transformer layers saves for backward, term by term, in bytes (see the
+    module docstring). `dropout`: whether dropout is active (default: from the config).
+    Returns `{term: bytes}`; `sum(...values())` is the layer's total.
+    """
+    e, h, d = bytes_per_value, config.hidden_size, config.kv_channels
+    an, gn, f = config.num_attention_heads // t, config.num_query_groups // t, \
+        config.ffn_hidden_size // t
+    sl = s // t if sp else s  # sequence length of norms and dropout (a shard under SP)
+    if recompute == "full":
+        return {"layer input": e * sl * b * h}
+    hid_drop = config.hidden_dropout > 0 if dropout is None else dropout
+    att_drop = config.attention_dropout > 0 if dropout is None else dropout
+    rms = config.normalization == "RMSNorm"
+    # RMSNorm (F.rms_norm): input, normalized input, rstd; LayerNorm: input, mean, rstd.
+    norm = e * sl * b * (2 * h + 1) if rms else e * sl * b * h + 2 * 4 * sl * b
+    out = {"norms": 2 * norm,
+           "qkv and fc1 inputs": 2 * e * s * b * h}  # the all-gathered sequence under SP
+    mixed = e * s * b * (an + 2 * gn) * d  # fused QKV output: v (and q, k without RoPE) view it
+    rope = config.position_embedding_type == "rope"
+    q, kv_heads = e * s * b * an * d, e * s * b * gn * d
+    if recompute == "selective" or not att_drop:
+        # flash kernel (or the inputs kept by the checkpoint): q, k, v and the output, which
+        # the projection reads without a copy (selective: the projection input).
+        out["attention q, k, v"] = mixed + (q + kv_heads if rope else 0)
+        out["attention output"] = q
+        if recompute != "selective":
+            out["attention log-sum-exp"] = 4 * b * an * s
+    else:  # math kernel with dropout: scaled q and k copies; v viewing the fused output, or
+        # its copy expanded to the query heads under GQA; the projection reads a copy
+        out["attention q, k, v"] = 2 * q + (q if an != gn else mixed)
+        out["attention s^2 (softmax, mask, dropped)"] = 3 * e * b * an * s * s
+        out["projection input"] = q
+    out["mlp"] = e * s * b * (4 * f if config.activation == "swiglu" else 2 * f)
+    if hid_drop:
+        out["hidden dropout masks"] = 2 * e * sl * b * h
+    return out
+
+
+def model_chunk_bytes(config, num_layers: int, s: int, b: int, t: int = 1, sp: bool = False,
+                      granularity: str | None = None, method: str | None = None,
+                      recompute_num_layers: int | None = None, bytes_per_value: int = 4,
+                      dropout: bool | None = None) -> int:
+    """Predicted bytes of a chunk's decoder layers (the "layers" region of the meter): per-layer
+    terms under the recompute policy, plus the RoPE cos/sin tables shared by all layers."""
+    kw = dict(s=s, b=b, t=t, sp=sp, bytes_per_value=bytes_per_value, dropout=dropout)
+    if granularity == "full":
+        spans = recompute_spans(num_layers, method or "uniform", recompute_num_layers or 1)
+        inside = sum(stop - start for start, stop in spans)
+        total = len(spans) * sum(model_layer_bytes(config, recompute="full", **kw).values()) + \
+            (num_layers - inside) * sum(model_layer_bytes(config, **kw).values())
+    else:
+        total = num_layers * sum(model_layer_bytes(config, recompute=granularity, **kw).values())
+    if config.position_embedding_type == "rope" and num_layers:
+        total += 2 * 4 * s * config.kv_channels  # float32 cos, sin [s, 1, 1, d]
+    return total
+
+
+def activation_report(config, measured: dict, *, micro_batch_size: int, tp: int, sp: bool,
+                      granularity, method, recompute_num_layers, dtype=torch.float32,
+                      dropout: bool | None = None) -> dict:
+    """Record of measured vs predicted activation bytes per microbatch on this rank."""
+    s, b, n = config.seq_length, micro_batch_size, measured["num_layers"]
+    e = torch.tensor([], dtype=dtype).element_size()
+    model = model_chunk_bytes(config, n, s, b, tp, sp, granularity, method, recompute_num_layers,
+                              e, dropout)
+    per_layer = paper_layer_bytes(s, b, config.hidden_size, config.num_attention_heads, tp, sp,
+                                  granularity, bytes_per_value=e)
+    if granularity == "full":
+        spans = recompute_spans(n, method or "uniform", recompute_num_layers or 1)
+        inside = sum(stop - start for start, stop in spans)
+        paper = len(spans) * per_layer + (n - inside) * paper_layer_bytes(
+            s, b, config.hidden_size, config.num_attention_heads, tp, sp, None,
+            bytes_per_value=e)
+    else:
+        paper = n * per_layer
+    return {"activation_bytes_per_microbatch": measured["total"],
+            "activation_bytes_layers": measured["layers"],
+            "activation_bytes_layers_model_predicted": model,
+            "activation_bytes_layers_paper_predicted": paper,
+            "num_layers": n}
+
+
+def format_activation_report(r: dict) -> str:
+    mib = lambda x: f"{x / 2**20:.3f}"  # noqa: E731
+    n, layers = r["num_layers"], r["activation_bytes_layers"]
+    ratio = lambda p: f"{layers / p:.3f}" if p else "n/a"  # noqa: E731
+    return (f"activations per microbatch (rank 0, MiB): total {mib(r['activation_bytes_per_microbatch'])}"
+            f" | {n} layers {mib(layers)} | predicted: model {mib(r['activation_bytes_layers_model_predicted'])}"
+            f" (measured/predicted {ratio(r['activation_bytes_layers_model_predicted'])}), paper"
+            f" Korthikanti et al. Table 2 {mib(r['activation_bytes_layers_paper_predicted'])}"
+            f" (measured/paper {ratio(r['activation_bytes_layers_paper_predicted'])})")
