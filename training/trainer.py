@@ -213,6 +213,9 @@ def _train(config: Config, device, on_end=None) -> list[dict]:
     records, profiles = [], []
     decay_iters = t.lr_decay_iters or t.train_iters
     tokens_per_iter = t.global_batch_size * m.seq_length
+    if valid_ds is not None and t.eval_interval and start_iteration == 0:
+        # the starting point, so a run shows how far validation loss fell
+        records.append(_validate(model, valid_ds, config, device, autocast_dtype, logger, 0))
     start, window_start, window_iters = time.time(), time.time(), 0
     for iteration in range(start_iteration, t.train_iters):
         lr = learning_rate(iteration, lr=t.lr, min_lr=t.min_lr, warmup_iters=t.lr_warmup_iters,
@@ -265,11 +268,7 @@ def _train(config: Config, device, on_end=None) -> list[dict]:
             window_start, window_iters = time.time(), 0
         if valid_ds is not None and t.eval_interval and \
                 (it % t.eval_interval == 0 or it == t.train_iters):
-            vloss = evaluate(model, valid_ds, config, device, autocast_dtype)
-            rec = {"iteration": it, "valid_loss": vloss, "valid_ppl": math.exp(min(vloss, 50))}
-            logger.log(rec, f"validation at iter {it}: loss {vloss:.4f} | "
-                            f"ppl {rec['valid_ppl']:.2f}", prefix="valid")
-            records.append(rec)
+            records.append(_validate(model, valid_ds, config, device, autocast_dtype, logger, it))
             window_start = time.time()  # eval time is not training throughput
         if checkpointer and t.save_interval and it % t.save_interval == 0:
             checkpointer.save(it, chunks, model, optimizer)
@@ -310,6 +309,14 @@ def log_activation_memory(chunks, dataset, config: Config, device) -> dict:
             "activation_bytes_layers": report["activation_bytes_layers"],
             "activation_bytes_layers_predicted": report["activation_bytes_layers_model_predicted"],
             "activation_bytes_layers_paper": report["activation_bytes_layers_paper_predicted"]}
+
+
+def _validate(model, valid_ds, config: Config, device, autocast_dtype, logger, it: int) -> dict:
+    vloss = evaluate(model, valid_ds, config, device, autocast_dtype)
+    rec = {"iteration": it, "valid_loss": vloss, "valid_ppl": math.exp(min(vloss, 50))}
+    logger.log(rec, f"validation at iter {it}: loss {vloss:.4f} | ppl {rec['valid_ppl']:.2f}",
+               prefix="valid")
+    return rec
 
 
 def _gather_timeline(timeline: Timeline):
