@@ -204,7 +204,24 @@ def model_state_bytes(model: list[DistributedDataParallel], optimizer) -> dict:
         out.update(main_params=0, optimizer_states=states, unsharded_main_params=0,
                    unsharded_optimizer_states=states)
     out["total"] = out["params"] + out["grads"] + out["main_params"] + out["optimizer_states"]
+    out["predicted_total"] = zero_formula_bytes(params, model, optimizer)
     return out
+
+
+def zero_formula_bytes(params, model, optimizer) -> int:
+    """Model-state bytes predicted by Rajbhandari et al. 2020 (ZeRO), sec. 3.1 and 5.1:
+    `W*psi + G*psi + K*psi / N_d` for psi parameters on this rank, with our byte counts: weights
+    W = 2 (bf16) or 4 (fp32), gradients G = 4 (accumulated in fp32), and K = 12 (fp32 main
+    weights + two Adam moments) in bf16 or K = 8 (moments only; the weights are the main
+    copy) in fp32; N_d = dp with the distributed optimizer (ZeRO stage 1), else 1.
+    """
+    psi = sum(p.numel() for p in params)
+    weight_bytes = params[0].element_size() if params else 4
+    k = 12 if weight_bytes == 2 else 8
+    sharded = isinstance(optimizer, DistributedOptimizer) and any(
+        getattr(d, "use_distributed_optimizer", False) for d in model)
+    n_d = model[0].dp_size if sharded else 1
+    return int(weight_bytes * psi + 4 * psi + k * psi / n_d)
 
 
 def format_state_bytes(b: dict) -> str:
@@ -213,4 +230,6 @@ def format_state_bytes(b: dict) -> str:
     return (f"model states per rank (MiB): params {mib(b['params'])} | grads {mib(b['grads'])} "
             f"| main params {mib(b['main_params'])} (unsharded {mib(b['unsharded_main_params'])})"
             f" | optimizer states {mib(b['optimizer_states'])} (unsharded "
-            f"{mib(b['unsharded_optimizer_states'])}) | total {mib(b['total'])}")
+            f"{mib(b['unsharded_optimizer_states'])}) | total {mib(b['total'])} | ZeRO formula "
+            f"(Rajbhandari et al. 2020) {mib(b['predicted_total'])} (measured/formula "
+            f"{b['total'] / max(b['predicted_total'], 1):.3f})")

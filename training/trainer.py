@@ -205,8 +205,10 @@ def _train(config: Config, device, on_end=None) -> list[dict]:
     _rank0_print(f"model: {n_params / 1e6:.2f}M parameters, vocab {m.vocab_size} "
                  f"(padded {chunks[0].padded_vocab_size} at tp={t.tensor_model_parallel_size}); "
                  f"logging to {t.log_dir}")
-    _rank0_print(format_state_bytes(model_state_bytes(model, optimizer)))
+    state_bytes = model_state_bytes(model, optimizer)
+    _rank0_print(format_state_bytes(state_bytes))
     activations = log_activation_memory(chunks, train_ds, config, device)
+    activations.update({f"model_state_{k}_bytes": v for k, v in state_bytes.items()})
     start_iteration = load_checkpoint(config, chunks, model, optimizer)  # 0: from scratch
     checkpointer = Checkpointer(config) if t.save else None
 
