@@ -344,6 +344,9 @@ def _check_data(t: TrainConfig) -> None:
     if not 1 <= len(ratios) <= 3 or min(ratios) < 0 or sum(ratios) <= 0:
         raise ConfigError(f"--split {t.split!r} must be 1-3 non-negative comma-separated "
                           f"numbers (train,valid,test), e.g. --split 969,30,1")
+    if t.data_path and t.tokenizer_model is None:
+        raise ConfigError("--data-path needs --tokenizer-model: the SentencePiece .model file or "
+                          "Hugging Face tokenizer folder that tools/preprocess_data.py used")
     if t.tokenizer_model is not None and not os.path.exists(t.tokenizer_model):
         raise ConfigError(f"--tokenizer-model {t.tokenizer_model} does not exist; pass a "
                           f"SentencePiece .model file or a Hugging Face tokenizer folder")

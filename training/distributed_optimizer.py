@@ -25,7 +25,6 @@ all-reduced over DP (the shards are disjoint) and over the model-parallel group.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch

@@ -29,7 +29,6 @@ Predicted, per transformer layer, `s` sequence, `b` micro batch, `h` hidden, `a`
 from __future__ import annotations
 
 import contextlib
-from collections import defaultdict
 
 import torch
 

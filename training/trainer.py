@@ -5,7 +5,6 @@ records it logged (every rank gets the same losses).
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import time
@@ -50,13 +49,8 @@ def build_data(config: Config):
             prefix, sp_model = ensure_default_corpus()
         dist.barrier()
         if dist.get_rank() != 0:
-            with contextlib.redirect_stdout(open(os.devnull, "w")):
-                prefix, sp_model = ensure_default_corpus()
+            prefix, sp_model = ensure_default_corpus(quiet=True)
         data_path, tokenizer_path = [prefix], tokenizer_path or sp_model
-    if tokenizer_path is None:
-        raise ValueError("--data-path was given without --tokenizer-model; pass the "
-                         "SentencePiece .model or HF tokenizer folder used by "
-                         "tools/preprocess_data.py")
     tokenizer = build_tokenizer(tokenizer_path)
     gbs = t.global_batch_size
     eval_runs = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 0
