@@ -203,7 +203,12 @@ def test_data_errors(tmp_path):
     msg = raises("--data-path", "--data-path", "1", prefix)
     assert "corpus_text.idx" in msg
     Path(prefix + ".idx").write_bytes(b"")
-    assert cfg("--data-path", "1", prefix, world_size=1).train.data_path == ["1", prefix]
+    msg = raises("--tokenizer-model", "--data-path", "1", prefix)
+    assert "--data-path needs --tokenizer-model" in msg
+    (tmp_path / "tok.model").write_bytes(b"")
+    tok = str(tmp_path / "tok.model")
+    assert cfg("--data-path", "1", prefix, "--tokenizer-model", tok,
+               world_size=1).train.data_path == ["1", prefix]
     raises("--split", "--split", "90,x")
     raises("--tokenizer-model", "--tokenizer-model", str(tmp_path / "nope.model"))
 
