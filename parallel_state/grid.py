@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+from datetime import timedelta
 from dataclasses import dataclass, field
 
 import torch
@@ -80,8 +81,38 @@ def initialize_distributed(device: torch.device | str | None = None) -> torch.de
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         _OWNS_WORLD = True
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+    device_id = device if device.type == "cuda" else None
+    store = _restart_safe_store()
+    if store is None:
+        dist.init_process_group(backend=backend, device_id=device_id)
+    else:
+        dist.init_process_group(backend=backend, device_id=device_id, store=store,
+                                rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))
     return device
+
+
+def _restart_safe_store():
+    """Under torchrun, a store namespace of this restart generation only.
+
+    torchrun's workers share the agent's TCPStore across restarts, and torch's own per-attempt
+    prefix uses each agent's restart count, which differs between nodes (the node that failed
+    counts a restart, the others only re-join). A restarted gloo/NCCL group can then read peer
+    addresses left by the previous attempt and fail ("Gloo connectFullMesh ... Connection
+    refused"). Here every worker counts its arrival in the shared store; arrivals
+    `[k * world, (k + 1) * world)` form generation k, whose keys live under their own prefix.
+    This assumes every worker of an attempt reaches this point (a worker that dies while
+    importing would shift later generations; the group then times out with a clear error).
+    Returns None outside torchrun (plain env:// init).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    world = int(os.environ["WORLD_SIZE"])
+    run = f"shardzoo/{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=False, timeout=timedelta(minutes=10))
+    generation = (store.add(f"{run}/arrivals", 1) - 1) // world
+    return dist.PrefixStore(f"{run}/generation_{generation}", store)
 
 
 def initialize_model_parallel(

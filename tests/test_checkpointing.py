@@ -1,0 +1,194 @@
+"""Checkpointing (issue 5): exact resume, resume on another layout (incl. ZeRO on/off and a
+vocab re-pad), kill -9 during a save, a damaged checkpoint's error, and checkpoint_info.
+
+Float32, dropout 0, tiny-llama (4 query groups so tp 4 works), 6 iterations resumed at 3.
+Same layout: bitwise equal losses. Another layout: 1e-5 relative, the bound of the layout
+equivalence tests (tests/test_train_equivalence.py): TP/PP change the summation order.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch import REPO, run_train, train_losses
+
+COMMON = ["--config", "configs/tiny-llama.yaml", "--num-query-groups", "4", "--train-iters",
+          "6", "--eval-interval", "0", "--log-interval", "1", "--peak-tflops", "1"]
+
+
+def _layout(tp=1, pp=1, distopt=False):
+    return ["--tp", str(tp), "--pp", str(pp)] + (["--use-distributed-optimizer"] * distopt)
+
+
+def _info(path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "tools/checkpoint_info.py", str(path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_exact_resume_tp2_pp2_dp2_async(tmp_path, corpus_env):
+    """Save at 3 and 6 (async, with a replica) at (tp2, pp2, dp2); resuming the replica's
+    iteration 3 on the same layout gives bitwise the same losses 4..6."""
+    save, replica = tmp_path / "save", tmp_path / "replica"
+    run_train(8, COMMON + _layout(2, 2) + ["--save", str(save), "--save-interval", "3",
+                                           "--async-save", "--save-replica", str(replica)],
+              tmp_path / "a", env=corpus_env)
+    ref = train_losses(tmp_path / "a")
+    for root in (save, replica):
+        assert sorted(os.listdir(root)) == ["iter_0000003", "iter_0000006",
+                                            "latest_checkpointed_iteration.txt"]
+        assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
+    assert _info(replica / "iter_0000003").returncode == 0
+    run_train(8, COMMON + _layout(2, 2) + ["--load", str(replica / "iter_0000003")],
+              tmp_path / "b", env=corpus_env)
+    assert train_losses(tmp_path / "b") == ref[3:]  # bitwise
+
+
+@pytest.mark.parametrize("src,dst,extra", [
+    ((2, 2, False, 4), (1, 1, True, 4), []),  # (tp2,pp2,dp1) -> (tp1,pp1,dp4 + ZeRO)
+    # (tp1,pp1,dp1) -> (tp4,pp2): padded vocab 8200 -> 8400 (re-padded on load)
+    ((1, 1, False, 1), (4, 2, False, 8), ["--make-vocab-size-divisible-by", "100"]),
+], ids=["tp2pp2-to-dp4zero", "tp1-to-tp4pp2"])
+def test_resume_on_other_layout(src, dst, extra, tmp_path, corpus_env):
+    save = tmp_path / "save"
+    run_train(src[3], COMMON + extra + _layout(*src[:3]) + ["--save", str(save),
+                                                            "--save-interval", "3"],
+              tmp_path / "a", env=corpus_env)
+    ref = train_losses(tmp_path / "a")
+    run_train(dst[3], COMMON + extra + _layout(*dst[:3]) +
+              ["--load", str(save / "iter_0000003")], tmp_path / "b", env=corpus_env)
+    assert train_losses(tmp_path / "b") == pytest.approx(ref[3:], rel=1e-5)
+    assert ref[-1] < ref[0]
+
+
+def test_kill_during_save_keeps_previous(tmp_path, corpus_env):
+    """A rank SIGKILLed after writing its shards of iteration 6 but before the rename: the
+    folder stays a .tmp, `latest` still says 3, and the same command resumes from 3."""
+    save = tmp_path / "save"
+    args = COMMON + ["--save", str(save), "--load", str(save), "--save-interval", "3"]
+    proc = run_train(2, args, tmp_path / "a", env={**corpus_env,
+                     "SHARDZOO_TEST_KILL_DURING_SAVE": "1:6"}, check=False)
+    assert proc.returncode != 0
+    ref = train_losses(tmp_path / "a")
+    assert len(ref) == 6
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    names = os.listdir(save)
+    assert "iter_0000003" in names and "iter_0000006" not in names
+    assert any(n.startswith("iter_0000006.tmp-") for n in names)
+    assert _info(save).returncode == 0
+    run_train(2, args, tmp_path / "b", env=corpus_env)  # same command: resumes from 3
+    assert train_losses(tmp_path / "b") == ref[3:]
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
+
+
+def test_damaged_or_mismatched_checkpoint_errors(tmp_path, corpus_env):
+    save = tmp_path / "save"
+    run_train(1, COMMON + ["--train-iters", "2", "--save", str(save)], tmp_path / "a",
+              env=corpus_env)
+    ckpt = save / "iter_0000002"
+    # wrong model shape: names the field and the fix, before any step
+    proc = run_train(1, COMMON + ["--load", str(save), "--hidden-size", "32"], tmp_path / "b",
+                     env=corpus_env, check=False)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "hidden_size: checkpoint 64, this run 32" in proc.stderr
+    assert train_losses(tmp_path / "b") == []  # no training step ran
+    # truncated shard: names the file
+    bad = tmp_path / "bad"
+    shutil.copytree(save, bad)
+    shard = next((bad / "iter_0000002").glob("__0_*.distcp"))
+    with open(shard, "r+b") as f:
+        f.truncate(100)
+    proc = run_train(1, COMMON + ["--load", str(bad)], tmp_path / "c", env=corpus_env,
+                     check=False)
+    assert proc.returncode == 1
+    assert f"{shard} has 100 bytes" in proc.stderr and "truncated" in proc.stderr
+    info = _info(bad)
+    assert info.returncode == 1 and "status: BAD" in info.stdout and str(shard) in info.stdout
+    # missing metadata.json (an interrupted copy), checked by the tool (same code as load)
+    os.remove(ckpt / "metadata.json")
+    info = _info(ckpt)
+    assert info.returncode == 1 and "metadata.json is missing" in info.stdout
+    assert shard.stat().st_size == 100  # nothing saved is modified by a failed load
+
+
+def test_checkpoint_flags_validated_up_front(tmp_path):
+    from models.config import ConfigError
+    from training.arguments import parse_config
+
+    with pytest.raises(ConfigError, match="--load .*nowhere does not exist"):
+        parse_config(COMMON + ["--load", str(tmp_path / "nowhere")]).validate(1)
+    with pytest.raises(ConfigError, match="--keep-last needs --save"):
+        parse_config(COMMON + ["--keep-last", "2"]).validate(1)
+    # --load == --save with nothing saved yet is fine: a restarted job starts from scratch
+    same = str(tmp_path / "ckpt")
+    parse_config(COMMON + ["--load", same, "--save", same]).validate(1)
+
+
+def _torchrun(nodes_args: list[str], args: list[str], log_dir: Path, env: dict):
+    cmd = [sys.executable, "-m", "torch.distributed.run", *nodes_args, "train.py", *args,
+           "--log-dir", str(log_dir)]
+    return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(procs, timeout=240) -> list[str]:
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-6000:]
+    return outs
+
+
+RESTART = COMMON + ["--train-iters", "8", "--save-interval", "2", "--keep-last", "2"]
+
+
+def test_torchrun_restart_resumes(tmp_path, corpus_env):
+    """`torchrun --max-restarts 1`: rank 1 is SIGKILLed after iteration 5 on the first attempt;
+    torchrun restarts the group, which resumes from iteration 4 and finishes."""
+    save = tmp_path / "save"
+    proc = _torchrun(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1"],
+                     RESTART + ["--save", str(save), "--load", str(save)], tmp_path / "log",
+                     {**corpus_env, "SHARDZOO_TEST_KILL_AT": "1:5"})
+    out = _finish([proc])[0]
+    assert "loaded checkpoint" in out and "at iteration 4" in out
+    its = [r for r in train_losses_records(tmp_path / "log")]
+    assert [i for i, _ in its] == [1, 2, 3, 4, 5, 5, 6, 7, 8]  # 5 ran twice
+    first, second = dict(its[:5]), dict(its[5:])
+    assert first[5] == second[5]  # bitwise: same layout, exact resume
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "8"
+    assert sorted(n for n in os.listdir(save) if n.startswith("iter")) == \
+        ["iter_0000006", "iter_0000008"]  # --keep-last 2
+
+
+def test_two_node_c10d_restart(tmp_path, corpus_env):
+    """Two torchrun agents (--nnodes 2, 2 processes each, c10d rendezvous on 127.0.0.1): rank 3
+    (on the second node) is killed after iteration 3; both agents restart and resume."""
+    from distributed import free_port
+
+    save = tmp_path / "save"
+    nodes = ["--nnodes", "2", "--nproc-per-node", "2", "--max-restarts", "1",
+             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+             "--rdzv-id", "two-node-test"]
+    env = {**corpus_env, "SHARDZOO_TEST_KILL_AT": "3:3"}
+    args = RESTART + ["--tp", "2", "--save", str(save), "--load", str(save)]
+    procs = [_torchrun(nodes, args, tmp_path / "log", env) for _ in range(2)]
+    out = "".join(_finish(procs))
+    assert "at iteration 2" in out
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "8"
+    assert train_losses_records(tmp_path / "log")[-1][0] == 8
+
+
+def train_losses_records(log_dir: Path) -> list[tuple[int, float]]:
+    from launch import read_metrics
+
+    return [(r["iteration"], r["loss"]) for r in read_metrics(log_dir) if "loss" in r]
