@@ -11,13 +11,12 @@ import sys
 from models.config import ConfigError
 from training.arguments import parse_config
 from training.checkpoint_verify import CheckpointError
+from training.trainer import DataError, pretrain
 
 
 def main(argv=None) -> int:
     try:
         config = parse_config(argv)
-        from training.trainer import pretrain
-
         pretrain(config)
     except ConfigError as e:
         if os.environ.get("RANK", "0") == "0":  # every rank sees the same error; say it once
@@ -27,6 +26,10 @@ def main(argv=None) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"train.py: checkpoint error: {e}", file=sys.stderr)
         return 1
+    except DataError as e:  # likewise
+        if os.environ.get("RANK", "0") == "0":
+            print(f"train.py: data error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

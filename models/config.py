@@ -126,10 +126,16 @@ class ModelConfig:
         """Raise `ConfigError` naming the field and the fix for any inconsistent value."""
         tp = tensor_model_parallel_size
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
-                     "vocab_size", "ffn_hidden_size", "kv_channels"):
+                     "vocab_size", "ffn_hidden_size", "kv_channels", "num_query_groups",
+                     "make_vocab_size_divisible_by", "max_position_embeddings"):
             if getattr(self, name) is None or getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, "
                                   f"got {getattr(self, name)}")
+        for name in ("layernorm_epsilon", "init_method_std", "rotary_base"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a positive finite number, "
+                                  f"got {v}")
         if self.position_embedding_type not in _POSITION_TYPES:
             raise ConfigError(f"--position-embedding-type must be one of {_POSITION_TYPES}, "
                               f"got {self.position_embedding_type!r}")

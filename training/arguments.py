@@ -17,12 +17,14 @@ import dataclasses
 import difflib
 import functools
 import importlib.util
+import math
 import os
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from models.config import ConfigError, ModelConfig
@@ -109,6 +111,10 @@ class Config:
         self.world_size = world_size
         self.data_parallel_size = _check_grid(t, world_size)
         self.model.validate(t.tensor_model_parallel_size)
+        if self.model.position_embedding_type == "relative":
+            raise ConfigError("--position-embedding-type relative (T5's relative bias) is for "
+                              "encoder-decoder models; train.py's GPT models take "
+                              "learned_absolute, rope or none")
         _check_sequence_parallel(self.model, t)
         _check_pipeline(self.model, t)
         self.num_microbatches = _check_batch(t, self.data_parallel_size)
@@ -277,8 +283,12 @@ def _check_optimizer(t: TrainConfig) -> None:
         if value is not None and value <= 0:
             raise ConfigError(f"{_flag(name)} must be positive, got {value}")
     for name in ("weight_decay", "clip_grad"):
-        if getattr(t, name) < 0:
+        if not getattr(t, name) >= 0:  # also rejects nan
             raise ConfigError(f"{_flag(name)} must be >= 0 (0 disables it), got {getattr(t, name)}")
+    for name in ("lr", "min_lr", "adam_eps", "weight_decay", "clip_grad", "peak_tflops"):
+        value = getattr(t, name)
+        if value is not None and not math.isfinite(value):
+            raise ConfigError(f"{_flag(name)} must be a finite number, got {value}")
     _check_choice("recompute_granularity", t.recompute_granularity, (None, "full", "selective"))
 
 
@@ -341,9 +351,10 @@ def _check_data(t: TrainConfig) -> None:
         ratios = [float(p) for p in t.split.replace("/", ",").split(",")]
     except ValueError:
         ratios = []
-    if not 1 <= len(ratios) <= 3 or min(ratios) < 0 or sum(ratios) <= 0:
+    if not 1 <= len(ratios) <= 3 or min(ratios) < 0 or ratios[0] <= 0:
         raise ConfigError(f"--split {t.split!r} must be 1-3 non-negative comma-separated "
-                          f"numbers (train,valid,test), e.g. --split 969,30,1")
+                          f"numbers (train,valid,test) with a positive train share, e.g. "
+                          f"--split 969,30,1")
     if t.data_path and t.tokenizer_model is None:
         raise ConfigError("--data-path needs --tokenizer-model: the SentencePiece .model file or "
                           "Hugging Face tokenizer folder that tools/preprocess_data.py used")
@@ -359,11 +370,31 @@ def _check_run(t: TrainConfig) -> None:
             raise ConfigError(f"{_flag(name)} must be >= 0 (0 disables evaluation), "
                               f"got {getattr(t, name)}")
     _check_choice("device", t.device, ("auto", "cpu", "cuda"))
+    if t.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda but no CUDA device is available; use --device cpu "
+                          "(or auto)")
+    if not 0 <= t.seed < 2**32:
+        raise ConfigError(f"--seed must be in [0, 2**32), got {t.seed}")
+    for name in ("log_dir", "save", "save_replica"):
+        _check_writable_dir(name, getattr(t, name))
     installed = importlib.util.find_spec("tensorboard") is not None
     t.tensorboard = installed if t.tensorboard is None else t.tensorboard
     if t.tensorboard and not installed:
         raise ConfigError("--tensorboard is on but tensorboard is not installed; "
                           "pip install tensorboard, or pass --no-tensorboard")
+
+
+def _check_writable_dir(name: str, path: str | None) -> None:
+    """Fail now, not after hours of training, if `path` cannot be created or written."""
+    if not path:
+        return
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{_flag(name)} {path} cannot be created ({e.strerror}); pass a "
+                          f"writable folder") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"{_flag(name)} {path} is not writable; pass a writable folder")
 
 
 def _check_checkpointing(t: TrainConfig) -> None:
@@ -483,15 +514,26 @@ def load_model_config(name: str) -> ModelConfig:
     return ModelConfig.from_dict(_model_file(name))
 
 
+def _load_yaml(path) -> Any:
+    try:
+        return yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {e}") from None
+
+
 def _model_file(name: str) -> dict[str, Any]:
     """The fields of a model file, type-checked, with ``name`` set to the file's stem."""
+    if not isinstance(name, str):
+        raise ConfigError(f"model must be a name from configs/models or a .yaml path, got {name!r}")
     is_path = name.endswith((".yaml", ".yml"))
     path = Path(name) if is_path else MODEL_DIR / f"{name}.yaml"
     if not path.exists():
         close = difflib.get_close_matches(name, available_models(), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"--model {name}: no file {path}{hint} Available: {available_models()}")
-    data = yaml.safe_load(path.read_text()) or {}
+    data = _load_yaml(path) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold one mapping of model field: value")
     names = {f.name for f in dataclasses.fields(ModelConfig)}
     for key in data:
         if key.replace("-", "_") not in names:
@@ -508,7 +550,7 @@ def _suggest(key: str, names: typing.Iterable[str]) -> str:
 
 def _read_run_file(path: str) -> dict[str, Any]:
     """Flat run file -> {field: value}, with keys normalised and aliases resolved."""
-    data = yaml.safe_load(Path(path).read_text()) if os.path.exists(path) else None
+    data = _load_yaml(path) if os.path.exists(path) else None
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path} must be a YAML file holding one flat mapping of "
                           f"flag: value (missing, empty or not a mapping)")

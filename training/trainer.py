@@ -37,8 +37,44 @@ def _rank0_print(*args) -> None:
 
 
 # ---------------------------------------------------------------------- data
+class DataError(ValueError):
+    """The data or tokenizer cannot be used as given; raised alike on every rank before any
+    training step, with the file and the fix in the message."""
+
+
 def build_data(config: Config):
-    """Tokenizer and train/valid datasets; the embedded default corpus when no --data-path."""
+    """Tokenizer and train/valid datasets; the embedded default corpus when no --data-path.
+
+    Raises `DataError` for missing/corrupt files, an unusable tokenizer, empty splits, or data
+    holding token ids the tokenizer (and so the model's vocabulary) does not have.
+    """
+    try:
+        return _build_data(config)
+    except (ValueError, FileNotFoundError) as e:
+        raise DataError(str(e)) from None
+
+
+def check_token_ids(prefixes: list[str], vocab_size: int, limit: int = 1_000_000_000) -> None:
+    """Every token id of each dataset must be < vocab_size, or the data was tokenized with
+    another tokenizer (ids beyond the vocab would silently embed as zeros at TP > 1).
+    Datasets over `limit` tokens are checked on their first `limit` tokens."""
+    from .data import IndexedDataset
+
+    for prefix in prefixes:
+        ds = IndexedDataset(prefix)
+        if ds.num_tokens == 0:
+            continue
+        tokens = np.memmap(prefix + ".bin", dtype=ds.dtype, mode="r",
+                           shape=(min(ds.num_tokens, limit),))
+        top = int(tokens.max())
+        if top >= vocab_size:
+            raise ValueError(f"{prefix}.bin holds token id {top} but the tokenizer has only "
+                             f"{vocab_size} ids: the data was made with another tokenizer; "
+                             f"pass the --tokenizer-model used by tools/preprocess_data.py")
+
+
+def _build_data(config: Config):
+    from .arguments import parse_data_path
     from .data import build_tokenizer, build_train_valid_test_datasets, ensure_default_corpus
 
     t = config.train
@@ -52,6 +88,7 @@ def build_data(config: Config):
             prefix, sp_model = ensure_default_corpus(quiet=True)
         data_path, tokenizer_path = [prefix], tokenizer_path or sp_model
     tokenizer = build_tokenizer(tokenizer_path)
+    check_token_ids([prefix for _, prefix in parse_data_path(data_path)], tokenizer.vocab_size)
     gbs = t.global_batch_size
     eval_runs = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 0
     num_samples = (t.train_iters * gbs, eval_runs and t.eval_iters * gbs, 0)

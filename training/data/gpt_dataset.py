@@ -61,6 +61,11 @@ class GPTDataset:
         # Tokens needed: s * n + 1 (the last sample's final label); round epochs up.
         needed = self.seq_length * self.num_samples + 1
         self.num_epochs = math.ceil(needed / tokens_per_epoch)
+        if self.num_epochs * len(self.documents) > 500_000_000:
+            raise ValueError(
+                f"{num_samples} samples of {seq_length} tokens need {self.num_epochs} epochs over "
+                f"the {tokens_per_epoch} tokens of this split; that index would not fit in "
+                f"memory. Lower --train-iters / --global-batch-size or use more data")
         rng = np.random.RandomState(self.seed)
         self.doc_idx = np.concatenate(
             [rng.permutation(self.documents) for _ in range(self.num_epochs)])

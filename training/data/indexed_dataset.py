@@ -177,6 +177,11 @@ class IndexedDataset:
             self.sizes = np.zeros(0, dtype=np.int32)
             self.offsets = np.zeros(0, dtype=np.int64)
         self.num_tokens = int(num_tokens)
+        if n and (int(self.sizes.min()) < 0 or int(self.offsets[0]) != 0
+                  or not np.array_equal(self.offsets[1:], self.offsets[:-1] + self.sizes[:-1])
+                  or int(self.offsets[-1]) + int(self.sizes[-1]) != num_tokens):
+            raise ValueError(f"index file {idx_path} is corrupt: its document sizes and offsets "
+                             f"do not tile the {num_tokens} tokens of {bin_path}; {_REGEN}")
         if num_tokens:
             self._tokens = np.memmap(bin_path, dtype=self.dtype, mode="r", shape=(num_tokens,))
         else:
