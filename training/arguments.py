@@ -274,7 +274,8 @@ def _check_optimizer(t: TrainConfig) -> None:
                           f"from --lr down to --min-lr")
     if t.lr_warmup_iters < 0 or t.lr_warmup_iters > t.lr_decay_iters:
         raise ConfigError(f"--lr-warmup-iters {t.lr_warmup_iters} must be in [0, "
-                          f"--lr-decay-iters {t.lr_decay_iters}]")
+                          f"--lr-decay-iters {t.lr_decay_iters}] (which defaults to "
+                          f"--train-iters); lower --lr-warmup-iters or raise --train-iters")
     _check_choice("lr_decay_style", t.lr_decay_style, ("cosine", "linear", "constant"))
     for name in ("adam_beta1", "adam_beta2"):
         if not 0.0 <= getattr(t, name) < 1.0:

@@ -291,7 +291,7 @@ def _train(config: Config, device, on_end=None) -> list[dict]:
                    "mfu": tflops / peak if peak else None,
                    "memory": peak_memory_bytes(device), "step_time_s": step_time,
                    "elapsed_s": now - start, **activations}
-            eta = (now - start) / it * (t.train_iters - it)
+            eta = step_time * (t.train_iters - it)  # at the recent rate, not the average
             logger.log(rec, f"iter {it:6d}/{t.train_iters} | loss {loss:.4f} | lr {lr:.3e} | "
                             f"grad norm {grad_norm:.3f} | {tps:,.0f} tok/s | "
                             f"{tflops:.3f} TFLOP/s/dev | mfu {rec['mfu'] or 0:.1%} | "
