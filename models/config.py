@@ -15,14 +15,14 @@ class ConfigError(ValueError):
     """A bad configuration value; the message names the flag and how to fix it."""
 
 
-_POSITION_TYPES = ("learned_absolute", "rope", "relative", "none")
+_POSITION_TYPES = ("learned_absolute", "rope", "none")
 _NORMS = ("LayerNorm", "RMSNorm")
 _ACTIVATIONS = ("gelu", "swiglu")
 
 
 @dataclass
 class ModelConfig:
-    """Shape and numerics of a decoder (GPT-2 / Llama families) or encoder-decoder (T5).
+    """Shape and numerics of a decoder-only model (GPT-2 / Llama families).
 
     Sizes are counts (not bytes). `ffn_hidden_size` defaults to 4*h for GeLU and to
     Llama's 2/3 * 4h rounded up to a multiple of 256 for SwiGLU.
@@ -49,11 +49,6 @@ class ModelConfig:
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     init_method_std: float = 0.02
-    # T5 only (encoder-decoder); a decoder-only model ignores them.
-    encoder_num_layers: int | None = None
-    decoder_num_layers: int | None = None
-    relative_attention_num_buckets: int = 32
-    relative_attention_max_distance: int = 128
     name: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -20,7 +20,7 @@ from layers import (
 )
 from parallel_state import get_tensor_model_parallel_world_size
 
-from .config import ConfigError, ModelConfig
+from .config import ModelConfig
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 
@@ -41,10 +41,6 @@ class GPTModel(nn.Module):
         super().__init__()
         tp = get_tensor_model_parallel_world_size()
         config.validate(tp)
-        if config.position_embedding_type == "relative":
-            raise ConfigError("--position-embedding-type relative (T5's relative bias) is for "
-                              "encoder-decoder models; a GPT model takes learned_absolute, rope "
-                              "or none")
         self.config = config
         self.pre_process, self.post_process = pre_process, post_process
         self.sequence_parallel = sequence_parallel and tp > 1

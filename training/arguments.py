@@ -111,10 +111,6 @@ class Config:
         self.world_size = world_size
         self.data_parallel_size = _check_grid(t, world_size)
         self.model.validate(t.tensor_model_parallel_size)
-        if self.model.position_embedding_type == "relative":
-            raise ConfigError("--position-embedding-type relative (T5's relative bias) is for "
-                              "encoder-decoder models; train.py's GPT models take "
-                              "learned_absolute, rope or none")
         _check_sequence_parallel(self.model, t)
         _check_pipeline(self.model, t)
         self.num_microbatches = _check_batch(t, self.data_parallel_size)
@@ -473,6 +469,58 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
+FLAG_HELP = {
+    # model
+    "num_layers": "transformer layers", "hidden_size": "model width h",
+    "num_attention_heads": "query heads", "ffn_hidden_size": "MLP inner width",
+    "num_query_groups": "KV heads (grouped-query attention); = heads for MHA",
+    "kv_channels": "per-head dim (default h / heads)", "seq_length": "tokens per sample",
+    "max_position_embeddings": "rows of the learned position table",
+    "vocab_size": "replaced by the tokenizer's at run time",
+    "make_vocab_size_divisible_by": "pad the vocab to a multiple of this x tp",
+    "position_embedding_type": "learned_absolute | rope | none",
+    "rotary_base": "RoPE theta", "normalization": "LayerNorm | RMSNorm",
+    "activation": "gelu | swiglu", "add_bias_linear": "biases in linear layers",
+    "untie_embeddings_and_output_weights": "separate output layer weight",
+    "hidden_dropout": "dropout on residual branches", "attention_dropout": "dropout on scores",
+    "init_method_std": "std of the normal init (output projections / sqrt(2 L))",
+    # layout
+    "tensor_model_parallel_size": "TP ranks per layer (adjacent ranks)",
+    "pipeline_model_parallel_size": "pipeline stages",
+    "virtual_pipeline_model_parallel_size": "model chunks per stage (interleaved 1F1B)",
+    "num_layers_per_virtual_pipeline_stage": "layers per chunk (alternative to --vpp)",
+    "decoder_first_pipeline_num_layers": "layers on the first stage (uneven split)",
+    "decoder_last_pipeline_num_layers": "layers on the last stage (uneven split)",
+    "sequence_parallel": "norms/dropout on sequence shards (needs tp > 1)",
+    "use_distributed_optimizer": "ZeRO-1: shard main weights and Adam states over DP",
+    "recompute_granularity": "full | selective activation recompute",
+    "recompute_method": "full only: uniform | block",
+    "recompute_num_layers": "full only: layers per checkpointed group / checkpointed layers",
+    # batch and optimizer
+    "micro_batch_size": "sequences per microbatch per DP rank",
+    "global_batch_size": "sequences per optimizer step (all DP ranks)",
+    "train_iters": "optimizer steps", "lr": "peak learning rate", "min_lr": "final learning rate",
+    "lr_warmup_iters": "linear warmup steps", "lr_decay_iters": "decay length (default: train-iters)",
+    "lr_decay_style": "cosine | linear | constant", "weight_decay": "AdamW decay (not on 1-D)",
+    "clip_grad": "max global grad norm; 0 disables", "seed": "seeds init, data order and dropout",
+    "bf16": "bf16 weights/activations with fp32 main weights and grads",
+    # data, logging, checkpoints
+    "data_path": "PREFIX or W1 PREFIX1 W2 PREFIX2 ... (default: embedded stdlib corpus)",
+    "split": "train,valid,test shares of documents", "tokenizer_model":
+    "SentencePiece .model or HF tokenizer folder used to make --data-path",
+    "eval_interval": "validate every N steps; 0 disables", "eval_iters": "batches per validation",
+    "log_interval": "log every N steps", "log_dir": "metrics.jsonl + TensorBoard events",
+    "save": "checkpoint folder", "load": "checkpoint folder (or iter_XXXXXXX) to resume from",
+    "save_interval": "save every N steps (and at the end)", "keep_last": "keep the newest N",
+    "save_replica": "second folder receiving a copy of each checkpoint",
+    "async_save": "write checkpoints in the background", "load_rng": "restore RNG on resume",
+    "load_optim": "restore optimizer state on resume", "ddp_bucket_size": "elements per bucket",
+    "overlap_grad_reduce": "overlap DP gradient sync with backward",
+    "peak_tflops": "per-device peak for MFU (default: measured)", "device": "auto | cpu | cuda",
+    "profile_pipeline": "record the schedule timeline and report the bubble",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser; every option defaults to 'not given' (argparse.SUPPRESS)."""
     p = _Parser(description="shardzoo training run", allow_abbrev=False,
@@ -491,7 +539,10 @@ def build_parser() -> argparse.ArgumentParser:
             kw = dict(action=argparse.BooleanOptionalAction) if base is bool else \
                 dict(type=str, nargs="+", metavar="STR") if base is list else \
                 dict(type=_argtype(f.name), metavar=base.__name__.upper())
-            group.add_argument(*flags, dest=f.name, help=f"default: {f.default}", **kw)
+            text = FLAG_HELP.get(f.name, "")
+            group.add_argument(*flags, dest=f.name,
+                               help=f"{text} (default: {f.default})" if text else
+                               f"default: {f.default}", **kw)
     return p
 
 
