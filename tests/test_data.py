@@ -1,6 +1,7 @@
 """Data pipeline: indexed dataset format, GPT sampling, blending, preprocessing, demo corpus."""
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -270,6 +271,122 @@ def test_preprocess_clear_errors(tmp_path, sp_model):
     assert r.returncode != 0 and "--tokenizer-model" in r.stderr
     with pytest.raises(FileNotFoundError, match="missing.model"):
         build_tokenizer(str(tmp_path / "missing.model"))
+
+
+@pytest.fixture(scope="module")
+def preprocess_cli():
+    """tools/preprocess_data.py's `cli` in-process (no interpreter start per case)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("preprocess_data_cli",
+                                                  os.path.join(ROOT, "tools", "preprocess_data.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.cli
+
+
+def test_preprocess_binary_input_exits_2_without_traceback(tmp_path, sp_model):
+    png = tmp_path / "img.txt"
+    png.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)))
+    r = run_preprocess("--input", png, "--output-prefix", tmp_path / "x",
+                       "--tokenizer-model", sp_model)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert f"{png} is a binary file" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+BAD_INPUTS = [
+    ("bad_json", r"c\.jsonl line 3 is not valid JSON.*fix or remove that line"),
+    ("binary_in_folder", r"b\.txt is a binary file.*--pattern"),
+    ("empty_jsonl", r"no text in .*c\.jsonl.*no documents"),
+    ("blank_jsonl", r"c\.jsonl has no JSON lines.*no documents"),
+    ("empty_txt", r"no text in .*c\.txt"),
+    ("whitespace_txt", r"no text in .*c\.txt"),
+    ("empty_folder_files", r"no text in .*src.*empty or missing"),
+    ("all_null", r"no text in .*c\.jsonl"),
+    ("list_value", r"c\.jsonl line 2: key 'text' is not a string but list \['a', 'b'\]"),
+    ("list_value_later", r"c\.jsonl line 3: key 'text' is not a string but list"),
+    ("number_value", r"c\.jsonl line 2: key 'text' is not a string but int 5"),
+    ("array_line", r"c\.jsonl line 1 is a JSON list, not an object"),
+]
+
+
+@pytest.mark.parametrize("case, expect", BAD_INPUTS, ids=[c for c, _ in BAD_INPUTS])
+def test_preprocess_bad_inputs_are_one_line_errors(tmp_path, sp_model, preprocess_cli, capsys,
+                                                   case, expect):
+    jl = tmp_path / "c.jsonl"
+    src = jl
+    if case == "bad_json":
+        jl.write_text('{"text": "a"}\n\n{"text": oops}\n{"text": "b"}\n')
+    elif case == "binary_in_folder":
+        src = tmp_path / "src"
+        src.mkdir()
+        (src / "a.txt").write_text("fine text\n")
+        (src / "b.txt").write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(64))
+    elif case == "empty_jsonl":
+        jl.write_text("")
+    elif case == "blank_jsonl":
+        jl.write_text("\n  \n")
+    elif case in ("empty_txt", "whitespace_txt"):
+        src = tmp_path / "c.txt"
+        src.write_text("" if case == "empty_txt" else "\n   \n\t\n")
+    elif case == "empty_folder_files":
+        src = tmp_path / "src"
+        src.mkdir()
+        (src / "a.txt").write_text("")
+        (src / "b.txt").write_text("  \n")
+    elif case == "all_null":
+        jl.write_text('{"text": null}\n{"other": "x"}\n{"text": ""}\n')
+    elif case == "list_value":
+        jl.write_text('{"text": "a"}\n{"text": ["a", "b"]}\n')
+    elif case == "list_value_later":  # datasets' own schema error, diagnosed by line
+        jl.write_text('{"text": "a"}\n\n{"text": ["a", "b"]}\n')
+    elif case == "number_value":
+        jl.write_text('{"text": "a"}\n{"text": 5}\n')
+    elif case == "array_line":
+        jl.write_text('[1, 2]\n')
+    out = tmp_path / "out" / "x"
+    assert preprocess_cli(["--input", str(src), "--output-prefix", str(out),
+                           "--tokenizer-model", sp_model]) == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("preprocess_data")]
+    assert len(lines) == 1 and lines[0].startswith("preprocess_data: error: "), err
+    assert re.search(expect, lines[0]), lines[0]
+    assert not os.path.exists(f"{out}_text_document.bin")
+
+
+def test_preprocess_skips_empty_documents_and_counts_them(tmp_path, sp_model, preprocess_cli,
+                                                          capsys):
+    src = tmp_path / "c.jsonl"
+    src.write_text('{"text": "alpha beta"}\n{"text": null}\n{"title": "x"}\n{"text": "  "}\n'
+                   '{"text": "gamma"}\n')
+    out = tmp_path / "x"
+    assert preprocess_cli(["--input", str(src), "--output-prefix", str(out),
+                           "--tokenizer-model", sp_model]) == 0
+    cap = capsys.readouterr()
+    assert "2 documents (3 empty skipped)" in cap.out
+    assert "warning: skipped 3 empty or missing documents" in cap.err
+    ds, tok = IndexedDataset(f"{out}_text_document"), build_tokenizer(sp_model)
+    assert [tok.decode(ds[i][:-1].tolist()) for i in range(len(ds))] == ["alpha beta", "gamma"]
+    # a folder: empty files are skipped the same way
+    d = tmp_path / "src"
+    d.mkdir()
+    (d / "a.txt").write_text("delta\n")
+    (d / "b.txt").write_text("")
+    assert preprocess_cli(["--input", str(d), "--output-prefix", str(tmp_path / "y"),
+                           "--tokenizer-model", sp_model]) == 0
+    assert "1 documents (1 empty skipped)" in capsys.readouterr().out
+
+
+def test_preprocess_warns_when_trained_vocab_is_smaller(tmp_path, preprocess_cli, capsys):
+    src = tmp_path / "c.txt"
+    src.write_text("tiny corpus\n")
+    out = tmp_path / "x"
+    assert preprocess_cli(["--input", str(src), "--output-prefix", str(out),
+                           "--vocab-size", "100000"]) == 0
+    err = capsys.readouterr().err
+    vocab = build_tokenizer(f"{out}.model").vocab_size
+    assert vocab < 100000
+    assert f"warning: trained vocab has {vocab} ids, fewer than --vocab-size 100000" in err
 
 
 # ---------------------------------------------------------------- default corpus

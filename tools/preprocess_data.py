@@ -12,11 +12,17 @@ directly), a .jsonl/.json or .parquet file, or a folder written by ``datasets``'
 ``save_to_disk``; all but plain folders are read through the ``datasets`` library. Each
 ``--json-keys`` key K is written to ``<output-prefix>_<K>_document.bin/.idx``; use the result
 as ``--data-path <output-prefix>_<K>_document``.
+
+Empty documents (missing key, null, or only whitespace) are skipped and counted in the final
+summary; an input with no text at all, a binary file, an invalid JSON line or a non-string
+value is refused with a one-line error (exit code 2) naming the file and line.
 """
 from __future__ import annotations
 
 import argparse
 import fnmatch
+import gzip
+import json
 import os
 import sys
 import tempfile
@@ -26,7 +32,6 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from training.data.default_corpus import read_text  # noqa: E402
 from training.data.indexed_dataset import IndexedDatasetBuilder  # noqa: E402
 from training.data.tokenizer import (build_tokenizer, encode_documents,  # noqa: E402
                                      train_sentencepiece)
@@ -45,7 +50,9 @@ def get_args(argv=None) -> argparse.Namespace:
                    help="for a plain text file: one document per file, per blank-line-separated "
                    "paragraph, or per line (default document)")
     p.add_argument("--json-keys", nargs="+", default=["text"],
-                   help="columns to tokenize, one output per key (default text)")
+                   help="columns to tokenize, one output per key (default text); values must "
+                   "be strings: rows where a key is missing, null or only whitespace are "
+                   "skipped (and counted), any other type (list, number, object) is an error")
     p.add_argument("--output-prefix", required=True)
     tok = p.add_argument_group("tokenizer (exactly one)")
     tok.add_argument("--tokenizer-model", help="SentencePiece .model file")
@@ -74,10 +81,98 @@ def _folder_files(folder: str, pattern: str) -> list[str]:
     return sorted(out)
 
 
+def _open(path: str):
+    return gzip.open(path, "rb") if path.lower().endswith(".gz") else open(path, "rb")
+
+
+def _binary_msg(path: str) -> str:
+    return (f"{path} is a binary file (it contains NUL bytes, e.g. an image or executable), "
+            "not text; remove it or narrow --input/--pattern")
+
+
+def _short(value, n: int = 60) -> str:
+    r = repr(value)
+    return r if len(r) <= n else r[:n - 3] + "..."
+
+
+def _read_file(path: str) -> str:
+    """A folder file as UTF-8 (undecodable bytes replaced); binary files are refused."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if b"\0" in data:
+        raise ValueError(_binary_msg(path))
+    return data.decode("utf-8", errors="replace")
+
+
+def _json_lines(path: str):
+    """(line number, parsed object or the JSONDecodeError) for each non-blank line."""
+    with _open(path) as f:
+        for n, raw in enumerate(f, 1):
+            if raw.strip():
+                try:
+                    yield n, json.loads(raw)
+                except ValueError as e:
+                    yield n, e
+
+
+def _non_string_msg(path: str, where: str, key: str, value) -> str:
+    return (f"{path} {where}: key {key!r} is not a string but {type(value).__name__} "
+            f"{_short(value)}; store each document as one string (e.g. join a list of lines "
+            "with newlines)")
+
+
+def _bad_json_line(path: str, keys) -> str | None:
+    """Message for the first line of a JSON-lines file that is not valid JSON, not an object,
+    or holds a non-string value under one of ``keys``; None when every line is fine."""
+    for n, obj in _json_lines(path):
+        if isinstance(obj, ValueError):
+            return (f"{path} line {n} is not valid JSON ({obj}); fix or remove that line "
+                    "(each line must be one JSON object)")
+        if not isinstance(obj, dict):
+            return (f"{path} line {n} is a JSON {type(obj).__name__}, not an object; each "
+                    "line must be one JSON object like {\"text\": \"...\"}")
+        for key in keys:
+            if not isinstance(obj.get(key), (str, type(None))):
+                return _non_string_msg(path, f"line {n}", key, obj[key])
+    return None
+
+
+def _diagnose(path: str, kind: str, err: BaseException, keys=("text",)) -> str:
+    """One line saying why ``datasets`` could not read ``path`` (scans the file; error path)."""
+    cause = err.__cause__ or err.__context__ or err
+    if kind == "text":
+        if isinstance(cause, UnicodeDecodeError) or isinstance(err, UnicodeDecodeError):
+            return (f"{path} is not UTF-8 text (a binary file?); convert it to UTF-8 or remove "
+                    "it from --input")
+        with _open(path) as f:
+            if not f.read().strip():
+                return f"no text in {path}: the file is empty or only whitespace"
+    elif kind == "json":
+        try:
+            if path.lower().endswith((".json", ".json.gz")):
+                with _open(path) as f:  # a whole-file JSON (array/object) rather than JSON lines
+                    try:
+                        json.loads(f.read())
+                        return (f"could not read {path} ({type(cause).__name__}: {cause}); "
+                                "write it as JSON lines, one object per line")
+                    except ValueError:
+                        pass
+            msg = _bad_json_line(path, keys)
+            if msg:
+                return msg
+            if next(_json_lines(path), None) is None:
+                return f"{path} has no JSON lines: the input has no documents"
+        except UnicodeDecodeError:
+            return f"{path} is not UTF-8 text (a binary file?); pass a UTF-8 .jsonl file"
+    msg = str(cause).strip().splitlines()[-1] if str(cause).strip() else ""
+    return (f"could not read {path} as {kind} ({type(cause).__name__}"
+            f"{': ' + msg if msg else ''}); check the file's format")
+
+
 class Corpus:
     """Documents of ``--input`` per key: ``columns`` lists the keys, ``texts(key)`` iterates."""
 
-    def __init__(self, path: str, pattern: str, text_unit: str):
+    def __init__(self, path: str, pattern: str, text_unit: str, keys: tuple[str, ...] = ("text",)):
         if not os.path.exists(path):
             raise FileNotFoundError(f"--input {path} does not exist")
         self.path, self.files, self.dataset = path, None, None
@@ -91,17 +186,36 @@ class Corpus:
                     raise ValueError(f"--input folder {path} has no files matching --pattern "
                                      f"{pattern!r}; pass e.g. --pattern '*.py'")
         else:
-            import datasets
-
-            low = path.lower()
-            if low.endswith(_JSON_EXT):
-                self.dataset = datasets.load_dataset("json", data_files=path, split="train")
-            elif low.endswith(_PARQUET_EXT):
-                self.dataset = datasets.load_dataset("parquet", data_files=path, split="train")
-            else:
-                self.dataset = datasets.load_dataset("text", data_files=path, split="train",
-                                                     sample_by=text_unit)
+            self.dataset = self._load_file(path, text_unit, keys)
         self.columns = ["text"] if self.files is not None else list(self.dataset.column_names)
+        self.skipped: dict[str, int] = {}  # key -> empty/missing documents of the last pass
+
+    @staticmethod
+    def _load_file(path: str, text_unit: str, keys=("text",)):
+        low = path.lower()
+        kind = "json" if low.endswith(_JSON_EXT) else \
+            "parquet" if low.endswith(_PARQUET_EXT) else "text"
+        if os.path.getsize(path) == 0:
+            raise ValueError(f"no text in {path}: the file is empty (the input has no "
+                             "documents)")
+        if kind != "parquet":
+            with _open(path) as f:
+                head = f.read(8192)
+            if b"\0" in head:
+                raise ValueError(_binary_msg(path))
+        import datasets
+
+        verbosity = datasets.logging.get_verbosity()
+        datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # "Failed to load JSON" lines
+        try:
+            if kind == "text":
+                return datasets.load_dataset("text", data_files=path, split="train",
+                                             sample_by=text_unit)
+            return datasets.load_dataset(kind, data_files=path, split="train")
+        except Exception as e:  # datasets wraps parse errors; StopIteration on empty jsonl
+            raise ValueError(_diagnose(path, kind, e, keys)) from None
+        finally:
+            datasets.logging.set_verbosity(verbosity)
 
     @staticmethod
     def _load_from_disk(path: str):
@@ -130,11 +244,38 @@ class Corpus:
         return len(self.files) if self.files is not None else len(self.dataset)
 
     def texts(self, key: str):
+        """Yield the non-empty documents of ``key``; ``self.skipped[key]`` counts the others
+        (missing, null, or only whitespace). Non-string values raise ValueError."""
+        self.skipped[key] = 0
+        for i, t in enumerate(self._raw_texts(key)):
+            if t is None or (isinstance(t, str) and not t.strip()):
+                self.skipped[key] += 1
+                continue
+            if not isinstance(t, str):
+                raise ValueError(self._type_msg(key, i, t))
+            yield t
+
+    def _raw_texts(self, key: str):
         if self.files is not None:
-            yield from (read_text(f) for f in self.files)
+            yield from (_read_file(f) for f in self.files)
             return
         for batch in self.dataset.select_columns([key]).iter(batch_size=1000):
-            yield from ("" if t is None else str(t) for t in batch[key])
+            yield from batch[key]
+
+    def _type_msg(self, key: str, row: int, value) -> str:
+        if self.path.lower().endswith(_JSON_EXT) and os.path.isfile(self.path):
+            msg = _bad_json_line(self.path, [key])
+            if msg:
+                return msg
+        return _non_string_msg(self.path, f"row {row + 1}", key, value)
+
+    def check_text(self, keys: list[str]) -> None:
+        """Raise ValueError when some key has no non-empty document at all."""
+        for key in keys:
+            if next(iter(self.texts(key)), None) is None:
+                what = "" if keys == ["text"] else f" under key {key!r}"
+                raise ValueError(f"no text in {self.path}{what}: all {len(self)} documents are "
+                                 "empty or missing; check --input/--pattern/--json-keys")
 
     def sample_file(self, keys: list[str], max_bytes: int = 50_000_000) -> str:
         """Write up to ``max_bytes`` of text (all keys) to a temp file for tokenizer training."""
@@ -154,8 +295,9 @@ class Corpus:
 def main(argv=None) -> int:
     args = get_args(argv)
     t0 = time.time()
-    corpus = Corpus(args.input, args.pattern, args.text_unit)
+    corpus = Corpus(args.input, args.pattern, args.text_unit, tuple(args.json_keys))
     corpus.check_keys(args.json_keys)
+    corpus.check_text(args.json_keys)
     if args.vocab_size:
         sample = corpus.sample_file(args.json_keys)
         try:
@@ -163,9 +305,13 @@ def main(argv=None) -> int:
         finally:
             os.remove(sample)
         tokenizer = build_tokenizer(model)
+        if tokenizer.vocab_size < args.vocab_size:
+            print(f"preprocess_data: warning: trained vocab has {tokenizer.vocab_size} ids, "
+                  f"fewer than --vocab-size {args.vocab_size} (the input is too small for "
+                  "more); pass a smaller --vocab-size or more text", file=sys.stderr)
     else:
         tokenizer = build_tokenizer(args.tokenizer_model or args.tokenizer_dir)
-    written, docs, tokens = [], 0, 0
+    written, docs, tokens, skipped = [], 0, 0, 0
     for key in args.json_keys:
         prefix = f"{args.output_prefix}_{key}_document"
         with IndexedDatasetBuilder(prefix, vocab_size=tokenizer.vocab_size) as builder:
@@ -175,16 +321,26 @@ def main(argv=None) -> int:
                 docs += 1
                 tokens += len(ids)
             written += list(builder.finalize())
+        skipped += corpus.skipped.get(key, 0)
     if args.vocab_size:
         written.insert(0, tokenizer.path)
-    print(f"preprocess_data: {docs} documents, {tokens} tokens (vocab {tokenizer.vocab_size}) in "
-          f"{time.time() - t0:.1f} s; wrote {', '.join(written)}")
+    if skipped:
+        print(f"preprocess_data: warning: skipped {skipped} empty or missing documents "
+              f"(key missing, null or only whitespace); wrote {docs}", file=sys.stderr)
+    print(f"preprocess_data: {docs} documents ({skipped} empty skipped), {tokens} tokens "
+          f"(vocab {tokenizer.vocab_size}) in {time.time() - t0:.1f} s; "
+          f"wrote {', '.join(written)}")
     return 0
 
 
-if __name__ == "__main__":
+def cli(argv=None) -> int:
+    """`main` with input errors as one ``preprocess_data: error: ...`` line and exit code 2."""
     try:
-        sys.exit(main())
+        return main(argv)
     except (FileNotFoundError, ValueError) as e:
         print(f"preprocess_data: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
