@@ -15,14 +15,37 @@ from torch import nn
 
 from parallel_state import (
     copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     get_tensor_model_parallel_world_size,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
 
+from parallel_state.mappings import all_gather_sequence, reduce_scatter_sequence
+
 from .sharding import set_tensor_parallel_attributes
+
+
+class _SequenceParallelLinear(torch.autograd.Function):
+    """`Y = all_gather_s(X) W^T + b` that keeps only the shard `X [s/tp, b, in]` for backward
+    and all-gathers it again there (Korthikanti et al. 2022, sec. 4.2.2 count the shard, not
+    the gathered input); the input gradient is reduce-scattered back to the shard."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(all_gather_sequence(x), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        total = all_gather_sequence(x)
+        grad_input = reduce_scatter_sequence(grad.matmul(weight))
+        grad_2d = grad.reshape(-1, grad.shape[-1])
+        grad_weight = grad_2d.t().matmul(total.reshape(-1, total.shape[-1]))
+        grad_bias = grad_2d.sum(0) if ctx.has_bias else None
+        return grad_input, grad_weight, grad_bias
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -70,10 +93,9 @@ class ColumnParallelLinear(nn.Module):
         if weight is None:
             raise ValueError("ColumnParallelLinear built with skip_weight needs forward(x, weight)")
         if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True)
+            y = _SequenceParallelLinear.apply(x, weight, self.bias)
         else:
-            x = copy_to_tensor_model_parallel_region(x)
-        y = F.linear(x, weight, self.bias)
+            y = F.linear(copy_to_tensor_model_parallel_region(x), weight, self.bias)
         if not self.gather_output:
             return y
         y = gather_from_tensor_model_parallel_region(y)

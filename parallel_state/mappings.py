@@ -222,3 +222,8 @@ def all_reduce_sequence_parallel_grads(params) -> None:
     for g in grads:
         g.copy_(flat[offset: offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+# Plain (no-autograd) sequence collectives, for layers that write their own backward.
+all_gather_sequence = _gather_first
+reduce_scatter_sequence = _reduce_scatter_first

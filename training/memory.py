@@ -22,8 +22,8 @@ Predicted, per transformer layer, `s` sequence, `b` micro batch, `h` hidden, `a`
   CPU without dropout: q, k, v, output and log-sum-exp, no `s x s`; the math kernel with
   dropout: scaled q and k, softmax, float mask and dropped probabilities), dropout masks of
   the activation dtype (CPU `F.dropout` keeps `input * mask` with a float mask), and under SP
-  the column-parallel linears keep the all-gathered full-sequence input (Megatron keeps the
-  shard and gathers again in backward). Change it with the layer code; the tests compare it to
+  the column-parallel linears keep only the sequence shard of their input and all-gather it
+  again in backward (as Megatron). Change it with the layer code; the tests compare it to
   the measurement at several shapes.
 """
 from __future__ import annotations
@@ -166,7 +166,7 @@ def model_layer_bytes(config, s: int, b: int, t: int = 1, sp: bool = False,
     # RMSNorm (F.rms_norm): input, normalized input, rstd; LayerNorm: input, mean, rstd.
     norm = e * sl * b * (2 * h + 1) if rms else e * sl * b * h + 2 * 4 * sl * b
     out = {"norms": 2 * norm,
-           "qkv and fc1 inputs": 2 * e * s * b * h}  # the all-gathered sequence under SP
+           "qkv and fc1 inputs": 2 * e * sl * b * h}  # the sequence shard under SP
     mixed = e * s * b * (an + 2 * gn) * d  # fused QKV output: v (and q, k without RoPE) view it
     rope = config.position_embedding_type == "rope"
     q, kv_heads = e * s * b * an * d, e * s * b * gn * d
