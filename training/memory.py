@@ -105,8 +105,7 @@ def _rng_untouched():
             torch.cuda.set_rng_state_all(cuda)
 
 
-def measure_activation_bytes(chunks, batch: dict, hidden_shape, dtype=torch.float32,
-                             autocast_dtype=None) -> dict:
+def measure_activation_bytes(chunks, batch: dict, hidden_shape, dtype=torch.float32) -> dict:
     """Saved-for-backward bytes of one microbatch through this rank's model chunks.
 
     Each chunk runs forward (training mode) on `batch` (`tokens`, `labels`); a chunk without
@@ -122,7 +121,7 @@ def measure_activation_bytes(chunks, batch: dict, hidden_shape, dtype=torch.floa
         for chunk, module in zip(chunks, modules):
             hidden = None if module.pre_process else torch.zeros(
                 hidden_shape, dtype=dtype, device=device, requires_grad=True)
-            loss_from_batch(chunk, batch, autocast_dtype, hidden_states=hidden)
+            loss_from_batch(chunk, batch, hidden_states=hidden)
     return {"total": meter.bytes(), "layers": meter.bytes("layers"),
             "num_layers": sum(len(m.decoder.layers) for m in modules)}
 

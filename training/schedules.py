@@ -28,16 +28,10 @@ import parallel_state as ps
 from . import p2p
 
 
-def loss_from_batch(model, batch: dict, autocast_dtype: torch.dtype | None,
-                    label_smoothing: float = 0.0, hidden_states=None):
+def loss_from_batch(model, batch: dict, hidden_states=None):
     """Forward one microbatch on one model chunk. Returns (summed masked token loss `[]`
     float32, None) on the chunk holding the loss, else (None, output hidden states)."""
-    device_type = batch["tokens"].device.type
-    ctx = (torch.autocast(device_type, dtype=autocast_dtype) if autocast_dtype is not None
-           else contextlib.nullcontext())
-    with ctx:
-        out = model(batch["tokens"], labels=batch["labels"], hidden_states=hidden_states,
-                    label_smoothing=label_smoothing)
+    out = model(batch["tokens"], labels=batch["labels"], hidden_states=hidden_states)
     inner = getattr(model, "module", model)
     if not inner.post_process:
         return None, out
@@ -47,11 +41,9 @@ def loss_from_batch(model, batch: dict, autocast_dtype: torch.dtype | None,
 class _Runner:
     """Shared state of one schedule run: forward/backward steps, loss total, timeline."""
 
-    def __init__(self, model, microbatches, loss_scale, forward_only, autocast_dtype,
-                 label_smoothing, timeline):
+    def __init__(self, model, microbatches, loss_scale, forward_only, timeline):
         self.model, self.microbatches = model, microbatches
         self.loss_scale, self.forward_only = loss_scale, forward_only
-        self.autocast_dtype, self.label_smoothing = autocast_dtype, label_smoothing
         self.timeline = timeline
         self.total = torch.zeros((), dtype=torch.float32,
                                  device=microbatches[0]["tokens"].device)
@@ -72,8 +64,7 @@ class _Runner:
         with self._timed("F", chunk, mb):
             grad_ctx = torch.no_grad() if self.forward_only else contextlib.nullcontext()
             with grad_ctx:
-                loss, out = loss_from_batch(self.model[chunk], self.microbatches[mb],
-                                            self.autocast_dtype, self.label_smoothing, hidden)
+                loss, out = loss_from_batch(self.model[chunk], self.microbatches[mb], hidden)
         if loss is not None:
             self.total += loss.detach()
             return (loss * self.loss_scale,)
@@ -94,11 +85,10 @@ class _Runner:
 
 
 def forward_backward_no_pipelining(*, model, microbatches, loss_scale, spec=None,
-                                   forward_only=False, autocast_dtype=None, label_smoothing=0.0,
+                                   forward_only=False,
                                    timeline=None) -> torch.Tensor:
     """Gradient accumulation over microbatches on one stage."""
-    run = _Runner(model, microbatches, loss_scale, forward_only, autocast_dtype,
-                  label_smoothing, timeline)
+    run = _Runner(model, microbatches, loss_scale, forward_only, timeline)
     for mb in range(len(microbatches)):
         outputs = run.forward(0, mb, None)
         if not forward_only:
@@ -107,11 +97,10 @@ def forward_backward_no_pipelining(*, model, microbatches, loss_scale, spec=None
 
 
 def forward_backward_pipelining_without_interleaving(
-        *, model, microbatches, loss_scale, spec, forward_only=False, autocast_dtype=None,
-        label_smoothing=0.0, timeline=None) -> torch.Tensor:
+        *, model, microbatches, loss_scale, spec, forward_only=False,
+        timeline=None) -> torch.Tensor:
     """1F1B: warm-up of (pp - rank - 1) forwards, steady 1F1B, cool-down backwards."""
-    run = _Runner(model, microbatches, loss_scale, forward_only, autocast_dtype,
-                  label_smoothing, timeline)
+    run = _Runner(model, microbatches, loss_scale, forward_only, timeline)
     m = len(microbatches)
     pp, rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     num_warmup = m if forward_only else min(pp - rank - 1, m)
@@ -151,15 +140,14 @@ def forward_backward_pipelining_without_interleaving(
 
 
 def forward_backward_pipelining_with_interleaving(
-        *, model, microbatches, loss_scale, spec, forward_only=False, autocast_dtype=None,
-        label_smoothing=0.0, timeline=None) -> torch.Tensor:
+        *, model, microbatches, loss_scale, spec, forward_only=False,
+        timeline=None) -> torch.Tensor:
     """Interleaved 1F1B over `vpp = len(model)` chunks per rank (Megatron's schedule).
 
     Step k of the forward order runs chunk (k mod pp*vpp) // pp on microbatch
     (k // (pp*vpp)) * pp + k mod pp; backward visits chunks in reverse.
     """
-    run = _Runner(model, microbatches, loss_scale, forward_only, autocast_dtype,
-                  label_smoothing, timeline)
+    run = _Runner(model, microbatches, loss_scale, forward_only, timeline)
     vpp, m = len(model), len(microbatches)
     pp, rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     if m % pp:

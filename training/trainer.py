@@ -20,6 +20,7 @@ from models.pipeline import build_model_chunks
 from .arguments import Config
 from .checkpointing import Checkpointer, kill_hook, load_checkpoint
 from .distributed import DistributedDataParallel, all_reduce_embedding_grads
+from .flops import measure_peak_tflops, training_flops_per_token
 from .distributed_optimizer import DistributedOptimizer, format_state_bytes, model_state_bytes
 from .memory import (activation_report, format_activation_report,
                      measure_activation_bytes)
@@ -90,8 +91,8 @@ def _build_data(config: Config):
     tokenizer = build_tokenizer(tokenizer_path)
     check_token_ids([prefix for _, prefix in parse_data_path(data_path)], tokenizer.vocab_size)
     gbs = t.global_batch_size
-    eval_runs = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 0
-    num_samples = (t.train_iters * gbs, eval_runs and t.eval_iters * gbs, 0)
+    # every evaluation reads the same first eval_iters global batches of the valid split
+    num_samples = (t.train_iters * gbs, t.eval_iters * gbs if t.eval_interval else 0, 0)
     train_ds, valid_ds, _ = build_train_valid_test_datasets(
         data_path, t.split, config.model.seq_length, t.seed, num_samples)
     return tokenizer, train_ds, valid_ds
@@ -142,7 +143,7 @@ def global_loss_sum(loss_sum: torch.Tensor) -> torch.Tensor:
     return _global_sum(loss_sum, ps.get_data_parallel_group())
 
 
-def evaluate(chunks, dataset, config: Config, device, autocast_dtype) -> float:
+def evaluate(chunks, dataset, config: Config, device) -> float:
     """Mean token loss (nats) over `eval_iters` global batches of the validation split."""
     forward_backward = get_forward_backward_func()
     spec = pipeline_spec(config, device)
@@ -153,7 +154,7 @@ def evaluate(chunks, dataset, config: Config, device, autocast_dtype) -> float:
     for i in range(config.train.eval_iters):
         mbs = get_microbatches(dataset, i, config, device)
         loss_sum += forward_backward(model=chunks, microbatches=mbs, loss_scale=1.0, spec=spec,
-                                     forward_only=True, autocast_dtype=autocast_dtype)
+                                     forward_only=True)
         tokens += sum(mb["loss_mask"].sum() for mb in mbs)
     for c in chunks:
         c.train()
@@ -205,7 +206,6 @@ def _train(config: Config, device, on_end=None) -> list[dict]:
     if m.vocab_size != tokenizer.vocab_size:
         m.vocab_size = tokenizer.vocab_size
         m.validate(t.tensor_model_parallel_size)
-    autocast_dtype = None  # --bf16 means bf16 weights and activations, not autocast
 
     chunks = build_model(config, device)
     model = [DistributedDataParallel(c, data_parallel_group=ps.get_data_parallel_group(),
@@ -225,9 +225,9 @@ def _train(config: Config, device, on_end=None) -> list[dict]:
     forward_backward = get_forward_backward_func()
     spec = pipeline_spec(config, device)
 
-    from .flops import training_flops_per_token
     flops_per_token = training_flops_per_token(m)
-    peak = t.peak_tflops or _measured_peak_tflops(device, torch.bfloat16 if t.bf16 else None)
+    peak = t.peak_tflops or measure_peak_tflops(device,
+                                                torch.bfloat16 if t.bf16 else torch.float32)
     is_logger = dist.get_rank() == 0
     logger = MetricsLogger(t.log_dir, enabled=is_logger,
                            tensorboard=t.tensorboard is not False)
@@ -248,7 +248,7 @@ def _train(config: Config, device, on_end=None) -> list[dict]:
     tokens_per_iter = t.global_batch_size * m.seq_length
     if valid_ds is not None and t.eval_interval and start_iteration == 0:
         # the starting point, so a run shows how far validation loss fell
-        records.append(_validate(model, valid_ds, config, device, autocast_dtype, logger, 0))
+        records.append(_validate(model, valid_ds, config, device, logger, 0))
     start, window_start, window_iters = time.time(), time.time(), 0
     for iteration in range(start_iteration, t.train_iters):
         lr = learning_rate(iteration, lr=t.lr, min_lr=t.min_lr, warmup_iters=t.lr_warmup_iters,
@@ -263,7 +263,7 @@ def _train(config: Config, device, on_end=None) -> list[dict]:
         timeline = Timeline() if t.profile_pipeline and iteration > 0 else None
         loss_sum = forward_backward(model=model, microbatches=microbatches,
                                     loss_scale=1.0 / float(num_tokens), spec=spec,
-                                    autocast_dtype=autocast_dtype, timeline=timeline)
+                                    timeline=timeline)
         if timeline is not None:
             profiles.append(_gather_timeline(timeline))
         for ddp in model:
@@ -301,7 +301,7 @@ def _train(config: Config, device, on_end=None) -> list[dict]:
             window_start, window_iters = time.time(), 0
         if valid_ds is not None and t.eval_interval and \
                 (it % t.eval_interval == 0 or it == t.train_iters):
-            records.append(_validate(model, valid_ds, config, device, autocast_dtype, logger, it))
+            records.append(_validate(model, valid_ds, config, device, logger, it))
             window_start = time.time()  # eval time is not training throughput
         if checkpointer and t.save_interval and it % t.save_interval == 0:
             checkpointer.save(it, chunks, model, optimizer)
@@ -344,8 +344,8 @@ def log_activation_memory(chunks, dataset, config: Config, device) -> dict:
             "activation_bytes_layers_paper": report["activation_bytes_layers_paper_predicted"]}
 
 
-def _validate(model, valid_ds, config: Config, device, autocast_dtype, logger, it: int) -> dict:
-    vloss = evaluate(model, valid_ds, config, device, autocast_dtype)
+def _validate(model, valid_ds, config: Config, device, logger, it: int) -> dict:
+    vloss = evaluate(model, valid_ds, config, device)
     rec = {"iteration": it, "valid_loss": vloss, "valid_ppl": math.exp(min(vloss, 50))}
     logger.log(rec, f"validation at iter {it}: loss {vloss:.4f} | ppl {rec['valid_ppl']:.2f}",
                prefix="valid")
@@ -382,11 +382,3 @@ def _report_bubble(profiles, config: Config, logger) -> dict:
                prefix="pipeline")
     return rec
 
-
-def _measured_peak_tflops(device, autocast_dtype) -> float | None:
-    try:
-        from .flops import measure_peak_tflops
-
-        return measure_peak_tflops(device, autocast_dtype or torch.float32)
-    except Exception:  # measurement is best effort; MFU is then reported as null
-        return None
