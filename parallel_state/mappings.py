@@ -23,9 +23,10 @@ import torch.distributed as dist
 
 from . import grid
 
-# torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# Flat-tensor collectives: newer torch names them *_single and deprecates the *_tensor
+# spellings; older releases only have the latter. Everything in shardzoo uses these two.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _tp() -> tuple[int, int]:
@@ -76,7 +77,7 @@ def _gather_first(x: torch.Tensor) -> torch.Tensor:
         return x
     x = x.contiguous()
     out = torch.empty((x.shape[0] * size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _all_gather_single(out, x, group=grid.get_tensor_model_parallel_group())
+    all_gather_single(out, x, group=grid.get_tensor_model_parallel_group())
     return out
 
 
@@ -88,7 +89,7 @@ def _reduce_scatter_first(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"dim 0 ({x.shape[0]}) is not divisible by tensor-parallel size {size}")
     x = x.contiguous()
     out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _reduce_scatter_single(out, x, group=grid.get_tensor_model_parallel_group())
+    reduce_scatter_single(out, x, group=grid.get_tensor_model_parallel_group())
     return out
 
 

@@ -5,8 +5,8 @@ gathered to rank 0. Keys do not depend on the parallel layout, so a checkpoint s
 (tp, pp, vpp, dp, distributed optimizer on/off) loads at any other:
 
 - `model.<name>`: the float32 master value of each parameter (`name` uses global layer
-  numbers), a DTensor on the TP sub-mesh: `Shard(partition_dim)` if TP-sharded, else
-  `Replicate()` (DCP keeps one copy of replicated and DP-replicated tensors). With --bf16 the
+  numbers), a DTensor on the TP sub-mesh with `Shard(partition_dim)` if TP-sharded, else a
+  plain tensor (DCP keeps one copy of a key that several ranks hold). With --bf16 the
   optimizer's float32 main weights are saved, so nothing is lost to rounding.
 - Fused weights (SwiGLU fc1 `[gate; up]`, `num_fused_parts > 1`) are saved as `.part0`,
   `.part1`: each is a clean `Shard(0)` of its own dense tensor.
@@ -53,10 +53,11 @@ import threading
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 
 import parallel_state as ps
 from layers import shard_tensor
+from parallel_state.mappings import all_gather_single
 
 from .checkpoint_verify import (CONFIG, FORMAT_VERSION, LATEST, METADATA, CheckpointError,
                                 compare_model, complete_checkpoints, describe_files,
@@ -143,13 +144,12 @@ def _flat_states(model, optimizer):
         for kind, src in zip(KINDS, (s.main, s.exp_avg, s.exp_avg_sq)):
             f[kind][s.lo: s.hi].copy_(src)
     if optimizer.sharded and ps.get_data_parallel_world_size() > 1:
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         for ddp in model:
             for bucket in ddp.buffer.buckets:
                 lo, hi = ddp.shard_range(bucket)
                 for kind in KINDS:
                     flat = flats[id(ddp)][kind]
-                    gather(flat[bucket.start: bucket.end], flat[lo:hi].clone(),
+                    all_gather_single(flat[bucket.start: bucket.end], flat[lo:hi].clone(),
                            group=ps.get_data_parallel_group())
     return flats
 

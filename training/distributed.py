@@ -6,7 +6,7 @@ backward produces gradients). On the last microbatch of a step, a bucket's colle
 the data-parallel group starts as soon as the last of its gradients is accumulated (a
 post-accumulate-grad hook), so communication overlaps the rest of backward (as PyTorch DDP,
 Li et al. 2020, sec. 3.2.3, and Megatron's --overlap-grad-reduce). Earlier microbatches only
-accumulate (`no_sync`).
+accumulate (`sync_enabled = False`, set by the schedules).
 
 Two modes of the same buffer:
 
@@ -30,16 +30,13 @@ number of tokens of the whole global batch, so the sum is the exact global mean.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-# torch >= 2.11 names; the *_tensor spellings are deprecated there
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from parallel_state.mappings import all_gather_single, reduce_scatter_single
 
 
 @dataclass
@@ -66,8 +63,8 @@ class DistributedDataParallel(nn.Module):
     ```
     ddp.zero_grad_buffer()
     for i, mb in enumerate(microbatches):
-        with ddp.no_sync() if i < last else contextlib.nullcontext():
-            loss(mb).backward()
+        ddp.sync_enabled = i == last   # buckets reduce during the last backward only
+        loss(mb).backward()
     ddp.finish_grad_sync()   # waits for (and launches any leftover) bucket reductions
     ```
 
@@ -178,19 +175,10 @@ class DistributedDataParallel(nn.Module):
         data = self.buffer.data[bucket.start: bucket.end]
         if self.use_distributed_optimizer:
             lo, hi = self.shard_range(bucket)
-            bucket.handle = _reduce_scatter(self.buffer.data[lo:hi], data, group=self.group,
-                                            async_op=True)
+            bucket.handle = reduce_scatter_single(self.buffer.data[lo:hi], data,
+                                                  group=self.group, async_op=True)
         else:
             bucket.handle = dist.all_reduce(data, group=self.group, async_op=True)
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Accumulate gradients without communication (all but the last microbatch)."""
-        previous, self.sync_enabled = self.sync_enabled, False
-        try:
-            yield
-        finally:
-            self.sync_enabled = previous
 
     def finish_grad_sync(self) -> None:
         """Launch buckets not yet launched and wait for all; grads are then DP-summed (only
@@ -222,9 +210,9 @@ class DistributedDataParallel(nn.Module):
             return
         for bucket in reversed(self.buffer.buckets):
             lo, hi = self.shard_range(bucket)
-            bucket.gather = _all_gather(self.param_buffer[bucket.start: bucket.end],
-                                        self.param_buffer[lo:hi], group=self.group,
-                                        async_op=self.overlap_grad_reduce)
+            bucket.gather = all_gather_single(self.param_buffer[bucket.start: bucket.end],
+                                              self.param_buffer[lo:hi], group=self.group,
+                                              async_op=self.overlap_grad_reduce)
 
     def _make_param_wait(self, params):
         buckets = list({id(b): b for b in (self._bucket_of[id(p)] for p in params)}.values())
