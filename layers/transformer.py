@@ -60,14 +60,17 @@ class TransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor, rotary=None, kv_cache=None) -> torch.Tensor:
         layers = list(self.layers.values())
         recompute = self.checkpoint_fn is not None and self.training and torch.is_grad_enabled()
-        done = 0
-        for start, stop in (self.recompute_spans if recompute else []) + [(len(layers),) * 2]:
-            for layer in layers[done:start]:
-                x = layer(x, rotary=rotary, kv_cache=kv_cache)
-            if stop > start:
-                x = self.checkpoint_fn(_run_layers(layers[start:stop]), x,
+        span_stop = dict(self.recompute_spans) if recompute else {}  # start -> stop
+        i = 0
+        while i < len(layers):
+            if i in span_stop:
+                stop = span_stop[i]
+                x = self.checkpoint_fn(_run_layers(layers[i:stop]), x,
                                        *(rotary if rotary is not None else ()))
-            done = stop
+                i = stop
+            else:
+                x = layers[i](x, rotary=rotary, kv_cache=kv_cache)
+                i += 1
         if self.final_layernorm is not None:
             x = self.final_layernorm(x)
         return x
