@@ -10,7 +10,7 @@ import sys
 
 from models.config import ConfigError
 from training.arguments import parse_config
-from training.checkpoint_verify import CheckpointError
+from checkpoint.format import CheckpointError
 from training.trainer import DataError, pretrain
 
 

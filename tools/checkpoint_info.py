@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from training.checkpoint_verify import (CONFIG, LATEST, CheckpointError,  # noqa: E402
+from checkpoint.format import (CONFIG, LATEST, CheckpointError,  # noqa: E402
                                         complete_checkpoints, resolve_checkpoint, summarize)
 
 

@@ -53,19 +53,17 @@ import threading
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.tensor import DTensor, Shard
 
 import parallel_state as ps
-from layers import shard_tensor
+from checkpoint.keys import as_saved, entries, part_keys, read_plan, rebuild, split_parts
 from parallel_state.mappings import all_gather_single
 
-from .checkpoint_verify import (CONFIG, FORMAT_VERSION, LATEST, METADATA, CheckpointError,
+from checkpoint.format import (CONFIG, FORMAT_VERSION, LATEST, METADATA, CheckpointError,
                                 compare_model, complete_checkpoints, describe_files,
                                 iter_dir_name, read_metadata, resolve_checkpoint, verify_files)
 from .distributed_optimizer import DistributedOptimizer
 
 KINDS = ("model", "optim.exp_avg", "optim.exp_avg_sq")
-EMBEDDING = "embedding.word_embeddings.weight"
 
 
 def _print0(msg: str) -> None:
@@ -86,50 +84,6 @@ def _hook(var: str, iteration: int, first_attempt_only: bool = False) -> None:
 def kill_hook(iteration: int) -> None:
     """Test hook after each iteration (see module docstring: SHARDZOO_TEST_KILL_AT)."""
     _hook("SHARDZOO_TEST_KILL_AT", iteration, first_attempt_only=True)
-
-
-# ---------------------------------------------------------------------- parameters and keys
-def _entries(chunks):
-    """`[(name, param, key_name)]` of the saved parameters of this rank's chunks; the tied
-    embedding's last-stage copy maps to the embedding's name (loaded from it, never saved)."""
-    out = []
-    for chunk in chunks:
-        for name, p in chunk.named_parameters():
-            tied_copy = getattr(p, "shared_embedding", False) and name.startswith("output_layer")
-            out.append((name, p, EMBEDDING if tied_copy else name, tied_copy))
-    return out
-
-
-def _parts(param) -> int:
-    return getattr(param, "num_fused_parts", 1) if getattr(param, "tensor_model_parallel",
-                                                           False) else 1
-
-
-def _part_keys(kind: str, name: str, param) -> list[str]:
-    n = _parts(param)
-    return [f"{kind}.{name}"] if n == 1 else [f"{kind}.{name}.part{i}" for i in range(n)]
-
-
-def _global_shape(local: torch.Tensor, param) -> torch.Size:
-    shape = list(local.shape)
-    if getattr(param, "tensor_model_parallel", False):
-        shape[param.partition_dim] *= ps.get_tensor_model_parallel_world_size()
-    return torch.Size(shape)
-
-
-def _as_saved(local: torch.Tensor, param) -> torch.Tensor:
-    """This rank's piece of one logical tensor as DCP sees it (DTensor or plain)."""
-    if not getattr(param, "tensor_model_parallel", False):
-        return local
-    shape = _global_shape(local, param)
-    stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(local, ps.get_grid().mesh["tp"], [Shard(param.partition_dim)],
-                              run_check=False, shape=shape, stride=stride)
-
-
-def _split(local: torch.Tensor, param) -> list[torch.Tensor]:
-    n = _parts(param)
-    return [local] if n == 1 else [c.contiguous() for c in local.chunk(n, param.partition_dim)]
 
 
 # ---------------------------------------------------------------------- optimizer values
@@ -167,7 +121,7 @@ def _param_values(chunks, model, optimizer) -> tuple[dict, int]:
                               for k in KINDS}
         return out, optimizer.step_count
     step = 0
-    for _, p, _, _ in _entries(chunks):
+    for _, p, _, _ in entries(chunks):
         st = optimizer.state.get(p, {})
         if "step" in st:
             step = int(st["step"])
@@ -209,13 +163,13 @@ def state_to_save(config, chunks, model, optimizer, iteration: int, copy: bool) 
     """The flat DCP state dict of this rank (collective over DP when ZeRO-sharded)."""
     values, step = _param_values(chunks, model, optimizer)
     sd = {}
-    for name, p, _, tied_copy in _entries(chunks):
+    for name, p, _, tied_copy in entries(chunks):
         if tied_copy:
             continue
         for kind in KINDS:
             local = values[id(p)][kind]
-            for key, part in zip(_part_keys(kind, name, p), _split(local, p)):
-                sd[key] = _as_saved(part.detach().clone() if copy else part, p)
+            for key, part in zip(part_keys(kind, name, p), split_parts(local, p)):
+                sd[key] = as_saved(part.detach().clone() if copy else part, p)
     gbs = config.train.global_batch_size
     sd.update({"iteration": torch.tensor(iteration), "consumed_samples":
                torch.tensor(iteration * gbs), "optim.step": torch.tensor(step)})
@@ -407,30 +361,7 @@ def _load_states(path: str, config, chunks, model, optimizer, load_rng: bool) ->
     reader = dcp.FileSystemReader(path)
     saved = reader.read_metadata().state_dict_metadata
     kinds = KINDS if config.train.load_optim else KINDS[:1]
-    sd, plan = {}, []  # plan: (param, kind, keys, dense) to rebuild after loading
-    for name, p, key_name, _ in _entries(chunks):
-        for kind in kinds:
-            keys = _part_keys(kind, key_name, p)
-            dense = False
-            for key, local in zip(keys, _split(torch.empty_like(p, dtype=torch.float32), p)):
-                want = _global_shape(local, p)
-                if key not in saved:
-                    raise CheckpointError(
-                        f"{path}: the checkpoint has no tensor {key!r} (this model's parameter "
-                        f"{name}); it was saved from another model or without optimizer state "
-                        f"(then pass --no-load-optim); compare {os.path.join(path, CONFIG)} "
-                        f"with this run's flags")
-                have = torch.Size(saved[key].size)
-                if have != want:
-                    rows = getattr(p, "full_rows", None)
-                    if rows is None or have[1:] != want[1:] or have[0] < rows:
-                        raise CheckpointError(
-                            f"{path}: tensor {key!r} has shape {tuple(have)}, this model "
-                            f"expects {tuple(want)}; the model settings differ from "
-                            f"{os.path.join(path, CONFIG)}")
-                    dense = True  # vocab padded for another TP size: read it whole, re-pad
-                sd[key] = torch.empty(have) if dense else _as_saved(local, p)
-            plan.append((p, kind, keys, dense))
+    sd, plan = read_plan(path, saved, entries(chunks), kinds)
     scalars = ("iteration", "optim.step")
     sd.update({k: torch.tensor(0) for k in scalars})
     if load_rng:
@@ -441,17 +372,7 @@ def _load_states(path: str, config, chunks, model, optimizer, load_rng: bool) ->
         raise CheckpointError(f"reading checkpoint {path} failed ({type(e).__name__}: "
                               f"{str(e)[:500]}); verify it with tools/checkpoint_info.py "
                               f"{path}, or load an earlier one") from e
-    values = {}
-    for p, kind, keys, dense in plan:
-        pieces = [sd[k].to_local() if isinstance(sd[k], DTensor) else sd[k] for k in keys]
-        if dense:
-            full = torch.zeros(_global_shape(p, p), dtype=torch.float32)
-            rows = p.full_rows
-            full[:rows] = pieces[0][:rows]
-            local = shard_tensor(full, p)
-        else:
-            local = pieces[0] if len(pieces) == 1 else torch.cat(pieces, p.partition_dim)
-        values.setdefault(id(p), {})[kind] = local
+    values = rebuild(sd, plan)
     _apply(values, int(sd["optim.step"]), chunks, model, optimizer,
            with_optim=config.train.load_optim)
     if load_rng:
@@ -462,7 +383,7 @@ def _load_states(path: str, config, chunks, model, optimizer, load_rng: bool) ->
 @torch.no_grad()
 def _apply(values: dict, step: int, chunks, model, optimizer, with_optim: bool) -> None:
     """Copy loaded float32 TP-local tensors into parameters, main weights and moments."""
-    params = [p for _, p, _, _ in _entries(chunks)]
+    params = [p for _, p, _, _ in entries(chunks)]
     for p in params:
         p.copy_(values[id(p)]["model"].to(p.device, p.dtype))
     if isinstance(optimizer, DistributedOptimizer):

@@ -1,0 +1,130 @@
+"""Layout-free checkpoint keys: how a sharded parameter maps to the tensors DCP stores.
+
+- `model.<name>` is the float32 value of parameter `<name>` (global layer numbers), a DTensor
+  on the TP sub-mesh with `Shard(partition_dim)` when TP-sharded, else a plain tensor.
+- A fused weight (`num_fused_parts > 1`, SwiGLU's `[gate; up]`) is stored as `.part0`,
+  `.part1`: each part is a clean `Shard(0)` of its own dense tensor.
+- Vocab-padded tensors (`full_rows`) may be stored at any padded size >= the real vocabulary
+  (the saving layout's, or unpadded); a reader at another padded size reads the dense tensor
+  and re-pads it (`read_plan` / `rebuild`).
+- The tied embedding's last-stage copy (`output_layer.weight` tagged `shared_embedding`) is
+  never stored; it reads `embedding.word_embeddings.weight`.
+
+Training (`training/checkpointing.py`), inference and `tools/` all go through these helpers,
+so there is one definition of the format.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+import parallel_state as ps
+from layers import shard_tensor
+
+from .format import CONFIG, CheckpointError
+
+EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def entries(chunks) -> list[tuple[str, torch.nn.Parameter, str, bool]]:
+    """`[(name, param, key_name, tied_copy)]` of this rank's chunks; the tied embedding's
+    last-stage copy maps to the embedding's key (read from it, never saved)."""
+    out = []
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            tied_copy = getattr(p, "shared_embedding", False) and name.startswith("output_layer")
+            out.append((name, p, EMBEDDING if tied_copy else name, tied_copy))
+    return out
+
+
+def num_parts(param) -> int:
+    """Fused blocks stored as separate keys (1 unless a TP-sharded fused weight)."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return 1
+    return getattr(param, "num_fused_parts", 1)
+
+
+def part_keys(kind: str, name: str, param) -> list[str]:
+    """The DCP keys of one tensor: `[kind.name]` or `[kind.name.part0, ...]`."""
+    n = num_parts(param)
+    return [f"{kind}.{name}"] if n == 1 else [f"{kind}.{name}.part{i}" for i in range(n)]
+
+
+def global_shape(local: torch.Tensor, param) -> torch.Size:
+    """Dense shape (padded vocab included) of the tensor whose TP shard is `local`."""
+    shape = list(local.shape)
+    if getattr(param, "tensor_model_parallel", False):
+        shape[param.partition_dim] *= ps.get_tensor_model_parallel_world_size()
+    return torch.Size(shape)
+
+
+def as_saved(local: torch.Tensor, param) -> torch.Tensor:
+    """This rank's piece of one logical tensor as DCP sees it (DTensor or plain)."""
+    if not getattr(param, "tensor_model_parallel", False) or \
+            not ps.model_parallel_is_initialized():  # no grid: one process, dense tensors
+        return local
+    shape = global_shape(local, param)
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, ps.get_grid().mesh["tp"], [Shard(param.partition_dim)],
+                              run_check=False, shape=shape, stride=stride)
+
+
+def split_parts(local: torch.Tensor, param) -> list[torch.Tensor]:
+    """`local` cut into its stored parts (see `part_keys`)."""
+    n = num_parts(param)
+    return [local] if n == 1 else [c.contiguous() for c in local.chunk(n, param.partition_dim)]
+
+
+def read_plan(path: str, saved: dict, items, kinds: tuple[str, ...]):
+    """The DCP state dict to load and how to rebuild each value afterwards.
+
+    `items` are `entries(chunks)`; `saved` is the checkpoint's `state_dict_metadata`. Returns
+    `(sd, plan)`; after `dcp.load(sd, ...)`, `rebuild(sd, plan)` gives
+    `{id(param): {kind: float32 TP-local tensor}}`.
+
+    Raises `CheckpointError` naming the key for a missing tensor or a shape that does not fit.
+    """
+    sd, plan = {}, []
+    for name, p, key_name, _ in items:
+        for kind in kinds:
+            keys = part_keys(kind, key_name, p)
+            dense = False
+            for key, local in zip(keys, split_parts(torch.empty_like(p, dtype=torch.float32,
+                                                                     device="cpu"), p)):
+                want = global_shape(local, p)
+                if key not in saved:
+                    raise CheckpointError(
+                        f"{path}: the checkpoint has no tensor {key!r} (this model's parameter "
+                        f"{name}); it was saved from another model or without optimizer state "
+                        f"(then pass --no-load-optim); compare {os.path.join(path, CONFIG)} "
+                        f"with this run's flags")
+                have = torch.Size(saved[key].size)
+                if have != want:
+                    rows = getattr(p, "full_rows", None)
+                    if rows is None or have[1:] != want[1:] or have[0] < rows:
+                        raise CheckpointError(
+                            f"{path}: tensor {key!r} has shape {tuple(have)}, this model "
+                            f"expects {tuple(want)}; the model settings differ from "
+                            f"{os.path.join(path, CONFIG)}")
+                    dense = True  # vocab padded for another size: read it whole, re-pad
+                sd[key] = torch.empty(have) if dense else as_saved(local, p)
+            plan.append((p, kind, keys, dense))
+    return sd, plan
+
+
+def rebuild(sd: dict, plan) -> dict:
+    """`{id(param): {kind: float32 TP-local tensor}}` from a loaded `read_plan` state dict."""
+    values: dict = {}
+    for p, kind, keys, dense in plan:
+        pieces = [sd[k].to_local() if isinstance(sd[k], DTensor) else sd[k] for k in keys]
+        if dense:
+            full = torch.zeros(global_shape(p, p), dtype=torch.float32)
+            rows = p.full_rows
+            full[:rows] = pieces[0][:rows]
+            local = shard_tensor(full, p)
+        else:
+            local = pieces[0] if len(pieces) == 1 else torch.cat(pieces, p.partition_dim)
+        values.setdefault(id(p), {})[kind] = local
+    return values
