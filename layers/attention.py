@@ -11,6 +11,8 @@ attention is Ainslie et al. 2023; query head i reads KV group i // heads_per_gro
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,20 +22,49 @@ from parallel_state import get_rng_tracker, get_tensor_model_parallel_world_size
 from .linear import ColumnParallelLinear, RowParallelLinear
 
 
+def rope_inv_freq(dim: int, base: float, scaling_type: str | None = None, factor: float = 1.0,
+                  low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
+                  original_max_position: int = 8192) -> torch.Tensor:
+    """RoPE inverse frequencies `[d/2]` float64: `base^(-2i/d)`, optionally scaled.
+
+    "linear" (position interpolation, Chen et al. 2023, eq. 3) divides every frequency by
+    `factor`. "llama3" (Llama 3.1, Meta 2024, sec. 3.3 "long context"; HF's
+    `_compute_llama3_parameters`) keeps wavelengths shorter than
+    `original_max_position / high_freq_factor`, divides those longer than
+    `original_max_position / low_freq_factor` by `factor`, and blends linearly in between.
+    """
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    if scaling_type is None:
+        return inv_freq
+    if scaling_type == "linear":
+        return inv_freq / factor
+    if scaling_type != "llama3":
+        raise ValueError(f"unknown RoPE scaling {scaling_type!r}")
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen = original_max_position / low_freq_factor
+    high_wavelen = original_max_position / high_freq_factor
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_max_position / wavelen - low_freq_factor) / \
+        (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (Su et al. 2021, RoFormer, sec. 3.4), "rotate half" layout.
 
     `forward(seq_len, offset=0)` -> `(cos, sin)`, each `[s, 1, 1, d]` float32 for positions
-    offset..offset+s-1. The frequencies are inv_freq_i = base^(-2i/d).
+    offset..offset+s-1, with the frequencies of `rope_inv_freq` (`scaling` holds its keyword
+    arguments: scaling_type, factor, low/high_freq_factor, original_max_position).
     """
 
-    def __init__(self, dim: int, base: float = 10000.0):
+    def __init__(self, dim: int, base: float = 10000.0, scaling: dict | None = None):
         super().__init__()
-        self.dim, self.base = dim, base
+        self.dim, self.base, self.scaling = dim, base, dict(scaling or {})
 
     def forward(self, seq_len: int, offset: int = 0, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = 1.0 / (self.base ** (torch.arange(0, self.dim, 2, device=device,
-                                                     dtype=torch.float64) / self.dim))
+        inv_freq = rope_inv_freq(self.dim, self.base, **self.scaling).to(device)
         pos = torch.arange(offset, offset + seq_len, device=device, dtype=torch.float64)
         freqs = torch.outer(pos, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)[:, None, None, :]

@@ -18,6 +18,7 @@ class ConfigError(ValueError):
 _POSITION_TYPES = ("learned_absolute", "rope", "none")
 _NORMS = ("LayerNorm", "RMSNorm")
 _ACTIVATIONS = ("gelu", "swiglu")
+_ROPE_SCALING = (None, "linear", "llama3")
 
 
 @dataclass
@@ -40,6 +41,14 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 128
     position_embedding_type: str = "learned_absolute"
     rotary_base: float = 10000.0
+    # RoPE frequency scaling for long context: None, "linear" (positions / factor, Chen et al.
+    # 2023) or "llama3" (Llama 3.1's banded rescaling, low/high freq factors, original length)
+    rope_scaling_type: str | None = None
+    rope_scaling_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
+    window_size: int | None = None  # sliding-window span (Mistral); must be >= seq_length
     normalization: str = "LayerNorm"
     layernorm_epsilon: float = 1e-5
     activation: str = "gelu"  # "gelu" (tanh approximation, as GPT-2) or "swiglu"
@@ -163,6 +172,23 @@ class ModelConfig:
             raise ConfigError(
                 f"--ffn-hidden-size {self.ffn_hidden_size} is not divisible by "
                 f"--tensor-model-parallel-size {tp}")
+        if self.rope_scaling_type not in _ROPE_SCALING:
+            raise ConfigError(f"--rope-scaling-type must be one of linear, llama3 (or none), "
+                              f"got {self.rope_scaling_type!r}")
+        if self.rope_scaling_type is not None and not self.rope_scaling_factor >= 1.0:
+            raise ConfigError(f"--rope-scaling-factor must be >= 1, got "
+                              f"{self.rope_scaling_factor}")
+        if self.rope_scaling_type == "llama3" and \
+                not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+            raise ConfigError(f"llama3 RoPE scaling needs 0 < --rope-low-freq-factor "
+                              f"{self.rope_low_freq_factor} < --rope-high-freq-factor "
+                              f"{self.rope_high_freq_factor}")
+        if self.window_size is not None and self.window_size < self.seq_length:
+            raise ConfigError(
+                f"--window-size {self.window_size} (sliding-window attention) is shorter than "
+                f"--seq-length {self.seq_length}: attention here is full causal, which equals "
+                f"sliding-window attention only while every sequence fits in the window; use "
+                f"--seq-length <= {self.window_size}")
         if self.position_embedding_type == "rope" and self.kv_channels % 2:
             raise ConfigError(f"RoPE needs an even head dim, got --kv-channels {self.kv_channels}")
         if self.max_position_embeddings < self.seq_length and \

@@ -25,6 +25,16 @@ from .config import ModelConfig
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 
 
+def rope_scaling(config: ModelConfig) -> dict:
+    """Keyword arguments of `layers.attention.rope_inv_freq` for this config's RoPE scaling."""
+    if config.rope_scaling_type is None:
+        return {}
+    return dict(scaling_type=config.rope_scaling_type, factor=config.rope_scaling_factor,
+                low_freq_factor=config.rope_low_freq_factor,
+                high_freq_factor=config.rope_high_freq_factor,
+                original_max_position=config.rope_original_max_position_embeddings)
+
+
 class GPTModel(nn.Module):
     """Decoder-only language model, sharded over TP (and a slice of layers for PP).
 
@@ -53,7 +63,8 @@ class GPTModel(nn.Module):
         if pre_process:
             self.embedding = LanguageModelEmbedding(config, self.padded_vocab_size,
                                                     sequence_parallel=self.sequence_parallel)
-        self.rotary = (RotaryEmbedding(config.kv_channels, config.rotary_base)
+        self.rotary = (RotaryEmbedding(config.kv_channels, config.rotary_base,
+                                       rope_scaling(config))
                        if config.position_embedding_type == "rope" else None)
         self.decoder = TransformerBlock(config, self.layer_numbers, post_layer_norm=post_process,
                                         sequence_parallel=self.sequence_parallel)

@@ -1,0 +1,169 @@
+"""Hugging Face import and export of native checkpoints (the library under tools/convert_hf.py).
+
+`import_hf(hf_path, out)`: an HF folder or `.gguf` file -> a native checkpoint folder (the
+format train.py saves; loads at any tp/pp/vpp/dp) with the tokenizer inside it.
+`export_hf(checkpoint, out, dtype)`: a native checkpoint of any layout (also one saved
+mid-training with optimizer state) -> an HF folder: config.json, model.safetensors (sharded
+with model.safetensors.index.json above `max_shard_bytes`), generation_config.json and the
+tokenizer. Both stream tensors: import holds about one tensor at a time, export one shard.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+
+import torch
+
+from models import hf as hfmap
+from models.hf.files import open_hf
+
+from .format import CheckpointError, resolve_checkpoint
+from .model_io import (TOKENIZER_DIR, TOKENIZER_MODEL, find_tokenizer, read_dense_weights,
+                       write_weights_checkpoint)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default shard size, 5 GB
+
+
+def import_hf(hf_path: str, out: str, log=print) -> str:
+    """Convert `hf_path` into the native checkpoint folder `out`; returns `out`.
+
+    Raises `FileNotFoundError`, `models.hf.HFConversionError` (unsupported config, missing or
+    unused tensors) or `CheckpointError` (`out` exists, shape mismatch) before `out` exists.
+    """
+    if os.path.exists(out):
+        raise CheckpointError(f"--out {out} already exists; pass a new folder (nothing was "
+                              f"written)")
+    src = open_hf(hf_path)
+    config = hfmap.config_from_hf(src.config)
+    config.name = ""
+    model_type = src.config["model_type"]
+    tensors = hfmap.to_native(config, model_type, src.get, src.names)
+
+    def save_tokenizer(folder: str) -> None:
+        from transformers import AutoTokenizer
+
+        where, kw = src.tokenizer_source()
+        try:
+            tok = AutoTokenizer.from_pretrained(where, local_files_only=True, **kw)
+        except (OSError, ValueError, TypeError) as e:
+            log(f"note: no tokenizer in {where} ({type(e).__name__}); the checkpoint has none, "
+                f"pass --tokenizer-model when training on it")
+            return
+        tok.save_pretrained(folder)
+
+    log(f"importing {model_type} from {hf_path} ({src.kind}): {config.num_layers} layers, "
+        f"hidden {config.hidden_size}, heads {config.num_attention_heads}/"
+        f"{config.num_query_groups}, vocab {config.vocab_size}, "
+        f"{config.num_parameters() / 1e6:.1f}M parameters")
+    return write_weights_checkpoint(
+        out, config, tensors, tokenizer=save_tokenizer,
+        source={"format": src.kind, "path": os.path.abspath(hf_path), "model_type": model_type,
+                "architectures": src.config.get("architectures")})
+
+
+def _shard_plan(config, max_shard_bytes: int, itemsize: int) -> list[list[tuple[str, tuple]]]:
+    """HF tensor names and shapes, in write order, cut into shards of <= max_shard_bytes
+    (a tensor larger than that gets a shard of its own). Computed on the meta device."""
+    from .model_io import dense_parameters
+
+    shapes = {}
+    for name, p in dense_parameters(config).items():
+        shape = list(p.shape)
+        if getattr(p, "full_rows", None):
+            shape[0] = p.full_rows
+        shapes[name] = torch.empty(shape, device="meta")
+    shards: list[list[tuple[str, tuple]]] = [[]]
+    size = 0
+    for name, t in hfmap.to_hf(config, shapes.__getitem__):
+        nbytes = t.numel() * itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, tuple(t.shape)))
+        size += nbytes
+    return shards
+
+
+def export_hf(load: str, out: str, dtype: str = "float32",
+              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, log=print) -> str:
+    """Write the HF folder `out` from checkpoint `load` (a --save folder or iter_XXXXXXX);
+    returns `out`. Raises `CheckpointError` / `HFConversionError` before `out` exists."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, GenerationConfig
+
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if os.path.exists(out):
+        raise CheckpointError(f"--out {out} already exists; pass a new folder (nothing was "
+                              f"written)")
+    path = resolve_checkpoint(load)
+    if path is None:
+        raise CheckpointError(f"--load {load}: no checkpoint there (no latest marker and no "
+                              f"iter_XXXXXXX folder)")
+    config, dense = read_dense_weights(path)
+    kwargs = hfmap.config_to_hf(config)  # raises if the model has no HF equivalent
+    torch_dtype = DTYPES[dtype]
+    plan = _shard_plan(config, max_shard_bytes, torch.empty((), dtype=torch_dtype).itemsize)
+    tokenizer = find_tokenizer(path)
+    tmp = f"{os.path.abspath(out)}.tmp-{secrets.token_hex(4)}"
+    os.makedirs(tmp)
+    try:
+        files = (["model.safetensors"] if len(plan) == 1 else
+                 [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))])
+        weight_map, total = {}, 0
+        stream = hfmap.to_hf(config, lambda n: dense[n]())
+        for fname, names in zip(files, plan):
+            shard = {}
+            for want, _ in names:
+                name, t = next(stream)
+                assert name == want, (name, want)
+                shard[name] = t.to(torch_dtype).contiguous()
+                total += shard[name].numel() * shard[name].element_size()
+                weight_map[name] = fname
+            save_file(shard, os.path.join(tmp, fname), metadata={"format": "pt"})
+            del shard
+        if len(files) > 1:
+            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f,
+                          indent=2)
+        hf_config = AutoConfig.for_model(**kwargs)
+        setattr(hf_config, "dtype" if hasattr(hf_config, "dtype") else "torch_dtype", dtype)
+        special = _save_tokenizer(tokenizer, tmp, log)
+        for k, v in special.items():
+            setattr(hf_config, k, v)
+        hf_config.save_pretrained(tmp)
+        GenerationConfig(**special).save_pretrained(tmp)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"exported {kwargs['architectures'][0]} ({config.num_parameters() / 1e6:.1f}M "
+        f"parameters, {dtype}, {len(files)} safetensors file(s)) from {path} to {out}")
+    return out
+
+
+def _save_tokenizer(tokenizer: str | None, folder: str, log) -> dict:
+    """Copy the checkpoint's tokenizer into the HF folder; returns its bos/eos/pad ids."""
+    if tokenizer is None:
+        log("note: the checkpoint holds no tokenizer; the HF folder has none")
+        return {}
+    if os.path.basename(tokenizer) == TOKENIZER_MODEL:
+        shutil.copy(tokenizer, os.path.join(folder, TOKENIZER_MODEL))
+        log(f"note: the tokenizer is a SentencePiece model; copied as {TOKENIZER_MODEL}")
+        import sentencepiece as spm
+
+        sp = spm.SentencePieceProcessor(model_file=tokenizer)
+        ids = {"bos_token_id": sp.bos_id(), "eos_token_id": sp.eos_id(), "pad_token_id": sp.pad_id()}
+        return {k: v for k, v in ids.items() if v >= 0}
+    assert os.path.basename(tokenizer) == TOKENIZER_DIR
+    from transformers import AutoTokenizer
+
+    for name in os.listdir(tokenizer):
+        shutil.copy(os.path.join(tokenizer, name), os.path.join(folder, name))
+    tok = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
+    ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+           "pad_token_id": tok.pad_token_id}
+    return {k: v for k, v in ids.items() if v is not None}

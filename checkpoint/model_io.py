@@ -1,0 +1,196 @@
+"""Model weights in the native checkpoint format, without a trainer.
+
+- `write_weights_checkpoint(out, config, tensors, ...)`: a complete checkpoint folder (DCP
+  shards, config.yaml, metadata.json with checksums, optional tokenizer) from dense tensors
+  given as zero-argument functions, written by one process. DCP asks for each tensor only
+  when it writes it, so peak memory is about one tensor (streaming conversion).
+- `read_dense_weights(path)`: `(config, {name: function})` reading each dense float32
+  parameter of a checkpoint (any saving layout, with or without optimizer state) on demand,
+  vocab padding trimmed, fused parts joined.
+- `load_model_weights(path, chunks)`: load a checkpoint's weights into this rank's sharded
+  model chunks at any tp/pp/vpp (collective over the world, like `dcp.load`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import yaml
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from models import GPTModel
+from models.config import ModelConfig
+
+from .format import (CONFIG, FORMAT_VERSION, METADATA, CheckpointError, describe_files,
+                     read_metadata, verify_files)
+from .keys import entries, num_parts, read_plan, rebuild
+
+TOKENIZER_DIR = "tokenizer"  # an HF tokenizer folder inside a checkpoint
+TOKENIZER_MODEL = "tokenizer.model"  # or a SentencePiece model file
+
+
+def dense_parameters(config: ModelConfig) -> dict[str, torch.nn.Parameter]:
+    """`{name: meta-device parameter}` of the whole model at tp = 1 (shapes with the padded
+    vocab, and the sharding attributes: `num_fused_parts`, `full_rows`)."""
+    with torch.device("meta"):
+        model = GPTModel(config)
+    return dict(model.named_parameters())
+
+
+class _LazySavePlanner(DefaultSavePlanner):
+    """Resolves each write item by calling its tensor's function just before writing."""
+
+    def __init__(self, lazy: dict[str, Callable[[], torch.Tensor]]):
+        super().__init__()
+        self.lazy = lazy
+
+    def resolve_data(self, write_item):
+        fn = self.lazy.get(write_item.index.fqn)
+        return super().resolve_data(write_item) if fn is None else fn()
+
+
+def _checked(name: str, fn: Callable[[], torch.Tensor], shape: tuple) -> Callable:
+    def run():
+        t = fn()
+        if tuple(t.shape) != shape:
+            raise CheckpointError(f"tensor {name} has shape {tuple(t.shape)}, the model config "
+                                  f"needs {shape}; the weights do not match the config")
+        return t.detach().to(torch.float32).contiguous()
+    return run
+
+
+def write_weights_checkpoint(out: str, config: ModelConfig,
+                             tensors: dict[str, Callable[[], torch.Tensor]], *,
+                             tokenizer: Callable[[str], None] | None = None,
+                             source: dict | None = None) -> str:
+    """Write checkpoint folder `out` holding `config`'s weights and return its path.
+
+    `tensors` maps every dense parameter name (tp = 1, global layer numbers; vocab tensors
+    unpadded, `[vocab_size, h]`) to a function returning it. `tokenizer(folder)`, if given,
+    saves the tokenizer into `folder`. The folder is built as `out.tmp-*` and renamed when
+    complete; an existing `out` is never touched.
+
+    Raises `CheckpointError` if `out` exists, a parameter is missing or has the wrong shape.
+    """
+    if os.path.exists(out):
+        raise CheckpointError(f"{out} already exists; pass a new --out folder (nothing was "
+                              f"written, and nothing there was changed)")
+    params = dense_parameters(config)
+    missing = sorted(set(params) - set(tensors))
+    if missing:
+        raise CheckpointError(f"no weights for parameter(s) {missing[:3]} of this model")
+    sd, lazy = {}, {}
+    for name, p in params.items():
+        shape = list(p.shape)
+        if getattr(p, "full_rows", None):
+            shape[0] = p.full_rows  # stored unpadded; every layout re-pads on load
+        fn = _checked(name, tensors[name], tuple(shape))
+        n = num_parts(p)
+        if n == 1:
+            keys_fns = [(f"model.{name}", fn, shape)]
+        else:
+            part = list(shape)
+            part[p.partition_dim] //= n
+            keys_fns = [(f"model.{name}.part{i}",
+                         (lambda fn=fn, i=i, n=n, d=p.partition_dim: fn().chunk(n, d)[i].contiguous()),
+                         part) for i in range(n)]
+        for key, f, s in keys_fns:
+            sd[key] = torch.empty(s, dtype=torch.float32, device="meta")
+            lazy[key] = f
+    sd.update({"iteration": torch.tensor(0), "consumed_samples": torch.tensor(0),
+               "optim.step": torch.tensor(0)})
+    parent = os.path.dirname(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    tmp = f"{os.path.abspath(out)}.tmp-{secrets.token_hex(4)}"
+    os.makedirs(tmp)
+    try:
+        try:
+            dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp),
+                     planner=_LazySavePlanner(lazy), no_dist=True)
+        except CheckpointException as e:  # DCP wraps what the tensor functions raised
+            cause = next(iter(e.failures.values()), None)
+            cause = cause[0] if isinstance(cause, tuple) else cause  # (exception, traceback)
+            raise (cause if isinstance(cause, BaseException) else e) from None
+        model_flags = {k: v for k, v in config.to_dict().items() if k not in ("name", "extra")}
+        with open(os.path.join(tmp, CONFIG), "w") as f:
+            f.write("# model of this checkpoint (usable as --config; every key is a --flag)\n")
+            f.write(yaml.safe_dump(model_flags, sort_keys=False))
+        if tokenizer is not None:
+            tokenizer(os.path.join(tmp, TOKENIZER_DIR))
+        names = [os.path.relpath(os.path.join(d, f), tmp)
+                 for d, _, fs in os.walk(tmp) for f in fs]
+        meta = {"format_version": FORMAT_VERSION, "iteration": 0, "consumed_samples": 0,
+                "layout": {"tp": 1, "pp": 1, "vpp": None, "dp": 1, "world_size": 1,
+                           "distributed_optimizer": False, "bf16": False},
+                "model": config.to_dict(), "torch_version": torch.__version__,
+                "optimizer_state": False, "source": source or {},
+                "files": describe_files(tmp, names)}
+        with open(os.path.join(tmp, METADATA), "w") as f:
+            json.dump(meta, f, indent=1)
+        problems = verify_files(tmp, meta)
+        if problems:
+            raise CheckpointError("the written checkpoint failed verification: " +
+                                  "; ".join(problems))
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def read_dense_weights(path: str) -> tuple[ModelConfig, dict[str, Callable[[], torch.Tensor]]]:
+    """`(model config, {name: function -> dense float32 tensor})` of checkpoint folder `path`
+    (one process, no process group). Vocab padding rows are cut off and fused parts joined,
+    so the tensors are the same whatever layout saved them. Raises `CheckpointError`."""
+    meta = read_metadata(path)
+    config = ModelConfig.from_dict(meta["model"])
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    out = {}
+    for name, p in dense_parameters(config).items():
+        keys = [f"model.{name}"] if num_parts(p) == 1 else \
+            [f"model.{name}.part{i}" for i in range(num_parts(p))]
+        absent = [k for k in keys if k not in saved]
+        if absent:
+            raise CheckpointError(f"{path}: the checkpoint has no tensor {absent[0]!r}; it is "
+                                  f"damaged or not a checkpoint of the model in metadata.json")
+
+        def read(keys=keys, p=p):
+            sd = {k: torch.empty(saved[k].size, dtype=torch.float32) for k in keys}
+            dcp.load(sd, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+            t = sd[keys[0]] if len(keys) == 1 else torch.cat([sd[k] for k in keys],
+                                                             p.partition_dim)
+            rows = getattr(p, "full_rows", None)
+            return t[:rows].contiguous() if rows else t
+        out[name] = read
+    return config, out
+
+
+@torch.no_grad()
+def load_model_weights(path: str, chunks) -> dict:
+    """Load checkpoint folder `path`'s weights into this rank's model `chunks` (any layout);
+    returns its metadata. Collective: every rank of the world calls it (DCP's load)."""
+    meta = read_metadata(path)
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    items = entries(chunks)
+    sd, plan = read_plan(path, saved, items, ("model",))
+    dcp.load(sd, storage_reader=dcp.FileSystemReader(path), no_dist=not dist.is_initialized())
+    values = rebuild(sd, plan)
+    for _, p, _, _ in items:
+        p.copy_(values[id(p)]["model"].to(p.device, p.dtype))
+    return meta
+
+
+def find_tokenizer(path: str) -> str | None:
+    """The tokenizer stored inside checkpoint folder `path` (HF folder or SentencePiece
+    model), or None."""
+    for name in (TOKENIZER_DIR, TOKENIZER_MODEL):
+        if os.path.exists(os.path.join(path, name)):
+            return os.path.join(path, name)
+    return None

@@ -1,0 +1,163 @@
+"""Llama family: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM <-> GPTModel.
+
+All three are pre-norm RMSNorm decoders with rotate-half RoPE (the layout our RotaryEmbedding
+uses, so q/k need no permutation), SwiGLU MLPs and grouped-query attention. They differ in:
+Qwen2 has q/k/v biases only; Mistral may have a sliding window; Llama may have biases on all
+attention projections (`attention_bias`) and MLP (`mlp_bias`), and llama3/linear RoPE scaling.
+"""
+from __future__ import annotations
+
+from models.config import ModelConfig
+
+from .rules import HFConversionError, Rule, concat, qkv, same
+
+MODEL_TYPES = ("llama", "mistral", "qwen2")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM"}
+# tensors some HF files carry that are buffers, not weights
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def _rope(d: dict) -> tuple[float, dict | None]:
+    """(theta, scaling dict or None) from a config dict of transformers 4 (`rope_theta`,
+    `rope_scaling`) or 5 (`rope_parameters`)."""
+    params = d.get("rope_parameters") or {}
+    theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
+    scaling = d.get("rope_scaling") or {k: v for k, v in params.items() if k != "rope_theta"}
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    return float(theta), (None if kind in (None, "default") else {**scaling, "rope_type": kind})
+
+
+def config_from_hf(d: dict) -> ModelConfig:
+    """`ModelConfig` of a Llama/Mistral/Qwen2 `config.json` dict; `HFConversionError` for any
+    field this model cannot represent."""
+    mt = d["model_type"]
+    heads = d["num_attention_heads"]
+    hidden = d["hidden_size"]
+    kv_heads = d.get("num_key_value_heads") or heads
+    head_dim = d.get("head_dim") or hidden // heads
+    if d.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise HFConversionError(f"config.json hidden_act {d['hidden_act']!r} is not supported "
+                                f"for {mt} (only silu, i.e. SwiGLU)")
+    theta, scaling = _rope(d)
+    rope = {}
+    if scaling is not None:
+        kind = scaling["rope_type"]
+        if kind == "linear":
+            rope = dict(rope_scaling_type="linear", rope_scaling_factor=float(scaling["factor"]))
+        elif kind == "llama3":
+            rope = dict(rope_scaling_type="llama3", rope_scaling_factor=float(scaling["factor"]),
+                        rope_low_freq_factor=float(scaling["low_freq_factor"]),
+                        rope_high_freq_factor=float(scaling["high_freq_factor"]),
+                        rope_original_max_position_embeddings=int(
+                            scaling["original_max_position_embeddings"]))
+        else:
+            raise HFConversionError(
+                f"config.json rope_scaling type {kind!r} is not supported (supported: linear, "
+                f"llama3); convert a model without it or with one of those")
+    qkv_bias, linear_bias = False, False
+    if mt == "qwen2":
+        qkv_bias = True
+    elif mt == "llama":
+        attn, mlp = bool(d.get("attention_bias", False)), bool(d.get("mlp_bias", False))
+        if attn != mlp:
+            raise HFConversionError(
+                f"config.json attention_bias={attn} with mlp_bias={mlp} is not supported: "
+                f"biases are either on every linear layer or on none (add_bias_linear)")
+        qkv_bias = linear_bias = attn
+    window = None
+    if mt == "mistral" or (mt == "qwen2" and d.get("use_sliding_window")):
+        window = d.get("sliding_window")
+    max_pos = int(d.get("max_position_embeddings", 2048))
+    seq = min(max_pos, 4096, window or max_pos)
+    return ModelConfig(
+        num_layers=d["num_hidden_layers"], hidden_size=hidden, num_attention_heads=heads,
+        num_query_groups=kv_heads, ffn_hidden_size=d["intermediate_size"], kv_channels=head_dim,
+        seq_length=seq, max_position_embeddings=max_pos, vocab_size=d["vocab_size"],
+        position_embedding_type="rope", rotary_base=theta, normalization="RMSNorm",
+        layernorm_epsilon=float(d.get("rms_norm_eps", 1e-6)), activation="swiglu",
+        add_bias_linear=linear_bias, add_qkv_bias=qkv_bias,
+        untie_embeddings_and_output_weights=not d.get("tie_word_embeddings", False),
+        init_method_std=float(d.get("initializer_range", 0.02)), window_size=window, **rope)
+
+
+def normalize(name: str) -> str:
+    return name
+
+
+def model_type_for(c: ModelConfig) -> str:
+    """The HF architecture that represents `c` exactly."""
+    if c.add_qkv_bias and not c.add_bias_linear:
+        return "qwen2"
+    if c.window_size is not None:
+        return "mistral"
+    return "llama"
+
+
+def config_to_hf(c: ModelConfig) -> dict:
+    """transformers config kwargs (model_type included) for `c`."""
+    mt = model_type_for(c)
+    d = dict(model_type=mt, architectures=[ARCHITECTURES[mt]], vocab_size=c.vocab_size,
+             hidden_size=c.hidden_size, intermediate_size=c.ffn_hidden_size,
+             num_hidden_layers=c.num_layers, num_attention_heads=c.num_attention_heads,
+             num_key_value_heads=c.num_query_groups, head_dim=c.kv_channels, hidden_act="silu",
+             max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.layernorm_epsilon,
+             rope_theta=c.rotary_base, initializer_range=c.init_method_std,
+             tie_word_embeddings=not c.untie_embeddings_and_output_weights,
+             attention_dropout=c.attention_dropout)
+    if c.rope_scaling_type == "linear":
+        d["rope_scaling"] = {"rope_type": "linear", "factor": c.rope_scaling_factor}
+    elif c.rope_scaling_type == "llama3":
+        d["rope_scaling"] = {"rope_type": "llama3", "factor": c.rope_scaling_factor,
+                             "low_freq_factor": c.rope_low_freq_factor,
+                             "high_freq_factor": c.rope_high_freq_factor,
+                             "original_max_position_embeddings":
+                                 c.rope_original_max_position_embeddings}
+    if mt == "llama":
+        d.update(attention_bias=c.add_bias_linear, mlp_bias=c.add_bias_linear)
+    elif mt == "mistral":
+        d["sliding_window"] = c.window_size
+    else:
+        d.update(use_sliding_window=c.window_size is not None, sliding_window=c.window_size)
+    return d
+
+
+def conditions(c: ModelConfig) -> list[str]:
+    """Why `c` cannot be exported as a Llama-family model (empty: it can)."""
+    want = dict(position_embedding_type="rope", normalization="RMSNorm", activation="swiglu")
+    out = [f"{k}={getattr(c, k)!r} (the Llama family has {v!r})" for k, v in want.items()
+           if getattr(c, k) != v]
+    if c.add_bias_linear and not c.add_qkv_bias:
+        out.append("add_bias_linear without add_qkv_bias (no Llama-family model has that)")
+    return out
+
+
+def rules(c: ModelConfig) -> list[Rule]:
+    """The conversion table of `c` (see models/hf/rules.py)."""
+    out = [same("embedding.word_embeddings.weight", "model.embed_tokens.weight")]
+    q_rows, kv_rows = c.query_projection_size, c.kv_projection_size
+    for i in range(c.num_layers):
+        ours, hf = f"decoder.layers.{i}.", f"model.layers.{i}."
+        attn = hf + "self_attn."
+        out += [same(ours + "input_layernorm.weight", hf + "input_layernorm.weight"),
+                qkv(ours + "self_attention.linear_qkv.weight",
+                    (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
+                    c.num_query_groups, q_rows, kv_rows),
+                same(ours + "self_attention.linear_proj.weight", attn + "o_proj.weight"),
+                same(ours + "pre_mlp_layernorm.weight", hf + "post_attention_layernorm.weight"),
+                concat(ours + "mlp.linear_fc1.weight",
+                       (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")),
+                same(ours + "mlp.linear_fc2.weight", hf + "mlp.down_proj.weight")]
+        if c.add_qkv_bias:
+            out.append(qkv(ours + "self_attention.linear_qkv.bias",
+                           (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"),
+                           c.num_query_groups, q_rows, kv_rows))
+        if c.add_bias_linear:
+            out += [same(ours + "self_attention.linear_proj.bias", attn + "o_proj.bias"),
+                    concat(ours + "mlp.linear_fc1.bias",
+                           (hf + "mlp.gate_proj.bias", hf + "mlp.up_proj.bias")),
+                    same(ours + "mlp.linear_fc2.bias", hf + "mlp.down_proj.bias")]
+    out.append(same("decoder.final_layernorm.weight", "model.norm.weight"))
+    if c.untie_embeddings_and_output_weights:
+        out.append(same("output_layer.weight", "lm_head.weight"))
+    return out

@@ -1,0 +1,76 @@
+"""Convert between Hugging Face models and shardzoo checkpoints.
+
+    python tools/convert_hf.py import --hf PATH --out CKPT
+    python tools/convert_hf.py export --load CKPT --out DIR [--dtype bfloat16|float32]
+
+`import`: PATH is an HF model folder (config.json + model.safetensors, sharded safetensors with
+model.safetensors.index.json, or pytorch_model*.bin) or a .gguf file. CKPT becomes a native
+checkpoint folder (as train.py saves: layout-free keys, config.yaml, metadata.json with
+checksums) with the tokenizer inside; `train.py --load CKPT` / `--finetune` open it at any
+tp/pp/vpp/dp. Supported: GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM,
+Qwen2ForCausalLM (models/hf/).
+
+`export`: CKPT is a checkpoint folder or a --save folder (its latest checkpoint) of any layout;
+DIR gets config.json, model.safetensors (sharded with an index above --max-shard-size),
+generation_config.json and the tokenizer, loadable by `AutoModelForCausalLM.from_pretrained`.
+
+Exit code 0 on success; 1 with one line naming the problem otherwise (nothing is written).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from checkpoint.format import CheckpointError  # noqa: E402
+from checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, DTYPES, export_hf, import_hf  # noqa: E402
+from models.hf import HFConversionError  # noqa: E402
+
+
+def _size(text: str) -> int:
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    t = text.strip().upper()
+    for unit, mult in sorted(units.items(), key=lambda kv: -len(kv[0])):
+        if t.endswith(unit):
+            return int(float(t[: -len(unit)]) * mult)
+    return int(t)
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import", help="HF folder or .gguf -> native checkpoint")
+    imp.add_argument("--hf", required=True, help="HF model folder or .gguf file")
+    imp.add_argument("--out", required=True, help="new checkpoint folder")
+    exp = sub.add_parser("export", help="native checkpoint -> HF folder")
+    exp.add_argument("--load", required=True, help="checkpoint folder or --save folder")
+    exp.add_argument("--out", required=True, help="new HF model folder")
+    exp.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    exp.add_argument("--max-shard-size", default=str(DEFAULT_MAX_SHARD_BYTES), type=_size,
+                     help="bytes per safetensors file, e.g. 5GB (default)")
+    args = p.parse_args(argv)
+    t0 = time.time()
+    try:
+        if args.command == "import":
+            out = import_hf(args.hf, args.out)
+        else:
+            out = export_hf(args.load, args.out, args.dtype, args.max_shard_size)
+    except (HFConversionError, CheckpointError, FileNotFoundError, ValueError) as e:
+        print(f"convert_hf.py {args.command}: {e}", file=sys.stderr)
+        return 1
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out) for f in fs)
+    print(f"wrote {out} ({size / 2**20:,.1f} MiB) in {time.time() - t0:.1f} s; peak resident "
+          f"memory {_peak_rss_mib():,.0f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
