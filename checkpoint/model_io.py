@@ -16,6 +16,8 @@ import json
 import os
 import secrets
 import shutil
+import warnings
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -34,6 +36,14 @@ from .keys import entries, num_parts, read_plan, rebuild
 
 TOKENIZER_DIR = "tokenizer"  # an HF tokenizer folder inside a checkpoint
 TOKENIZER_MODEL = "tokenizer.model"  # or a SentencePiece model file
+
+
+@contextmanager
+def _single_process():
+    """DCP warns on every no_dist call that it assumes a single process: that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def dense_parameters(config: ModelConfig) -> dict[str, torch.nn.Parameter]:
@@ -112,8 +122,9 @@ def write_weights_checkpoint(out: str, config: ModelConfig,
     os.makedirs(tmp)
     try:
         try:
-            dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp),
-                     planner=_LazySavePlanner(lazy), no_dist=True)
+            with _single_process():
+                dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp),
+                         planner=_LazySavePlanner(lazy), no_dist=True)
         except CheckpointException as e:  # DCP wraps what the tensor functions raised
             cause = next(iter(e.failures.values()), None)
             cause = cause[0] if isinstance(cause, tuple) else cause  # (exception, traceback)
@@ -163,7 +174,8 @@ def read_dense_weights(path: str) -> tuple[ModelConfig, dict[str, Callable[[], t
 
         def read(keys=keys, p=p):
             sd = {k: torch.empty(saved[k].size, dtype=torch.float32) for k in keys}
-            dcp.load(sd, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+            with _single_process():
+                dcp.load(sd, storage_reader=dcp.FileSystemReader(path), no_dist=True)
             t = sd[keys[0]] if len(keys) == 1 else torch.cat([sd[k] for k in keys],
                                                              p.partition_dim)
             rows = getattr(p, "full_rows", None)
@@ -180,7 +192,9 @@ def load_model_weights(path: str, chunks) -> dict:
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     items = entries(chunks)
     sd, plan = read_plan(path, saved, items, ("model",))
-    dcp.load(sd, storage_reader=dcp.FileSystemReader(path), no_dist=not dist.is_initialized())
+    with _single_process():
+        dcp.load(sd, storage_reader=dcp.FileSystemReader(path),
+                 no_dist=not dist.is_initialized())
     values = rebuild(sd, plan)
     for _, p, _, _ in items:
         p.copy_(values[id(p)]["model"].to(p.device, p.dtype))
@@ -194,3 +208,14 @@ def find_tokenizer(path: str) -> str | None:
         if os.path.exists(os.path.join(path, name)):
             return os.path.join(path, name)
     return None
+
+
+def copy_tokenizer(tokenizer: str | None, folder: str) -> None:
+    """Copy a tokenizer (HF folder -> `folder/tokenizer/`, SentencePiece model ->
+    `folder/tokenizer.model`) into checkpoint folder `folder`; nothing when None."""
+    if not tokenizer:
+        return
+    if os.path.isdir(tokenizer):
+        shutil.copytree(tokenizer, os.path.join(folder, TOKENIZER_DIR))
+    else:
+        shutil.copy(tokenizer, os.path.join(folder, TOKENIZER_MODEL))

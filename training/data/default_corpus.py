@@ -79,10 +79,26 @@ def _is_complete(folder: str) -> bool:
     return os.path.isfile(os.path.join(folder, MANIFEST_NAME))
 
 
-def build_corpus(folder: str, files: list[str], vocab_size: int) -> dict:
-    """Train the tokenizer on (a capped sample of) ``files`` and write the indexed dataset
-    into ``folder``; return the manifest dict (files, documents, tokens, vocab, seconds)."""
+def tokenizer_sha256(path: str) -> str:
+    """Content hash of a tokenizer file or folder (file names and bytes, sorted)."""
+    h = hashlib.sha256()
+    paths = [path] if os.path.isfile(path) else sorted(
+        os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
+    for p in paths:
+        h.update(os.path.relpath(p, path).encode())
+        with open(p, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()
+
+
+def build_corpus(folder: str, files: list[str], vocab_size: int,
+                 tokenizer: str | None = None) -> dict:
+    """Tokenize ``files`` into the indexed dataset in ``folder`` with ``tokenizer`` (a
+    SentencePiece model or HF folder), or with a SentencePiece model trained here on (a capped
+    sample of) them; return the manifest dict (files, documents, tokens, vocab, seconds)."""
     t0 = time.time()
+    if tokenizer is not None:
+        return _tokenize_corpus(folder, files, build_tokenizer(tokenizer), t0, vocab_size)
     # Tokenizer training text: every k-th file, so the sample spans the whole library.
     total = sum(os.path.getsize(f) for f in files)
     step = max(1, round(total / TRAIN_TEXT_BYTES))
@@ -93,7 +109,10 @@ def build_corpus(folder: str, files: list[str], vocab_size: int) -> dict:
             out.write("\n")
     model = train_sentencepiece([train_txt], os.path.join(folder, "tokenizer"), vocab_size)
     os.remove(train_txt)
-    tok = build_tokenizer(model)
+    return _tokenize_corpus(folder, files, build_tokenizer(model), t0, vocab_size)
+
+
+def _tokenize_corpus(folder: str, files: list[str], tok, t0: float, vocab_size: int) -> dict:
     prefix, _ = _paths(folder)
     tokens = 0
     with IndexedDatasetBuilder(prefix, vocab_size=tok.vocab_size) as builder:
@@ -104,12 +123,14 @@ def build_corpus(folder: str, files: list[str], vocab_size: int) -> dict:
         builder.finalize()
     return {"format": FORMAT_VERSION, "python": sys.version.split()[0], "files": len(files),
             "documents": len(files), "tokens": tokens, "vocab_size": tok.vocab_size,
-            "requested_vocab_size": vocab_size, "build_seconds": round(time.time() - t0, 2)}
+            "requested_vocab_size": vocab_size, "tokenizer_sha256": tokenizer_sha256(tok.path),
+            "build_seconds": round(time.time() - t0, 2)}
 
 
 def ensure_default_corpus(cache_dir: str | None = None, vocab_size: int = 8192, *,
-                          files: list[str] | None = None, quiet: bool = False) -> tuple[str, str]:
-    """Return ``(data_prefix, tokenizer_model_path)`` of the default corpus, building it once.
+                          files: list[str] | None = None, quiet: bool = False,
+                          tokenizer: str | None = None) -> tuple[str, str]:
+    """Return ``(data_prefix, tokenizer_path)`` of the default corpus, building it once.
 
     Args:
         cache_dir: cache root (default `default_cache_dir`).
@@ -117,6 +138,9 @@ def ensure_default_corpus(cache_dir: str | None = None, vocab_size: int = 8192, 
         files: documents to use instead of the stdlib sources (tests, custom demos); the cache
             key then includes a hash of the file list.
         quiet: print nothing (for non-zero ranks); otherwise one line on build, one on reuse.
+        tokenizer: tokenize with this SentencePiece model / HF tokenizer folder instead of
+            training one (e.g. a fine-tuned checkpoint's); cached per tokenizer content, and
+            any cached corpus made with an identical tokenizer is reused.
 
     Safe to call from many processes at once (file lock + atomic rename, see module doc).
     Builds the stdlib corpus (~1.8k files, 31 MB) in well under a minute on 2 cores.
@@ -136,6 +160,14 @@ def ensure_default_corpus(cache_dir: str | None = None, vocab_size: int = 8192, 
         h = hashlib.sha1("\n".join(files).encode()).hexdigest()[:12]
         key, files_fn, what = f"custom-{h}-sp{vocab_size}-v{FORMAT_VERSION}", lambda: files, \
             "the given files"
+    tok_sha = None
+    if tokenizer is not None:
+        tok_sha = tokenizer_sha256(tokenizer)
+        same = _find_by_tokenizer(cache_dir, key.rsplit("-sp", 1)[0], tok_sha)
+        if same:
+            key = same
+        else:
+            key = key.replace(f"-sp{vocab_size}-", f"-tok{tok_sha[:12]}-")
     final = os.path.join(cache_dir, key)
     say = (lambda msg: None) if quiet else (lambda msg: print(msg, flush=True))
     if not _is_complete(final):
@@ -149,20 +181,40 @@ def ensure_default_corpus(cache_dir: str | None = None, vocab_size: int = 8192, 
                 tmp = os.path.join(cache_dir, f"{key}.tmp-{os.getpid()}")
                 os.makedirs(tmp)
                 try:
-                    manifest = build_corpus(tmp, files_fn(), vocab_size)
+                    manifest = build_corpus(tmp, files_fn(), vocab_size, tokenizer)
                     with open(os.path.join(tmp, MANIFEST_NAME), "w") as f:
                         json.dump(manifest, f, indent=1)
                     os.rename(tmp, final)
                 except BaseException:
                     shutil.rmtree(tmp, ignore_errors=True)
                     raise
+                how = f"tokenizer {tokenizer}" if tokenizer else "a SentencePiece tokenizer"
                 say(f"shardzoo: no --data-path given; built the demo corpus from {what} "
-                    f"({manifest['files']} files, {manifest['tokens']} tokens) with a "
-                    f"SentencePiece tokenizer (vocab {manifest['vocab_size']}) in {final} "
+                    f"({manifest['files']} files, {manifest['tokens']} tokens) with {how} "
+                    f"(vocab {manifest['vocab_size']}) in {final} "
                     f"({manifest['build_seconds']:.0f} s)")
-                return _paths(final)
+                return _result(final, tokenizer)
     with open(os.path.join(final, MANIFEST_NAME)) as f:
         manifest = json.load(f)
     say(f"shardzoo: no --data-path given; using the cached demo corpus {final} "
         f"({manifest['tokens']} tokens, vocab {manifest['vocab_size']})")
-    return _paths(final)
+    return _result(final, tokenizer)
+
+
+def _result(folder: str, tokenizer: str | None) -> tuple[str, str]:
+    prefix, sp_model = _paths(folder)
+    return prefix, tokenizer or sp_model
+
+
+def _find_by_tokenizer(cache_dir: str, key_prefix: str, sha: str) -> str | None:
+    """Name of a complete cached corpus of the same files made with a tokenizer of content
+    hash `sha` (e.g. the demo corpus, when a checkpoint carries a copy of its tokenizer)."""
+    if not os.path.isdir(cache_dir):
+        return None
+    for name in sorted(os.listdir(cache_dir)):
+        folder = os.path.join(cache_dir, name)
+        if name.startswith(key_prefix + "-") and _is_complete(folder):
+            with open(os.path.join(folder, MANIFEST_NAME)) as f:
+                if json.load(f).get("tokenizer_sha256") == sha:
+                    return name
+    return None
