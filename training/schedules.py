@@ -24,8 +24,7 @@ from typing import Callable
 import torch
 
 import parallel_state as ps
-
-from . import p2p
+from parallel_state import p2p
 
 
 def loss_from_batch(model, batch: dict, hidden_states=None):

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import parallel_state as ps
 from models import GPTModel
 from models.pipeline import build_model_chunks
+from parallel_state.p2p import TensorSpec
 
 from .arguments import Config
 from checkpoint.format import resolve_checkpoint
@@ -28,7 +29,6 @@ from .memory import (activation_report, format_activation_report,
                      measure_activation_bytes)
 from .metrics import MetricsLogger, format_duration, peak_memory_bytes
 from .optimizer import build_optimizer, clip_grads, learning_rate
-from .p2p import TensorSpec
 from .recompute import apply_recompute
 from .schedules import get_forward_backward_func
 from .timeline import Timeline, report as timeline_report

@@ -1,6 +1,6 @@
 """Point-to-point exchange of activation / gradient tuples between adjacent pipeline stages.
 
-Used by the training schedules and by pipelined inference. A stage may pass several tensors
+Used by the training schedules and by pipelined inference (it lives here, below both). A stage may pass several tensors
 (an encoder-decoder stage sends the encoder output beside the hidden states), so everything
 here moves *tuples* whose shapes are known up front (`[s, b, h]`, or `[s/tp, b, h]` under
 sequence parallelism; the receiver allocates from the shapes it is given).
@@ -20,11 +20,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-import parallel_state as ps
+from . import grid as ps
 
 FORWARD_TAG, BACKWARD_TAG = 0, 1
 
-_timeline = None  # a training.timeline.Timeline while a profiled schedule runs
+_timeline = None  # while a profiled schedule runs: an object whose span("C") times an exchange
 
 
 @contextlib.contextmanager
