@@ -77,7 +77,7 @@ def check_token_ids(prefixes: list[str], vocab_size: int, limit: int = 1_000_000
 
 
 def _build_data(config: Config):
-    from .arguments import parse_data_path
+    from .config_checks import parse_data_path
     from .data import build_tokenizer, build_train_valid_test_datasets, ensure_default_corpus
 
     t = config.train

@@ -1,0 +1,294 @@
+"""Validation of the resolved run configuration: `validate(config, world_size)`.
+
+Called by `training.arguments.Config.validate` before any process-group work. Each check
+raises `ConfigError` naming the flag and the fix, and some resolve what was left open
+(global batch, lr decay iters, vpp from layers per virtual stage, recompute defaults,
+TensorBoard on when installed, sequence parallel off at tp 1). Flag definitions and parsing
+live in training/arguments.py; add a flag there and its check here.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import typing
+from typing import Any
+
+import torch
+
+from models.config import ConfigError, ModelConfig
+
+if typing.TYPE_CHECKING:
+    from .arguments import Config, TrainConfig
+
+
+def validate(config: "Config", world_size: int) -> None:
+    """Check `config` against `world_size` and fill its derived values (idempotent)."""
+    t = config.train
+    _check_positive(t, world_size)
+    config.world_size = world_size
+    config.data_parallel_size = _check_grid(t, world_size)
+    config.model.validate(t.tensor_model_parallel_size)
+    _check_sequence_parallel(config.model, t)
+    _check_pipeline(config.model, t)
+    config.num_microbatches = _check_batch(t, config.data_parallel_size)
+    _check_optimizer(t)
+    _check_recompute(config.model, t)
+    _check_data(t)
+    _check_run(t)
+
+
+def _check_positive(t: TrainConfig, world_size: int) -> None:
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world size must be a positive integer, got {world_size!r}")
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                 "micro_batch_size", "train_iters", "log_interval", "ddp_bucket_size",
+                 "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+                 "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                 "global_batch_size", "lr_decay_iters", "save_interval", "keep_last"):
+        if getattr(t, name) is not None and getattr(t, name) < 1:  # None: unset, resolved later
+            raise ConfigError(f"{flag(name)} must be a positive integer, got {getattr(t, name)}")
+
+
+def _check_grid(t: TrainConfig, world_size: int) -> int:
+    tp, pp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size
+    if world_size % (tp * pp):
+        raise ConfigError(
+            f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp} = {tp * pp}; launch a multiple of {tp * pp} "
+            f"processes or change --tp/--pp")
+    return world_size // (tp * pp)
+
+
+def _check_sequence_parallel(m: ModelConfig, t: TrainConfig) -> None:
+    tp = t.tensor_model_parallel_size
+    t.sequence_parallel = t.sequence_parallel and tp > 1  # a no-op at tp 1 (as in Megatron)
+    if t.sequence_parallel and m.seq_length % tp:
+        raise ConfigError(
+            f"--sequence-parallel needs --seq-length {m.seq_length} divisible by "
+            f"--tensor-model-parallel-size {tp}; change one of them or pass --no-sequence-parallel")
+
+
+def stage_layers(num_layers: int, t: TrainConfig) -> list[int]:
+    pp = t.pipeline_model_parallel_size
+    first, last = t.decoder_first_pipeline_num_layers, t.decoder_last_pipeline_num_layers
+    fixed = [n for n in (first, last) if n is not None]
+    middle, rest = pp - len(fixed), num_layers - sum(fixed)
+    if fixed and pp == 1:
+        raise ConfigError("--decoder-first/last-pipeline-num-layers need "
+                          "--pipeline-model-parallel-size > 1")
+    if rest < 0 or (middle == 0 and rest) or (middle and (rest % middle or rest == 0)):
+        given = [f"--decoder-{k}-pipeline-num-layers {v}" for k, v in (("first", first),
+                                                                      ("last", last)) if v]
+        what = f"after {' and '.join(given)}, the remaining " if given else ""
+        raise ConfigError(f"{what}--num-layers {rest} cannot be split evenly over {middle} "
+                          f"pipeline stage(s) (--pipeline-model-parallel-size {pp}); choose a "
+                          f"divisible --num-layers or set --decoder-first/last-pipeline-num-layers")
+    each = rest // middle if middle else 0
+    return [first if first is not None else each] + [each] * (pp - 2) + \
+        ([last if last is not None else each] if pp > 1 else [])
+
+
+def _check_pipeline(m: ModelConfig, t: TrainConfig) -> None:
+    stages, pp = stage_layers(m.num_layers, t), t.pipeline_model_parallel_size
+    per_stage, vpp = t.num_layers_per_virtual_pipeline_stage, t.virtual_pipeline_model_parallel_size
+    if (vpp is not None or per_stage is not None) and pp == 1:
+        raise ConfigError("--virtual-pipeline-model-parallel-size / "
+                          "--num-layers-per-virtual-pipeline-stage need "
+                          "--pipeline-model-parallel-size > 1; add --pp or drop the vpp flag")
+    if per_stage is not None:
+        if len(set(stages)) > 1 or stages[0] % per_stage:
+            raise ConfigError(
+                f"--num-layers-per-virtual-pipeline-stage {per_stage} must divide the layers "
+                f"of every pipeline stage {stages}; use a divisor of {stages[0]} or "
+                f"--virtual-pipeline-model-parallel-size")
+        derived = stages[0] // per_stage
+        if vpp is not None and vpp != derived:
+            raise ConfigError(
+                f"--virtual-pipeline-model-parallel-size {vpp} disagrees with "
+                f"--num-layers-per-virtual-pipeline-stage {per_stage} (which gives vpp "
+                f"{derived} = {m.num_layers} layers / (pp {pp} x {per_stage})); pass only one")
+        t.virtual_pipeline_model_parallel_size = vpp = derived
+    if vpp is not None:
+        bad = [n for n in stages if n % vpp]
+        if bad:
+            raise ConfigError(f"--virtual-pipeline-model-parallel-size {vpp} must divide the "
+                              f"layers of each pipeline stage {stages} (not {bad[0]})")
+        if t.num_layers_per_virtual_pipeline_stage is None and len(set(stages)) == 1:
+            t.num_layers_per_virtual_pipeline_stage = stages[0] // vpp
+
+
+def _check_batch(t: TrainConfig, dp: int) -> int:
+    per_step = t.micro_batch_size * dp
+    if t.global_batch_size is None:
+        t.global_batch_size = per_step
+    if t.global_batch_size % per_step:
+        suggest = max(per_step, round(t.global_batch_size / per_step) * per_step)
+        raise ConfigError(
+            f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size "
+            f"{t.micro_batch_size} x data-parallel size {dp} = {per_step}; use e.g. "
+            f"--global-batch-size {suggest}")
+    num_microbatches = t.global_batch_size // per_step
+    pp, vpp = t.pipeline_model_parallel_size, t.virtual_pipeline_model_parallel_size
+    if vpp is not None and vpp > 1 and num_microbatches % pp:
+        raise ConfigError(
+            f"the interleaved schedule (--virtual-pipeline-model-parallel-size {vpp}) needs the "
+            f"number of microbatches ({num_microbatches}) to be a multiple of "
+            f"--pipeline-model-parallel-size {pp}; use --global-batch-size "
+            f"{per_step * pp * max(1, round(num_microbatches / pp))}")
+    return num_microbatches
+
+
+def _check_optimizer(t: TrainConfig) -> None:
+    if t.lr_decay_iters is None:
+        t.lr_decay_iters = t.train_iters
+    if not 0 <= t.min_lr <= t.lr:
+        raise ConfigError(f"need 0 <= --min-lr {t.min_lr} <= --lr {t.lr}: the schedule decays "
+                          f"from --lr down to --min-lr")
+    if t.lr_warmup_iters < 0 or t.lr_warmup_iters > t.lr_decay_iters:
+        raise ConfigError(f"--lr-warmup-iters {t.lr_warmup_iters} must be in [0, "
+                          f"--lr-decay-iters {t.lr_decay_iters}] (which defaults to "
+                          f"--train-iters); lower --lr-warmup-iters or raise --train-iters")
+    _check_choice("lr_decay_style", t.lr_decay_style, ("cosine", "linear", "constant"))
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0.0 <= getattr(t, name) < 1.0:
+            raise ConfigError(f"{flag(name)} must be in [0, 1), got {getattr(t, name)}")
+    for name, value in (("adam_eps", t.adam_eps), ("peak_tflops", t.peak_tflops)):
+        if value is not None and value <= 0:
+            raise ConfigError(f"{flag(name)} must be positive, got {value}")
+    for name in ("weight_decay", "clip_grad"):
+        if not getattr(t, name) >= 0:  # also rejects nan
+            raise ConfigError(f"{flag(name)} must be >= 0 (0 disables it), got {getattr(t, name)}")
+    for name in ("lr", "min_lr", "adam_eps", "weight_decay", "clip_grad", "peak_tflops"):
+        value = getattr(t, name)
+        if value is not None and not math.isfinite(value):
+            raise ConfigError(f"{flag(name)} must be a finite number, got {value}")
+    _check_choice("recompute_granularity", t.recompute_granularity, (None, "full", "selective"))
+
+
+def _check_recompute(m: ModelConfig, t: TrainConfig) -> None:
+    """--recompute-method / --recompute-num-layers only with --recompute-granularity full, where
+    they default to uniform / 1 (every layer checkpointed on its own); num-layers must fit the
+    largest model chunk (a smaller chunk, e.g. an uneven first stage, checkpoints all its
+    layers under block)."""
+    _check_choice("recompute_method", t.recompute_method, (None, "uniform", "block"))
+    if t.recompute_granularity != "full":
+        for name in ("recompute_method", "recompute_num_layers"):
+            if getattr(t, name) is not None:
+                raise ConfigError(f"{flag(name)} applies only to --recompute-granularity full "
+                                  f"(got {t.recompute_granularity}); drop it or pass "
+                                  f"--recompute-granularity full")
+        return
+    t.recompute_method = t.recompute_method or "uniform"
+    t.recompute_num_layers = 1 if t.recompute_num_layers is None else t.recompute_num_layers
+    chunk = max(stage_layers(m.num_layers, t)) // (t.virtual_pipeline_model_parallel_size or 1)
+    if not 1 <= t.recompute_num_layers <= chunk:
+        raise ConfigError(f"--recompute-num-layers {t.recompute_num_layers} must be in [1, "
+                          f"{chunk}] (the layers of a model chunk: --num-layers {m.num_layers} "
+                          f"over pp x vpp); pick a value in that range")
+
+
+def parse_data_path(data_path: list[str]) -> list[tuple[float, str]]:
+    """``[prefix]`` or ``[w1, prefix1, w2, prefix2, ...]`` -> ``[(weight, prefix), ...]``.
+
+    Weights are returned as given (not normalised). Raises `ConfigError` naming --data-path.
+    """
+    if len(data_path) == 1:
+        return [(1.0, data_path[0])]
+    if len(data_path) % 2:
+        raise ConfigError(f"--data-path with several entries must be weight/prefix pairs "
+                          f"(w1 prefix1 w2 prefix2 ...), got {len(data_path)} items: {data_path}")
+    blend = []
+    for w, prefix in zip(data_path[::2], data_path[1::2]):
+        try:
+            blend.append((float(w), prefix))
+        except ValueError:
+            raise ConfigError(f"--data-path weight {w!r} (before {prefix!r}) is not a number; "
+                              f"write pairs like: --data-path 0.7 data/a_text 0.3 data/b_text")
+    if min(w for w, _ in blend) < 0:
+        raise ConfigError(f"--data-path weights {[w for w, _ in blend]} must be >= 0")
+    if not sum(w for w, _ in blend) > 0:
+        raise ConfigError(f"--data-path weights {[w for w, _ in blend]} must not all be zero")
+    return blend
+
+
+def _check_data(t: TrainConfig) -> None:
+    for _, prefix in parse_data_path(t.data_path) if t.data_path else []:
+        for ext in (".bin", ".idx"):
+            if not os.path.exists(prefix + ext):
+                raise ConfigError(
+                    f"--data-path {prefix}: file {prefix + ext} does not exist; pass a prefix "
+                    f"written by tools/preprocess_data.py without .bin/.idx (e.g. "
+                    f"data/corpus_text_document from: python tools/preprocess_data.py --input "
+                    f"FILE --output-prefix data/corpus --tokenizer-model M.model)")
+    try:
+        ratios = [float(p) for p in t.split.replace("/", ",").split(",")]
+    except ValueError:
+        ratios = []
+    if not 1 <= len(ratios) <= 3 or min(ratios) < 0 or ratios[0] <= 0:
+        raise ConfigError(f"--split {t.split!r} must be 1-3 non-negative comma-separated "
+                          f"numbers (train,valid,test) with a positive train share, e.g. "
+                          f"--split 969,30,1")
+    if t.data_path and t.tokenizer_model is None:
+        raise ConfigError("--data-path needs --tokenizer-model: the SentencePiece .model file or "
+                          "Hugging Face tokenizer folder that tools/preprocess_data.py used")
+    if t.tokenizer_model is not None and not os.path.exists(t.tokenizer_model):
+        raise ConfigError(f"--tokenizer-model {t.tokenizer_model} does not exist; pass a "
+                          f"SentencePiece .model file or a Hugging Face tokenizer folder")
+
+
+def _check_run(t: TrainConfig) -> None:
+    _check_checkpointing(t)
+    for name in ("eval_interval", "eval_iters"):
+        if getattr(t, name) < 0:
+            raise ConfigError(f"{flag(name)} must be >= 0 (0 disables evaluation), "
+                              f"got {getattr(t, name)}")
+    _check_choice("device", t.device, ("auto", "cpu", "cuda"))
+    if t.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda but no CUDA device is available; use --device cpu "
+                          "(or auto)")
+    if not 0 <= t.seed < 2**32:
+        raise ConfigError(f"--seed must be in [0, 2**32), got {t.seed}")
+    for name in ("log_dir", "save", "save_replica"):
+        _check_writable_dir(name, getattr(t, name))
+    installed = importlib.util.find_spec("tensorboard") is not None
+    t.tensorboard = installed if t.tensorboard is None else t.tensorboard
+    if t.tensorboard and not installed:
+        raise ConfigError("--tensorboard is on but tensorboard is not installed; "
+                          "pip install tensorboard, or pass --no-tensorboard")
+
+
+def _check_writable_dir(name: str, path: str | None) -> None:
+    """Fail now, not after hours of training, if `path` cannot be created or written."""
+    if not path:
+        return
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{flag(name)} {path} cannot be created ({e.strerror}); pass a "
+                          f"writable folder") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag(name)} {path} is not writable; pass a writable folder")
+
+
+def _check_checkpointing(t: TrainConfig) -> None:
+    """--keep-last / --save-replica / --async-save need --save; a --load folder must exist
+    unless it is also --save (a restarted job resumes from it once a checkpoint exists)."""
+    for name in ("keep_last", "save_replica", "async_save", "save_interval"):
+        if getattr(t, name) not in (None, False) and not t.save:
+            raise ConfigError(f"{flag(name)} needs --save DIR (where checkpoints go); add "
+                              f"--save or drop {flag(name)}")
+    if t.load and not os.path.exists(t.load) and \
+            os.path.abspath(t.load) != os.path.abspath(t.save or ""):
+        raise ConfigError(f"--load {t.load} does not exist; pass the --save folder of an earlier "
+                          f"run (or one of its iter_XXXXXXX folders), or drop --load")
+
+
+def _check_choice(name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ConfigError(f"{flag(name)} must be one of {[c for c in choices if c]}, "
+                          f"got {value!r}")
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
