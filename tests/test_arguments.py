@@ -277,7 +277,8 @@ def test_named_models_validate_at_natural_tp(name):
     ("llama-7b", 6738.4e6), ("llama-8b", 8030.3e6), ("llama-70b", 70553.7e6),
 ])
 def test_parameter_counts(name, expected):
-    assert load_model_config(name).num_parameters() == pytest.approx(expected, rel=1e-3)
+    # the published counts above are rounded to 0.1M at most: within half of that
+    assert load_model_config(name).num_parameters() == pytest.approx(expected, abs=0.05e6)
 
 
 def test_gpt2_124m_exact_parameter_count():

@@ -3,8 +3,8 @@
 - `--use-distributed-optimizer` at dp 2 and 4, with TP 2 + SP and with PP 2 (tied embedding,
   so its gradient all-reduce across stages runs on the reduce-scattered shard), gives the same
   weights after 5 steps as torch.optim.AdamW in one process (the world-1 run without the flag),
-  to 1e-6 relative per tensor, with gradient clipping active every step, and the same
-  reported gradient norms (1e-6 relative);
+  with gradient clipping active every step, and the same reported gradient norms, up to
+  rounding (tests/tolerances.py: `k` = the training steps' chains);
 - per-rank AdamW state bytes are 1/dp of the unsharded figure within the bucket padding, and
   under --bf16 the weights are bf16 while main weights and moments are float32;
 - a --bf16 run (bf16 weights and activations, fp32 main weights, moments and gradient
@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
+from tolerances import assert_losses_close, training_chain_terms, weights_mismatch
 
 # --adam-eps 1e-4: see tests/test_pipeline.py (exactly-zero gradients make elementwise Adam
 # comparisons ill-conditioned); --clip-grad 0.05 is below every step's norm (~1), so the
@@ -78,14 +79,14 @@ def test_distributed_optimizer_matches_adamw(case, references, tmp_path, corpus_
                corpus_env)
     ref = references[family]
     assert all(n > 0.05 for n in ref["grad_norms"])  # clipping was active at every step
+    k_step = training_chain_terms((GPT if family == "gpt" else LLAMA) + COMMON)
     for rank_out in out:
-        assert rank_out["losses"] == pytest.approx(ref["losses"], rel=1e-6)
-        assert rank_out["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-6)
+        assert_losses_close(rank_out["losses"], ref["losses"], k_step)
+        # a norm of step t sums the squares of every gradient element on top of the chain
+        assert_losses_close(rank_out["grad_norms"], ref["grad_norms"], k_step, "grad norms")
     state = out[0]["state"]
     assert sorted(state) == sorted(ref["state"])
-    for name, full in ref["state"].items():
-        rel = float((state[name] - full).norm() / full.norm().clamp_min(1e-12))
-        assert rel < 1e-6, f"{name}: relative error {rel:.2e}"
+    assert not weights_mismatch(state, ref["state"], 5 * k_step)
     for rank_out in out[1:]:  # every DP replica ends with the same (all-gathered) weights
         if rank_out["state"].keys() == state.keys():
             for name in state:

@@ -1,13 +1,14 @@
 """Pipeline parallelism (issue 3): losses of the first 5 iterations and the final parameters
-equal the single-process run to 1e-5 relative in float32, for 1F1B, interleaved 1F1B and an
-uneven split, tied and untied embeddings, also combined with TP, SP and DP; the tied
-embedding's two copies stay bit-identical."""
+equal the single-process run in float32 up to rounding (tests/tolerances.py: `k` = 5 training
+steps' chains), for 1F1B, interleaved 1F1B and an uneven split, tied and untied embeddings,
+also combined with TP, SP and DP; the tied embedding's two copies stay bit-identical."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from distributed import run_distributed
+from tolerances import assert_losses_close, training_chain_terms, weights_mismatch
 
 # --adam-eps 1e-4: some gradients are exactly zero in exact arithmetic (the key bias: adding
 # a constant to every key shifts all scores of a query equally) and float noise (~1e-10)
@@ -80,17 +81,14 @@ def test_pipeline_matches_single_process(case, references, tmp_path, corpus_env)
     args = (GPT4 if family == "gpt" else LLAMA) + extra
     out = _run(world, args, tmp_path, corpus_env)
     ref = references[family]
+    k_step = training_chain_terms(args + COMMON)
     for rank_out in out:
-        assert rank_out["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+        assert_losses_close(rank_out["losses"], ref["losses"], k_step)
     state = out[0]["state"]
     assert sorted(state) == sorted(ref["state"])
-    for name, full in ref["state"].items():
-        # Relative to the tensor's norm: Adam's g / sqrt(v) turns float-rounding noise in a
-        # near-zero gradient into an O(lr * 1e-3) step on a single element, so elementwise
-        # relative error is not meaningful there; the tensor as a whole must agree to 1e-5.
-        rel = float((state[name] - full).norm() / full.norm().clamp_min(1e-12))
-        assert rel < 1e-5, f"{name}: relative error {rel:.2e}"
-        assert float((state[name] - full).abs().max()) < 1e-5, name
+    # each tensor to its largest weight's scale: Adam's g / sqrt(v) turns rounding noise in a
+    # near-zero gradient into a larger step on that one element (bounded by --adam-eps)
+    assert not weights_mismatch(state, ref["state"], 5 * k_step)
     if family == "gpt":  # tied: the two copies of the embedding are bit-identical
         pairs = 0
         firsts = [r["tied"]["first"] for r in out if "first" in r["tied"]]
@@ -122,6 +120,8 @@ def test_profiled_schedule_has_theoretical_bubble(vpp, tmp_path, corpus_env):
     record = [r for r in read_metrics(tmp_path) if "bubble_theory" in r][0]
     assert record["bubble_theory"] == pytest.approx(3 / (vpp * 8))
     assert len(record["bubble_replay"]) == len(record["bubble_wall"]) == 4
+    assert record["stage_layers"] == [2, 2, 2, 2] and sum(record["compute_share"]) == \
+        pytest.approx(1.0) and min(record["compute_share"]) > 0
     trace = json.loads((tmp_path / "pipeline_timeline.json").read_text())["traceEvents"]
     per_rank = [[] for _ in range(4)]
     for e in sorted(trace, key=lambda e: e["ts"]):
