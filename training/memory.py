@@ -162,8 +162,11 @@ def model_layer_bytes(config, s: int, b: int, t: int = 1, sp: bool = False,
     hid_drop = config.hidden_dropout > 0 if dropout is None else dropout
     att_drop = config.attention_dropout > 0 if dropout is None else dropout
     rms = config.normalization == "RMSNorm"
-    # RMSNorm (F.rms_norm): input, normalized input, rstd; LayerNorm: input, mean, rstd.
-    norm = e * sl * b * (2 * h + 1) if rms else e * sl * b * h + 2 * 4 * sl * b
+    # RMSNorm: its float32 input copy and rstd (layers/norm.py computes in float32; in float32
+    # F.rms_norm keeps the same two) and the normalized input in the activation dtype, which
+    # the weight's product keeps. LayerNorm (F.layer_norm on CPU): the input, and mean and
+    # rstd in the activation dtype.
+    norm = sl * b * (4 * h + 4 + e * h) if rms else e * sl * b * (h + 2)
     out = {"norms": 2 * norm,
            "qkv and fc1 inputs": 2 * e * sl * b * h}  # the sequence shard under SP
     mixed = e * s * b * (an + 2 * gn) * d  # fused QKV output: v (and q, k without RoPE) view it
@@ -176,10 +179,13 @@ def model_layer_bytes(config, s: int, b: int, t: int = 1, sp: bool = False,
         out["attention output"] = q
         if recompute != "selective":
             out["attention log-sum-exp"] = 4 * b * an * s
-    else:  # math kernel with dropout: scaled q and k copies; v viewing the fused output, or
-        # its copy expanded to the query heads under GQA; the projection reads a copy
-        out["attention q, k, v"] = 2 * q + (q if an != gn else mixed)
-        out["attention s^2 (softmax, mask, dropped)"] = 3 * e * b * an * s * s
+    else:  # math kernel with dropout, which on CPU computes in float32 (a bf16 input is
+        # upcast): scaled q and k copies; v viewing the fused output in float32, else its
+        # float32 copy (expanded to the query heads under GQA); the s x s softmax, float mask
+        # and dropped probabilities; the projection reads a copy of the output
+        q32 = 4 * s * b * an * d
+        out["attention q, k, v"] = 2 * q32 + (mixed if e == 4 and an == gn else q32)
+        out["attention s^2 (softmax, mask, dropped)"] = 3 * 4 * b * an * s * s
         out["projection input"] = q
     out["mlp"] = e * s * b * (4 * f if config.activation == "swiglu" else 2 * f)
     if hid_drop:
