@@ -1,35 +1,68 @@
-"""Pretrain a GPT / Llama-style model with data, tensor, sequence (and pipeline) parallelism.
+"""Pretrain a GPT / Llama-style model with data, tensor, sequence and pipeline parallelism.
 
-    python train.py                                   # demo: embedded stdlib corpus, 1 process
+    python train.py                                   # the demo (configs/demo.yaml), 1 process
+    python train.py --config configs/tiny-llama.yaml --train-iters 50
     torchrun --nproc-per-node 4 train.py --config configs/tiny-llama.yaml --tp 2
 
+With neither --config nor --model the run file is configs/demo.yaml, the README's main job
+(a 6.8M-parameter Llama-style model on the embedded corpus); any flag overrides its keys.
 Config: a YAML file (--config) plus Megatron-named flags that override it; see README.md.
+
+A configuration, checkpoint or data error prints one line (`train.py: configuration error:
+...`) on rank 0 and exits with 2, 1 or 2 before any training step. Under torchrun the line is
+also this worker's elastic error file (torch.distributed.elastic's JSON format), so torchrun's
+failure summary shows it in place of "To enable traceback see ..."; any other exception is
+recorded with its traceback by `torch.distributed.elastic.multiprocessing.errors.record`.
 """
+import json
 import os
 import sys
+import time
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from models.config import ConfigError
 from training.arguments import parse_config
 from checkpoint.format import CheckpointError
 from training.trainer import DataError, pretrain
 
+DEMO = Path(__file__).resolve().parent / "configs" / "demo.yaml"
 
+
+def with_demo_default(argv: list[str]) -> list[str]:
+    """`argv` with `--config configs/demo.yaml` in front when it names no --config/--model."""
+    named = any(a in ("--config", "--model") or a.startswith(("--config=", "--model="))
+                for a in argv)
+    return argv if named else ["--config", str(DEMO), *argv]
+
+
+def _fail(kind: str, error: Exception, code: int) -> int:
+    """Say `error` once (rank 0; every rank raised the same) and record it on every rank for
+    torchrun, whichever rank it reports as the first failure."""
+    line = f"train.py: {kind} error: {error}"
+    if os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # set by torchrun per worker
+    if error_file:
+        with open(error_file, "w") as f:  # the format torch's ErrorHandler writes
+            json.dump({"message": {"message": line, "extraInfo": {
+                "py_callstack": line, "timestamp": str(int(time.time()))}}}, f)
+    return code
+
+
+@record
 def main(argv=None) -> int:
+    argv = with_demo_default(sys.argv[1:] if argv is None else list(argv))
     try:
         config = parse_config(argv)
         pretrain(config)
     except ConfigError as e:
-        if os.environ.get("RANK", "0") == "0":  # every rank sees the same error; say it once
-            print(f"train.py: configuration error: {e}", file=sys.stderr)
-        return 2
+        return _fail("configuration", e, 2)
     except CheckpointError as e:  # raised alike on every rank, before any training step
-        if os.environ.get("RANK", "0") == "0":
-            print(f"train.py: checkpoint error: {e}", file=sys.stderr)
-        return 1
+        return _fail("checkpoint", e, 1)
     except DataError as e:  # likewise
-        if os.environ.get("RANK", "0") == "0":
-            print(f"train.py: data error: {e}", file=sys.stderr)
-        return 2
+        return _fail("data", e, 2)
     return 0
 
 

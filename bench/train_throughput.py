@@ -12,7 +12,9 @@ dtypes: `fp32` (float32 weights and compute) and `bf16` (float32 weights, comput
 `torch.autocast(device, torch.bfloat16)`), identical for both models.
 
 MFU = tokens/s x `training.flops.training_flops_per_token(config)` / peak FLOP/s. The peak is
-the best of a few large matmuls measured in this run on CPU (printed), a table on known GPUs.
+`training.flops.PeakFlops`: the data sheet on known GPUs, else the best of repeated large
+matmuls measured at the start and again at the end of this run (the higher is used); an MFU
+above 100% is never printed (the peak was measured too low: "n/a" and why).
 
 Run: `python bench/train_throughput.py` (defaults take ~3 minutes on 2 CPU cores); see
 `--help` and bench/README.md.
@@ -33,10 +35,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from models import GPTModel, ModelConfig  # noqa: E402
-from training.flops import peak_flops, training_flops_per_token  # noqa: E402
+from training.flops import PeakFlops, training_flops_per_token  # noqa: E402
 
 NOISY_SPREAD = 0.25  # (max - min) / median of per-round tokens/s above which a row is flagged
-# Dense bf16 peak (no sparsity), TFLOP/s, from the vendors' data sheets.
 
 
 # ---------------------------------------------------------------------------- configs
@@ -316,9 +317,10 @@ def main(argv=None) -> int:
           + f", torch {torch.__version__}, transformers {transformers.__version__}")
     print("precision: fp32 = float32 weights and compute; bf16 = float32 weights and AdamW "
           "state, forward/backward under torch.autocast(bfloat16), same for both models")
-    peaks = peak_flops(device)
+    peaks = {d: PeakFlops(device, torch.bfloat16 if d == "bf16" else torch.float32)
+             for d in dtypes}
     for d in dtypes:
-        print(f"peak {d}: {peaks[d][0] / 1e12:.3f} TFLOP/s ({peaks[d][1]})")
+        print(f"peak {d}: {peaks[d].describe()}")
 
     rows = []
     for config in configs:
@@ -344,18 +346,20 @@ def main(argv=None) -> int:
                   f"HF {row['spread_hf']:.0%}; last loss ours {row['loss_ours']:.4f} "
                   f"HF {row['loss_hf']:.4f})")
 
-    if device.type == "cpu":  # the first measurement may have met a busy machine
-        again = peak_flops(device)
+    if any(p.measured for p in peaks.values()):  # the first one may have met a busy machine
         print("\npeak re-measured after the run: " + ", ".join(
-            f"{d} {again[d][0] / 1e12:.3f} TFLOP/s" for d in dtypes)
+            f"{d} {peaks[d].remeasure():.3f} TFLOP/s" for d in dtypes)
             + "; MFU uses the higher of the two")
-        peaks = {d: max(peaks[d], again[d]) for d in peaks}
     print(f"\n{'family':<7} {'dtype':<5} {'ours tok/s':>11} {'HF tok/s':>10} "
           f"{'ours/HF':>8} {'MFU ours':>9} {'MFU HF':>8}")
+    pct = lambda x: "n/a" if x is None else f"{x:.1%}"  # noqa: E731
     for r in rows:
-        mfu = {n: r[n] * r["flops_per_token"] / peaks[r["dtype"]][0] for n in ("ours", "hf")}
+        mfu = {n: peaks[r["dtype"]].mfu(r[n] * r["flops_per_token"] / 1e12) for n in ("ours", "hf")}
         print(f"{r['family']:<7} {r['dtype']:<5} {r['ours']:>11.0f} {r['hf']:>10.0f} "
-              f"{r['ratio']:>7.3f}x {mfu['ours']:>8.1%} {mfu['hf']:>8.1%}")
+              f"{r['ratio']:>7.3f}x {pct(mfu['ours']):>9} {pct(mfu['hf']):>8}")
+    for d in dtypes:
+        if peaks[d].note:
+            print(f"MFU n/a for {d}: {peaks[d].note}")
     noisy = [f"{r['family']} {r['dtype']}" for r in rows
              if max(r["spread_ours"], r["spread_hf"]) > NOISY_SPREAD]
     if noisy:

@@ -135,11 +135,15 @@ class Config:
     def summary(self) -> str:
         """A short human-readable block for the start of the log."""
         m, t, dp = self.model, self.train, self.data_parallel_size
+        pad = m.padded_vocab_size(t.tensor_model_parallel_size)
+        padded = f" (padded to {pad} for tp {t.tensor_model_parallel_size})" if pad != m.vocab_size \
+            else ""
         return (
             f"model   {m.name or 'custom'}: {m.num_parameters() / 1e6:.1f}M params, {m.num_layers}"
             f" layers, hidden {m.hidden_size}, heads {m.num_attention_heads} (kv "
             f"{m.num_query_groups}), ffn {m.ffn_hidden_size}, seq {m.seq_length}, vocab "
-            f"{m.vocab_size}, {m.position_embedding_type}/{m.normalization}/{m.activation}\n"
+            f"{m.vocab_size}{padded}, {m.position_embedding_type}/{m.normalization}/"
+            f"{m.activation}\n"
             f"layout  world {self.world_size} = pp {t.pipeline_model_parallel_size} x dp {dp} x "
             f"tp {t.tensor_model_parallel_size}, vpp {t.virtual_pipeline_model_parallel_size}, "
             f"sequence parallel {t.sequence_parallel}\n"

@@ -329,6 +329,22 @@ def _prune(root: str, keep_last: int | None) -> None:
 
 
 # ---------------------------------------------------------------------- load
+def completed_checkpoint(train_config) -> tuple[str, int] | None:
+    """`(folder, iteration)` of the checkpoint that `--load` resumes from, read from its
+    metadata.json without any process group (so a finished job can stop before any work);
+    None when nothing is resumed: no --load, no checkpoint there yet, --finetune, or a
+    weights-only checkpoint (both start at iteration 0). Raises `CheckpointError` for a bad
+    marker or metadata, as `load_checkpoint` would."""
+    t = train_config
+    if not t.load or t.finetune:
+        return None
+    path = resolve_checkpoint(t.load)
+    if path is None:
+        return None
+    meta = read_metadata(path)
+    return None if meta.get("optimizer_state", True) is False else (path, int(meta["iteration"]))
+
+
 def load_checkpoint(config, chunks, model, optimizer) -> int:
     """Load `--load` into the model, optimizer and RNG; returns the iteration to start from
     (0 when there is no checkpoint yet and `--load` is also `--save`). Collective: every rank

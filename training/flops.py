@@ -62,44 +62,81 @@ def training_flops_per_token(config, seq_length: int | None = None,
 
 
 def measured_matmul_peak(dtype: torch.dtype, device: torch.device, n: int = 2048,
-                         repeats: int = 8) -> float:
-    """Best FLOP/s of `repeats` timed `[n, n] x [n, n]` matmuls in `dtype` on `device`."""
+                         repeats: int = 8, min_seconds: float = 0.0) -> float:
+    """Best FLOP/s of timed `[n, n] x [n, n]` matmuls in `dtype` on `device`: at least
+    `repeats` of them, and more until `min_seconds` have been spent timing (at most 8x
+    `repeats`). The best, not the mean: a busy machine only ever makes a matmul slower, so
+    the fastest one is the closest to the device's real rate."""
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     torch.matmul(a, b)
-    best = float("inf")
-    for _ in range(repeats):
+    best, spent, done = float("inf"), 0.0, 0
+    while done < repeats or (spent < min_seconds and done < 8 * repeats):
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         torch.matmul(a, b)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
+        elapsed = time.perf_counter() - t0
+        best, spent, done = min(best, elapsed), spent + elapsed, done + 1
     return 2.0 * n ** 3 / best
 
 
-def peak_flops(device: torch.device) -> dict[str, tuple[float, str]]:
-    """`{"fp32"|"bf16": (FLOP/s, how it was obtained)}`."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, tflops in GPU_PEAK_BF16_TFLOPS.items():
-            if key in name:
-                # fp32 runs on TF32 tensor cores at half the bf16 rate when allowed; quote bf16.
-                return {"bf16": (tflops * 1e12, f"{key} data sheet"),
-                        "fp32": (tflops * 1e12 / 2, f"{key} data sheet, TF32")}
-        n = 8192
-        return {"fp32": (measured_matmul_peak(torch.float32, device, n), f"measured {n}^3"),
-                "bf16": (measured_matmul_peak(torch.bfloat16, device, n), f"measured {n}^3")}
-    n = 2048
-    return {"fp32": (measured_matmul_peak(torch.float32, device, n), f"measured {n}^3 matmul"),
-            "bf16": (measured_matmul_peak(torch.bfloat16, device, n), f"measured {n}^3 matmul")}
+class PeakFlops:
+    """The per-device peak TFLOP/s that MFU divides by, and the rule that keeps MFU honest.
 
+    The peak is `--peak-tflops` when given, the data sheet on known GPUs (H100, H200, A100),
+    else measured here: the best of repeated `n^3` matmuls (`measured_matmul_peak`). A
+    measured peak can come out low when the machine is busy while it is measured; then a
+    step can achieve more than "the peak". `mfu(achieved)` re-measures in that case and keeps
+    the higher peak, and when the achieved rate still exceeds it returns None (MFU unknown)
+    rather than a figure over 100%; `note` then says why. `remeasure()` (end of run) keeps
+    the higher of the old and a new measurement.
+    """
 
+    def __init__(self, device: torch.device, dtype: torch.dtype, given: float | None = None):
+        self.device, self.dtype = device, dtype
+        self.key = "bf16" if dtype == torch.bfloat16 else "fp32"
+        self.note: str | None = None
+        if given:
+            self.tflops, self.source, self.measured = float(given), "--peak-tflops", False
+            return
+        if device.type == "cuda":
+            name = torch.cuda.get_device_name(device)
+            for key, tflops in GPU_PEAK_BF16_TFLOPS.items():
+                if key in name:
+                    self.tflops = tflops / (1 if self.key == "bf16" else 2)
+                    self.source, self.measured = f"{key} data sheet" + (
+                        ", TF32" if self.key == "fp32" else ""), False
+                    return
+        # CPU: many short matmuls (1024^3, ~20 ms on 2 cores) for half a second, so that the
+        # best of them likely met an idle moment on a shared machine
+        self.n = 8192 if device.type == "cuda" else 1024
+        self.tflops = self._measure()
+        self.source, self.measured = f"measured: best of >= 8 {self.n}^3 {self.key} matmuls", True
 
+    def _measure(self) -> float:
+        return measured_matmul_peak(self.dtype, self.device, self.n, min_seconds=0.5) / 1e12
 
-def measure_peak_tflops(device: torch.device, dtype: torch.dtype = torch.float32) -> float:
-    """Peak TFLOP/s of one device for MFU: the data sheet on known GPUs, else measured."""
-    if device.type == "cuda":
-        return peak_flops(device)["bf16" if dtype == torch.bfloat16 else "fp32"][0] / 1e12
-    return measured_matmul_peak(dtype, device, 2048, repeats=4) / 1e12
+    def remeasure(self) -> float:
+        """Measure again (a measured peak only) and keep the higher; returns the peak."""
+        if self.measured:
+            self.tflops = max(self.tflops, self._measure())
+        return self.tflops
+
+    def mfu(self, achieved_tflops: float) -> float | None:
+        """`achieved / peak`, or None when the achieved rate exceeds the peak (see class)."""
+        if achieved_tflops > self.tflops:
+            self.remeasure()
+        if achieved_tflops <= self.tflops:
+            return achieved_tflops / self.tflops
+        self.note = (f"the achieved {achieved_tflops:.3g} TFLOP/s per device exceeds the peak "
+                     f"{self.tflops:.3g} TFLOP/s ({self.source})" +
+                     (": the machine was busy while it was measured" if self.measured else "")
+                     + "; MFU is not shown, pass --peak-tflops with the device's real peak")
+        return None
+
+    def describe(self) -> str:
+        return f"{self.tflops:.3g} TFLOP/s per device ({self.source})"
+

@@ -1,5 +1,15 @@
 """Per-iteration metrics: one stdout line, one JSON object in `<log-dir>/metrics.jsonl`, and
 TensorBoard scalars in `<log-dir>` when `tensorboard` is installed. Only global rank 0 writes.
+
+Runs and resumes append to the same files. Each run first writes a `run_start` record
+(`{"event": "run_start", "run_id", "time", "command", "restart", "resumed_from_iteration",
+...}`), so the file says where every run began. The reading rule (`latest_curve`,
+`tools/metrics_curve.py`): a `run_start` with `resumed_from_iteration` r supersedes the records
+of earlier runs with an iteration above r; with `resumed_from_iteration` null (a run from
+scratch) it supersedes all earlier records. What is left, in file order, is the curve of
+the latest run including the history it resumed from: every iteration once. TensorBoard gets
+the same rule through `SummaryWriter(purge_step=r + 1)` (0 from scratch), which hides earlier
+events at or after that step.
 """
 from __future__ import annotations
 
@@ -9,6 +19,8 @@ import resource
 import time
 
 import torch
+
+RUN_START = "run_start"
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -25,10 +37,20 @@ def format_duration(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
 
 
-class MetricsLogger:
-    """Writes metrics on global rank 0; other ranks get a no-op logger."""
+def purge_step(resumed_from_iteration: int | None) -> int:
+    """First step whose earlier records a run supersedes: r + 1 on resume from r, else 0."""
+    return 0 if resumed_from_iteration is None else resumed_from_iteration + 1
 
-    def __init__(self, log_dir: str | None, *, enabled: bool, tensorboard: bool = True):
+
+class MetricsLogger:
+    """Writes metrics on global rank 0; other ranks get a no-op logger.
+
+    `run_start` (a dict) is written first as the run's boundary record (see the module
+    docstring); its `resumed_from_iteration` also sets TensorBoard's `purge_step`.
+    """
+
+    def __init__(self, log_dir: str | None, *, enabled: bool, tensorboard: bool = True,
+                 run_start: dict | None = None):
         self.enabled = enabled and log_dir is not None
         self.start = time.time()
         self.writer = None
@@ -37,13 +59,16 @@ class MetricsLogger:
             return
         os.makedirs(log_dir, exist_ok=True)
         self.jsonl = open(os.path.join(log_dir, "metrics.jsonl"), "a", buffering=1)
+        run_start = {"event": RUN_START, "resumed_from_iteration": None, **(run_start or {})}
+        self.jsonl.write(json.dumps(run_start) + "\n")
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:  # tensorboard not installed: metrics.jsonl only
                 SummaryWriter = None
             if SummaryWriter is not None:
-                self.writer = SummaryWriter(log_dir=log_dir)
+                self.writer = SummaryWriter(
+                    log_dir=log_dir, purge_step=purge_step(run_start["resumed_from_iteration"]))
 
     def log(self, record: dict, line: str | None = None, prefix: str = "train") -> None:
         if not self.enabled:
@@ -56,9 +81,98 @@ class MetricsLogger:
             for k, v in record.items():
                 if k != "iteration" and isinstance(v, (int, float)) and v is not None:
                     self.writer.add_scalar(f"{prefix}/{k}", v, step)
+            self.writer.flush()  # like the jsonl: a killed run keeps what it logged
 
     def close(self) -> None:
         if self.jsonl:
             self.jsonl.close()
         if self.writer is not None:
             self.writer.close()
+
+
+def read_records(path: str) -> list[dict]:
+    """Every record of a metrics.jsonl (or of `<path>/metrics.jsonl` for a log folder)."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "metrics.jsonl")
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def latest_curve(records: list[dict]) -> list[dict]:
+    """The records of the latest run and the history it resumed from, each iteration once
+    (the rule of the module docstring); `run_start` records are dropped."""
+    out: list[dict] = []
+    for r in records:
+        if r.get("event") == RUN_START:
+            first = purge_step(r.get("resumed_from_iteration"))
+            out = [x for x in out if x.get("iteration", 0) < first]
+        else:
+            out.append(r)
+    return out
+
+
+class Progress:
+    """Training-step times for the log line: the recent rate and a steady ETA.
+
+    The trainer reports each training step's duration (`step`) and each validation's and
+    checkpoint save's (`other`), so time outside the steps never enters a rate. `window()`
+    is the mean step time since the previous call (the log line's tokens/s, TFLOP/s, MFU).
+    `eta(it)` is the remaining steps times the mean step time since the first step (which
+    carries one-time warm-up and is used alone only until a second step exists), plus the
+    validations and saves still to come times their mean measured durations.
+
+    Args:
+        train_iters: the last iteration; eval_interval / save_interval: 0 or None when off;
+        save_at_end: a checkpoint is written after the last iteration (--save given).
+    """
+
+    def __init__(self, train_iters: int, eval_interval: int | None, save_interval: int | None,
+                 save_at_end: bool, eval_at_end: bool = True):
+        self.train_iters = train_iters
+        self.eval_interval, self.save_interval = eval_interval or 0, save_interval or 0
+        self.save_at_end, self.eval_at_end = save_at_end, eval_at_end
+        self.first_step: float | None = None
+        self.steps_time, self.steps = 0.0, 0  # after the first step
+        self.window_time, self.window_steps = 0.0, 0
+        self.other_time = {"valid": [0.0, 0], "save": [0.0, 0]}
+
+    def step(self, seconds: float) -> None:
+        if self.first_step is None:
+            self.first_step = seconds
+        else:
+            self.steps_time += seconds
+            self.steps += 1
+        self.window_time += seconds
+        self.window_steps += 1
+
+    def other(self, kind: str, seconds: float) -> None:
+        """A validation ("valid") or checkpoint save ("save") that took `seconds`."""
+        self.other_time[kind][0] += seconds
+        self.other_time[kind][1] += 1
+
+    def window(self) -> float:
+        """Mean seconds per step since the previous call; starts the next window."""
+        mean = self.window_time / max(self.window_steps, 1)
+        self.window_time, self.window_steps = 0.0, 0
+        return mean
+
+    def mean_step(self) -> float:
+        return self.steps_time / self.steps if self.steps else (self.first_step or 0.0)
+
+    def _remaining(self, it: int, interval: int, at_end: bool) -> int:
+        """Events at iterations it..train_iters (the one at `it` follows its log line)."""
+        n = (self.train_iters // interval - (it - 1) // interval) if interval else 0
+        if at_end and not (interval and self.train_iters % interval == 0):
+            n += 1
+        return n
+
+    def eta(self, it: int) -> float:
+        """Seconds still to go at iteration `it`'s log line, which comes after its step and
+        before its validation or save."""
+        total = (self.train_iters - it) * self.mean_step()
+        for kind, interval, at_end in (("valid", self.eval_interval, self.eval_at_end),
+                                       ("save", self.save_interval, self.save_at_end)):
+            spent, count = self.other_time[kind]
+            if count:
+                total += self._remaining(it, interval, at_end) * spent / count
+        return total

@@ -103,6 +103,70 @@ def replay(per_rank: list[list[Span]], pp: int, vpp: int) -> list[float]:
     return [(total - b) / b for b in busy]
 
 
+def stage_compute(per_rank: list[list[Span]]) -> list[float]:
+    """CPU seconds of forward and backward work of each pipeline rank (what replay times)."""
+    return [sum(s.cpu for s in spans if s.kind in "FB") for spans in per_rank]
+
+
+def suggest_split(compute: list[float], layers: list[int], vpp: int = 1,
+                  tolerance: float = 0.05) -> dict | None:
+    """Layers for the first and last pipeline stage that would balance measured stage work.
+
+    `compute[s]` is stage s's measured compute time and `layers[s]` its decoder layers. The
+    per-layer cost comes from the middle stages (median of compute / layers) or, at pp = 2,
+    from the first stage (its embedding lookup is negligible); the first stage's and last
+    stage's extra work (embedding; final norm, output layer and loss) is what is left over.
+    Every split the trainer accepts (first/last >= 1, the middle stages even, each stage's
+    layers divisible by vpp) is scored by its slowest stage (ties: by the next slowest).
+
+    Returns None when there is nothing to estimate from (pp 1, an empty stage), else
+    `{"first", "last", "better", "layer_cost", "extra_first", "extra_last",
+    "predicted_share"}`: the best split, whether it beats the current one by more than
+    `tolerance` (else first/last are the current ones), the extras in layers' worth of work.
+    """
+    from types import SimpleNamespace
+
+    from models.config import ConfigError
+
+    from .config_checks import stage_layers
+
+    pp, total = len(layers), sum(layers)
+    if pp < 2 or min(layers) < 1 or min(compute) <= 0:
+        return None
+    per_layer = sorted(c / n for c, n in zip(compute[1:-1], layers[1:-1])) if pp > 2 else \
+        [compute[0] / layers[0]]
+    layer = per_layer[len(per_layer) // 2]
+    extra_first = max(0.0, compute[0] - layers[0] * layer) if pp > 2 else 0.0
+    extra_last = max(0.0, compute[-1] - layers[-1] * layer)
+
+    def cost(split):
+        out = [n * layer for n in split]
+        out[0] += extra_first
+        out[-1] += extra_last
+        return out
+
+    best = list(layers)
+    for first in range(1, total):
+        for last in range(1, total - first + 1):
+            try:
+                split = stage_layers(total, SimpleNamespace(
+                    pipeline_model_parallel_size=pp, decoder_first_pipeline_num_layers=first,
+                    decoder_last_pipeline_num_layers=last))
+            except ConfigError:
+                continue
+            if any(n % vpp for n in split) or sum(split) != total:
+                continue
+            if sorted(cost(split), reverse=True) < sorted(cost(best), reverse=True):
+                best = split  # the slowest stage first, then the next slowest, ...
+    better = max(cost(best)) < max(cost(layers)) * (1 - tolerance)
+    if not better:
+        best = list(layers)
+    predicted = cost(best)
+    return {"first": best[0], "last": best[-1], "better": better, "layer_cost": layer,
+            "extra_first": extra_first / layer, "extra_last": extra_last / layer,
+            "predicted_share": [c / sum(predicted) for c in predicted]}
+
+
 def report(per_rank: list[list[Span]], pp: int, vpp: int, num_microbatches: int,
            log_dir: str | None) -> dict:
     """Bubble numbers per pipeline rank (`per_rank` ordered by pipeline rank), written to
@@ -111,7 +175,8 @@ def report(per_rank: list[list[Span]], pp: int, vpp: int, num_microbatches: int,
     wall = [wall_bubble(s) for s in per_rank]
     replayed = replay(per_rank, pp, vpp)
     result = {"pp": pp, "vpp": vpp, "num_microbatches": num_microbatches,
-              "bubble_theory": theory, "bubble_wall": wall, "bubble_replay": replayed}
+              "bubble_theory": theory, "bubble_wall": wall, "bubble_replay": replayed,
+              "compute": stage_compute(per_rank)}
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
         t0 = min(s.start for spans in per_rank for s in spans)

@@ -5,8 +5,11 @@ records it logged (every rank gets the same losses).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+import shlex
+import sys
 import time
 
 import numpy as np
@@ -14,24 +17,22 @@ import torch
 import torch.distributed as dist
 
 import parallel_state as ps
+from checkpoint.format import resolve_checkpoint
 from models import GPTModel
 from models.pipeline import build_model_chunks
 from parallel_state.p2p import TensorSpec
 
 from .arguments import Config
-from checkpoint.format import resolve_checkpoint
-
-from .checkpointing import Checkpointer, kill_hook, load_checkpoint
+from .checkpointing import Checkpointer, completed_checkpoint, kill_hook, load_checkpoint
 from .distributed import DistributedDataParallel, all_reduce_embedding_grads
-from .flops import measure_peak_tflops, training_flops_per_token
-from .distributed_optimizer import DistributedOptimizer, format_state_bytes, model_state_bytes
-from .memory import (activation_report, format_activation_report,
-                     measure_activation_bytes)
-from .metrics import MetricsLogger, format_duration, peak_memory_bytes
+from .distributed_optimizer import DistributedOptimizer, model_state_bytes
+from .flops import PeakFlops, training_flops_per_token
+from .memory import activation_report, measure_activation_bytes
+from .metrics import MetricsLogger, Progress, format_duration, peak_memory_bytes
 from .optimizer import build_optimizer, clip_grads, learning_rate
 from .recompute import apply_recompute
 from .schedules import get_forward_backward_func
-from .timeline import Timeline, report as timeline_report
+from .timeline import Timeline, report as timeline_report, suggest_split
 
 
 def _rank0_print(*args) -> None:
@@ -192,6 +193,13 @@ def pretrain(config: Config, on_end=None) -> list[dict]:
     t = config.train
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     config.validate(world_size)  # before any process-group work
+    done = completed_checkpoint(t)  # read alike on every rank, before any process group
+    if done is not None and done[1] >= t.train_iters:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"train.py: the job is already complete: {done[0]} is at iteration {done[1]}"
+                  f" and --train-iters is {t.train_iters}; nothing was trained or written "
+                  f"(raise --train-iters to train further)", flush=True)
+        return []
     device = ps.initialize_distributed(None if t.device == "auto" else t.device)
     ps.initialize_model_parallel(t.tensor_model_parallel_size, t.pipeline_model_parallel_size,
                                  t.virtual_pipeline_model_parallel_size, device=device)
@@ -201,10 +209,24 @@ def pretrain(config: Config, on_end=None) -> list[dict]:
         ps.destroy_model_parallel()
 
 
+def vocab_notice(m, tokenizer_vocab: int) -> str:
+    """The one line saying that the tokenizer's vocabulary replaces the model file's, with the
+    parameter counts of both (e.g. gpt2-124m on the 8192-token demo corpus)."""
+    named = dataclasses.replace(m)
+    actual = dataclasses.replace(m, vocab_size=tokenizer_vocab)
+    return (f"note: the tokenizer has {tokenizer_vocab} tokens, so the vocabulary of "
+            f"{m.name or 'the model'} ({m.vocab_size}) is replaced: this run trains "
+            f"{actual.num_parameters() / 1e6:.1f}M parameters, not "
+            f"{named.num_parameters() / 1e6:.1f}M (for the named size, pass --data-path and "
+            f"--tokenizer-model made with a {m.vocab_size}-token tokenizer)")
+
+
 def _train(config: Config, device, on_end=None) -> list[dict]:
     t, m = config.train, config.model
     ps.model_parallel_seed(t.seed, ps.get_tensor_model_parallel_rank(),
                            ps.get_pipeline_model_parallel_rank(), device)
+    _rank0_print(f"train.py: {config.world_size} process(es) on {device.type}; building the "
+                 f"data ({' '.join(t.data_path) if t.data_path else 'the embedded demo corpus'})")
     tokenizer, train_ds, valid_ds = build_data(config)
     loads_weights = bool(t.load) and resolve_checkpoint(t.load) is not None
     if loads_weights and tokenizer.vocab_size > m.vocab_size:
@@ -215,8 +237,11 @@ def _train(config: Config, device, on_end=None) -> list[dict]:
     if not loads_weights and m.vocab_size != tokenizer.vocab_size:
         # from scratch, the tokenizer decides the vocabulary (a model loaded from a checkpoint
         # keeps its own, which may hold unused ids, as HF models often do)
+        _rank0_print(vocab_notice(m, tokenizer.vocab_size))
         m.vocab_size = tokenizer.vocab_size
         m.validate(t.tensor_model_parallel_size)
+    _rank0_print(config.summary())
+    _rank0_print("building the model and optimizer")
 
     chunks = build_model(config, device)
     model = [DistributedDataParallel(c, data_parallel_group=ps.get_data_parallel_group(),
@@ -237,31 +262,32 @@ def _train(config: Config, device, on_end=None) -> list[dict]:
     spec = pipeline_spec(config, device)
 
     flops_per_token = training_flops_per_token(m)
-    peak = t.peak_tflops or measure_peak_tflops(device,
-                                                torch.bfloat16 if t.bf16 else torch.float32)
-    is_logger = dist.get_rank() == 0
-    logger = MetricsLogger(t.log_dir, enabled=is_logger,
-                           tensorboard=t.tensorboard is not False)
-    n_params = m.num_parameters()
-    _rank0_print(config.summary())
-    _rank0_print(f"model: {n_params / 1e6:.2f}M parameters, vocab {m.vocab_size} "
-                 f"(padded {chunks[0].padded_vocab_size} at tp={t.tensor_model_parallel_size}); "
-                 f"logging to {t.log_dir}")
-    state_bytes = model_state_bytes(model, optimizer)
-    _rank0_print(format_state_bytes(state_bytes))
-    activations = log_activation_memory(chunks, train_ds, config, device)
-    activations.update({f"model_state_{k}_bytes": v for k, v in state_bytes.items()})
+    peak = PeakFlops(device, torch.bfloat16 if t.bf16 else torch.float32, t.peak_tflops)
+    memory = log_memory(chunks, model, optimizer, train_ds, config, device)
     start_iteration = load_checkpoint(config, chunks, model, optimizer)  # 0: from scratch
     checkpointer = Checkpointer(config, tokenizer=tokenizer.path) if t.save else None
+    is_logger = dist.get_rank() == 0
+    logger = MetricsLogger(t.log_dir, enabled=is_logger, tensorboard=t.tensorboard is not False,
+                           run_start=_run_start(config, start_iteration, peak, flops_per_token,
+                                                memory))
+    _rank0_print(f"MFU: {flops_per_token / 1e6:.2f} MFLOP per token (model FLOPs: matmuls, 3x "
+                 f"forward) against a peak of {peak.describe()}")
 
     records, profiles = [], []
     decay_iters = t.lr_decay_iters or t.train_iters
     tokens_per_iter = t.global_batch_size * m.seq_length
-    if valid_ds is not None and t.eval_interval and start_iteration == 0:
+    evaluating = valid_ds is not None and bool(t.eval_interval)
+    progress = Progress(t.train_iters, t.eval_interval if evaluating else 0, t.save_interval,
+                        save_at_end=checkpointer is not None)
+    if evaluating and start_iteration == 0:
         # the starting point, so a run shows how far validation loss fell
-        records.append(_validate(model, valid_ds, config, device, logger, 0))
-    start, window_start, window_iters = time.time(), time.time(), 0
+        records.append(_validate(model, valid_ds, config, device, logger, 0, progress))
+    _rank0_print(f"training iterations {start_iteration + 1}..{t.train_iters}; the first step "
+                 f"also does one-time set-up (allocation, warm-up)")
+    start = time.time()
+    mfu_noted = False
     for iteration in range(start_iteration, t.train_iters):
+        step_start = time.perf_counter()
         lr = learning_rate(iteration, lr=t.lr, min_lr=t.min_lr, warmup_iters=t.lr_warmup_iters,
                            decay_iters=decay_iters, style=t.lr_decay_style)
         for group in optimizer.param_groups:
@@ -286,36 +312,39 @@ def _train(config: Config, device, on_end=None) -> list[dict]:
         else:
             grad_norm = clip_grads(params, t.clip_grad)
         optimizer.step()
-        loss = float(global_loss_sum(loss_sum) / num_tokens)
+        loss = float(global_loss_sum(loss_sum) / num_tokens)  # waits for the step to finish
+        progress.step(time.perf_counter() - step_start)
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at iteration {iteration + 1}; lower --lr "
                                      f"or enable --clip-grad")
-        window_iters += 1
         it = iteration + 1
-        if it % t.log_interval == 0 or it == t.train_iters or it == 1:
-            now = time.time()
-            step_time = (now - window_start) / window_iters
+        if it % t.log_interval == 0 or it == t.train_iters or it == start_iteration + 1:
+            step_time = progress.window()  # training steps only: no validation or saving
             tps = tokens_per_iter / step_time
             tflops = flops_per_token * tps / dist.get_world_size() / 1e12
+            mfu = peak.mfu(tflops) if is_logger else None
+            eta = progress.eta(it)
             rec = {"iteration": it, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                   "tokens_per_s": tps, "tflops": tflops,
-                   "mfu": tflops / peak if peak else None,
+                   "tokens_per_s": tps, "tflops": tflops, "mfu": mfu,
                    "memory": peak_memory_bytes(device), "step_time_s": step_time,
-                   "elapsed_s": now - start, **activations}
-            eta = step_time * (t.train_iters - it)  # at the recent rate, not the average
+                   "elapsed_s": time.time() - start, "eta_s": eta}
+            if is_logger and peak.note and not mfu_noted:
+                print(f"note: {peak.note}", flush=True)
+                mfu_noted = True
             logger.log(rec, f"iter {it:6d}/{t.train_iters} | loss {loss:.4f} | lr {lr:.3e} | "
                             f"grad norm {grad_norm:.3f} | {tps:,.0f} tok/s | "
-                            f"{tflops:.3f} TFLOP/s/dev | mfu {rec['mfu'] or 0:.1%} | "
+                            f"{tflops:.3f} TFLOP/s/dev | mfu "
+                            f"{'n/a' if mfu is None else f'{mfu:.1%}'} | "
                             f"mem {rec['memory'] / 2**20:,.0f} MiB | "
-                            f"elapsed {format_duration(now - start)} | eta {format_duration(eta)}")
+                            f"elapsed {format_duration(rec['elapsed_s'])} | "
+                            f"eta {format_duration(eta)}")
             records.append(rec)
-            window_start, window_iters = time.time(), 0
-        if valid_ds is not None and t.eval_interval and \
-                (it % t.eval_interval == 0 or it == t.train_iters):
-            records.append(_validate(model, valid_ds, config, device, logger, it))
-            window_start = time.time()  # eval time is not training throughput
+        if evaluating and (it % t.eval_interval == 0 or it == t.train_iters):
+            records.append(_validate(model, valid_ds, config, device, logger, it, progress))
         if checkpointer and t.save_interval and it % t.save_interval == 0:
+            save_start = time.perf_counter()
             checkpointer.save(it, chunks, model, optimizer)
+            progress.other("save", time.perf_counter() - save_start)
         kill_hook(it)  # test hook (training/checkpointing.py); no-op unless its env var is set
     if checkpointer:
         if checkpointer.last_saved != max(start_iteration, t.train_iters):
@@ -323,6 +352,9 @@ def _train(config: Config, device, on_end=None) -> list[dict]:
         checkpointer.wait()
     if profiles:
         records.append(_report_bubble(profiles, config, logger))
+    if t.train_iters > start_iteration:
+        records.append(_report_end(config, start_iteration, start, progress, peak,
+                                   flops_per_token, logger))
     logger.close()
     for ddp in model:
         ddp.finish_param_sync()  # weights are read outside a forward from here on
@@ -331,11 +363,76 @@ def _train(config: Config, device, on_end=None) -> list[dict]:
     return records
 
 
+def _run_start(config: Config, start_iteration: int, peak: PeakFlops, flops_per_token: float,
+               memory: dict) -> dict:
+    """The run-boundary record of metrics.jsonl (training/metrics.py): who, what, from where,
+    and the detailed start-up accounting (model-state and activation bytes, formulas)."""
+    t = config.train
+    return {"run_id": f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}",
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "command": " ".join(shlex.quote(a) for a in sys.argv),
+            "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            "resumed_from_iteration": start_iteration if start_iteration > 0 else None,
+            "train_iters": t.train_iters, "world_size": config.world_size,
+            "layout": {"tp": t.tensor_model_parallel_size, "pp": t.pipeline_model_parallel_size,
+                       "vpp": t.virtual_pipeline_model_parallel_size,
+                       "dp": config.data_parallel_size},
+            "num_parameters": config.model.num_parameters(), "flops_per_token": flops_per_token,
+            "peak_tflops": peak.tflops, "peak_source": peak.source, **memory,
+            "config": {"model": config.model.to_dict(), "train": dataclasses.asdict(t)}}
+
+
+def _report_end(config: Config, start_iteration: int, start: float, progress: Progress,
+                peak: PeakFlops, flops_per_token: float, logger) -> dict:
+    """The closing line: steps, wall time, mean training rate and its MFU against the peak
+    re-measured now (a measured peak keeps the higher of both measurements)."""
+    t = config.train
+    steps = t.train_iters - start_iteration
+    step_time = progress.mean_step()
+    tps = t.global_batch_size * config.model.seq_length / step_time
+    tflops = flops_per_token * tps / dist.get_world_size() / 1e12
+    mfu = None
+    if dist.get_rank() == 0:
+        peak.remeasure()
+        mfu = peak.mfu(tflops)
+    rec = {"iteration": t.train_iters, "event": "run_end", "steps": steps,
+           "wall_s": time.time() - start, "mean_step_time_s": step_time,
+           "mean_tokens_per_s": tps, "mean_tflops": tflops, "mean_mfu": mfu,
+           "peak_tflops": peak.tflops}
+    logger.log(rec, f"done: {steps} iterations in {format_duration(rec['wall_s'])} | "
+                    f"{tps:,.0f} tok/s on average (steps after the first) | mfu "
+                    f"{'n/a' if mfu is None else f'{mfu:.1%}'} of {peak.describe()}",
+               prefix="run")
+    return rec
+
+
+def log_memory(chunks, model, optimizer, dataset, config: Config, device) -> dict:
+    """Measure model-state and activation bytes on every rank; print one plain line on rank 0
+    and return the detailed accounting (beside the ZeRO and Korthikanti et al. formulas) for
+    the run_start record of metrics.jsonl."""
+    state = model_state_bytes(model, optimizer)
+    act = log_activation_memory(chunks, dataset, config, device)
+    totals = [None] * dist.get_world_size()
+    dist.all_gather_object(totals, state["total"] + act["activation_bytes_per_microbatch"])
+    mib = lambda x: f"{x / 2**20:,.1f}"  # noqa: E731
+    largest = max(range(len(totals)), key=lambda r: totals[r])
+    _rank0_print(
+        f"memory (rank 0, MiB): model states {mib(state['total'])} (weights "
+        f"{mib(state['params'])}, gradients {mib(state['grads'])}, optimizer "
+        f"{mib(state['main_params'] + state['optimizer_states'])}) + activations "
+        f"{mib(act['activation_bytes_per_microbatch'])} per microbatch (the decoder layers' "
+        f"{mib(act['activation_bytes_layers'])}, predicted "
+        f"{mib(act['activation_bytes_layers_predicted'])})" +
+        (f"; largest rank {largest}: {mib(totals[largest])}" if len(totals) > 1 else "") +
+        "; details in metrics.jsonl")
+    return {**act, **{f"model_state_{k}_bytes": v for k, v in state.items()},
+            "memory_bytes_per_rank": totals}
+
+
 def log_activation_memory(chunks, dataset, config: Config, device) -> dict:
-    """Measure the activation bytes one microbatch saves for backward on every rank (RNG
-    untouched), print them on rank 0 beside the formulas, and return rank 0's figures for the
-    metrics records: the total, the decoder layers' share, and the layers' model-specific and
-    Korthikanti et al. predictions (training/memory.py)."""
+    """Measure the activation bytes one microbatch saves for backward on this rank (RNG
+    untouched) and return them beside the predictions: the total, the decoder layers' share,
+    and the layers' model-specific and Korthikanti et al. predictions (training/memory.py)."""
     t = config.train
     batch = get_microbatches(dataset, 0, config, device)[0]
     dtype = next(chunks[0].parameters()).dtype
@@ -345,18 +442,18 @@ def log_activation_memory(chunks, dataset, config: Config, device) -> dict:
                                tp=t.tensor_model_parallel_size, sp=t.sequence_parallel,
                                granularity=t.recompute_granularity, method=t.recompute_method,
                                recompute_num_layers=t.recompute_num_layers, dtype=dtype)
-    per_rank = [None] * dist.get_world_size()
-    dist.all_gather_object(per_rank, report["activation_bytes_per_microbatch"])
-    _rank0_print(format_activation_report(report) + " | per rank total (MiB): " +
-                 " ".join(f"{b / 2**20:.3f}" for b in per_rank))
     return {"activation_bytes_per_microbatch": report["activation_bytes_per_microbatch"],
             "activation_bytes_layers": report["activation_bytes_layers"],
             "activation_bytes_layers_predicted": report["activation_bytes_layers_model_predicted"],
             "activation_bytes_layers_paper": report["activation_bytes_layers_paper_predicted"]}
 
 
-def _validate(model, valid_ds, config: Config, device, logger, it: int) -> dict:
+def _validate(model, valid_ds, config: Config, device, logger, it: int,
+              progress: Progress | None = None) -> dict:
+    began = time.perf_counter()
     vloss = evaluate(model, valid_ds, config, device)
+    if progress is not None:
+        progress.other("valid", time.perf_counter() - began)
     rec = {"iteration": it, "valid_loss": vloss, "valid_ppl": math.exp(min(vloss, 50))}
     logger.log(rec, f"validation at iter {it}: loss {vloss:.4f} | ppl {rec['valid_ppl']:.2f}",
                prefix="valid")
@@ -372,24 +469,42 @@ def _gather_timeline(timeline: Timeline):
 
 
 def _report_bubble(profiles, config: Config, logger) -> dict:
-    """Median bubble per stage over the profiled steps, beside (p-1)/(v*m); logged on rank 0."""
+    """Median bubble per stage over the profiled steps, beside (p-1)/(v*m), each stage's share
+    of the compute (the theory assumes equal shares) and, when the stages are unbalanced, the
+    --decoder-first/last-pipeline-num-layers that would balance them; logged on rank 0."""
     t = config.train
     pp, vpp = t.pipeline_model_parallel_size, t.virtual_pipeline_model_parallel_size or 1
     steps = [timeline_report(p, pp, vpp, config.num_microbatches,
                              t.log_dir if i == len(profiles) - 1 else None)
              for i, p in enumerate(profiles)]
     med = lambda xs: float(np.median(xs))  # noqa: E731
-    rec = {"bubble_theory": steps[0]["bubble_theory"],
+    compute = [med([s["compute"][r] for s in steps]) for r in range(pp)]
+    layers = config.stage_num_layers()
+    rec = {"iteration": t.train_iters, "bubble_theory": steps[0]["bubble_theory"],
            "bubble_wall": [med([s["bubble_wall"][r] for s in steps]) for r in range(pp)],
            "bubble_replay": [med([s["bubble_replay"][r] for s in steps]) for r in range(pp)],
+           "compute_share": [c / sum(compute) for c in compute], "stage_layers": layers,
            "profiled_steps": len(steps), "pp": pp, "vpp": vpp,
            "num_microbatches": config.num_microbatches}
     fmt = lambda xs: " ".join(f"{x:.3f}" for x in xs)  # noqa: E731
+    hint = suggest_split(compute, layers, vpp)
+    share = rec["compute_share"]
+    if hint is None or max(share) * pp <= 1.1:
+        balance = "balanced"
+    else:
+        rec["suggested_split"] = hint
+        balance = (f"unbalanced, so the bubble exceeds the theory (extra work of the first "
+                   f"stage: {hint['extra_first']:.1f} layers' worth, of the last: "
+                   f"{hint['extra_last']:.1f}, e.g. the output layer); ")
+        balance += (f"--decoder-first-pipeline-num-layers {hint['first']} "
+                    f"--decoder-last-pipeline-num-layers {hint['last']} would give shares "
+                    f"{fmt(hint['predicted_share'])}" if hint["better"] else
+                    f"no other split of the {sum(layers)} layers is faster")
     logger.log(rec, f"pipeline bubble (idle / compute, median of {len(steps)} steps) for pp={pp} "
                     f"vpp={vpp} m={config.num_microbatches}: theory (p-1)/(v*m) = "
-                    f"{rec['bubble_theory']:.3f} | replayed per stage: "
+                    f"{rec['bubble_theory']:.3f} for equal stages | replayed per stage: "
                     f"{fmt(rec['bubble_replay'])} | wall per stage: {fmt(rec['bubble_wall'])} "
-                    f"| timeline: {os.path.join(t.log_dir, 'pipeline_timeline.json')}",
+                    f"| compute share per stage: {fmt(rec['compute_share'])} ({layers} layers): "
+                    f"{balance} | timeline: {os.path.join(t.log_dir, 'pipeline_timeline.json')}",
                prefix="pipeline")
     return rec
-

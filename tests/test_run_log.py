@@ -1,0 +1,184 @@
+"""What a run tells its user: the log line's rates and ETA, MFU against the peak, the metrics
+file's run boundaries, the pipeline balance hint, the vocab notice, the entry point's demo
+default and its one-line errors under torchrun (issue 8). Pure functions are tested in this
+process; the torchrun case spawns one short job (the checkpoint tests cover resumes)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from launch import REPO
+
+
+class _Clock:
+    """Durations the trainer would report: steps of `step` seconds, validations of `valid`."""
+
+    def __init__(self, progress, step=1.0, valid=100.0):
+        self.p, self.step_s, self.valid_s = progress, step, valid
+
+    def run(self, first, last, log_interval, eval_interval, first_step=None):
+        """Iterations first..last as the trainer's loop reports them; the log lines' values."""
+        lines = {}
+        for it in range(first, last + 1):
+            self.p.step(first_step if (it == first and first_step) else self.step_s)
+            if it % log_interval == 0 or it == first:
+                lines[it] = (self.p.window(), self.p.eta(it))
+            if eval_interval and it % eval_interval == 0:
+                self.p.other("valid", self.valid_s)
+        return lines
+
+
+def test_rate_and_eta_around_a_validation():
+    """The demo's pattern (log every 10, validate every 25): the line after a validation
+    (iteration 30) shows the true step time, not the time since the validation ended over
+    10 steps (the old 2x overstatement); the ETA counts the validations still to come and
+    stays put from line to line instead of swinging with the last window."""
+    from training.metrics import Progress
+
+    p = Progress(train_iters=150, eval_interval=25, save_interval=None, save_at_end=False)
+    p.other("valid", 100.0)  # the validation at iteration 0
+    lines = _Clock(p).run(1, 150, 10, 25, first_step=31.0)
+    assert lines[1][0] == 31.0  # the first step alone, warm-up included
+    assert lines[30][0] == pytest.approx(1.0)  # 10 steps of 1 s; the validation is not in it
+    assert lines[20][0] == lines[30][0] == lines[40][0]
+    # after iteration 30: 120 steps of 1 s (the first step's 31 s stays out of the mean) and
+    # validations at 50, 75, 100, 125, 150 of 100 s each
+    assert lines[30][1] == pytest.approx(120 * 1.0 + 5 * 100.0)
+    assert lines[130][1] == pytest.approx(20 * 1.0 + 1 * 100.0)
+    # the validation at 50 follows the log line at 50, so that line still counts it
+    assert lines[50][1] == pytest.approx(100 * 1.0 + 5 * 100.0)
+    # steady: elapsed + eta (the predicted end) is the same on every line after the first
+    ends = []
+    for it in range(10, 151, 10):
+        elapsed = 100.0 + 31.0 + (it - 1) * 1.0 + 100.0 * ((it - 1) // 25)
+        ends.append(elapsed + lines[it][1])
+    assert ends == pytest.approx([ends[0]] * len(ends)), ends
+
+
+def test_eta_counts_saves_and_the_final_save():
+    from training.metrics import Progress
+
+    p = Progress(train_iters=10, eval_interval=0, save_interval=4, save_at_end=True)
+    p.step(9.0)  # warm-up: left out of the mean once a second step exists
+    for _ in range(3):
+        p.step(2.0)
+    assert p.eta(4) == pytest.approx(6 * 2.0)  # no save measured yet
+    p.other("save", 5.0)  # the save after iteration 4
+    for _ in range(4):
+        p.step(2.0)
+    assert p.mean_step() == 2.0
+    # at iteration 8's log line: 2 steps, the save at 8 and the final one at 10
+    assert p.eta(8) == pytest.approx(2 * 2.0 + 2 * 5.0)
+    assert p.eta(10) == pytest.approx(1 * 5.0)
+
+
+def test_latest_curve_supersedes_by_run_start():
+    from training.metrics import latest_curve
+
+    records = [
+        {"event": "run_start", "resumed_from_iteration": None},
+        *({"iteration": i, "loss": 10.0 - i} for i in (1, 2, 3, 4, 5)),  # killed after 5
+        {"event": "run_start", "resumed_from_iteration": 4},  # resumed from checkpoint 4
+        *({"iteration": i, "loss": 20.0 - i} for i in (5, 6)),
+    ]
+    curve = latest_curve(records)
+    assert [(r["iteration"], r["loss"]) for r in curve] == \
+        [(1, 9.0), (2, 8.0), (3, 7.0), (4, 6.0), (5, 15.0), (6, 14.0)]
+    # a run from scratch in the same folder replaces everything before it
+    again = latest_curve(records + [{"event": "run_start", "resumed_from_iteration": None},
+                                    {"iteration": 0, "valid_loss": 9.0}])
+    assert again == [{"iteration": 0, "valid_loss": 9.0}]
+
+
+def test_mfu_is_never_over_100_percent(monkeypatch):
+    from training.flops import PeakFlops
+
+    measured = iter([0.1, 0.2, 0.2, 0.5])  # TFLOP/s: start-up, then re-measurements
+    monkeypatch.setattr(PeakFlops, "_measure", lambda self: next(measured))
+    peak = PeakFlops(torch.device("cpu"), torch.float32)
+    assert peak.measured and peak.tflops == 0.1
+    assert peak.mfu(0.05) == pytest.approx(0.5)
+    # 0.15 achieved > 0.1 measured: re-measured (0.2), then 75%
+    assert peak.mfu(0.15) == pytest.approx(0.75) and peak.tflops == 0.2
+    # 0.3 > 0.2 even after re-measuring (0.2): no MFU, and the note says why
+    assert peak.mfu(0.3) is None
+    assert "measured" in peak.note and "--peak-tflops" in peak.note
+    assert peak.remeasure() == 0.5 and peak.mfu(0.3) == pytest.approx(0.6)
+    given = PeakFlops(torch.device("cpu"), torch.float32, given=0.2)
+    assert not given.measured and given.mfu(0.1) == pytest.approx(0.5)
+    assert given.mfu(0.4) is None and "--peak-tflops" in given.note
+
+
+def test_pipeline_balance_suggestion():
+    """The issue's case: the output layer of a large vocab at a small hidden size costs many
+    layers, so the last stage is slow; moving layers to the first stage balances it."""
+    from training.timeline import suggest_split
+
+    hint = suggest_split([2.0, 10.0], [4, 4])  # last stage: 4 layers + 16 layers' worth
+    assert (hint["first"], hint["last"], hint["better"]) == (7, 1, True)
+    assert hint["extra_last"] == pytest.approx(16.0)
+    assert hint["predicted_share"] == pytest.approx([3.5 / 12, 8.5 / 12])
+    assert not suggest_split([5.0, 5.0], [2, 2])["better"]  # balanced already
+    four = suggest_split([1.0, 2.0, 2.0, 10.0], [2, 2, 2, 2])
+    assert (four["first"], four["last"]) == (3, 1)  # middle stages stay even: 2 and 2
+    even = suggest_split([1.0, 2.0, 2.0, 10.0], [2, 2, 2, 2], vpp=2)  # vpp 2: even stages
+    assert (even["first"], even["last"], even["better"]) == (2, 2, False)
+    assert suggest_split([1.0, 1.0], [2]) is None
+
+
+def test_vocab_notice_names_both_sizes():
+    from training.arguments import load_model_config
+    from training.trainer import vocab_notice
+
+    line = vocab_notice(load_model_config("gpt2-124m"), 8192)
+    assert "gpt2-124m (50257)" in line and "8192 tokens" in line
+    actual = 124_439_808 - (50257 - 8192) * 768  # GPT-2's count less the dropped embedding rows
+    assert f"this run trains {actual / 1e6:.1f}M parameters, not 124.4M" in line
+    assert "\n" not in line
+
+
+def test_bare_train_py_is_the_demo():
+    sys.path.insert(0, str(REPO))
+    from train import DEMO, with_demo_default
+
+    from training.arguments import parse_config
+
+    assert with_demo_default([]) == ["--config", str(DEMO)]
+    assert with_demo_default(["--train-iters", "5"])[:2] == ["--config", str(DEMO)]
+    assert with_demo_default(["--model", "tiny-gpt"]) == ["--model", "tiny-gpt"]
+    assert with_demo_default(["--config=x.yaml"]) == ["--config=x.yaml"]
+    c = parse_config(with_demo_default([]))
+    assert c.model.name == "small-llama" and c.train.train_iters == 150
+
+
+def test_torchrun_configuration_error_is_one_line_and_first(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", "train.py", "--config", "configs/tiny-llama.yaml", "--global-batch-size", "3",
+           "--log-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    line = ("train.py: configuration error: --global-batch-size 3 is not divisible by "
+            "--micro-batch-size 2 x data-parallel size 2 = 4; use e.g. --global-batch-size 4")
+    assert proc.stderr.splitlines()[0] == line  # first, once
+    assert proc.stderr.count(line) == 1 + proc.stderr.count(f"traceback : {line}")
+    # torchrun's own summary names it as the root cause (the elastic error file)
+    root = proc.stderr.split("Root Cause")[1]
+    assert f"traceback : {line}" in root and "To enable traceback" not in root
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_metrics_curve_tool(tmp_path):
+    rows = [{"event": "run_start", "resumed_from_iteration": None},
+            {"iteration": 1, "loss": 3.0}, {"iteration": 2, "loss": 2.5},
+            {"event": "run_start", "resumed_from_iteration": 1},
+            {"iteration": 2, "loss": 2.0}, {"iteration": 2, "valid_loss": 2.2}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = subprocess.run([sys.executable, "tools/metrics_curve.py", str(tmp_path), "--format",
+                          "csv"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["iteration,loss,valid_loss", "1,3,", "2,2,", "2,,2.2"]
