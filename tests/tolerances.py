@@ -25,10 +25,20 @@ is the unit roundoff of float32. So the comparisons here use
 Where the code promises bit-exactness (resume on the same layout, recompute, layout-free
 initialization, tied copies) the tests use `torch.equal`, never these tolerances.
 
-Multi-step training comparisons (`training_rtol`) compare losses after `t` optimizer steps:
-each step adds its own rounding (one forward + backward chain of `k` terms), and Adam turns a
-gradient's rounding into an update difference of at most `lr * |dg| / eps` per element, so
-the tests pass `--adam-eps 1e-4` to keep that amplification bounded.
+Multi-step training comparisons (`assert_losses_close`, `weights_mismatch`): the value after
+`t` optimizer steps carries the rounding of all `t` steps' forward + backward chains, so
+`k = t * k_step`. Adam turns a gradient's rounding into an update difference of at most
+`lr * |dg| / eps` per element, so those tests pass `--adam-eps 1e-4` to keep it bounded.
+
+bf16 against float32 (`bf16_loss_atol`) is not a summation-order question: every bf16 weight
+and activation is rounded once, to a relative `u_bf16 = 2**-8`, while sums stay float32. The
+loss, a mean over many tokens, then moves by about `u_bf16 * |loss|`, and training tracks it
+there instead of compounding it (both runs descend the same loss), so the bound is
+`BF16_ULPS * u_bf16 * |loss|`.
+
+`SHARDZOO_TOLERANCE_LOG=FILE` appends every float32 comparison's largest difference in units
+of `u * sqrt(k) * scale` (with its `k` and scale) to FILE: the headroom is ULPS over the
+largest value, e.g. to check the bound on another CPU or BLAS.
 """
 from __future__ import annotations
 
@@ -39,6 +49,13 @@ import torch
 
 U32 = 2.0 ** -24  # unit roundoff of float32: half the spacing of floats in [1, 2)
 ULPS = 8
+U_BF16 = 2.0 ** -8  # unit roundoff of bfloat16 (8 significand bits)
+BF16_ULPS = 4
+
+
+def bf16_loss_atol(loss: float) -> float:
+    """How far a bf16 run's loss may sit from the float32 run's (module docstring)."""
+    return BF16_ULPS * U_BF16 * abs(loss)
 
 
 def fp32_atol(k: int, scale: float, ulps: float = ULPS) -> float:
