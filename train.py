@@ -22,9 +22,9 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from checkpoint.format import CheckpointError
 from models.config import ConfigError
 from training.arguments import parse_config
-from checkpoint.format import CheckpointError
 from training.trainer import DataError, pretrain
 
 DEMO = Path(__file__).resolve().parent / "configs" / "demo.yaml"
