@@ -91,21 +91,27 @@ def assert_fp32_close(actual, expected, k: int, what: str = "", scale: float | N
     assert problem is None, f"{what}: {problem}" if what else problem
 
 
-def decoder_chain_terms(cfg, seq_length: int, tokens: int, kind: str = "gpt") -> int:
-    """`k` of a decoder computation: the reduction lengths on one token's forward path (norms
-    over h; QKV over h; scores over d; softmax and AV over s; projection over q; fc1 over h;
-    fc2 over ffn; for the whole model the final norm, the logits over h and the cross
-    entropy over the vocab), twice for backward, plus the `tokens` a weight gradient sums.
+def forward_chain_terms(cfg, seq_length: int, kind: str = "gpt") -> int:
+    """`k` of a forward pass: the reduction lengths on one token's path (norms over h; QKV
+    over h; scores over d; softmax and AV over s; projection over q; fc1 over h; fc2 over
+    ffn; for the whole model the final norm and the logits over h, and for "gpt" (the loss)
+    the cross entropy over the vocab).
 
-    `cfg` is a models.ModelConfig; `kind` is "attention", "mlp", "layer" or "gpt".
+    `cfg` is a models.ModelConfig; `kind` is "attention", "mlp", "layer", "logits" or "gpt".
     """
     h, d, q = cfg.hidden_size, cfg.kv_channels, cfg.query_projection_size
     attention = h + d + 2 * seq_length + q
     mlp = h + cfg.ffn_hidden_size
     layer = 2 * h + attention + mlp
-    forward = {"attention": attention, "mlp": mlp, "layer": layer,
-               "gpt": cfg.num_layers * layer + 2 * h + cfg.vocab_size}[kind]
-    return 2 * forward + tokens
+    logits = cfg.num_layers * layer + 2 * h
+    return {"attention": attention, "mlp": mlp, "layer": layer, "logits": logits,
+            "gpt": logits + cfg.vocab_size}[kind]
+
+
+def decoder_chain_terms(cfg, seq_length: int, tokens: int, kind: str = "gpt") -> int:
+    """`k` of a forward and backward pass: the forward chain twice, plus the `tokens` that a
+    weight gradient sums over (arguments as `forward_chain_terms`)."""
+    return 2 * forward_chain_terms(cfg, seq_length, kind) + tokens
 
 
 def training_chain_terms(args: list[str]) -> int:
