@@ -4,8 +4,9 @@
     python train.py --config configs/tiny-llama.yaml --train-iters 50
     torchrun --nproc-per-node 4 train.py --config configs/tiny-llama.yaml --tp 2
 
-With neither --config nor --model the run file is configs/demo.yaml, the README's main job
-(a 6.8M-parameter Llama-style model on the embedded corpus); any flag overrides its keys.
+With neither --config, --model nor --load the run file is configs/demo.yaml, the README's
+main job (a 6.8M-parameter Llama-style model on the embedded corpus); any flag overrides its
+keys. (`--load CKPT` alone takes the checkpoint's model and tokenizer instead.)
 Config: a YAML file (--config) plus Megatron-named flags that override it; see README.md.
 
 A configuration, checkpoint or data error prints one line (`train.py: configuration error:
@@ -31,9 +32,10 @@ DEMO = Path(__file__).resolve().parent / "configs" / "demo.yaml"
 
 
 def with_demo_default(argv: list[str]) -> list[str]:
-    """`argv` with `--config configs/demo.yaml` in front when it names no --config/--model."""
-    named = any(a in ("--config", "--model") or a.startswith(("--config=", "--model="))
-                for a in argv)
+    """`argv` with `--config configs/demo.yaml` in front when it names no --config, --model
+    or --load (which brings its checkpoint's model)."""
+    named = any(a in ("--config", "--model", "--load") or
+                a.startswith(("--config=", "--model=", "--load=")) for a in argv)
     return argv if named else ["--config", str(DEMO), *argv]
 
 

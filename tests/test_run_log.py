@@ -151,6 +151,7 @@ def test_bare_train_py_is_the_demo():
     assert with_demo_default(["--train-iters", "5"])[:2] == ["--config", str(DEMO)]
     assert with_demo_default(["--model", "tiny-gpt"]) == ["--model", "tiny-gpt"]
     assert with_demo_default(["--config=x.yaml"]) == ["--config=x.yaml"]
+    assert with_demo_default(["--load", "ckpt"]) == ["--load", "ckpt"]  # the checkpoint's model
     c = parse_config(with_demo_default([]))
     assert c.model.name == "small-llama" and c.train.train_iters == 150
 
