@@ -183,3 +183,26 @@ def test_metrics_curve_tool(tmp_path):
                           "csv"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["iteration,loss,valid_loss", "1,3,", "2,2,", "2,,2.2"]
+
+
+def test_already_complete_reads_the_resumed_checkpoint(tmp_path):
+    """What counts as "already complete" (the end-to-end rerun is in test_checkpointing):
+    the iteration of the checkpoint --load resumes from; --finetune and weights-only
+    checkpoints start at 0, so they never do."""
+    from types import SimpleNamespace
+
+    from training.checkpointing import completed_checkpoint
+
+    folder = tmp_path / "iter_0000005"
+    folder.mkdir()
+    meta = {"iteration": 5, "files": [], "layout": {}, "model": {}}
+    (folder / "metadata.json").write_text(json.dumps(meta))
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("5\n")
+    def run(**kw):
+        return SimpleNamespace(**{"load": str(tmp_path), "finetune": False, **kw})
+    assert completed_checkpoint(run()) == (str(folder), 5)
+    assert completed_checkpoint(run(finetune=True)) is None
+    assert completed_checkpoint(run(load=None)) is None
+    assert completed_checkpoint(run(load=str(tmp_path / "empty"))) is None
+    (folder / "metadata.json").write_text(json.dumps({**meta, "optimizer_state": False}))
+    assert completed_checkpoint(run()) is None
