@@ -298,8 +298,8 @@ def check_norms_under_sp(ex: Expect) -> None:
         ex.close(torch.cat(_all_gather(x.grad), 0), xr.grad, f"{cls.__name__} SP input grad", k)
         refs = {"weight": wr.grad, "bias": br.grad if br is not None else None}
         for n, p in norm.named_parameters():
-            ex.differs(p.grad, refs[n], f"{cls.__name__}.{n} grad without the SP all-reduce must be "
-                       f"partial", k)
+            ex.differs(p.grad, refs[n],
+                       f"{cls.__name__}.{n} grad without the SP all-reduce must be partial", k)
         ps.all_reduce_sequence_parallel_grads(norm.parameters())
         for n, p in norm.named_parameters():
             ex.close(p.grad, refs[n], f"{cls.__name__}.{n} grad after the SP all-reduce", k)
@@ -528,7 +528,8 @@ def test_module_matches_tp1(world, label, no_grid):
     sp, k = spec["sp"], chain_terms(spec)
     results = [r["cases"][label] for r in results]
     if sp and spec["kind"] != "gpt":
-        ex.close(torch.cat([r["out"] for r in results], 0), ref["out"], "output (sequence shards)", k)
+        ex.close(torch.cat([r["out"] for r in results], 0), ref["out"], "output (sequence shards)",
+                 k)
         ex.close(torch.cat([r["dx"] for r in results], 0), ref["dx"], "input grad (shards)", k)
     else:
         for rank, r in enumerate(results):

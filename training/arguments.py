@@ -136,8 +136,8 @@ class Config:
         """A short human-readable block for the start of the log."""
         m, t, dp = self.model, self.train, self.data_parallel_size
         pad = m.padded_vocab_size(t.tensor_model_parallel_size)
-        padded = f" (padded to {pad} for tp {t.tensor_model_parallel_size})" if pad != m.vocab_size \
-            else ""
+        tp = t.tensor_model_parallel_size
+        padded = f" (padded to {pad} for tp {tp})" if pad != m.vocab_size else ""
         return (
             f"model   {m.name or 'custom'}: {m.num_parameters() / 1e6:.1f}M params, {m.num_layers}"
             f" layers, hidden {m.hidden_size}, heads {m.num_attention_heads} (kv "
