@@ -221,14 +221,3 @@ def zero_formula_bytes(params, model, optimizer) -> int:
         getattr(d, "use_distributed_optimizer", False) for d in model)
     n_d = model[0].dp_size if sharded else 1
     return int(weight_bytes * psi + 4 * psi + k * psi / n_d)
-
-
-def format_state_bytes(b: dict) -> str:
-    """One log line: the per-rank model-state bytes in MiB."""
-    mib = lambda x: f"{x / 2**20:.3f}"  # noqa: E731
-    return (f"model states per rank (MiB): params {mib(b['params'])} | grads {mib(b['grads'])} "
-            f"| main params {mib(b['main_params'])} (unsharded {mib(b['unsharded_main_params'])})"
-            f" | optimizer states {mib(b['optimizer_states'])} (unsharded "
-            f"{mib(b['unsharded_optimizer_states'])}) | total {mib(b['total'])} | ZeRO formula "
-            f"(Rajbhandari et al. 2020) {mib(b['predicted_total'])} (measured/formula "
-            f"{b['total'] / max(b['predicted_total'], 1):.3f})")

@@ -235,14 +235,3 @@ def activation_report(config, measured: dict, *, micro_batch_size: int, tp: int,
             "activation_bytes_layers_model_predicted": model,
             "activation_bytes_layers_paper_predicted": paper,
             "num_layers": n}
-
-
-def format_activation_report(r: dict) -> str:
-    mib = lambda x: f"{x / 2**20:.3f}"  # noqa: E731
-    n, layers = r["num_layers"], r["activation_bytes_layers"]
-    ratio = lambda p: f"{layers / p:.3f}" if p else "n/a"  # noqa: E731
-    return (f"activations per microbatch (rank 0, MiB): total {mib(r['activation_bytes_per_microbatch'])}"
-            f" | {n} layers {mib(layers)} | predicted: model {mib(r['activation_bytes_layers_model_predicted'])}"
-            f" (measured/predicted {ratio(r['activation_bytes_layers_model_predicted'])}), paper"
-            f" Korthikanti et al. Table 2 {mib(r['activation_bytes_layers_paper_predicted'])}"
-            f" (measured/paper {ratio(r['activation_bytes_layers_paper_predicted'])})")
