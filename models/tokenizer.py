@@ -30,11 +30,11 @@ class Tokenizer:
     `encode` never adds BOS/EOS; documents get ``eod`` appended by the preprocessing step.
     """
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, **hf_kwargs):
         self.path = path
-        if os.path.isdir(path):
+        if os.path.isdir(path) or hf_kwargs:
             self.kind = "hf"
-            self._init_hf(path)
+            self._init_hf(path, **hf_kwargs)
         else:
             self.kind = "sentencepiece"
             self._init_sentencepiece(path)
@@ -57,11 +57,11 @@ class Tokenizer:
         self.bos = int(self._sp.bos_id())
         self.pad = int(self._sp.pad_id())
 
-    def _init_hf(self, path: str) -> None:
+    def _init_hf(self, path: str, **kwargs) -> None:
         from transformers import AutoTokenizer
 
         try:
-            self._hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            self._hf = AutoTokenizer.from_pretrained(path, local_files_only=True, **kwargs)
         except (OSError, ValueError) as e:
             raise ValueError(
                 f"could not load a Hugging Face tokenizer from folder {path} ({e}); it must "
@@ -97,6 +97,24 @@ class Tokenizer:
         if self.kind == "sentencepiece":
             return self._sp.decode(ids)
         return self._hf.decode(ids, skip_special_tokens=True)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.kind == "hf" and bool(getattr(self._hf, "chat_template", None))
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """Token ids of chat `messages` (`[{"role": ..., "content": ...}]`) in the HF
+        tokenizer's chat template, ending with the assistant's generation prompt.
+
+        Raises `ValueError` when the tokenizer has no chat template (SentencePiece models and
+        base models usually have none)."""
+        if not self.has_chat_template:
+            raise ValueError(f"tokenizer {self.path} has no chat template; send a plain "
+                             f"completion (no --chat, /v1/completions)")
+        out = self._hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(out, dict) or hasattr(out, "keys"):  # transformers 5 returns an encoding
+            out = out["input_ids"]
+        return [int(t) for t in out]
 
     def __repr__(self) -> str:
         return (f"Tokenizer({self.kind}, vocab_size={self.vocab_size}, eod={self.eod}, "
