@@ -11,7 +11,6 @@ lockstep.
 - SIGTERM / Ctrl-C: new requests get 503, in-flight ones finish, then every rank leaves the
   loop and exits 0; a second signal cancels what is left at once.
 """
-from __future__ import annotations
 
 import asyncio
 import json
