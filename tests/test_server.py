@@ -66,8 +66,12 @@ def server(tmp_path_factory):
     else:
         raise AssertionError("server did not start:\n" + "".join(lines[-40:]))
     yield folder, port, proc, lines
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
+    if proc.poll() is None:  # a test failed before the Ctrl-C test: stop it the clean way
+        proc.send_signal(signal.SIGTERM)  # torchrun forwards it to the workers
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _client(port):
