@@ -167,3 +167,24 @@ def _save_tokenizer(tokenizer: str | None, folder: str, log) -> dict:
     ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
            "pad_token_id": tok.pad_token_id}
     return {k: v for k, v in ids.items() if v is not None}
+
+
+@torch.no_grad()
+def load_hf_weights(src, config, chunks) -> None:
+    """Copy the weights of an opened HF model (`models.hf.files.open_hf`) straight into this
+    rank's sharded model `chunks` (any tp/pp; no checkpoint folder is written). Each rank
+    reads the dense tensors it needs one at a time and keeps its shard. Raises
+    `HFConversionError` for missing or unused tensors, before any weight is copied."""
+    from layers import shard_tensor
+    from layers.sharding import full_shape
+
+    from .keys import entries
+
+    tensors = hfmap.to_native(config, src.config["model_type"], src.get, src.names)
+    for _, p, key, _ in entries(chunks):
+        full = tensors[key]().to(torch.float32)
+        if getattr(p, "full_rows", None):  # pad the vocabulary rows with zeros
+            padded = torch.zeros(full_shape(p), dtype=torch.float32)
+            padded[:full.shape[0]] = full
+            full = padded
+        p.copy_(shard_tensor(full, p).to(p.device, p.dtype))

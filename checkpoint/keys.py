@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import parallel_state as ps
 from layers import shard_tensor
+from layers.sharding import full_shape
 
 from .format import CONFIG, CheckpointError
 
@@ -54,6 +55,8 @@ def part_keys(kind: str, name: str, param) -> list[str]:
 
 def global_shape(local: torch.Tensor, param) -> torch.Size:
     """Dense shape (padded vocab included) of the tensor whose TP shard is `local`."""
+    if getattr(param, "kv_replicas", 1) > 1:  # KV heads replicated over TP (inference)
+        return torch.Size(full_shape(param))
     shape = list(local.shape)
     if getattr(param, "tensor_model_parallel", False):
         shape[param.partition_dim] *= ps.get_tensor_model_parallel_world_size()
@@ -65,6 +68,9 @@ def as_saved(local: torch.Tensor, param) -> torch.Tensor:
     if not getattr(param, "tensor_model_parallel", False) or \
             not ps.model_parallel_is_initialized():  # no grid: one process, dense tensors
         return local
+    if getattr(param, "kv_replicas", 1) > 1:
+        raise CheckpointError("a model with KV heads replicated over TP (inference layout) "
+                              "cannot be saved; save from a tp that divides the KV heads")
     shape = global_shape(local, param)
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(local, ps.get_grid().mesh["tp"], [Shard(param.partition_dim)],
@@ -109,6 +115,8 @@ def read_plan(path: str, saved: dict, items, kinds: tuple[str, ...]):
                             f"expects {tuple(want)}; the model settings differ from "
                             f"{os.path.join(path, CONFIG)}")
                     dense = True  # vocab padded for another size: read it whole, re-pad
+                if getattr(p, "kv_replicas", 1) > 1:
+                    dense = True  # replicated KV heads are no Shard(): read whole, then shard
                 sd[key] = torch.empty(have) if dense else as_saved(local, p)
             plan.append((p, kind, keys, dense))
     return sd, plan
@@ -120,9 +128,11 @@ def rebuild(sd: dict, plan) -> dict:
     for p, kind, keys, dense in plan:
         pieces = [sd[k].to_local() if isinstance(sd[k], DTensor) else sd[k] for k in keys]
         if dense:
-            full = torch.zeros(global_shape(p, p), dtype=torch.float32)
-            rows = p.full_rows
-            full[:rows] = pieces[0][:rows]
+            full = pieces[0]
+            rows = getattr(p, "full_rows", None)
+            if rows:
+                full = torch.zeros(global_shape(p, p), dtype=torch.float32)
+                full[:rows] = pieces[0][:rows]
             local = shard_tensor(full, p)
         else:
             local = pieces[0] if len(pieces) == 1 else torch.cat(pieces, p.partition_dim)

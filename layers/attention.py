@@ -55,7 +55,8 @@ class RotaryEmbedding(nn.Module):
     """Rotary position embedding (Su et al. 2021, RoFormer, sec. 3.4), "rotate half" layout.
 
     `forward(seq_len, offset=0)` -> `(cos, sin)`, each `[s, 1, 1, d]` float32 for positions
-    offset..offset+s-1, with the frequencies of `rope_inv_freq` (`scaling` holds its keyword
+    offset..offset+s-1, or, given `position_ids [b, s]` (one position per row and token, e.g.
+    batched decoding of prompts of different lengths), `[s, b, 1, d]`; with the frequencies of `rope_inv_freq` (`scaling` holds its keyword
     arguments: scaling_type, factor, low/high_freq_factor, original_max_position).
     """
 
@@ -63,16 +64,21 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.dim, self.base, self.scaling = dim, base, dict(scaling or {})
 
-    def forward(self, seq_len: int, offset: int = 0, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, seq_len: int, offset: int = 0, device=None,
+                position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq = rope_inv_freq(self.dim, self.base, **self.scaling).to(device)
-        pos = torch.arange(offset, offset + seq_len, device=device, dtype=torch.float64)
-        freqs = torch.outer(pos, inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)[:, None, None, :]
+        if position_ids is None:
+            pos = torch.arange(offset, offset + seq_len, device=device, dtype=torch.float64)
+            freqs = torch.outer(pos, inv_freq)[:, None, None, :]  # [s, 1, 1, d/2]
+        else:
+            pos = position_ids.t().to(device=device, dtype=torch.float64)  # [s, b]
+            freqs = (pos[..., None] * inv_freq)[:, :, None, :]  # [s, b, 1, d/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().float(), emb.sin().float()
 
 
 def apply_rotary_pos_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x [s, b, n, d]` by angles given as `cos, sin [s, 1, 1, d]`."""
+    """Rotate `x [s, b, n, d]` by angles given as `cos, sin [s, 1, 1, d]` or `[s, b, 1, d]`."""
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
@@ -81,32 +87,47 @@ def apply_rotary_pos_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
 class SelfAttention(nn.Module):
     """Causal multi-head / grouped-query self-attention.
 
-    `forward(x [s, b, h] (or [s/tp, b, h] with SP), rotary=(cos, sin) | None, kv_cache=None)`
-    -> `[s, b, h]` (or `[s/tp, b, h]`). `kv_cache`, when given, is an object with
-    `update(layer_number, k, v) -> (k_all, v_all)` taking and returning `[b, g, s, d]` local
-    KV heads; it is how inference appends to its cache.
+    `forward(x [s, b, h] (or [s/tp, b, h] with SP), rotary=(cos, sin) | None, kv_cache=None,
+    attention_mask=None)` -> `[s, b, h]` (or `[s/tp, b, h]`). `kv_cache`, when given, is an
+    object with `update(layer_number, k, v) -> (k_all, v_all)` taking and returning
+    `[b, g, s, d]` local KV heads; it is how inference appends to its cache.
+    `attention_mask` `[b, 1, sq, sk]` bool (True = may attend) replaces the causal mask: it is
+    how a batch of rows at different positions (padding, a shared cache) is masked.
+
+    Raises `ValueError` when tp neither divides num_query_groups nor is a multiple of it.
     """
 
     def __init__(self, config, layer_number: int, sequence_parallel: bool = False):
         super().__init__()
         tp = get_tensor_model_parallel_world_size()
         self.layer_number = layer_number
-        self.head_dim = config.kv_channels
+        self.head_dim = d = config.kv_channels
+        groups = config.num_query_groups
         self.num_heads = config.num_attention_heads // tp
-        self.num_groups = config.num_query_groups // tp
-        self.heads_per_group = config.num_attention_heads // config.num_query_groups
+        if groups % tp == 0:
+            self.num_groups, self.kv_replicas = groups // tp, 1
+        elif tp % groups == 0:
+            self.num_groups, self.kv_replicas = 1, tp // groups
+        else:
+            raise ValueError(f"tensor-model-parallel-size {tp} neither divides nor is a multiple "
+                             f"of num_query_groups {groups}; use a tp that does")
+        self.heads_per_group = self.num_heads // self.num_groups  # local query heads per group
         self.attention_dropout = config.attention_dropout
-        qkv_size = config.query_projection_size + 2 * config.kv_projection_size
+        local_qkv = (self.num_heads + 2 * self.num_groups) * d
         self.linear_qkv = ColumnParallelLinear(
-            config.hidden_size, qkv_size, bias=config.add_qkv_bias,
+            config.hidden_size, local_qkv * tp, bias=config.add_qkv_bias,
             sequence_parallel=sequence_parallel, init="normal")
+        if self.kv_replicas > 1:
+            for p in self.linear_qkv.parameters():
+                p.kv_replicas = self.kv_replicas
+                p.qkv_layout = (groups, config.num_attention_heads // groups, d)
         self.linear_proj = RowParallelLinear(
             config.query_projection_size, config.hidden_size, bias=config.add_bias_linear,
             sequence_parallel=sequence_parallel, init="scaled_normal")
         self.checkpoint_fn = None  # selective recompute of the core attention (training/recompute.py)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-                kv_cache=None) -> torch.Tensor:
+                kv_cache=None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         mixed = self.linear_qkv(x)  # [s, b, groups * (heads_per_group + 2) * d]
         s, b = mixed.shape[:2]
         mixed = mixed.view(s, b, self.num_groups, self.heads_per_group + 2, self.head_dim)
@@ -123,21 +144,23 @@ class SelfAttention(nn.Module):
         if self.checkpoint_fn is not None and self.training and torch.is_grad_enabled():
             out = self.checkpoint_fn(self._core_attention, q, k, v)
         else:
-            out = self._core_attention(q, k, v)
+            out = self._core_attention(q, k, v, attention_mask)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
         return self.linear_proj(out)
 
-    def _core_attention(self, q, k, v):
+    def _core_attention(self, q, k, v, attention_mask=None):
         """Scaled dot-product attention (Vaswani et al. 2017, eq. 1) with a causal mask.
 
         q `[b, n, sq, d]`, k/v `[b, g, sk, d]`; when sk > sq (decoding with a cache) query i
-        sits at position sk - sq + i. Attention dropout draws from the TP stream since heads
-        are sharded.
+        sits at position sk - sq + i. `attention_mask` `[b, 1, sq, sk]` bool, when given, is
+        used instead. Attention dropout draws from the TP stream since heads are sharded.
         """
         sq, sk = q.shape[2], k.shape[2]
         p = self.attention_dropout if self.training else 0.0
         kwargs = dict(enable_gqa=self.heads_per_group > 1)
-        if sq == sk:
+        if attention_mask is not None:
+            kwargs["attn_mask"] = attention_mask
+        elif sq == sk:
             kwargs["is_causal"] = True
         elif sq > 1:
             kwargs["attn_mask"] = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)

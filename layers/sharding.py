@@ -12,6 +12,9 @@ Every parameter of a parallel layer carries a few attributes that say how it is 
   output projections), "zeros" or "ones";
 - `full_rows` (int, optional): rows of the real tensor before vocab padding (padding rows are 0);
 - `init_key` (str, optional): the name that seeds its init (tied copies share one key).
+- `kv_replicas` (int, optional) and `qkv_layout` `(groups, heads_per_group, head_dim)`: a fused
+  QKV weight/bias whose KV heads are replicated over TP (tp = groups * kv_replicas, inference
+  only): rank r holds `[q heads of group r // kv_replicas, share r % kv_replicas; k; v]`.
 
 `initialize_parameters(model, seed, ...)` makes, for every parameter, the full tensor from a
 generator seeded by (seed, global name) and keeps this rank's shard. Parameter names use
@@ -46,7 +49,10 @@ def full_shape(param: torch.Tensor, tp: int | None = None) -> tuple[int, ...]:
     """Shape of the dense tensor this shard belongs to (padded vocab included)."""
     tp = tp or get_tensor_model_parallel_world_size()
     shape = list(param.shape)
-    if getattr(param, "tensor_model_parallel", False):
+    if getattr(param, "kv_replicas", 1) > 1:
+        groups, per_group, d = param.qkv_layout
+        shape[0] = groups * (per_group + 2) * d
+    elif getattr(param, "tensor_model_parallel", False):
         shape[param.partition_dim] *= tp
     return tuple(shape)
 
@@ -58,6 +64,11 @@ def shard_tensor(full: torch.Tensor, param: torch.Tensor, rank: int | None = Non
     rank = get_tensor_model_parallel_rank() if rank is None else rank
     if not getattr(param, "tensor_model_parallel", False) or size == 1:
         return full
+    if getattr(param, "kv_replicas", 1) > 1:
+        groups, per_group, d = param.qkv_layout
+        blocks = full.reshape(groups, per_group + 2, d, *full.shape[1:])[rank // param.kv_replicas]
+        q = blocks[:per_group].chunk(param.kv_replicas)[rank % param.kv_replicas]
+        return torch.cat([q, blocks[per_group:]]).flatten(0, 1)
     dim, parts = param.partition_dim, getattr(param, "num_fused_parts", 1)
     blocks = full.chunk(parts, dim=dim)
     return torch.cat([b.chunk(size, dim=dim)[rank] for b in blocks], dim=dim)
@@ -67,6 +78,13 @@ def unshard_tensors(shards: list[torch.Tensor], param: torch.Tensor) -> torch.Te
     """Inverse of `shard_tensor`: the dense tensor from the shards of ranks 0..tp-1."""
     if not getattr(param, "tensor_model_parallel", False) or len(shards) == 1:
         return shards[0]
+    if getattr(param, "kv_replicas", 1) > 1:
+        groups, per_group, d = param.qkv_layout
+        rep, local_q = param.kv_replicas, per_group // param.kv_replicas
+        pieces = [s.reshape(local_q + 2, d, *s.shape[1:]) for s in shards]
+        dense = [torch.cat([p[:local_q] for p in pieces[g * rep:(g + 1) * rep]] +
+                           [pieces[g * rep][local_q:]]) for g in range(groups)]
+        return torch.cat(dense).flatten(0, 1)
     dim, parts = param.partition_dim, getattr(param, "num_fused_parts", 1)
     per_rank = [s.chunk(parts, dim=dim) for s in shards]
     return torch.cat([torch.cat([r[p] for r in per_rank], dim=dim) for p in range(parts)], dim=dim)

@@ -32,9 +32,11 @@ class TransformerLayer(nn.Module):
         self.pre_mlp_layernorm = build_norm(config, sequence_parallel=sp)
         self.mlp = MLP(config, sequence_parallel=sp)
 
-    def forward(self, x: torch.Tensor, rotary=None, kv_cache=None) -> torch.Tensor:
-        """`x [s, b, h]` (or `[s/tp, b, h]`) -> same shape."""
-        attn = self.self_attention(self.input_layernorm(x), rotary=rotary, kv_cache=kv_cache)
+    def forward(self, x: torch.Tensor, rotary=None, kv_cache=None,
+                attention_mask=None) -> torch.Tensor:
+        """`x [s, b, h]` (or `[s/tp, b, h]`) -> same shape (mask: see SelfAttention)."""
+        attn = self.self_attention(self.input_layernorm(x), rotary=rotary, kv_cache=kv_cache,
+                                   attention_mask=attention_mask)
         x = x + dropout(attn, self.hidden_dropout, self.training, sharded=self.sequence_parallel)
         mlp = self.mlp(self.pre_mlp_layernorm(x))
         return x + dropout(mlp, self.hidden_dropout, self.training, sharded=self.sequence_parallel)
@@ -57,7 +59,8 @@ class TransformerBlock(nn.Module):
         self.checkpoint_fn = None
         self.recompute_spans: list[tuple[int, int]] = []
 
-    def forward(self, x: torch.Tensor, rotary=None, kv_cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary=None, kv_cache=None,
+                attention_mask=None) -> torch.Tensor:
         layers = list(self.layers.values())
         recompute = self.checkpoint_fn is not None and self.training and torch.is_grad_enabled()
         span_stop = dict(self.recompute_spans) if recompute else {}  # start -> stop
@@ -69,7 +72,7 @@ class TransformerBlock(nn.Module):
                                        *(rotary if rotary is not None else ()))
                 i = stop
             else:
-                x = layers[i](x, rotary=rotary, kv_cache=kv_cache)
+                x = layers[i](x, rotary=rotary, kv_cache=kv_cache, attention_mask=attention_mask)
                 i += 1
         if self.final_layernorm is not None:
             x = self.final_layernorm(x)

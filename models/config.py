@@ -126,8 +126,13 @@ class ModelConfig:
         return total
 
     # ------------------------------------------------------------------ validation
-    def validate(self, tensor_model_parallel_size: int = 1) -> None:
-        """Raise `ConfigError` naming the field and the fix for any inconsistent value."""
+    def validate(self, tensor_model_parallel_size: int = 1,
+                 kv_replication: bool = False) -> None:
+        """Raise `ConfigError` naming the field and the fix for any inconsistent value.
+
+        `kv_replication` (inference) also accepts a tp that is a multiple of
+        num_query_groups: each KV head is then replicated on tp / num_query_groups ranks.
+        """
         tp = tensor_model_parallel_size
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                      "vocab_size", "ffn_hidden_size", "kv_channels", "num_query_groups",
@@ -163,11 +168,19 @@ class ModelConfig:
             raise ConfigError(
                 f"--num-attention-heads {self.num_attention_heads} is not divisible by "
                 f"--tensor-model-parallel-size {tp}; use a tp that divides the head count")
-        if self.num_query_groups % tp:
+        replicate = kv_replication and tp % self.num_query_groups == 0
+        if self.num_query_groups % tp and not replicate:
+            if kv_replication:
+                raise ConfigError(
+                    f"--num-query-groups {self.num_query_groups} (KV heads) and "
+                    f"--tensor-model-parallel-size {tp}: tp must divide the KV heads or be a "
+                    f"multiple of them (each KV head then replicated on tp / "
+                    f"{self.num_query_groups} ranks); pick such a tp")
             raise ConfigError(
                 f"--num-query-groups {self.num_query_groups} is not divisible by "
                 f"--tensor-model-parallel-size {tp}; use a tp that divides the number of "
-                f"KV heads (or fewer, larger groups)")
+                f"KV heads (or fewer, larger groups); replicating KV heads over TP is for inference "
+                f"only (infer.py)")
         if self.ffn_hidden_size % tp:
             raise ConfigError(
                 f"--ffn-hidden-size {self.ffn_hidden_size} is not divisible by "

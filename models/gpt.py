@@ -44,13 +44,16 @@ class GPTModel(nn.Module):
         post_process: this stage holds final norm, output layer and loss (last stage).
         layer_numbers: global, 0-based layer indices held here (default: all layers).
         sequence_parallel: run norms/dropout on `[s/tp, b, h]` sequence shards.
+        kv_replication: accept tp > num_query_groups by replicating KV heads (inference only;
+            see layers/attention.py).
     """
 
     def __init__(self, config: ModelConfig, *, pre_process: bool = True, post_process: bool = True,
-                 layer_numbers: list[int] | None = None, sequence_parallel: bool = False):
+                 layer_numbers: list[int] | None = None, sequence_parallel: bool = False,
+                 kv_replication: bool = False):
         super().__init__()
         tp = get_tensor_model_parallel_world_size()
-        config.validate(tp)
+        config.validate(tp, kv_replication=kv_replication)
         self.config = config
         self.pre_process, self.post_process = pre_process, post_process
         self.sequence_parallel = sequence_parallel and tp > 1
@@ -98,16 +101,18 @@ class GPTModel(nn.Module):
                 labels: torch.Tensor | None = None,
                 hidden_states: torch.Tensor | None = None,
                 kv_cache=None, position_offset: int = 0,
-                label_smoothing: float = 0.0) -> torch.Tensor:
+                attention_mask: torch.Tensor | None = None, label_smoothing: float = 0.0) -> torch.Tensor:
         """Run this stage.
 
         Args:
             input_ids: `[b, s]` token ids (first stage; also used for the length elsewhere).
-            position_ids: `[b, s]` learned-position ids (default 0..s-1).
+            position_ids: `[b, s]` position of every token (learned positions and RoPE;
+                default position_offset..position_offset+s-1 for every row).
             labels: `[b, s]` next-token targets (-100 = ignore) on the last stage.
             hidden_states: `[s, b, h]` (`[s/tp, b, h]` with SP) from the previous stage.
             kv_cache: inference cache (see layers.attention.SelfAttention).
             position_offset: position of the first token (decoding with a cache).
+            attention_mask: `[b, 1, s, s_kv]` bool, True = may attend (default causal).
         Returns:
             last stage with labels: per-token loss `[b, s]` float32 (nats);
             last stage without labels: vocab-parallel logits `[b, s, v_padded/tp]`;
@@ -123,8 +128,9 @@ class GPTModel(nn.Module):
         if self.rotary is not None:
             seq_len = x.shape[0] * (get_tensor_model_parallel_world_size()
                                     if self.sequence_parallel else 1)
-            rotary = self.rotary(seq_len, position_offset, device=x.device)
-        x = self.decoder(x, rotary=rotary, kv_cache=kv_cache)
+            rotary = self.rotary(seq_len, position_offset, device=x.device,
+                                 position_ids=position_ids)
+        x = self.decoder(x, rotary=rotary, kv_cache=kv_cache, attention_mask=attention_mask)
         if not self.post_process:
             return x
         logits = self.output_layer(x, weight=self.output_weight())  # [s, b, v/tp]

@@ -33,7 +33,7 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 from training.data.indexed_dataset import IndexedDatasetBuilder  # noqa: E402
-from training.data.tokenizer import (build_tokenizer, encode_documents,  # noqa: E402
+from models.tokenizer import (build_tokenizer, encode_documents,  # noqa: E402
                                      train_sentencepiece)
 
 _JSON_EXT = (".jsonl", ".json", ".jsonl.gz", ".json.gz")

@@ -3,7 +3,7 @@ from training.data.default_corpus import ensure_default_corpus
 from training.data.gpt_dataset import (BlendedDataset, GPTDataset,
                                        build_train_valid_test_datasets)
 from training.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
-from training.data.tokenizer import Tokenizer, build_tokenizer, train_sentencepiece
+from models.tokenizer import Tokenizer, build_tokenizer, train_sentencepiece
 
 __all__ = [
     "Tokenizer", "build_tokenizer", "train_sentencepiece",

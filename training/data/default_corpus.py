@@ -26,7 +26,7 @@ import time
 from contextlib import contextmanager
 
 from training.data.indexed_dataset import IndexedDatasetBuilder
-from training.data.tokenizer import build_tokenizer, encode_documents, train_sentencepiece
+from models.tokenizer import build_tokenizer, encode_documents, train_sentencepiece
 
 FORMAT_VERSION = 1
 DATA_NAME = "corpus_text_document"

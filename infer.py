@@ -1,0 +1,181 @@
+"""Sharded generation and serving: `python infer.py ...` or `torchrun --nproc-per-node N
+infer.py ...` (world = tp x pp x dp; tensor-parallel ranks adjacent, as in training).
+
+    infer.py --hf model.gguf --chat --prompt "What is the capital of France?"
+    torchrun --nproc-per-node 4 infer.py --load ckpt/ --tp 2 --pp 2 --prompt-file prompts.jsonl
+    torchrun --nproc-per-node 2 infer.py --hf folder/ --tp 2 --serve --port 8000
+
+Prompts come from `--prompt` (repeatable) or `--prompt-file` (one per line, or jsonl with a
+"prompt" or "messages" field); completions are printed by rank 0 in prompt order, prompts
+split over the data-parallel replicas.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_argument_group("model")
+    src.add_argument("--load", help="native checkpoint folder (or its parent with `latest`)")
+    src.add_argument("--hf", help="Hugging Face model folder or .gguf file (converted in memory)")
+    src.add_argument("--tokenizer", help="tokenizer (HF folder or SentencePiece .model); "
+                                         "default: the model's own")
+    src.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    par = p.add_argument_group("parallelism")
+    par.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=1)
+    par.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int, default=1)
+    par.add_argument("--data-parallel-size", "--dp", dest="dp", type=int, default=None,
+                     help="replicas (default: world size / (tp * pp))")
+    gen = p.add_argument_group("generation")
+    gen.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    gen.add_argument("--prompt-file", help="prompts, one per line, or jsonl objects with "
+                                           "'prompt' or 'messages'")
+    gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=1234, help="prompt i samples with seed + i")
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--max-batch-size", type=int, default=16,
+                     help="requests decoded at once (KV cache slots per replica)")
+    gen.add_argument("--max-seq-length", type=int, default=None,
+                     help="tokens per request (prompt + output); default "
+                          "min(max_position_embeddings, 2048)")
+    srv = p.add_argument_group("server")
+    srv.add_argument("--serve", action="store_true", help="OpenAI-compatible HTTP server")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=os.environ.get("SHARDZOO_API_KEY"),
+                     help="require `Authorization: Bearer KEY` (default $SHARDZOO_API_KEY)")
+    srv.add_argument("--served-model-name", help="model id in the API (default: the path's "
+                                                 "base name)")
+    args = p.parse_args(argv)
+    if (args.load is None) == (args.hf is None):
+        p.error("pass exactly one of --load CKPT and --hf PATH")
+    if not args.serve and not args.prompt and not args.prompt_file:
+        p.error("nothing to do: pass --prompt TEXT, --prompt-file FILE or --serve")
+    for name in ("tp", "pp", "max_batch_size", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.dp is not None and args.dp < 1:
+        p.error("--dp must be >= 1")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world % (args.tp * args.pp):
+        p.error(f"the world size {world} is not divisible by --tp {args.tp} x --pp {args.pp}; "
+                f"start tp * pp * dp processes")
+    if args.dp is not None and args.dp * args.tp * args.pp != world:
+        p.error(f"--dp {args.dp} x --tp {args.tp} x --pp {args.pp} != world size {world}")
+    if args.prompt_file and not os.path.isfile(args.prompt_file):
+        p.error(f"--prompt-file {args.prompt_file} does not exist")
+    return args
+
+
+def read_prompts(args) -> list:
+    """Prompts as strings, or message lists (jsonl 'messages')."""
+    prompts = list(args.prompt)
+    if args.prompt_file:
+        with open(args.prompt_file) as f:
+            for n, line in enumerate(f, 1):
+                line = line.rstrip("\n")
+                if not line.strip():
+                    continue
+                if line.lstrip().startswith("{"):
+                    try:
+                        obj = json.loads(line)
+                    except ValueError as e:
+                        raise ValueError(f"--prompt-file line {n} is not valid JSON: {e}") from None
+                    if "messages" in obj:
+                        prompts.append(obj["messages"])
+                    elif "prompt" in obj:
+                        prompts.append(obj["prompt"])
+                    else:
+                        raise ValueError(f"--prompt-file line {n}: a JSON line needs a 'prompt' "
+                                         f"or 'messages' field")
+                else:
+                    prompts.append(line)
+    return prompts
+
+
+def encode(tokenizer, prompt, chat: bool) -> list[int]:
+    if tokenizer is None:
+        raise ValueError("the model has no tokenizer; pass --tokenizer")
+    if isinstance(prompt, list):  # messages
+        return tokenizer.apply_chat_template(prompt)
+    if chat:
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    return tokenizer.encode(prompt)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    prompts = read_prompts(args) if not args.serve else []
+
+    import parallel_state as ps
+    from checkpoint.format import CheckpointError
+    from inference.comm import gather_to_rank0
+    from inference.engine import Engine, Request
+    from inference.loading import load
+    from inference.sampling import SamplingParams
+    from models.config import ConfigError
+    from models.hf import HFConversionError
+
+    ps.initialize_distributed()
+    ps.initialize_model_parallel(args.tp, args.pp)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        model, tokenizer, name = load(args.load, args.hf, args.tokenizer, args.dtype)
+        cfg = model.config
+        limit = cfg.max_position_embeddings
+        max_len = min(args.max_seq_length or min(limit, 2048), limit)
+        engine = Engine(model, eos_token_ids=[tokenizer.eod] if tokenizer else [],
+                        decode=tokenizer.decode if tokenizer else None,
+                        max_batch_size=args.max_batch_size, max_seq_length=max_len)
+        if args.serve:
+            from inference.server import serve
+
+            serve(engine, tokenizer, args.served_model_name or name, args.host, args.port,
+                  args.api_key)
+            return 0
+        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        requests = []
+        for i, prompt in enumerate(prompts):
+            if i % dp != dp_rank:
+                continue
+            params = SamplingParams(max_new_tokens=args.max_new_tokens,
+                                    temperature=args.temperature, top_k=args.top_k,
+                                    top_p=args.top_p, seed=args.seed + i, stop=args.stop,
+                                    ignore_eos=args.ignore_eos)
+            ids = encode(tokenizer, prompt, args.chat)
+            if len(ids) + params.max_new_tokens > max_len:
+                params.max_new_tokens = max_len - len(ids)  # generate up to the context
+            requests.append(Request(str(i), ids, params))
+        engine.generate(requests)
+        mine = [(int(r.id), r.text if tokenizer else r.output, r.finish_reason)
+                for r in requests]
+        gathered = gather_to_rank0(mine if ps.get_tensor_model_parallel_rank() == 0 and
+                                   ps.is_pipeline_first_stage() else None)
+        if rank == 0:
+            done = sorted(x for part in gathered if part for x in part)
+            for i, text, reason in done:
+                shown = prompts[i] if isinstance(prompts[i], str) else json.dumps(prompts[i])
+                print(f"### prompt {i}: {shown}", flush=True)
+                print(text, flush=True)
+        return 0
+    except (ValueError, FileNotFoundError, ConfigError, CheckpointError,
+            HFConversionError) as e:
+        if rank == 0:
+            print(f"infer.py: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        ps.destroy_model_parallel(destroy_world=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""Every collective the inference engine and controller issue, in one module (so they are
+easy to route through a shared collective layer later).
+
+- `broadcast_tokens(tokens [b] | None, b)`: the sampled ids from the last pipeline stage's TP
+  rank 0 to every rank of this model replica (tp x pp ranks).
+- `broadcast_control(obj)`: a picklable object from global rank 0 to every rank.
+- `gather_to_rank0(obj)`: a list (by global rank) of every rank's object on rank 0, None
+  elsewhere.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import parallel_state as ps
+
+
+def replica_ranks() -> tuple[int, int]:
+    """(global rank of this replica's first rank, of its last stage's TP rank 0)."""
+    g = ps.get_grid()
+    tp, dp, pp = (g.tensor_model_parallel_size, g.data_parallel_size,
+                  g.pipeline_model_parallel_size)
+    return g.dp_rank * tp, ((pp - 1) * dp + g.dp_rank) * tp
+
+
+def broadcast_tokens(tokens: torch.Tensor | None, b: int) -> torch.Tensor:
+    """`[b]` int64 ids, identical on every rank of the replica (source: last stage, tp 0)."""
+    g = ps.get_grid()
+    if g.tensor_model_parallel_size * g.pipeline_model_parallel_size == 1:
+        return tokens
+    src = replica_ranks()[1]
+    buf = tokens.to(torch.int64).contiguous() if dist.get_rank() == src else \
+        torch.empty(b, dtype=torch.int64, device=g.device)
+    if buf.device.type == "cpu" and g.device.type == "cuda":
+        buf = buf.to(g.device)
+    dist.broadcast(buf, src=src, group=g.model_parallel_group)
+    return buf.cpu()
+
+
+def broadcast_control(obj):
+    """`obj` of global rank 0 on every rank."""
+    if dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather_to_rank0(obj) -> list | None:
+    """`[obj of rank 0, obj of rank 1, ...]` on rank 0, None elsewhere."""
+    if dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out

@@ -1,0 +1,80 @@
+"""Build this rank's sharded model and the tokenizer from a native checkpoint (`--load`) or a
+Hugging Face folder / .gguf file (`--hf`, converted in memory)."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+import parallel_state as ps
+from models import GPTModel
+from models.config import ModelConfig
+from models.pipeline import build_model_chunks
+from models.tokenizer import Tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def stage_layers(num_layers: int, pp: int) -> list[int]:
+    """Layers per pipeline stage: as even as possible, the first stages take the remainder."""
+    if num_layers < pp:
+        raise ValueError(f"--pp {pp} is larger than the model's {num_layers} layers")
+    return [num_layers // pp + (s < num_layers % pp) for s in range(pp)]
+
+
+def build_model(config: ModelConfig) -> GPTModel:
+    """This rank's `GPTModel` stage on the current grid (KV heads replicated when tp >
+    num_query_groups), weights uninitialized. Raises `models.config.ConfigError`."""
+    pp = ps.get_pipeline_model_parallel_world_size()
+    with torch.device(ps.get_device()):
+        return build_model_chunks(GPTModel, config, stage_layers(config.num_layers, pp),
+                                  ps.get_pipeline_model_parallel_rank(), None,
+                                  kv_replication=True)[0]
+
+
+def load(load: str | None = None, hf: str | None = None, tokenizer: str | None = None,
+         dtype: str = "float32") -> tuple[GPTModel, Tokenizer | None, str]:
+    """`(model stage, tokenizer or None, model name)` on the current grid.
+
+    Exactly one of `load` (native checkpoint folder, or its parent with a `latest` marker) and
+    `hf` (HF folder or .gguf file). `tokenizer` overrides the one stored with the model.
+    Raises `ValueError`, `FileNotFoundError`, `checkpoint.format.CheckpointError` or
+    `models.hf.HFConversionError` naming the problem.
+    """
+    if (load is None) == (hf is None):
+        raise ValueError("pass exactly one of --load CKPT (native checkpoint) and --hf PATH "
+                         "(Hugging Face folder or .gguf file)")
+    if load is not None:
+        from checkpoint.format import read_metadata, resolve_checkpoint
+        from checkpoint.model_io import find_tokenizer, load_model_weights
+
+        path = resolve_checkpoint(load)
+        config = ModelConfig.from_dict(read_metadata(path)["model"])
+        model = build_model(config)
+        load_model_weights(path, [model])
+        tok_path = tokenizer or find_tokenizer(path)
+        tok = Tokenizer(tok_path) if tok_path else None
+        name = os.path.basename(os.path.normpath(load))
+    else:
+        from checkpoint.hf import load_hf_weights
+        from models import hf as hfmap
+        from models.hf.files import open_hf
+
+        src = open_hf(hf)
+        config = hfmap.config_from_hf(src.config)
+        model = build_model(config)
+        load_hf_weights(src, config, [model])
+        if tokenizer:
+            tok = Tokenizer(tokenizer)
+        else:
+            where, kw = src.tokenizer_source()
+            try:
+                tok = Tokenizer(where, **kw)
+            except ValueError:
+                tok = None
+        name = os.path.basename(os.path.normpath(hf))
+        if name.endswith(".gguf"):
+            name = name[:-5]
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return model.to(DTYPES[dtype]).eval(), tok, name

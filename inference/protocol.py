@@ -1,0 +1,181 @@
+"""The OpenAI API's request and response shapes (/v1/completions, /v1/chat/completions),
+independent of the HTTP layer: parse and validate a JSON body into token-id prompts and
+`SamplingParams`, and build response / stream-chunk objects.
+
+Every bad input raises `APIError(status, message, param, code)`; `error_body` is the OpenAI
+error object `{"error": {"message", "type", "param", "code"}}`.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+from .sampling import SamplingError, SamplingParams
+
+MAX_N = 16
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
+DEFAULT_CHAT_TOKENS = 512  # chat: at most this, or what is left of the context
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = \
+            status, message, param, code, kind
+
+
+def error_body(e: APIError) -> dict:
+    return {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}}
+
+
+@dataclass
+class Parsed:
+    """A validated request: `prompts` (token ids) x `n` choices, sampling, streaming."""
+
+    chat: bool
+    model: str
+    prompts: list[list[int]]
+    n: int
+    params: list[SamplingParams]  # one per choice, in choice order (prompt-major)
+    stream: bool
+    include_usage: bool
+
+
+def _field(body: dict, name: str, kinds, default):
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if not isinstance(v, kinds) or (isinstance(v, bool) and bool not in
+                                    (kinds if isinstance(kinds, tuple) else (kinds,))):
+        raise APIError(400, f"'{name}' has the wrong type ({type(v).__name__})", name)
+    return v
+
+
+def parse(raw: bytes, *, chat: bool, tokenizer, model_names: list[str], check,
+          max_seq_length: int, seed_source) -> Parsed:
+    """Validate a request body. `check(prompt, params)` is the engine's own check (raises
+    ValueError / SamplingError); `seed_source()` gives a seed when the request has none."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise APIError(400, "'model' is required", "model")
+    if model not in model_names:
+        raise APIError(404, f"the model '{model}' does not exist; this server serves "
+                            f"{model_names}", "model", "model_not_found")
+    if tokenizer is None:
+        raise APIError(400, "this server has no tokenizer; it cannot read text prompts")
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and
+                isinstance(m.get("content"), str) for m in messages):
+            raise APIError(400, "'messages' must be a non-empty list of {role, content} "
+                                "objects with string content", "messages")
+        try:
+            prompts = [tokenizer.apply_chat_template(
+                [{"role": m["role"], "content": m["content"]} for m in messages])]
+        except ValueError as e:
+            raise APIError(400, str(e), "messages") from None
+        except Exception as e:  # noqa: BLE001 - a template may reject roles in its own way
+            raise APIError(400, f"the chat template rejected the messages: {e}",
+                           "messages") from None
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            items = [prompt]
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            items = prompt
+        elif isinstance(prompt, list) and prompt and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            items = [prompt]
+        elif isinstance(prompt, list) and prompt and all(
+                isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt):
+            items = prompt
+        else:
+            raise APIError(400, "'prompt' must be a string, a list of strings, or token ids",
+                           "prompt")
+        prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in items]
+    if any(not p for p in prompts):
+        raise APIError(400, "the prompt is empty; send at least one token",
+                       "messages" if chat else "prompt")
+    n = _field(body, "n", int, 1)
+    if not 1 <= n <= MAX_N:
+        raise APIError(400, f"'n' must be in [1, {MAX_N}], got {n}", "n")
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    longest = max(len(p) for p in prompts)
+    default_tokens = DEFAULT_COMPLETION_TOKENS if not chat else \
+        max(1, min(DEFAULT_CHAT_TOKENS, max_seq_length - longest))
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = default_tokens if max_tokens is None else max_tokens
+    seed = body.get("seed")
+    stream_options = body.get("stream_options") or {}
+    params = []
+    for prompt in prompts:
+        for j in range(n):
+            sp = SamplingParams(
+                max_new_tokens=max_tokens, temperature=body.get("temperature", 1.0),
+                top_k=body.get("top_k", 0) or 0, top_p=body.get("top_p", 1.0),
+                seed=(seed + j if isinstance(seed, int) and not isinstance(seed, bool)
+                      else seed if seed is not None else seed_source()),
+                stop=stop)
+            if sp.temperature is None:
+                sp.temperature = 1.0
+            if sp.top_p is None:
+                sp.top_p = 1.0
+            try:
+                check(prompt, sp)
+            except SamplingError as e:
+                raise APIError(400, str(e), e.param) from None
+            except ValueError as e:
+                raise APIError(400, str(e), "max_tokens" if "max_tokens" in str(e) else
+                               "messages" if chat else "prompt",
+                               "context_length_exceeded" if "context" in str(e) else None) \
+                    from None
+            params.append(sp)
+    stream = _field(body, "stream", bool, False)
+    return Parsed(chat, model, prompts, n, params, stream,
+                  bool(isinstance(stream_options, dict) and stream_options.get("include_usage")))
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def response(rid: str, parsed: Parsed, texts: list[str], reasons: list[str],
+             usage_: dict) -> dict:
+    """The non-streaming response object."""
+    if parsed.chat:
+        choices = [{"index": i, "message": {"role": "assistant", "content": t},
+                    "logprobs": None, "finish_reason": r}
+                   for i, (t, r) in enumerate(zip(texts, reasons))]
+        obj = "chat.completion"
+    else:
+        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
+                   for i, (t, r) in enumerate(zip(texts, reasons))]
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": parsed.model,
+            "choices": choices, "usage": usage_}
+
+
+def chunk(rid: str, parsed: Parsed, index: int, text: str | None, reason: str | None,
+          first: bool = False) -> dict:
+    """One streamed chunk for choice `index` (text delta and/or finish reason)."""
+    if parsed.chat:
+        delta = {"role": "assistant", "content": ""} if first else \
+            ({"content": text} if text else {})
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": parsed.model,
+            "choices": [choice]}

@@ -1,0 +1,99 @@
+"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p (nucleus), seeded.
+
+The processing order is transformers' (temperature, then top-k, then top-p); a sampled id is
+drawn by inverse CDF from one uniform of the request's own generator, seeded by
+`SamplingParams.seed`, so a seeded sample is the same at any layout and batch composition.
+Sampled rows read the logits rounded to multiples of 2^-10 (`LOGIT_GRID`): layouts sum in
+different orders and differ by ~1e-6, which would otherwise move an id across the top-p edge
+or a CDF boundary now and then; rounded, the draw differs only when a logit sits within
+~1e-6 of a grid point.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+MAX_STOP_STRINGS = 16
+LOGIT_GRID = 2.0 ** -10
+
+
+class SamplingError(ValueError):
+    """A sampling parameter is out of range; the message names it (`param` is its name)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    """How one request generates.
+
+    max_new_tokens: tokens to generate at most (>= 1).
+    temperature: 0 = greedy (argmax); > 0 divides the logits before sampling.
+    top_k: keep the k most likely ids (0 = all). top_p: smallest set of ids whose
+    probability reaches top_p (1.0 = all). seed: the request's generator seed.
+    stop: strings that end the generation (not included in the text).
+    ignore_eos: keep generating past EOS (benchmarks).
+    """
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def validate(self) -> "SamplingParams":
+        """Raise `SamplingError` naming the first bad field and its range."""
+        def bad(name, msg):
+            raise SamplingError(f"{name} {msg}", name)
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
+                or self.max_new_tokens < 1:
+            bad("max_tokens", f"must be a positive integer, got {self.max_new_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
+                or not 0.0 <= self.temperature <= 100.0:
+            bad("temperature", f"must be in [0, 100], got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            bad("top_k", f"must be an integer >= 0, got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or
+                                      not isinstance(self.seed, int)):
+            bad("seed", f"must be an integer, got {self.seed!r}")
+        if not isinstance(self.stop, list) or len(self.stop) > MAX_STOP_STRINGS or \
+                not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", f"must be a non-empty string or a list of at most {MAX_STOP_STRINGS} "
+                        f"non-empty strings, got {self.stop!r}")
+        return self
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Next ids `[b]` int64 from `logits [b, V]` (real vocabulary only, any float dtype).
+
+    Row i is greedy when `params[i].temperature == 0`, else sampled with `generators[i]`.
+    """
+    logits = logits.float()
+    out = logits.argmax(dim=-1)
+    for i, p in enumerate(params):
+        if p.temperature == 0:
+            continue
+        row = torch.round(logits[i].double() / LOGIT_GRID) * LOGIT_GRID / p.temperature
+        if 0 < p.top_k < row.numel():
+            kth = torch.topk(row, p.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = torch.softmax(row, dim=-1)
+        if p.top_p < 1.0:
+            sorted_p, order = probs.sort(descending=True)
+            before = sorted_p.cumsum(0) - sorted_p  # mass strictly before each id
+            sorted_p = sorted_p.masked_fill(before >= p.top_p, 0.0)
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+        cdf = probs.double().cumsum(0)
+        u = torch.rand((), generator=generators[i], dtype=torch.float64) * cdf[-1]
+        out[i] = int(torch.searchsorted(cdf, u.reshape(1), right=True).clamp(
+            max=probs.numel() - 1))
+    return out

@@ -1,0 +1,218 @@
+"""Tokenizers shared by training, inference and tools: SentencePiece models and HF folders.
+
+`build_tokenizer(path)` accepts either a SentencePiece ``.model`` file or a folder that
+``transformers.AutoTokenizer`` can load offline; both are wrapped in one `Tokenizer` with the
+few things the data pipeline and the model need: ``vocab_size``, ``eod`` and encode/decode.
+`train_sentencepiece` trains a byte-fallback BPE model suited to source code and prose
+(identity normalisation, whitespace kept, newline and tab as their own pieces), so
+``decode(encode(text)) == text`` for any UTF-8 text.
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterable, Sequence
+
+# Special ids fixed by `train_sentencepiece` (Llama-style order: unk, bos, eos, pad).
+UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
+
+
+class Tokenizer:
+    """One interface over a SentencePiece model or a Hugging Face tokenizer.
+
+    Attributes:
+        vocab_size: number of token ids the model must embed (every id `encode` can return
+            is in ``[0, vocab_size)``; for HF this counts added tokens too).
+        eod: end-of-document id appended after every document (SentencePiece: the eos id;
+            HF: ``eos_token_id``).
+        path: the file or folder the tokenizer was loaded from.
+        kind: ``"sentencepiece"`` or ``"hf"``.
+
+    `encode` never adds BOS/EOS; documents get ``eod`` appended by the preprocessing step.
+    """
+
+    def __init__(self, path: str, **hf_kwargs):
+        self.path = path
+        if os.path.isdir(path) or hf_kwargs:
+            self.kind = "hf"
+            self._init_hf(path, **hf_kwargs)
+        else:
+            self.kind = "sentencepiece"
+            self._init_sentencepiece(path)
+
+    def _init_sentencepiece(self, path: str) -> None:
+        import sentencepiece as spm
+
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=path)
+        except (OSError, RuntimeError) as e:
+            raise ValueError(
+                f"{path} is not a readable SentencePiece model ({e}); pass a .model file written "
+                "by SentencePiece (tools/preprocess_data.py --vocab-size N trains one)") from e
+        self.vocab_size = int(self._sp.vocab_size())
+        eos = int(self._sp.eos_id())
+        if eos < 0:
+            raise ValueError(f"SentencePiece model {path} defines no eos id; retrain it with "
+                             "eos_id set (train_sentencepiece does this)")
+        self.eod = eos
+        self.bos = int(self._sp.bos_id())
+        self.pad = int(self._sp.pad_id())
+
+    def _init_hf(self, path: str, **kwargs) -> None:
+        from transformers import AutoTokenizer
+
+        try:
+            self._hf = AutoTokenizer.from_pretrained(path, local_files_only=True, **kwargs)
+        except (OSError, ValueError) as e:
+            raise ValueError(
+                f"could not load a Hugging Face tokenizer from folder {path} ({e}); it must "
+                "hold tokenizer.json or the files of a slow tokenizer (e.g. tokenizer.model, "
+                "vocab.json + merges.txt) plus tokenizer_config.json") from e
+        if self._hf.eos_token_id is None:
+            raise ValueError(f"Hugging Face tokenizer in {path} has no eos_token; set "
+                             "eos_token in its tokenizer_config.json")
+        self.vocab_size = len(self._hf)
+        self.eod = int(self._hf.eos_token_id)
+        self.bos = self._hf.bos_token_id if self._hf.bos_token_id is not None else -1
+        self.pad = self._hf.pad_token_id if self._hf.pad_token_id is not None else -1
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no BOS/EOS added)."""
+        if self.kind == "sentencepiece":
+            return self._sp.encode(text)
+        return self._hf(text, add_special_tokens=False)["input_ids"]
+
+    def encode_batch(self, texts: Sequence[str], num_threads: int = 1) -> list[list[int]]:
+        """Encode many texts at once; SentencePiece uses ``num_threads`` C++ threads, HF fast
+        tokenizers parallelise in Rust on their own."""
+        texts = list(texts)
+        if not texts:
+            return []
+        if self.kind == "sentencepiece":
+            return self._sp.encode(texts, num_threads=max(1, num_threads))
+        return self._hf(texts, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of ``ids`` (special tokens are dropped)."""
+        ids = [int(i) for i in ids]
+        if self.kind == "sentencepiece":
+            return self._sp.decode(ids)
+        return self._hf.decode(ids, skip_special_tokens=True)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.kind == "hf" and bool(getattr(self._hf, "chat_template", None))
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """Token ids of chat `messages` (`[{"role": ..., "content": ...}]`) in the HF
+        tokenizer's chat template, ending with the assistant's generation prompt.
+
+        Raises `ValueError` when the tokenizer has no chat template (SentencePiece models and
+        base models usually have none)."""
+        if not self.has_chat_template:
+            raise ValueError(f"tokenizer {self.path} has no chat template; send a plain "
+                             f"completion (no --chat, /v1/completions)")
+        out = self._hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(out, dict) or hasattr(out, "keys"):  # transformers 5 returns an encoding
+            out = out["input_ids"]
+        return [int(t) for t in out]
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer({self.kind}, vocab_size={self.vocab_size}, eod={self.eod}, "
+                f"path={self.path!r})")
+
+
+def build_tokenizer(path: str) -> Tokenizer:
+    """Load the tokenizer at ``path`` (a SentencePiece ``.model`` file or an HF folder).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: the file/folder is not a usable tokenizer (message says what to pass).
+    """
+    if not path:
+        raise ValueError("no tokenizer given; pass a SentencePiece .model file "
+                         "(--tokenizer-model) or a Hugging Face tokenizer folder (--tokenizer-dir)")
+    path = os.path.expanduser(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"tokenizer {path} does not exist; pass a SentencePiece .model file or a folder "
+            "with Hugging Face tokenizer files (tools/preprocess_data.py --vocab-size N "
+            "trains a SentencePiece model)")
+    return Tokenizer(path)
+
+
+def train_sentencepiece(text_files: list[str], model_prefix: str, vocab_size: int, **kw) -> str:
+    """Train a byte-fallback BPE SentencePiece model on ``text_files``; return the .model path.
+
+    Ids: unk=0, bos=1, eos=2 (the EOD), pad=3; then ``"\\n"`` and ``"\\t"`` as user-defined
+    pieces and the 256 byte pieces, so every UTF-8 string encodes and decodes losslessly
+    (identity normalisation, no whitespace collapsing, no dummy prefix). Training reads at
+    most ``input_sentence_size`` lines (default 300k, shuffled), which keeps an 8k-vocab
+    model under ~10 s on 2 cores. ``hard_vocab_limit`` is off so a tiny corpus yields a
+    smaller vocab instead of failing; read the real size from `Tokenizer.vocab_size`. When
+    the vocab cannot hold every character, ``character_coverage`` is lowered step by step
+    (rare characters then go through byte pieces, still lossless).
+    Extra ``kw`` override any SentencePieceTrainer option.
+
+    Raises:
+        FileNotFoundError: a text file is missing.
+        ValueError: no text files, vocab_size too small for the byte pieces, or training
+            failed (the SentencePiece message is included).
+    """
+    import sentencepiece as spm
+
+    if not text_files:
+        raise ValueError("train_sentencepiece needs at least one text file")
+    for f in text_files:
+        if not os.path.isfile(f):
+            raise FileNotFoundError(f"tokenizer training file {f} does not exist")
+    if vocab_size < 300:
+        raise ValueError(f"vocab_size {vocab_size} is too small: byte fallback alone takes 262 "
+                         "ids; use at least 300")
+    os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
+    opts = dict(
+        input=list(text_files), model_prefix=model_prefix, vocab_size=vocab_size,
+        model_type="bpe", byte_fallback=True, character_coverage=0.9999,
+        unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID,
+        user_defined_symbols=["\n", "\t"],
+        normalization_rule_name="identity", remove_extra_whitespaces=False,
+        add_dummy_prefix=False, allow_whitespace_only_pieces=True, split_digits=True,
+        input_sentence_size=300_000, shuffle_input_sentence=True, hard_vocab_limit=False,
+        num_threads=os.cpu_count() or 1, minloglevel=2,
+    )
+    opts.update(kw)
+    # A small vocab over varied text may not fit every character; byte fallback covers the
+    # rest losslessly, so lower the coverage and retry (unless the caller fixed it).
+    coverages = [opts["character_coverage"]]
+    if "character_coverage" not in kw:
+        coverages += [0.999, 0.995, 0.98, 0.95]
+    for i, cov in enumerate(coverages):
+        try:
+            spm.SentencePieceTrainer.train(**{**opts, "character_coverage": cov})
+            break
+        except RuntimeError as e:
+            if "required_chars" not in str(e) or i == len(coverages) - 1:
+                raise ValueError(
+                    f"SentencePiece training of {model_prefix}.model failed: {e}") from e
+    return model_prefix + ".model"
+
+
+def encode_documents(tokenizer: Tokenizer, texts: Iterable[str], append_eod: bool = True,
+                     num_threads: int = 1, batch_size: int = 256) -> Iterable[list[int]]:
+    """Yield the token ids of each text in order, ``tokenizer.eod`` appended when asked.
+
+    Texts are encoded ``batch_size`` at a time with `Tokenizer.encode_batch` so SentencePiece
+    can use ``num_threads`` threads; memory stays bounded by one batch.
+    """
+    batch: list[str] = []
+
+    def flush():
+        for ids in tokenizer.encode_batch(batch, num_threads=num_threads):
+            yield list(ids) + [tokenizer.eod] if append_eod else list(ids)
+        batch.clear()
+
+    for text in texts:
+        batch.append(text)
+        if len(batch) >= batch_size:
+            yield from flush()
+    if batch:
+        yield from flush()
