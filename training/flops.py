@@ -62,16 +62,37 @@ def training_flops_per_token(config, seq_length: int | None = None,
 
 
 def measured_matmul_peak(dtype: torch.dtype, device: torch.device, n: int = 2048,
-                         repeats: int = 8, min_seconds: float = 0.0) -> float:
-    """Best FLOP/s of timed `[n, n] x [n, n]` matmuls in `dtype` on `device`: at least
-    `repeats` of them, and more until `min_seconds` have been spent timing (at most 8x
-    `repeats`). The best, not the mean: a busy machine only ever makes a matmul slower, so
-    the fastest one is the closest to the device's real rate."""
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    torch.matmul(a, b)
+                         repeats: int = 8, min_seconds: float = 0.0,
+                         max_seconds: float = 2.0) -> tuple[float, int]:
+    """Best FLOP/s of timed `[n, n] x [n, n]` matmuls in `dtype` on `device`.
+
+    At least `repeats` of them, and more until `min_seconds` have been spent timing (at most
+    8x `repeats`), but never much past `max_seconds`: once two are timed and `max_seconds`
+    are spent it stops. The size grows from 256 by doubling up to `n` while one untimed
+    warm-up matmul stays under `max_seconds / 64`, so that a slow dtype (bf16 on a CPU
+    without bf16 instructions runs ~40x below fp32) is measured at a smaller size in a
+    fraction of a second instead of taking seconds per matmul. The best, not the mean: a busy
+    machine only ever makes a matmul slower, so the fastest one is the closest to the
+    device's real rate.
+
+    Returns:
+        `(FLOP/s, size)`: the rate and the matrix size it was measured at.
+    """
+    size = min(256, n)
+    while True:
+        a = torch.randn(size, size, device=device).to(dtype)
+        b = torch.randn(size, size, device=device).to(dtype)
+        t0 = time.perf_counter()
+        torch.matmul(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if size >= n or time.perf_counter() - t0 > max_seconds / 64:
+            break
+        size *= 2
     best, spent, done = float("inf"), 0.0, 0
     while done < repeats or (spent < min_seconds and done < 8 * repeats):
+        if done >= 2 and spent >= max_seconds:
+            break
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -80,7 +101,7 @@ def measured_matmul_peak(dtype: torch.dtype, device: torch.device, n: int = 2048
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
         best, spent, done = min(best, elapsed), spent + elapsed, done + 1
-    return 2.0 * n ** 3 / best
+    return 2.0 * size ** 3 / best, size
 
 
 class PeakFlops:
@@ -99,6 +120,7 @@ class PeakFlops:
         self.device, self.dtype = device, dtype
         self.key = "bf16" if dtype == torch.bfloat16 else "fp32"
         self.note: str | None = None
+        self.remeasured = False
         if given:
             self.tflops, self.source, self.measured = float(given), "--peak-tflops", False
             return
@@ -113,11 +135,13 @@ class PeakFlops:
         # CPU: many short matmuls (1024^3, ~20 ms on 2 cores) for half a second, so that the
         # best of them likely met an idle moment on a shared machine
         self.n = 8192 if device.type == "cuda" else 1024
+        self.measured = True
         self.tflops = self._measure()
-        self.source, self.measured = f"measured: best of >= 8 {self.n}^3 {self.key} matmuls", True
+        self.source = f"measured: best of repeated {self.n}^3 {self.key} matmuls"
 
     def _measure(self) -> float:
-        return measured_matmul_peak(self.dtype, self.device, self.n, min_seconds=0.5) / 1e12
+        flops, self.n = measured_matmul_peak(self.dtype, self.device, self.n, min_seconds=0.5)
+        return flops / 1e12
 
     def remeasure(self) -> float:
         """Measure again (a measured peak only) and keep the higher; returns the peak."""
@@ -126,14 +150,19 @@ class PeakFlops:
         return self.tflops
 
     def mfu(self, achieved_tflops: float) -> float | None:
-        """`achieved / peak`, or None when the achieved rate exceeds the peak (see class)."""
-        if achieved_tflops > self.tflops:
+        """`achieved / peak`, or None when the achieved rate exceeds the peak (see class).
+
+        Re-measures at most once per run, so a peak that stays below the achieved rate costs
+        one measurement, not one per log line."""
+        if achieved_tflops > self.tflops and not self.remeasured:
+            self.remeasured = True
             self.remeasure()
         if achieved_tflops <= self.tflops:
             return achieved_tflops / self.tflops
         self.note = (f"the achieved {achieved_tflops:.3g} TFLOP/s per device exceeds the peak "
                      f"{self.tflops:.3g} TFLOP/s ({self.source})" +
-                     (": the machine was busy while it was measured" if self.measured else "")
+                     (": the measured peak came out low (a busy machine, or a matmul kernel slower at "
+                      f"{self.n}^3 than at the model's shapes)" if self.measured else "")
                      + "; MFU is not shown, pass --peak-tflops with the device's real peak")
         return None
 
