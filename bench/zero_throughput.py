@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import os
 import statistics
 import subprocess
@@ -82,7 +83,12 @@ def one_run(flags: list[str], log_dir: str) -> dict:
         records = pretrain(parse_config(flags + ["--log-dir", log_dir]))
     steps = [r for r in records if "loss" in r]
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
-    return {"step_times": [r["step_time_s"] for r in steps[1:]], "record": steps[-1],
+    record = dict(steps[-1])
+    metrics = os.path.join(log_dir, "metrics.jsonl")  # rank 0: its run_start accounting
+    if os.path.exists(metrics):
+        with open(metrics) as f:
+            record.update(json.loads(f.readline()))
+    return {"step_times": [r["step_time_s"] for r in steps[1:]], "record": record,
             "loss": steps[-1]["loss"], "cuda_peak": peak}
 
 
