@@ -90,6 +90,21 @@ class GPTModel(nn.Module):
         """Layout-independent init: the dense weights depend only on `seed` (see layers.sharding)."""
         initialize_parameters(self, seed, self.config.init_method_std, self.config.num_layers)
 
+    def sharding_units(self) -> list[nn.Module]:
+        """Submodules whose parameters ZeRO-3 gathers together, in forward order: the embedding
+        (unless its weight is also this chunk's output layer's), each transformer layer, and
+        the output layer when it has its own weight. The rest (final norm, a tied embedding)
+        is the chunk's root unit (training/fsdp.py)."""
+        units = []
+        tied_here = self.share_embeddings_and_output_weights and self.pre_process \
+            and self.post_process
+        if self.pre_process and not tied_here:
+            units.append(self.embedding)
+        units += list(self.decoder.layers.values())
+        if self.post_process and self.output_layer.weight is not None:
+            units.append(self.output_layer)
+        return units
+
     def output_weight(self) -> torch.Tensor:
         if self.post_process and self.output_layer.weight is not None:
             return self.output_layer.weight

@@ -35,7 +35,7 @@ def gather_full_state_dict(chunks) -> dict[str, torch.Tensor]:
             rows = getattr(p, "full_rows", None)
             if rows is not None:
                 t = t[:rows]
-            local[name] = t.cpu()
+            local[name] = t.to("cpu", copy=True)  # never a view of a live parameter
     if ps.get_pipeline_model_parallel_world_size() == 1:
         return local
     stages: list = [None] * ps.get_pipeline_model_parallel_world_size()

@@ -210,19 +210,24 @@ def all_reduce_sequence_parallel_grads(params) -> None:
     Under sequence parallelism each TP rank sees only its tokens, so the gradient of a
     replicated norm weight is partial; forgetting this sum is the classic SP bug.
     """
-    size, _ = _tp()
     # `main_grad`: the float32 gradient under training.distributed (bf16 weights free `.grad`)
     grads = [getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None
              else p.grad for p in params if getattr(p, "sequence_parallel", False)]
-    grads = [g for g in grads if g is not None]
-    if size == 1 or not grads:
+    all_reduce_over_tensor_parallel([g for g in grads if g is not None])
+
+
+def all_reduce_over_tensor_parallel(tensors) -> None:
+    """Sum each of `tensors` over TP in place, in one flat all-reduce. Every TP rank must pass
+    tensors of the same sizes in the same order (e.g. pieces of sharded gradients)."""
+    size, _ = _tp()
+    if size == 1 or not tensors:
         return
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    flat = torch.cat([t.reshape(-1) for t in tensors])
     dist.all_reduce(flat, group=grid.get_tensor_model_parallel_group())
     offset = 0
-    for g in grads:
-        g.copy_(flat[offset: offset + g.numel()].view_as(g))
-        offset += g.numel()
+    for t in tensors:
+        t.copy_(flat[offset: offset + t.numel()].view_as(t))
+        offset += t.numel()
 
 
 # Plain (no-autograd) sequence collectives, for layers that write their own backward.

@@ -1,16 +1,23 @@
-"""Distributed optimizer (ZeRO stage 1) and bf16 mixed precision (issue 4, items 1-2).
+"""Data-parallel sharding strategies (ZeRO-1/2/3), CPU offload and bf16 mixed precision
+(issues 4 and 13).
 
-- `--use-distributed-optimizer` at dp 2 and 4, with TP 2 + SP and with PP 2 (tied embedding,
-  so its gradient all-reduce across stages runs on the reduce-scattered shard), gives the same
-  weights after 5 steps as torch.optim.AdamW in one process (the world-1 run without the flag),
-  with gradient clipping active every step, and the same reported gradient norms, up to
-  rounding (tests/tolerances.py: `k` = the training steps' chains);
-- per-rank AdamW state bytes are 1/dp of the unsharded figure within the bucket padding, and
-  under --bf16 the weights are bf16 while main weights and moments are float32;
-- a --bf16 run (bf16 weights and activations, fp32 main weights, moments and gradient
+- Every `--data-parallel-sharding-strategy` (no_shard, optim, optim_grads,
+  optim_grads_params), with `--optimizer-cpu-offload` too, at dp 2 and 4, with TP 2 + SP and
+  with PP 2 (tied embedding, so its gradient all-reduce across stages runs on shards), and
+  ZeRO-3 under full recompute, gives the same losses, gradient norms and weights after 5
+  steps as torch.optim.AdamW in one process (the world-1 run), to 1e-5 relative per tensor
+  (observed: ~1e-7) and within the rounding bound of tests/tolerances.py, with gradient
+  clipping active every step; every DP replica ends with the same weights. Several
+  strategies run in one spawned world, one after the other.
+- Measured model-state bytes per rank equal the ZeRO formula (padded parameter count) exactly
+  for each strategy, in float32 and bf16, with and without offload; ZeRO-3's gathered-
+  parameter peak equals its prediction, and between uses only the shards stay allocated.
+- A checkpoint saved under optim_grads_params at (tp2, dp2) resumes bitwise on the same layout,
+  and to 1e-6 under no_shard at dp1 and under optim at (pp2, dp2).
+- A --bf16 run (bf16 weights and activations, fp32 main weights, moments and gradient
   accumulation) trains and its loss stays within a few bf16 ulps of the float32 run's
-  (tests/tolerances.py `bf16_loss_atol`: 4 x 2^-8 x |loss|) for 20 steps, also with ZeRO at
-  dp 2.
+  (tests/tolerances.py `bf16_loss_atol`: 4 x 2^-8 x |loss|) for 20 steps, also with ZeRO-1
+  at dp 2 and ZeRO-3 with offload at dp 2.
 """
 from __future__ import annotations
 
@@ -26,14 +33,17 @@ from tolerances import (assert_losses_close, bf16_loss_atol, training_chain_term
 # clipping scale (hence the exact global norm) enters every update.
 COMMON = ["--train-iters", "5", "--log-interval", "1", "--eval-interval", "0",
           "--micro-batch-size", "2", "--global-batch-size", "8", "--no-tensorboard",
-          "--adam-eps", "1e-4", "--clip-grad", "0.05"]
+          "--adam-eps", "1e-4", "--clip-grad", "0.05", "--peak-tflops", "1"]
 GPT = ["--config", "configs/tiny-gpt.yaml", "--num-layers", "2"]  # tied embeddings, biases
 LLAMA = ["--config", "configs/tiny-llama.yaml", "--num-layers", "2"]  # untied, RMSNorm
-ZERO = ["--use-distributed-optimizer"]
+STRATEGY = "--data-parallel-sharding-strategy"
+OFFLOAD = ["--optimizer-cpu-offload"]
 
 
-def _train_worker(args: list[str], log_dir: str, cache: str):
-    """pretrain() in a run_distributed world; losses, grad norms and the full weights."""
+def _train_worker(runs: list[list[str]], log_dir: str, cache: str):
+    """pretrain() once per argument list in this run_distributed world; per run the losses,
+    grad norms, full weights and the model-state records."""
+    import json
     import os
 
     import parallel_state as ps
@@ -42,112 +52,251 @@ def _train_worker(args: list[str], log_dir: str, cache: str):
     from training.trainer import pretrain
 
     os.environ["SHARDZOO_CACHE"] = cache
-    ps.destroy_model_parallel()  # pretrain builds the grid from the config
+    out = []
+    for i, args in enumerate(runs):
+        ps.destroy_model_parallel()  # pretrain builds the grid from the config
 
-    def on_end(chunks):
-        return {"state": gather_full_state_dict(chunks),
-                "dtypes": sorted({str(p.dtype) for c in chunks for p in c.parameters()})}
+        def on_end(chunks):
+            return {"state": gather_full_state_dict(chunks),
+                    "dtypes": sorted({str(p.dtype) for c in chunks for p in c.parameters()})}
 
-    records = pretrain(parse_config(args + ["--log-dir", log_dir]), on_end=on_end)
-    return {"losses": [r["loss"] for r in records if "loss" in r],
-            "grad_norms": [r["grad_norm"] for r in records if "grad_norm" in r],
-            **records[-1]["on_end"]}
+        records = pretrain(parse_config(args + ["--log-dir", f"{log_dir}/{i}"]), on_end=on_end)
+        steps = [r for r in records if "loss" in r]
+        start = {}  # rank 0's start-up accounting: the run_start record of metrics.jsonl
+        if os.path.exists(f"{log_dir}/{i}/metrics.jsonl"):
+            start = json.loads(open(f"{log_dir}/{i}/metrics.jsonl").readline())
+        out.append({"losses": [r["loss"] for r in steps],
+                    "grad_norms": [r["grad_norm"] for r in steps],
+                    "bytes": {k: v for k, v in {**start, **steps[-1]}.items()
+                              if k.startswith(("model_state_", "gathered_"))},
+                    **records[-1]["on_end"]})
+    return out
 
 
-def _run(world, args, tmp_path, corpus_env):
-    return run_distributed(_train_worker, world, args, str(tmp_path),
-                           corpus_env["SHARDZOO_CACHE"], timeout=300)
+def _run(world, runs, tmp_path, corpus_env):
+    return run_distributed(_train_worker, world, runs, str(tmp_path),
+                           corpus_env["SHARDZOO_CACHE"], timeout=600)
 
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory, corpus_env):
-    return {name: _run(1, args + COMMON, tmp_path_factory.mktemp(name), corpus_env)[0]
-            for name, args in (("gpt", GPT), ("llama", LLAMA))}
+    out = _run(1, [GPT + COMMON, LLAMA + COMMON], tmp_path_factory.mktemp("ref"), corpus_env)[0]
+    return {"gpt": out[0], "llama": out[1]}
+
+
+def _strategy(name: str, *extra: str) -> list[str]:
+    return [STRATEGY, name, *extra]
 
 
 CASES = [
-    # id, family, world, extra flags
-    ("dp2", "llama", 2, []),
-    ("dp4-tied", "gpt", 4, []),
-    ("tp2-dp2-sp", "llama", 4, ["--tp", "2", "--sequence-parallel"]),
-    ("pp2-dp2-tied", "gpt", 4, ["--pp", "2"]),
+    # id, family, world, layout flags, runs (strategy flags) in that one world
+    ("dp2", "llama", 2, [], [
+        _strategy("no_shard"), _strategy("optim"), _strategy("optim_grads"),
+        _strategy("optim_grads_params"),
+        _strategy("optim_grads_params", "--recompute-granularity", "full",
+                  "--recompute-num-layers", "2"),
+        _strategy("optim_grads_params", *OFFLOAD, "--optimizer-offload-fraction", "0.5"),
+        _strategy("no_shard", *OFFLOAD)]),
+    ("dp4-tied", "gpt", 4, [], [
+        _strategy("no_shard"), _strategy("optim"), _strategy("optim_grads"), _strategy("optim_grads_params"),
+        _strategy("optim_grads", *OFFLOAD)]),
+    ("tp2-dp2-sp", "llama", 4, ["--tp", "2", "--sequence-parallel"], [
+        _strategy("optim"), _strategy("optim_grads"), _strategy("optim_grads_params"),
+        _strategy("optim_grads_params", *OFFLOAD)]),
+    ("pp2-dp2-tied", "gpt", 4, ["--pp", "2"], [
+        _strategy("optim"), _strategy("optim_grads"), _strategy("optim_grads_params"),
+        _strategy("optim_grads_params", *OFFLOAD, "--optimizer-offload-fraction", "0.3")]),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_distributed_optimizer_matches_adamw(case, references, tmp_path, corpus_env):
-    _, family, world, extra = case
-    out = _run(world, (GPT if family == "gpt" else LLAMA) + COMMON + ZERO + extra, tmp_path,
-               corpus_env)
+def test_sharding_strategies_match_adamw(case, references, tmp_path, corpus_env):
+    _, family, world, layout, runs = case
+    base = (GPT if family == "gpt" else LLAMA) + COMMON + layout
+    out = _run(world, [base + r for r in runs], tmp_path, corpus_env)
     ref = references[family]
     assert all(n > 0.05 for n in ref["grad_norms"])  # clipping was active at every step
-    k_step = training_chain_terms((GPT if family == "gpt" else LLAMA) + COMMON)
-    for rank_out in out:
-        assert_losses_close(rank_out["losses"], ref["losses"], k_step)
-        # a norm of step t sums the squares of every gradient element on top of the chain
-        assert_losses_close(rank_out["grad_norms"], ref["grad_norms"], k_step, "grad norms")
-    state = out[0]["state"]
-    assert sorted(state) == sorted(ref["state"])
-    assert not weights_mismatch(state, ref["state"], 5 * k_step)
-    for rank_out in out[1:]:  # every DP replica ends with the same (all-gathered) weights
-        if rank_out["state"].keys() == state.keys():
-            for name in state:
-                assert torch.equal(rank_out["state"][name], state[name]), name
+    k_step = training_chain_terms(base)
+    for i, flags in enumerate(runs):
+        what = " ".join(flags)
+        for rank_out in out:
+            r = rank_out[i]
+            assert r["losses"] == pytest.approx(ref["losses"], rel=1e-5), what
+            assert r["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-5), what
+            assert_losses_close(r["losses"], ref["losses"], k_step, what)
+        assert "model_state_total_bytes" in out[0][i]["bytes"], what
+        for r in [o[i] for o in out if "model_state_total_bytes" in o[i]["bytes"]]:
+            b = r["bytes"]  # (rank 0's) measured model states are exactly the formula's
+            assert b["model_state_total_bytes"] == b["model_state_predicted_total_bytes"], what
+            assert b["model_state_host_total_bytes"] == \
+                b["model_state_predicted_host_total_bytes"], what
+            assert (b["model_state_host_total_bytes"] > 0) == ("--optimizer-cpu-offload" in flags)
+            if "pp" not in case[0] and "optim_grads_params" in flags:
+                assert b["gathered_params_peak_bytes"] == \
+                    b["model_state_gathered_params_predicted_peak_bytes"], what
+        state = out[0][i]["state"]
+        assert sorted(state) == sorted(ref["state"])
+        assert not weights_mismatch(state, ref["state"], 5 * k_step), what
+        for name, full in ref["state"].items():
+            rel = float((state[name] - full).norm() / full.norm().clamp_min(1e-12))
+            assert rel < 1e-5, f"{what}: {name}: relative error {rel:.2e}"
+        for rank_out in out[1:]:  # every DP replica ends with the same weights
+            other = rank_out[i]["state"]
+            if other.keys() == state.keys():
+                for name in state:
+                    assert torch.equal(other[name], state[name]), (what, name)
 
 
 def _state_bytes_worker(bf16: bool):
-    """Build tiny-llama with DDP + the distributed optimizer on this grid; report bytes."""
+    """Build tiny-llama under every strategy (and ZeRO-3 with offload) on this dp-4 grid;
+    report measured and formula bytes; run one ZeRO-3 forward/backward and record which
+    gathered units are alive."""
     import parallel_state as ps
     from training.arguments import parse_config
-    from training.distributed import DistributedDataParallel
-    from training.distributed_optimizer import DistributedOptimizer, model_state_bytes
+    from training.distributed import STRATEGIES, DistributedDataParallel
+    from training.distributed_optimizer import DistributedOptimizer
+    from training.fsdp import peak_gathered_bytes
+    from training.memory import model_state_bytes
+    from training.optimizer import build_optimizer
     from training.trainer import build_model
 
-    config = parse_config(["--config", "configs/tiny-llama.yaml", "--bf16" if bf16 else
-                           "--no-bf16", "--ddp-bucket-size", "100000"])
+    config = parse_config(["--config", "configs/tiny-llama.yaml", "--num-layers", "2",
+                           "--bf16" if bf16 else "--no-bf16"])
     config.validate(torch.distributed.get_world_size())
-    chunks = build_model(config, torch.device("cpu"))
-    model = [DistributedDataParallel(c, data_parallel_group=ps.get_data_parallel_group(),
-                                     bucket_size=100_000, use_distributed_optimizer=True)
-             for c in chunks]
-    opt = DistributedOptimizer(model, lr=1e-3, weight_decay=0.01)
-    return {"bytes": model_state_bytes(model, opt),
-            "buckets": sum(len(d.buffer.buckets) for d in model),
-            "numel": sum(p.numel() for c in chunks for p in c.parameters()),
-            "param_dtypes": {str(p.dtype) for c in chunks for p in c.parameters()},
-            "main_dtypes": {str(s.main.dtype) for s in opt.shards}
-            | {str(s.exp_avg.dtype) for s in opt.shards}}
+    out = {}
+    for strategy, fraction in [(s, 0.0) for s in STRATEGIES] + [("optim_grads_params", 0.25)]:
+        chunks = build_model(config, torch.device("cpu"))
+        model = [DistributedDataParallel(c, data_parallel_group=ps.get_data_parallel_group(),
+                                         bucket_size=100_000,
+                                         data_parallel_sharding_strategy=strategy)
+                 for c in chunks]
+        if strategy == "no_shard" and not bf16:
+            opt = build_optimizer(chunks[0], lr=1e-3, weight_decay=0.01)
+        else:
+            opt = DistributedOptimizer(model, lr=1e-3, weight_decay=0.01,
+                                       shard=strategy != "no_shard", offload_fraction=fraction)
+        rec = {"bytes": model_state_bytes(model, opt),
+               "param_dtypes": {str(p.dtype) for c in chunks for p in c.parameters()}}
+        if isinstance(opt, DistributedOptimizer):
+            rec["main_dtypes"] = {str(t.dtype) for s in opt.shards
+                                  for t in (s.main, s.exp_avg, s.exp_avg_sq)}
+        if strategy == "optim_grads_params" and not fraction:
+            ddp = model[0]
+            alive = lambda: [u.name for u in ddp.units.order if u.gathered]  # noqa: E731
+            rec["alive_at_start"] = alive()
+            peak_gathered_bytes(reset=True)
+            tokens = torch.randint(0, 100, (2, 64))
+            loss = ddp(tokens, labels=tokens).sum()
+            rec["alive_after_forward"] = alive()
+            loss.backward()
+            ddp.finish_grad_sync()
+            rec["alive_after_backward"] = alive()
+            rec["storage_bytes_after_backward"] = sum(
+                p.untyped_storage().nbytes() for p in ddp.params)
+            rec["peak"] = peak_gathered_bytes()
+            rec["unit_bytes"] = ddp.units.unit_bytes()
+        out[(strategy, fraction)] = rec
+    return out
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-def test_state_bytes_are_sharded(bf16):
+def test_model_state_bytes_equal_formula(bf16):
     dp = 4
+    w = 2 if bf16 else 4
     for r in run_distributed(_state_bytes_worker, dp, bf16):
-        b, n, padding = r["bytes"], r["numel"], dp * r["buckets"]  # < dp elements per bucket
-        assert r["param_dtypes"] == {"torch.bfloat16" if bf16 else "torch.float32"}
-        assert r["main_dtypes"] == {"torch.float32"}
-        assert b["params"] == n * (2 if bf16 else 4)
-        assert b["unsharded_optimizer_states"] == 8 * n
-        assert 0 <= b["optimizer_states"] * dp - 8 * n < 8 * padding
-        assert n * 4 <= b["grads"] < (n + padding) * 4  # fp32 grad buffer, unsharded (ZeRO-1)
-        if bf16:
-            assert b["unsharded_main_params"] == 4 * n
-            assert 0 <= b["main_params"] * dp - 4 * n < 4 * padding
-        else:  # fp32 main weights are the model weights themselves
-            assert b["main_params"] == b["unsharded_main_params"] == 0
+        for (strategy, fraction), rec in r.items():
+            b, what = rec["bytes"], (strategy, fraction)
+            psi, padded = b["psi"], b["psi_padded"]
+            assert rec["param_dtypes"] == {"torch.bfloat16" if bf16 else "torch.float32"}
+            assert rec.get("main_dtypes", {"torch.float32"}) == {"torch.float32"}
+            assert b["total"] == b["predicted_total"], what
+            assert b["host_total"] == b["predicted_host_total"], what
+            assert 0 <= padded - psi < dp * 20, what  # < dp elements of padding per bucket
+            k = 12 if bf16 else 8
+            # Rajbhandari et al. 2020 sec. 5 (with our byte counts, padded psi)
+            expect = {"no_shard": (w + 4 + k) * padded,
+                      "optim": (w + 4) * padded + k * padded // dp,
+                      "optim_grads": w * padded + (4 + k) * padded // dp,
+                      "optim_grads_params": (w + 4 + k) * padded // dp}[strategy]
+            host = int(fraction * padded // dp)
+            expect -= k * host
+            assert b["total"] == expect, what
+            assert b["host_total"] == 16 * host, what
+            assert abs(b["paper_total"] - b["total"]) <= 20 * dp * (w + 4 + k), what
+        rec = r[("optim_grads_params", 0.0)]
+        units = dict(rec["unit_bytes"])
+        assert rec["alive_at_start"] == []  # only the shards are allocated between uses
+        # root (final norm) and the last unit (output layer) stay for backward, layers do not
+        assert rec["alive_after_forward"] == ["root", "ColumnParallelLinear"]
+        assert rec["alive_after_backward"] == [] and rec["storage_bytes_after_backward"] == 0
+        layer = units["TransformerLayer"]
+        assert rec["peak"] == units["root"] + max(units["LanguageModelEmbedding"] + layer,
+                                                  layer + units["ColumnParallelLinear"])
+        assert rec["peak"] == rec["bytes"]["gathered_params_predicted_peak"]
+
+
+CKPT = LLAMA + ["--num-query-groups", "4", "--train-iters", "6", "--log-interval", "1",
+                "--eval-interval", "0", "--no-tensorboard", "--peak-tflops", "1"]
+
+
+def test_checkpoint_across_strategies(tmp_path, corpus_env):
+    """Saved under optim_grads_params at (tp2, dp2), iteration 3 resumes bitwise there, and
+    to 1e-6 under optim at (pp2, dp2) and under no_shard at dp 1."""
+    save = str(tmp_path / "save")
+    ckpt = save + "/iter_0000003"
+    zero3 = CKPT + ["--tp", "2", STRATEGY, "optim_grads_params"]
+    four = _run(4, [zero3 + ["--save", save, "--save-interval", "3"],
+                    zero3 + ["--load", ckpt],
+                    CKPT + ["--pp", "2", STRATEGY, "optim", "--load", ckpt]],
+                tmp_path / "four", corpus_env)[0]
+    one = _run(1, [CKPT + [STRATEGY, "no_shard", "--load", ckpt]], tmp_path / "one",
+               corpus_env)[0]
+    ref = four[0]["losses"]
+    assert len(ref) == 6 and ref[-1] < ref[0]
+    assert four[1]["losses"] == ref[3:]  # bitwise
+    for resumed in (four[2], one[0]):
+        assert resumed["losses"] == pytest.approx(ref[3:], rel=1e-6)
+    for name, full in four[0]["state"].items():  # and the final weights agree
+        for resumed in (four[1], four[2], one[0]):
+            rel = float((resumed["state"][name] - full).norm() / full.norm().clamp_min(1e-12))
+            assert rel < 1e-5, (name, rel)
+
+
+def test_sharding_flags_validated_up_front():
+    from models.config import ConfigError
+    from training.arguments import parse_config
+
+    def resolved(*flags):
+        t = parse_config(LLAMA + list(flags)).validate(4).train
+        return t.data_parallel_sharding_strategy, t.use_distributed_optimizer, \
+            t.optimizer_offload_fraction
+
+    assert resolved() == ("no_shard", False, None)
+    assert resolved("--use-distributed-optimizer") == ("optim", True, None)
+    assert resolved(STRATEGY, "optim_grads_params") == ("optim_grads_params", True, None)
+    assert resolved(*OFFLOAD) == ("no_shard", False, 1.0)
+    with pytest.raises(ConfigError, match="contradicts --data-parallel-sharding-strategy"):
+        resolved("--use-distributed-optimizer", STRATEGY, "no_shard")
+    with pytest.raises(ConfigError, match="must be one of"):
+        resolved(STRATEGY, "zero3")
+    with pytest.raises(ConfigError, match="needs --optimizer-cpu-offload"):
+        resolved("--optimizer-offload-fraction", "0.5")
+    with pytest.raises(ConfigError, match=r"must be in \[0, 1\]"):
+        resolved(*OFFLOAD, "--optimizer-offload-fraction", "1.5")
 
 
 BF16_RUN = ["--config", "configs/tiny-llama.yaml", "--train-iters", "20", "--eval-interval",
-            "0", "--log-interval", "1", "--no-tensorboard"]
+            "0", "--log-interval", "1", "--no-tensorboard", "--peak-tflops", "1"]
 
 
 def test_bf16_tracks_fp32(tmp_path, corpus_env):
-    fp32 = _run(1, BF16_RUN, tmp_path / "fp32", corpus_env)[0]
-    bf16 = _run(1, BF16_RUN + ["--bf16"], tmp_path / "bf16", corpus_env)[0]
-    zero = _run(2, BF16_RUN + ["--bf16"] + ZERO, tmp_path / "zero", corpus_env)[0]
+    fp32, bf16 = _run(1, [BF16_RUN, BF16_RUN + ["--bf16"]], tmp_path / "one", corpus_env)[0]
+    zero1, zero3 = _run(2, [BF16_RUN + ["--bf16", "--use-distributed-optimizer"],
+                            BF16_RUN + ["--bf16", STRATEGY, "optim_grads_params", *OFFLOAD]],
+                        tmp_path / "two", corpus_env)[0]
     assert fp32["dtypes"] == ["torch.float32"]
-    assert bf16["dtypes"] == zero["dtypes"] == ["torch.bfloat16"]
+    assert bf16["dtypes"] == zero1["dtypes"] == zero3["dtypes"] == ["torch.bfloat16"]
     assert bf16["losses"][-1] < bf16["losses"][0] - 0.5  # it trains
-    for run in (bf16, zero):
+    for run in (bf16, zero1, zero3):
         for a, b in zip(run["losses"], fp32["losses"]):
             assert abs(a - b) <= bf16_loss_atol(b), (run["losses"], fp32["losses"])

@@ -51,6 +51,9 @@ class TrainConfig:
     decoder_last_pipeline_num_layers: int | None = None
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False  # ZeRO-1: Adam states/main weights sharded over DP
+    data_parallel_sharding_strategy: str | None = None  # None: optim if the above, else no_shard
+    optimizer_cpu_offload: bool = False  # main weights + Adam moments in host memory
+    optimizer_offload_fraction: float | None = None  # None: 1.0 with --optimizer-cpu-offload
     recompute_granularity: str | None = None  # None | "full" | "selective"
     recompute_method: str | None = None  # full only: uniform (default) | block
     recompute_num_layers: int | None = None  # full only: group size / checkpointed layers (1)
@@ -151,7 +154,9 @@ class Config:
             f"{self.num_microbatches} microbatches x dp {dp}\n"
             f"optim   lr {t.lr:g} -> {t.min_lr:g} {t.lr_decay_style}, warmup {t.lr_warmup_iters}"
             f", decay {t.lr_decay_iters}, wd {t.weight_decay:g}, clip {t.clip_grad:g}, "
-            f"bf16 {t.bf16}\n"
+            f"bf16 {t.bf16}, dp sharding {t.data_parallel_sharding_strategy}"
+            + (f", optimizer offload {t.optimizer_offload_fraction:g}" if t.optimizer_cpu_offload
+               else "") + "\n"
             f"run     {t.train_iters} iters, eval every {t.eval_interval} ({t.eval_iters} iters),"
             f" log every {t.log_interval} -> {t.log_dir}")
 
@@ -238,6 +243,10 @@ FLAG_HELP = {
     "decoder_last_pipeline_num_layers": "layers on the last stage (uneven split)",
     "sequence_parallel": "norms/dropout on sequence shards (needs tp > 1)",
     "use_distributed_optimizer": "ZeRO-1: shard main weights and Adam states over DP",
+    "data_parallel_sharding_strategy": "no_shard | optim (ZeRO-1) | optim_grads (ZeRO-2) | "
+    "optim_grads_params (ZeRO-3/FSDP)",
+    "optimizer_cpu_offload": "keep main weights and Adam moments in host memory, step there",
+    "optimizer_offload_fraction": "share of optimizer state offloaded (default 1.0)",
     "recompute_granularity": "full | selective activation recompute",
     "recompute_method": "full only: uniform | block",
     "recompute_num_layers": "full only: layers per checkpointed group / checkpointed layers",

@@ -19,11 +19,13 @@ gathered to rank 0. Keys do not depend on the parallel layout, so a checkpoint s
 - `rng.rank<R>.*`: each rank's torch (and CUDA) generator and TP-tracker states. They are
   restored only on the same layout (exact resume); on another layout the fresh seeds stay.
 
-ZeRO (--use-distributed-optimizer): DP rank r owns a flat range of each gradient bucket. On
-save, every bucket's main weights and moments are all-gathered over DP, so each rank briefly
-holds the unsharded optimizer state of its TP x PP shard (12 bytes per local parameter); on
-load every rank reads the per-parameter tensors and copies out its own range. This is what
-makes (distributed optimizer on/off) x (dp size) resumable both ways.
+ZeRO (`--data-parallel-sharding-strategy optim | optim_grads | optim_grads_params`, and
+`--optimizer-cpu-offload`): DP rank r owns a flat range of each bucket's main weights and
+moments (on the device or in host memory). On save, every bucket's main weights and moments
+are all-gathered over DP, so each rank briefly holds the unsharded optimizer state of its
+TP x PP shard (12 bytes per local parameter); on load every rank reads the per-parameter
+tensors and copies out its own range (under ZeRO-3 also of the parameter shards). This is
+what makes (any strategy) x (dp size) x (offload) resumable every way.
 
 Atomicity: shards go to `<save>/iter_XXXXXXX.tmp-<random>/`; after every rank finished,
 rank 0 writes metadata.json (files, sizes, sha256), verifies, renames the folder to
@@ -91,9 +93,8 @@ def kill_hook(iteration: int) -> None:
 def _flat_states(model, optimizer):
     """Per DDP wrapper, flat float32 [buffer numel] main weights and moments, assembled from
     the owned shards (all-gathered over DP when ZeRO-sharded)."""
-    flats = {id(ddp): {k: torch.zeros(ddp.buffer.data.numel(), dtype=torch.float32,
-                                      device=ddp.buffer.data.device) for k in KINDS}
-             for ddp in model}
+    flats = {id(ddp): {k: torch.zeros(ddp.numel_padded, dtype=torch.float32, device=ddp.device)
+                       for k in KINDS} for ddp in model}
     for s in optimizer.shards:
         f = flats[id(s.ddp)]
         for kind, src in zip(KINDS, (s.main, s.exp_avg, s.exp_avg_sq)):
@@ -157,7 +158,9 @@ def _layout(config) -> dict:
     return {"tp": t.tensor_model_parallel_size, "pp": t.pipeline_model_parallel_size,
             "vpp": t.virtual_pipeline_model_parallel_size, "dp": config.data_parallel_size,
             "world_size": config.world_size,
-            "distributed_optimizer": t.use_distributed_optimizer, "bf16": t.bf16}
+            "distributed_optimizer": t.use_distributed_optimizer,
+            "data_parallel_sharding_strategy": t.data_parallel_sharding_strategy,
+            "optimizer_cpu_offload": t.optimizer_cpu_offload, "bf16": t.bf16}
 
 
 def state_to_save(config, chunks, model, optimizer, iteration: int, copy: bool) -> dict:
@@ -415,8 +418,9 @@ def _load_states(path: str, config, chunks, model, optimizer, load_rng: bool,
 def _apply(values: dict, step: int, chunks, model, optimizer, with_optim: bool) -> None:
     """Copy loaded float32 TP-local tensors into parameters, main weights and moments."""
     params = [p for _, p, _, _ in entries(chunks)]
-    for p in params:
-        p.copy_(values[id(p)]["model"].to(p.device, p.dtype))
+    wrapper = {id(p): ddp for ddp in model for p in ddp.params}
+    for p in params:  # ZeRO-3: into the owned part of the parameter shards
+        wrapper[id(p)].load_param_(p, values[id(p)]["model"])
     if isinstance(optimizer, DistributedOptimizer):
         for s in optimizer.shards:
             targets = [("model", s.main)] + ([("optim.exp_avg", s.exp_avg),

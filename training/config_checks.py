@@ -33,6 +33,7 @@ def validate(config: "Config", world_size: int) -> None:
     _check_pipeline(config.model, t)
     config.num_microbatches = _check_batch(t, config.data_parallel_size)
     _check_optimizer(t)
+    _check_sharding(t)
     _check_recompute(config.model, t)
     _check_data(t)
     _check_run(t)
@@ -164,6 +165,30 @@ def _check_optimizer(t: TrainConfig) -> None:
         if value is not None and not math.isfinite(value):
             raise ConfigError(f"{flag(name)} must be a finite number, got {value}")
     _check_choice("recompute_granularity", t.recompute_granularity, (None, "full", "selective"))
+
+
+def _check_sharding(t: TrainConfig) -> None:
+    """Resolve --data-parallel-sharding-strategy (Megatron-FSDP's names; --use-distributed-
+    optimizer is the alias of `optim`, and every sharded strategy implies it) and the offload
+    fraction (Megatron's default 1.0)."""
+    from .distributed import resolve_strategy
+
+    try:
+        strategy = resolve_strategy(t.data_parallel_sharding_strategy,
+                                    t.use_distributed_optimizer)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    t.data_parallel_sharding_strategy = strategy
+    t.use_distributed_optimizer = strategy != "no_shard"
+    f = t.optimizer_offload_fraction
+    if f is not None and not t.optimizer_cpu_offload:
+        raise ConfigError("--optimizer-offload-fraction needs --optimizer-cpu-offload; add it "
+                          "or drop the fraction")
+    if t.optimizer_cpu_offload:
+        t.optimizer_offload_fraction = f = 1.0 if f is None else f
+        if not 0.0 <= f <= 1.0:
+            raise ConfigError(f"--optimizer-offload-fraction must be in [0, 1] (the share of "
+                              f"optimizer state kept in host memory), got {f}")
 
 
 def _check_recompute(m: ModelConfig, t: TrainConfig) -> None:

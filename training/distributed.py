@@ -1,35 +1,52 @@
-"""Data parallelism: contiguous gradient buffers, bucketed reduction overlapped with backward.
+"""Data parallelism: contiguous gradient buffers, bucketed reduction overlapped with backward,
+and the four sharding strategies of Megatron-FSDP (`--data-parallel-sharding-strategy`).
 
-Every trainable parameter has a `main_grad`: a view into one float32 buffer, split into
-buckets of about `bucket_size` elements in reverse registration order (roughly the order
-backward produces gradients). On the last microbatch of a step, a bucket's collective over
-the data-parallel group starts as soon as the last of its gradients is accumulated (a
-post-accumulate-grad hook), so communication overlaps the rest of backward (as PyTorch DDP,
-Li et al. 2020, sec. 3.2.3, and Megatron's --overlap-grad-reduce). Earlier microbatches only
-accumulate (`sync_enabled = False`, set by the schedules).
+Every trainable parameter has a place in one flat index space, split into buckets of about
+`bucket_size` elements in reverse registration order (roughly the order backward produces
+gradients). A bucket's collective over the data-parallel group starts as soon as the last of
+its gradients is accumulated (a post-accumulate-grad hook), so communication overlaps the rest
+of backward (as PyTorch DDP, Li et al. 2020, sec. 3.2.3, and Megatron's --overlap-grad-reduce).
 
-Two modes of the same buffer:
+Strategies (ZeRO stages, Rajbhandari et al. 2020, sec. 5; memory per rank for psi parameters,
+N_d data-parallel ranks, W/G bytes per weight/gradient, K optimizer bytes per parameter):
 
-- all-reduce (default): every DP rank ends with the whole DP-summed gradient.
-- reduce-scatter (`use_distributed_optimizer`, ZeRO stage 1, Rajbhandari et al. 2020,
-  sec. 5.1): each bucket is padded to a multiple of dp and split into dp equal contiguous
-  shards; rank r ends with the DP sum of shard r only (`shard_range`). The parameters also
-  live in one contiguous buffer of the same layout (`param_buffer`), so after the optimizer
-  updates its shard, `start_param_sync` all-gathers each bucket in place; a forward pre-hook on
-  each module waits for the buckets of its parameters, so the all-gather overlaps the next
-  forward. A tied embedding's copy on the first or last pipeline stage gets a bucket of its
-  own, so both copies are sharded identically and their gradient all-reduce (across stages)
-  can run on the reduced shard after the reduce-scatter (as Megatron-core does).
+- `no_shard` (stage 0): one float32 gradient buffer, all-reduced on the last microbatch of a
+  step; every rank updates every parameter. `(W + G + K) psi`.
+- `optim` (stage 1, `--use-distributed-optimizer`): each bucket is padded to a multiple of dp
+  and split into dp equal contiguous shards; the gradient buffer is reduce-scattered, rank r
+  keeps main weights and moments of shard r only (`shard_range`) and updates them; parameters
+  live in one contiguous buffer of the same layout (`param_buffer`) that `start_param_sync`
+  all-gathers bucket by bucket while the next forward starts (a forward pre-hook per module
+  waits for its buckets). `(W + G) psi + K psi / N_d`.
+- `optim_grads` (stage 2): as `optim`, but no persistent full gradient buffer: each bucket's
+  gradient is accumulated into a temporary float32 buffer during each microbatch's backward,
+  reduce-scattered as soon as it is complete and added into this rank's persistent gradient
+  shard (`grad_shards`), after which the temporary buffer is freed (at most two buckets in
+  flight, as Megatron-FSDP's sliding drain). `W psi + (G + K) psi / N_d`.
+- `optim_grads_params` (stage 3, FSDP): as `optim_grads`, and between uses each rank keeps
+  only its shard of the parameters (`param_shards`); `training.fsdp.ParameterUnits`
+  all-gathers them per unit (a transformer layer, the embedding, the output layer) just
+  before its forward and again before its backward, frees them right after, and prefetches the
+  next unit's gather so it overlaps compute. `(W + G + K) psi / N_d` plus the gathered units.
 
-Mixed precision (Megatron's accumulate_allreduce_grads_in_fp32): float32 parameters use
-`main_grad` as their `.grad` (autograd accumulates in place); bf16/fp16 parameters get their
-`.grad` added into the float32 `main_grad` by the hook, which then frees `.grad`.
+With sharding, the tied embedding's copy on the first or last pipeline stage gets a bucket of
+its own, so both copies are sharded identically and their gradient all-reduce (across stages)
+can run on the reduced shard (as Megatron-core does). Buckets of TP ranks have the same layout
+(their local shapes are equal), so sequence-parallel norm gradients can be summed over TP on
+shards as well (`grad_pieces`).
+
+Mixed precision (Megatron's accumulate_allreduce_grads_in_fp32): with a full buffer, float32
+parameters use `main_grad` as their `.grad` (autograd accumulates in place) and bf16/fp16
+parameters get their `.grad` added into the float32 `main_grad` by the hook, which frees
+`.grad`; with sharded gradients every `.grad` is added into the temporary float32 bucket and
+freed.
 
 Gradients are SUMMED over data-parallel ranks: the training loss is already divided by the
 number of tokens of the whole global batch, so the sum is the exact global mean.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +55,9 @@ from torch import nn
 
 from parallel_state.mappings import all_gather_single, reduce_scatter_single
 
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+_MAX_REDUCTIONS_IN_FLIGHT = 2  # sharded gradients: temporary full buckets alive at once
+
 
 @dataclass
 class _Bucket:
@@ -45,16 +65,35 @@ class _Bucket:
     end: int  # padded end (end - start is a multiple of dp when sharding)
     params: list[nn.Parameter]
     ready: int = 0
-    handle: object | None = None
-    gather: object | None = None  # in-flight parameter all-gather
+    handle: object | None = None  # in-flight gradient all-reduce / reduce-scatter
+    gather: object | None = None  # in-flight parameter all-gather (optim, optim_grads)
+    grad_full: torch.Tensor | None = None  # sharded grads: gradient being accumulated
+    unit: object | None = None  # optim_grads_params: the training.fsdp unit holding it
 
 
 @dataclass
 class GradBuffer:
-    """One flat float32 gradient buffer and its buckets."""
+    """The float32 gradient buffer (None when gradients are sharded) and its buckets."""
 
-    data: torch.Tensor
+    data: torch.Tensor | None
     buckets: list[_Bucket] = field(default_factory=list)
+
+
+def resolve_strategy(strategy: str | None, use_distributed_optimizer: bool) -> str:
+    """The sharding strategy; `--use-distributed-optimizer` is the alias of `optim`.
+
+    Raises:
+        ValueError: an unknown strategy, or `no_shard` together with the alias.
+    """
+    if strategy is None:
+        return "optim" if use_distributed_optimizer else "no_shard"
+    if strategy not in STRATEGIES:
+        raise ValueError(f"--data-parallel-sharding-strategy must be one of {list(STRATEGIES)}, "
+                         f"got {strategy!r}")
+    if strategy == "no_shard" and use_distributed_optimizer:
+        raise ValueError("--use-distributed-optimizer shards the optimizer, which contradicts "
+                         "--data-parallel-sharding-strategy no_shard; drop one of them")
+    return strategy
 
 
 class DistributedDataParallel(nn.Module):
@@ -63,52 +102,91 @@ class DistributedDataParallel(nn.Module):
     ```
     ddp.zero_grad_buffer()
     for i, mb in enumerate(microbatches):
-        ddp.sync_enabled = i == last   # buckets reduce during the last backward only
-        loss(mb).backward()
+        ddp.sync_enabled = i == last   # no_shard/optim: buckets reduce in the last backward
+        loss(mb).backward()            # optim_grads(_params): every backward reduce-scatters
     ddp.finish_grad_sync()   # waits for (and launches any leftover) bucket reductions
     ```
 
     Args:
-        use_distributed_optimizer: reduce-scatter instead of all-reduce, buckets padded to a
-            multiple of dp, parameters moved into `param_buffer` (see module docstring).
+        overlap_grad_reduce: no_shard/optim: launch each bucket's reduction during the last
+            backward (else all in `finish_grad_sync`); sharded gradients are always
+            reduce-scattered as soon as a bucket is complete.
+        data_parallel_sharding_strategy: one of `STRATEGIES` (see the module docstring);
+            None: `optim` if `use_distributed_optimizer`, else `no_shard`.
+        fsdp_unit_modules: `optim_grads_params` only: the submodules gathered as one unit, in
+            forward order (default: `module.sharding_units()` when it has that method, else
+            none); parameters outside them form the root unit, gathered for a whole
+            forward-backward.
     Attributes:
-        offsets: `{id(param): start}` of each parameter in the buffers (flat elements).
+        offsets: `{id(param): start}` of each parameter in the flat index space.
+        numel_padded: size of the flat index space (all buckets, padding included).
+    Raises:
+        TypeError: parameters of several dtypes.
+        ValueError: a bad strategy (see `resolve_strategy`).
     """
 
     def __init__(self, module: nn.Module, *, data_parallel_group=None,
                  bucket_size: int = 40_000_000, overlap_grad_reduce: bool = True,
-                 use_distributed_optimizer: bool = False):
+                 use_distributed_optimizer: bool = False,
+                 data_parallel_sharding_strategy: str | None = None,
+                 fsdp_unit_modules: list[nn.Module] | None = None):
         super().__init__()
         self.module = module
         self.group = data_parallel_group
         self.dp_size = dist.get_world_size(data_parallel_group) if dist.is_initialized() else 1
         self.dp_rank = dist.get_rank(data_parallel_group) if dist.is_initialized() else 0
+        self.strategy = resolve_strategy(data_parallel_sharding_strategy,
+                                         use_distributed_optimizer)
+        self.use_distributed_optimizer = self.strategy != "no_shard"
+        self.shard_grads = self.strategy in ("optim_grads", "optim_grads_params")
+        self.shard_params = self.strategy == "optim_grads_params"
         self.overlap_grad_reduce = overlap_grad_reduce and self.dp_size > 1
-        self.use_distributed_optimizer = use_distributed_optimizer
         self.sync_enabled = True
         params = [p for p in module.parameters() if p.requires_grad]
         if len({p.dtype for p in params}) > 1:
             raise TypeError(f"parameters of one model chunk must share a dtype, got "
                             f"{sorted({str(p.dtype) for p in params})}")
-        pad = self.dp_size if use_distributed_optimizer else 1
-        buckets, self.offsets = self._layout(params, bucket_size, pad)
-        total = buckets[-1].end if buckets else 0
-        device = params[0].device if params else torch.device("cpu")
-        self.buffer = GradBuffer(torch.zeros(total, dtype=torch.float32, device=device), buckets)
-        self.param_buffer = None
-        if use_distributed_optimizer and params:
-            self.param_buffer = torch.zeros(total, dtype=params[0].dtype, device=device)
+        self.params = params
+        self.param_dtype = params[0].dtype if params else torch.float32
+        self.device = params[0].device if params else torch.device("cpu")
+        self.units = None
+        if self.shard_params:
+            from .fsdp import ParameterUnits
+
+            if fsdp_unit_modules is None:
+                get = getattr(module, "sharding_units", None)
+                fsdp_unit_modules = get() if get is not None else []
+            self.units = ParameterUnits(self, fsdp_unit_modules)
+            groups = self.units.param_groups()
+        else:
+            groups = [params]
+        pad = self.dp_size if self.use_distributed_optimizer else 1
+        buckets, self.offsets = self._layout(groups, bucket_size, pad)
+        self.numel_padded = buckets[-1].end if buckets else 0
+        self._bucket_of = {id(p): b for b in buckets for p in b.params}
+        total, shard_total = self.numel_padded, self.numel_padded // pad
+        self.buffer = GradBuffer(None if self.shard_grads else torch.zeros(
+            total, dtype=torch.float32, device=self.device), buckets)
+        self.grad_shards = torch.zeros(shard_total, dtype=torch.float32, device=self.device) \
+            if self.shard_grads else None
+        self._reductions: list[tuple] = []  # sharded grads: (bucket, buffer, work) in flight
+        self._callback_queued = False
+        self.param_buffer = self.param_shards = None
+        if self.shard_params:
+            self.param_shards = torch.zeros(shard_total, dtype=self.param_dtype,
+                                            device=self.device)
+            self.units.build(buckets)  # params become views of per-unit gathered buffers
+        elif self.use_distributed_optimizer and params:
+            self.param_buffer = torch.zeros(total, dtype=self.param_dtype, device=self.device)
             with torch.no_grad():
                 for p in params:
                     view = self._view(self.param_buffer, p)
                     view.copy_(p)
                     p.data = view
-        self._bucket_of = {id(p): b for b in self.buffer.buckets for p in b.params}
-        self.params = params
         for p in params:
-            p.main_grad = self._view(self.buffer.data, p)
+            p.main_grad = None if self.shard_grads else self._view(self.buffer.data, p)
             p.grad = p.main_grad if p.dtype == torch.float32 else None
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            p.register_post_accumulate_grad_hook(_weak_hook(self))
         if self.param_buffer is not None and self.dp_size > 1:
             for m in module.modules():
                 own = [p for p in m._parameters.values() if p is not None and id(p) in self.offsets]
@@ -116,9 +194,10 @@ class DistributedDataParallel(nn.Module):
                     m.register_forward_pre_hook(self._make_param_wait(own))
 
     @staticmethod
-    def _layout(params, bucket_size: int, pad: int):
-        """Buckets in reverse registration order; a shared (tied) embedding alone in its own
-        bucket when sharding; each bucket padded to a multiple of `pad` elements."""
+    def _layout(groups, bucket_size: int, pad: int):
+        """Buckets over `groups` (lists of parameters; a bucket never spans two groups), each
+        in reverse registration order; a shared (tied) embedding alone in its own bucket when
+        sharding; each bucket padded to a multiple of `pad` elements."""
         buckets, offsets, offset, start, current = [], {}, 0, 0, []
 
         def close():
@@ -128,35 +207,73 @@ class DistributedDataParallel(nn.Module):
                 buckets.append(_Bucket(start, offset, current))
             start, current = offset, []
 
-        for p in reversed(params):
-            alone = pad > 1 and getattr(p, "shared_embedding", False)
-            if alone:
-                close()
-            offsets[id(p)] = offset
-            offset += p.numel()
-            current.append(p)
-            if alone or offset - start >= bucket_size:
-                close()
-        close()
+        for params in groups:
+            for p in reversed(params):
+                alone = pad > 1 and getattr(p, "shared_embedding", False)
+                if alone:
+                    close()
+                offsets[id(p)] = offset
+                offset += p.numel()
+                current.append(p)
+                if alone or offset - start >= bucket_size:
+                    close()
+            close()
         return buckets, offsets
 
-    def _view(self, flat: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
-        start = self.offsets[id(p)]
+    def _view(self, flat: torch.Tensor, p: nn.Parameter, base: int = 0) -> torch.Tensor:
+        start = self.offsets[id(p)] - base
         return flat[start: start + p.numel()].view_as(p)
 
     def shard_range(self, bucket: _Bucket) -> tuple[int, int]:
-        """[lo, hi) of the buffer this DP rank owns in `bucket` (all of it unless sharding)."""
+        """[lo, hi) of the flat index space this DP rank owns in `bucket` (all of it unless
+        sharding)."""
         if not self.use_distributed_optimizer:
             return bucket.start, bucket.end
         size = (bucket.end - bucket.start) // self.dp_size
         lo = bucket.start + self.dp_rank * size
         return lo, lo + size
 
+    def _shard_pos(self, bucket: _Bucket, index: int) -> int:
+        """Position of flat `index` (owned by this rank) in `grad_shards` / `param_shards`."""
+        return index - self.shard_range(bucket)[0] + bucket.start // self.dp_size
+
+    def grad_view(self, bucket: _Bucket, lo: int, hi: int) -> torch.Tensor:
+        """Float32 gradient of owned flat range [lo, hi) of `bucket` (DP-reduced after
+        `finish_grad_sync`)."""
+        if self.shard_grads:
+            return self.grad_shards[self._shard_pos(bucket, lo): self._shard_pos(bucket, hi)]
+        return self.buffer.data[lo:hi]
+
+    def param_view(self, bucket: _Bucket, lo: int, hi: int) -> torch.Tensor | None:
+        """Persistent weights of owned flat range [lo, hi) (model dtype), or None without a
+        flat parameter store (`no_shard`: the weights are the parameters themselves)."""
+        if self.param_shards is not None:
+            return self.param_shards[self._shard_pos(bucket, lo): self._shard_pos(bucket, hi)]
+        if self.param_buffer is not None:
+            return self.param_buffer[lo:hi]
+        return None
+
+    def owned_segments(self, bucket: _Bucket, lo: int, hi: int):
+        """`(param, first element in param, first element in [lo, hi), count)` for every
+        parameter of `bucket` overlapping flat range [lo, hi)."""
+        out = []
+        for p in bucket.params:
+            start = self.offsets[id(p)]
+            a, b = max(start, lo), min(start + p.numel(), hi)
+            if a < b:
+                out.append((p, a - start, a - lo, b - a))
+        return out
+
     def forward(self, *args, **kwargs):
+        if self.units is not None:
+            return self.units.run_root(self.module, args, kwargs)
         return self.module(*args, **kwargs)
 
     # ------------------------------------------------------------------ hooks and sync
     def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if self.shard_grads:
+            self._accumulate_sharded(param)
+            return
         if param.grad is not None and param.grad.data_ptr() != param.main_grad.data_ptr():
             # bf16/fp16 weights: accumulate in fp32 and free the low-precision grad (also
             # repairs a float32 .grad that autograd replaced instead of accumulating into)
@@ -168,6 +285,56 @@ class DistributedDataParallel(nn.Module):
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
             self._launch(bucket)
+
+    def _accumulate_sharded(self, param: nn.Parameter) -> None:
+        """optim_grads(_params): add `.grad` into the bucket's temporary float32 buffer; a
+        complete bucket is reduce-scattered at once (every microbatch)."""
+        if not self._callback_queued:  # leftover buckets when this backward ends
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        bucket = self._bucket_of[id(param)]
+        if bucket.grad_full is None:
+            bucket.grad_full = torch.zeros(bucket.end - bucket.start, dtype=torch.float32,
+                                           device=self.device)
+        if param.grad is not None:
+            self._view(bucket.grad_full, param, bucket.start).add_(param.grad)
+            param.grad = None
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            self._reduce_scatter(bucket)
+
+    def _reduce_scatter(self, bucket: _Bucket) -> None:
+        lo, hi = self.shard_range(bucket)
+        full, bucket.grad_full, bucket.ready = bucket.grad_full, None, 0
+        handle = None
+        if self.dp_size > 1:
+            handle = reduce_scatter_single(full[lo - bucket.start: hi - bucket.start], full,
+                                           group=self.group, async_op=True)
+        self._reductions.append((bucket, full, handle))
+        while len(self._reductions) > _MAX_REDUCTIONS_IN_FLIGHT:
+            self._drain()
+        if self.units is not None:
+            self.units.bucket_reduced(bucket)
+
+    def _drain(self) -> None:
+        """Wait for the oldest reduce-scatter in flight, add its result into this rank's
+        gradient shard and free its temporary buffer."""
+        bucket, full, handle = self._reductions.pop(0)
+        if handle is not None:
+            handle.wait()
+        lo, hi = self.shard_range(bucket)
+        self.grad_view(bucket, lo, hi).add_(full[lo - bucket.start: hi - bucket.start])
+
+    def _end_of_backward(self) -> None:
+        """Autograd callback at the end of a backward (sharded grads): buckets with some
+        gradients but not all (unused parameters) are reduced now, so they do not mix with
+        the next microbatch."""
+        self._callback_queued = False
+        for bucket in self.buffer.buckets:
+            if bucket.grad_full is not None:
+                self._reduce_scatter(bucket)
+        if self.units is not None:
+            self.units.end_of_backward()
 
     def _launch(self, bucket: _Bucket) -> None:
         if bucket.handle is not None or self.dp_size == 1:
@@ -181,8 +348,15 @@ class DistributedDataParallel(nn.Module):
             bucket.handle = dist.all_reduce(data, group=self.group, async_op=True)
 
     def finish_grad_sync(self) -> None:
-        """Launch buckets not yet launched and wait for all; grads are then DP-summed (only
-        on `shard_range` when sharding)."""
+        """Launch reductions not yet launched and wait for all; grads are then DP-summed (only
+        on `shard_range` when sharding; in `grad_shards` when gradients are sharded)."""
+        if self.shard_grads:
+            for bucket in self.buffer.buckets:
+                if bucket.grad_full is not None:
+                    self._reduce_scatter(bucket)
+            while self._reductions:
+                self._drain()
+            return
         for bucket in self.buffer.buckets:
             self._launch(bucket)
         for bucket in self.buffer.buckets:
@@ -192,20 +366,47 @@ class DistributedDataParallel(nn.Module):
 
     def zero_grad_buffer(self) -> None:
         """Zero all gradients (in place) and re-attach `.grad` views the optimizer may have dropped."""
-        self.buffer.data.zero_()
-        for p in self.params:
-            if p.dtype != torch.float32:
+        if self.shard_grads:
+            self.grad_shards.zero_()
+            for p in self.params:
                 p.grad = None
-            elif p.grad is None or p.grad.data_ptr() != p.main_grad.data_ptr():
-                p.grad = p.main_grad
+        else:
+            self.buffer.data.zero_()
+            for p in self.params:
+                if p.dtype != torch.float32:
+                    p.grad = None
+                elif p.grad is None or p.grad.data_ptr() != p.main_grad.data_ptr():
+                    p.grad = p.main_grad
         for bucket in self.buffer.buckets:
-            bucket.ready, bucket.handle = 0, None
+            bucket.ready, bucket.handle, bucket.grad_full = 0, None, None
+        self._reductions = []
+        if self.units is not None:
+            self.units.new_step()
+
+    def grad_pieces(self, predicate) -> list[torch.Tensor]:
+        """This rank's float32 gradient of every parameter satisfying `predicate`: the whole
+        `main_grad`, or the owned pieces of it when gradients are sharded (in bucket order, so
+        TP ranks and the two tied-embedding stages list matching pieces)."""
+        if not self.shard_grads:
+            return [p.main_grad for p in self.params if predicate(p)]
+        out = []
+        for bucket in self.buffer.buckets:
+            lo, hi = self.shard_range(bucket)
+            grads = self.grad_view(bucket, lo, hi)
+            for p, _, at, n in self.owned_segments(bucket, lo, hi):
+                if predicate(p):
+                    out.append(grads[at: at + n])
+        return out
 
     # ------------------------------------------------------------------ parameter all-gather
     def start_param_sync(self) -> None:
-        """All-gather every bucket of `param_buffer` over DP (async, in place), after each rank
-        wrote its updated shard. Buckets go in forward order (the last bucket holds the first
-        layers); forward pre-hooks wait for the ones a module needs."""
+        """After each rank wrote its updated shard: all-gather every bucket of `param_buffer`
+        over DP (async, in place; buckets in forward order, forward pre-hooks wait for the
+        ones a module needs), or (optim_grads_params) drop the stale gathered units and
+        prefetch the first."""
+        if self.units is not None:
+            self.units.invalidate(prefetch=True)
+            return
         if self.param_buffer is None or self.dp_size == 1:
             return
         for bucket in reversed(self.buffer.buckets):
@@ -225,32 +426,81 @@ class DistributedDataParallel(nn.Module):
         return hook
 
     def finish_param_sync(self) -> None:
-        """Wait for all in-flight parameter all-gathers (before reading weights outside forward)."""
+        """Make every parameter hold its full, current value for reading outside a forward:
+        wait for in-flight all-gathers, or (optim_grads_params) gather every unit and keep it
+        until the next optimizer step or forward frees it."""
+        if self.units is not None:
+            self.units.gather_all()
+            return
         for bucket in self.buffer.buckets:
             if bucket.gather is not None:
                 bucket.gather.wait()
                 bucket.gather = None
 
+    def release_params(self) -> None:
+        """optim_grads_params: free every gathered copy (e.g. after `finish_param_sync` once
+        the full weights have been read); no-op otherwise."""
+        if self.units is not None:
+            self.units.invalidate(prefetch=False)
 
-def param_grad(p: nn.Parameter) -> torch.Tensor | None:
-    """The float32 accumulated gradient of `p`: its `main_grad` under DDP, else `.grad`."""
-    g = getattr(p, "main_grad", None)
-    return g if g is not None else p.grad
+    @torch.no_grad()
+    def load_param_(self, param: nn.Parameter, value: torch.Tensor) -> None:
+        """Set `param` (this rank's TP shard) to `value`: in place, or into the owned part of
+        the parameter shards under optim_grads_params (gathered copies are dropped)."""
+        if self.param_shards is None:
+            param.copy_(value.to(param.device, param.dtype))
+            return
+        bucket = self._bucket_of[id(param)]
+        lo, hi = self.shard_range(bucket)
+        flat = value.reshape(-1)
+        shard = self.param_view(bucket, lo, hi)
+        for p, p_start, at, n in self.owned_segments(bucket, lo, hi):
+            if p is param:
+                shard[at: at + n].copy_(flat[p_start: p_start + n])
+        self.units.invalidate(prefetch=False)
 
 
-def all_reduce_embedding_grads(params) -> None:
+def _weak_hook(ddp: DistributedDataParallel):
+    """The post-accumulate-grad hook of `ddp`, holding it weakly: a tensor hook is a reference
+    from C++ that the garbage collector cannot see, so a strong one would keep every wrapper
+    (and its buffers) alive forever."""
+    ref = weakref.ref(ddp)
+
+    def hook(param):
+        owner = ref()
+        if owner is not None:
+            owner._on_grad_ready(param)
+    return hook
+
+
+def grad_pieces(model, predicate) -> list[torch.Tensor]:
+    """`DistributedDataParallel.grad_pieces` over the wrappers of all model chunks."""
+    return [g for ddp in model for g in ddp.grad_pieces(predicate)]
+
+
+def all_reduce_embedding_grads(model) -> None:
     """Sum the gradients of the tied word embedding's two copies (first and last pipeline
-    stage) so both take the same update and stay equal (Megatron's embedding group). With the
-    distributed optimizer both copies sit alone in identically sharded buckets, so the sum is
-    right on each rank's reduced shard (the rest of the buffer is not read)."""
+    stage) so both take the same update and stay equal (Megatron's embedding group). With
+    sharding both copies sit alone in identically sharded buckets, so the sum is right on each
+    rank's reduced (or kept) shard; the rest of a full buffer is not read.
+
+    `model`: the DistributedDataParallel wrappers of this rank's chunks."""
     import parallel_state as ps
 
     if ps.get_pipeline_model_parallel_world_size() == 1:
         return
-    grads = [param_grad(p) for p in params if getattr(p, "shared_embedding", False)]
-    grads = [g for g in grads if g is not None]
+    grads = grad_pieces(model, lambda p: getattr(p, "shared_embedding", False))
     group = ps.get_embedding_group()
     if group is None or not grads:
         return
     for g in grads:
         dist.all_reduce(g, group=group)
+
+
+def all_reduce_sequence_parallel_grad_pieces(model) -> None:
+    """Sum over TP the gradients of the sequence-parallel (norm) weights of all chunks, on
+    whatever piece of them this rank holds (see `parallel_state.mappings`)."""
+    from parallel_state.mappings import all_reduce_over_tensor_parallel
+
+    all_reduce_over_tensor_parallel(
+        grad_pieces(model, lambda p: getattr(p, "sequence_parallel", False)))

@@ -1,18 +1,32 @@
-"""Mixed-precision AdamW on flat float32 shards: ZeRO stage 1 (Megatron's
---use-distributed-optimizer) and the fp32 main weights of --bf16.
+"""Mixed-precision AdamW on flat float32 shards: ZeRO stages 1-3 (Megatron's distributed
+optimizer, `--data-parallel-sharding-strategy`), the fp32 main weights of --bf16, and
+ZeRO-Offload (`--optimizer-cpu-offload`).
 
-ZeRO stage 1 (Rajbhandari et al. 2020, sec. 5.1, "P_os"): the gradient buffer of
-`training.distributed.DistributedDataParallel` is reduce-scattered over DP, bucket by bucket,
+Sharded (Rajbhandari et al. 2020, sec. 5.1, "P_os"): the gradients of
+`training.distributed.DistributedDataParallel` are reduce-scattered over DP, bucket by bucket,
 during backward; DP rank r owns shard r of every bucket (`ddp.shard_range`). For that shard only
 it keeps float32 main parameters and the AdamW moments (exp_avg, exp_avg_sq), updates them, and
-writes the result into its shard of the contiguous parameter buffer, which is then all-gathered
-over DP (`ddp.start_param_sync`, overlapped with the next forward). Model-state bytes per rank
-go from (2 + 2 + 12) * psi to (2 + 2 + 12 / dp) * psi in bf16 (the paper's K = 12), or from
-16 * psi to (4 + 4 + 8 / dp) * psi in float32, where the main weights are the model weights.
+writes the result into its shard of the parameters (`ddp.param_view`: the contiguous parameter
+buffer, all-gathered over DP afterwards by `ddp.start_param_sync`, or under ZeRO-3 the
+parameter shards themselves, gathered per unit when next used). The gradient it reads is
+`ddp.grad_view`: a range of the full buffer (ZeRO-1) or of the gradient shards (ZeRO-2/3).
+In float32 the main weights are the model weights (views of the parameter store); in bf16 they
+are separate float32 copies.
 
 Without sharding (`shard=False`, plain --bf16) the same code owns every bucket whole: float32
 main weights and moments for all parameters, copied back into the bf16 weights after the step
 (Micikevicius et al. 2018, sec. 3.1; Megatron's Float16OptimizerWithFloat16Params).
+
+CPU offload (ZeRO-Offload, Ren et al. 2021, sec. 4; Megatron's HybridDeviceOptimizer with
+--optimizer-offload-fraction): the first `offload_fraction` of this rank's owned elements (in
+flat order, i.e. the last layers first, whose gradients are ready first) keep main weights and
+moments in host memory (pinned when the model is on CUDA) and are updated there by torch's
+fused CPU AdamW. In `step`, every offloaded shard's gradient is copied to a host buffer (async
+on CUDA), the on-device shards are updated while those copies run, then each host shard is
+updated as soon as its copy has landed and its new weights are copied back (async), so the
+transfers of one shard overlap the CPU update of another (Megatron's
+--overlap-cpu-optimizer-d2h-h2d). The copies cannot start during backward: the sequence-
+parallel and tied-embedding gradient sums and the clipping scale change gradients after it.
 
 The update is torch.optim.AdamW's (decoupled weight decay, Loshchilov & Hutter 2019) operation
 for operation, applied to whole shards at once, so it matches AdamW elementwise. 1-D parameters
@@ -29,6 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import parallel_state as ps
 
@@ -36,25 +51,33 @@ from .distributed import DistributedDataParallel
 from .optimizer import counts_toward_norm
 
 
-@dataclass
+@dataclass(eq=False)
 class _Shard:
-    """What one rank owns of one bucket: buffer range [lo, hi) and its optimizer tensors."""
+    """What one rank owns of one bucket: flat range [lo, hi) and its optimizer tensors."""
 
     ddp: DistributedDataParallel
+    bucket: object
     lo: int
     hi: int
-    main: torch.Tensor  # float32 [hi - lo]; a view of the fp32 param buffer, or its own copy
+    main: torch.Tensor  # float32 [hi - lo]; a view of the parameter store, or its own copy
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
-    owns_main: bool  # main is a separate copy (bf16 weights, or no parameter buffer)
+    owns_main: bool  # main is a separate copy (bf16 weights, no parameter store, or host)
     # (param, first element in param, first element in shard, count) for each overlap
     segments: list[tuple] = field(default_factory=list)
     decay: list[tuple[int, int]] = field(default_factory=list)  # shard-relative ranges
     norm: list[tuple[int, int]] = field(default_factory=list)
+    host_grad: torch.Tensor | None = None  # offloaded: the gradient's host copy
+    host_adamw: torch.optim.AdamW | None = None  # offloaded: fused CPU AdamW over views
+    host_steps: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def host(self) -> bool:
+        return self.host_grad is not None
 
     @property
     def grad(self) -> torch.Tensor:
-        return self.ddp.buffer.data[self.lo: self.hi]
+        return self.ddp.grad_view(self.bucket, self.lo, self.hi)
 
 
 class DistributedOptimizer:
@@ -64,46 +87,88 @@ class DistributedOptimizer:
     whose "lr" the trainer sets each iteration (as for torch optimizers).
 
     Args:
-        shard: own 1/dp of each bucket (needs the wrappers built with
-            use_distributed_optimizer=True); False owns everything (plain mixed precision).
+        shard: own 1/dp of each bucket (needs sharding wrappers, any strategy but no_shard);
+            False owns everything (plain mixed precision).
+        offload_fraction: share of this rank's owned elements whose main weights and moments
+            live and are updated in host memory (0 = none; see the module docstring).
     Raises:
-        ValueError: `shard` without sharded wrappers.
+        ValueError: `shard` without sharding wrappers; a fraction outside [0, 1].
     """
 
     def __init__(self, model: list[DistributedDataParallel], *, lr: float, weight_decay: float,
-                 betas=(0.9, 0.999), eps: float = 1e-8, shard: bool = True):
+                 betas=(0.9, 0.999), eps: float = 1e-8, shard: bool = True,
+                 offload_fraction: float = 0.0):
         if shard and not all(d.use_distributed_optimizer for d in model):
-            raise ValueError("the distributed optimizer needs DistributedDataParallel("
-                             "use_distributed_optimizer=True) wrappers (reduce-scatter buffers)")
+            raise ValueError("the distributed optimizer needs DistributedDataParallel wrappers "
+                             "with a sharding strategy (reduce-scatter buffers)")
+        if not 0.0 <= offload_fraction <= 1.0:
+            raise ValueError(f"offload_fraction must be in [0, 1], got {offload_fraction}")
         self.model, self.sharded = model, shard
+        self.offload_fraction = offload_fraction
         self.param_groups = [{"lr": lr, "weight_decay": weight_decay, "betas": betas,
                               "eps": eps}]
         self.step_count = 0
-        self.shards = [self._make_shard(ddp, b) for ddp in model for b in ddp.buffer.buckets]
+        ranges = [(ddp, b, *ddp.shard_range(b)) for ddp in model for b in ddp.buffer.buckets]
+        cut = int(offload_fraction * sum(hi - lo for _, _, lo, hi in ranges))  # host elements
+        self.shards = []
+        for ddp, b, lo, hi in ranges:
+            host_hi = min(hi, lo + max(cut, 0))
+            cut -= host_hi - lo
+            if host_hi > lo:
+                self.shards.append(self._make_shard(ddp, b, lo, host_hi, host=True))
+            if hi > host_hi:
+                self.shards.append(self._make_shard(ddp, b, host_hi, hi, host=False))
 
-    def _make_shard(self, ddp: DistributedDataParallel, bucket) -> _Shard:
-        lo, hi = ddp.shard_range(bucket)
-        device = ddp.buffer.data.device
-        pbuf = ddp.param_buffer
-        alias = pbuf is not None and pbuf.dtype == torch.float32
-        main = pbuf[lo:hi] if alias else torch.zeros(hi - lo, dtype=torch.float32, device=device)
-        shard = _Shard(ddp, lo, hi, main, torch.zeros_like(main), torch.zeros_like(main),
-                       owns_main=not alias)
-        for p in bucket.params:
-            start = ddp.offsets[id(p)]
-            a, b = max(start, lo), min(start + p.numel(), hi)
-            if a >= b:
-                continue
-            seg = (p, a - start, a - lo, b - a)
-            shard.segments.append(seg)
+    @torch.no_grad()
+    def _make_shard(self, ddp: DistributedDataParallel, bucket, lo: int, hi: int,
+                    host: bool) -> _Shard:
+        store = ddp.param_view(bucket, lo, hi)
+        alias = not host and store is not None and store.dtype == torch.float32
+        device = torch.device("cpu") if host else ddp.device
+        pin = host and ddp.device.type == "cuda"
+
+        def zeros():
+            return torch.zeros(hi - lo, dtype=torch.float32, device=device, pin_memory=pin)
+
+        main = store if alias else zeros()
+        shard = _Shard(ddp, bucket, lo, hi, main, zeros(), zeros(), owns_main=not alias,
+                       segments=ddp.owned_segments(bucket, lo, hi))
+        for p, p_start, at, n in shard.segments:
             if p.ndim > 1:
-                shard.decay.append((a - lo, b - lo))
+                shard.decay.append((at, at + n))
             if counts_toward_norm(p):
-                shard.norm.append((a - lo, b - lo))
-            if not alias:
-                with torch.no_grad():
-                    main[a - lo: b - lo].copy_(p.detach().reshape(-1)[a - start: b - start])
+                shard.norm.append((at, at + n))
+            if not alias and store is None:
+                main[at: at + n].copy_(p.detach().reshape(-1)[p_start: p_start + n])
+        if not alias and store is not None:
+            main.copy_(store)
+        if host:
+            shard.host_grad = zeros()
+            self._build_host_adamw(shard)
         return shard
+
+    def _build_host_adamw(self, s: _Shard) -> None:
+        """torch's fused AdamW over parameter views of the shard's host tensors, one per
+        parameter segment, with the moments pre-set to views of `exp_avg`/`exp_avg_sq`."""
+        g = self.param_groups[0]
+        groups = {True: [], False: []}
+        state = {}
+        for p, _, at, n in s.segments:
+            view = nn.Parameter(s.main[at: at + n], requires_grad=False)
+            view.grad = s.host_grad[at: at + n]
+            step = torch.zeros((), dtype=torch.float32)
+            s.host_steps.append(step)
+            state[view] = {"step": step, "exp_avg": s.exp_avg[at: at + n],
+                           "exp_avg_sq": s.exp_avg_sq[at: at + n]}
+            groups[p.ndim > 1].append(view)
+        param_groups = [{"params": v, "decay": decay,
+                         "weight_decay": g["weight_decay"] if decay else 0.0}
+                        for decay, v in groups.items() if v]
+        if not param_groups:
+            return
+        s.host_adamw = torch.optim.AdamW(param_groups, lr=g["lr"], betas=g["betas"],
+                                         eps=g["eps"], fused=True)
+        s.host_adamw.state.update(state)
 
     # ------------------------------------------------------------------ gradient norm
     def clip_grad_norm(self, max_norm: float) -> float:
@@ -111,7 +176,7 @@ class DistributedOptimizer:
         the owned gradients so the norm is at most `max_norm` (0 disables). Returns the norm
         before clipping."""
         parts = [s.grad[a:b].pow(2).sum() for s in self.shards for a, b in s.norm]
-        device = self.shards[0].main.device if self.shards else ps.get_device()
+        device = self.model[0].device if self.model else ps.get_device()
         sq = torch.stack(parts).sum() if parts else torch.zeros((), device=device)
         sq = sq.to(torch.float32)
         if self.sharded and ps.get_data_parallel_world_size() > 1:
@@ -130,94 +195,85 @@ class DistributedOptimizer:
     @torch.no_grad()
     def step(self) -> None:
         """AdamW on every owned shard (torch.optim.AdamW's arithmetic), then write the new
-        weights into the model: the owned shard of the parameter buffer plus an all-gather
-        over DP (sharded), or a copy into each bf16 parameter (not sharded)."""
+        weights into the model: the owned range of the parameter store plus its all-gather or
+        invalidation (sharded), or a copy into each bf16 parameter (not sharded)."""
         g = self.param_groups[0]
-        lr, wd, (beta1, beta2), eps = g["lr"], g["weight_decay"], g["betas"], g["eps"]
         self.step_count += 1
-        step = float(self.step_count)
-        step_size = lr / (1 - beta1 ** step)
-        bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
+        host = [s for s in self.shards if s.host]
+        copied = []
+        for s in host:  # stream the offloaded gradients to the host
+            s.host_grad.copy_(s.grad, non_blocking=True)
+            copied.append(_event(s.grad.device))
         for s in self.shards:
-            if wd != 0:
-                for a, b in s.decay:
-                    s.main[a:b].mul_(1 - lr * wd)
-            grad = s.grad
-            s.exp_avg.lerp_(grad, 1 - beta1)
-            s.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            denom = (s.exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-            s.main.addcdiv_(s.exp_avg, denom, value=-step_size)
-        for s in self.shards:
-            pbuf = s.ddp.param_buffer
-            if pbuf is not None:
-                if s.owns_main:
-                    pbuf[s.lo: s.hi].copy_(s.main)
-            else:
-                for p, p_start, m_start, n in s.segments:
-                    p.view(-1)[p_start: p_start + n].copy_(s.main[m_start: m_start + n])
+            if not s.host:
+                _adamw_(s, g, self.step_count)
+                self._write_back(s)
+        for s, done in zip(host, copied):
+            if done is not None:
+                done.synchronize()
+            if s.host_adamw is not None:
+                for group in s.host_adamw.param_groups:
+                    group.update(lr=g["lr"], betas=g["betas"], eps=g["eps"],
+                                 weight_decay=g["weight_decay"] if group["decay"] else 0.0)
+                for t in s.host_steps:  # the fused kernel counts from here to step_count
+                    t.fill_(self.step_count - 1)
+                s.host_adamw.step()
+            self._write_back(s, non_blocking=True)
         for ddp in self.model:
             ddp.start_param_sync()
 
+    @staticmethod
+    def _write_back(s: _Shard, non_blocking: bool = False) -> None:
+        store = s.ddp.param_view(s.bucket, s.lo, s.hi)
+        if store is not None:
+            if s.owns_main:
+                store.copy_(s.main, non_blocking=non_blocking)
+        else:
+            for p, p_start, m_start, n in s.segments:
+                p.view(-1)[p_start: p_start + n].copy_(s.main[m_start: m_start + n],
+                                                       non_blocking=non_blocking)
+
     def finish_param_sync(self) -> None:
-        """Wait for the parameter all-gathers (before reading weights outside a forward)."""
+        """Make the weights readable outside a forward (see `ddp.finish_param_sync`)."""
         for ddp in self.model:
             ddp.finish_param_sync()
 
     # ------------------------------------------------------------------ accounting
     def state_bytes(self) -> dict:
         """Bytes this rank holds in float32 main weights (separate copies only) and AdamW
-        moments, and what they would be unsharded (every element of every bucket, unpadded)."""
-        main = sum(s.main.numel() * s.main.element_size() for s in self.shards if s.owns_main)
-        states = sum(s.exp_avg.numel() * s.exp_avg.element_size()
-                     + s.exp_avg_sq.numel() * s.exp_avg_sq.element_size() for s in self.shards)
-        numel = sum(p.numel() for ddp in self.model for p in ddp.params)
-        copies = any(s.owns_main for s in self.shards)
-        return {"main_params": main, "optimizer_states": states,
-                "unsharded_main_params": 4 * numel if copies else 0,
-                "unsharded_optimizer_states": 8 * numel}
+        moments, on the device and (offloaded) in host memory with the host gradient copies."""
+        def size(t):
+            return t.numel() * t.element_size()
+
+        dev = [s for s in self.shards if not s.host]
+        host = [s for s in self.shards if s.host]
+        return {"main_params": sum(size(s.main) for s in dev if s.owns_main),
+                "optimizer_states": sum(size(s.exp_avg) + size(s.exp_avg_sq) for s in dev),
+                "host_main_params": sum(size(s.main) for s in host),
+                "host_optimizer_states": sum(size(s.exp_avg) + size(s.exp_avg_sq) for s in host),
+                "host_grads": sum(size(s.host_grad) for s in host)}
 
 
-def model_state_bytes(model: list[DistributedDataParallel], optimizer) -> dict:
-    """Exact per-rank bytes of model states, from the tensors (ZeRO's accounting, Rajbhandari
-    et al. 2020, sec. 3.1): `params` (model weights), `grads` (the float32 gradient buffers,
-    padding included, plus any live low-precision `.grad`), `main_params` (float32 copies
-    separate from the weights), `optimizer_states` (AdamW moments and step counters), their
-    sum `total`, and `unsharded_main_params` / `unsharded_optimizer_states`: the same for this
-    model-parallel rank without ZeRO (dp = 1), so sharded ~= unsharded / dp within padding.
-
-    `optimizer` is a `DistributedOptimizer` or a torch optimizer (AdamW), whose lazily created
-    moments are counted as allocated if they exist yet, else as AdamW will allocate them.
-    """
-    params = [p for ddp in model for p in ddp.params]
-    out = {"params": sum(p.numel() * p.element_size() for p in params),
-           "grads": sum(d.buffer.data.numel() * d.buffer.data.element_size() for d in model)
-           + sum(p.grad.numel() * p.grad.element_size() for p in params
-                 if p.grad is not None and p.grad.data_ptr() != p.main_grad.data_ptr())}
-    if isinstance(optimizer, DistributedOptimizer):
-        out.update(optimizer.state_bytes())
-    else:
-        state = [t for st in optimizer.state.values() for t in st.values()
-                 if torch.is_tensor(t)]
-        states = sum(t.numel() * t.element_size() for t in state) if state else \
-            sum(2 * p.numel() * p.element_size() for p in params)
-        out.update(main_params=0, optimizer_states=states, unsharded_main_params=0,
-                   unsharded_optimizer_states=states)
-    out["total"] = out["params"] + out["grads"] + out["main_params"] + out["optimizer_states"]
-    out["predicted_total"] = zero_formula_bytes(params, model, optimizer)
-    return out
+def _event(device: torch.device):
+    """A CUDA event recorded on the current stream (None elsewhere: copies are synchronous)."""
+    if device.type != "cuda":
+        return None
+    ev = torch.cuda.Event()
+    ev.record()
+    return ev
 
 
-def zero_formula_bytes(params, model, optimizer) -> int:
-    """Model-state bytes predicted by Rajbhandari et al. 2020 (ZeRO), sec. 3.1 and 5.1:
-    `W*psi + G*psi + K*psi / N_d` for psi parameters on this rank, with our byte counts: weights
-    W = 2 (bf16) or 4 (fp32), gradients G = 4 (accumulated in fp32), and K = 12 (fp32 main
-    weights + two Adam moments) in bf16 or K = 8 (moments only; the weights are the main
-    copy) in fp32; N_d = dp with the distributed optimizer (ZeRO stage 1), else 1.
-    """
-    psi = sum(p.numel() for p in params)
-    weight_bytes = params[0].element_size() if params else 4
-    k = 12 if weight_bytes == 2 else 8
-    sharded = isinstance(optimizer, DistributedOptimizer) and any(
-        getattr(d, "use_distributed_optimizer", False) for d in model)
-    n_d = model[0].dp_size if sharded else 1
-    return int(weight_bytes * psi + 4 * psi + k * psi / n_d)
+def _adamw_(s: _Shard, g: dict, step_count: int) -> None:
+    """torch.optim.AdamW's update on one shard's flat tensors, in place."""
+    lr, wd, (beta1, beta2), eps = g["lr"], g["weight_decay"], g["betas"], g["eps"]
+    step = float(step_count)
+    step_size = lr / (1 - beta1 ** step)
+    bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
+    if wd != 0:
+        for a, b in s.decay:
+            s.main[a:b].mul_(1 - lr * wd)
+    grad = s.grad
+    s.exp_avg.lerp_(grad, 1 - beta1)
+    s.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    denom = (s.exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    s.main.addcdiv_(s.exp_avg, denom, value=-step_size)

@@ -1,8 +1,15 @@
-"""Activation memory per rank: measured on any device, beside the paper's and a model formula.
+"""Memory per rank: model states (ZeRO stages, offload) and activations, each measured beside
+its formula.
 
-Measured: the bytes autograd keeps for backward during one microbatch's forward, counted with
-`torch.autograd.graph.saved_tensors_hooks` over unique storages (a view, or a tensor saved by
-two ops, counts once; a view keeps its whole storage alive, so the storage is what is counted).
+Model states (`model_state_bytes`): the bytes of the tensors that live for the whole run,
+read off the tensors themselves, beside ZeRO's formulas (Rajbhandari et al. 2020, sec. 3.1 and
+5) for the sharding strategy of training/distributed.py, and the gathered-parameter peak of
+ZeRO-3 (training/fsdp.py).
+
+Activations, measured: the bytes autograd keeps for backward during one microbatch's forward,
+counted with `torch.autograd.graph.saved_tensors_hooks` over unique storages (a view, or a
+tensor saved by two ops, counts once; a view keeps its whole storage alive, so the storage is
+what is counted).
 Parameter storages are not activations and are skipped. Inside a recomputed region
 `torch.utils.checkpoint` installs its own hook, so only what it really keeps (the region's
 inputs) is seen, which is the point.
@@ -34,6 +41,7 @@ import torch
 
 import parallel_state as ps
 
+from .distributed import STRATEGIES  # ZeRO stages 0-3, in order
 from .recompute import recompute_spans
 
 
@@ -49,16 +57,22 @@ class SavedTensorMeter:
     """
 
     def __init__(self, chunks):
-        self.params = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()}
+        self.param_list = [p for c in chunks for p in c.parameters()]
+        self.params = self._param_storages()
         self.chunks = chunks
         self.storages: dict[int, tuple[int, str]] = {}
         self.region = "other"
         self._handles = []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
+    def _param_storages(self) -> set[int]:
+        return {p.untyped_storage().data_ptr() for p in self.param_list}
+
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
+        if ptr and ptr not in self.storages and ptr not in self.params:
+            self.params = self._param_storages()  # ZeRO-3 re-allocates gathered parameters
         if ptr and ptr not in self.params and ptr not in self.storages:
             self.storages[ptr] = (storage.nbytes(), self.region)
         return t
@@ -235,3 +249,89 @@ def activation_report(config, measured: dict, *, micro_batch_size: int, tp: int,
             "activation_bytes_layers_model_predicted": model,
             "activation_bytes_layers_paper_predicted": paper,
             "num_layers": n}
+
+
+# ---------------------------------------------------------------------- model states
+def model_state_bytes(model, optimizer) -> dict:
+    """Exact per-rank bytes of model states, read off the tensors (ZeRO's accounting,
+    Rajbhandari et al. 2020, sec. 3.1), beside their formulas.
+
+    Measured (bytes): `params` (the persistent weights: the parameters, the flat parameter
+    buffer of ZeRO-1/2 or the parameter shards of ZeRO-3), `grads` (the float32 gradient
+    buffer, or the gradient shards of ZeRO-2/3), `main_params` (float32 copies separate from
+    the weights), `optimizer_states` (AdamW moments), their sum `total`, and in host memory
+    (--optimizer-cpu-offload) `host_main_params`, `host_optimizer_states`, `host_grads` and
+    `host_total`. Padding to multiples of dp is included: it is allocated.
+
+    Formulas: `predicted_total` / `predicted_host_total` = `zero_formula_bytes` with the padded
+    parameter count (must equal the measurement exactly); `paper_total` with the unpadded one
+    (the paper's, e.g. `(W + G + K) psi / N_d` for stage 3). Under ZeRO-3 also
+    `gathered_params_predicted_peak` (training/fsdp.py).
+
+    `model`: the DistributedDataParallel wrappers of this rank's chunks; `optimizer`: a
+    `DistributedOptimizer`, or a torch AdamW (no_shard in float32) whose lazily created moments
+    are counted as AdamW will allocate them.
+    """
+    from .distributed_optimizer import DistributedOptimizer
+
+    def size(t):
+        return 0 if t is None else t.numel() * t.element_size()
+
+    params = [p for d in model for p in d.params]
+    out = {"params": sum(size(d.param_shards) if d.param_shards is not None else
+                         size(d.param_buffer) if d.param_buffer is not None else
+                         sum(size(p) for p in d.params) for d in model),
+           "grads": sum(size(d.grad_shards) if d.shard_grads else size(d.buffer.data)
+                        for d in model)}
+    if isinstance(optimizer, DistributedOptimizer):
+        out.update(optimizer.state_bytes())
+        n_host = sum(s.hi - s.lo for s in optimizer.shards if s.host)
+    else:
+        out.update(main_params=0, optimizer_states=2 * sum(size(p) for p in params),
+                   host_main_params=0, host_optimizer_states=0, host_grads=0)
+        n_host = 0
+    out["total"] = out["params"] + out["grads"] + out["main_params"] + out["optimizer_states"]
+    out["host_total"] = out["host_main_params"] + out["host_optimizer_states"] + out["host_grads"]
+    strategy = model[0].strategy if model else "no_shard"
+    dp = model[0].dp_size if model else 1
+    weight = params[0].element_size() if params else 4
+    # a separate fp32 main copy: bf16 weights, or mixed precision without a parameter store
+    main_copy = weight != 4 or (strategy == "no_shard" and isinstance(optimizer,
+                                                                     DistributedOptimizer))
+    psi, padded = sum(p.numel() for p in params), sum(d.numel_padded for d in model)
+    kw = dict(strategy=strategy, dp=dp, weight_bytes=weight, main_copy=main_copy,
+              host_elements=n_host)
+    out["predicted_total"], out["predicted_host_total"] = zero_formula_bytes(padded, **kw)
+    out["paper_total"] = zero_formula_bytes(psi, **kw)[0]
+    out.update(psi=psi, psi_padded=padded, dp=dp, strategy=strategy)
+    for name in STRATEGIES:  # what each strategy would hold for this rank's parameters
+        out[f"paper_total_{name}"] = zero_formula_bytes(
+            psi, strategy=name, dp=dp, weight_bytes=weight,
+            main_copy=weight != 4 or (name == "no_shard" and main_copy))[0]
+    if model and model[0].units is not None:
+        out["gathered_params_predicted_peak"] = sum(d.units.predicted_peak_bytes() for d in model)
+    return out
+
+
+def zero_formula_bytes(psi: int, *, strategy: str, dp: int, weight_bytes: int,
+                       main_copy: bool, host_elements: int = 0) -> tuple[int, int]:
+    """(device, host) model-state bytes per rank for `psi` parameters on this rank (ZeRO,
+    Rajbhandari et al. 2020, sec. 5, with our byte counts): weights W = 2 (bf16) or 4 (fp32),
+    gradients G = 4 (accumulated in fp32), optimizer K = 8 (two Adam moments) plus 4 for a
+    separate fp32 main copy (`main_copy`: bf16 weights, or no flat parameter store), so K = 12
+    in bf16 as in the paper. Per strategy, with N_d = dp:
+
+    - no_shard (stage 0): `(W + G + K) psi`
+    - optim (stage 1): `(W + G) psi + K psi / N_d`
+    - optim_grads (stage 2): `W psi + (G + K) psi / N_d`
+    - optim_grads_params (stage 3): `(W + G + K) psi / N_d`
+
+    With offload, `host_elements` of the optimizer's `psi / N_d` (`psi` unsharded) elements
+    move to host memory with 16 bytes each (fp32 main copy, two moments, gradient copy).
+    """
+    n_opt = psi // dp if strategy != "no_shard" else psi
+    w = weight_bytes * (psi // dp if strategy == "optim_grads_params" else psi)
+    g = 4 * (psi // dp if strategy in ("optim_grads", "optim_grads_params") else psi)
+    k = (8 + 4 * main_copy) * (n_opt - host_elements)
+    return w + g + k, 16 * host_elements
+

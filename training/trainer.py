@@ -24,10 +24,12 @@ from parallel_state.p2p import TensorSpec
 
 from .arguments import Config
 from .checkpointing import Checkpointer, completed_checkpoint, kill_hook, load_checkpoint
-from .distributed import DistributedDataParallel, all_reduce_embedding_grads
-from .distributed_optimizer import DistributedOptimizer, model_state_bytes
+from .distributed import (DistributedDataParallel, all_reduce_embedding_grads,
+                          all_reduce_sequence_parallel_grad_pieces)
+from .distributed_optimizer import DistributedOptimizer
 from .flops import PeakFlops, training_flops_per_token
-from .memory import activation_report, measure_activation_bytes
+from .fsdp import peak_gathered_bytes
+from .memory import activation_report, measure_activation_bytes, model_state_bytes
 from .metrics import MetricsLogger, Progress, format_duration, peak_memory_bytes
 from .optimizer import build_optimizer, clip_grads, learning_rate
 from .recompute import apply_recompute
@@ -247,12 +249,15 @@ def _train(config: Config, device, on_end=None) -> list[dict]:
     model = [DistributedDataParallel(c, data_parallel_group=ps.get_data_parallel_group(),
                                      bucket_size=t.ddp_bucket_size,
                                      overlap_grad_reduce=t.overlap_grad_reduce,
-                                     use_distributed_optimizer=t.use_distributed_optimizer)
+                                     data_parallel_sharding_strategy=(
+                                         t.data_parallel_sharding_strategy))
              for c in chunks]
-    if t.use_distributed_optimizer or t.bf16:  # fp32 main weights (sharded over DP: ZeRO-1)
-        optimizer = DistributedOptimizer(model, lr=t.lr, weight_decay=t.weight_decay,
-                                         betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-                                         shard=t.use_distributed_optimizer)
+    if t.use_distributed_optimizer or t.bf16 or t.optimizer_cpu_offload:
+        # fp32 main weights (sharded over DP: ZeRO-1/2/3), optionally in host memory
+        optimizer = DistributedOptimizer(
+            model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2),
+            eps=t.adam_eps, shard=t.use_distributed_optimizer,
+            offload_fraction=t.optimizer_offload_fraction if t.optimizer_cpu_offload else 0.0)
     else:
         optimizer = build_optimizer(torch.nn.ModuleList(chunks), lr=t.lr,
                                     weight_decay=t.weight_decay,
@@ -263,7 +268,7 @@ def _train(config: Config, device, on_end=None) -> list[dict]:
 
     flops_per_token = training_flops_per_token(m)
     peak = PeakFlops(device, torch.bfloat16 if t.bf16 else torch.float32, t.peak_tflops)
-    memory = log_memory(chunks, model, optimizer, train_ds, config, device)
+    memory = log_memory(model, optimizer, train_ds, config, device)
     start_iteration = load_checkpoint(config, chunks, model, optimizer)  # 0: from scratch
     checkpointer = Checkpointer(config, tokenizer=tokenizer.path) if t.save else None
     is_logger = dist.get_rank() == 0
@@ -282,6 +287,9 @@ def _train(config: Config, device, on_end=None) -> list[dict]:
     if evaluating and start_iteration == 0:
         # the starting point, so a run shows how far validation loss fell
         records.append(_validate(model, valid_ds, config, device, logger, 0, progress))
+    for ddp in model:
+        ddp.zero_grad_buffer()  # ZeRO-3: frees what the measurements above left gathered
+    peak_gathered_bytes(reset=True)
     _rank0_print(f"training iterations {start_iteration + 1}..{t.train_iters}; the first step "
                  f"also does one-time set-up (allocation, warm-up)")
     start = time.time()
@@ -305,8 +313,8 @@ def _train(config: Config, device, on_end=None) -> list[dict]:
             profiles.append(_gather_timeline(timeline))
         for ddp in model:
             ddp.finish_grad_sync()
-        ps.all_reduce_sequence_parallel_grads(params)
-        all_reduce_embedding_grads(params)
+        all_reduce_sequence_parallel_grad_pieces(model)
+        all_reduce_embedding_grads(model)
         if isinstance(optimizer, DistributedOptimizer):
             grad_norm = optimizer.clip_grad_norm(t.clip_grad)
         else:
@@ -327,6 +335,8 @@ def _train(config: Config, device, on_end=None) -> list[dict]:
             rec = {"iteration": it, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                    "tokens_per_s": tps, "tflops": tflops, "mfu": mfu,
                    "memory": peak_memory_bytes(device), "step_time_s": step_time,
+                   **({"gathered_params_peak_bytes": peak_gathered_bytes()}
+                      if t.data_parallel_sharding_strategy == "optim_grads_params" else {}),
                    "elapsed_s": time.time() - start, "eta_s": eta}
             if is_logger and peak.note and not mfu_noted:
                 print(f"note: {peak.note}", flush=True)
@@ -360,6 +370,8 @@ def _train(config: Config, device, on_end=None) -> list[dict]:
         ddp.finish_param_sync()  # weights are read outside a forward from here on
     if on_end is not None:
         records.append({"on_end": on_end(chunks)})
+    for ddp in model:
+        ddp.release_params()
     return records
 
 
@@ -406,31 +418,40 @@ def _report_end(config: Config, start_iteration: int, start: float, progress: Pr
     return rec
 
 
-def log_memory(chunks, model, optimizer, dataset, config: Config, device) -> dict:
+def log_memory(model, optimizer, dataset, config: Config, device) -> dict:
     """Measure model-state and activation bytes on every rank; print one plain line on rank 0
     and return the detailed accounting (beside the ZeRO and Korthikanti et al. formulas) for
     the run_start record of metrics.jsonl."""
     state = model_state_bytes(model, optimizer)
-    act = log_activation_memory(chunks, dataset, config, device)
+    act = log_activation_memory(model, dataset, config, device)
     totals = [None] * dist.get_world_size()
     dist.all_gather_object(totals, state["total"] + act["activation_bytes_per_microbatch"])
     mib = lambda x: f"{x / 2**20:,.1f}"  # noqa: E731
     largest = max(range(len(totals)), key=lambda r: totals[r])
+    host = f", host {mib(state['host_total'])}" if state["host_total"] else ""
+    gathered = (f", gathered up to {mib(state['gathered_params_predicted_peak'])}"
+                if "gathered_params_predicted_peak" in state else "")
     _rank0_print(
         f"memory (rank 0, MiB): model states {mib(state['total'])} (weights "
         f"{mib(state['params'])}, gradients {mib(state['grads'])}, optimizer "
-        f"{mib(state['main_params'] + state['optimizer_states'])}) + activations "
+        f"{mib(state['main_params'] + state['optimizer_states'])}; {state['strategy']} at dp "
+        f"{state['dp']}, ZeRO formula {mib(state['predicted_total'])}{host}{gathered}) + "
+        f"activations "
         f"{mib(act['activation_bytes_per_microbatch'])} per microbatch (the decoder layers' "
         f"{mib(act['activation_bytes_layers'])}, predicted "
         f"{mib(act['activation_bytes_layers_predicted'])})" +
         (f"; largest rank {largest}: {mib(totals[largest])}" if len(totals) > 1 else "") +
         "; details in metrics.jsonl")
-    return {**act, **{f"model_state_{k}_bytes": v for k, v in state.items()},
-            "memory_bytes_per_rank": totals}
+    return {**act, **{f"model_state_{k}" + ("" if k in _STATE_COUNTS else "_bytes"): v
+                      for k, v in state.items()}, "memory_bytes_per_rank": totals}
+
+
+_STATE_COUNTS = ("psi", "psi_padded", "dp", "strategy")  # model-state fields not in bytes
 
 
 def log_activation_memory(chunks, dataset, config: Config, device) -> dict:
-    """Measure the activation bytes one microbatch saves for backward on this rank (RNG
+    """`chunks`: the DistributedDataParallel wrappers (ZeRO-3 gathers through them).
+    Measure the activation bytes one microbatch saves for backward on this rank (RNG
     untouched) and return them beside the predictions: the total, the decoder layers' share,
     and the layers' model-specific and Korthikanti et al. predictions (training/memory.py)."""
     t = config.train

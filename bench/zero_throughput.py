@@ -1,0 +1,160 @@
+"""Training tokens/s and per-rank model-state bytes of the data-parallel sharding strategies
+(no_shard, optim = ZeRO-1, optim_grads = ZeRO-2, optim_grads_params = ZeRO-3) and of
+optimizer CPU offload, on the same model and layout, measured in the same run.
+
+Each variant is a short `training.trainer.pretrain` run (the real training path: schedules,
+bucketed reductions, gathers, clipping, optimizer) on the embedded demo corpus. Rounds visit
+the variants in turn (ABCD...) to cancel drift on a shared machine; a variant's tokens/s is
+the global batch's tokens over the median step time of its steps after the first, taken over
+all rounds. Ratios are against no_shard. Model-state bytes are read off the tensors on rank 0
+(training/memory.py) beside ZeRO's formula; on CUDA the peak allocated memory of each run is
+printed too (the memory effect of sharding and offload), on CPU it is not (host RSS only
+grows).
+
+Run: `python bench/zero_throughput.py` (re-launches itself under torchrun with `--nproc`
+processes: 2 on CPU, one per GPU on CUDA; about a minute on 2 CPU cores). Flags after `--` go
+to every run, e.g. `-- --model llama-style-135m --seq-length 512 --bf16`.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+STRATEGY = "--data-parallel-sharding-strategy"
+
+
+def variants(offload_base: str) -> list[tuple[str, list[str]]]:
+    return [("no_shard", [STRATEGY, "no_shard"]), ("optim", [STRATEGY, "optim"]),
+            ("optim_grads", [STRATEGY, "optim_grads"]),
+            ("optim_grads_params", [STRATEGY, "optim_grads_params"]),
+            (f"{offload_base}+offload", [STRATEGY, offload_base, "--optimizer-cpu-offload"])]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nproc", type=int, default=None,
+                   help="processes (data-parallel ranks unless the flags add --tp/--pp)")
+    p.add_argument("--iters", type=int, default=5, help="training steps per run")
+    p.add_argument("--rounds", type=int, default=2, help="passes over all variants")
+    p.add_argument("--offload-base", default="optim_grads",
+                   help="strategy of the offload variant (ZeRO-Offload is stage 2)")
+    p.add_argument("train_args", nargs="*", help="after --: flags for every run")
+    args = p.parse_args(argv)
+    if not args.train_args:
+        args.train_args = ["--config", "configs/tiny-llama.yaml", "--micro-batch-size", "4",
+                           "--global-batch-size", "16"]
+    return args
+
+
+def relaunch(args) -> int:
+    nproc = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", __file__, "--iters", str(args.iters), "--rounds",
+           str(args.rounds), "--offload-base", args.offload_base, "--", *args.train_args]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get(
+        "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))}
+    return subprocess.call(cmd, cwd=ROOT, env=env)
+
+
+def one_run(flags: list[str], log_dir: str) -> dict:
+    """A short pretrain; returns step times and rank 0's model-state record (quietly)."""
+    import parallel_state as ps
+    from training.arguments import parse_config
+    from training.trainer import pretrain
+
+    ps.destroy_model_parallel()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    with contextlib.redirect_stdout(io.StringIO()):
+        records = pretrain(parse_config(flags + ["--log-dir", log_dir]))
+    steps = [r for r in records if "loss" in r]
+    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+    record = dict(steps[-1])
+    metrics = os.path.join(log_dir, "metrics.jsonl")  # rank 0: its run_start accounting
+    if os.path.exists(metrics):
+        with open(metrics) as f:
+            record.update(json.loads(f.readline()))
+    return {"step_times": [r["step_time_s"] for r in steps[1:]], "record": record,
+            "loss": steps[-1]["loss"], "cuda_peak": peak}
+
+
+def bench(args) -> None:
+    import torch.distributed as dist
+
+    import parallel_state as ps
+
+    ps.initialize_distributed()
+    rank = dist.get_rank()
+    common = args.train_args + ["--train-iters", str(args.iters), "--log-interval", "1",
+                                "--eval-interval", "0", "--no-tensorboard", "--peak-tflops", "1"]
+    vs = variants(args.offload_base)
+    times = {name: [] for name, _ in vs}
+    last = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for name, flags in vs:
+                out = one_run(common + flags, os.path.join(tmp, f"{r}-{name}"))
+                times[name] += out["step_times"]
+                last[name] = out
+    if rank != 0:
+        dist.destroy_process_group()
+        return
+    from training.arguments import parse_config
+
+    rec0 = last["no_shard"]["record"]
+    cfg = parse_config(common).validate(dist.get_world_size())
+    tokens = cfg.train.global_batch_size * cfg.model.seq_length
+    mib = lambda b: f"{b / 2**20:10.2f}"  # noqa: E731
+    print(f"device {ps.get_device()}, world {dist.get_world_size()} (dp "
+          f"{rec0['model_state_dp']}), {cfg.model.name}: {cfg.model.num_parameters() / 1e6:.2f}M "
+          f"params, {tokens} tokens/step, {args.iters} steps x {args.rounds} rounds per variant, "
+          f"bf16 {cfg.train.bf16}")
+    base = tokens / statistics.median(times["no_shard"])
+    head = (f"{'variant':<24} {'tok/s':>9} {'vs no_shard':>11} {'states MiB/rank':>15} "
+            f"{'formula':>10} {'paper':>10} {'host MiB':>10} {'gathered':>10}")
+    if torch.cuda.is_available():
+        head += f" {'cuda peak':>10}"
+    print(head)
+    for name, _ in vs:
+        rec = last[name]["record"]
+        tps = tokens / statistics.median(times[name])
+        spread = (max(times[name]) - min(times[name])) / statistics.median(times[name])
+        line = (f"{name:<24} {tps:9.0f} {tps / base:10.3f}x {mib(rec['model_state_total_bytes']):>15}"
+                f" {mib(rec['model_state_predicted_total_bytes'])} "
+                f"{mib(rec['model_state_paper_total_bytes'])} "
+                f"{mib(rec['model_state_host_total_bytes'])} "
+                f"{mib(rec.get('gathered_params_peak_bytes', 0))}")
+        if torch.cuda.is_available():
+            line += f" {mib(last[name]['cuda_peak'])}"
+        print(line + (f"   (step-time spread {spread:.0%}: busy machine)" if spread > 0.5 else ""))
+    print("states: params + grads + main params + optimizer states on the device, measured "
+          "on rank 0; formula: ZeRO (Rajbhandari et al. 2020, sec. 5) with the padded parameter "
+          "count, paper: with the unpadded one; host: offloaded main params, moments and "
+          "gradient copies; gathered: ZeRO-3 peak of gathered parameters")
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if "WORLD_SIZE" not in os.environ:
+        return relaunch(args)
+    bench(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
