@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel_state.mappings import all_gather_single, reduce_scatter_single
+from parallel_state import collectives
+from parallel_state.collectives import all_gather_single, reduce_scatter_single
 
 
 @dataclass
@@ -178,7 +179,7 @@ class DistributedDataParallel(nn.Module):
             bucket.handle = reduce_scatter_single(self.buffer.data[lo:hi], data,
                                                   group=self.group, async_op=True)
         else:
-            bucket.handle = dist.all_reduce(data, group=self.group, async_op=True)
+            bucket.handle = collectives.all_reduce(data, group=self.group, async_op=True)
 
     def finish_grad_sync(self) -> None:
         """Launch buckets not yet launched and wait for all; grads are then DP-summed (only
@@ -253,4 +254,4 @@ def all_reduce_embedding_grads(params) -> None:
     if group is None or not grads:
         return
     for g in grads:
-        dist.all_reduce(g, group=group)
+        collectives.all_reduce(g, group=group)
