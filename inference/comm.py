@@ -1,5 +1,5 @@
-"""Every collective the inference engine and controller issue, in one module (so they are
-easy to route through a shared collective layer later).
+"""Every collective the inference engine and controller issue, in one module; each goes
+through parallel_state.collectives (observed like training's).
 
 - `broadcast_tokens(tokens [b] | None, b)`: the sampled ids from the last pipeline stage's TP
   rank 0 to every rank of this model replica (tp x pp ranks).
@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import parallel_state as ps
+from parallel_state import collectives
 
 
 def replica_ranks() -> tuple[int, int]:
@@ -33,7 +34,7 @@ def broadcast_tokens(tokens: torch.Tensor | None, b: int) -> torch.Tensor:
         torch.empty(b, dtype=torch.int64, device=g.device)
     if buf.device.type == "cpu" and g.device.type == "cuda":
         buf = buf.to(g.device)
-    dist.broadcast(buf, src=src, group=g.model_parallel_group)
+    collectives.broadcast(buf, src=src, group=g.model_parallel_group)
     return buf.cpu()
 
 
@@ -42,7 +43,7 @@ def broadcast_control(obj):
     if dist.get_world_size() == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    collectives.broadcast_object_list(box, src=0)
     return box[0]
 
 
@@ -51,5 +52,5 @@ def gather_to_rank0(obj) -> list | None:
     if dist.get_world_size() == 1:
         return [obj]
     out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(obj, out, dst=0)
+    collectives.gather_object(obj, out, dst=0)
     return out

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from parallel_state import (
+    collectives,
     get_tensor_model_parallel_group,
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
@@ -23,7 +24,7 @@ from parallel_state import (
 
 def _all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     if get_tensor_model_parallel_world_size() > 1:
-        dist.all_reduce(x, op=op, group=get_tensor_model_parallel_group())
+        collectives.all_reduce(x, op=op, group=get_tensor_model_parallel_group())
     return x
 
 

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import parallel_state as ps
+from parallel_state import collectives
 from layers import unshard_tensors
 
 
@@ -30,7 +31,7 @@ def gather_full_state_dict(chunks) -> dict[str, torch.Tensor]:
             t = p.detach().float().contiguous()
             if getattr(p, "tensor_model_parallel", False) and tp > 1:
                 parts = [torch.empty_like(t) for _ in range(tp)]
-                dist.all_gather(parts, t, group=ps.get_tensor_model_parallel_group())
+                collectives.all_gather(parts, t, group=ps.get_tensor_model_parallel_group())
                 t = unshard_tensors(parts, p)
             rows = getattr(p, "full_rows", None)
             if rows is not None:
@@ -39,7 +40,7 @@ def gather_full_state_dict(chunks) -> dict[str, torch.Tensor]:
     if ps.get_pipeline_model_parallel_world_size() == 1:
         return local
     stages: list = [None] * ps.get_pipeline_model_parallel_world_size()
-    dist.all_gather_object(stages, local, group=ps.get_pipeline_model_parallel_group())
+    collectives.all_gather_object(stages, local, group=ps.get_pipeline_model_parallel_group())
     merged: dict[str, torch.Tensor] = {}
     for stage in stages:
         merged.update(stage)

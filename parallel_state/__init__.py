@@ -1,5 +1,8 @@
-"""The process grid (pp x dp x tp on one DeviceMesh), its getters, the TP-aware RNG tracker and
-the collectives with autograd. See grid.py, random.py and mappings.py."""
+"""The process grid (pp x dp x tp on one DeviceMesh), its getters, the TP-aware RNG tracker,
+the collectives with autograd, pipeline p2p and the one layer every collective passes through.
+See grid.py, random.py, mappings.py, p2p.py and collectives.py (with trace.py and
+debug_collectives.py, its consumers)."""
+from . import collectives  # noqa: F401
 from .grid import (  # noqa: F401
     Grid,
     GridError,

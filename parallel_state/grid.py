@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from . import collectives
+
 
 class GridError(RuntimeError):
     """The process grid cannot be built (or used) as asked; the message says how to fix it."""
@@ -62,18 +64,26 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def initialize_distributed(device: torch.device | str | None = None) -> torch.device:
+def initialize_distributed(device: torch.device | str | None = None,
+                           timeout: timedelta | None = None) -> torch.device:
     """Start the default process group (NCCL on CUDA, gloo on CPU) if it is not running.
 
     Under `torchrun` the rank/world come from the environment; a plain `python train.py`
     becomes a world of one on a free localhost port, so every code path runs the same.
+    `timeout` (Megatron's --distributed-timeout-minutes) becomes the operation timeout of the
+    world and of every group built afterwards (`collectives.set_timeout`); the start-up
+    rendezvous waits at least `collectives.STARTUP_TIMEOUT` so that late ranks can join.
     Returns the device this process computes on.
     """
     global _OWNS_WORLD
+    if timeout is not None:
+        collectives.set_timeout(timeout)
     device = torch.device(device) if device is not None else default_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if dist.is_initialized():
+        if timeout is not None:
+            collectives.apply_timeout(None)
         return device
     if "RANK" not in os.environ:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -83,12 +93,13 @@ def initialize_distributed(device: torch.device | str | None = None) -> torch.de
     backend = "nccl" if device.type == "cuda" else "gloo"
     device_id = device if device.type == "cuda" else None
     store = _restart_safe_store()
+    kw = dict(backend=backend, device_id=device_id, timeout=collectives.startup_timeout())
     if store is None:
-        dist.init_process_group(backend=backend, device_id=device_id)
+        dist.init_process_group(**kw)
     else:
-        dist.init_process_group(backend=backend, device_id=device_id, store=store,
-                                rank=int(os.environ["RANK"]),
+        dist.init_process_group(**kw, store=store, rank=int(os.environ["RANK"]),
                                 world_size=int(os.environ["WORLD_SIZE"]))
+    collectives.apply_timeout(None)
     return device
 
 
@@ -147,6 +158,9 @@ def initialize_model_parallel(
     dp = world // (tp * pp)
     device = torch.device(device) if device is not None else default_device()
     mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    for dim in ("pp", "dp", "tp"):
+        collectives.apply_timeout(mesh.get_group(dim))
+        collectives.name_group(mesh.get_group(dim), dim)
     rank = dist.get_rank()
     pp_rank, rest = divmod(rank, dp * tp)
     dp_rank, tp_rank = divmod(rest, tp)
@@ -155,7 +169,7 @@ def initialize_model_parallel(
     model_parallel_group = None
     for d in range(dp):
         ranks = [(p * dp + d) * tp + t for p in range(pp) for t in range(tp)]
-        g = dist.new_group(ranks)
+        g = collectives.new_group(ranks, label="mp")
         if d == dp_rank:
             model_parallel_group = g
     embedding_group = None
@@ -164,7 +178,7 @@ def initialize_model_parallel(
         for d in range(dp):
             for t in range(tp):
                 ranks = [(0 * dp + d) * tp + t, ((pp - 1) * dp + d) * tp + t]
-                g = dist.new_group(ranks)
+                g = collectives.new_group(ranks, label="embedding")
                 if rank in ranks:
                     embedding_group = g
     _GRID = Grid(
@@ -193,6 +207,7 @@ def destroy_model_parallel(destroy_world: bool = False) -> None:
     _GRID = None
     if (destroy_world or _OWNS_WORLD) and dist.is_initialized():
         dist.destroy_process_group()
+        collectives.forget_groups()
         if _OWNS_WORLD:
             for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
                 os.environ.pop(k, None)

@@ -19,14 +19,9 @@ Sequence-parallel tensors are `[s, b, h]` with the sequence (dim 0) split across
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from . import grid
-
-# Flat-tensor collectives: newer torch names them *_single and deprecates the *_tensor
-# spellings; older releases only have the latter. Everything in shardzoo uses these two.
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from . import collectives, grid
+from .collectives import all_gather_single, reduce_scatter_single  # noqa: F401 (old home)
 
 
 def _tp() -> tuple[int, int]:
@@ -38,7 +33,7 @@ def _all_reduce(x: torch.Tensor) -> torch.Tensor:
     if _tp()[0] == 1:
         return x
     x = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(x, group=grid.get_tensor_model_parallel_group())
+    collectives.all_reduce(x, group=grid.get_tensor_model_parallel_group())
     return x
 
 
@@ -57,7 +52,7 @@ def _gather_last(x: torch.Tensor) -> torch.Tensor:
         return x
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(parts, x, group=grid.get_tensor_model_parallel_group())
+    collectives.all_gather(parts, x, group=grid.get_tensor_model_parallel_group())
     return torch.cat(parts, dim=-1)
 
 
@@ -223,7 +218,7 @@ def all_reduce_over_tensor_parallel(tensors) -> None:
     if size == 1 or not tensors:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, group=grid.get_tensor_model_parallel_group())
+    collectives.all_reduce(flat, group=grid.get_tensor_model_parallel_group())
     offset = 0
     for t in tensors:
         t.copy_(flat[offset: offset + t.numel()].view_as(t))

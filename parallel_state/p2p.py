@@ -1,8 +1,8 @@
 """Point-to-point exchange of activation / gradient tuples between adjacent pipeline stages.
 
-Used by the training schedules and by pipelined inference (it lives here, below both). A stage may pass several tensors
-(an encoder-decoder stage sends the encoder output beside the hidden states), so everything
-here moves *tuples* whose shapes are known up front (`[s, b, h]`, or `[s/tp, b, h]` under
+Used by the training schedules and by pipelined inference (it lives here, below both). A
+stage may pass several tensors (an encoder-decoder stage sends the encoder output beside the
+hidden states), so everything here moves *tuples* whose shapes are known up front (`[s, b, h]`, or `[s/tp, b, h]` under
 sequence parallelism; the receiver allocates from the shapes it is given).
 
 Every exchange is one `batch_isend_irecv` holding all sends and receives of a schedule step.
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import grid as ps
+from . import collectives, grid as ps
 
 FORWARD_TAG, BACKWARD_TAG = 0, 1
 
@@ -85,7 +85,7 @@ def communicate(spec: TensorSpec, *, send_next: Tensors | None = None,
         ops.append(dist.P2POp(dist.irecv, t, nxt, group=group, tag=BACKWARD_TAG))
     if ops:
         with _timeline.span("C") if _timeline is not None else contextlib.nullcontext():
-            for req in dist.batch_isend_irecv(ops):
+            for req in collectives.batch_isend_irecv(ops):
                 req.wait()
     if spec.device.type == "cuda":
         torch.cuda.synchronize()  # a received buffer is read right after (Megatron does this)

@@ -94,6 +94,9 @@ class TrainConfig:
     peak_tflops: float | None = None  # None: measured at start-up
     device: str = "auto"  # auto | cpu | cuda
     profile_pipeline: bool = False
+    distributed_timeout_minutes: float = 10.0  # every process group's operation timeout
+    collective_trace_size: int = 2000  # calls each rank keeps for the hang doctor; 0: off
+    debug_collectives: bool = False  # ranks check they make the same call before each one
 
 
 @dataclass
@@ -273,6 +276,12 @@ FLAG_HELP = {
     "overlap_grad_reduce": "overlap DP gradient sync with backward",
     "peak_tflops": "per-device peak for MFU (default: measured)", "device": "auto | cpu | cuda",
     "profile_pipeline": "record the schedule timeline and report the bubble",
+    "distributed_timeout_minutes": "timeout of every collective (fractions allowed; "
+    "a stuck one becomes a report in <log-dir>/hang)",
+    "collective_trace_size": "collectives each rank keeps in its trace for the hang "
+    "report; 0 turns the trace off",
+    "debug_collectives": "check before each collective that all ranks of the group make "
+    "the same call (an extra all-gather each: debugging only)",
 }
 
 

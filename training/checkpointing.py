@@ -59,7 +59,8 @@ import torch.distributed.checkpoint as dcp
 import parallel_state as ps
 from checkpoint.keys import as_saved, entries, part_keys, read_plan, rebuild, split_parts
 from checkpoint.model_io import TOKENIZER_DIR, TOKENIZER_MODEL, copy_tokenizer
-from parallel_state.mappings import all_gather_single
+from parallel_state import collectives
+from parallel_state.collectives import all_gather_single
 
 from checkpoint.format import (CONFIG, FORMAT_VERSION, LATEST, METADATA, CheckpointError,
                                 compare_model, complete_checkpoints, describe_files,
@@ -191,7 +192,8 @@ class Checkpointer:
         self.tokenizer = tokenizer  # copied into every checkpoint (export and --finetune use it)
         t = config.train
         self.save_dir, self.async_save = t.save, t.async_save
-        self.group = dist.new_group(backend="gloo") if self.async_save else None
+        self.group = collectives.new_group(backend="gloo", label="checkpoint") if \
+            self.async_save else None
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.last_saved: int | None = None
@@ -203,14 +205,14 @@ class Checkpointer:
         state = state_to_save(self.config, chunks, model, optimizer, iteration,
                               copy=self.async_save)
         name = [secrets.token_hex(4) if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(name, src=0)
+        collectives.broadcast_object_list(name, src=0)
         tmp = os.path.join(self.save_dir, f"{iter_dir_name(iteration)}.tmp-{name[0]}")
         if dist.get_rank() == 0:
             os.makedirs(tmp)
             with open(os.path.join(tmp, CONFIG), "w") as f:
                 f.write(self.config.to_yaml())
             copy_tokenizer(self.tokenizer, tmp)
-        dist.barrier()
+        collectives.barrier()
         self.last_saved = iteration
         if self.async_save:
             self.thread = threading.Thread(target=self._write, args=(state, tmp, iteration),
@@ -247,7 +249,7 @@ class Checkpointer:
             if os.path.exists(os.path.join(tmp, TOKENIZER_MODEL)):
                 mine.append(TOKENIZER_MODEL)
         files = [None] * dist.get_world_size()
-        dist.all_gather_object(files, describe_files(tmp, mine), group=g)
+        collectives.all_gather_object(files, describe_files(tmp, mine), group=g)
         status = [None]
         if rank == 0:
             try:
@@ -256,7 +258,7 @@ class Checkpointer:
             except BaseException as e:  # noqa: BLE001 - every rank raises the same error
                 status = [e if isinstance(e, CheckpointError) else
                           CheckpointError(f"saving {tmp} failed: {type(e).__name__}: {e}")]
-        dist.broadcast_object_list(status, src=0, group=g)
+        collectives.broadcast_object_list(status, src=0, group=g)
         if isinstance(status[0], BaseException):
             raise status[0]
         _print0(status[0])
@@ -368,7 +370,7 @@ def load_checkpoint(config, chunks, model, optimizer) -> int:
     compare_model(meta, config.model.to_dict(), path)
     problems = verify_files(path, meta, rank=dist.get_rank(), world=dist.get_world_size())
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, problems)
+    collectives.all_gather_object(everyone, problems)
     problems = [p for ps_ in everyone for p in ps_]
     if problems:
         raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(problems))

@@ -269,6 +269,10 @@ def _check_run(t: TrainConfig) -> None:
             raise ConfigError(f"{flag(name)} must be >= 0 (0 disables evaluation), "
                               f"got {getattr(t, name)}")
     _check_choice("device", t.device, ("auto", "cpu", "cuda"))
+    if not t.distributed_timeout_minutes > 0 or t.collective_trace_size < 0:
+        raise ConfigError(f"need --distributed-timeout-minutes > 0 (got "
+                          f"{t.distributed_timeout_minutes}) and --collective-trace-size >= 0 "
+                          f"(got {t.collective_trace_size}; 0 turns the trace off)")
     if t.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda but no CUDA device is available; use --device cpu "
                           "(or auto)")

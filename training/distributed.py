@@ -53,7 +53,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel_state.mappings import all_gather_single, reduce_scatter_single
+from parallel_state import collectives
+from parallel_state.collectives import all_gather_single, reduce_scatter_single
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 _MAX_REDUCTIONS_IN_FLIGHT = 2  # sharded gradients: temporary full buckets alive at once
@@ -345,7 +346,7 @@ class DistributedDataParallel(nn.Module):
             bucket.handle = reduce_scatter_single(self.buffer.data[lo:hi], data,
                                                   group=self.group, async_op=True)
         else:
-            bucket.handle = dist.all_reduce(data, group=self.group, async_op=True)
+            bucket.handle = collectives.all_reduce(data, group=self.group, async_op=True)
 
     def finish_grad_sync(self) -> None:
         """Launch reductions not yet launched and wait for all; grads are then DP-summed (only
@@ -494,7 +495,7 @@ def all_reduce_embedding_grads(model) -> None:
     if group is None or not grads:
         return
     for g in grads:
-        dist.all_reduce(g, group=group)
+        collectives.all_reduce(g, group=group)
 
 
 def all_reduce_sequence_parallel_grad_pieces(model) -> None:

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 import parallel_state as ps
+from parallel_state import collectives
 
 from .distributed import DistributedDataParallel
 from .optimizer import counts_toward_norm
@@ -180,10 +181,10 @@ class DistributedOptimizer:
         sq = torch.stack(parts).sum() if parts else torch.zeros((), device=device)
         sq = sq.to(torch.float32)
         if self.sharded and ps.get_data_parallel_world_size() > 1:
-            dist.all_reduce(sq, group=ps.get_data_parallel_group())
+            collectives.all_reduce(sq, group=ps.get_data_parallel_group())
         if ps.model_parallel_is_initialized() and \
                 dist.get_world_size(ps.get_model_parallel_group()) > 1:
-            dist.all_reduce(sq, group=ps.get_model_parallel_group())
+            collectives.all_reduce(sq, group=ps.get_model_parallel_group())
         norm = float(sq.sqrt())
         if max_norm > 0 and norm > max_norm:
             scale = max_norm / (norm + 1e-6)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from parallel_state.mappings import all_gather_single
+from parallel_state.collectives import all_gather_single
 
 
 def _in_backward() -> bool:

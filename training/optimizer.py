@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 import parallel_state as ps
+from parallel_state import collectives
 
 
 def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas=(0.9, 0.999),
@@ -71,7 +72,7 @@ def global_grad_norm(params: list[nn.Parameter]) -> float:
         sq = torch.stack([g.float().pow(2).sum() for g in owned]).sum()
     if ps.model_parallel_is_initialized() and \
             dist.get_world_size(ps.get_model_parallel_group()) > 1:
-        dist.all_reduce(sq, group=ps.get_model_parallel_group())
+        collectives.all_reduce(sq, group=ps.get_model_parallel_group())
     return float(sq.sqrt())
 
 

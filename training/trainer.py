@@ -11,15 +11,18 @@ import os
 import shlex
 import sys
 import time
+from datetime import timedelta
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 import parallel_state as ps
-from checkpoint.format import resolve_checkpoint
+from checkpoint.format import CheckpointError, resolve_checkpoint
 from models import GPTModel
+from models.config import ConfigError
 from models.pipeline import build_model_chunks
+from parallel_state import collectives, debug_collectives, trace
 from parallel_state.p2p import TensorSpec
 
 from .arguments import Config
@@ -90,7 +93,7 @@ def _build_data(config: Config):
         # tokenizer (e.g. a fine-tuned checkpoint's) tokenizes the corpus itself.
         if dist.get_rank() == 0:
             prefix, tokenizer_path = ensure_default_corpus(tokenizer=tokenizer_path)
-        dist.barrier()
+        collectives.barrier()
         if dist.get_rank() != 0:
             prefix, tokenizer_path = ensure_default_corpus(quiet=True, tokenizer=tokenizer_path)
         data_path = [prefix]
@@ -130,7 +133,7 @@ def get_microbatches(dataset, iteration: int, config: Config, device) -> list[di
 def _global_sum(x: torch.Tensor, group) -> torch.Tensor:
     x = x.clone()
     if dist.get_world_size(group) > 1:
-        dist.all_reduce(x, group=group)
+        collectives.all_reduce(x, group=group)
     return x
 
 
@@ -185,6 +188,11 @@ def build_model(config: Config, device) -> list[GPTModel]:
 
 
 # ---------------------------------------------------------------------- main loop
+# Raised alike on every rank before any training step, with a message naming the fix: not a
+# hang, so no trace dump.
+_UNIFORM_ERRORS = (ConfigError, CheckpointError, DataError)
+
+
 def pretrain(config: Config, on_end=None) -> list[dict]:
     """Train as `config` says; returns the logged metric records (train and valid).
 
@@ -202,12 +210,28 @@ def pretrain(config: Config, on_end=None) -> list[dict]:
                   f" and --train-iters is {t.train_iters}; nothing was trained or written "
                   f"(raise --train-iters to train further)", flush=True)
         return []
-    device = ps.initialize_distributed(None if t.device == "auto" else t.device)
-    ps.initialize_model_parallel(t.tensor_model_parallel_size, t.pipeline_model_parallel_size,
-                                 t.virtual_pipeline_model_parallel_size, device=device)
+    device = ps.initialize_distributed(None if t.device == "auto" else t.device,
+                                       timeout=timedelta(minutes=t.distributed_timeout_minutes))
+    if t.collective_trace_size and dist.get_world_size() > 1:
+        trace.start_trace(t.log_dir, t.collective_trace_size)  # the hang doctor's recorder
+    if t.debug_collectives:
+        debug_collectives.enable()
+    clean = False  # the run ended alike on every rank: the trace files can go
     try:
-        return _train(config, device, on_end)
+        with trace.dump_on_error(ignore=_UNIFORM_ERRORS):
+            ps.initialize_model_parallel(t.tensor_model_parallel_size,
+                                         t.pipeline_model_parallel_size,
+                                         t.virtual_pipeline_model_parallel_size, device=device)
+            records = _train(config, device, on_end)
+            collectives.barrier()  # every rank got here, so nothing is left hanging
+        clean = True
+        return records
+    except _UNIFORM_ERRORS:
+        clean = True
+        raise
     finally:
+        debug_collectives.disable()
+        trace.stop_trace(remove=clean)
         ps.destroy_model_parallel()
 
 
@@ -425,7 +449,7 @@ def log_memory(model, optimizer, dataset, config: Config, device) -> dict:
     state = model_state_bytes(model, optimizer)
     act = log_activation_memory(model, dataset, config, device)
     totals = [None] * dist.get_world_size()
-    dist.all_gather_object(totals, state["total"] + act["activation_bytes_per_microbatch"])
+    collectives.all_gather_object(totals, state["total"] + act["activation_bytes_per_microbatch"])
     mib = lambda x: f"{x / 2**20:,.1f}"  # noqa: E731
     largest = max(range(len(totals)), key=lambda r: totals[r])
     host = f", host {mib(state['host_total'])}" if state["host_total"] else ""
@@ -484,7 +508,7 @@ def _validate(model, valid_ds, config: Config, device, logger, it: int,
 def _gather_timeline(timeline: Timeline):
     """Spans of the pipeline of DP replica 0 / TP rank 0, ordered by stage (on every rank)."""
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, timeline.spans)
+    collectives.all_gather_object(everyone, timeline.spans)
     stride = ps.get_data_parallel_world_size() * ps.get_tensor_model_parallel_world_size()
     return [everyone[p * stride] for p in range(ps.get_pipeline_model_parallel_world_size())]
 
