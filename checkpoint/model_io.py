@@ -210,12 +210,35 @@ def find_tokenizer(path: str) -> str | None:
     return None
 
 
+def read_tokenizer(tokenizer: str | None) -> dict[str, bytes]:
+    """The files of a tokenizer (an HF folder, or a SentencePiece model file) as they go into
+    a checkpoint folder: `{relative path: bytes}` (`tokenizer/...` or `tokenizer.model`);
+    empty when None. Read once at start-up, so that a tokenizer that came from a checkpoint
+    `--keep-last` later deletes is still written into every new checkpoint."""
+    if not tokenizer:
+        return {}
+    if not os.path.isdir(tokenizer):
+        with open(tokenizer, "rb") as f:
+            return {TOKENIZER_MODEL: f.read()}
+    files = {}
+    for d, _, names in os.walk(tokenizer):
+        for name in names:
+            path = os.path.join(d, name)
+            with open(path, "rb") as f:
+                files[os.path.join(TOKENIZER_DIR, os.path.relpath(path, tokenizer))] = f.read()
+    return files
+
+
+def write_tokenizer(files: dict[str, bytes], folder: str) -> None:
+    """Write `read_tokenizer`'s files into checkpoint folder `folder`."""
+    for rel, data in files.items():
+        path = os.path.join(folder, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+
+
 def copy_tokenizer(tokenizer: str | None, folder: str) -> None:
     """Copy a tokenizer (HF folder -> `folder/tokenizer/`, SentencePiece model ->
     `folder/tokenizer.model`) into checkpoint folder `folder`; nothing when None."""
-    if not tokenizer:
-        return
-    if os.path.isdir(tokenizer):
-        shutil.copytree(tokenizer, os.path.join(folder, TOKENIZER_DIR))
-    else:
-        shutil.copy(tokenizer, os.path.join(folder, TOKENIZER_MODEL))
+    write_tokenizer(read_tokenizer(tokenizer), folder)

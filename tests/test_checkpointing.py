@@ -223,6 +223,8 @@ def test_two_node_c10d_restart(tmp_path, corpus_env):
     assert "at iteration 2" in out
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "8"
     assert train_losses_records(tmp_path / "log")[-1][0] == 8
+    # the restart took its tokenizer from iter 2, which --keep-last 2 deleted before iter 8
+    assert (save / "iter_0000008" / "tokenizer.model").is_file()
 
 
 def train_losses_records(log_dir: Path) -> list[tuple[int, float]]:

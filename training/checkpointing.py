@@ -58,7 +58,7 @@ import torch.distributed.checkpoint as dcp
 
 import parallel_state as ps
 from checkpoint.keys import as_saved, entries, part_keys, read_plan, rebuild, split_parts
-from checkpoint.model_io import TOKENIZER_DIR, TOKENIZER_MODEL, copy_tokenizer
+from checkpoint.model_io import TOKENIZER_DIR, TOKENIZER_MODEL, read_tokenizer, write_tokenizer
 from parallel_state import collectives
 from parallel_state.collectives import all_gather_single
 
@@ -189,7 +189,9 @@ class Checkpointer:
 
     def __init__(self, config, tokenizer: str | None = None):
         self.config = config
-        self.tokenizer = tokenizer  # copied into every checkpoint (export and --finetune use it)
+        # written into every checkpoint (export and --finetune use it); read now, because the
+        # source may be a checkpoint that --keep-last deletes later in this run
+        self.tokenizer_files = read_tokenizer(tokenizer) if dist.get_rank() == 0 else {}
         t = config.train
         self.save_dir, self.async_save = t.save, t.async_save
         self.group = collectives.new_group(backend="gloo", label="checkpoint") if \
@@ -211,7 +213,7 @@ class Checkpointer:
             os.makedirs(tmp)
             with open(os.path.join(tmp, CONFIG), "w") as f:
                 f.write(self.config.to_yaml())
-            copy_tokenizer(self.tokenizer, tmp)
+            write_tokenizer(self.tokenizer_files, tmp)
         collectives.barrier()
         self.last_saved = iteration
         if self.async_save:
