@@ -347,6 +347,8 @@ class CollectiveTrace(collectives.Consumer):
             self._handle_signal(signum)
 
     def _handle_signal(self, signum: int) -> None:
+        if signum in _graceful:  # the training loop stops cleanly on it (no dump, no exit)
+            return
         if signum == signal.SIGUSR1:
             self.dump("SIGUSR1: dump on request (the run continues)")
         elif signum == signal.SIGTERM:
@@ -426,6 +428,17 @@ class CollectiveTrace(collectives.Consumer):
 
 
 # ---------------------------------------------------------------------------- module API
+_graceful: set[int] = set()
+
+
+def handle_gracefully(signums=()) -> None:
+    """Signals `signums` belong to a clean stop (training's --exit-signal-handler: finish
+    the step, save, exit 0): the tracer neither dumps nor exits on them, whoever handles
+    them in Python chains to the tracer's handler. `handle_gracefully()` gives them back."""
+    _graceful.clear()
+    _graceful.update(int(s) for s in signums)
+
+
 def start_trace(log_dir: str, size: int = 2000, handlers: bool = True) -> CollectiveTrace:
     """Trace every collective of this process into `<log_dir>/hang/`; returns the tracer.
 

@@ -89,6 +89,12 @@ class TrainConfig:
     load_rng: bool = True  # --no-load-rng: keep the fresh seeds on resume
     load_optim: bool = True  # --no-load-optim: weights only (fresh AdamW moments)
     finetune: bool = False  # --load weights only; iteration, optimizer and RNG start fresh
+    override_opt_param_scheduler: bool = False  # resume: this command line's LR schedule
+    use_checkpoint_opt_param_scheduler: bool = False  # resume: the checkpoint's LR schedule
+    override_data_config: bool = False  # resume onto other data: start it from its beginning
+    exit_signal_handler: bool = False  # SIGTERM/SIGUSR1: finish the step, save, exit 0
+    exit_duration_in_mins: float | None = None  # save and exit after this much wall time
+    exit_interval: int | None = None  # save and exit after the iteration divisible by this
     ddp_bucket_size: int = 40_000_000
     overlap_grad_reduce: bool = True
     peak_tflops: float | None = None  # None: measured at start-up
@@ -272,7 +278,16 @@ FLAG_HELP = {
     "save_replica": "second folder receiving a copy of each checkpoint",
     "async_save": "write checkpoints in the background", "load_rng": "restore RNG on resume",
     "load_optim": "restore optimizer state on resume",
-    "finetune": "start a new run from --load's weights (iteration 0, fresh optimizer)", "ddp_bucket_size": "elements per bucket",
+    "finetune": "start a new run from --load's weights (iteration 0, fresh optimizer)",
+    "override_opt_param_scheduler": "on resume use this command line's LR schedule (the "
+    "default; a change is logged)",
+    "use_checkpoint_opt_param_scheduler": "on resume keep the LR schedule stored in the "
+    "checkpoint, ignoring --lr/--min-lr/--lr-warmup-iters/--lr-decay-iters/--lr-decay-style",
+    "override_data_config": "resume although --data-path/--split/--seed/--seq-length differ "
+    "from the checkpoint's: the new data is read from its beginning",
+    "exit_signal_handler": "on SIGTERM or SIGUSR1 finish the current step, save, exit 0",
+    "exit_duration_in_mins": "save and exit 0 once the run has lasted this long",
+    "exit_interval": "save and exit 0 after an iteration divisible by N", "ddp_bucket_size": "elements per bucket",
     "overlap_grad_reduce": "overlap DP gradient sync with backward",
     "peak_tflops": "per-device peak for MFU (default: measured)", "device": "auto | cpu | cuda",
     "profile_pipeline": "record the schedule timeline and report the bubble",

@@ -1,0 +1,201 @@
+"""Long real runs (issue 11): extend, resize and preempt a job without repeating or skipping
+data; the LR schedule and data config on resume; crash debris.
+
+One 2-process world (dp=2, tiny-llama, float32, dropout 0) runs every pretrain() of the data
+order checks in sequence; the SIGTERM preemption runs under real torchrun.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from distributed import run_distributed
+from launch import REPO, read_metrics
+
+BASE = ["--config", "configs/tiny-llama.yaml", "--num-layers", "2", "--eval-interval", "0",
+        "--log-interval", "1", "--peak-tflops", "1", "--no-tensorboard",
+        "--lr-decay-iters", "12"]
+
+
+def _runs_worker(runs: list[list[str]], root: str, cache: str, digests=()):
+    """pretrain() per argument list; per run its train records (or the error text); then
+    `_digests` per (args, batches) of `digests`."""
+    import contextlib
+    import io
+
+    import parallel_state as ps
+    from training.arguments import parse_config
+    from training.trainer import pretrain
+
+    os.environ["SHARDZOO_CACHE"] = cache
+    out = []
+    for i, args in enumerate(runs):
+        ps.destroy_model_parallel()
+        printed = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(printed):
+                records = pretrain(parse_config(args + ["--log-dir", f"{root}/log{i}"]))
+        except Exception as e:  # noqa: BLE001 - the test checks the message
+            out.append({"error": f"{type(e).__name__}: {e}"})
+            continue
+        out.append({"steps": [r for r in records if "loss" in r], "printed": printed.getvalue(),
+                    "exit": [r for r in records if r.get("event") == "exit"]})
+    if digests:
+        ps.initialize_model_parallel(device="cpu")
+    return out + [_digests(args, batches) for args, batches in digests]
+
+
+def _digests(args: list[str], batches: list[tuple[int, int]]) -> dict:
+    """`batch_digest` of the train split for (start sample, count) pairs, and every sample id
+    of [0, max end): what the trainer must have read."""
+    import torch.distributed as dist
+
+    from training.arguments import parse_config
+    from training.data import batch_digest
+    from training.trainer import build_data
+
+    config = parse_config(args).validate(dist.get_world_size())
+    _, train_ds, _ = build_data(config)
+    end = max(s + n for s, n in batches)
+    return {"digests": [batch_digest(train_ds, s, n) for s, n in batches],
+            "ids": [train_ds.sample_id(i) for i in range(end)],
+            "epoch_samples": train_ds.epoch_samples}
+
+
+def _meta(path) -> dict:
+    return json.loads((path / "metadata.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def world_runs(tmp_path_factory, corpus_env):
+    """The runs of `test_extend_resize_and_data_config_on_resume` in one 2-rank world (its
+    uninterrupted run is also the SIGTERM test's reference); returns (tmp, out, stdout)."""
+    tmp_path = tmp_path_factory.mktemp("long_runs")
+    s, sd, se = tmp_path / "s", tmp_path / "sd", tmp_path / "se"
+    runs = [
+        BASE + ["--train-iters", "12"],  # 0: uninterrupted
+        BASE + ["--train-iters", "6", "--save", str(s), "--load", str(s)],  # 1
+        BASE + ["--train-iters", "12", "--save", str(s), "--load", str(s)],  # 2: extended
+        BASE + ["--train-iters", "9", "--load", str(s / "iter_0000006"), "--save", str(sd),
+                "--global-batch-size", "16", "--lr", "2e-3"],  # 3: doubled batch
+        BASE + ["--train-iters", "7", "--load", str(s / "iter_0000006"), "--seed", "7",
+                "--split", "90,10,0"],  # 4: refused
+        BASE + ["--train-iters", "7", "--load", str(s / "iter_0000006"), "--seed", "7",
+                "--override-data-config"],  # 5: new data from its start
+        BASE + ["--train-iters", "12", "--save", str(se), "--load", str(se),
+                "--exit-interval", "3"],  # 6: stops after 3
+        BASE + ["--train-iters", "12", "--save", str(se), "--load", str(se),
+                "--exit-duration-in-mins", "1e-6"],  # 7: stops after 4
+    ]
+    batches = [(8 * i, 8) for i in range(12)] + [(48, 16), (64, 16), (80, 16)]
+    out = run_distributed(_runs_worker, 2, runs, str(tmp_path), corpus_env["SHARDZOO_CACHE"],
+                          [(BASE, batches), (BASE + ["--seed", "7"], [(0, 8)])],
+                          timeout=600)[0]
+    return tmp_path, out[:len(runs)], out[len(runs):]
+
+
+def test_extend_resize_and_data_config_on_resume(world_runs):
+    """(a) 12 iterations == 6 iterations resumed with --train-iters 12: losses to 1e-6 and
+    the same samples per step; (b) resuming with a doubled global batch (and another --lr,
+    which is logged) reads each sample at most once and stores the exact consumed_samples;
+    (c) a changed --seed is refused naming it, unless --override-data-config, which reads
+    the new data from its start; (d) --exit-interval and --exit-duration-in-mins stop,
+    save and resume to the uninterrupted losses."""
+    tmp_path, out, (want, seeded) = world_runs
+    s, sd, se = tmp_path / "s", tmp_path / "sd", tmp_path / "se"
+    ref, first, ext = out[0]["steps"], out[1]["steps"], out[2]["steps"]
+    # (a) extension: the same samples (digest per step) and losses
+    assert [r["iteration"] for r in first + ext] == list(range(1, 13))
+    assert [r["samples_digest"] for r in first + ext] == [r["samples_digest"] for r in ref]
+    assert [r["loss"] for r in first + ext] == pytest.approx([r["loss"] for r in ref],
+                                                           abs=1e-6)
+    print("\niter | uninterrupted digest, loss | 6 + extended resume digest, loss")
+    for r, q in zip(ref, first + ext):
+        print(f"{r['iteration']:4d} | {r['samples_digest']} {r['loss']:.6f} | "
+              f"{q['samples_digest']} {q['loss']:.6f}")
+    assert [r["consumed_samples"] for r in ref] == [8 * i for i in range(1, 13)]
+    assert _meta(s / "iter_0000012")["consumed_samples"] == 96
+    # (b) doubled batch from iteration 6: 48 + 3 * 16 samples, each read once
+    big = out[3]["steps"]
+    assert [r["consumed_samples"] for r in big] == [64, 80, 96]
+    assert _meta(sd / "iter_0000009")["consumed_samples"] == 96
+    assert "LR schedule changed on resume (lr 0.001 -> 0.002)" in out[3]["printed"]
+    assert want["digests"][:12] == [r["samples_digest"] for r in ref]
+    assert want["digests"][12:] == [r["samples_digest"] for r in big]
+    assert 96 < want["epoch_samples"]  # all in epoch 0, so "at most once" is "distinct"
+    assert len(set(want["ids"][:96])) == 96
+    # (c) data config
+    err = out[4]["error"]
+    assert err.startswith("CheckpointError") and "--seed: checkpoint 1234, this run 7" in err
+    assert "--split: checkpoint '969,30,1', this run '90,10,0'" in err
+    assert "--override-data-config" in err
+    assert [r["samples_digest"] for r in out[5]["steps"]] == seeded["digests"]
+    assert out[5]["steps"][0]["consumed_samples"] == 56
+    # (d) --exit-interval / --exit-duration-in-mins: stop, save, resume exactly
+    assert [r["iteration"] for r in out[6]["steps"]] == [1, 2, 3]
+    assert "--exit-interval 3" in out[6]["exit"][0]["reason"]
+    assert [r["iteration"] for r in out[7]["steps"]] == [4]
+    assert "--exit-duration-in-mins" in out[7]["exit"][0]["reason"]
+    assert (se / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    assert [r["loss"] for r in out[6]["steps"] + out[7]["steps"]] == pytest.approx(
+        [r["loss"] for r in ref[:4]], abs=1e-6)
+
+
+def test_lr_schedule_choice_on_resume():
+    """This command line's schedule wins and the change is one line with the LR before and
+    after; --use-checkpoint-opt-param-scheduler keeps the checkpoint's."""
+    from training.arguments import parse_config
+    from training.optimizer import reconcile_schedule, schedule_lr
+
+    saved = {"lr": 1e-3, "min_lr": 1e-4, "lr_warmup_iters": 2, "lr_decay_iters": 6,
+             "lr_decay_style": "cosine"}
+    t = parse_config(BASE + ["--train-iters", "12"]).validate(1).train
+    note = reconcile_schedule(t, saved, 6)
+    assert note.startswith("LR schedule changed on resume (lr_decay_iters 6 -> 12)")
+    assert f"{schedule_lr(saved, 6):.4e} -> {schedule_lr(vars(t), 6):.4e}" in note
+    assert t.lr_decay_iters == 12
+    assert reconcile_schedule(t, {**saved, "lr_decay_iters": 12}, 6) is None
+    t = parse_config(BASE + ["--train-iters", "12", "--use-checkpoint-opt-param-scheduler"]
+                     ).validate(1).train
+    note = reconcile_schedule(t, saved, 6)
+    assert "keeping the checkpoint's" in note and t.lr_decay_iters == 6
+    from models.config import ConfigError
+
+    with pytest.raises(ConfigError, match="contradict"):
+        parse_config(BASE + ["--use-checkpoint-opt-param-scheduler",
+                             "--override-opt-param-scheduler"]).validate(1)
+
+
+def test_sigterm_under_torchrun_saves_and_resumes(tmp_path, corpus_env, world_runs):
+    """--exit-signal-handler under torchrun: SIGTERM reaches rank 1 inside step 3; both ranks
+    finish the step, save iter 3 and exit 0 (the hang doctor dumps nothing); the same
+    command then resumes at 4 and the losses equal an uninterrupted run's."""
+    save = tmp_path / "save"
+    args = BASE + ["--train-iters", "6", "--save", str(save), "--load", str(save),
+                   "--exit-signal-handler"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", "2", "train.py", *args, "--log-dir", str(tmp_path / "log")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **corpus_env}
+    first = subprocess.run(cmd, cwd=REPO, env={**env, "SHARDZOO_TEST_SIGTERM_AT": "1:3"},
+                           capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "rank 1: received SIGTERM" in first.stdout
+    assert "stopping after iteration 3" in first.stdout
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    assert not (tmp_path / "log" / "hang").exists()
+    second = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "loaded checkpoint" in second.stdout and "at iteration 3 (24 samples" in \
+        second.stdout
+    records = read_metrics(tmp_path / "log")
+    curve = [(r["iteration"], r["loss"]) for r in records if "loss" in r]
+    assert [i for i, _ in curve] == [1, 2, 3, 4, 5, 6]
+    ref = world_runs[1][0]["steps"][:6]  # same schedule: --lr-decay-iters 12 is pinned
+    assert [x for _, x in curve] == pytest.approx([r["loss"] for r in ref], abs=1e-6)
+    print("sigterm stop/resume vs uninterrupted:",
+          [(i, round(x, 6), round(r["loss"], 6)) for (i, x), r in zip(curve, ref)])
