@@ -15,7 +15,8 @@ start of the file says who wrote it (rank, world size, pid, host, operation time
 and names the groups seen (label and global ranks).
 
 Dumps: on a timeout or any error raised by a collective, on SIGUSR1, on SIGTERM (torchrun
-stops the other workers so when one fails), and when an exception escapes `dump_on_error`,
+stops the other workers so when one fails; signals marked with `handle_gracefully`, as
+training's --exit-signal-handler does, neither dump nor exit), and when an exception escapes `dump_on_error`,
 the rank writes `<log_dir>/hang/rank-K.txt`: why, the error, the ring oldest first, and all
 Python thread stacks (faulthandler). A watchdog thread does the signal dumps (the C-level
 signal handler wakes it through `signal.set_wakeup_fd`), so they work while the main thread

@@ -21,9 +21,10 @@ BASE = ["--config", "configs/tiny-llama.yaml", "--num-layers", "2", "--eval-inte
         "--lr-decay-iters", "12"]
 
 
-def _runs_worker(runs: list[list[str]], root: str, cache: str, digests=()):
-    """pretrain() per argument list; per run its train records (or the error text); then
-    `_digests` per (args, batches) of `digests`."""
+def _runs_worker(runs: list[list[str]], root: str, cache: str, digests=(), before=None):
+    """pretrain() per argument list; per run its train records, rank 0's stdout (or the
+    error text); then `_digests` per (args, batches) of `digests`. `before[i]`: file
+    operations ("rm" a file, "mkdir" a folder) rank 0 does before run i (crash debris)."""
     import contextlib
     import io
 
@@ -35,6 +36,9 @@ def _runs_worker(runs: list[list[str]], root: str, cache: str, digests=()):
     out = []
     for i, args in enumerate(runs):
         ps.destroy_model_parallel()
+        for op, path in (before or {}).get(i, []):
+            if int(os.environ["RANK"]) == 0:
+                os.remove(path) if op == "rm" else os.makedirs(path)
         printed = io.StringIO()
         try:
             with contextlib.redirect_stdout(printed):
@@ -92,8 +96,10 @@ def world_runs(tmp_path_factory, corpus_env):
                 "--exit-duration-in-mins", "1e-6"],  # 7: stops after 4
     ]
     batches = [(8 * i, 8) for i in range(12)] + [(48, 16), (64, 16), (80, 16)]
+    before = {2: [("rm", str(s / "latest_checkpointed_iteration.txt"))],  # crash before it
+              7: [("mkdir", str(se / "iter_0000004.tmp-0badf00d"))]}  # a killed save's
     out = run_distributed(_runs_worker, 2, runs, str(tmp_path), corpus_env["SHARDZOO_CACHE"],
-                          [(BASE, batches), (BASE + ["--seed", "7"], [(0, 8)])],
+                          [(BASE, batches), (BASE + ["--seed", "7"], [(0, 8)])], before,
                           timeout=600)[0]
     return tmp_path, out[:len(runs)], out[len(runs):]
 
@@ -104,7 +110,9 @@ def test_extend_resize_and_data_config_on_resume(world_runs):
     which is logged) reads each sample at most once and stores the exact consumed_samples;
     (c) a changed --seed is refused naming it, unless --override-data-config, which reads
     the new data from its start; (d) --exit-interval and --exit-duration-in-mins stop,
-    save and resume to the uninterrupted losses."""
+    save and resume to the uninterrupted losses; (e) crash debris: a missing marker
+    resumes from the newest verified checkpoint, a killed save's staging folder is removed
+    at start-up."""
     tmp_path, out, (want, seeded) = world_runs
     s, sd, se = tmp_path / "s", tmp_path / "sd", tmp_path / "se"
     ref, first, ext = out[0]["steps"], out[1]["steps"], out[2]["steps"]
@@ -119,6 +127,8 @@ def test_extend_resize_and_data_config_on_resume(world_runs):
               f"{q['samples_digest']} {q['loss']:.6f}")
     assert [r["consumed_samples"] for r in ref] == [8 * i for i in range(1, 13)]
     assert _meta(s / "iter_0000012")["consumed_samples"] == 96
+    assert "is missing (a save completed but its marker was not written): resuming from " \
+        f"the newest verified checkpoint {s / 'iter_0000006'}" in out[2]["printed"]
     # (b) doubled batch from iteration 6: 48 + 3 * 16 samples, each read once
     big = out[3]["steps"]
     assert [r["consumed_samples"] for r in big] == [64, 80, 96]
@@ -141,6 +151,10 @@ def test_extend_resize_and_data_config_on_resume(world_runs):
     assert [r["iteration"] for r in out[7]["steps"]] == [4]
     assert "--exit-duration-in-mins" in out[7]["exit"][0]["reason"]
     assert (se / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    assert "removed 1 leftover(s) of interrupted saves at start-up: iter_0000004.tmp-0badf00d" \
+        in out[7]["printed"]
+    assert sorted(os.listdir(se)) == ["iter_0000003", "iter_0000004",
+                                      "latest_checkpointed_iteration.txt"]
     assert [r["loss"] for r in out[6]["steps"] + out[7]["steps"]] == pytest.approx(
         [r["loss"] for r in ref[:4]], abs=1e-6)
 
@@ -199,3 +213,37 @@ def test_sigterm_under_torchrun_saves_and_resumes(tmp_path, corpus_env, world_ru
     assert [x for _, x in curve] == pytest.approx([r["loss"] for r in ref], abs=1e-6)
     print("sigterm stop/resume vs uninterrupted:",
           [(i, round(x, 6), round(r["loss"], 6)) for (i, x), r in zip(curve, ref)])
+
+
+def test_keep_last_removes_debris_and_missing_marker_falls_back(tmp_path, capsys):
+    """--keep-last pruning removes staging/old folders of interrupted saves with a line;
+    resolve_checkpoint without a marker: the newest verified checkpoint only when asked
+    (--load is --save), skipping one whose files do not match its metadata."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from checkpoint.format import CheckpointError, debris, describe_files, resolve_checkpoint
+    from training.checkpointing import _prune
+
+    root = tmp_path / "save"
+    for it in (2, 4, 6):  # small real DCP checkpoints with their metadata.json
+        folder = root / f"iter_{it:07d}"
+        dcp.save({"w": torch.full((4,), float(it))}, checkpoint_id=str(folder), no_dist=True)
+        files = describe_files(str(folder), os.listdir(folder))
+        (folder / "metadata.json").write_text(json.dumps(
+            {"iteration": it, "files": files, "layout": {}, "model": {}}))
+    shard = next(p for p in (root / "iter_0000006").iterdir() if p.suffix == ".distcp")
+    shard.write_bytes(shard.read_bytes()[:-3])  # truncated: iter 6 does not verify
+    (root / "iter_0000008.tmp-1a2b3c4d").mkdir()
+    (root / "iter_0000004.old-00ff00ff").mkdir()
+    with pytest.raises(CheckpointError, match="does not exist, but"):
+        resolve_checkpoint(str(root))
+    assert resolve_checkpoint(str(root), newest_if_no_marker=True) == \
+        str(root / "iter_0000004")
+    assert [os.path.basename(p) for p in debris(str(root))] == [
+        "iter_0000004.old-00ff00ff", "iter_0000008.tmp-1a2b3c4d"]
+    (root / "latest_checkpointed_iteration.txt").write_text("6\n")
+    _prune(str(root), keep_last=2)
+    assert "removed 2 leftover(s) of interrupted saves (--keep-last)" in capsys.readouterr().out
+    assert sorted(os.listdir(root)) == ["iter_0000004", "iter_0000006",
+                                        "latest_checkpointed_iteration.txt"]

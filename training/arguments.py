@@ -65,6 +65,10 @@ class TrainConfig:
     lr_warmup_iters: int = 0
     lr_decay_iters: int | None = None  # None: train_iters
     lr_decay_style: str = "cosine"  # cosine | linear | constant
+    rampup_batch_size: list[str] | None = None  # START INCREMENT SAMPLES (Megatron's)
+    train_samples: int | None = None  # replaces train_iters; the LR schedule counts samples
+    lr_warmup_samples: int = 0  # with train_samples
+    lr_decay_samples: int | None = None  # with train_samples; None: train_samples
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -264,7 +268,12 @@ FLAG_HELP = {
     "global_batch_size": "sequences per optimizer step (all DP ranks)",
     "train_iters": "optimizer steps", "lr": "peak learning rate", "min_lr": "final learning rate",
     "lr_warmup_iters": "linear warmup steps", "lr_decay_iters": "decay length (default: train-iters)",
-    "lr_decay_style": "cosine | linear | constant", "weight_decay": "AdamW decay (not on 1-D)",
+    "lr_decay_style": "cosine | linear | constant",
+    "rampup_batch_size": "START INCREMENT SAMPLES: grow the global batch from START by "
+    "INCREMENT over the first SAMPLES samples",
+    "train_samples": "run length in samples (replaces --train-iters; LR schedule in samples)",
+    "lr_warmup_samples": "linear warmup samples (with --train-samples)",
+    "lr_decay_samples": "decay length in samples (default: --train-samples)", "weight_decay": "AdamW decay (not on 1-D)",
     "clip_grad": "max global grad norm; 0 disables", "seed": "seeds init, data order and dropout",
     "bf16": "bf16 weights/activations with fp32 main weights and grads",
     # data, logging, checkpoints
@@ -405,7 +414,7 @@ def _checkpoint_defaults(load: str | None) -> tuple[dict, str | None] | None:
 
     if not load or not os.path.exists(load):
         return None
-    path = resolve_checkpoint(load)
+    path = resolve_checkpoint(load, newest_if_no_marker=True)  # defaults only; the loader checks
     if path is None:
         return None
     fields = {f.name for f in dataclasses.fields(ModelConfig)}

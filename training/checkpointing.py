@@ -46,6 +46,7 @@ only on the first torchrun attempt (TORCHELASTIC_RESTART_COUNT 0);
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -65,7 +66,7 @@ from parallel_state import collectives
 from parallel_state.collectives import all_gather_single
 
 from checkpoint.format import (CONFIG, FORMAT_VERSION, LATEST, METADATA, CheckpointError,
-                                compare_model, complete_checkpoints, describe_files,
+                                compare_model, complete_checkpoints, debris, describe_files,
                                 iter_dir_name, read_metadata, resolve_checkpoint, verify_files)
 from .distributed_optimizer import DistributedOptimizer
 
@@ -256,6 +257,11 @@ class Checkpointer:
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.last_saved: int | None = None
+        if dist.get_rank() == 0:  # no save of this job is live yet
+            for root in (self.save_dir, t.save_replica):
+                if root:
+                    remove_debris(root, "at start-up")
+        collectives.barrier()
 
     def save(self, iteration: int, chunks, model, optimizer, position: "DataPosition") -> None:
         """Write checkpoint `iteration` (completed steps) at data `position`; returns when
@@ -390,10 +396,28 @@ def _publish_folder(tmp: str, root: str, iteration: int) -> str:
     return final
 
 
+def remove_debris(root: str, when: str) -> list[str]:
+    """Delete what interrupted saves left in `root` (`checkpoint.format.debris`), with one
+    log line; returns the paths removed."""
+    found = debris(root)
+    for path in found:
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+    if found:
+        print(f"removed {len(found)} leftover(s) of interrupted saves {when}: "
+              f"{', '.join(os.path.basename(p) for p in found)} (in {root})", flush=True)
+    return found
+
+
 def _prune(root: str, keep_last: int | None) -> None:
-    """Keep the newest `keep_last` complete checkpoints (the one `latest` names always)."""
+    """Keep the newest `keep_last` complete checkpoints (the one `latest` names always) and
+    remove debris of interrupted saves (the save just published was the only live one)."""
     if not keep_last:
         return
+    remove_debris(root, "(--keep-last)")
     latest = open(os.path.join(root, LATEST)).read().strip()
     for it, path in complete_checkpoints(root)[:-keep_last]:
         if str(it) != latest:
@@ -401,6 +425,18 @@ def _prune(root: str, keep_last: int | None) -> None:
 
 
 # ---------------------------------------------------------------------- load
+def _same(a: str | None, b: str | None) -> bool:
+    return bool(a and b) and os.path.abspath(a) == os.path.abspath(b)
+
+
+def resume_path(train_config) -> str | None:
+    """The checkpoint `--load` resumes from (`resolve_checkpoint`); when --load is also
+    --save and the marker is missing, the newest verified checkpoint there."""
+    t = train_config
+    return resolve_checkpoint(t.load, newest_if_no_marker=_same(t.load, t.save)) \
+        if t.load else None
+
+
 def completed_checkpoint(train_config) -> tuple[str, int] | None:
     """`(folder, iteration)` of the checkpoint that `--load` resumes from, read from its
     metadata.json without any process group (so a finished job can stop before any work);
@@ -410,7 +446,7 @@ def completed_checkpoint(train_config) -> tuple[str, int] | None:
     t = train_config
     if not t.load or t.finetune:
         return None
-    path = resolve_checkpoint(t.load)
+    path = resume_path(t)
     if path is None:
         return None
     meta = read_metadata(path)
@@ -426,14 +462,18 @@ def load_checkpoint(config, chunks, model, optimizer) -> ResumeState:
     t = config.train
     if not t.load:
         return ResumeState()
-    path = resolve_checkpoint(t.load)
+    path = resume_path(t)
     if path is None:
-        if t.save and os.path.abspath(t.save) == os.path.abspath(t.load):
+        if _same(t.save, t.load):
             _print0(f"no checkpoint in {t.load} yet (it is also --save): starting from scratch")
             return ResumeState()
         raise CheckpointError(f"--load {t.load}: no {LATEST} and no checkpoint folder there; "
                               f"pass a --save folder of an earlier run or an iter_XXXXXXX "
                               f"folder, or drop --load to start from scratch")
+    if not os.path.isfile(os.path.join(t.load, LATEST)) and \
+            os.path.dirname(os.path.normpath(path)) == os.path.normpath(t.load):
+        _print0(f"{os.path.join(t.load, LATEST)} is missing (a save completed but its marker "
+                f"was not written): resuming from the newest verified checkpoint {path}")
     meta = read_metadata(path)
     compare_model(meta, config.model.to_dict(), path)
     weights_only = t.finetune or meta.get("optimizer_state", True) is False

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from models.config import ConfigError, ModelConfig
+from .batch_schedule import check_batch_schedule
 
 if typing.TYPE_CHECKING:
     from .arguments import Config, TrainConfig
@@ -32,6 +33,10 @@ def validate(config: "Config", world_size: int) -> None:
     _check_sequence_parallel(config.model, t)
     _check_pipeline(config.model, t)
     config.num_microbatches = _check_batch(t, config.data_parallel_size)
+    check_batch_schedule(t, t.micro_batch_size * config.data_parallel_size,
+                         t.pipeline_model_parallel_size,
+                         bool(t.virtual_pipeline_model_parallel_size and
+                              t.virtual_pipeline_model_parallel_size > 1))
     _check_optimizer(t)
     _check_sharding(t)
     _check_recompute(config.model, t)

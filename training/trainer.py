@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import parallel_state as ps
-from checkpoint.format import CheckpointError, resolve_checkpoint
+from checkpoint.format import CheckpointError
 from models import GPTModel
 from models.config import ConfigError
 from models.pipeline import build_model_chunks
@@ -26,8 +26,9 @@ from parallel_state import collectives, debug_collectives, trace
 from parallel_state.p2p import TensorSpec
 
 from .arguments import Config
+from .batch_schedule import BatchSchedule, rampup_of
 from .checkpointing import (Checkpointer, completed_checkpoint, kill_hook, load_checkpoint,
-                            signal_hook)
+                            resume_path, signal_hook)
 from .data import batch_digest
 from .distributed import (DistributedDataParallel, all_reduce_embedding_grads,
                           all_reduce_sequence_parallel_grad_pieces)
@@ -110,18 +111,21 @@ def _build_data(config: Config):
     return tokenizer, train_ds, valid_ds
 
 
-def get_microbatches(dataset, base: int, config: Config, device) -> list[dict]:
+def get_microbatches(dataset, base: int, config: Config, device,
+                     global_batch_size: int | None = None) -> list[dict]:
     """This DP rank's microbatches of the global batch that starts at sample `base`.
 
-    The global batch holds samples [base, base + gbs) (`base` is the data position, the
+    The global batch (`global_batch_size`, default --global-batch-size; smaller during
+    --rampup-batch-size) holds samples [base, base + gbs) (`base` is the data position, the
     consumed samples, so a changed --global-batch-size neither repeats nor skips one);
     within each chunk of mbs*dp samples, DP rank r takes [r*mbs, (r+1)*mbs) (Megatron's
     pretraining sampler), so the set of samples in a step does not depend on the layout.
     """
     t = config.train
     mbs, dp, dp_rank = t.micro_batch_size, config.data_parallel_size, ps.get_data_parallel_rank()
+    gbs = global_batch_size or t.global_batch_size
     out = []
-    for m in range(config.num_microbatches):
+    for m in range(gbs // (mbs * dp)):
         start = base + m * mbs * dp + dp_rank * mbs
         samples = np.stack([dataset[start + j] for j in range(mbs)]).astype(np.int64)
         tokens = torch.from_numpy(samples)
@@ -258,7 +262,7 @@ def _train(config: Config, device, on_end=None, run_start: float | None = None) 
     _rank0_print(f"train.py: {config.world_size} process(es) on {device.type}; building the "
                  f"data ({' '.join(t.data_path) if t.data_path else 'the embedded demo corpus'})")
     tokenizer, train_ds, valid_ds = build_data(config)
-    loads_weights = bool(t.load) and resolve_checkpoint(t.load) is not None
+    loads_weights = bool(t.load) and resume_path(t) is not None
     if loads_weights and tokenizer.vocab_size > m.vocab_size:
         raise DataError(f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} ids but the "
                         f"model loaded from {t.load} embeds only {m.vocab_size}; use the "
@@ -299,6 +303,10 @@ def _train(config: Config, device, on_end=None, run_start: float | None = None) 
     memory = log_memory(model, optimizer, train_ds, config, device)
     resume = load_checkpoint(config, chunks, model, optimizer)  # iteration 0: from scratch
     start_iteration, position = resume.iteration, resume.position
+    batches = BatchSchedule(t.global_batch_size, rampup_of(t))
+    if t.train_samples:  # the steps left to reach --train-samples from where we are
+        t.train_iters = start_iteration + batches.steps_to(position.consumed_samples,
+                                                           t.train_samples)
     note = reconcile_schedule(t, (resume.meta or {}).get("opt_param_scheduler"),
                               start_iteration)
     if note:
@@ -313,7 +321,6 @@ def _train(config: Config, device, on_end=None, run_start: float | None = None) 
 
     records, profiles = [], []
     decay_iters = t.lr_decay_iters or t.train_iters
-    tokens_per_iter = t.global_batch_size * m.seq_length
     evaluating = valid_ds is not None and bool(t.eval_interval)
     progress = Progress(t.train_iters, t.eval_interval if evaluating else 0, t.save_interval,
                         save_at_end=checkpointer is not None)
@@ -332,12 +339,19 @@ def _train(config: Config, device, on_end=None, run_start: float | None = None) 
     try:
         for iteration in range(start_iteration, t.train_iters):
             step_start = time.perf_counter()
-            lr = learning_rate(iteration, lr=t.lr, min_lr=t.min_lr, warmup_iters=t.lr_warmup_iters,
-                               decay_iters=decay_iters, style=t.lr_decay_style)
+            gbs = batches.size(position.consumed_samples)
+            if t.train_samples:  # the schedule counts samples, this step's included
+                lr = learning_rate(position.consumed_samples + gbs - 1, lr=t.lr, min_lr=t.min_lr,
+                                   warmup_iters=t.lr_warmup_samples,
+                                   decay_iters=t.lr_decay_samples, style=t.lr_decay_style)
+            else:
+                lr = learning_rate(iteration, lr=t.lr, min_lr=t.min_lr,
+                                   warmup_iters=t.lr_warmup_iters, decay_iters=decay_iters,
+                                   style=t.lr_decay_style)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             data_start = position.data_index
-            microbatches = get_microbatches(train_ds, data_start, config, device)
+            microbatches = get_microbatches(train_ds, data_start, config, device, gbs)
             signal_hook(iteration + 1)  # test hook; no-op unless its env var is set
             num_tokens = _global_sum(sum(mb["loss_mask"].sum() for mb in microbatches),
                                      ps.get_data_parallel_group())
@@ -358,7 +372,7 @@ def _train(config: Config, device, on_end=None, run_start: float | None = None) 
             else:
                 grad_norm = clip_grads(params, t.clip_grad)
             optimizer.step()
-            position.consumed_samples += t.global_batch_size
+            position.consumed_samples += gbs
             loss = float(global_loss_sum(loss_sum) / num_tokens)  # waits for the step to finish
             progress.step(time.perf_counter() - step_start)
             if not math.isfinite(loss):
@@ -367,7 +381,7 @@ def _train(config: Config, device, on_end=None, run_start: float | None = None) 
             it = iteration + 1
             if it % t.log_interval == 0 or it == t.train_iters or it == start_iteration + 1:
                 step_time = progress.window()  # training steps only: no validation or saving
-                tps = tokens_per_iter / step_time
+                tps = gbs * m.seq_length / step_time  # this step's batch (ramp-up)
                 tflops = flops_per_token * tps / dist.get_world_size() / 1e12
                 mfu = peak.mfu(tflops) if is_logger else None
                 eta = progress.eta(it)
@@ -378,7 +392,8 @@ def _train(config: Config, device, on_end=None, run_start: float | None = None) 
                           if t.data_parallel_sharding_strategy == "optim_grads_params" else {}),
                        "elapsed_s": time.time() - start, "eta_s": eta,
                        "consumed_samples": position.consumed_samples,
-                       "samples_digest": batch_digest(train_ds, data_start, t.global_batch_size)}
+                       "global_batch_size": gbs,
+                       "samples_digest": batch_digest(train_ds, data_start, gbs)}
                 if is_logger and peak.note and not mfu_noted:
                     print(f"note: {peak.note}", flush=True)
                     mfu_noted = True
