@@ -21,6 +21,12 @@ BASE = ["--config", "configs/tiny-llama.yaml", "--num-layers", "2", "--eval-inte
         "--lr-decay-iters", "12"]
 
 
+# 4 samples per step until 16 are consumed, then 8: (4, 4, 4, 4, 8, 8, 8, 8) for 48 samples
+RAMPUP = [a for a in BASE if a not in ("--lr-decay-iters", "12")] + [
+    "--rampup-batch-size", "4", "4", "16", "--train-samples", "48", "--lr-warmup-iters", "0",
+    "--lr-warmup-samples", "8"]
+
+
 def _runs_worker(runs: list[list[str]], root: str, cache: str, digests=(), before=None):
     """pretrain() per argument list; per run its train records, rank 0's stdout (or the
     error text); then `_digests` per (args, batches) of `digests`. `before[i]`: file
@@ -94,6 +100,8 @@ def world_runs(tmp_path_factory, corpus_env):
                 "--exit-interval", "3"],  # 6: stops after 3
         BASE + ["--train-iters", "12", "--save", str(se), "--load", str(se),
                 "--exit-duration-in-mins", "1e-6"],  # 7: stops after 4
+        RAMPUP + ["--save", str(tmp_path / "sr"), "--exit-interval", "3"],  # 8: ramp, stop
+        RAMPUP + ["--load", str(tmp_path / "sr")],  # 9: the ramp continues on resume
     ]
     batches = [(8 * i, 8) for i in range(12)] + [(48, 16), (64, 16), (80, 16)]
     before = {2: [("rm", str(s / "latest_checkpointed_iteration.txt"))],  # crash before it
@@ -247,3 +255,37 @@ def test_keep_last_removes_debris_and_missing_marker_falls_back(tmp_path, capsys
     assert "removed 2 leftover(s) of interrupted saves (--keep-last)" in capsys.readouterr().out
     assert sorted(os.listdir(root)) == ["iter_0000004", "iter_0000006",
                                         "latest_checkpointed_iteration.txt"]
+
+
+def test_rampup_batch_size_and_train_samples(world_runs, tmp_path, corpus_env):
+    """--rampup-batch-size 4 4 16 with --global-batch-size 8 and --train-samples 48:
+    Megatron's sizes, exact consumed samples, a resume mid-ramp continues it, the LR counts
+    samples, and the losses at dp=2 equal one process's."""
+    from training.batch_schedule import BatchSchedule
+    from tolerances import assert_losses_close, training_chain_terms
+
+    # Megatron: start + floor(consumed / (ramp samples / increments)) * increment
+    ramp = BatchSchedule(1024, (32, 32, 6000))
+    # 31 increments, one per 6000 / 31 = 193.55 samples
+    assert [ramp.size(c) for c in (0, 193, 194, 387, 388, 5999, 6001)] == \
+        [32, 32, 64, 64, 96, 992, 1024]
+    assert ramp.steps_to(0, 10_000) == sum(1 for _ in _ramp_steps(ramp, 10_000))
+    out = world_runs[1]
+    steps = out[8]["steps"] + out[9]["steps"]
+    assert [r["global_batch_size"] for r in steps] == [4, 4, 4, 4, 8, 8, 8, 8]
+    assert [r["consumed_samples"] for r in steps] == [4, 8, 12, 16, 24, 32, 40, 48]
+    assert [r["iteration"] for r in steps] == list(range(1, 9))
+    assert steps[0]["lr"] == pytest.approx(1e-3 * 4 / 8)  # warmup over 8 samples
+    assert steps[1]["lr"] == pytest.approx(1e-3)
+    one = run_distributed(_runs_worker, 1, [RAMPUP], str(tmp_path),
+                          corpus_env["SHARDZOO_CACHE"], timeout=300)[0][0]["steps"]
+    assert [r["samples_digest"] for r in one] == [r["samples_digest"] for r in steps]
+    assert_losses_close([r["loss"] for r in steps], [r["loss"] for r in one],
+                        training_chain_terms(RAMPUP))
+
+
+def _ramp_steps(ramp, train_samples):
+    consumed = 0
+    while consumed + ramp.size(consumed) <= train_samples:
+        consumed += ramp.size(consumed)
+        yield consumed

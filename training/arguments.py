@@ -78,6 +78,9 @@ class TrainConfig:
     bf16: bool = False  # bf16 weights/activations; fp32 main weights, grads, Adam states
     data_path: list[str] | None = None  # [prefix] or [w1, prefix1, w2, prefix2, ...]
     split: str = "969,30,1"
+    reset_position_ids: bool = False  # positions restart after every EOD in a sample
+    reset_attention_mask: bool = False  # attention does not cross an EOD in a sample
+    eod_mask_loss: bool = False  # no loss on predicting from an EOD input token
     tokenizer_model: str | None = None  # SentencePiece .model file or HF tokenizer folder
     eval_interval: int = 1000  # 0 disables evaluation
     eval_iters: int = 100
@@ -121,6 +124,7 @@ class Config:
     world_size: int | None = None
     data_parallel_size: int | None = None
     num_microbatches: int | None = None
+    eod: int | None = None  # the tokenizer's end-of-document id (set when the data is built)
 
     def validate(self, world_size: int) -> "Config":
         """Check all against ``world_size``, fill derived values, return self (idempotent).
@@ -278,7 +282,10 @@ FLAG_HELP = {
     "bf16": "bf16 weights/activations with fp32 main weights and grads",
     # data, logging, checkpoints
     "data_path": "PREFIX or W1 PREFIX1 W2 PREFIX2 ... (default: embedded stdlib corpus)",
-    "split": "train,valid,test shares of documents", "tokenizer_model":
+    "split": "train,valid,test shares of documents",
+    "reset_position_ids": "restart positions after each EOD inside a sample",
+    "reset_attention_mask": "do not attend across an EOD inside a sample",
+    "eod_mask_loss": "no loss where the input token is EOD", "tokenizer_model":
     "SentencePiece .model or HF tokenizer folder used to make --data-path",
     "eval_interval": "validate every N steps; 0 disables", "eval_iters": "batches per validation",
     "log_interval": "log every N steps", "log_dir": "metrics.jsonl + TensorBoard events",

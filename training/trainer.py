@@ -30,6 +30,7 @@ from .batch_schedule import BatchSchedule, rampup_of
 from .checkpointing import (Checkpointer, completed_checkpoint, kill_hook, load_checkpoint,
                             resume_path, signal_hook)
 from .data import batch_digest
+from .data.masks import ltor_masks_and_position_ids
 from .distributed import (DistributedDataParallel, all_reduce_embedding_grads,
                           all_reduce_sequence_parallel_grad_pieces)
 from .distributed_optimizer import DistributedOptimizer
@@ -102,6 +103,7 @@ def _build_data(config: Config):
             prefix, tokenizer_path = ensure_default_corpus(quiet=True, tokenizer=tokenizer_path)
         data_path = [prefix]
     tokenizer = build_tokenizer(tokenizer_path)
+    config.eod = tokenizer.eod
     check_token_ids([prefix for _, prefix in parse_data_path(data_path)], tokenizer.vocab_size)
     gbs = t.global_batch_size
     # every evaluation reads the same first eval_iters global batches of the valid split
@@ -124,16 +126,21 @@ def get_microbatches(dataset, base: int, config: Config, device,
     t = config.train
     mbs, dp, dp_rank = t.micro_batch_size, config.data_parallel_size, ps.get_data_parallel_rank()
     gbs = global_batch_size or t.global_batch_size
+    packed = t.reset_position_ids or t.reset_attention_mask or t.eod_mask_loss
     out = []
     for m in range(gbs // (mbs * dp)):
         start = base + m * mbs * dp + dp_rank * mbs
         samples = np.stack([dataset[start + j] for j in range(mbs)]).astype(np.int64)
         tokens = torch.from_numpy(samples)
-        out.append({
-            "tokens": tokens[:, :-1].contiguous().to(device),
-            "labels": tokens[:, 1:].contiguous().to(device),
-            "loss_mask": torch.ones(mbs, tokens.shape[1] - 1, device=device),
-        })
+        batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+                 "loss_mask": torch.ones(mbs, tokens.shape[1] - 1)}
+        if packed:  # --reset-position-ids / --reset-attention-mask / --eod-mask-loss
+            mask, batch["loss_mask"], positions = ltor_masks_and_position_ids(
+                batch["tokens"], config.eod, t.reset_position_ids, t.reset_attention_mask,
+                t.eod_mask_loss)
+            batch.update({k: v for k, v in (("attention_mask", mask),
+                                             ("position_ids", positions)) if v is not None})
+        out.append({k: v.to(device) for k, v in batch.items()})
     return out
 
 
