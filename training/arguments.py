@@ -168,13 +168,17 @@ class Config:
             f"tp {t.tensor_model_parallel_size}, vpp {t.virtual_pipeline_model_parallel_size}, "
             f"sequence parallel {t.sequence_parallel}\n"
             f"batch   global {t.global_batch_size} = micro {t.micro_batch_size} x "
-            f"{self.num_microbatches} microbatches x dp {dp}\n"
+            f"{self.num_microbatches} microbatches x dp {dp}"
+            + (f", ramp-up {' '.join(map(str, t.rampup_batch_size))} (start increment samples)"
+               if t.rampup_batch_size else "") + "\n"
             f"optim   lr {t.lr:g} -> {t.min_lr:g} {t.lr_decay_style}, warmup {t.lr_warmup_iters}"
             f", decay {t.lr_decay_iters}, wd {t.weight_decay:g}, clip {t.clip_grad:g}, "
             f"bf16 {t.bf16}, dp sharding {t.data_parallel_sharding_strategy}"
             + (f", optimizer offload {t.optimizer_offload_fraction:g}" if t.optimizer_cpu_offload
                else "") + "\n"
-            f"run     {t.train_iters} iters, eval every {t.eval_interval} ({t.eval_iters} iters),"
+            f"run     {t.train_iters} iters"
+            + (f" (--train-samples {t.train_samples})" if t.train_samples else "")
+            + f", eval every {t.eval_interval} ({t.eval_iters} iters),"
             f" log every {t.log_interval} -> {t.log_dir}")
 
 

@@ -24,7 +24,9 @@ then leads to that worker's missing peer being reported by the collective that f
 """
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import time
 
 import torch
@@ -59,10 +61,11 @@ class ExitCheck:
             self._old[sig] = signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
-        if self.received is None:
-            print(f"rank {torch.distributed.get_rank()}: received "
-                  f"{signal.Signals(signum).name}: finishing this step, then saving and "
-                  f"exiting (--exit-signal-handler)", flush=True)
+        if self.received is None:  # os.write: print() may be mid-write on this thread
+            os.write(sys.stdout.fileno(), (
+                f"rank {torch.distributed.get_rank()}: received {signal.Signals(signum).name}: "
+                f"finishing this step, then saving and exiting (--exit-signal-handler)\n"
+            ).encode())
         self.received = signum
         old = self._old.get(signum)
         if callable(old):
