@@ -16,12 +16,12 @@ and names the groups seen (label and global ranks).
 
 Dumps: on a timeout or any error raised by a collective, on SIGUSR1, on SIGTERM (torchrun
 stops the other workers so when one fails; signals marked with `handle_gracefully`, as
-training's --exit-signal-handler does, neither dump nor exit), and when an exception escapes `dump_on_error`,
-the rank writes `<log_dir>/hang/rank-K.txt`: why, the error, the ring oldest first, and all
-Python thread stacks (faulthandler). A watchdog thread does the signal dumps (the C-level
-signal handler wakes it through `signal.set_wakeup_fd`), so they work while the main thread
-is blocked inside a C++ collective, where Python signal handlers cannot run; it also dumps
-if a call stays in flight past the timeout without the backend raising. Fatal signals
+training's --exit-signal-handler does, neither dump nor exit), and when an exception escapes
+`dump_on_error`, the rank writes `<log_dir>/hang/rank-K.txt`: why, the error, the ring oldest
+first, and all Python thread stacks (faulthandler). A watchdog thread does the signal dumps
+(the C-level signal handler wakes it through `signal.set_wakeup_fd`), so they work while the
+main thread is blocked inside a C++ collective, where Python signal handlers cannot run; it
+also dumps if a call stays in flight past the timeout without the backend raising. Fatal signals
 (SIGSEGV, SIGABRT: gloo aborts when message sizes disagree) write the stacks to
 `rank-K.crash` through faulthandler. After a timeout or error dump, rank 0 waits briefly for
 the other ranks' dumps and prints the analysis of `parallel_state.trace_report` (also written

@@ -14,8 +14,10 @@ gathered to rank 0. Keys do not depend on the parallel layout, so a checkpoint s
   padded size; a layout with another padded size loads the dense tensor and re-pads it.
 - The tied embedding's last-stage copy is not saved; it loads from the embedding.
 - `optim.exp_avg.<name>`, `optim.exp_avg_sq.<name>` (same keys/sharding as the parameter),
-  `optim.step`, `iteration`, `consumed_samples`. The LR schedule is a pure function of the
-  iteration (training/optimizer.py `learning_rate`), so it is not stored separately.
+  `optim.step`, `iteration`, `consumed_samples` (the data position, summed per step). The LR
+  schedule is a pure function of the iteration (training/optimizer.py `learning_rate`); its
+  settings go to metadata.json (`opt_param_scheduler`) beside the data config (`data`) and
+  `data_start_samples`, compared on resume (`reconcile_schedule`, `check_data_config`).
 - `rng.rank<R>.*`: each rank's torch (and CUDA) generator and TP-tracker states. They are
   restored only on the same layout (exact resume); on another layout the fresh seeds stay.
 
@@ -32,7 +34,9 @@ rank 0 writes metadata.json (files, sizes, sha256), verifies, renames the folder
 `iter_XXXXXXX` and replaces `latest_checkpointed_iteration.txt` (temp file + os.replace +
 fsync). A crash at any point leaves the previous checkpoint and marker intact. `--keep-last N`
 prunes older complete checkpoints only after that; `--save-replica DIR` copies a completed
-checkpoint (temp name, then rename).
+checkpoint (temp name, then rename). Staging folders of saves that died are removed when a
+run starts and when `--keep-last` prunes (`remove_debris`); a missing marker with `--load` =
+`--save` resumes the newest verified checkpoint (`resume_path`).
 
 Async (--async-save): the state is copied (to CPU) synchronously, then a background thread
 writes and finalizes it over its own gloo process group, so its collectives never interleave

@@ -87,14 +87,13 @@ class ExitCheck:
         if not self._old and self.duration_s is None:
             return None
         elapsed = time.time() - self.run_start
-        flags = torch.tensor([float(self.received is not None),
+        flags = torch.tensor([float(self.received or 0),  # MAX: a signal number any rank saw
                               float(self.duration_s is not None and elapsed > self.duration_s)],
                              device=ps.get_device())
         if torch.distributed.get_world_size() > 1:
             collectives.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
         if flags[0] > 0:
-            return (f"--exit-signal-handler: a rank received "
-                    f"{signal.Signals(self.received).name if self.received else 'a signal'}; "
+            return (f"--exit-signal-handler: {signal.Signals(int(flags[0])).name} received; "
                     f"stopping after iteration {iteration}")
         if flags[1] > 0:
             return (f"--exit-duration-in-mins {self.duration_s / 60:g}: the run has lasted "
