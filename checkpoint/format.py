@@ -50,6 +50,34 @@ def complete_checkpoints(save_dir: str) -> list[tuple[int, str]]:
     return sorted(out)
 
 
+_DEBRIS = re.compile(r"^(iter_\d{7,}\.(tmp|old)-[0-9a-f]+|"
+                     + re.escape(LATEST) + r"\.tmp-[0-9a-f]+)$")
+
+
+def debris(save_dir: str) -> list[str]:
+    """Paths in `save_dir` that interrupted saves left: staging folders `iter_*.tmp-*` (a
+    save killed before its rename), `iter_*.old-*` (a replaced folder not yet removed) and
+    marker temp files. A job writes one save at a time and renames it before the next, so
+    at start-up and after a completed save nothing of this kind belongs to a live save (one
+    job per --save folder)."""
+    if not os.path.isdir(save_dir):
+        return []
+    return sorted(os.path.join(save_dir, n) for n in os.listdir(save_dir) if _DEBRIS.match(n))
+
+
+def newest_verified(save_dir: str) -> str | None:
+    """The newest complete checkpoint of `save_dir` whose files match its metadata.json
+    (sizes; the loader checks sha256), or None."""
+    for _, path in reversed(complete_checkpoints(save_dir)):
+        try:
+            meta = read_metadata(path)
+        except CheckpointError:
+            continue
+        if not verify_files(path, meta, checksums=False):
+            return path
+    return None
+
+
 def sha256_file(path: str, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -67,14 +95,17 @@ def describe_files(folder: str, names: list[str]) -> list[dict]:
     return out
 
 
-def resolve_checkpoint(load: str) -> str | None:
+def resolve_checkpoint(load: str, newest_if_no_marker: bool = False) -> str | None:
     """The checkpoint folder that `--load load` means, or None when there is none yet.
 
     `load` is either a checkpoint folder itself (`.../iter_0000010`, it holds metadata.json or
     has that name) or a `--save` folder whose `latest_checkpointed_iteration.txt` names one.
     Returns None when `load` does not exist or has no marker and no checkpoint folder at all.
-    Raises `CheckpointError` for a marker that is unreadable or names a missing folder, and
-    for a folder holding checkpoints but no marker.
+    With `newest_if_no_marker` (--load is also --save: a job restarted after a crash between
+    a save's rename and its marker write) a folder without a marker resolves to its newest
+    verified checkpoint (`newest_verified`). Raises `CheckpointError` for a marker that is
+    unreadable or names a missing folder, and for a folder holding checkpoints but no marker
+    (or, with `newest_if_no_marker`, none that verifies).
     """
     if os.path.isfile(os.path.join(load, METADATA)) or _ITER_DIR.match(os.path.basename(
             os.path.normpath(load))):
@@ -82,6 +113,9 @@ def resolve_checkpoint(load: str) -> str | None:
     marker = os.path.join(load, LATEST)
     if not os.path.isfile(marker):
         found = complete_checkpoints(load)
+        newest = newest_verified(load) if found and newest_if_no_marker else None
+        if newest:
+            return newest
         if found:
             raise CheckpointError(
                 f"{marker} does not exist, but {load} holds checkpoints "

@@ -142,7 +142,7 @@ class SelfAttention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_number, k, v)
         if self.checkpoint_fn is not None and self.training and torch.is_grad_enabled():
-            out = self.checkpoint_fn(self._core_attention, q, k, v)
+            out = self.checkpoint_fn(self._core_attention, q, k, v, attention_mask)
         else:
             out = self._core_attention(q, k, v, attention_mask)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)

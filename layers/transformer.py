@@ -68,7 +68,7 @@ class TransformerBlock(nn.Module):
         while i < len(layers):
             if i in span_stop:
                 stop = span_stop[i]
-                x = self.checkpoint_fn(_run_layers(layers[i:stop]), x,
+                x = self.checkpoint_fn(_run_layers(layers[i:stop]), x, attention_mask,
                                        *(rotary if rotary is not None else ()))
                 i = stop
             else:
@@ -80,9 +80,10 @@ class TransformerBlock(nn.Module):
 
 
 def _run_layers(layers):
-    """`fn(x, *rotary) -> x` through `layers`: a checkpointable unit (tensors as arguments)."""
-    def run(x, *rotary):
+    """`fn(x, attention_mask, *rotary) -> x` through `layers`: a checkpointable unit (tensors
+    as arguments; the mask may be None)."""
+    def run(x, attention_mask, *rotary):
         for layer in layers:
-            x = layer(x, rotary=rotary or None)
+            x = layer(x, rotary=rotary or None, attention_mask=attention_mask)
         return x
     return run

@@ -15,12 +15,13 @@ start of the file says who wrote it (rank, world size, pid, host, operation time
 and names the groups seen (label and global ranks).
 
 Dumps: on a timeout or any error raised by a collective, on SIGUSR1, on SIGTERM (torchrun
-stops the other workers so when one fails), and when an exception escapes `dump_on_error`,
-the rank writes `<log_dir>/hang/rank-K.txt`: why, the error, the ring oldest first, and all
-Python thread stacks (faulthandler). A watchdog thread does the signal dumps (the C-level
-signal handler wakes it through `signal.set_wakeup_fd`), so they work while the main thread
-is blocked inside a C++ collective, where Python signal handlers cannot run; it also dumps
-if a call stays in flight past the timeout without the backend raising. Fatal signals
+stops the other workers so when one fails; signals marked with `handle_gracefully`, as
+training's --exit-signal-handler does, neither dump nor exit), and when an exception escapes
+`dump_on_error`, the rank writes `<log_dir>/hang/rank-K.txt`: why, the error, the ring oldest
+first, and all Python thread stacks (faulthandler). A watchdog thread does the signal dumps
+(the C-level signal handler wakes it through `signal.set_wakeup_fd`), so they work while the
+main thread is blocked inside a C++ collective, where Python signal handlers cannot run; it
+also dumps if a call stays in flight past the timeout without the backend raising. Fatal signals
 (SIGSEGV, SIGABRT: gloo aborts when message sizes disagree) write the stacks to
 `rank-K.crash` through faulthandler. After a timeout or error dump, rank 0 waits briefly for
 the other ranks' dumps and prints the analysis of `parallel_state.trace_report` (also written
@@ -347,6 +348,8 @@ class CollectiveTrace(collectives.Consumer):
             self._handle_signal(signum)
 
     def _handle_signal(self, signum: int) -> None:
+        if signum in _graceful:  # the training loop stops cleanly on it (no dump, no exit)
+            return
         if signum == signal.SIGUSR1:
             self.dump("SIGUSR1: dump on request (the run continues)")
         elif signum == signal.SIGTERM:
@@ -426,6 +429,17 @@ class CollectiveTrace(collectives.Consumer):
 
 
 # ---------------------------------------------------------------------------- module API
+_graceful: set[int] = set()
+
+
+def handle_gracefully(signums=()) -> None:
+    """Signals `signums` belong to a clean stop (training's --exit-signal-handler: finish
+    the step, save, exit 0): the tracer neither dumps nor exits on them, whoever handles
+    them in Python chains to the tracer's handler. `handle_gracefully()` gives them back."""
+    _graceful.clear()
+    _graceful.update(int(s) for s in signums)
+
+
 def start_trace(log_dir: str, size: int = 2000, handlers: bool = True) -> CollectiveTrace:
     """Trace every collective of this process into `<log_dir>/hang/`; returns the tracer.
 

@@ -70,7 +70,8 @@ def test_resume_on_other_layout(src, dst, extra, tmp_path, corpus_env):
 
 def test_kill_during_save_keeps_previous(tmp_path, corpus_env):
     """A rank SIGKILLed after writing its shards of iteration 6 but before the rename: the
-    folder stays a .tmp, `latest` still says 3, and the same command resumes from 3."""
+    folder stays a .tmp (checkpoint_info lists it as debris), `latest` still says 3, and the
+    same command removes it at start-up and resumes from 3."""
     save = tmp_path / "save"
     args = COMMON + ["--save", str(save), "--load", str(save), "--save-interval", "3"]
     proc = run_train(2, args, tmp_path / "a", env={**corpus_env,
@@ -81,9 +82,13 @@ def test_kill_during_save_keeps_previous(tmp_path, corpus_env):
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
     names = os.listdir(save)
     assert "iter_0000003" in names and "iter_0000006" not in names
-    assert any(n.startswith("iter_0000006.tmp-") for n in names)
-    assert _info(save).returncode == 0
-    run_train(2, args, tmp_path / "b", env=corpus_env)  # same command: resumes from 3
+    staging = next(n for n in names if n.startswith("iter_0000006.tmp-"))
+    info = _info(save)
+    assert info.returncode == 0 and "debris (interrupted saves" in info.stdout
+    assert staging in info.stdout
+    proc = run_train(2, args, tmp_path / "b", env=corpus_env)  # same command: resumes from 3
+    assert f"removed 1 leftover(s) of interrupted saves at start-up: {staging}" in proc.stdout
+    assert not any(".tmp-" in n for n in os.listdir(save))
     assert train_losses(tmp_path / "b") == ref[3:]
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
 

@@ -109,26 +109,32 @@ def indexed(tmp_path):
     return IndexedDataset(str(tmp_path / "d"))
 
 
-def test_gpt_samples_are_windows_of_shuffled_concatenation(indexed):
+def test_gpt_samples_are_windows_of_per_epoch_shuffled_concatenation(indexed):
     docs = np.arange(10, 40)
     ds = GPTDataset(indexed, docs, num_samples=300, seq_length=16, seed=5)
     assert len(ds) == 300
-    # every epoch of doc_idx is a permutation of the split's documents
-    for e in range(ds.num_epochs):
-        assert sorted(ds.doc_idx[e * 30:(e + 1) * 30].tolist()) == docs.tolist()
-    stream = np.concatenate([indexed[d] for d in ds.doc_idx]).astype(np.int64)
-    assert len(stream) >= 300 * 16 + 1
-    seen = set()
-    for i in range(len(ds)):
-        s = ds[i]
-        assert s.dtype == np.int64 and s.shape == (17,)
-        k = int(ds.shuffle_idx[i])
-        np.testing.assert_array_equal(s, stream[k * 16:k * 16 + 17])
-        seen.add(k)
-    assert seen == set(range(300))  # a permutation of the samples
-    assert ds.shuffle_idx.tolist() != list(range(300))
+    n = ds.epoch_samples
+    assert n == (int(indexed.sizes[docs].sum()) - 1) // 16 and 300 > n  # several epochs
+    for e in range(3):
+        doc_idx, _, shuffle = ds._epoch(e)
+        assert sorted(doc_idx.tolist()) == docs.tolist()  # a permutation of the split
+        stream = np.concatenate([indexed[d] for d in doc_idx]).astype(np.int64)
+        ids = set()
+        for k in range(n):  # epoch e's samples: every window of its stream exactly once
+            s = ds[e * n + k]
+            assert s.dtype == np.int64 and s.shape == (17,)
+            w = int(shuffle[k])
+            np.testing.assert_array_equal(s, stream[w * 16:w * 16 + 17])
+            ids.add(ds.sample_id(e * n + k))
+        assert ids == set(range(e * n, (e + 1) * n))
+        assert shuffle.tolist() != list(range(n))
+    assert ds._epoch(0)[0].tolist() != ds._epoch(1)[0].tolist()  # reshuffled per epoch
+    # the order does not depend on how many samples a run plans to read
+    other = GPTDataset(indexed, docs, num_samples=7, seq_length=16, seed=5)
+    for i in (0, 5, n - 1, n, 2 * n + 3, 299):
+        np.testing.assert_array_equal(other[i], ds[i])
     with pytest.raises(IndexError):
-        ds[300]
+        ds[-1]
 
 
 def test_gpt_determinism_and_seed_dependence(indexed):
@@ -175,8 +181,13 @@ def test_blended_fractions_match_weights(tmp_path):
         assert np.all(np.abs(counts - np.array([0.2, 0.5, 0.3]) * n) <= 1)
     d, k = int(tr.dataset_index[17]), int(tr.dataset_sample_index[17])
     np.testing.assert_array_equal(tr[17], tr.datasets[d][k])
-    again = BlendedDataset(tr.datasets, [2, 5, 3], 1000)
-    np.testing.assert_array_equal(again.dataset_index, tr.dataset_index)
+    again = BlendedDataset(tr.datasets, [2, 5, 3], 10)  # prefix-stable, extended on demand
+    np.testing.assert_array_equal(again[999], tr[999])
+    np.testing.assert_array_equal(again.dataset_index[:1000], tr.dataset_index[:1000])
+    assert again.sample_id(999) == tr.sample_id(999)
+    # past every component's planned size nothing wraps: component samples stay distinct
+    ids = [tr.sample_id(i) for i in range(3000)]
+    assert len(set(ids)) == 3000
     with pytest.raises(ValueError, match="data-path"):
         build_train_valid_test_datasets(["0.5", pa, "0.5"], "1,0,0", 8, 7, (10, 0, 0))
 

@@ -200,7 +200,7 @@ def test_already_complete_reads_the_resumed_checkpoint(tmp_path):
     (folder / "metadata.json").write_text(json.dumps(meta))
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("5\n")
     def run(**kw):
-        return SimpleNamespace(**{"load": str(tmp_path), "finetune": False, **kw})
+        return SimpleNamespace(**{"load": str(tmp_path), "save": None, "finetune": False, **kw})
     assert completed_checkpoint(run()) == (str(folder), 5)
     assert completed_checkpoint(run(finetune=True)) is None
     assert completed_checkpoint(run(load=None)) is None

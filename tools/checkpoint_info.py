@@ -16,7 +16,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from checkpoint.format import (CONFIG, LATEST, CheckpointError,  # noqa: E402
-                                        complete_checkpoints, resolve_checkpoint, summarize)
+                                        complete_checkpoints, debris, resolve_checkpoint,
+                                        summarize)
 
 
 def main(argv=None) -> int:
@@ -49,6 +50,10 @@ def main(argv=None) -> int:
               f"/{m.get('activation')}")
         print(f"files: {len(meta['files'])}, {total:,} bytes; torch {meta.get('torch_version')}")
         print(f"checkpoints in {root}: {' '.join(others) or '-'}")
+        left = [os.path.basename(q) for q in debris(root)]
+        if left:
+            print(f"debris (interrupted saves; the next run's start-up or --keep-last removes "
+                  f"them): {' '.join(left)}")
         if args.show_config and os.path.isfile(os.path.join(path, CONFIG)):
             print(open(os.path.join(path, CONFIG)).read())
     if problems:

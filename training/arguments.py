@@ -65,6 +65,10 @@ class TrainConfig:
     lr_warmup_iters: int = 0
     lr_decay_iters: int | None = None  # None: train_iters
     lr_decay_style: str = "cosine"  # cosine | linear | constant
+    rampup_batch_size: list[str] | None = None  # START INCREMENT SAMPLES (Megatron's)
+    train_samples: int | None = None  # replaces train_iters; the LR schedule counts samples
+    lr_warmup_samples: int = 0  # with train_samples
+    lr_decay_samples: int | None = None  # with train_samples; None: train_samples
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -74,6 +78,9 @@ class TrainConfig:
     bf16: bool = False  # bf16 weights/activations; fp32 main weights, grads, Adam states
     data_path: list[str] | None = None  # [prefix] or [w1, prefix1, w2, prefix2, ...]
     split: str = "969,30,1"
+    reset_position_ids: bool = False  # positions restart after every EOD in a sample
+    reset_attention_mask: bool = False  # attention does not cross an EOD in a sample
+    eod_mask_loss: bool = False  # no loss on predicting from an EOD input token
     tokenizer_model: str | None = None  # SentencePiece .model file or HF tokenizer folder
     eval_interval: int = 1000  # 0 disables evaluation
     eval_iters: int = 100
@@ -89,6 +96,12 @@ class TrainConfig:
     load_rng: bool = True  # --no-load-rng: keep the fresh seeds on resume
     load_optim: bool = True  # --no-load-optim: weights only (fresh AdamW moments)
     finetune: bool = False  # --load weights only; iteration, optimizer and RNG start fresh
+    override_opt_param_scheduler: bool = False  # resume: this command line's LR schedule
+    use_checkpoint_opt_param_scheduler: bool = False  # resume: the checkpoint's LR schedule
+    override_data_config: bool = False  # resume onto other data: start it from its beginning
+    exit_signal_handler: bool = False  # SIGTERM/SIGUSR1: finish the step, save, exit 0
+    exit_duration_in_mins: float | None = None  # save and exit after this much wall time
+    exit_interval: int | None = None  # save and exit after the iteration divisible by this
     ddp_bucket_size: int = 40_000_000
     overlap_grad_reduce: bool = True
     peak_tflops: float | None = None  # None: measured at start-up
@@ -111,6 +124,7 @@ class Config:
     world_size: int | None = None
     data_parallel_size: int | None = None
     num_microbatches: int | None = None
+    eod: int | None = None  # the tokenizer's end-of-document id (set when the data is built)
 
     def validate(self, world_size: int) -> "Config":
         """Check all against ``world_size``, fill derived values, return self (idempotent).
@@ -154,13 +168,17 @@ class Config:
             f"tp {t.tensor_model_parallel_size}, vpp {t.virtual_pipeline_model_parallel_size}, "
             f"sequence parallel {t.sequence_parallel}\n"
             f"batch   global {t.global_batch_size} = micro {t.micro_batch_size} x "
-            f"{self.num_microbatches} microbatches x dp {dp}\n"
+            f"{self.num_microbatches} microbatches x dp {dp}"
+            + (f", ramp-up {' '.join(map(str, t.rampup_batch_size))} (start increment samples)"
+               if t.rampup_batch_size else "") + "\n"
             f"optim   lr {t.lr:g} -> {t.min_lr:g} {t.lr_decay_style}, warmup {t.lr_warmup_iters}"
             f", decay {t.lr_decay_iters}, wd {t.weight_decay:g}, clip {t.clip_grad:g}, "
             f"bf16 {t.bf16}, dp sharding {t.data_parallel_sharding_strategy}"
             + (f", optimizer offload {t.optimizer_offload_fraction:g}" if t.optimizer_cpu_offload
                else "") + "\n"
-            f"run     {t.train_iters} iters, eval every {t.eval_interval} ({t.eval_iters} iters),"
+            f"run     {t.train_iters} iters"
+            + (f" (--train-samples {t.train_samples})" if t.train_samples else "")
+            + f", eval every {t.eval_interval} ({t.eval_iters} iters),"
             f" log every {t.log_interval} -> {t.log_dir}")
 
 
@@ -258,12 +276,21 @@ FLAG_HELP = {
     "global_batch_size": "sequences per optimizer step (all DP ranks)",
     "train_iters": "optimizer steps", "lr": "peak learning rate", "min_lr": "final learning rate",
     "lr_warmup_iters": "linear warmup steps", "lr_decay_iters": "decay length (default: train-iters)",
-    "lr_decay_style": "cosine | linear | constant", "weight_decay": "AdamW decay (not on 1-D)",
+    "lr_decay_style": "cosine | linear | constant",
+    "rampup_batch_size": "START INCREMENT SAMPLES: grow the global batch from START by "
+    "INCREMENT over the first SAMPLES samples",
+    "train_samples": "run length in samples (replaces --train-iters; LR schedule in samples)",
+    "lr_warmup_samples": "linear warmup samples (with --train-samples)",
+    "lr_decay_samples": "decay length in samples (default: --train-samples)",
+    "weight_decay": "AdamW decay (not on 1-D)",
     "clip_grad": "max global grad norm; 0 disables", "seed": "seeds init, data order and dropout",
     "bf16": "bf16 weights/activations with fp32 main weights and grads",
     # data, logging, checkpoints
     "data_path": "PREFIX or W1 PREFIX1 W2 PREFIX2 ... (default: embedded stdlib corpus)",
-    "split": "train,valid,test shares of documents", "tokenizer_model":
+    "split": "train,valid,test shares of documents",
+    "reset_position_ids": "restart positions after each EOD inside a sample",
+    "reset_attention_mask": "do not attend across an EOD inside a sample",
+    "eod_mask_loss": "no loss where the input token is EOD", "tokenizer_model":
     "SentencePiece .model or HF tokenizer folder used to make --data-path",
     "eval_interval": "validate every N steps; 0 disables", "eval_iters": "batches per validation",
     "log_interval": "log every N steps", "log_dir": "metrics.jsonl + TensorBoard events",
@@ -272,7 +299,17 @@ FLAG_HELP = {
     "save_replica": "second folder receiving a copy of each checkpoint",
     "async_save": "write checkpoints in the background", "load_rng": "restore RNG on resume",
     "load_optim": "restore optimizer state on resume",
-    "finetune": "start a new run from --load's weights (iteration 0, fresh optimizer)", "ddp_bucket_size": "elements per bucket",
+    "finetune": "start a new run from --load's weights (iteration 0, fresh optimizer)",
+    "override_opt_param_scheduler": "on resume use this command line's LR schedule (the "
+    "default; a change is logged)",
+    "use_checkpoint_opt_param_scheduler": "on resume keep the LR schedule stored in the "
+    "checkpoint, ignoring --lr/--min-lr/--lr-warmup-iters/--lr-decay-iters/--lr-decay-style",
+    "override_data_config": "resume although --data-path/--split/--seed/--seq-length differ "
+    "from the checkpoint's: the new data is read from its beginning",
+    "exit_signal_handler": "on SIGTERM or SIGUSR1 finish the current step, save, exit 0",
+    "exit_duration_in_mins": "save and exit 0 once the run has lasted this long",
+    "exit_interval": "save and exit 0 after an iteration divisible by N",
+    "ddp_bucket_size": "elements per bucket",
     "overlap_grad_reduce": "overlap DP gradient sync with backward",
     "peak_tflops": "per-device peak for MFU (default: measured)", "device": "auto | cpu | cuda",
     "profile_pipeline": "record the schedule timeline and report the bubble",
@@ -390,7 +427,7 @@ def _checkpoint_defaults(load: str | None) -> tuple[dict, str | None] | None:
 
     if not load or not os.path.exists(load):
         return None
-    path = resolve_checkpoint(load)
+    path = resolve_checkpoint(load, newest_if_no_marker=True)  # defaults only; the loader checks
     if path is None:
         return None
     fields = {f.name for f in dataclasses.fields(ModelConfig)}

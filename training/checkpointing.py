@@ -14,8 +14,10 @@ gathered to rank 0. Keys do not depend on the parallel layout, so a checkpoint s
   padded size; a layout with another padded size loads the dense tensor and re-pads it.
 - The tied embedding's last-stage copy is not saved; it loads from the embedding.
 - `optim.exp_avg.<name>`, `optim.exp_avg_sq.<name>` (same keys/sharding as the parameter),
-  `optim.step`, `iteration`, `consumed_samples`. The LR schedule is a pure function of the
-  iteration (training/optimizer.py `learning_rate`), so it is not stored separately.
+  `optim.step`, `iteration`, `consumed_samples` (the data position, summed per step). The LR
+  schedule is a pure function of the iteration (training/optimizer.py `learning_rate`); its
+  settings go to metadata.json (`opt_param_scheduler`) beside the data config (`data`) and
+  `data_start_samples`, compared on resume (`reconcile_schedule`, `check_data_config`).
 - `rng.rank<R>.*`: each rank's torch (and CUDA) generator and TP-tracker states. They are
   restored only on the same layout (exact resume); on another layout the fresh seeds stay.
 
@@ -32,7 +34,9 @@ rank 0 writes metadata.json (files, sizes, sha256), verifies, renames the folder
 `iter_XXXXXXX` and replaces `latest_checkpointed_iteration.txt` (temp file + os.replace +
 fsync). A crash at any point leaves the previous checkpoint and marker intact. `--keep-last N`
 prunes older complete checkpoints only after that; `--save-replica DIR` copies a completed
-checkpoint (temp name, then rename).
+checkpoint (temp name, then rename). Staging folders of saves that died are removed when a
+run starts and when `--keep-last` prunes (`remove_debris`); a missing marker with `--load` =
+`--save` resumes the newest verified checkpoint (`resume_path`).
 
 Async (--async-save): the state is copied (to CPU) synchronously, then a background thread
 writes and finalizes it over its own gloo process group, so its collectives never interleave
@@ -41,10 +45,13 @@ with training's. The next save and the end of training wait for it.
 Test hooks (environment, for tests/test_checkpointing.py only):
 `SHARDZOO_TEST_KILL_DURING_SAVE=R:K` SIGKILLs rank R after its shards of iteration K are
 written and before the rename; `SHARDZOO_TEST_KILL_AT=R:K` SIGKILLs rank R after iteration K,
-only on the first torchrun attempt (TORCHELASTIC_RESTART_COUNT 0).
+only on the first torchrun attempt (TORCHELASTIC_RESTART_COUNT 0);
+`SHARDZOO_TEST_SIGTERM_AT=R:K` sends SIGTERM to rank R inside step K (--exit-signal-handler).
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import secrets
@@ -63,7 +70,7 @@ from parallel_state import collectives
 from parallel_state.collectives import all_gather_single
 
 from checkpoint.format import (CONFIG, FORMAT_VERSION, LATEST, METADATA, CheckpointError,
-                                compare_model, complete_checkpoints, describe_files,
+                                compare_model, complete_checkpoints, debris, describe_files,
                                 iter_dir_name, read_metadata, resolve_checkpoint, verify_files)
 from .distributed_optimizer import DistributedOptimizer
 
@@ -88,6 +95,13 @@ def _hook(var: str, iteration: int, first_attempt_only: bool = False) -> None:
 def kill_hook(iteration: int) -> None:
     """Test hook after each iteration (see module docstring: SHARDZOO_TEST_KILL_AT)."""
     _hook("SHARDZOO_TEST_KILL_AT", iteration, first_attempt_only=True)
+
+
+def signal_hook(iteration: int) -> None:
+    """Test hook inside step `iteration` (1-based): SIGTERM this process if env
+    `SHARDZOO_TEST_SIGTERM_AT` is "<this rank>:<iteration>" (a preemption mid-step)."""
+    if os.environ.get("SHARDZOO_TEST_SIGTERM_AT") == f"{dist.get_rank()}:{iteration}":
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 # ---------------------------------------------------------------------- optimizer values
@@ -164,8 +178,10 @@ def _layout(config) -> dict:
             "optimizer_cpu_offload": t.optimizer_cpu_offload, "bf16": t.bf16}
 
 
-def state_to_save(config, chunks, model, optimizer, iteration: int, copy: bool) -> dict:
-    """The flat DCP state dict of this rank (collective over DP when ZeRO-sharded)."""
+def state_to_save(config, chunks, model, optimizer, iteration: int, copy: bool,
+                  consumed_samples: int | None = None) -> dict:
+    """The flat DCP state dict of this rank (collective over DP when ZeRO-sharded).
+    `consumed_samples`: samples trained on so far (default iteration x global batch)."""
     values, step = _param_values(chunks, model, optimizer)
     sd = {}
     for name, p, _, tied_copy in entries(chunks):
@@ -175,11 +191,57 @@ def state_to_save(config, chunks, model, optimizer, iteration: int, copy: bool) 
             local = values[id(p)][kind]
             for key, part in zip(part_keys(kind, name, p), split_parts(local, p)):
                 sd[key] = as_saved(part.detach().clone() if copy else part, p)
-    gbs = config.train.global_batch_size
+    if consumed_samples is None:
+        consumed_samples = iteration * config.train.global_batch_size
     sd.update({"iteration": torch.tensor(iteration), "consumed_samples":
-               torch.tensor(iteration * gbs), "optim.step": torch.tensor(step)})
+               torch.tensor(consumed_samples), "optim.step": torch.tensor(step)})
     sd.update(_rng_state())
     return sd
+
+
+@dataclasses.dataclass
+class DataPosition:
+    """Where training stands in the data: `consumed_samples` trained on since iteration 0
+    (Megatron's counter, exact across --global-batch-size changes), of which the first
+    `data_start_samples` came from an earlier data config (--override-data-config), so the
+    next sample read is `consumed_samples - data_start_samples` of the current data."""
+
+    consumed_samples: int = 0
+    data_start_samples: int = 0
+
+    @property
+    def data_index(self) -> int:
+        return self.consumed_samples - self.data_start_samples
+
+
+@dataclasses.dataclass
+class ResumeState:
+    """What `load_checkpoint` hands the training loop: the iteration to start from, the data
+    position, and the checkpoint's metadata.json (None when nothing was resumed)."""
+
+    iteration: int = 0
+    position: DataPosition = dataclasses.field(default_factory=DataPosition)
+    meta: dict | None = None
+
+
+SCHEDULE_FIELDS = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style")
+
+
+def lr_schedule(t) -> dict:
+    """The LR schedule's settings (metadata.json `opt_param_scheduler`)."""
+    return {k: getattr(t, k) for k in SCHEDULE_FIELDS}
+
+
+def data_config(config) -> dict:
+    """What decides the sample sequence (metadata.json `data`): a resume onto other values
+    would read other samples at the same position."""
+    t = config.train
+    path = None
+    if t.data_path:  # prefixes absolute, weights as given
+        path = [x if i % 2 == 0 and len(t.data_path) > 1 else os.path.abspath(x)
+                for i, x in enumerate(t.data_path)]
+    return {"data_path": path, "split": t.split, "seed": t.seed,
+            "seq_length": config.model.seq_length}
 
 
 # ---------------------------------------------------------------------- save
@@ -199,13 +261,20 @@ class Checkpointer:
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.last_saved: int | None = None
+        if dist.get_rank() == 0:  # no save of this job is live yet
+            for root in (self.save_dir, t.save_replica):
+                if root:
+                    remove_debris(root, "at start-up")
+        collectives.barrier()
 
-    def save(self, iteration: int, chunks, model, optimizer) -> None:
-        """Write checkpoint `iteration` (completed steps); returns when written (sync) or when
-        the state is copied (async). Raises `CheckpointError` from a previous async save."""
+    def save(self, iteration: int, chunks, model, optimizer, position: "DataPosition") -> None:
+        """Write checkpoint `iteration` (completed steps) at data `position`; returns when
+        written (sync) or when the state is copied (async). Raises `CheckpointError` from a
+        previous async save."""
         self.wait()
+        position = dataclasses.replace(position)  # the async writer keeps its own copy
         state = state_to_save(self.config, chunks, model, optimizer, iteration,
-                              copy=self.async_save)
+                              copy=self.async_save, consumed_samples=position.consumed_samples)
         name = [secrets.token_hex(4) if dist.get_rank() == 0 else None]
         collectives.broadcast_object_list(name, src=0)
         tmp = os.path.join(self.save_dir, f"{iter_dir_name(iteration)}.tmp-{name[0]}")
@@ -217,11 +286,12 @@ class Checkpointer:
         collectives.barrier()
         self.last_saved = iteration
         if self.async_save:
-            self.thread = threading.Thread(target=self._write, args=(state, tmp, iteration),
+            self.thread = threading.Thread(target=self._write,
+                                           args=(state, tmp, iteration, position),
                                            name=f"checkpoint-{iteration}", daemon=True)
             self.thread.start()
         else:
-            self._write(state, tmp, iteration)
+            self._write(state, tmp, iteration, position)
             self.wait()
 
     def wait(self) -> None:
@@ -233,15 +303,15 @@ class Checkpointer:
             err, self.error = self.error, None
             raise err
 
-    def _write(self, state: dict, tmp: str, iteration: int) -> None:
+    def _write(self, state: dict, tmp: str, iteration: int, position: "DataPosition") -> None:
         try:
             dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=self.group)
             _hook("SHARDZOO_TEST_KILL_DURING_SAVE", iteration)
-            self._finalize(tmp, iteration)
+            self._finalize(tmp, iteration, position)
         except BaseException as e:  # noqa: BLE001 - surfaced by wait() on the training thread
             self.error = e
 
-    def _finalize(self, tmp: str, iteration: int) -> None:
+    def _finalize(self, tmp: str, iteration: int, position: "DataPosition") -> None:
         g, rank = self.group, dist.get_rank()
         mine = [n for n in os.listdir(tmp) if n.startswith(f"__{rank}_")]
         if rank == 0:
@@ -255,7 +325,7 @@ class Checkpointer:
         status = [None]
         if rank == 0:
             try:
-                final = self._publish(tmp, iteration, [f for fs in files for f in fs])
+                final = self._publish(tmp, iteration, [f for fs in files for f in fs], position)
                 status = [f"saved checkpoint {final}"]
             except BaseException as e:  # noqa: BLE001 - every rank raises the same error
                 status = [e if isinstance(e, CheckpointError) else
@@ -265,10 +335,15 @@ class Checkpointer:
             raise status[0]
         _print0(status[0])
 
-    def _publish(self, tmp: str, iteration: int, files: list[dict]) -> str:
+    def _publish(self, tmp: str, iteration: int, files: list[dict],
+                 position: "DataPosition") -> str:
         """Rank 0: metadata.json, verify, rename, `latest`, replica, pruning."""
         meta = {"format_version": FORMAT_VERSION, "iteration": iteration,
-                "consumed_samples": iteration * self.config.train.global_batch_size,
+                "consumed_samples": position.consumed_samples,
+                "data_start_samples": position.data_start_samples,
+                "global_batch_size": self.config.train.global_batch_size,
+                "opt_param_scheduler": lr_schedule(self.config.train),
+                "data": data_config(self.config),
                 "layout": _layout(self.config), "model": self.config.model.to_dict(),
                 "torch_version": torch.__version__,
                 "files": sorted(files, key=lambda f: f["name"])}
@@ -325,10 +400,28 @@ def _publish_folder(tmp: str, root: str, iteration: int) -> str:
     return final
 
 
+def remove_debris(root: str, when: str) -> list[str]:
+    """Delete what interrupted saves left in `root` (`checkpoint.format.debris`), with one
+    log line; returns the paths removed."""
+    found = debris(root)
+    for path in found:
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+    if found:
+        print(f"removed {len(found)} leftover(s) of interrupted saves {when}: "
+              f"{', '.join(os.path.basename(p) for p in found)} (in {root})", flush=True)
+    return found
+
+
 def _prune(root: str, keep_last: int | None) -> None:
-    """Keep the newest `keep_last` complete checkpoints (the one `latest` names always)."""
+    """Keep the newest `keep_last` complete checkpoints (the one `latest` names always) and
+    remove debris of interrupted saves (the save just published was the only live one)."""
     if not keep_last:
         return
+    remove_debris(root, "(--keep-last)")
     latest = open(os.path.join(root, LATEST)).read().strip()
     for it, path in complete_checkpoints(root)[:-keep_last]:
         if str(it) != latest:
@@ -336,6 +429,18 @@ def _prune(root: str, keep_last: int | None) -> None:
 
 
 # ---------------------------------------------------------------------- load
+def _same(a: str | None, b: str | None) -> bool:
+    return bool(a and b) and os.path.abspath(a) == os.path.abspath(b)
+
+
+def resume_path(train_config) -> str | None:
+    """The checkpoint `--load` resumes from (`resolve_checkpoint`); when --load is also
+    --save and the marker is missing, the newest verified checkpoint there."""
+    t = train_config
+    return resolve_checkpoint(t.load, newest_if_no_marker=_same(t.load, t.save)) \
+        if t.load else None
+
+
 def completed_checkpoint(train_config) -> tuple[str, int] | None:
     """`(folder, iteration)` of the checkpoint that `--load` resumes from, read from its
     metadata.json without any process group (so a finished job can stop before any work);
@@ -345,63 +450,101 @@ def completed_checkpoint(train_config) -> tuple[str, int] | None:
     t = train_config
     if not t.load or t.finetune:
         return None
-    path = resolve_checkpoint(t.load)
+    path = resume_path(t)
     if path is None:
         return None
     meta = read_metadata(path)
     return None if meta.get("optimizer_state", True) is False else (path, int(meta["iteration"]))
 
 
-def load_checkpoint(config, chunks, model, optimizer) -> int:
-    """Load `--load` into the model, optimizer and RNG; returns the iteration to start from
-    (0 when there is no checkpoint yet and `--load` is also `--save`). Collective: every rank
-    calls it; every rank raises the same `CheckpointError` on a bad checkpoint, before any
-    training step and without touching the checkpoint."""
+def load_checkpoint(config, chunks, model, optimizer) -> ResumeState:
+    """Load `--load` into the model, optimizer and RNG; returns where to start from
+    (iteration 0 when there is no checkpoint yet and `--load` is also `--save`). Collective:
+    every rank calls it; every rank raises the same `CheckpointError` on a bad checkpoint or
+    a changed data config (`check_data_config`), before any training step and without
+    touching the checkpoint."""
     t = config.train
     if not t.load:
-        return 0
-    path = resolve_checkpoint(t.load)
+        return ResumeState()
+    path = resume_path(t)
     if path is None:
-        if t.save and os.path.abspath(t.save) == os.path.abspath(t.load):
+        if _same(t.save, t.load):
             _print0(f"no checkpoint in {t.load} yet (it is also --save): starting from scratch")
-            return 0
+            return ResumeState()
         raise CheckpointError(f"--load {t.load}: no {LATEST} and no checkpoint folder there; "
                               f"pass a --save folder of an earlier run or an iter_XXXXXXX "
                               f"folder, or drop --load to start from scratch")
+    if not os.path.isfile(os.path.join(t.load, LATEST)) and \
+            os.path.dirname(os.path.normpath(path)) == os.path.normpath(t.load):
+        _print0(f"{os.path.join(t.load, LATEST)} is missing (a save completed but its marker "
+                f"was not written): resuming from the newest verified checkpoint {path}")
     meta = read_metadata(path)
     compare_model(meta, config.model.to_dict(), path)
+    weights_only = t.finetune or meta.get("optimizer_state", True) is False
+    restart_data = not weights_only and check_data_config(meta, config, path)
     problems = verify_files(path, meta, rank=dist.get_rank(), world=dist.get_world_size())
     everyone = [None] * dist.get_world_size()
     collectives.all_gather_object(everyone, problems)
     problems = [p for ps_ in everyone for p in ps_]
     if problems:
         raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(problems))
-    if t.finetune or meta.get("optimizer_state", True) is False:
+    if weights_only:
         why = ("--finetune" if t.finetune else
                "it holds weights only (imported, e.g. by tools/convert_hf.py)")
         _load_states(path, config, chunks, model, optimizer, load_rng=False, weights_only=True)
         _print0(f"loaded the weights of checkpoint {path} ({why}): iteration, optimizer and "
                 f"RNG start fresh")
-        return 0
+        return ResumeState()
     same_layout = meta["layout"]["world_size"] == config.world_size and all(
         meta["layout"][k] == v for k, v in _layout(config).items() if k in ("tp", "pp", "vpp"))
-    iteration = _load_states(path, config, chunks, model, optimizer,
-                             load_rng=same_layout and t.load_rng)
+    iteration, consumed = _load_states(path, config, chunks, model, optimizer,
+                                       load_rng=same_layout and t.load_rng)
     if not same_layout and t.load_rng:
         _print0(f"checkpoint layout {meta['layout']} differs from this run's "
                 f"{_layout(config)}: keeping the freshly seeded RNG (resume is not bitwise)")
-    _print0(f"loaded checkpoint {path} at iteration {iteration}")
-    return iteration
+    position = DataPosition(consumed, consumed if restart_data else
+                            int(meta.get("data_start_samples", 0)))
+    _print0(f"loaded checkpoint {path} at iteration {iteration} ({consumed} samples consumed)")
+    return ResumeState(iteration, position, meta)
+
+
+def check_data_config(meta: dict, config, path: str) -> bool:
+    """Compare the checkpoint's data config (`data_config`) with this run's; True when they
+    differ and --override-data-config makes the new data start from its first sample.
+    Raises `CheckpointError` naming each difference without that flag."""
+    saved = meta.get("data")
+    if saved is None:  # written before the data config was recorded
+        return False
+    now = data_config(config)
+    diffs = [f"{flag}: checkpoint {saved.get(k)!r}, this run {now[k]!r}"
+             for k, flag in (("data_path", "--data-path"), ("split", "--split"),
+                             ("seed", "--seed"), ("seq_length", "--seq-length"))
+             if saved.get(k) != now[k]]
+    if not diffs:
+        return False
+    if not config.train.override_data_config:
+        raise CheckpointError(
+            f"{os.path.join(path, METADATA)}: this run's data differs from the checkpoint's "
+            f"({'; '.join(diffs)}), so resuming at sample {meta.get('consumed_samples')} would "
+            f"read other samples than the run was reading; pass the checkpoint's values (see "
+            f"{os.path.join(path, CONFIG)}), or --override-data-config to read the new data "
+            f"from its beginning")
+    consumed = int(meta.get("consumed_samples", 0))
+    _print0(f"--override-data-config: the data differs from the checkpoint's "
+            f"({'; '.join(diffs)}); the new data is read from its first sample (after "
+            f"{consumed} samples of the old)")
+    return True
 
 
 def _load_states(path: str, config, chunks, model, optimizer, load_rng: bool,
-                 weights_only: bool = False) -> int:
+                 weights_only: bool = False) -> tuple[int, int]:
+    """(iteration, consumed_samples) of the loaded checkpoint."""
     reader = dcp.FileSystemReader(path)
     saved = reader.read_metadata().state_dict_metadata
     with_optim = config.train.load_optim and not weights_only
     kinds = KINDS if with_optim else KINDS[:1]
     sd, plan = read_plan(path, saved, entries(chunks), kinds)
-    scalars = ("iteration", "optim.step")
+    scalars = ("iteration", "optim.step", "consumed_samples")
     sd.update({k: torch.tensor(0) for k in scalars})
     if load_rng:
         sd.update({k: v.clone() for k, v in _rng_state().items()})
@@ -415,7 +558,7 @@ def _load_states(path: str, config, chunks, model, optimizer, load_rng: bool,
     _apply(values, int(sd["optim.step"]), chunks, model, optimizer, with_optim=with_optim)
     if load_rng:
         _set_rng_state(sd)
-    return int(sd["iteration"])
+    return int(sd["iteration"]), int(sd["consumed_samples"])
 
 
 @torch.no_grad()

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from models.config import ConfigError, ModelConfig
+from .batch_schedule import check_batch_schedule
 
 if typing.TYPE_CHECKING:
     from .arguments import Config, TrainConfig
@@ -32,6 +33,10 @@ def validate(config: "Config", world_size: int) -> None:
     _check_sequence_parallel(config.model, t)
     _check_pipeline(config.model, t)
     config.num_microbatches = _check_batch(t, config.data_parallel_size)
+    check_batch_schedule(t, t.micro_batch_size * config.data_parallel_size,
+                         t.pipeline_model_parallel_size,
+                         bool(t.virtual_pipeline_model_parallel_size and
+                              t.virtual_pipeline_model_parallel_size > 1))
     _check_optimizer(t)
     _check_sharding(t)
     _check_recompute(config.model, t)
@@ -46,7 +51,8 @@ def _check_positive(t: TrainConfig, world_size: int) -> None:
                  "micro_batch_size", "train_iters", "log_interval", "ddp_bucket_size",
                  "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
                  "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-                 "global_batch_size", "lr_decay_iters", "save_interval", "keep_last"):
+                 "global_batch_size", "lr_decay_iters", "save_interval", "keep_last",
+                 "exit_interval"):
         if getattr(t, name) is not None and getattr(t, name) < 1:  # None: unset, resolved later
             raise ConfigError(f"{flag(name)} must be a positive integer, got {getattr(t, name)}")
 
@@ -151,6 +157,13 @@ def _check_optimizer(t: TrainConfig) -> None:
                           f"--lr-decay-iters {t.lr_decay_iters}] (which defaults to "
                           f"--train-iters); lower --lr-warmup-iters or raise --train-iters")
     _check_choice("lr_decay_style", t.lr_decay_style, ("cosine", "linear", "constant"))
+    if t.override_opt_param_scheduler and t.use_checkpoint_opt_param_scheduler:
+        raise ConfigError("--override-opt-param-scheduler and "
+                          "--use-checkpoint-opt-param-scheduler contradict each other: pass one "
+                          "(this command line's LR schedule, or the checkpoint's)")
+    if t.exit_duration_in_mins is not None and not t.exit_duration_in_mins > 0:
+        raise ConfigError(f"--exit-duration-in-mins must be positive, got "
+                          f"{t.exit_duration_in_mins}")
     for name in ("adam_beta1", "adam_beta2"):
         if not 0.0 <= getattr(t, name) < 1.0:
             raise ConfigError(f"{flag(name)} must be in [0, 1), got {getattr(t, name)}")

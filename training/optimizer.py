@@ -86,3 +86,36 @@ def clip_grads(params: list[nn.Parameter], max_norm: float) -> float:
             if p.grad is not None:
                 p.grad.mul_(scale)
     return norm
+
+
+def schedule_lr(schedule: dict, iteration: int) -> float:
+    """`learning_rate` of a schedule dict (the `SCHEDULE_FIELDS` of a TrainConfig)."""
+    return learning_rate(iteration, lr=schedule["lr"], min_lr=schedule["min_lr"],
+                         warmup_iters=schedule["lr_warmup_iters"],
+                         decay_iters=schedule["lr_decay_iters"], style=schedule["lr_decay_style"])
+
+
+def reconcile_schedule(train, saved: dict | None, iteration: int) -> str | None:
+    """On resume at `iteration`: pick the LR schedule (Megatron's choice of flags) and say
+    what changed. `saved` is the checkpoint's schedule (None for checkpoints that predate
+    it). This command line's schedule wins (--override-opt-param-scheduler, the default)
+    unless `train.use_checkpoint_opt_param_scheduler`, which copies the saved values into
+    `train`. Returns the one log line when the schedules differ, else None."""
+    if not saved:
+        return None
+    now = {k: getattr(train, k) for k in saved}
+    changed = [f"{k} {saved[k]} -> {now[k]}" for k in saved if saved[k] != now[k]]
+    if not changed:
+        return None
+    before, after = schedule_lr(saved, iteration), schedule_lr(now, iteration)
+    if train.use_checkpoint_opt_param_scheduler:
+        for k, v in saved.items():
+            setattr(train, k, v)
+        return (f"LR schedule: this command line's differs from the checkpoint's "
+                f"({'; '.join(changed)}); keeping the checkpoint's "
+                f"(--use-checkpoint-opt-param-scheduler): LR of step {iteration + 1} stays "
+                f"{before:.4e}")
+    how = ("--override-opt-param-scheduler" if train.override_opt_param_scheduler else
+           "the default; --use-checkpoint-opt-param-scheduler keeps the checkpoint's")
+    return (f"LR schedule changed on resume ({'; '.join(changed)}): using this command "
+            f"line's ({how}): LR of step {iteration + 1} {before:.4e} -> {after:.4e}")

@@ -30,7 +30,9 @@ from parallel_state import p2p
 def loss_from_batch(model, batch: dict, hidden_states=None):
     """Forward one microbatch on one model chunk. Returns (summed masked token loss `[]`
     float32, None) on the chunk holding the loss, else (None, output hidden states)."""
-    out = model(batch["tokens"], labels=batch["labels"], hidden_states=hidden_states)
+    out = model(batch["tokens"], labels=batch["labels"], hidden_states=hidden_states,
+                position_ids=batch.get("position_ids"),
+                attention_mask=batch.get("attention_mask"))
     inner = getattr(model, "module", model)
     if not inner.post_process:
         return None, out

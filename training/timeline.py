@@ -26,6 +26,12 @@ import os
 import time
 from dataclasses import dataclass
 
+import numpy as np
+import torch.distributed as dist
+
+import parallel_state as ps
+from parallel_state import collectives
+
 
 @dataclass
 class Span:
@@ -216,3 +222,54 @@ def _maybe_png(per_rank: list[list[Span]], t0: float, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# ---------------------------------------------------------------------- in a training run
+def gather_timeline(timeline: Timeline):
+    """Spans of the pipeline of DP replica 0 / TP rank 0, ordered by stage (on every rank)."""
+    everyone = [None] * dist.get_world_size()
+    collectives.all_gather_object(everyone, timeline.spans)
+    stride = ps.get_data_parallel_world_size() * ps.get_tensor_model_parallel_world_size()
+    return [everyone[p * stride] for p in range(ps.get_pipeline_model_parallel_world_size())]
+
+
+def report_bubble(profiles, config, logger) -> dict:
+    """Median bubble per stage over the profiled steps, beside (p-1)/(v*m), each stage's share
+    of the compute (the theory assumes equal shares) and, when the stages are unbalanced, the
+    --decoder-first/last-pipeline-num-layers that would balance them; logged on rank 0."""
+    t = config.train
+    pp, vpp = t.pipeline_model_parallel_size, t.virtual_pipeline_model_parallel_size or 1
+    steps = [report(p, pp, vpp, config.num_microbatches,
+                             t.log_dir if i == len(profiles) - 1 else None)
+             for i, p in enumerate(profiles)]
+    med = lambda xs: float(np.median(xs))  # noqa: E731
+    compute = [med([s["compute"][r] for s in steps]) for r in range(pp)]
+    layers = config.stage_num_layers()
+    rec = {"iteration": t.train_iters, "bubble_theory": steps[0]["bubble_theory"],
+           "bubble_wall": [med([s["bubble_wall"][r] for s in steps]) for r in range(pp)],
+           "bubble_replay": [med([s["bubble_replay"][r] for s in steps]) for r in range(pp)],
+           "compute_share": [c / sum(compute) for c in compute], "stage_layers": layers,
+           "profiled_steps": len(steps), "pp": pp, "vpp": vpp,
+           "num_microbatches": config.num_microbatches}
+    fmt = lambda xs: " ".join(f"{x:.3f}" for x in xs)  # noqa: E731
+    hint = suggest_split(compute, layers, vpp)
+    share = rec["compute_share"]
+    if hint is None or max(share) * pp <= 1.1:
+        balance = "balanced"
+    else:
+        rec["suggested_split"] = hint
+        balance = (f"unbalanced, so the bubble exceeds the theory (extra work of the first "
+                   f"stage: {hint['extra_first']:.1f} layers' worth, of the last: "
+                   f"{hint['extra_last']:.1f}, e.g. the output layer); ")
+        balance += (f"--decoder-first-pipeline-num-layers {hint['first']} "
+                    f"--decoder-last-pipeline-num-layers {hint['last']} would give shares "
+                    f"{fmt(hint['predicted_share'])}" if hint["better"] else
+                    f"no other split of the {sum(layers)} layers is faster")
+    logger.log(rec, f"pipeline bubble (idle / compute, median of {len(steps)} steps) for pp={pp} "
+                    f"vpp={vpp} m={config.num_microbatches}: theory (p-1)/(v*m) = "
+                    f"{rec['bubble_theory']:.3f} for equal stages | replayed per stage: "
+                    f"{fmt(rec['bubble_replay'])} | wall per stage: {fmt(rec['bubble_wall'])} "
+                    f"| compute share per stage: {fmt(rec['compute_share'])} ({layers} layers): "
+                    f"{balance} | timeline: {os.path.join(t.log_dir, 'pipeline_timeline.json')}",
+               prefix="pipeline")
+    return rec

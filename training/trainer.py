@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import parallel_state as ps
-from checkpoint.format import CheckpointError, resolve_checkpoint
+from checkpoint.format import CheckpointError
 from models import GPTModel
 from models.config import ConfigError
 from models.pipeline import build_model_chunks
@@ -26,7 +26,11 @@ from parallel_state import collectives, debug_collectives, trace
 from parallel_state.p2p import TensorSpec
 
 from .arguments import Config
-from .checkpointing import Checkpointer, completed_checkpoint, kill_hook, load_checkpoint
+from .batch_schedule import BatchSchedule, rampup_of
+from .checkpointing import (Checkpointer, completed_checkpoint, kill_hook, load_checkpoint,
+                            resume_path, signal_hook)
+from .data import batch_digest
+from .data.masks import ltor_masks_and_position_ids
 from .distributed import (DistributedDataParallel, all_reduce_embedding_grads,
                           all_reduce_sequence_parallel_grad_pieces)
 from .distributed_optimizer import DistributedOptimizer
@@ -34,10 +38,11 @@ from .flops import PeakFlops, training_flops_per_token
 from .fsdp import peak_gathered_bytes
 from .memory import activation_report, measure_activation_bytes, model_state_bytes
 from .metrics import MetricsLogger, Progress, format_duration, peak_memory_bytes
-from .optimizer import build_optimizer, clip_grads, learning_rate
+from .optimizer import build_optimizer, clip_grads, learning_rate, reconcile_schedule
+from .preemption import ExitCheck
 from .recompute import apply_recompute
 from .schedules import get_forward_backward_func
-from .timeline import Timeline, report as timeline_report, suggest_split
+from .timeline import Timeline, gather_timeline, report_bubble
 
 
 def _rank0_print(*args) -> None:
@@ -98,6 +103,7 @@ def _build_data(config: Config):
             prefix, tokenizer_path = ensure_default_corpus(quiet=True, tokenizer=tokenizer_path)
         data_path = [prefix]
     tokenizer = build_tokenizer(tokenizer_path)
+    config.eod = tokenizer.eod
     check_token_ids([prefix for _, prefix in parse_data_path(data_path)], tokenizer.vocab_size)
     gbs = t.global_batch_size
     # every evaluation reads the same first eval_iters global batches of the valid split
@@ -107,26 +113,34 @@ def _build_data(config: Config):
     return tokenizer, train_ds, valid_ds
 
 
-def get_microbatches(dataset, iteration: int, config: Config, device) -> list[dict]:
-    """This DP rank's microbatches of global batch `iteration`.
+def get_microbatches(dataset, base: int, config: Config, device,
+                     global_batch_size: int | None = None) -> list[dict]:
+    """This DP rank's microbatches of the global batch that starts at sample `base`.
 
-    Global batch i holds samples [i*gbs, (i+1)*gbs); within each chunk of mbs*dp samples, DP
-    rank r takes [r*mbs, (r+1)*mbs) (Megatron's pretraining sampler), so the set of samples in
-    a step does not depend on the layout.
+    The global batch (`global_batch_size`, default --global-batch-size; smaller during
+    --rampup-batch-size) holds samples [base, base + gbs) (`base` is the data position, the
+    consumed samples, so a changed --global-batch-size neither repeats nor skips one);
+    within each chunk of mbs*dp samples, DP rank r takes [r*mbs, (r+1)*mbs) (Megatron's
+    pretraining sampler), so the set of samples in a step does not depend on the layout.
     """
     t = config.train
     mbs, dp, dp_rank = t.micro_batch_size, config.data_parallel_size, ps.get_data_parallel_rank()
-    base = iteration * t.global_batch_size
+    gbs = global_batch_size or t.global_batch_size
+    packed = t.reset_position_ids or t.reset_attention_mask or t.eod_mask_loss
     out = []
-    for m in range(config.num_microbatches):
+    for m in range(gbs // (mbs * dp)):
         start = base + m * mbs * dp + dp_rank * mbs
         samples = np.stack([dataset[start + j] for j in range(mbs)]).astype(np.int64)
         tokens = torch.from_numpy(samples)
-        out.append({
-            "tokens": tokens[:, :-1].contiguous().to(device),
-            "labels": tokens[:, 1:].contiguous().to(device),
-            "loss_mask": torch.ones(mbs, tokens.shape[1] - 1, device=device),
-        })
+        batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+                 "loss_mask": torch.ones(mbs, tokens.shape[1] - 1)}
+        if packed:  # --reset-position-ids / --reset-attention-mask / --eod-mask-loss
+            mask, batch["loss_mask"], positions = ltor_masks_and_position_ids(
+                batch["tokens"], config.eod, t.reset_position_ids, t.reset_attention_mask,
+                t.eod_mask_loss)
+            batch.update({k: v for k, v in (("attention_mask", mask),
+                                             ("position_ids", positions)) if v is not None})
+        out.append({k: v.to(device) for k, v in batch.items()})
     return out
 
 
@@ -161,7 +175,7 @@ def evaluate(chunks, dataset, config: Config, device) -> float:
     loss_sum = torch.zeros((), device=device)
     tokens = torch.zeros((), device=device)
     for i in range(config.train.eval_iters):
-        mbs = get_microbatches(dataset, i, config, device)
+        mbs = get_microbatches(dataset, i * config.train.global_batch_size, config, device)
         loss_sum += forward_backward(model=chunks, microbatches=mbs, loss_scale=1.0, spec=spec,
                                      forward_only=True)
         tokens += sum(mb["loss_mask"].sum() for mb in mbs)
@@ -200,6 +214,7 @@ def pretrain(config: Config, on_end=None) -> list[dict]:
     still up (tests use it to gather the final weights); its result is appended to the
     returned list as `{"on_end": result}`.
     """
+    run_start = time.time()  # --exit-duration-in-mins counts from here
     t = config.train
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     config.validate(world_size)  # before any process-group work
@@ -222,7 +237,7 @@ def pretrain(config: Config, on_end=None) -> list[dict]:
             ps.initialize_model_parallel(t.tensor_model_parallel_size,
                                          t.pipeline_model_parallel_size,
                                          t.virtual_pipeline_model_parallel_size, device=device)
-            records = _train(config, device, on_end)
+            records = _train(config, device, on_end, run_start)
             collectives.barrier()  # every rank got here, so nothing is left hanging
         clean = True
         return records
@@ -247,14 +262,14 @@ def vocab_notice(m, tokenizer_vocab: int) -> str:
             f"--tokenizer-model made with a {m.vocab_size}-token tokenizer)")
 
 
-def _train(config: Config, device, on_end=None) -> list[dict]:
+def _train(config: Config, device, on_end=None, run_start: float | None = None) -> list[dict]:
     t, m = config.train, config.model
     ps.model_parallel_seed(t.seed, ps.get_tensor_model_parallel_rank(),
                            ps.get_pipeline_model_parallel_rank(), device)
     _rank0_print(f"train.py: {config.world_size} process(es) on {device.type}; building the "
                  f"data ({' '.join(t.data_path) if t.data_path else 'the embedded demo corpus'})")
     tokenizer, train_ds, valid_ds = build_data(config)
-    loads_weights = bool(t.load) and resolve_checkpoint(t.load) is not None
+    loads_weights = bool(t.load) and resume_path(t) is not None
     if loads_weights and tokenizer.vocab_size > m.vocab_size:
         raise DataError(f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} ids but the "
                         f"model loaded from {t.load} embeds only {m.vocab_size}; use the "
@@ -293,7 +308,16 @@ def _train(config: Config, device, on_end=None) -> list[dict]:
     flops_per_token = training_flops_per_token(m)
     peak = PeakFlops(device, torch.bfloat16 if t.bf16 else torch.float32, t.peak_tflops)
     memory = log_memory(model, optimizer, train_ds, config, device)
-    start_iteration = load_checkpoint(config, chunks, model, optimizer)  # 0: from scratch
+    resume = load_checkpoint(config, chunks, model, optimizer)  # iteration 0: from scratch
+    start_iteration, position = resume.iteration, resume.position
+    batches = BatchSchedule(t.global_batch_size, rampup_of(t))
+    if t.train_samples:  # the steps left to reach --train-samples from where we are
+        t.train_iters = start_iteration + batches.steps_to(position.consumed_samples,
+                                                           t.train_samples)
+    note = reconcile_schedule(t, (resume.meta or {}).get("opt_param_scheduler"),
+                              start_iteration)
+    if note:
+        _rank0_print(note)
     checkpointer = Checkpointer(config, tokenizer=tokenizer.path) if t.save else None
     is_logger = dist.get_rank() == 0
     logger = MetricsLogger(t.log_dir, enabled=is_logger, tensorboard=t.tensorboard is not False,
@@ -304,7 +328,6 @@ def _train(config: Config, device, on_end=None) -> list[dict]:
 
     records, profiles = [], []
     decay_iters = t.lr_decay_iters or t.train_iters
-    tokens_per_iter = t.global_batch_size * m.seq_length
     evaluating = valid_ds is not None and bool(t.eval_interval)
     progress = Progress(t.train_iters, t.eval_interval if evaluating else 0, t.save_interval,
                         save_at_end=checkpointer is not None)
@@ -318,76 +341,105 @@ def _train(config: Config, device, on_end=None) -> list[dict]:
                  f"also does one-time set-up (allocation, warm-up)")
     start = time.time()
     mfu_noted = False
-    for iteration in range(start_iteration, t.train_iters):
-        step_start = time.perf_counter()
-        lr = learning_rate(iteration, lr=t.lr, min_lr=t.min_lr, warmup_iters=t.lr_warmup_iters,
-                           decay_iters=decay_iters, style=t.lr_decay_style)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        microbatches = get_microbatches(train_ds, iteration, config, device)
-        num_tokens = _global_sum(sum(mb["loss_mask"].sum() for mb in microbatches),
-                                 ps.get_data_parallel_group())
-        for ddp in model:
-            ddp.zero_grad_buffer()
-        timeline = Timeline() if t.profile_pipeline and iteration > 0 else None
-        loss_sum = forward_backward(model=model, microbatches=microbatches,
-                                    loss_scale=1.0 / float(num_tokens), spec=spec,
-                                    timeline=timeline)
-        if timeline is not None:
-            profiles.append(_gather_timeline(timeline))
-        for ddp in model:
-            ddp.finish_grad_sync()
-        all_reduce_sequence_parallel_grad_pieces(model)
-        all_reduce_embedding_grads(model)
-        if isinstance(optimizer, DistributedOptimizer):
-            grad_norm = optimizer.clip_grad_norm(t.clip_grad)
-        else:
-            grad_norm = clip_grads(params, t.clip_grad)
-        optimizer.step()
-        loss = float(global_loss_sum(loss_sum) / num_tokens)  # waits for the step to finish
-        progress.step(time.perf_counter() - step_start)
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at iteration {iteration + 1}; lower --lr "
-                                     f"or enable --clip-grad")
-        it = iteration + 1
-        if it % t.log_interval == 0 or it == t.train_iters or it == start_iteration + 1:
-            step_time = progress.window()  # training steps only: no validation or saving
-            tps = tokens_per_iter / step_time
-            tflops = flops_per_token * tps / dist.get_world_size() / 1e12
-            mfu = peak.mfu(tflops) if is_logger else None
-            eta = progress.eta(it)
-            rec = {"iteration": it, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                   "tokens_per_s": tps, "tflops": tflops, "mfu": mfu,
-                   "memory": peak_memory_bytes(device), "step_time_s": step_time,
-                   **({"gathered_params_peak_bytes": peak_gathered_bytes()}
-                      if t.data_parallel_sharding_strategy == "optim_grads_params" else {}),
-                   "elapsed_s": time.time() - start, "eta_s": eta}
-            if is_logger and peak.note and not mfu_noted:
-                print(f"note: {peak.note}", flush=True)
-                mfu_noted = True
-            logger.log(rec, f"iter {it:6d}/{t.train_iters} | loss {loss:.4f} | lr {lr:.3e} | "
-                            f"grad norm {grad_norm:.3f} | {tps:,.0f} tok/s | "
-                            f"{tflops:.3f} TFLOP/s/dev | mfu "
-                            f"{'n/a' if mfu is None else f'{mfu:.1%}'} | "
-                            f"mem {rec['memory'] / 2**20:,.0f} MiB | "
-                            f"elapsed {format_duration(rec['elapsed_s'])} | "
-                            f"eta {format_duration(eta)}")
-            records.append(rec)
-        if evaluating and (it % t.eval_interval == 0 or it == t.train_iters):
-            records.append(_validate(model, valid_ds, config, device, logger, it, progress))
-        if checkpointer and t.save_interval and it % t.save_interval == 0:
-            save_start = time.perf_counter()
-            checkpointer.save(it, chunks, model, optimizer)
-            progress.other("save", time.perf_counter() - save_start)
-        kill_hook(it)  # test hook (training/checkpointing.py); no-op unless its env var is set
+    exit_check = ExitCheck(t, run_start or start)
+    stop = None
+    try:
+        for iteration in range(start_iteration, t.train_iters):
+            step_start = time.perf_counter()
+            gbs = batches.size(position.consumed_samples)
+            if t.train_samples:  # the schedule counts samples, this step's included
+                lr = learning_rate(position.consumed_samples + gbs - 1, lr=t.lr, min_lr=t.min_lr,
+                                   warmup_iters=t.lr_warmup_samples,
+                                   decay_iters=t.lr_decay_samples, style=t.lr_decay_style)
+            else:
+                lr = learning_rate(iteration, lr=t.lr, min_lr=t.min_lr,
+                                   warmup_iters=t.lr_warmup_iters, decay_iters=decay_iters,
+                                   style=t.lr_decay_style)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            data_start = position.data_index
+            microbatches = get_microbatches(train_ds, data_start, config, device, gbs)
+            signal_hook(iteration + 1)  # test hook; no-op unless its env var is set
+            num_tokens = _global_sum(sum(mb["loss_mask"].sum() for mb in microbatches),
+                                     ps.get_data_parallel_group())
+            for ddp in model:
+                ddp.zero_grad_buffer()
+            timeline = Timeline() if t.profile_pipeline and iteration > 0 else None
+            loss_sum = forward_backward(model=model, microbatches=microbatches,
+                                        loss_scale=1.0 / float(num_tokens), spec=spec,
+                                        timeline=timeline)
+            if timeline is not None:
+                profiles.append(gather_timeline(timeline))
+            for ddp in model:
+                ddp.finish_grad_sync()
+            all_reduce_sequence_parallel_grad_pieces(model)
+            all_reduce_embedding_grads(model)
+            if isinstance(optimizer, DistributedOptimizer):
+                grad_norm = optimizer.clip_grad_norm(t.clip_grad)
+            else:
+                grad_norm = clip_grads(params, t.clip_grad)
+            optimizer.step()
+            position.consumed_samples += gbs
+            loss = float(global_loss_sum(loss_sum) / num_tokens)  # waits for the step to finish
+            progress.step(time.perf_counter() - step_start)
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"loss is {loss} at iteration {iteration + 1}; lower --lr "
+                                         f"or enable --clip-grad")
+            it = iteration + 1
+            if it % t.log_interval == 0 or it == t.train_iters or it == start_iteration + 1:
+                step_time = progress.window()  # training steps only: no validation or saving
+                tps = gbs * m.seq_length / step_time  # this step's batch (ramp-up)
+                tflops = flops_per_token * tps / dist.get_world_size() / 1e12
+                mfu = peak.mfu(tflops) if is_logger else None
+                eta = progress.eta(it)
+                rec = {"iteration": it, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                       "tokens_per_s": tps, "tflops": tflops, "mfu": mfu,
+                       "memory": peak_memory_bytes(device), "step_time_s": step_time,
+                       **({"gathered_params_peak_bytes": peak_gathered_bytes()}
+                          if t.data_parallel_sharding_strategy == "optim_grads_params" else {}),
+                       "elapsed_s": time.time() - start, "eta_s": eta,
+                       "consumed_samples": position.consumed_samples,
+                       "global_batch_size": gbs,
+                       "samples_digest": batch_digest(train_ds, data_start, gbs)}
+                if is_logger and peak.note and not mfu_noted:
+                    print(f"note: {peak.note}", flush=True)
+                    mfu_noted = True
+                logger.log(rec, f"iter {it:6d}/{t.train_iters} | loss {loss:.4f} | lr {lr:.3e} | "
+                                f"grad norm {grad_norm:.3f} | {tps:,.0f} tok/s | "
+                                f"{tflops:.3f} TFLOP/s/dev | mfu "
+                                f"{'n/a' if mfu is None else f'{mfu:.1%}'} | "
+                                f"mem {rec['memory'] / 2**20:,.0f} MiB | "
+                                f"elapsed {format_duration(rec['elapsed_s'])} | "
+                                f"eta {format_duration(eta)}")
+                records.append(rec)
+            if evaluating and (it % t.eval_interval == 0 or it == t.train_iters):
+                records.append(_validate(model, valid_ds, config, device, logger, it, progress))
+            if checkpointer and t.save_interval and it % t.save_interval == 0:
+                save_start = time.perf_counter()
+                checkpointer.save(it, chunks, model, optimizer, position)
+                progress.other("save", time.perf_counter() - save_start)
+            kill_hook(it)  # test hook (training/checkpointing.py); no-op unless its env var is set
+            stop = exit_check.reason(it)
+            if stop is not None:
+                break
+    finally:
+        exit_check.close()
+    last = it if stop is not None else max(start_iteration, t.train_iters)
     if checkpointer:
-        if checkpointer.last_saved != max(start_iteration, t.train_iters):
-            checkpointer.save(max(start_iteration, t.train_iters), chunks, model, optimizer)
+        if checkpointer.last_saved != last:
+            checkpointer.save(last, chunks, model, optimizer, position)
         checkpointer.wait()
+    if stop is not None:
+        saved = (f"checkpoint iter {last} is in {t.save}; the same command resumes from it"
+                 if checkpointer else "no --save, so nothing was saved")
+        rec = {"iteration": last, "event": "exit", "reason": stop,
+               "consumed_samples": position.consumed_samples}
+        logger.log(rec, f"{stop}: {saved}", prefix="exit")
+        records.append(rec)
     if profiles:
-        records.append(_report_bubble(profiles, config, logger))
-    if t.train_iters > start_iteration:
-        records.append(_report_end(config, start_iteration, start, progress, peak,
+        records.append(report_bubble(profiles, config, logger))
+    if last > start_iteration:
+        records.append(_report_end(config, start_iteration, last, start, progress, peak,
                                    flops_per_token, logger))
     logger.close()
     for ddp in model:
@@ -418,12 +470,12 @@ def _run_start(config: Config, start_iteration: int, peak: PeakFlops, flops_per_
             "config": {"model": config.model.to_dict(), "train": dataclasses.asdict(t)}}
 
 
-def _report_end(config: Config, start_iteration: int, start: float, progress: Progress,
-                peak: PeakFlops, flops_per_token: float, logger) -> dict:
+def _report_end(config: Config, start_iteration: int, last: int, start: float,
+                progress: Progress, peak: PeakFlops, flops_per_token: float, logger) -> dict:
     """The closing line: steps, wall time, mean training rate and its MFU against the peak
     re-measured now (a measured peak keeps the higher of both measurements)."""
     t = config.train
-    steps = t.train_iters - start_iteration
+    steps = last - start_iteration
     step_time = progress.mean_step()
     tps = t.global_batch_size * config.model.seq_length / step_time
     tflops = flops_per_token * tps / dist.get_world_size() / 1e12
@@ -431,7 +483,7 @@ def _report_end(config: Config, start_iteration: int, start: float, progress: Pr
     if dist.get_rank() == 0:
         peak.remeasure()
         mfu = peak.mfu(tflops)
-    rec = {"iteration": t.train_iters, "event": "run_end", "steps": steps,
+    rec = {"iteration": last, "event": "run_end", "steps": steps,
            "wall_s": time.time() - start, "mean_step_time_s": step_time,
            "mean_tokens_per_s": tps, "mean_tflops": tflops, "mean_mfu": mfu,
            "peak_tflops": peak.tflops}
@@ -479,7 +531,7 @@ def log_activation_memory(chunks, dataset, config: Config, device) -> dict:
     untouched) and return them beside the predictions: the total, the decoder layers' share,
     and the layers' model-specific and Korthikanti et al. predictions (training/memory.py)."""
     t = config.train
-    batch = get_microbatches(dataset, 0, config, device)[0]
+    batch = get_microbatches(dataset, 0, config, device)[0]  # sample 0: any would do
     dtype = next(chunks[0].parameters()).dtype
     measured = measure_activation_bytes(chunks, batch, pipeline_spec(config, device).shapes[0],
                                         dtype=dtype)
@@ -502,54 +554,4 @@ def _validate(model, valid_ds, config: Config, device, logger, it: int,
     rec = {"iteration": it, "valid_loss": vloss, "valid_ppl": math.exp(min(vloss, 50))}
     logger.log(rec, f"validation at iter {it}: loss {vloss:.4f} | ppl {rec['valid_ppl']:.2f}",
                prefix="valid")
-    return rec
-
-
-def _gather_timeline(timeline: Timeline):
-    """Spans of the pipeline of DP replica 0 / TP rank 0, ordered by stage (on every rank)."""
-    everyone = [None] * dist.get_world_size()
-    collectives.all_gather_object(everyone, timeline.spans)
-    stride = ps.get_data_parallel_world_size() * ps.get_tensor_model_parallel_world_size()
-    return [everyone[p * stride] for p in range(ps.get_pipeline_model_parallel_world_size())]
-
-
-def _report_bubble(profiles, config: Config, logger) -> dict:
-    """Median bubble per stage over the profiled steps, beside (p-1)/(v*m), each stage's share
-    of the compute (the theory assumes equal shares) and, when the stages are unbalanced, the
-    --decoder-first/last-pipeline-num-layers that would balance them; logged on rank 0."""
-    t = config.train
-    pp, vpp = t.pipeline_model_parallel_size, t.virtual_pipeline_model_parallel_size or 1
-    steps = [timeline_report(p, pp, vpp, config.num_microbatches,
-                             t.log_dir if i == len(profiles) - 1 else None)
-             for i, p in enumerate(profiles)]
-    med = lambda xs: float(np.median(xs))  # noqa: E731
-    compute = [med([s["compute"][r] for s in steps]) for r in range(pp)]
-    layers = config.stage_num_layers()
-    rec = {"iteration": t.train_iters, "bubble_theory": steps[0]["bubble_theory"],
-           "bubble_wall": [med([s["bubble_wall"][r] for s in steps]) for r in range(pp)],
-           "bubble_replay": [med([s["bubble_replay"][r] for s in steps]) for r in range(pp)],
-           "compute_share": [c / sum(compute) for c in compute], "stage_layers": layers,
-           "profiled_steps": len(steps), "pp": pp, "vpp": vpp,
-           "num_microbatches": config.num_microbatches}
-    fmt = lambda xs: " ".join(f"{x:.3f}" for x in xs)  # noqa: E731
-    hint = suggest_split(compute, layers, vpp)
-    share = rec["compute_share"]
-    if hint is None or max(share) * pp <= 1.1:
-        balance = "balanced"
-    else:
-        rec["suggested_split"] = hint
-        balance = (f"unbalanced, so the bubble exceeds the theory (extra work of the first "
-                   f"stage: {hint['extra_first']:.1f} layers' worth, of the last: "
-                   f"{hint['extra_last']:.1f}, e.g. the output layer); ")
-        balance += (f"--decoder-first-pipeline-num-layers {hint['first']} "
-                    f"--decoder-last-pipeline-num-layers {hint['last']} would give shares "
-                    f"{fmt(hint['predicted_share'])}" if hint["better"] else
-                    f"no other split of the {sum(layers)} layers is faster")
-    logger.log(rec, f"pipeline bubble (idle / compute, median of {len(steps)} steps) for pp={pp} "
-                    f"vpp={vpp} m={config.num_microbatches}: theory (p-1)/(v*m) = "
-                    f"{rec['bubble_theory']:.3f} for equal stages | replayed per stage: "
-                    f"{fmt(rec['bubble_replay'])} | wall per stage: {fmt(rec['bubble_wall'])} "
-                    f"| compute share per stage: {fmt(rec['compute_share'])} ({layers} layers): "
-                    f"{balance} | timeline: {os.path.join(t.log_dir, 'pipeline_timeline.json')}",
-               prefix="pipeline")
     return rec

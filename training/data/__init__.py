@@ -1,6 +1,6 @@
 """Data pipeline: tokenizers, memory-mapped indexed datasets, GPT samples/blends, demo corpus."""
 from training.data.default_corpus import ensure_default_corpus
-from training.data.gpt_dataset import (BlendedDataset, GPTDataset,
+from training.data.gpt_dataset import (BlendedDataset, GPTDataset, batch_digest,
                                        build_train_valid_test_datasets)
 from training.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from models.tokenizer import Tokenizer, build_tokenizer, train_sentencepiece
@@ -8,6 +8,6 @@ from models.tokenizer import Tokenizer, build_tokenizer, train_sentencepiece
 __all__ = [
     "Tokenizer", "build_tokenizer", "train_sentencepiece",
     "IndexedDatasetBuilder", "IndexedDataset",
-    "GPTDataset", "BlendedDataset", "build_train_valid_test_datasets",
+    "GPTDataset", "BlendedDataset", "batch_digest", "build_train_valid_test_datasets",
     "ensure_default_corpus",
 ]

@@ -1,44 +1,57 @@
 """Fixed-length GPT training samples drawn across document boundaries, splits and blends.
 
-The sampling scheme is the one of Megatron-LM's ``GPTDataset`` and ``BlendedDataset``
-(Shoeybi et al., 2019, "Megatron-LM"; the data pipeline in their repository):
+The sampling idea is the one of Megatron-LM's ``GPTDataset`` and ``BlendedDataset``
+(Shoeybi et al., 2019, "Megatron-LM"; the data pipeline in their repository): documents of a
+split are shuffled, concatenated into a token stream, cut into windows of ``s + 1`` tokens
+(consecutive windows share one token: the last label of one is the first input of the next),
+and the windows are served in a shuffled order. Unlike Megatron, whose shuffles span all the
+epochs a run needs (so the order depends on the run's length), every epoch here is its own,
+self-contained unit, which makes the sample sequence one fixed, unbounded order for a seed:
 
-1. the documents of a split are shuffled once per epoch and the epochs concatenated
-   (``doc_idx``), with as many epochs as needed to cover ``num_samples``;
-2. sample ``k`` is the window ``[k * s, k * s + s]`` (``s + 1`` tokens, so consecutive samples
-   share one token: the last label of one is the first input of the next) of that token
-   stream; ``sample_idx[k] = (position in doc_idx, offset in that document)`` of its start;
-3. the samples are served in a shuffled order (``shuffle_idx``).
+1. epoch ``e`` shuffles the split's documents with ``numpy.random.default_rng([seed, e])``
+   and concatenates them; it holds ``n_e = (tokens_per_epoch - 1) // s`` windows (the last
+   ``< s`` tokens of the epoch are not used);
+2. global sample ``i`` is window ``shuffle_e[i % n_e]`` of epoch ``e = i // n_e``, where
+   ``shuffle_e`` is a permutation drawn from the same generator.
 
-Every random choice comes from one ``numpy.random.RandomState(seed)``, so the same seed gives
-the same samples on every rank and every run. Documents are expected to end with EOD already
+So the first N samples are the same whatever ``--train-iters`` or ``--global-batch-size`` a
+run uses, and a run that reads samples ``[0, consumed_samples)`` and resumes at
+``consumed_samples`` reads every window of an epoch exactly once before the next epoch starts.
+``sample_id(i) = e * n_e + shuffle_e[i % n_e]`` names a window uniquely (tests and the
+metrics' per-step hash use it). Documents are expected to end with EOD already
 (tools/preprocess_data.py appends it).
 """
 from __future__ import annotations
 
+import hashlib
 import math
+from collections import OrderedDict
 from typing import Sequence
 
 import numpy as np
 
 from training.data.indexed_dataset import IndexedDataset
 
+_CACHED_EPOCHS = 2  # epoch indices kept in memory (a run reads one epoch at a time)
+
 
 class GPTDataset:
-    """``num_samples`` samples of ``seq_length + 1`` tokens from ``documents`` of ``indexed``.
+    """The unbounded sample sequence of ``documents`` of ``indexed`` (see module docstring).
 
     Args:
         indexed: the token store.
         documents: int array of document indices (into ``indexed``) forming this split.
-        num_samples: number of samples (``len(self)``).
+        num_samples: samples this run plans to read (``len(self)``; any index >= 0 is
+            served, later epochs are built on first use).
         seq_length: tokens per model input; each sample has ``seq_length + 1`` tokens
             (inputs ``sample[:-1]``, labels ``sample[1:]``).
-        seed: seed of the doc and sample shuffles.
+        seed: seed of the per-epoch document and sample shuffles.
 
-    ``self[i]`` is an int64 array ``[seq_length + 1]``.
+    ``self[i]`` is an int64 array ``[seq_length + 1]``; ``self.epoch_samples`` is ``n_e``.
 
     Raises:
-        ValueError: no documents, documents with no tokens, or bad num_samples/seq_length.
+        ValueError: no documents, fewer than ``seq_length + 1`` tokens in the split, or bad
+            num_samples/seq_length.
     """
 
     def __init__(self, indexed: IndexedDataset, documents: np.ndarray, num_samples: int,
@@ -54,64 +67,79 @@ class GPTDataset:
                              f"{self.seq_length} and {self.num_samples}")
         if self.documents.size == 0:
             raise ValueError(f"{self.name}: no documents in this split")
-        sizes = np.asarray(indexed.sizes, dtype=np.int64)
-        tokens_per_epoch = int(sizes[self.documents].sum())
-        if tokens_per_epoch == 0:
-            raise ValueError(f"{self.name}: the documents of this split hold no tokens")
-        # Tokens needed: s * n + 1 (the last sample's final label); round epochs up.
-        needed = self.seq_length * self.num_samples + 1
-        self.num_epochs = math.ceil(needed / tokens_per_epoch)
-        if self.num_epochs * len(self.documents) > 500_000_000:
-            raise ValueError(
-                f"{num_samples} samples of {seq_length} tokens need {self.num_epochs} epochs over "
-                f"the {tokens_per_epoch} tokens of this split; that index would not fit in "
-                f"memory. Lower --train-iters / --global-batch-size or use more data")
-        rng = np.random.RandomState(self.seed)
-        self.doc_idx = np.concatenate(
-            [rng.permutation(self.documents) for _ in range(self.num_epochs)])
-        doc_sizes = sizes[self.doc_idx]
+        self._sizes = np.asarray(indexed.sizes, dtype=np.int64)
+        self.tokens_per_epoch = int(self._sizes[self.documents].sum())
+        self.epoch_samples = (self.tokens_per_epoch - 1) // self.seq_length
+        if self.epoch_samples < 1:
+            raise ValueError(f"{self.name}: the documents of this split hold "
+                             f"{self.tokens_per_epoch} tokens, fewer than one sample of "
+                             f"{self.seq_length + 1}; use more data or a shorter --seq-length")
+        self.num_epochs = math.ceil(self.num_samples / self.epoch_samples)  # planned
+        self._epochs: OrderedDict[int, tuple] = OrderedDict()
+
+    def _epoch(self, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(doc_idx [docs], sample_idx [n_e + 1, 2], shuffle_idx [n_e])`` of epoch ``e``:
+        the document order, each window's (position in doc_idx, offset) start, the order."""
+        if e in self._epochs:
+            self._epochs.move_to_end(e)
+            return self._epochs[e]
+        rng = np.random.default_rng([self.seed, e])
+        doc_idx = rng.permutation(self.documents)
+        doc_sizes = self._sizes[doc_idx]
         ends = np.cumsum(doc_sizes)
-        starts = np.arange(self.num_samples + 1, dtype=np.int64) * self.seq_length
+        starts = np.arange(self.epoch_samples + 1, dtype=np.int64) * self.seq_length
         pos = np.searchsorted(ends, starts, side="right")
         offsets = starts - (ends[pos] - doc_sizes[pos])
-        self.sample_idx = np.stack([pos, offsets], axis=1)  # [num_samples + 1, 2] int64
-        self.shuffle_idx = rng.permutation(self.num_samples)
+        out = (doc_idx, np.stack([pos, offsets], axis=1), rng.permutation(self.epoch_samples))
+        self._epochs[e] = out
+        while len(self._epochs) > _CACHED_EPOCHS:
+            self._epochs.popitem(last=False)
+        return out
 
     def __len__(self) -> int:
         return self.num_samples
 
+    def sample_id(self, i: int) -> int:
+        """Which window sample ``i`` is: ``epoch * n_e + window``, unique per epoch window."""
+        e, k = divmod(int(i), self.epoch_samples)
+        return e * self.epoch_samples + int(self._epoch(e)[2][k])
+
     def __getitem__(self, i: int) -> np.ndarray:
-        """Sample ``i``: int64 ``[seq_length + 1]``. Raises IndexError out of range."""
-        if not 0 <= i < self.num_samples:
-            raise IndexError(f"sample {i} out of range for {self.name} ({self.num_samples})")
-        k = int(self.shuffle_idx[i])
-        (p0, o0), (p1, o1) = self.sample_idx[k], self.sample_idx[k + 1]
+        """Sample ``i`` (any ``i >= 0``): int64 ``[seq_length + 1]``. Raises IndexError for
+        negative ``i``."""
+        if i < 0:
+            raise IndexError(f"sample {i} out of range for {self.name} (indices are >= 0)")
+        e, k = divmod(int(i), self.epoch_samples)
+        doc_idx, sample_idx, shuffle_idx = self._epoch(e)
+        w = int(shuffle_idx[k])
+        (p0, o0), (p1, o1) = sample_idx[w], sample_idx[w + 1]
         p0, o0, p1, o1 = int(p0), int(o0), int(p1), int(o1)
         if p0 == p1:
-            parts = [self.indexed.get(int(self.doc_idx[p0]), o0, o1 - o0 + 1)]
+            parts = [self.indexed.get(int(doc_idx[p0]), o0, o1 - o0 + 1)]
         else:
-            parts = [self.indexed.get(int(self.doc_idx[p0]), o0)]
-            parts += [self.indexed.get(int(self.doc_idx[p])) for p in range(p0 + 1, p1)]
-            parts.append(self.indexed.get(int(self.doc_idx[p1]), 0, o1 + 1))
+            parts = [self.indexed.get(int(doc_idx[p0]), o0)]
+            parts += [self.indexed.get(int(doc_idx[p])) for p in range(p0 + 1, p1)]
+            parts.append(self.indexed.get(int(doc_idx[p1]), 0, o1 + 1))
         return np.concatenate(parts).astype(np.int64)
 
     def __repr__(self) -> str:
         return (f"GPTDataset({self.name!r}, docs={self.documents.size}, "
-                f"samples={self.num_samples}, "
-                f"seq_length={self.seq_length}, epochs={self.num_epochs}, seed={self.seed})")
+                f"samples={self.num_samples}, samples/epoch={self.epoch_samples}, "
+                f"seq_length={self.seq_length}, seed={self.seed})")
 
 
 class BlendedDataset:
-    """Mix ``datasets`` by ``weights`` into ``size`` samples (Megatron-LM's greedy blending).
+    """Mix ``datasets`` by ``weights`` (Megatron-LM's greedy blending), unbounded.
 
     Sample ``i`` comes from the dataset whose count lags its target ``weight * (i + 1)`` the
     most (ties to the lowest index), so after any prefix of ``n`` samples each dataset has
-    been used within one sample of ``weight * n``. Deterministic; no randomness. Component j
-    serves its samples in its own order: the c-th pick of j is ``datasets[j][c]`` (wrapping
-    around if a component is shorter than its share, which ``ceil(w * size * 1.005)`` avoids).
+    been used within one sample of ``weight * n``. Deterministic, no randomness, and
+    prefix-stable: the choice of sample ``i`` does not depend on ``size``, so the blend is
+    built for ``size`` samples and extended on demand. The c-th pick of component j is
+    ``datasets[j][c]`` (components are unbounded `GPTDataset`s: nothing wraps around).
 
     ``self[i]`` is the component's sample (int64 ``[seq_length + 1]`` for GPTDatasets);
-    ``dataset_index`` / ``dataset_sample_index`` (both ``[size]``) record the choice.
+    ``dataset_index`` / ``dataset_sample_index`` (at least ``[size]``) record the choice.
 
     Raises:
         ValueError: mismatched lengths, negative or all-zero weights, size < 1.
@@ -129,39 +157,71 @@ class BlendedDataset:
         self.datasets = list(datasets)
         self.weights = w / w.sum()
         self.size = int(size)
-        self.dataset_index, self.dataset_sample_index = _greedy_blend(self.weights, self.size)
+        self._counts = [0] * len(self.datasets)
+        self.dataset_index = np.empty(0, dtype=np.int32)
+        self.dataset_sample_index = np.empty(0, dtype=np.int64)
+        self._extend(self.size)
+
+    def _extend(self, n: int) -> None:
+        """Make the blend cover at least ``n`` samples (doubling, so extension is rare)."""
+        have = len(self.dataset_index)
+        if n <= have:
+            return
+        n = max(n, 2 * have)
+        which, within = _greedy_blend(self.weights, have, n, self._counts)
+        self.dataset_index = np.concatenate([self.dataset_index, which])
+        self.dataset_sample_index = np.concatenate([self.dataset_sample_index, within])
 
     def __len__(self) -> int:
         return self.size
 
+    def _pick(self, i: int) -> tuple[int, int]:
+        if i < 0:
+            raise IndexError(f"sample {i} out of range for the blend (indices are >= 0)")
+        self._extend(int(i) + 1)
+        return int(self.dataset_index[i]), int(self.dataset_sample_index[i])
+
+    def sample_id(self, i: int) -> tuple[int, int]:
+        """``(component, component window id)`` of sample ``i`` (see `GPTDataset.sample_id`)."""
+        j, c = self._pick(i)
+        d = self.datasets[j]
+        return j, int(d.sample_id(c)) if hasattr(d, "sample_id") else c
+
     def __getitem__(self, i: int):
-        if not 0 <= i < self.size:
-            raise IndexError(f"sample {i} out of range for blend of size {self.size}")
-        d = self.datasets[int(self.dataset_index[i])]
-        return d[int(self.dataset_sample_index[i]) % len(d)]
+        j, c = self._pick(i)
+        return self.datasets[j][c]
 
     def __repr__(self) -> str:
         return f"BlendedDataset(size={self.size}, weights={np.round(self.weights, 4).tolist()})"
 
 
-def _greedy_blend(weights: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Choices of the greedy blend: (dataset of each sample, its index within that dataset)."""
+def _greedy_blend(weights: np.ndarray, start: int, stop: int,
+                  counts: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Choices of the greedy blend for samples ``[start, stop)`` given the per-component
+    ``counts`` of the samples before ``start`` (updated in place): (dataset of each sample,
+    its index within that dataset)."""
     k = len(weights)
-    which = np.empty(size, dtype=np.int16 if k < 2**15 else np.int32)
-    within = np.empty(size, dtype=np.int64)
-    counts = [0] * k
+    which = np.empty(stop - start, dtype=np.int32)
+    within = np.empty(stop - start, dtype=np.int64)
     w = weights.tolist()
-    for i in range(size):
+    for i in range(start, stop):
         target = i + 1
         best, best_err = 0, -math.inf
         for j in range(k):
             err = w[j] * target - counts[j]
             if err > best_err:
                 best, best_err = j, err
-        which[i] = best
-        within[i] = counts[best]
+        which[i - start] = best
+        within[i - start] = counts[best]
         counts[best] += 1
     return which, within
+
+
+def batch_digest(dataset, start: int, count: int) -> str:
+    """Short sha1 of the sorted `sample_id`s of samples ``[start, start + count)``: equal for
+    two steps that read the same set of windows, whatever their order or layout."""
+    ids = sorted(str(dataset.sample_id(i)) for i in range(start, start + count))
+    return hashlib.sha1(",".join(ids).encode()).hexdigest()[:12]
 
 
 def parse_data_path(data_path: Sequence[str]) -> tuple[list[str], list[float]]:
