@@ -45,6 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--max-batch-size", type=int, default=16,
                      help="requests decoded at once (KV cache slots per replica)")
+    gen.add_argument("--inference-micro-batches", type=int, default=None,
+                     help="micro-batches in flight through the pipeline at once (default "
+                          "--pp; 1 = one batch at a time)")
     gen.add_argument("--max-seq-length", type=int, default=None,
                      help="tokens per request (prompt + output); default "
                           "min(max_position_embeddings, 2048)")
@@ -66,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.dp is not None and args.dp < 1:
         p.error("--dp must be >= 1")
+    if args.inference_micro_batches is not None and args.inference_micro_batches < 1:
+        p.error("--inference-micro-batches must be >= 1")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world % (args.tp * args.pp):
         p.error(f"the world size {world} is not divisible by --tp {args.tp} x --pp {args.pp}; "
@@ -136,7 +141,8 @@ def main(argv=None) -> int:
         max_len = min(args.max_seq_length or min(limit, 2048), limit)
         engine = Engine(model, eos_token_ids=[tokenizer.eod] if tokenizer else [],
                         decode=tokenizer.decode if tokenizer else None,
-                        max_batch_size=args.max_batch_size, max_seq_length=max_len)
+                        max_batch_size=args.max_batch_size, max_seq_length=max_len,
+                        num_micro_batches=args.inference_micro_batches)
         if args.serve:
             from inference.server import serve
 

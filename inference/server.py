@@ -40,19 +40,22 @@ class Frontend:
         self.api_key, self.dp = api_key, dp
         self.inbox: queue.Queue = queue.Queue()
         self.streams: dict[str, tuple] = {}  # request id -> (loop, asyncio.Queue)
-        self.work = [0] * dp  # tokens still to generate, per replica
-        self.owner: dict[str, tuple[int, int]] = {}  # id -> (replica, max tokens)
+        self.work = [0] * dp  # tokens still to generate at most, per replica
+        self.served = [0] * dp  # choices finished, per replica (GET /health)
+        self.owner: dict[str, list[int]] = {}  # id -> [replica, tokens still to generate]
         self.lock = threading.Lock()
         self.stopping = 0  # 1: drain then stop; 2: cancel and stop
 
     # ---------------------------------------------------------------- HTTP thread side
     def submit(self, loop, q, items: list[tuple[str, list[int], object]]) -> None:
+        """Route each choice to the replica with the least work: tokens it still has to
+        generate at most (its requests' max_tokens minus what they produced so far)."""
         with self.lock:
             adds = []
             for rid, prompt, params in items:
                 rep = min(range(self.dp), key=lambda r: self.work[r])
                 self.work[rep] += params.max_new_tokens
-                self.owner[rid] = (rep, params.max_new_tokens)
+                self.owner[rid] = [rep, params.max_new_tokens]
                 self.streams[rid] = (loop, q)
                 adds.append((rep, rid, prompt, params))
         self.inbox.put(("add", adds))
@@ -84,10 +87,15 @@ class Frontend:
         for e in events:
             with self.lock:
                 target = self.streams.get(e.id)
+                own = self.owner.get(e.id)
+                if own is not None:
+                    done = own[1] if e.finish_reason is not None else len(e.token_ids)
+                    own[1] -= done
+                    self.work[own[0]] -= done
                 if e.finish_reason is not None:
                     self.streams.pop(e.id, None)
-                    rep, tokens = self.owner.pop(e.id, (0, 0))
-                    self.work[rep] -= tokens
+                    if self.owner.pop(e.id, None) is not None:
+                        self.served[own[0]] += 1
             if target is not None:
                 loop, q = target
                 loop.call_soon_threadsafe(q.put_nowait, e)
@@ -109,7 +117,11 @@ def build_app(fe: Frontend):
 
     @app.get("/health")
     async def health():
-        return {"status": "stopping" if fe.stopping else "ok"}
+        """Liveness, and per data-parallel replica the work queued (tokens still to generate
+        at most) and the choices it finished."""
+        with fe.lock:
+            replicas = [{"queued_tokens": w, "served": n} for w, n in zip(fe.work, fe.served)]
+        return {"status": "stopping" if fe.stopping else "ok", "replicas": replicas}
 
     @app.get("/v1/models")
     async def models(req: HTTPRequest):

@@ -41,6 +41,9 @@ class _SwiGLU(torch.autograd.Function):
 
 def swiglu(fused: torch.Tensor) -> torch.Tensor:
     """SwiGLU on a fused `[..., 2f]` tensor `[gate; up]` -> `[..., f]`."""
+    if not torch.is_grad_enabled():  # inference: no autograd.Function call, in place
+        gate, up = fused.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)
     return _SwiGLU.apply(fused)
 
 

@@ -116,7 +116,8 @@ class GPTModel(nn.Module):
                 labels: torch.Tensor | None = None,
                 hidden_states: torch.Tensor | None = None,
                 kv_cache=None, position_offset: int = 0,
-                attention_mask: torch.Tensor | None = None, label_smoothing: float = 0.0) -> torch.Tensor:
+                attention_mask: torch.Tensor | None = None, label_smoothing: float = 0.0,
+                output_positions: torch.Tensor | None = None) -> torch.Tensor:
         """Run this stage.
 
         Args:
@@ -128,9 +129,13 @@ class GPTModel(nn.Module):
             kv_cache: inference cache (see layers.attention.SelfAttention).
             position_offset: position of the first token (decoding with a cache).
             attention_mask: `[b, 1, s, s_kv]` bool, True = may attend (default causal).
+            output_positions: `[b]` int64 (last stage, no labels): only token
+                output_positions[i] of row i goes through the output layer (inference: the
+                logits that are sampled; HF's `logits_to_keep`). Not with sequence parallel.
         Returns:
             last stage with labels: per-token loss `[b, s]` float32 (nats);
-            last stage without labels: vocab-parallel logits `[b, s, v_padded/tp]`;
+            last stage without labels: vocab-parallel logits `[b, s, v_padded/tp]`
+                (`[b, 1, v_padded/tp]` with output_positions);
             other stages: hidden states `[s, b, h]` (or `[s/tp, b, h]`).
         """
         if self.pre_process:
@@ -148,6 +153,11 @@ class GPTModel(nn.Module):
         x = self.decoder(x, rotary=rotary, kv_cache=kv_cache, attention_mask=attention_mask)
         if not self.post_process:
             return x
+        if output_positions is not None:
+            if self.sequence_parallel or labels is not None:
+                raise ValueError("output_positions is for inference: no labels, no sequence "
+                                 "parallelism")
+            x = x[output_positions, torch.arange(x.shape[1], device=x.device)][None]  # [1, b, h]
         logits = self.output_layer(x, weight=self.output_weight())  # [s, b, v/tp]
         if labels is None:
             return logits.transpose(0, 1).contiguous()

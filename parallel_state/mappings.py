@@ -165,11 +165,15 @@ class _ReduceScatterToSP(torch.autograd.Function):
 
 def copy_to_tensor_model_parallel_region(x: torch.Tensor) -> torch.Tensor:
     """`f`: identity forward, all-reduce of the gradient over TP backward."""
+    if not torch.is_grad_enabled():  # no graph (inference): skip the autograd.Function call
+        return x
     return _CopyToTP.apply(x)
 
 
 def reduce_from_tensor_model_parallel_region(x: torch.Tensor) -> torch.Tensor:
     """`g`: all-reduce over TP forward, identity backward."""
+    if not torch.is_grad_enabled():
+        return _all_reduce(x)
     return _ReduceFromTP.apply(x)
 
 
@@ -180,6 +184,8 @@ def scatter_to_tensor_model_parallel_region(x: torch.Tensor) -> torch.Tensor:
 
 def gather_from_tensor_model_parallel_region(x: torch.Tensor) -> torch.Tensor:
     """All-gather the last dim `[..., n/tp] -> [..., n]`; backward keeps this rank's slice."""
+    if not torch.is_grad_enabled():
+        return _gather_last(x)
     return _GatherFromTP.apply(x)
 
 

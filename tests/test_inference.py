@@ -6,7 +6,9 @@ heads replicated, pp=2, tp=2 x pp=2) and generates the same requests; the parent
   unequal length with fewer cache slots than requests (rows join and leave mid-batch);
 - per-row EOS stops exactly where HF stops;
 - padded-vocab logits forced to +1e4 never produce a padding id;
-- seeded sampling (temperature, top-k, top-p) is identical at every layout.
+- seeded sampling (temperature, top-k, top-p) is identical at every layout;
+- at pp=2 two micro-batches are in flight at once (default num_micro_batches = pp) and the
+  ids equal pp=1 and one micro-batch at a time.
 """
 from __future__ import annotations
 
@@ -100,11 +102,19 @@ def _run_layouts(models: dict, eos: dict) -> dict:
                         for i, (p, n) in enumerate(zip(PROMPTS, MAX_NEW))]
                 out[kind] = [r.output for r in engine.generate(reqs)]
                 assert not engine.has_work() and sorted(engine.free_slots) == [0, 1]
+                out[f"{kind}_in_flight"] = engine.max_in_flight
             engine = Engine(model, max_batch_size=4, max_seq_length=32)
             params = [SamplingParams(max_new_tokens=8, temperature=t, top_k=k, top_p=p, seed=s)
                       for t, k, p, s in ((1.0, 0, 1.0, 1), (0.7, 20, 1.0, 2), (1.3, 0, 0.9, 3))]
             reqs = [Request(str(i), pr, sp) for i, (pr, sp) in enumerate(zip(PROMPTS, params))]
             out["sampled"] = [r.output for r in engine.generate(reqs)]
+            out["sampled_in_flight"] = engine.max_in_flight
+            if pp > 1:  # one micro-batch at a time must give the same ids
+                engine = Engine(model, max_batch_size=2, max_seq_length=32, num_micro_batches=1)
+                reqs = [Request(str(i), p, SamplingParams(max_new_tokens=n))
+                        for i, (p, n) in enumerate(zip(PROMPTS, MAX_NEW))]
+                out["one_at_a_time"] = [r.output for r in engine.generate(reqs)]
+                assert engine.max_in_flight == 1
             results[(name, tp, pp)] = out
     return results
 
@@ -133,6 +143,11 @@ def test_generation_matches_transformers_at_every_layout(models):
             assert all(0 <= t < 1001 for row in got["sampled"] for t in row), where
             assert got["sampled"] == sampled0, f"{where}: seeded sampling differs from tp=1"
             assert [len(r) for r in got["sampled"]] == [8, 8, 8]
+            # pp = 2: two micro-batches in flight (stages busy at once), same ids as pp = 1
+            assert got["greedy_in_flight"] == got["eos_in_flight"] == pp, where
+            assert got["sampled_in_flight"] == pp, where
+            if pp > 1:
+                assert got["one_at_a_time"] == ref[name], where
 
 
 def test_kv_replication_layout_and_refusals():

@@ -1,7 +1,8 @@
-"""`infer.py --serve` under torchrun (tp=2) answering the official `openai` client on loopback:
-both endpoints, streaming and not, n and usage, 32 concurrent requests equal to their single
-answers, the bad inputs of the API (each followed by a good request), a client that drops a
-stream, and a clean stop on Ctrl-C. One server for the whole module."""
+"""`infer.py --serve` under torchrun (tp=2 x dp=2, `--api-key`) answering the official `openai`
+client on loopback: both endpoints, streaming and not, n and usage, 32 concurrent requests
+equal to their single answers and spread over both replicas, the bad inputs of the API (each
+followed by a good request), a missing or wrong API key (401), a client that drops a stream,
+and a clean stop on Ctrl-C. One server for the whole module."""
 from __future__ import annotations
 
 import json
@@ -21,6 +22,7 @@ pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
+API_KEY = "sk-test-key"
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n"
                  "{% endfor %}{% if add_generation_prompt %}<s>assistant\n{% endif %}")
 
@@ -52,9 +54,10 @@ def server(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("served") / "tiny")
     _make_model(folder)
     port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(REPO, "infer.py"), "--hf", folder, "--tp", "2", "--serve",
-           "--port", str(port), "--served-model-name", "tiny", "--max-batch-size", "8"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+           os.path.join(REPO, "infer.py"), "--hf", folder, "--tp", "2", "--dp", "2", "--serve",
+           "--port", str(port), "--served-model-name", "tiny", "--max-batch-size", "8",
+           "--api-key", API_KEY]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
                             start_new_session=True)
@@ -77,17 +80,21 @@ def server(tmp_path_factory):
 def _client(port):
     import openai
 
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120,
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, timeout=120,
                          max_retries=0)
 
 
-def _post(port, path, body, raw=None):
-    """(status, JSON body) of a raw POST (the standard library, so bad bodies go through)."""
+def _post(port, path, body, raw=None, key=API_KEY, method="POST"):
+    """(status, JSON body) of a raw request (the standard library, so bad bodies go through);
+    `key` None sends no Authorization header."""
     import http.client
 
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    conn.request("POST", path, body=raw if raw is not None else json.dumps(body),
-                 headers={"content-type": "application/json"})
+    headers = {"content-type": "application/json"}
+    if key is not None:
+        headers["authorization"] = f"Bearer {key}"
+    conn.request(method, path, body=None if method == "GET" else
+                 raw if raw is not None else json.dumps(body), headers=headers)
     r = conn.getresponse()
     out = r.status, json.loads(r.read())
     conn.close()
@@ -147,9 +154,36 @@ def test_concurrent_requests_equal_single_answers(server):
         return client.completions.create(model="tiny", prompt=p, max_tokens=8 + len(p) % 3,
                                          temperature=0).choices[0].text
     single = {p: ask(p) for p in prompts}
+    _, before = _post(port, "/health", None, method="GET")
     with ThreadPoolExecutor(32) as pool:
         many = list(pool.map(ask, prompts * 4))
     assert many == [single[p] for p in prompts * 4]
+    # dp=2: the least-work router gave both replicas a share of the 32 requests
+    _, after = _post(port, "/health", None, method="GET")
+    got = [a["served"] - b["served"] for a, b in zip(after["replicas"], before["replicas"])]
+    assert len(got) == 2 and sum(got) == 32 and min(got) >= 8, got
+    assert [r["queued_tokens"] for r in after["replicas"]] == [0, 0], after
+
+
+def test_api_key(server):
+    import openai
+
+    _, port, _, _ = server
+    good = {"model": "tiny", "prompt": "hello", "max_tokens": 2, "temperature": 0}
+    for path, body, method in (("/v1/completions", good, "POST"),
+                               ("/v1/chat/completions", {"model": "tiny", "messages": [
+                                   {"role": "user", "content": "hi"}]}, "POST"),
+                               ("/v1/models", None, "GET")):
+        for key in (None, "sk-wrong"):
+            code, obj = _post(port, path, body, key=key, method=method)
+            assert code == 401, (path, key, code, obj)
+            assert obj["error"]["type"] == "authentication_error", obj
+            assert obj["error"]["code"] == "invalid_api_key" and obj["error"]["message"], obj
+    wrong = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-wrong",
+                          max_retries=0, timeout=60)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.completions.create(**good)
+    assert _post(port, "/v1/completions", good)[0] == 200  # the right key still works
 
 
 def test_bad_inputs_then_good_request(server):
@@ -179,7 +213,8 @@ def test_bad_inputs_then_good_request(server):
     # a client that goes away mid-stream: the server drops it and serves the next request
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     conn.request("POST", "/v1/completions", body=json.dumps(
-        {**good, "max_tokens": 40, "stream": True}), headers={"content-type": "application/json"})
+        {**good, "max_tokens": 40, "stream": True}), headers={
+            "content-type": "application/json", "authorization": f"Bearer {API_KEY}"})
     r = conn.getresponse()
     assert r.status == 200 and r.readline().startswith(b"data: ")
     conn.close()
