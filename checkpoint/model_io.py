@@ -237,8 +237,3 @@ def write_tokenizer(files: dict[str, bytes], folder: str) -> None:
         with open(path, "wb") as f:
             f.write(data)
 
-
-def copy_tokenizer(tokenizer: str | None, folder: str) -> None:
-    """Copy a tokenizer (HF folder -> `folder/tokenizer/`, SentencePiece model ->
-    `folder/tokenizer.model`) into checkpoint folder `folder`; nothing when None."""
-    write_tokenizer(read_tokenizer(tokenizer), folder)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from . import collectives, grid
-from .collectives import all_gather_single, reduce_scatter_single  # noqa: F401 (old home)
+from .collectives import all_gather_single, reduce_scatter_single
 
 
 def _tp() -> tuple[int, int]:
