@@ -68,8 +68,8 @@ def measured_matmul_peak(dtype: torch.dtype, device: torch.device, n: int = 2048
 
     At least `repeats` of them, and more until `min_seconds` have been spent timing (at most
     8x `repeats`), but never much past `max_seconds`: once two are timed and `max_seconds`
-    are spent it stops. The size grows from 256 by doubling up to `n` while one untimed
-    warm-up matmul stays under `max_seconds / 64`, so that a slow dtype (bf16 on a CPU
+    are spent it stops. After one warm-up matmul, the size grows from 256 by doubling up to
+    `n` while one matmul at the current size stays under `max_seconds / 64`, so that a slow dtype (bf16 on a CPU
     without bf16 instructions runs ~40x below fp32) is measured at a smaller size in a
     fraction of a second instead of taking seconds per matmul. The best, not the mean: a busy
     machine only ever makes a matmul slower, so the fastest one is the closest to the
@@ -78,28 +78,27 @@ def measured_matmul_peak(dtype: torch.dtype, device: torch.device, n: int = 2048
     Returns:
         `(FLOP/s, size)`: the rate and the matrix size it was measured at.
     """
-    size = min(256, n)
-    while True:
-        a = torch.randn(size, size, device=device).to(dtype)
-        b = torch.randn(size, size, device=device).to(dtype)
+    def timed(a: torch.Tensor, b: torch.Tensor) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         torch.matmul(a, b)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        if size >= n or time.perf_counter() - t0 > max_seconds / 64:
-            break
+        return time.perf_counter() - t0
+
+    size = min(256, n)
+    make = lambda: torch.randn(size, size, device=device).to(dtype)  # noqa: E731
+    a, b = make(), make()
+    timed(a, b)  # warm-up: one-time costs (CUDA context, BLAS handles) are not the rate
+    while size < n and timed(a, b) <= max_seconds / 64:
         size *= 2
+        a, b = make(), make()
     best, spent, done = float("inf"), 0.0, 0
     while done < repeats or (spent < min_seconds and done < 8 * repeats):
         if done >= 2 and spent >= max_seconds:
             break
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        torch.matmul(a, b)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - t0
+        elapsed = timed(a, b)
         best, spent, done = min(best, elapsed), spent + elapsed, done + 1
     return 2.0 * size ** 3 / best, size
 
