@@ -3,7 +3,10 @@
 optimizer CPU offload, on the same model and layout, measured in the same run.
 
 Each variant is a short `training.trainer.pretrain` run (the real training path: schedules,
-bucketed reductions, gathers, clipping, optimizer) on the embedded demo corpus. Rounds visit
+bucketed reductions, gathers, clipping, optimizer) on the embedded demo corpus, in its own
+torchrun launch (so one variant's memory is gone before the next starts: the host allocator
+keeps what a run freed, and at 135M parameters x 4 ranks five variants in one process do not
+fit a 24 GB machine). Rounds visit
 the variants in turn (ABCD...) to cancel drift on a shared machine; a variant's tokens/s is
 the global batch's tokens over the median step time of its steps after the first, taken over
 all rounds. Ratios are against no_shard. Model-state bytes are read off the tensors on rank 0
@@ -11,8 +14,8 @@ all rounds. Ratios are against no_shard. Model-state bytes are read off the tens
 printed too (the memory effect of sharding and offload), on CPU it is not (host RSS only
 grows).
 
-Run: `python bench/zero_throughput.py` (re-launches itself under torchrun with `--nproc`
-processes: 2 on CPU, one per GPU on CUDA; about a minute on 2 CPU cores). Flags after `--` go
+Run: `python bench/zero_throughput.py` (launches itself under torchrun with `--nproc`
+processes for each variant: 2 on CPU, one per GPU on CUDA; a few minutes on 2 CPU cores). Flags after `--` go
 to every run, e.g. `-- --model llama-style-135m --seq-length 512 --bf16`.
 """
 from __future__ import annotations
@@ -52,6 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=2, help="passes over all variants")
     p.add_argument("--offload-base", default="optim_grads",
                    help="strategy of the offload variant (ZeRO-Offload is stage 2)")
+    p.add_argument("--variant", help=argparse.SUPPRESS)  # worker: the variant to run
+    p.add_argument("--out", help=argparse.SUPPRESS)  # worker: where rank 0 writes its result
     p.add_argument("train_args", nargs="*", help="after --: flags for every run")
     args = p.parse_args(argv)
     if not args.train_args:
@@ -60,14 +65,39 @@ def parse_args(argv=None):
     return args
 
 
-def relaunch(args) -> int:
-    nproc = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+def common_flags(args) -> list[str]:
+    return args.train_args + ["--train-iters", str(args.iters), "--log-interval", "1",
+                              "--eval-interval", "0", "--no-tensorboard", "--peak-tflops", "1"]
+
+
+def launch(args, nproc: int, name: str, out: str) -> None:
+    """One variant under torchrun; rank 0 writes its result (json) to `out`."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", __file__, "--iters", str(args.iters), "--rounds",
-           str(args.rounds), "--offload-base", args.offload_base, "--", *args.train_args]
+           f"--nproc-per-node={nproc}", __file__, "--iters", str(args.iters),
+           "--offload-base", args.offload_base, "--variant", name, "--out", out, "--",
+           *args.train_args]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get(
         "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))}
-    return subprocess.call(cmd, cwd=ROOT, env=env)
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"variant {name} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+
+
+def worker(args) -> None:
+    """Under torchrun: run `args.variant` once; rank 0 writes the result to `args.out`."""
+    import torch.distributed as dist
+
+    import parallel_state as ps
+
+    ps.initialize_distributed()
+    flags = dict(variants(args.offload_base))[args.variant]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = one_run(common_flags(args) + flags, tmp)
+    if dist.get_rank() == 0:
+        out["world"] = dist.get_world_size()
+        out["device"] = str(ps.get_device())
+        Path(args.out).write_text(json.dumps(out))
+    dist.destroy_process_group()
 
 
 def one_run(flags: list[str], log_dir: str) -> dict:
@@ -93,40 +123,33 @@ def one_run(flags: list[str], log_dir: str) -> dict:
 
 
 def bench(args) -> None:
-    import torch.distributed as dist
-
-    import parallel_state as ps
-
-    ps.initialize_distributed()
-    rank = dist.get_rank()
-    common = args.train_args + ["--train-iters", str(args.iters), "--log-interval", "1",
-                                "--eval-interval", "0", "--no-tensorboard", "--peak-tflops", "1"]
+    nproc = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
     vs = variants(args.offload_base)
     times = {name: [] for name, _ in vs}
     last = {}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            for name, flags in vs:
-                out = one_run(common + flags, os.path.join(tmp, f"{r}-{name}"))
+            for name, _ in vs:
+                path = os.path.join(tmp, f"{r}-{name}.json")
+                launch(args, nproc, name, path)
+                out = json.loads(Path(path).read_text())
                 times[name] += out["step_times"]
                 last[name] = out
-    if rank != 0:
-        dist.destroy_process_group()
-        return
     from training.arguments import parse_config
 
-    rec0 = last["no_shard"]["record"]
-    cfg = parse_config(common).validate(dist.get_world_size())
+    rec0, world = last["no_shard"]["record"], last["no_shard"]["world"]
+    cfg = parse_config(common_flags(args)).validate(world)
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
     mib = lambda b: f"{b / 2**20:10.2f}"  # noqa: E731
-    print(f"device {ps.get_device()}, world {dist.get_world_size()} (dp "
+    print(f"device {last['no_shard']['device']}, world {world} (dp "
           f"{rec0['model_state_dp']}), {cfg.model.name}: {cfg.model.num_parameters() / 1e6:.2f}M "
           f"params, {tokens} tokens/step, {args.iters} steps x {args.rounds} rounds per variant, "
           f"bf16 {cfg.train.bf16}")
     base = tokens / statistics.median(times["no_shard"])
+    cuda = last["no_shard"]["cuda_peak"] is not None
     head = (f"{'variant':<24} {'tok/s':>9} {'vs no_shard':>11} {'states MiB/rank':>15} "
             f"{'formula':>10} {'paper':>10} {'host MiB':>10} {'gathered':>10}")
-    if torch.cuda.is_available():
+    if cuda:
         head += f" {'cuda peak':>10}"
     print(head)
     for name, _ in vs:
@@ -138,21 +161,21 @@ def bench(args) -> None:
                 f"{mib(rec['model_state_paper_total_bytes'])} "
                 f"{mib(rec['model_state_host_total_bytes'])} "
                 f"{mib(rec.get('gathered_params_peak_bytes', 0))}")
-        if torch.cuda.is_available():
+        if cuda:
             line += f" {mib(last[name]['cuda_peak'])}"
         print(line + (f"   (step-time spread {spread:.0%}: busy machine)" if spread > 0.5 else ""))
     print("states: params + grads + main params + optimizer states on the device, measured "
           "on rank 0; formula: ZeRO (Rajbhandari et al. 2020, sec. 5) with the padded parameter "
           "count, paper: with the unpadded one; host: offloaded main params, moments and "
           "gradient copies; gathered: ZeRO-3 peak of gathered parameters")
-    dist.destroy_process_group()
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if "WORLD_SIZE" not in os.environ:
-        return relaunch(args)
-    bench(args)
+    if args.variant:
+        worker(args)
+    else:
+        bench(args)
     return 0
 
 
