@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from parallel_state import (
     collectives,
@@ -108,5 +109,6 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *,
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
     if vocab_size is None:
         vocab_size = logits.shape[-1] * get_tensor_model_parallel_world_size()
-    return _VocabParallelCrossEntropy.apply(logits, target, vocab_size, label_smoothing,
-                                            ignore_index)
+    with record_function("shardzoo.cross_entropy"):  # a named scope for `train.py --profile`
+        return _VocabParallelCrossEntropy.apply(logits, target, vocab_size, label_smoothing,
+                                                ignore_index)

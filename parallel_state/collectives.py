@@ -65,6 +65,9 @@ class Consumer:
     def end(self, call: "Call", error: BaseException | None) -> None:
         """After the call (or its wait) returned, or with the exception it raised."""
 
+    def wait(self, call: "Call") -> None:
+        """Optional: an async call's `wait()` begins (its end follows on the same thread)."""
+
 
 def add_consumer(consumer) -> None:
     """Start observing every call with `consumer` (after the already registered ones). The
@@ -108,7 +111,8 @@ class Call:
     of a batch_isend_irecv; `site`: innermost-first `"path:line (function)"` strings, or ()."""
 
     __slots__ = ("op", "group", "group_name", "seq", "tensors", "reduce_op", "src",
-                 "messages", "async_op", "site", "t_start", "t_end", "index", "extra")
+                 "messages", "async_op", "site", "t_start", "t_wait", "t_end", "index",
+                 "extra")
 
     def __init__(self, op: str, group, tensors=(), reduce_op=None, src=None, messages=None,
                  async_op=False):
@@ -117,7 +121,7 @@ class Call:
         self.group_name = group.group_name
         self.seq = self.index = 0
         self.site: tuple[str, ...] = ()
-        self.t_start = self.t_end = 0.0
+        self.t_start = self.t_wait = self.t_end = 0.0  # time.time(); t_wait: async wait()
         self.extra: dict | None = None  # a consumer may keep its per-call state here
 
     @property
@@ -324,6 +328,12 @@ class Work:
         self._work, self._call, self._pending = work, call, pending
 
     def wait(self, *args, **kwargs):
+        call = self._call
+        if call is not None and not call.t_wait:  # the first wait of the call (or batch)
+            call.t_wait = time.time()
+            for c in _consumers:
+                if hasattr(c, "wait"):
+                    c.wait(call)
         try:
             out = self._work.wait(*args, **kwargs)
         except BaseException as e:

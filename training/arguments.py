@@ -107,6 +107,10 @@ class TrainConfig:
     peak_tflops: float | None = None  # None: measured at start-up
     device: str = "auto"  # auto | cpu | cuda
     profile_pipeline: bool = False
+    profile: bool = False  # torch.profiler over the steps below (training/profiling.py)
+    profile_step_start: int = 10  # finished iterations when recording starts (Megatron's)
+    profile_step_end: int = 12  # ... and when it stops: steps start+1..end are recorded
+    profile_ranks: list[str] | None = None  # global ranks to profile; None: rank 0
     distributed_timeout_minutes: float = 10.0  # every process group's operation timeout
     collective_trace_size: int = 2000  # calls each rank keeps for the hang doctor; 0: off
     debug_collectives: bool = False  # ranks check they make the same call before each one
@@ -313,6 +317,11 @@ FLAG_HELP = {
     "overlap_grad_reduce": "overlap DP gradient sync with backward",
     "peak_tflops": "per-device peak for MFU (default: measured)", "device": "auto | cpu | cuda",
     "profile_pipeline": "record the schedule timeline and report the bubble",
+    "profile": "torch.profiler over steps --profile-step-start+1..--profile-step-end: a "
+    "Chrome trace per rank in <log-dir>/profile and a table of time by category",
+    "profile_step_start": "finished iterations when profiling starts",
+    "profile_step_end": "finished iterations when profiling stops",
+    "profile_ranks": "global ranks to profile (default: 0)",
     "distributed_timeout_minutes": "timeout of every collective (fractions allowed; "
     "a stuck one becomes a report in <log-dir>/hang)",
     "collective_trace_size": "collectives each rank keeps in its trace for the hang "

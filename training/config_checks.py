@@ -42,6 +42,7 @@ def validate(config: "Config", world_size: int) -> None:
     _check_recompute(config.model, t)
     _check_data(t)
     _check_run(t)
+    _check_profile(t, world_size)
 
 
 def _check_positive(t: TrainConfig, world_size: int) -> None:
@@ -298,6 +299,28 @@ def _check_run(t: TrainConfig) -> None:
     if t.tensorboard and not installed:
         raise ConfigError("--tensorboard is on but tensorboard is not installed; "
                           "pip install tensorboard, or pass --no-tensorboard")
+
+
+def _check_profile(t: TrainConfig, world_size: int) -> None:
+    """--profile's window must lie inside the run and its ranks inside the world; resolves
+    --profile-ranks to ints (default [0])."""
+    if not t.profile:
+        return
+    if not 0 <= t.profile_step_start < t.profile_step_end <= t.train_iters:
+        raise ConfigError(
+            f"--profile records the steps after --profile-step-start ({t.profile_step_start}) "
+            f"up to --profile-step-end ({t.profile_step_end}); need 0 <= start < end <= "
+            f"--train-iters ({t.train_iters}), e.g. --profile-step-start "
+            f"{min(2, max(t.train_iters - 1, 0))} --profile-step-end {min(4, t.train_iters)}")
+    ranks = t.profile_ranks if t.profile_ranks is not None else [0]
+    try:
+        ranks = sorted({int(r) for r in ranks})
+    except ValueError:
+        raise ConfigError(f"--profile-ranks takes global rank numbers, got {ranks}") from None
+    if any(not 0 <= r < world_size for r in ranks):
+        raise ConfigError(f"--profile-ranks {ranks}: ranks must be in [0, {world_size}) "
+                          f"(the world size)")
+    t.profile_ranks = ranks
 
 
 def _check_writable_dir(name: str, path: str | None) -> None:

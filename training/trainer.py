@@ -16,6 +16,7 @@ from datetime import timedelta
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 import parallel_state as ps
 from checkpoint.format import CheckpointError
@@ -41,6 +42,7 @@ from .metrics import MetricsLogger, Progress, format_duration, peak_memory_bytes
 from .optimizer import build_optimizer, clip_grads, learning_rate, reconcile_schedule
 from .preemption import ExitCheck
 from .recompute import apply_recompute
+from .profiling import StepProfiler
 from .schedules import get_forward_backward_func
 from .timeline import Timeline, gather_timeline, report_bubble
 
@@ -342,9 +344,11 @@ def _train(config: Config, device, on_end=None, run_start: float | None = None) 
     start = time.time()
     mfu_noted = False
     exit_check = ExitCheck(t, run_start or start)
+    profiler = StepProfiler(t, t.log_dir, device)
     stop = None
     try:
         for iteration in range(start_iteration, t.train_iters):
+            profiler.before(iteration)
             step_start = time.perf_counter()
             gbs = batches.size(position.consumed_samples)
             if t.train_samples:  # the schedule counts samples, this step's included
@@ -358,7 +362,8 @@ def _train(config: Config, device, on_end=None, run_start: float | None = None) 
             for group in optimizer.param_groups:
                 group["lr"] = lr
             data_start = position.data_index
-            microbatches = get_microbatches(train_ds, data_start, config, device, gbs)
+            with record_function("shardzoo.data"):
+                microbatches = get_microbatches(train_ds, data_start, config, device, gbs)
             signal_hook(iteration + 1)  # test hook; no-op unless its env var is set
             num_tokens = _global_sum(sum(mb["loss_mask"].sum() for mb in microbatches),
                                      ps.get_data_parallel_group())
@@ -374,13 +379,17 @@ def _train(config: Config, device, on_end=None, run_start: float | None = None) 
                 ddp.finish_grad_sync()
             all_reduce_sequence_parallel_grad_pieces(model)
             all_reduce_embedding_grads(model)
-            if isinstance(optimizer, DistributedOptimizer):
-                grad_norm = optimizer.clip_grad_norm(t.clip_grad)
-            else:
-                grad_norm = clip_grads(params, t.clip_grad)
-            optimizer.step()
+            with record_function("shardzoo.optimizer"):
+                if isinstance(optimizer, DistributedOptimizer):
+                    grad_norm = optimizer.clip_grad_norm(t.clip_grad)
+                else:
+                    grad_norm = clip_grads(params, t.clip_grad)
+                optimizer.step()
             position.consumed_samples += gbs
             loss = float(global_loss_sum(loss_sum) / num_tokens)  # waits for the step to finish
+            profile = profiler.after(iteration, logger)
+            if profile is not None:
+                records.append(profile)
             progress.step(time.perf_counter() - step_start)
             if not math.isfinite(loss):
                 raise FloatingPointError(f"loss is {loss} at iteration {iteration + 1}; lower --lr "
