@@ -1,0 +1,110 @@
+"""Training tokens/s of our trainer at 1 process, tp2, pp2 (1F1B), dp2 and tp2 x pp2 on one
+model, its scaling over the 1-process figure, and each layout's communication share (from
+`train.py --profile`), measured in the same run (issue 16).
+
+Model: picotron's tiny Llama (hidden 256, ffn 688, 4 layers, 4 heads / 2 KV heads, seq 256,
+micro batch 2, global batch 8: 4 microbatches at dp 1), float32, one thread per rank
+(OMP_NUM_THREADS=1). Its vocabulary is the training tokenizer's (the embedded demo corpus:
+8,192 ids; picotron's bench uses 32,000), because train.py sizes a fresh model's vocabulary
+from its tokenizer.
+
+Each run is `train.py` under torchrun for 12 iterations: tokens/s is the global batch's tokens
+over the median step time of steps 2-10 (the first step's one-time set-up left out), and
+steps 11-12 are profiled on every rank for the communication share (the time blocked in
+collectives over the step's wall time, averaged over ranks; profiling slows those two steps,
+which are not timed). Rounds visit the layouts in turn (ABCDE...) `--repeats` times to cancel
+drift on a shared machine; a layout's figure is the median over its rounds.
+
+Targets (issue 16, idle 2-core CPU): scaling >= 1.8x at dp2, >= 1.4x at pp2 (the 1F1B ideal
+with 4 microbatches is 1.6x), >= 1.5x at tp2 and at tp2 x pp2; printed as MET / NOT MET.
+
+Run: `python bench/parallel_throughput.py [--repeats 3] [--iters 12]` (about 10 minutes on 2
+CPU cores with the defaults). Flags after `--` go to every run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SEQ = 256
+MODEL = ["--model", "tiny-llama", "--num-layers", "4", "--hidden-size", "256",
+         "--ffn-hidden-size", "688", "--num-attention-heads", "4", "--num-query-groups", "2",
+         "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ), "--micro-batch-size", "2",
+         "--global-batch-size", "8"]
+LAYOUTS = [("1 process", 1, []), ("tp2", 2, ["--tp", "2"]), ("pp2", 2, ["--pp", "2"]),
+           ("dp2", 2, []), ("tp2 x pp2", 4, ["--tp", "2", "--pp", "2"])]
+TARGETS = {"dp2": 1.8, "pp2": 1.4, "tp2": 1.5, "tp2 x pp2": 1.5}
+
+
+def run_layout(nproc: int, flags: list[str], iters: int, log_dir: str) -> dict:
+    """One train.py run; tokens/s over steps 2..iters-2 and the profiled comm share."""
+    start, end = iters - 2, iters
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", str(ROOT / "train.py"), *flags,
+           "--train-iters", str(iters), "--eval-interval", "0", "--log-interval", "1",
+           "--no-tensorboard", "--peak-tflops", "1", "--log-dir", log_dir,
+           "--profile", "--profile-step-start", str(start), "--profile-step-end", str(end),
+           "--profile-ranks", *[str(r) for r in range(nproc)]]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if done.returncode:
+        sys.exit(f"failed ({done.returncode}): {' '.join(cmd)}\n{done.stdout[-2000:]}\n"
+                 f"{done.stderr[-4000:]}")
+    with open(os.path.join(log_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    steps = {r["iteration"]: r for r in records if "loss" in r}
+    timed = [steps[i]["step_time_s"] for i in range(2, start + 1)]
+    tokens = steps[2]["global_batch_size"] * SEQ
+    profile = next(r for r in records if r.get("event") == "profile")
+    share = statistics.mean(p["ms"]["communication"] / p["step_ms"] for p in profile["ranks"])
+    return {"tokens_per_s": tokens / statistics.median(timed), "comm_share": share,
+            "loss": steps[iters]["loss"]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--iters", type=int, default=12, help="iterations per run (>= 5)")
+    p.add_argument("extra", nargs="*", help="after --: flags for every run")
+    args = p.parse_args(argv)
+    if args.iters < 5:
+        p.error("--iters must be >= 5 (steps 2..iters-2 are timed, the last two profiled)")
+    results = {name: [] for name, _, _ in LAYOUTS}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.repeats):
+            for name, nproc, flags in LAYOUTS:
+                out = run_layout(nproc, MODEL + flags + args.extra, args.iters,
+                                 os.path.join(tmp, f"{r}-{name.replace(' ', '')}"))
+                results[name].append(out)
+                print(f"round {r + 1}: {name:<10} {out['tokens_per_s']:8.0f} tok/s", flush=True)
+    base = statistics.median(o["tokens_per_s"] for o in results["1 process"])
+    print(f"\npicotron's tiny Llama (vocab 8192), float32, OMP 1 per rank, {os.cpu_count()} "
+          f"cores, median of {args.repeats} rounds (steps 2-{args.iters - 2} each)")
+    print(f"{'layout':<11} {'procs':>5} {'tok/s':>8} {'scaling':>8} {'target':>14} "
+          f"{'comm share':>11} {'spread':>7}")
+    for name, nproc, _ in LAYOUTS:
+        tps = [o["tokens_per_s"] for o in results[name]]
+        med = statistics.median(tps)
+        scaling = med / base
+        target = TARGETS.get(name)
+        verdict = "" if target is None else \
+            f">= {target:.1f}x {'MET' if scaling >= target else 'NOT MET'}"
+        share = statistics.median(o["comm_share"] for o in results[name])
+        spread = (max(tps) - min(tps)) / med
+        print(f"{name:<11} {nproc:>5} {med:8.0f} {scaling:7.2f}x {verdict:>14} {share:10.1%} "
+              f"{spread:6.0%}")
+    print("comm share: time blocked in collectives / step wall time (train.py --profile, "
+          "profiled steps), mean over ranks; spread: (max - min) / median over rounds")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
