@@ -1,8 +1,8 @@
 """Overhead of the hang doctor's collective trace and of --debug-collectives, against the same
 run without them, measured in the same session.
 
-1. Per call: the CPU time the trace adds to one observed call (around a no-op, so no
-   communication noise), and the wall time of an all-reduce on 2 gloo processes without and
+1. Per call: the CPU time the trace (and --report-comm's counter) adds to one observed call
+   (around a no-op, so no communication noise), and the wall time of an all-reduce on 2 gloo processes without and
    with --debug-collectives (which adds an all-gather of a 512-byte fingerprint per call).
 2. Per training step: `train.py` on 4 processes (tiny-llama, tp 2 x pp 2, sequence parallel,
    4 microbatches, about 100 collective and p2p calls per step and rank) with
@@ -44,9 +44,11 @@ MODES = ("off", "trace", "debug")
 # ---------------------------------------------------------------------------- per call
 def trace_cpu_us(calls: int, rounds: int) -> dict:
     """CPU microseconds per observed call around a no-op (no communication), without and
-    with the trace: what the layer and the trace add to every collective."""
+    with the trace, and with --report-comm's counter: what the layer and each consumer add to
+    every collective."""
     import parallel_state as ps
     from parallel_state import collectives, trace
+    from parallel_state.comm_counter import CommCounter
 
     ps.initialize_distributed("cpu")
     group = torch.distributed.distributed_c10d._get_default_group()
@@ -59,13 +61,15 @@ def trace_cpu_us(calls: int, rounds: int) -> dict:
                                               reduce_op=collectives.ReduceOp.SUM), _noop)
         return (time.process_time() - start) / calls * 1e6
 
-    times = {"layer": [], "trace": []}
+    times = {"layer": [], "trace": [], "counter": []}
     with tempfile.TemporaryDirectory() as log_dir:
         for _ in range(rounds):
             times["layer"].append(run())
             trace.start_trace(log_dir, handlers=False)
             times["trace"].append(run())
             trace.stop_trace()
+            with CommCounter():
+                times["counter"].append(run())
     ps.destroy_model_parallel(destroy_world=True)
     return {m: statistics.median(v) for m, v in times.items()}
 
@@ -176,7 +180,9 @@ def main(argv=None) -> None:
     cpu = trace_cpu_us(args.calls * 5, args.call_rounds)
     print(f"CPU per observed call, no communication (median of {args.call_rounds} rounds): "
           f"layer alone {cpu['layer']:.1f} us, with the trace {cpu['trace']:.1f} us "
-          f"(the trace adds {cpu['trace'] - cpu['layer']:.1f} us per call)")
+          f"(the trace adds {cpu['trace'] - cpu['layer']:.1f} us per call); with the "
+          f"--report-comm counter {cpu['counter']:.1f} us (adds "
+          f"{cpu['counter'] - cpu['layer']:.1f} us, only in the counted step)")
     wall = debug_wall_us(args.calls, args.call_rounds)
     print(f"all-reduce of 2x16x64 floats on 2 gloo processes (median of {args.call_rounds} "
           f"rounds of {args.calls}): {wall['off']:.0f} us, with --debug-collectives "

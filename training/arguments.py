@@ -111,6 +111,7 @@ class TrainConfig:
     profile_step_start: int = 10  # finished iterations when recording starts (Megatron's)
     profile_step_end: int = 12  # ... and when it stops: steps start+1..end are recorded
     profile_ranks: list[str] | None = None  # global ranks to profile; None: rank 0
+    report_comm: bool = False  # count collectives of a step beside the planner's
     distributed_timeout_minutes: float = 10.0  # every process group's operation timeout
     collective_trace_size: int = 2000  # calls each rank keeps for the hang doctor; 0: off
     debug_collectives: bool = False  # ranks check they make the same call before each one
@@ -322,6 +323,9 @@ FLAG_HELP = {
     "profile_step_start": "finished iterations when profiling starts",
     "profile_step_end": "finished iterations when profiling stops",
     "profile_ranks": "global ranks to profile (default: 0)",
+    "report_comm": "count the calls and bytes of every collective of the second step (the "
+    "first in a 1-step run) per group and op, beside the planner's prediction (tools/plan.py; "
+    "also in metrics.jsonl)",
     "distributed_timeout_minutes": "timeout of every collective (fractions allowed; "
     "a stuck one becomes a report in <log-dir>/hang)",
     "collective_trace_size": "collectives each rank keeps in its trace for the hang "

@@ -131,11 +131,15 @@ def measure_activation_bytes(chunks, batch: dict, hidden_shape, dtype=torch.floa
 
     modules = [getattr(c, "module", c) for c in chunks]
     device = batch["tokens"].device
+    # every chunk's output stays referenced until all are measured: a freed graph's storages
+    # would be reused by the next chunk at the same addresses and be counted once
+    outputs = []
     with _rng_untouched(), SavedTensorMeter(modules) as meter:
         for chunk, module in zip(chunks, modules):
             hidden = None if module.pre_process else torch.zeros(
                 hidden_shape, dtype=dtype, device=device, requires_grad=True)
-            loss_from_batch(chunk, batch, hidden_states=hidden)
+            outputs.append(loss_from_batch(chunk, batch, hidden_states=hidden))
+    del outputs
     return {"total": meter.bytes(), "layers": meter.bytes("layers"),
             "num_layers": sum(len(m.decoder.layers) for m in modules)}
 
@@ -160,6 +164,20 @@ def paper_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = Fal
     return replicated / (t if sp else 1) + (sharded + core) / t
 
 
+def norm_bytes(config, tokens: int, bytes_per_value: int) -> int:
+    """What one norm saves for backward over `tokens` rows of `config.hidden_size`, in bytes.
+
+    RMSNorm: its float32 input copy and rstd (layers/norm.py computes in float32; in float32
+    F.rms_norm keeps the same two) and the normalized input in the activation dtype, which the
+    weight's product keeps. LayerNorm (F.layer_norm on CPU): the input, and mean and rstd in
+    the activation dtype.
+    """
+    h, e = config.hidden_size, bytes_per_value
+    if config.normalization == "RMSNorm":
+        return tokens * (4 * h + 4 + e * h)
+    return e * tokens * (h + 2)
+
+
 def model_layer_bytes(config, s: int, b: int, t: int = 1, sp: bool = False,
                       recompute: str | None = None, bytes_per_value: int = 4,
                       dropout: bool | None = None) -> dict:
@@ -175,13 +193,7 @@ def model_layer_bytes(config, s: int, b: int, t: int = 1, sp: bool = False,
         return {"layer input": e * sl * b * h}
     hid_drop = config.hidden_dropout > 0 if dropout is None else dropout
     att_drop = config.attention_dropout > 0 if dropout is None else dropout
-    rms = config.normalization == "RMSNorm"
-    # RMSNorm: its float32 input copy and rstd (layers/norm.py computes in float32; in float32
-    # F.rms_norm keeps the same two) and the normalized input in the activation dtype, which
-    # the weight's product keeps. LayerNorm (F.layer_norm on CPU): the input, and mean and
-    # rstd in the activation dtype.
-    norm = sl * b * (4 * h + 4 + e * h) if rms else e * sl * b * (h + 2)
-    out = {"norms": 2 * norm,
+    out = {"norms": 2 * norm_bytes(config, sl * b, e),
            "qkv and fc1 inputs": 2 * e * sl * b * h}  # the sequence shard under SP
     mixed = e * s * b * (an + 2 * gn) * d  # fused QKV output: v (and q, k without RoPE) view it
     rope = config.position_embedding_type == "rope"

@@ -24,6 +24,7 @@ from models import GPTModel
 from models.config import ConfigError
 from models.pipeline import build_model_chunks
 from parallel_state import collectives, debug_collectives, trace
+from parallel_state.comm_counter import CommCounter
 from parallel_state.p2p import TensorSpec
 
 from .arguments import Config
@@ -40,6 +41,7 @@ from .fsdp import peak_gathered_bytes
 from .memory import activation_report, measure_activation_bytes, model_state_bytes
 from .metrics import MetricsLogger, Progress, format_duration, peak_memory_bytes
 from .optimizer import build_optimizer, clip_grads, learning_rate, reconcile_schedule
+from .planner.report import log_comm, memory_prediction, run_end_summary
 from .preemption import ExitCheck
 from .recompute import apply_recompute
 from .profiling import StepProfiler
@@ -346,11 +348,17 @@ def _train(config: Config, device, on_end=None, run_start: float | None = None) 
     exit_check = ExitCheck(t, run_start or start)
     profiler = StepProfiler(t, t.log_dir, device)
     stop = None
+    # --report-comm counts the second step (a steady one) when there is one, else the first
+    counted_step = start_iteration + (1 if t.train_iters > start_iteration + 1 else 0)
+    counter = CommCounter() if t.report_comm else None
+    comm = None
     try:
         for iteration in range(start_iteration, t.train_iters):
             profiler.before(iteration)
             step_start = time.perf_counter()
             gbs = batches.size(position.consumed_samples)
+            if counter is not None and iteration == counted_step:
+                counter.begin()
             if t.train_samples:  # the schedule counts samples, this step's included
                 lr = learning_rate(position.consumed_samples + gbs - 1, lr=t.lr, min_lr=t.min_lr,
                                    warmup_iters=t.lr_warmup_samples,
@@ -387,10 +395,15 @@ def _train(config: Config, device, on_end=None, run_start: float | None = None) 
                 optimizer.step()
             position.consumed_samples += gbs
             loss = float(global_loss_sum(loss_sum) / num_tokens)  # waits for the step to finish
+            counted = counter.stop() if counter is not None and counter.active else None
             profile = profiler.after(iteration, logger)
             if profile is not None:
                 records.append(profile)
             progress.step(time.perf_counter() - step_start)
+            if counted is not None:  # after the step's timing
+                comm = log_comm(config, counted, gbs, iteration + 1, logger,
+                                first_step=iteration == start_iteration)
+                records.append(comm)
             if not math.isfinite(loss):
                 raise FloatingPointError(f"loss is {loss} at iteration {iteration + 1}; lower --lr "
                                          f"or enable --clip-grad")
@@ -445,8 +458,13 @@ def _train(config: Config, device, on_end=None, run_start: float | None = None) 
                "consumed_samples": position.consumed_samples}
         logger.log(rec, f"{stop}: {saved}", prefix="exit")
         records.append(rec)
-    if profiles:
-        records.append(report_bubble(profiles, config, logger))
+    bubble = report_bubble(profiles, config, logger) if profiles else None
+    if bubble is not None:
+        records.append(bubble)
+    if t.report_comm:
+        rec, line = run_end_summary(config, comm, bubble)
+        logger.log(dict(rec, iteration=last), line, prefix="planner")
+        records.append(rec)
     if last > start_iteration:
         records.append(_report_end(config, start_iteration, last, start, progress, peak,
                                    flops_per_token, logger))
@@ -509,8 +527,16 @@ def log_memory(model, optimizer, dataset, config: Config, device) -> dict:
     the run_start record of metrics.jsonl."""
     state = model_state_bytes(model, optimizer)
     act = log_activation_memory(model, dataset, config, device)
-    totals = [None] * dist.get_world_size()
-    collectives.all_gather_object(totals, state["total"] + act["activation_bytes_per_microbatch"])
+    planner, line = memory_prediction(config, ps.get_pipeline_model_parallel_rank(), {
+        "model_state_total_bytes": state["total"],
+        "activation_bytes_per_microbatch": act["activation_bytes_per_microbatch"]})
+    ranks = [None] * dist.get_world_size()  # (measured total, planner's two ratios) per rank
+    collectives.all_gather_object(ranks, (
+        state["total"] + act["activation_bytes_per_microbatch"],
+        planner["planner_model_state_ratio"], planner["planner_activation_ratio"]))
+    totals = [r[0] for r in ranks]
+    planner["planner_model_state_ratio_per_rank"] = [r[1] for r in ranks]
+    planner["planner_activation_ratio_per_rank"] = [r[2] for r in ranks]
     mib = lambda x: f"{x / 2**20:,.1f}"  # noqa: E731
     largest = max(range(len(totals)), key=lambda r: totals[r])
     host = f", host {mib(state['host_total'])}" if state["host_total"] else ""
@@ -527,8 +553,9 @@ def log_memory(model, optimizer, dataset, config: Config, device) -> dict:
         f"{mib(act['activation_bytes_layers_predicted'])})" +
         (f"; largest rank {largest}: {mib(totals[largest])}" if len(totals) > 1 else "") +
         "; details in metrics.jsonl")
+    _rank0_print(line)
     return {**act, **{f"model_state_{k}" + ("" if k in _STATE_COUNTS else "_bytes"): v
-                      for k, v in state.items()}, "memory_bytes_per_rank": totals}
+                      for k, v in state.items()}, "memory_bytes_per_rank": totals, **planner}
 
 
 _STATE_COUNTS = ("psi", "psi_padded", "dp", "strategy")  # model-state fields not in bytes

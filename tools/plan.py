@@ -1,0 +1,258 @@
+"""Plan a training layout: every valid (tp, pp, vpp, dp, micro batch, ZeRO stage, recompute,
+sequence parallel) for a model on a GPU count, with predicted per-rank memory, communication,
+pipeline bubble, step time and MFU; the layouts that fit, fastest first, the reasons the others
+do not, and why the top one wins.
+
+    python tools/plan.py --model llama-70b --gpus 64 --gpu-memory 80GB --seq-length 4096 \
+        --global-batch-size 512
+    python tools/plan.py --config configs/tiny-llama.yaml --gpus 4 --gpu-memory 1GB --json
+
+Layouts are validated by train.py's own checks (training/config_checks.py), so every listed
+one runs as `train.py --model NAME <its flags>`. Formulas and their sources: docs/PLANNING.md
+(training/planner). Bad input prints one line (`plan.py: error: ...`) and exits 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections import Counter
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from models.config import ConfigError  # noqa: E402
+from training.arguments import parse_config  # noqa: E402
+from training.planner.search import (Hardware, Network, flags, global_batch_default,  # noqa: E402
+                                     plan, smallest_fit)
+
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20,
+          "gi": 2**30, "ti": 2**40}
+_TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+
+class PlanError(ValueError):
+    """Bad input: the message names the flag and the fix."""
+
+
+def parse_bytes(text: str, flag: str, per_second: bool = False) -> float:
+    """`80GB`, `80GiB`, `450GB/s`, `1.5e9` -> bytes (GB = 1e9, GiB = 2^30)."""
+    pattern = r"\s*([0-9.eE+-]+)\s*([kKmMgGtT]i?)?[bB]?" + (r"(/s)?" if per_second else "") + r"\s*"
+    match = re.fullmatch(pattern, text)
+    try:
+        value = float(match.group(1)) * _UNITS[(match.group(2) or "").lower()]
+    except (AttributeError, ValueError):
+        raise PlanError(f"{flag} {text!r}: write a size like 80GB or 80GiB"
+                        + ("/s" if per_second else "")) from None
+    if not value > 0:
+        raise PlanError(f"{flag} must be positive, got {text!r}")
+    return value
+
+
+def parse_seconds(text: str, flag: str) -> float:
+    match = re.fullmatch(r"\s*([0-9.eE+-]+)\s*(s|ms|us|µs|ns)?\s*", text)
+    try:
+        value = float(match.group(1)) * _TIME[match.group(2) or "s"]
+    except (AttributeError, ValueError):
+        raise PlanError(f"{flag} {text!r}: write a time like 5us or 0.02ms") from None
+    if value < 0:
+        raise PlanError(f"{flag} must be >= 0, got {text!r}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise PlanError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", metavar="NAME", help="configs/models/NAME.yaml (or a .yaml path)")
+    src.add_argument("--config", metavar="FILE.yaml", help="a train.py run file (its model and "
+                     "non-layout settings: bucket size, bf16, ...)")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs in total")
+    p.add_argument("--gpu-memory", default="80GB", help="memory per GPU (default 80GB)")
+    p.add_argument("--nodes-of", type=int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--bandwidth-intra", default="450GB/s", help="per GPU inside a node")
+    p.add_argument("--bandwidth-inter", default="50GB/s", help="per GPU across nodes")
+    p.add_argument("--latency-intra", default="5us")
+    p.add_argument("--latency-inter", default="20us")
+    p.add_argument("--peak-tflops", type=float, default=989.0,
+                   help="dense bf16 peak per GPU (default 989: H100/H200 data sheet)")
+    p.add_argument("--matmul-efficiency", type=float, default=0.7,
+                   help="share of the peak that the matmuls reach (default 0.7)")
+    p.add_argument("--memory-headroom", type=float, default=0.1,
+                   help="share of GPU memory kept free for what is not modelled (default 0.1)")
+    p.add_argument("--seq-length", type=int, help="tokens per sequence (default: the model's)")
+    p.add_argument("--global-batch-size", type=int,
+                   help="sequences per step (default: 8 per GPU, at least 64)")
+    p.add_argument("--fp32", action="store_true", help="plan float32 training (default bf16; "
+                   "with --config, the run file's --bf16 setting)")
+    p.add_argument("--top", type=int, default=10, help="layouts to print (default 10)")
+    p.add_argument("--json", action="store_true", help="print the whole plan as JSON")
+    return p
+
+
+def _inputs(args):
+    if args.gpus < 1:
+        raise PlanError(f"--gpus must be a positive integer, got {args.gpus}")
+    if args.nodes_of < 1:
+        raise PlanError(f"--nodes-of must be a positive integer, got {args.nodes_of}")
+    if args.gpus > args.nodes_of and args.gpus % args.nodes_of:
+        raise PlanError(f"--gpus {args.gpus} is not a multiple of --nodes-of {args.nodes_of}: "
+                        f"use whole nodes (e.g. --gpus {args.gpus // args.nodes_of * args.nodes_of}"
+                        f" or {-(-args.gpus // args.nodes_of) * args.nodes_of})")
+    for name in ("matmul_efficiency", "memory_headroom"):
+        value = getattr(args, name)
+        if not 0 <= value < 1 or (name == "matmul_efficiency" and value == 0):
+            raise PlanError(f"--{name.replace('_', '-')} must be in (0, 1), got {value}")
+    if not args.peak_tflops > 0:
+        raise PlanError(f"--peak-tflops must be positive, got {args.peak_tflops}")
+    config = parse_config(["--model", args.model] if args.model else ["--config", args.config])
+    model = config.model
+    if args.seq_length is not None:
+        if args.seq_length < 1:
+            raise PlanError(f"--seq-length must be positive, got {args.seq_length}")
+        model.seq_length = args.seq_length
+    model.validate(1)
+    gbs = args.global_batch_size or global_batch_default(args.gpus)
+    if gbs < 1:
+        raise PlanError(f"--global-batch-size must be positive, got {gbs}")
+    network = Network(node_size=min(args.nodes_of, args.gpus),
+                      bandwidth_intra=parse_bytes(args.bandwidth_intra, "--bandwidth-intra", True),
+                      bandwidth_inter=parse_bytes(args.bandwidth_inter, "--bandwidth-inter", True),
+                      latency_intra=parse_seconds(args.latency_intra, "--latency-intra"),
+                      latency_inter=parse_seconds(args.latency_inter, "--latency-inter"))
+    hw = Hardware(gpus=args.gpus, gpu_memory=parse_bytes(args.gpu_memory, "--gpu-memory"),
+                  network=network, peak_tflops=args.peak_tflops,
+                  matmul_efficiency=args.matmul_efficiency, memory_headroom=args.memory_headroom)
+    return model, config.train, hw, gbs
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.1f}"
+
+
+def _s(x: float) -> str:
+    """Seconds with 3 significant digits, in ms below a second."""
+    return f"{x * 1e3:.3g} ms" if x < 1 else f"{x:.3g} s"
+
+
+def table(fits: list[dict], top: int) -> str:
+    head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'vpp':>3} {'dp':>4} {'mbs':>3} {'m':>5} {'sp':>3} "
+            f"{'zero':>4} {'recompute':>9} {'mem GB':>7} {'states':>7} {'activ':>7} "
+            f"{'bubble':>6} {'sent GB':>8} {'step s':>8} {'tok/s':>9} {'MFU':>6}")
+    rows = [head]
+    for i, p in enumerate(fits[:top], 1):
+        mem = p["memory"]
+        comm = sum(g["sent_bytes"] for g in p["comm"].values())
+        rows.append(f"{i:>3} {p['tp']:>3} {p['pp']:>3} {p['vpp']:>3} {p['dp']:>4} "
+                    f"{p['micro_batch_size']:>3} {p['num_microbatches']:>5} "
+                    f"{'on' if p['sequence_parallel'] else '-':>3} {p['zero_stage']:>4} "
+                    f"{p['recompute']:>9} {_gb(mem['total']):>7} {_gb(mem['model_states']):>7} "
+                    f"{_gb(mem['activations']):>7} {p['bubble']:>6.3f} {_gb(comm):>8} "
+                    f"{p['step_seconds']:>8.3f} {p['tokens_per_s']:>9,.0f} {p['mfu']:>6.1%}")
+    rows.append("(mem GB: predicted peak per GPU; sent GB: bytes each GPU sends per step in "
+                "ring collectives and p2p; docs/PLANNING.md)")
+    return "\n".join(rows)
+
+
+def explain(best: dict, runner: dict | None, hw: Hardware, model_name: str) -> str:
+    """A short paragraph on why the top layout wins."""
+    mem, net = best["memory"], hw.network
+    comm = best["comm"]
+
+    def secs(group):
+        return comm.get(group, {}).get("seconds", 0.0)
+    tp_where = "inside a node" if best["tp"] <= net.node_size else "across nodes"
+    parts = [f"Top choice for {model_name} on {hw.gpus} GPUs: tp {best['tp']} x pp {best['pp']}"
+             f" x dp {best['dp']}" + (f" with {best['vpp']} virtual stages" if best["vpp"] > 1
+                                      else "") +
+             f", micro batch {best['micro_batch_size']} ({best['num_microbatches']} microbatches"
+             f" per step), sequence parallel {'on' if best['sequence_parallel'] else 'off'}, "
+             f"ZeRO-{best['zero_stage']}, recompute {best['recompute']}."]
+    parts.append(f"It needs {_gb(mem['total'])} GB per GPU of {_gb(hw.usable_memory)} usable "
+                 f"(model states {_gb(mem['model_states'])}, activations "
+                 f"{_gb(mem['activations'])} for {mem['in_flight']} microbatch(es) in flight on "
+                 f"stage {mem['pp_rank']}).")
+    if best["tp"] > 1:
+        parts.append(f"TP {best['tp']} stays {tp_where}, so its per-layer collectives cost "
+                     f"{_s(secs('tp') + secs('sp'))} per step at "
+                     f"{net.bandwidth(best['tp'] > net.node_size) / 1e9:g} GB/s.")
+    if best["pp"] > 1:
+        parts.append(f"The pipeline bubble is (p-1)/(v m) = {best['bubble']:.3f} of the compute;"
+                     f" stage-to-stage messages add {_s(secs('pp'))}.")
+    if best["dp"] > 1:
+        parts.append(f"Data-parallel traffic ({_s(secs('dp'))} of transfers) leaves "
+                     f"{_s(best['exposed_dp_seconds'])} exposed after overlap with compute.")
+    parts.append(f"Predicted step {best['step_seconds']:.3f} s, {best['tokens_per_s']:,.0f} "
+                 f"tokens/s, MFU {best['mfu']:.1%} (matmuls at {hw.matmul_efficiency:.0%} of "
+                 f"{hw.peak_tflops:g} TFLOP/s).")
+    if runner is not None:
+        slower = runner["step_seconds"] / best["step_seconds"] - 1
+        why = (f"{slower:.1%} slower" if slower > 1e-3 else
+               f"as fast but with more communication ({_s(runner['comm_seconds'])} vs "
+               f"{_s(best['comm_seconds'])})" if runner["comm_seconds"] > best["comm_seconds"]
+               else f"as fast but needs more memory ({_gb(runner['memory']['total'])} GB)")
+        parts.append(f"Runner-up ({flags(runner)}): {why}.")
+    return " ".join(parts)
+
+
+def rejected_summary(rejected: list[dict], limit: int = 8) -> str:
+    kinds = Counter(re.sub(r"\d+(\.\d+)?", "N", r["reason"].split(";")[0]) for r in rejected)
+    example = {}
+    for r in rejected:
+        example.setdefault(re.sub(r"\d+(\.\d+)?", "N", r["reason"].split(";")[0]), r)
+    lines = [f"{len(rejected)} layouts rejected; the reasons, most common first:"]
+    for kind, n in kinds.most_common(limit):
+        r = example[kind]
+        lines.append(f"  {n:>6} x  e.g. {flags(r)}: {r['reason']}")
+    if len(kinds) > limit:
+        lines.append(f"  ... and {len(kinds) - limit} other reasons (--json lists every layout)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        model, base, hw, gbs = _inputs(args)
+        bf16 = not args.fp32 and (base.bf16 if args.config else True)
+        result = plan(model, hw, gbs, bf16=bf16, base=base)
+        if not result["fits"]:
+            raise PlanError(f"no layout of {model.name or 'the model'} fits {hw.gpus} GPUs of "
+                            f"{hw.gpu_memory / 1e9:g} GB: " + smallest_fit(
+                                model, hw, gbs, bf16=bf16,
+                                rejected=result["rejected"]))
+    except (PlanError, ConfigError) as e:
+        print(f"plan.py: error: {e}", file=sys.stderr)
+        return 2
+    name = model.name or "the model"
+    if args.json:
+        print(json.dumps({"model": name, "gpus": hw.gpus, "gpu_memory": hw.gpu_memory,
+                          "global_batch_size": gbs, "seq_length": model.seq_length,
+                          "fits": [dict(p, flags=flags(p)) for p in result["fits"]],
+                          "rejected": [dict(r, flags=flags(r)) for r in result["rejected"]]}))
+        return 0
+    fits = result["fits"]
+    n = model.num_parameters()
+    size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+    print(f"{name}: {size} parameters, seq {model.seq_length}, "
+          f"global batch {gbs}, {'bf16' if bf16 else 'fp32'}; {hw.gpus} GPUs of "
+          f"{hw.gpu_memory / 1e9:g} GB ({hw.network.node_size} per node); {len(fits)} layouts "
+          f"fit, the fastest {min(args.top, len(fits))}:")
+    print(table(fits, args.top))
+    print()
+    print(explain(fits[0], fits[1] if len(fits) > 1 else None, hw, name))
+    source = f"--model {args.model}" if args.model else f"--config {args.config}"
+    print(f"Run it: train.py {source} {flags(fits[0])} --global-batch-size {gbs} "
+          f"--seq-length {model.seq_length}" + (" --bf16" if bf16 else ""))
+    print()
+    print(rejected_summary(result["rejected"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,267 @@
+"""Predicted communication of one training step: calls and bytes per (group, op), and their
+time under the alpha-beta model.
+
+`step_communication(config)` lists what the trainer (training/trainer.py `_train`, one
+optimizer step) makes every rank send through parallel_state.collectives, summed over all
+ranks, in the quantities `parallel_state.comm_counter` counts (the payload of each rank: an
+all-gather's local shard, a reduce-scatter's full input, an all-reduce's tensor, a p2p
+message). Per microbatch and layer, with `e` bytes per activation value, `A = s b h e` and
+`A / t` the sequence shard (Shoeybi et al. 2019, sec. 3; Korthikanti et al. 2022, sec. 4.2.2):
+
+- tp, no SP: forward all-reduces after the attention projection and fc2 (`g`), backward
+  all-reduces before QKV and fc1 (`f`): 4 of `A` per layer, 2 more per recomputed layer
+  (full recompute runs the forward again) less 1 per checkpointed span (the span's last
+  reduction is not rerun: torch.utils.checkpoint stops early); the embedding's forward and
+  the output layer's input gradient: 1 each; vocab-parallel cross entropy: 3 of `[b, s]`
+  float32 (max, target logit, sum of exponentials).
+- sp: per layer, all-gathers of the shard `A / t` before QKV and fc1 (forward, and again in
+  backward: the shard is what is kept) and of the gradients of the two reduce-scatters: 6;
+  reduce-scatters of `A` after the projection and fc2 and of the gradients of QKV and fc1
+  inputs: 4; recompute adds 2 and 2 (less 1 reduce-scatter per span); embedding 1 + 1,
+  output layer 2 all-gathers + 1 reduce-scatter. After backward, one all-reduce over tp of
+  the sequence-parallel weights' float32 gradients (norms, row biases).
+- dp: per bucket (training/distributed.py) an all-reduce of its float32 gradient (no_shard),
+  or a reduce-scatter of it (optim: once per step; optim_grads: every microbatch) and an
+  all-gather of the updated weight shard (weight dtype); ZeRO-3 (optim_grads_params) gathers
+  each unit before forward and backward instead (`_zero3_gathers`). Scalars: the token
+  count and loss sums, and the gradient norm (sharded).
+- pp: `2 (v p - 1)` messages of the stage tensor per microbatch per replica (forward
+  activations, backward gradients); the loss sum over stages.
+- embedding (tied weights, pp > 1): the word-embedding gradient (or this rank's shard of it)
+  all-reduced between the first and last stage.
+- mp: the squared gradient norm over tp x pp.
+"""
+from __future__ import annotations
+
+import functools
+
+from .parameters import chunk_layout, rank_chunks
+from ..recompute import recompute_spans
+
+
+def _add(out: dict, key: tuple[str, str], calls: int, nbytes: int) -> None:
+    if calls:
+        c, b = out.get(key, (0, 0))
+        out[key] = (c + calls, b + nbytes)
+
+
+def _recomputed(n: int, t) -> tuple[int, int]:
+    """(layers inside checkpointed spans, spans) of a chunk of `n` layers."""
+    if t.recompute_granularity != "full" or not n:
+        return 0, 0
+    spans = recompute_spans(n, t.recompute_method or "uniform", t.recompute_num_layers or 1)
+    return sum(b - a for a, b in spans), len(spans)
+
+
+def _owned(bucket, lo: int, hi: int, dp: int, rank: int, shard: bool) -> int:
+    """Elements of flat range [lo, hi) in `bucket` owned by DP rank `rank`."""
+    if not shard:
+        return hi - lo
+    size = (bucket.end - bucket.start) // dp
+    a = bucket.start + rank * size
+    return max(0, min(hi, a + size) - max(lo, a))
+
+
+def _zero3_gathers(chunks, layouts, pp_rank: int, pp: int, v: int, mb: int,
+                   first_step: bool) -> tuple[int, int]:
+    """(all-gather calls, gathered elements) of one ZeRO-3 step on one rank (training/fsdp.py):
+    every unit is gathered for each microbatch's forward and again for its backward (or for
+    the recompute inside it), except the root and the last unit, which stay gathered while
+    microbatches are pending: once per step on a stage that runs warm-up forwards, once per
+    microbatch where each forward is followed by its backward (the last stage, no pipeline).
+    The optimizer step prefetches the first unit for the next step, so the first step of a
+    run gathers that unit once more. Interleaved schedules: the warm-up count per rank decides
+    (matched the counter at pp 2 x vpp 2; not proven for every interleaved order)."""
+    warmup = (pp - pp_rank - 1) * 2 + (v - 1) * pp if v > 1 else pp - pp_rank - 1
+    episodes = 1 if warmup > 0 else mb
+    calls = elements = 0
+    for params, (buckets, _) in zip(chunks, layouts):
+        units: dict[str, list] = {}
+        for b in buckets:
+            units.setdefault(b.params[0].unit, []).append(b.end - b.start)
+        order = [u for u in dict.fromkeys(p.unit for p in params) if u != "root"]
+        kept = {"root", order[-1]} if order else {"root"}
+        first = "root" if "root" in units else (order[0] if order else None)
+        for unit, sizes in units.items():
+            times = episodes if unit in kept else 2 * mb
+            times += first_step and unit == first
+            calls, elements = calls + times * len(sizes), elements + times * sum(sizes)
+    return calls, elements
+
+
+def step_communication(config, first_step: bool = False) -> dict[tuple[str, str], tuple[int, int]]:
+    """`{(group, op): (calls, bytes)}` of one training step, summed over all ranks (a
+    validated training.arguments.Config). Groups: tp, sp, dp, pp, embedding, mp.
+    `first_step`: the first step of a run (ZeRO-3 gathers one unit more, see `_zero3_gathers`);
+    otherwise a steady-state step."""
+    m, t = config.model, config.train
+    tp, pp, dp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size, \
+        config.data_parallel_size
+    v, mb = t.virtual_pipeline_model_parallel_size or 1, config.num_microbatches
+    s, b, h = m.seq_length, t.micro_batch_size, m.hidden_size
+    e = 2 if t.bf16 else 4
+    act, sp = s * b * h * e, t.sequence_parallel
+    strategy = t.data_parallel_sharding_strategy
+    shard_grads = strategy in ("optim_grads", "optim_grads_params")
+    out: dict = {}
+    replicas = tp * dp  # ranks of each pipeline stage
+
+    for r in range(pp):
+        chunks = rank_chunks(config, r)
+        layouts = [chunk_layout(c, dp, strategy, t.ddp_bucket_size) for c in chunks]
+        # --- activations over TP, per microbatch on each TP rank of the stage
+        if tp > 1:
+            for c, params in enumerate(chunks):
+                n = len({p.unit for p in params if p.unit.startswith("layer")})
+                # full recompute runs each span's forward again in backward, but
+                # torch.utils.checkpoint stops once the saved tensors are rebuilt: the span's
+                # last reduction (fc2's output is not saved) is not repeated
+                rec_layers, spans = _recomputed(n, t)
+                ag, red = 2 * rec_layers, 2 * rec_layers - spans
+                pre = r == 0 and c == 0
+                post = r == pp - 1 and c == v - 1
+                k = replicas * mb
+                if sp:
+                    calls = 6 * n + ag + pre + 2 * post
+                    _add(out, ("sp", "all_gather_single"), k * calls, k * calls * act // tp)
+                    calls = 4 * n + red + pre + post
+                    _add(out, ("sp", "reduce_scatter_single"), k * calls, k * calls * act)
+                else:
+                    calls = 4 * n + red + pre + post
+                    _add(out, ("tp", "all_reduce"), k * calls, k * calls * act)
+                if post:
+                    _add(out, ("tp", "all_reduce"), 3 * k, 3 * k * 4 * b * s)
+        # --- per step, per DP rank of the stage (ownership of shards differs by DP rank)
+        wanted = [(bucket, offsets[id(p)], p) for buckets, offsets in layouts
+                  for bucket in buckets for p in bucket.params
+                  if (sp and p.sequence_parallel) or (p.shared_embedding and pp > 1)]
+        for d in range(dp if shard_grads else 1):
+            sp_bytes = emb_calls = emb_bytes = 0
+            for bucket, lo, p in wanted:
+                n_own = _owned(bucket, lo, lo + p.count, dp, d, shard_grads)
+                if sp and p.sequence_parallel:
+                    sp_bytes += 4 * n_own
+                if p.shared_embedding and pp > 1 and n_own:
+                    emb_calls, emb_bytes = emb_calls + 1, emb_bytes + 4 * n_own
+            k = tp * (1 if shard_grads else dp)  # ranks alike
+            if sp and sp_bytes:
+                _add(out, ("tp", "all_reduce"), k, k * sp_bytes)
+            _add(out, ("embedding", "all_reduce"), k * emb_calls, k * emb_bytes)
+        if dp > 1:
+            w = e  # weights are stored in the activation dtype (bf16 or fp32)
+            sizes = [b.end - b.start for buckets, _ in layouts for b in buckets]
+            n, k = sum(sizes), len(sizes) * replicas  # elements, and calls of one kind
+            if strategy == "no_shard":
+                _add(out, ("dp", "all_reduce"), k, replicas * 4 * n)
+            elif strategy in ("optim", "optim_grads"):
+                times = mb if strategy == "optim_grads" else 1
+                _add(out, ("dp", "reduce_scatter_single"), k * times, times * replicas * 4 * n)
+                _add(out, ("dp", "all_gather_single"), k, replicas * w * n // dp)
+            else:  # optim_grads_params
+                _add(out, ("dp", "reduce_scatter_single"), k * mb, mb * replicas * 4 * n)
+                calls, elements = _zero3_gathers(chunks, layouts, r, pp, v, mb, first_step)
+                _add(out, ("dp", "all_gather_single"), replicas * calls,
+                     replicas * w * elements // dp)
+    world = tp * pp * dp
+    if dp > 1:  # token count and loss sum; the sharded optimizer's squared norm
+        distributed_opt = t.use_distributed_optimizer or t.bf16 or t.optimizer_cpu_offload
+        k = 2 + (distributed_opt and t.use_distributed_optimizer)
+        _add(out, ("dp", "all_reduce"), k * world, k * world * 4)
+    if pp > 1:
+        _add(out, ("pp", "all_reduce"), world, world * 4)
+        msgs = dp * tp * mb * 2 * (v * pp - 1)
+        stage = act // tp if sp else act
+        _add(out, ("pp", "send"), msgs, msgs * stage)
+        _add(out, ("pp", "recv"), msgs, msgs * stage)
+    if tp * pp > 1:
+        _add(out, ("mp", "all_reduce"), world, world * 4)
+    return dict(sorted(out.items()))
+
+
+# ---------------------------------------------------------------------- alpha-beta time
+def group_size(group: str, tp: int, dp: int, pp: int) -> int:
+    return {"tp": tp, "sp": tp, "dp": dp, "pp": pp, "embedding": 2, "mp": tp * pp}[group]
+
+
+def group_ranks(group: str, tp: int, dp: int, pp: int) -> list[list[int]]:
+    """Global ranks of every group of a kind (tp fastest, then dp, then pp: parallel_state)."""
+    def rank(p, d, t):
+        return (p * dp + d) * tp + t
+    if group in ("tp", "sp"):
+        return [[rank(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp)]
+    if group == "dp":
+        return [[rank(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)]
+    if group == "pp":  # a p2p link: adjacent stages
+        return [[rank(p, d, t), rank(p + 1, d, t)] for p in range(pp - 1) for d in range(dp)
+                for t in range(tp)]
+    if group == "embedding":
+        return [[rank(0, d, t), rank(pp - 1, d, t)] for d in range(dp) for t in range(tp)]
+    return [[rank(p, d, t) for p in range(pp) for t in range(tp)] for d in range(dp)]
+
+
+@functools.lru_cache(maxsize=4096)
+def crosses_nodes(group: str, tp: int, dp: int, pp: int, node_size: int) -> bool:
+    """True when some group of this kind has ranks on two nodes (`node_size` GPUs each)."""
+    return any(len({r // node_size for r in ranks}) > 1
+               for ranks in group_ranks(group, tp, dp, pp))
+
+
+def ring_traffic(op: str, payload_bytes: float, n: int) -> tuple[int, float]:
+    """(latency steps, bytes each rank sends) of one call with ring algorithms (Thakur et al.
+    2005; Patarasuk & Yuan 2009), `payload_bytes` as counted (see module docstring):
+
+    - all-reduce of B: `2 (n - 1)` steps, `2 (n - 1) B / n` bytes (reduce-scatter + all-gather)
+    - reduce-scatter of a full input B: `n - 1` steps, `(n - 1) B / n` bytes
+    - all-gather of a local shard B: `n - 1` steps, `(n - 1) B` bytes
+    - send: 1 step, B bytes; recv: nothing (its time is the matching send's)
+    """
+    if op == "send":
+        return 1, payload_bytes
+    if op == "recv" or n == 1:
+        return 0, 0.0
+    if op == "all_reduce":
+        return 2 * (n - 1), 2 * (n - 1) * payload_bytes / n
+    if op == "reduce_scatter_single":
+        return n - 1, (n - 1) * payload_bytes / n
+    if op == "all_gather_single":
+        return n - 1, (n - 1) * payload_bytes
+    raise ValueError(f"no time model for op {op!r}")
+
+
+def collective_seconds(op: str, payload_bytes: float, n: int, bandwidth: float,
+                       latency: float) -> float:
+    """Alpha-beta time of one call: `steps x latency + bytes sent / bandwidth` (`ring_traffic`;
+    `bandwidth` in bytes/s per GPU, `latency` in seconds per step)."""
+    steps, sent = ring_traffic(op, payload_bytes, n)
+    return steps * latency + sent / bandwidth
+
+
+def participants(group: str, tp: int, dp: int, pp: int) -> int:
+    """Ranks taking part in the calls of a group kind (the embedding group: 2 stages)."""
+    world = tp * dp * pp
+    return 2 * tp * dp if group == "embedding" else world
+
+
+def communication_per_rank(comm: dict, tp: int, dp: int, pp: int, network) -> dict[str, dict]:
+    """Per group kind, the mean over the ranks that take part of: calls, payload bytes, bytes
+    sent on the wire (ring algorithms) and seconds per step: `{group: {"calls", "payload_bytes",
+    "sent_bytes", "seconds"}}`. `network`: `.node_size`, `.bandwidth(inter)`, `.latency(inter)`."""
+    out: dict[str, dict] = {}
+    for (group, op), (calls, nbytes) in comm.items():
+        ranks = participants(group, tp, dp, pp)
+        n = group_size(group, tp, dp, pp)
+        inter = crosses_nodes(group, tp, dp, pp, network.node_size)
+        steps, sent = ring_traffic(op, nbytes / calls, n)
+        g = out.setdefault(group, {"calls": 0.0, "payload_bytes": 0.0, "sent_bytes": 0.0,
+                                   "seconds": 0.0})
+        g["calls"] += calls / ranks
+        g["payload_bytes"] += nbytes / ranks
+        g["sent_bytes"] += calls / ranks * sent
+        g["seconds"] += calls / ranks * (steps * network.latency(inter)
+                                         + sent / network.bandwidth(inter))
+    return out
+
+
+def communication_seconds(comm: dict, tp: int, dp: int, pp: int, network) -> dict[str, float]:
+    """Seconds per step each rank spends in each group kind (`communication_per_rank`)."""
+    return {g: v["seconds"] for g, v in communication_per_rank(comm, tp, dp, pp, network).items()}

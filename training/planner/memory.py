@@ -1,0 +1,116 @@
+"""Predicted memory per rank: model states (exact, training/planner/parameters.py), the
+activations one microbatch saves for backward on each stage, the microbatches in flight under
+the pipeline schedule, and the transient buffers of the sharding strategies.
+
+Activations per microbatch, for a stage's chunks:
+
+- decoder layers: `training.memory.model_chunk_bytes`, our layer term by term (Korthikanti et
+  al. 2022, sec. 4, adapted to SwiGLU/GQA/RMSNorm/SDPA as that module documents), under the
+  run's recompute policy and sequence parallelism;
+- the first stage: the embedding keeps the token ids (int64 `[b, s]`), the position ids of
+  learned positions (int64 `[s]`, `[b, s]` with --reset-position-ids) and, with dropout, the
+  embedding dropout's mask (`[s, b, h]`, the shard under SP, activation dtype);
+- the last stage: the final norm (as a layer's norm), the output layer's input (`[s, b, h]`,
+  the shard `[s/t, b, h]` under SP), the cross entropy's float32 softmax `[b, s, V/t]` plus
+  its int64 target, two bool masks and the column mask, and the loss mask `[b, s]` float32.
+
+Microbatches in flight on pipeline rank `r` (Narayanan et al. 2021, sec. 2.2; Megatron's
+warm-up counts): 1F1B keeps `min(p - r, m)`; the interleaved schedule keeps
+`min((p - r - 1) 2 + (v - 1) p + 1, m v)` chunk-microbatches, each one chunk's activations.
+
+Transient: ZeRO-2/3 keep up to two float32 buckets being reduce-scattered; ZeRO-3 the
+gathered units (`gathered_peak_bytes`).
+"""
+from __future__ import annotations
+
+from ..memory import model_chunk_bytes, norm_bytes
+from .parameters import chunk_layout, model_state_prediction, rank_chunks
+
+
+def chunk_activation_bytes(config, params, pre_process: bool, post_process: bool) -> dict:
+    """Predicted saved-for-backward bytes of one microbatch through one chunk:
+    `{"layers", "other", "total"}` (the regions of training.memory.SavedTensorMeter)."""
+    m, t = config.model, config.train
+    tp, sp = t.tensor_model_parallel_size, t.sequence_parallel
+    s, b, e = m.seq_length, t.micro_batch_size, 2 if t.bf16 else 4
+    n = len({p.unit for p in params if p.unit.startswith("layer")})
+    layers = model_chunk_bytes(m, n, s, b, tp, sp, t.recompute_granularity, t.recompute_method,
+                               t.recompute_num_layers, e) if n else 0
+    s_local = s // tp if sp else s
+    other = 0
+    if pre_process:  # the token ids, learned positions' ids, the embedding dropout's mask
+        other = 8 * b * s + (e * s_local * b * m.hidden_size if m.hidden_dropout > 0 else 0)
+        if m.position_embedding_type == "learned_absolute":
+            other += 8 * s * (b if t.reset_position_ids else 1)
+    if post_process:
+        vt = m.padded_vocab_size(tp) // tp
+        other += norm_bytes(m, s_local * b, e) + e * s_local * b * m.hidden_size
+        other += 4 * b * s * vt + (8 + 1 + 1) * b * s + vt + 4 * b * s
+    return {"layers": layers, "other": other, "total": layers + other}
+
+
+def gathered_peak_bytes(config, chunks) -> int:
+    """ZeRO-3's gathered parameters at the busiest moment (training/fsdp.py
+    `predicted_peak_bytes`, summed over chunks): the root unit plus the two largest adjacent
+    units (one in use, the next prefetched), each unit its buckets' padded size in the weight
+    dtype."""
+    t = config.train
+    w, total = 2 if t.bf16 else 4, 0
+    for params in chunks:
+        buckets, _ = chunk_layout(params, config.data_parallel_size,
+                                  "optim_grads_params", t.ddp_bucket_size)
+        size: dict[str, int] = {}
+        for b in buckets:
+            unit = b.params[0].unit
+            size[unit] = size.get(unit, 0) + b.end - b.start
+        order = [u for u in dict.fromkeys(p.unit for p in params) if u != "root"]
+        pairs = [size[a] + size[b] for a, b in zip(order, order[1:])]
+        total += w * (size.get("root", 0) + max(pairs or [size[u] for u in order] or [0]))
+    return total
+
+
+def in_flight(pp: int, vpp: int, num_microbatches: int, pp_rank: int) -> int:
+    """Chunk-microbatches whose activations pipeline rank `pp_rank` holds at its peak."""
+    if vpp > 1:
+        return min((pp - pp_rank - 1) * 2 + (vpp - 1) * pp + 1, num_microbatches * vpp)
+    return min(pp - pp_rank, num_microbatches)
+
+
+def rank_memory(config, pp_rank: int) -> dict:
+    """Predicted device bytes of a rank of pipeline stage `pp_rank`: `{"model_states",
+    "activations_per_microbatch", "activations", "in_flight", "transient" (of which
+    "gathered_params"), "total", "host"}`."""
+    t = config.train
+    pp, v = t.pipeline_model_parallel_size, t.virtual_pipeline_model_parallel_size or 1
+    states = model_state_prediction(config, pp_rank)
+    chunks = rank_chunks(config, pp_rank)
+    per_chunk = [chunk_activation_bytes(config, params, pp_rank == 0 and c == 0,
+                                        pp_rank == pp - 1 and c == v - 1)["total"]
+                 for c, params in enumerate(chunks)]
+    per_mb = sum(per_chunk)
+    held = in_flight(pp, v, config.num_microbatches, pp_rank)
+    activations = per_mb * held / v if v > 1 else per_mb * held
+    transient = 0
+    strategy, w = t.data_parallel_sharding_strategy, 2 if t.bf16 else 4
+    dp = config.data_parallel_size
+    if strategy in ("optim_grads", "optim_grads_params") and dp > 1:
+        sizes = sorted((b.end - b.start for params in chunks for b in chunk_layout(
+            params, dp, strategy, t.ddp_bucket_size)[0]), reverse=True)
+        transient += 4 * sum(sizes[:2])  # two float32 buckets being reduced (distributed.py)
+    gathered = gathered_peak_bytes(config, chunks) if strategy == "optim_grads_params" else 0
+    transient += gathered
+    total = states["total"] + activations + transient
+    return {"model_states": states["total"], "activations_per_microbatch": per_mb,
+            "activations": int(activations), "in_flight": held, "transient": transient,
+            "gathered_params": gathered,
+            "total": int(total), "host": states["host_total"]}
+
+
+def peak_memory(config) -> dict:
+    """`rank_memory` of the pipeline stage needing the most device memory, with `pp_rank`."""
+    best = None
+    for r in range(config.train.pipeline_model_parallel_size):
+        mem = rank_memory(config, r)
+        if best is None or mem["total"] > best["total"]:
+            best = dict(mem, pp_rank=r)
+    return best

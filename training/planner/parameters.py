@@ -1,0 +1,179 @@
+"""The parameters each rank holds, without building a model: shapes, flags and the flat bucket
+layout of training/distributed.py, and from them the exact model-state bytes per rank.
+
+`chunk_parameters` lists a model chunk's trainable parameters in registration order (the
+order `module.parameters()` yields them in models/gpt.py and layers/), with the local (TP
+shard) element count and the flags the data-parallel wrapper reads (`shared_embedding`,
+`sequence_parallel`). `chunk_layout` feeds them to the wrapper's own bucket layout
+(`DistributedDataParallel._layout`, so padding to multiples of dp and the tied embedding's own
+bucket are exactly the trainer's) and `model_state_prediction` turns that into bytes with
+`training.memory.zero_formula_bytes`. Change `chunk_parameters` with the layer code; the
+tests compare it with the measured tensors of real runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from models.pipeline import rank_chunk_layers
+
+from ..distributed import DistributedDataParallel
+from ..memory import zero_formula_bytes
+
+
+@dataclass(eq=False)  # identity, as torch parameters: the layout keys them by id()
+class ParamShape:
+    """One parameter of a rank: `name`, local `count` of elements, and the wrapper's flags."""
+
+    name: str
+    count: int
+    unit: str  # ZeRO-3 gathering unit: "embedding", "layer N", "output", or "root"
+    shared_embedding: bool = False
+    sequence_parallel: bool = False
+    tensor_model_parallel: bool = False
+
+    def numel(self) -> int:
+        return self.count
+
+
+def _norm(prefix: str, m, unit: str, sp: bool) -> list[ParamShape]:
+    out = [ParamShape(f"{prefix}.weight", m.hidden_size, unit, sequence_parallel=sp)]
+    if m.normalization == "LayerNorm":
+        out.append(ParamShape(f"{prefix}.bias", m.hidden_size, unit, sequence_parallel=sp))
+    return out
+
+
+def _linear(prefix: str, out_local: int, in_local: int, unit: str, *, bias: bool,
+            row: bool, sp: bool) -> list[ParamShape]:
+    """Column (`row=False`: output dim split, bias split) or row linear (input dim split,
+    bias replicated and tagged sequence_parallel under SP)."""
+    out = [ParamShape(f"{prefix}.weight", out_local * in_local, unit, tensor_model_parallel=True)]
+    if bias:
+        out.append(ParamShape(f"{prefix}.bias", out_local, unit,
+                              sequence_parallel=sp and row, tensor_model_parallel=not row))
+    return out
+
+
+def chunk_parameters(m, tp: int, layer_numbers: list[int], pre_process: bool,
+                     post_process: bool, sequence_parallel: bool) -> list[ParamShape]:
+    """Trainable parameters of one GPTModel chunk on one TP rank, in registration order.
+
+    `m`: a models.ModelConfig. Element counts are local (`[V/tp, h]` embedding, `[(q + 2kv)/tp,
+    h]` fused QKV, ...), as layers/ allocates them.
+    """
+    sp = sequence_parallel and tp > 1
+    h, vocab = m.hidden_size, m.padded_vocab_size(tp) // tp
+    tied = not m.untie_embeddings_and_output_weights
+    tied_here = tied and pre_process and post_process
+    out: list[ParamShape] = []
+    emb_unit = "root" if tied_here else "embedding"
+    if pre_process:
+        out.append(ParamShape("embedding.word_embeddings.weight", vocab * h, emb_unit,
+                              shared_embedding=tied and not post_process,
+                              tensor_model_parallel=True))
+        if m.position_embedding_type == "learned_absolute":
+            out.append(ParamShape("embedding.position_embeddings.weight",
+                                  m.max_position_embeddings * h, emb_unit, sequence_parallel=sp))
+    q, kv = m.query_projection_size // tp, m.kv_projection_size // tp
+    f = m.ffn_hidden_size // tp
+    fc1 = 2 * f if m.activation == "swiglu" else f
+    for n in layer_numbers:
+        p, unit = f"decoder.layers.{n}", f"layer {n}"
+        out += _norm(f"{p}.input_layernorm", m, unit, sp)
+        out += _linear(f"{p}.self_attention.linear_qkv", q + 2 * kv, h, unit,
+                       bias=m.add_qkv_bias, row=False, sp=sp)
+        out += _linear(f"{p}.self_attention.linear_proj", h, q, unit,
+                       bias=m.add_bias_linear, row=True, sp=sp)
+        out += _norm(f"{p}.pre_mlp_layernorm", m, unit, sp)
+        out += _linear(f"{p}.mlp.linear_fc1", fc1, h, unit, bias=m.add_bias_linear, row=False,
+                       sp=sp)
+        out += _linear(f"{p}.mlp.linear_fc2", h, f, unit, bias=m.add_bias_linear, row=True,
+                       sp=sp)
+    if post_process:
+        out += _norm("decoder.final_layernorm", m, "root", sp)
+        if not tied_here:
+            out.append(ParamShape("output_layer.weight", vocab * h, "output",
+                                  shared_embedding=tied, tensor_model_parallel=True))
+    return out
+
+
+_CACHE: dict = {}  # the planner asks for the same stages under many batch/recompute settings
+_CACHE_LIMIT = 20000
+
+
+def _cached(key, make):
+    value = _CACHE.get(key)
+    if value is None:
+        if len(_CACHE) > _CACHE_LIMIT:
+            _CACHE.clear()
+        value = _CACHE[key] = make()
+    return value
+
+
+def rank_chunks(config, pp_rank: int) -> list[list[ParamShape]]:
+    """The parameters of each model chunk of pipeline rank `pp_rank` (a validated
+    training.arguments.Config). Cached by the model and the layout: treat as read-only."""
+    t = config.train
+    pp, v = t.pipeline_model_parallel_size, t.virtual_pipeline_model_parallel_size or 1
+    key = ("chunks", repr(config.model), t.tensor_model_parallel_size, pp, v,
+           t.sequence_parallel, t.decoder_first_pipeline_num_layers,
+           t.decoder_last_pipeline_num_layers, pp_rank)
+
+    def make():
+        chunks = rank_chunk_layers(config.stage_num_layers(), pp_rank,
+                                   t.virtual_pipeline_model_parallel_size)
+        return [chunk_parameters(config.model, t.tensor_model_parallel_size, layers,
+                                 pre_process=pp_rank == 0 and c == 0,
+                                 post_process=pp_rank == pp - 1 and c == v - 1,
+                                 sequence_parallel=t.sequence_parallel)
+                for c, layers in enumerate(chunks)]
+    return _cached(key, make)
+
+
+def _unit_groups(params: list[ParamShape]) -> list[list[ParamShape]]:
+    """ZeRO-3's parameter groups (training/fsdp.py `param_groups`): one per unit in backward
+    order, the root unit (final norm, a tied embedding) last."""
+    order: dict[str, list[ParamShape]] = {}
+    for p in params:
+        if p.unit != "root":
+            order.setdefault(p.unit, []).append(p)
+    root = [p for p in params if p.unit == "root"]
+    return list(reversed(([root] if root else []) + list(order.values())))
+
+
+def chunk_layout(params: list[ParamShape], dp: int, strategy: str, bucket_size: int):
+    """The data-parallel wrapper's buckets for one chunk: `(buckets, offsets)` exactly as
+    `DistributedDataParallel._layout` makes them (buckets have `start`, `end` (padded),
+    `params`). Cached: treat as read-only."""
+    def make():
+        groups = _unit_groups(params) if strategy == "optim_grads_params" else [params]
+        pad = dp if strategy != "no_shard" else 1
+        return params, DistributedDataParallel._layout(groups, bucket_size, pad)
+    return _cached(("layout", id(params), dp, strategy, bucket_size), make)[1]
+
+
+def main_copy(strategy: str, bf16: bool, distributed_optimizer: bool) -> bool:
+    """A separate fp32 main copy of the weights (training/memory.py `model_state_bytes`):
+    bf16 weights, or the distributed optimizer without a flat parameter store (no_shard)."""
+    return bf16 or (strategy == "no_shard" and distributed_optimizer)
+
+
+def model_state_prediction(config, pp_rank: int = 0) -> dict:
+    """Predicted model-state bytes of a rank of pipeline stage `pp_rank` (every TP and DP rank
+    of a stage holds the same amount, padding included): `{"total", "host_total", "psi",
+    "psi_padded", "strategy", "dp"}`, the quantities `training.memory.model_state_bytes`
+    measures (`predicted_total` there uses the same formula on the real tensors)."""
+    t, dp = config.train, config.data_parallel_size
+    strategy = t.data_parallel_sharding_strategy
+    uses_dist_opt = t.use_distributed_optimizer or t.bf16 or t.optimizer_cpu_offload
+    psi = padded = 0
+    for params in rank_chunks(config, pp_rank):
+        buckets, _ = chunk_layout(params, dp, strategy, t.ddp_bucket_size)
+        psi += sum(p.count for p in params)
+        padded += buckets[-1].end if buckets else 0
+    n_opt = padded // dp if strategy != "no_shard" else padded
+    host = int(n_opt * (t.optimizer_offload_fraction or 0.0)) if t.optimizer_cpu_offload else 0
+    device, host_bytes = zero_formula_bytes(
+        padded, strategy=strategy, dp=dp, weight_bytes=2 if t.bf16 else 4,
+        main_copy=main_copy(strategy, t.bf16, uses_dist_opt), host_elements=host)
+    return {"total": device, "host_total": host_bytes, "psi": psi, "psi_padded": padded,
+            "strategy": strategy, "dp": dp}

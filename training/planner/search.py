@@ -1,0 +1,277 @@
+"""Every layout of a model on a GPU count: validated as train.py validates it, predicted
+(memory, communication, bubble, step time, MFU) and ranked.
+
+A layout is (tp, pp, vpp, dp, micro batch, sharding strategy, recompute, sequence parallel);
+`enumerate_layouts` builds each one as a `training.arguments.Config` and runs train.py's own
+`validate` on it, so a layout this module lists is one train.py accepts; a rejected one keeps
+the validation's message (or the planner's reason: TP across nodes, memory) as its reason.
+
+Step time (seconds), from the FLOP count of training/flops.py (Narayanan et al. 2021,
+sec. 5.1) at `peak x matmul_efficiency` per GPU:
+
+    t_mb    = max over stages of (training FLOPs of the stage's layers, + logits on the last,
+              + recompute: a forward of the recomputed layers, or of the attention core under
+              selective) x tokens per microbatch / tp / rate, + the TP/SP collectives of one
+              microbatch (on the critical path: they sit between the matmuls)
+    t_pipe  = (m + (p - 1) / v) t_mb                (the bubble: (p - 1) / (v m) of m t_mb)
+    t_step  = t_pipe + p2p + exposed DP + embedding and norm all-reduces
+
+DP gradient reductions overlap the last microbatch's backward (2/3 of t_mb; ZeRO-2/3: every
+microbatch's), the ZeRO-1/2 parameter all-gather the next forward (1/3 of t_mb); what does not
+fit is exposed. MFU = model FLOPs of the step / (t_step x GPUs x peak).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from models.config import ConfigError
+
+from ..arguments import Config, TrainConfig
+from ..config_checks import validate
+from ..distributed import STRATEGIES
+from ..flops import GPU_PEAK_BF16_TFLOPS, forward_flops_per_token, training_flops_per_token
+from .communication import communication_per_rank, communication_seconds, step_communication
+from .memory import peak_memory
+
+ZERO_STAGE = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
+MICRO_BATCH_SIZES = (1, 2, 4, 8)
+MAX_VPP = 8
+
+
+@dataclass
+class Network:
+    """Alpha-beta parameters: bytes/s per GPU and seconds per message, inside a node of
+    `node_size` GPUs and across nodes."""
+
+    node_size: int = 8
+    bandwidth_intra: float = 450e9
+    bandwidth_inter: float = 50e9
+    latency_intra: float = 5e-6
+    latency_inter: float = 20e-6
+
+    def bandwidth(self, inter: bool) -> float:
+        return self.bandwidth_inter if inter else self.bandwidth_intra
+
+    def latency(self, inter: bool) -> float:
+        return self.latency_inter if inter else self.latency_intra
+
+
+@dataclass
+class Hardware:
+    """The machine: `gpus`, `gpu_memory` bytes each (of which `memory_headroom` is kept free
+    for the allocator, CUDA context and buffers the planner does not count), `peak_tflops`
+    per GPU (dense bf16 data sheet), `matmul_efficiency` (share of the peak matmuls reach)."""
+
+    gpus: int
+    gpu_memory: float
+    network: Network
+    peak_tflops: float = GPU_PEAK_BF16_TFLOPS["H100"]
+    matmul_efficiency: float = 0.7
+    memory_headroom: float = 0.1
+
+    @property
+    def usable_memory(self) -> float:
+        return self.gpu_memory * (1 - self.memory_headroom)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layout_fields(config: Config) -> dict:
+    """The layout of a validated config, as the planner reports it."""
+    t = config.train
+    return {"tp": t.tensor_model_parallel_size, "pp": t.pipeline_model_parallel_size,
+            "vpp": t.virtual_pipeline_model_parallel_size or 1, "dp": config.data_parallel_size,
+            "micro_batch_size": t.micro_batch_size, "num_microbatches": config.num_microbatches,
+            "sequence_parallel": t.sequence_parallel,
+            "sharding": t.data_parallel_sharding_strategy,
+            "zero_stage": ZERO_STAGE[t.data_parallel_sharding_strategy],
+            "recompute": t.recompute_granularity or "none"}
+
+
+def flags(layout: dict) -> str:
+    """train.py flags of a layout."""
+    out = [f"--tp {layout['tp']}", f"--pp {layout['pp']}"]
+    if layout["vpp"] > 1:
+        out.append(f"--vpp {layout['vpp']}")
+    out.append(f"--micro-batch-size {layout['micro_batch_size']}")
+    if layout["sequence_parallel"]:
+        out.append("--sequence-parallel")
+    if layout["sharding"] != "no_shard":
+        out.append(f"--data-parallel-sharding-strategy {layout['sharding']}")
+    if layout["recompute"] != "none":
+        out.append(f"--recompute-granularity {layout['recompute']}")
+    return " ".join(out)
+
+
+def enumerate_layouts(model, gpus: int, global_batch_size: int, *, bf16: bool = True,
+                      node_size: int | None = None, base: TrainConfig | None = None):
+    """Yield `(config, None)` for each layout train.py accepts and `(fields, reason)` for each
+    it (or the planner: TP across nodes) rejects. `model`: a models.ModelConfig (not
+    modified); `base`: the TrainConfig the layouts start from (default: train.py's defaults)."""
+    base = base or TrainConfig()
+    for tp in _divisors(gpus):
+        for pp in _divisors(gpus // tp):
+            per_stage = model.num_layers // pp if model.num_layers % pp == 0 else 0
+            vpps = [None] + [v for v in _divisors(per_stage) if 1 < v <= MAX_VPP] \
+                if pp > 1 and per_stage else [None]
+            for vpp in vpps:
+                for sp in ((False, True) if tp > 1 else (False,)):
+                    for mbs in MICRO_BATCH_SIZES:
+                        for strategy in STRATEGIES:
+                            for recompute in (None, "selective", "full"):
+                                yield _candidate(model, gpus, global_batch_size, base, bf16,
+                                                 node_size, tp, pp, vpp, sp, mbs, strategy,
+                                                 recompute)
+
+
+def _candidate(model, gpus, gbs, base, bf16, node_size, tp, pp, vpp, sp, mbs, strategy,
+               recompute):
+    train = dataclasses.replace(
+        base, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp, num_layers_per_virtual_pipeline_stage=None,
+        sequence_parallel=sp, micro_batch_size=mbs, global_batch_size=gbs,
+        data_parallel_sharding_strategy=strategy, use_distributed_optimizer=False,
+        recompute_granularity=recompute, recompute_method=None, recompute_num_layers=None,
+        bf16=bf16, log_dir="", save=None, save_replica=None, tensorboard=False)
+    fields = {"tp": tp, "pp": pp, "vpp": vpp or 1, "dp": gpus // (tp * pp),
+              "micro_batch_size": mbs, "sequence_parallel": sp, "sharding": strategy,
+              "zero_stage": ZERO_STAGE[strategy], "recompute": recompute or "none"}
+    if node_size and tp > node_size:
+        return fields, (f"tensor parallel size {tp} exceeds the {node_size} GPUs of a node: "
+                        f"its per-layer all-reduces would cross the inter-node network")
+    config = Config(model=copy.copy(model), train=train)
+    try:
+        validate(config, gpus)
+    except ConfigError as e:
+        return fields, str(e)
+    return config, None
+
+
+def predict(config: Config, hw: Hardware) -> dict:
+    """Memory, communication, bubble, step time and MFU of a validated layout (see module)."""
+    m, t = config.model, config.train
+    tp, pp, dp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size, \
+        config.data_parallel_size
+    v, mb = t.virtual_pipeline_model_parallel_size or 1, config.num_microbatches
+    memory = peak_memory(config)
+    comm = step_communication(config)
+    per_group = communication_per_rank(comm, tp, dp, pp, hw.network)
+    seconds = {group: row["seconds"] for group, row in per_group.items()}
+    rate = hw.peak_tflops * 1e12 * hw.matmul_efficiency
+    vocab = m.padded_vocab_size(tp)
+    logits = 2.0 * m.hidden_size * vocab
+    layer = (forward_flops_per_token(m, vocab_size=vocab) - logits) / m.num_layers
+    attention_core = 2 * 2 * m.seq_length * m.query_projection_size
+    tokens = t.micro_batch_size * m.seq_length
+    stages = config.stage_num_layers()
+    t_mb = 0.0
+    for r, n in enumerate(stages):
+        flops = 3 * (n * layer + (logits if r == pp - 1 else 0))
+        if t.recompute_granularity == "full":
+            flops += n * layer
+        elif t.recompute_granularity == "selective":
+            flops += n * attention_core
+        t_mb = max(t_mb, flops * tokens / tp / rate)
+    t_tp = (seconds.get("tp", 0.0) + seconds.get("sp", 0.0)) / mb
+    t_stage = t_mb + t_tp
+    bubble = (pp - 1) / (v * mb)
+    t_pipe = (mb + (pp - 1) / v) * t_stage
+    grad_keys = [k for k in comm
+                 if k[0] == "dp" and k[1] in ("all_reduce", "reduce_scatter_single")]
+    t_grad = communication_seconds({k: comm[k] for k in grad_keys}, tp, dp, pp, hw.network) \
+        .get("dp", 0.0)
+    t_gather = seconds.get("dp", 0.0) - t_grad
+    strategy = t.data_parallel_sharding_strategy
+    if strategy in ("optim_grads", "optim_grads_params"):  # every microbatch's backward
+        exposed = mb * max(0.0, t_grad / mb - 2 / 3 * t_mb)
+        exposed += mb * max(0.0, t_gather / mb - (1 / 3 if strategy == "optim_grads" else 1)
+                            * t_mb)
+    else:
+        exposed = max(0.0, t_grad - 2 / 3 * t_mb) + max(0.0, t_gather - 1 / 3 * t_mb)
+    other = seconds.get("pp", 0.0) + seconds.get("embedding", 0.0) + seconds.get("mp", 0.0)
+    step = t_pipe + exposed + other
+    flops_step = training_flops_per_token(m) * t.global_batch_size * m.seq_length
+    world = tp * pp * dp
+    return {**layout_fields(config), "memory": memory, "fits": memory["total"] <= hw.usable_memory,
+            "comm": per_group, "comm_seconds": sum(seconds.values()), "bubble": bubble,
+            "compute_seconds_per_microbatch": t_mb,
+            "step_seconds": step, "pipeline_seconds": t_pipe, "exposed_dp_seconds": exposed,
+            "tokens_per_s": t.global_batch_size * m.seq_length / step,
+            "mfu": flops_step / (step * world * hw.peak_tflops * 1e12)}
+
+
+def plan(model, hw: Hardware, global_batch_size: int, *, bf16: bool = True,
+         base: TrainConfig | None = None) -> dict:
+    """`{"fits": [predictions, fastest first], "rejected": [{layout fields, "reason"}]}`."""
+    fits, rejected = [], []
+    for item, reason in enumerate_layouts(model, hw.gpus, global_batch_size, bf16=bf16,
+                                          node_size=hw.network.node_size, base=base):
+        if reason is not None:
+            rejected.append({**item, "reason": reason})
+            continue
+        p = predict(item, hw)
+        if p["fits"]:
+            fits.append(p)
+        else:
+            worst = p["memory"]
+            rejected.append({**layout_fields(item), "reason": (
+                f"needs {worst['total'] / 1e9:.1f} GB on pipeline stage {worst['pp_rank']} "
+                f"(model states {worst['model_states'] / 1e9:.1f}, activations "
+                f"{worst['activations'] / 1e9:.1f} for {worst['in_flight']} microbatch(es) in "
+                f"flight) > {hw.usable_memory / 1e9:.1f} GB usable"),
+                "memory_bytes": worst["total"]})
+    # ties (communication hidden behind compute) go to less traffic, then less memory
+    # step times within 0.1% of each other are a tie (the model is not that precise): the
+    # layout with less communication time wins, then the one with less memory
+    fits.sort(key=lambda p: (round(math.log(p["step_seconds"]), 3), p["comm_seconds"],
+                             p["memory"]["total"]))
+    return {"fits": fits, "rejected": rejected}
+
+
+def smallest_fit(model, hw: Hardware, global_batch_size: int, *, bf16: bool = True,
+                 rejected: list[dict]) -> str:
+    """The one-line advice when nothing fits: the least memory any valid layout needs, and
+    the smallest GPU count (multiples of the node, up to 64x) where some layout fits."""
+    mem = [r["memory_bytes"] for r in rejected if "memory_bytes" in r]
+    need = min(mem) if mem else None
+    step = hw.network.node_size if hw.gpus >= hw.network.node_size else 1
+    more = None
+    for gpus in range(hw.gpus + step, hw.gpus * 64 + 1, step):
+        bigger = dataclasses.replace(hw, gpus=gpus)
+        if _any_fits(model, bigger, global_batch_size, bf16):
+            more = gpus
+            break
+    parts = []
+    if need is not None:
+        parts.append(f"the smallest valid layout needs {need / 1e9:.1f} GB per GPU "
+                     f"({need / (1 - hw.memory_headroom) / 1e9:.1f} GB with the "
+                     f"{hw.memory_headroom:.0%} headroom)")
+    if more is not None:
+        parts.append(f"with {hw.gpu_memory / 1e9:g} GB GPUs at least {more} GPUs would fit")
+    return "; ".join(parts) or "no valid layout for this GPU count"
+
+
+def _any_fits(model, hw: Hardware, gbs: int, bf16: bool) -> bool:
+    """Cheap check: only the most memory-frugal settings (ZeRO-3, full recompute, micro
+    batch 1) of each (tp, pp)."""
+    for tp in _divisors(hw.gpus):
+        if tp > hw.network.node_size:
+            continue
+        for pp in _divisors(hw.gpus // tp):
+            for sp in ((True,) if tp > 1 else (False,)):
+                item, reason = _candidate(model, hw.gpus, gbs, TrainConfig(), bf16,
+                                          hw.network.node_size, tp, pp, None, sp, 1,
+                                          "optim_grads_params", "full")
+                if reason is None and peak_memory(item)["total"] <= hw.usable_memory:
+                    return True
+    return False
+
+
+def global_batch_default(gpus: int) -> int:
+    """A global batch when none is given: 8 sequences per GPU, at least 64 (a power of 2)."""
+    return max(64, 2 ** math.ceil(math.log2(8 * gpus)))
