@@ -48,7 +48,7 @@ class _SequenceParallelLinear(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias
 
 
-# Inference on CPU with at most this many rows (decode: one token per sequence) computes
+# Inference on CPU with 2 to this many rows (decode: one token per sequence) computes
 # `Y^T = W X^T` instead of `Y = X W^T`: the same product, but MKL streams the large weight as
 # the left operand, which bench/generate_throughput.py measured up to ~2x faster at 2-8 rows
 # on 2 cores (the weights, not the FLOPs, bound decode).
@@ -58,9 +58,11 @@ FEW_ROWS = 16
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
     """`F.linear(x, weight, bias)`: `x [..., in]`, `weight [out, in]` -> `[..., out]`; under
-    no-grad on CPU with at most FEW_ROWS rows, computed as `(W X^T)^T`."""
+    no-grad on CPU with 2..FEW_ROWS rows, computed as `(W X^T)^T` (one row: MKL's
+    matrix-vector product either way, and `F.linear` measured faster)."""
     rows = x.numel() // max(x.shape[-1], 1)
-    if torch.is_grad_enabled() or x.device.type != "cpu" or rows > FEW_ROWS or x.dim() < 2:
+    if torch.is_grad_enabled() or x.device.type != "cpu" or not 1 < rows <= FEW_ROWS \
+            or x.dim() < 2:
         return F.linear(x, weight, bias)
     y = torch.mm(weight, x.reshape(rows, -1).t()).t()
     if bias is not None:
