@@ -20,7 +20,7 @@ from torch.profiler import record_function
 
 import parallel_state as ps
 from checkpoint.format import CheckpointError
-from models import GPTModel
+from models import GPTModel, T5Model
 from models.config import ConfigError
 from models.pipeline import build_model_chunks
 from parallel_state import collectives, debug_collectives, trace
@@ -112,9 +112,36 @@ def _build_data(config: Config):
     gbs = t.global_batch_size
     # every evaluation reads the same first eval_iters global batches of the valid split
     num_samples = (t.train_iters * gbs, t.eval_iters * gbs if t.eval_interval else 0, 0)
-    train_ds, valid_ds, _ = build_train_valid_test_datasets(
-        data_path, t.split, config.model.seq_length, t.seed, num_samples)
-    return tokenizer, train_ds, valid_ds
+    if not config.model.is_encoder_decoder:
+        train_ds, valid_ds, _ = build_train_valid_test_datasets(
+            data_path, t.split, config.model.seq_length, t.seed, num_samples)
+        return tokenizer, train_ds, valid_ds
+    return (tokenizer, *_t5_datasets(config, tokenizer, data_path, num_samples))
+
+
+def vocab_extra_ids(config: Config) -> int:
+    """Sentinel ids a T5 model embeds above the tokenizer's (--vocab-extra-ids, 100 by
+    default as T5); 0 for GPT."""
+    if not config.model.is_encoder_decoder:
+        return 0
+    return 100 if config.train.vocab_extra_ids is None else config.train.vocab_extra_ids
+
+
+def _t5_datasets(config: Config, tokenizer, data_path, num_samples):
+    """Span-corrupted (train, valid) over GPT windows of the raw length the encoder fits."""
+    from .data import build_train_valid_test_datasets
+    from .data.t5_dataset import T5SpanCorruptionDataset, span_corruption_lengths
+
+    t, m = config.train, config.model
+    raw, _ = span_corruption_lengths(m.seq_length, t.noise_density, t.mean_noise_span_length)
+    windows = build_train_valid_test_datasets(data_path, t.split, raw - 1, t.seed, num_samples)
+    pad = tokenizer.pad if tokenizer.pad >= 0 else 0
+    kw = dict(encoder_seq_length=m.seq_length, decoder_seq_length=m.decoder_seq_length,
+              vocab_size=tokenizer.vocab_size + vocab_extra_ids(config),
+              num_sentinels=vocab_extra_ids(config), eos_id=tokenizer.eod, pad_id=pad,
+              seed=t.seed, noise_density=t.noise_density,
+              mean_noise_span_length=t.mean_noise_span_length)
+    return [None if w is None else T5SpanCorruptionDataset(w, **kw) for w in windows[:2]]
 
 
 def get_microbatches(dataset, base: int, config: Config, device,
@@ -134,6 +161,13 @@ def get_microbatches(dataset, base: int, config: Config, device,
     out = []
     for m in range(gbs // (mbs * dp)):
         start = base + m * mbs * dp + dp_rank * mbs
+        if config.model.is_encoder_decoder:  # span-corrupted T5 samples (dicts)
+            items = [dataset[start + j] for j in range(mbs)]
+            batch = {k: torch.from_numpy(np.stack([it[k] for it in items])) for k in items[0]}
+            out.append({"tokens": batch["text_enc"], "encoder_mask": batch["enc_mask"],
+                        "labels": batch["labels"], "loss_mask": batch["loss_mask"]})
+            out[-1] = {k: v.to(device) for k, v in out[-1].items()}
+            continue
         samples = np.stack([dataset[start + j] for j in range(mbs)]).astype(np.int64)
         tokens = torch.from_numpy(samples)
         batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
@@ -192,10 +226,17 @@ def evaluate(chunks, dataset, config: Config, device) -> float:
 def build_model(config: Config, device) -> list[GPTModel]:
     """This rank's model chunks (one unless virtual pipelining), initialized from the seed."""
     t = config.train
-    chunks = build_model_chunks(GPTModel, config.model, config.stage_num_layers(),
-                                ps.get_pipeline_model_parallel_rank(),
-                                t.virtual_pipeline_model_parallel_size,
-                                sequence_parallel=t.sequence_parallel)
+    if config.model.is_encoder_decoder:
+        from .config_checks import t5_stage_layers
+
+        enc, dec = t5_stage_layers(config.model, t)[ps.get_pipeline_model_parallel_rank()]
+        chunks = [T5Model(config.model, encoder_layer_numbers=enc, decoder_layer_numbers=dec,
+                          sequence_parallel=t.sequence_parallel)]
+    else:
+        chunks = build_model_chunks(GPTModel, config.model, config.stage_num_layers(),
+                                    ps.get_pipeline_model_parallel_rank(),
+                                    t.virtual_pipeline_model_parallel_size,
+                                    sequence_parallel=t.sequence_parallel)
     for chunk in chunks:
         chunk.init_weights(t.seed)
         if t.bf16:  # Megatron's Float16Module: bf16 weights (the optimizer keeps fp32 copies)
@@ -274,16 +315,18 @@ def _train(config: Config, device, on_end=None, run_start: float | None = None) 
                  f"data ({' '.join(t.data_path) if t.data_path else 'the embedded demo corpus'})")
     tokenizer, train_ds, valid_ds = build_data(config)
     loads_weights = bool(t.load) and resume_path(t) is not None
-    if loads_weights and tokenizer.vocab_size > m.vocab_size:
-        raise DataError(f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} ids but the "
+    needed = tokenizer.vocab_size + vocab_extra_ids(config)  # T5: sentinels on top
+    if loads_weights and needed > m.vocab_size:
+        raise DataError(f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} ids"
+                        f"{' + the sentinels' if needed > tokenizer.vocab_size else ''} but the "
                         f"model loaded from {t.load} embeds only {m.vocab_size}; use the "
                         f"tokenizer the model was trained with (the one stored in the "
                         f"checkpoint is used when --tokenizer-model is not given)")
-    if not loads_weights and m.vocab_size != tokenizer.vocab_size:
+    if not loads_weights and m.vocab_size != needed:
         # from scratch, the tokenizer decides the vocabulary (a model loaded from a checkpoint
         # keeps its own, which may hold unused ids, as HF models often do)
-        _rank0_print(vocab_notice(m, tokenizer.vocab_size))
-        m.vocab_size = tokenizer.vocab_size
+        _rank0_print(vocab_notice(m, needed))
+        m.vocab_size = needed
         m.validate(t.tensor_model_parallel_size)
     _rank0_print(config.summary())
     _rank0_print("building the model and optimizer")
@@ -567,6 +610,12 @@ def log_activation_memory(chunks, dataset, config: Config, device) -> dict:
     untouched) and return them beside the predictions: the total, the decoder layers' share,
     and the layers' model-specific and Korthikanti et al. predictions (training/memory.py)."""
     t = config.train
+    if config.model.is_encoder_decoder:
+        _rank0_print("note: activation memory is measured and predicted for decoder-only "
+                     "models only; this T5 run reports none (its formulas are not written)")
+        return {k: 0 for k in ("activation_bytes_per_microbatch", "activation_bytes_layers",
+                               "activation_bytes_layers_predicted",
+                               "activation_bytes_layers_paper")}
     batch = get_microbatches(dataset, 0, config, device)[0]  # sample 0: any would do
     dtype = next(chunks[0].parameters()).dtype
     measured = measure_activation_bytes(chunks, batch, pipeline_spec(config, device).shapes[0],
