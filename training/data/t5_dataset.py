@@ -81,25 +81,21 @@ def _spans_with_sentinels(tokens, mask, starts, sentinel) -> np.ndarray:
     return out
 
 
-def uncorrupt(inputs: np.ndarray, targets: np.ndarray, vocab_size: int, num_sentinels: int,
-              eos_id: int) -> np.ndarray:
-    """The original window from `corrupt`'s `(input, target)` (EOS and padding dropped):
-    each sentinel of the input replaced by what follows it in the target."""
+def uncorrupt(inputs: np.ndarray, targets: np.ndarray, vocab_size: int,
+              num_sentinels: int) -> np.ndarray:
+    """The original window from `corrupt`'s unpadded `(input, target)` (each ending with
+    its EOS, which is dropped): each sentinel of the input replaced by what follows it in
+    the target."""
     first = vocab_size - num_sentinels
-
-    def body(x):
-        x = list(x)
-        return x[:x.index(eos_id)] if eos_id in x else x
-
     spans, current = {}, None
-    for t in body(targets):
+    for t in targets[:-1]:
         if t >= first:
-            current = spans.setdefault(t, [])
+            current = spans.setdefault(int(t), [])
         elif current is not None:
-            current.append(t)
+            current.append(int(t))
     out = []
-    for t in body(inputs):
-        out.extend(spans.get(t, []) if t >= first else [t])
+    for t in inputs[:-1]:
+        out.extend(spans.get(int(t), []) if t >= first else [int(t)])
     return np.asarray(out, dtype=np.int64)
 
 
