@@ -101,9 +101,32 @@ class T5Model(nn.Module):
             if self.share_embeddings_and_output_weights and not self.pre_process:
                 self.output_layer.weight.init_key = WORD_EMBEDDINGS
                 self.output_layer.weight.shared_embedding = True
-        if self.pre_process and self.share_embeddings_and_output_weights and \
-                not self.post_process:
-            self.embedding.word_embeddings.weight.shared_embedding = True
+        self._tag_pipeline_copies()
+
+    def _tag_pipeline_copies(self) -> None:
+        """Mark the parameters other pipeline stages also hold, so that their gradients are
+        summed over those stages and the global norm counts each once: the word embedding
+        (encoder input, decoder input, tied output layer: Megatron's embedding group) and
+        each stack's position-bias table (on every stage of the stack: `stage_group`).
+        `pipeline_duplicate` marks the copies the norm skips."""
+        c = self.config
+        if self.pre_process:
+            word = self.embedding.word_embeddings.weight
+            both_inputs = self.encoder_pre_process and self.decoder_pre_process
+            tied_output_elsewhere = self.share_embeddings_and_output_weights and \
+                not self.post_process
+            if not both_inputs or tied_output_elsewhere:
+                word.shared_embedding = True
+            if not self.encoder_pre_process:  # the first decoder stage: stage 0 counts it
+                word.pipeline_duplicate = True
+        if self.post_process and getattr(self.output_layer.weight, "shared_embedding", False):
+            self.output_layer.weight.pipeline_duplicate = True
+        for stack, layers, total in (("encoder", self.encoder_layer_numbers, c.encoder_num_layers),
+                                     ("decoder", self.decoder_layer_numbers, c.decoder_num_layers)):
+            if layers and len(layers) < total:  # the stack spans several stages
+                table = getattr(self, f"{stack}_position_bias").weight
+                table.stage_group = f"{stack}_position_bias"
+                table.pipeline_duplicate = 0 not in layers
 
     # ------------------------------------------------------------------ weights
     def init_weights(self, seed: int) -> None:

@@ -132,3 +132,22 @@ def test_t5_layouts_match_single_process(references, tmp_path, corpus_env):
         _check(result, references[ref], args)
     for ref in references.values():
         assert ref["losses"][-1] < ref["losses"][0]  # it trains
+
+
+PIPELINE_LAYOUTS = [  # one world of 8: encoder stages | decoder stages, 1F1B
+    ("tied", ["--pp", "2", "--pipeline-model-parallel-split-rank", "1", "--micro-batch-size",
+              "1"]),  # dp 4
+    ("untied", ["--pp", "4", "--pipeline-model-parallel-split-rank", "2"]),  # dp 2
+    ("tied", ["--pp", "4", "--pipeline-model-parallel-split-rank", "2",
+              "--use-distributed-optimizer"]),  # dp 2, the tied copy on the last stage
+    ("untied", ["--tp", "2", "--pp", "2", "--pipeline-model-parallel-split-rank", "1",
+                "--sequence-parallel", "--use-distributed-optimizer"]),  # dp 2
+]
+
+
+def test_t5_pipeline_layouts_match_single_process(references, tmp_path, corpus_env):
+    runs = [(TIED if ref == "tied" else UNTIED) + flags for ref, flags in PIPELINE_LAYOUTS]
+    results = run_distributed(_train_worker, 8, runs, str(tmp_path),
+                              corpus_env["SHARDZOO_CACHE"], timeout=600)[0]
+    for (ref, _), args, result in zip(PIPELINE_LAYOUTS, runs, results):
+        _check(result, references[ref], args)

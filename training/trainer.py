@@ -190,11 +190,23 @@ def _global_sum(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def pipeline_spec(config: Config, device) -> TensorSpec:
-    """What adjacent stages exchange: hidden states `[s, b, h]` (`[s/tp, b, h]` under SP)."""
+    """What adjacent stages exchange: hidden states `[s, b, h]` (`[s/tp, b, h]` under SP).
+
+    T5 (Megatron's encoder-and-decoder pipeline): encoder stages pass the encoder hidden
+    `[se, b, h]`; the first decoder stage receives the encoder output, and every decoder
+    stage passes `(decoder hidden [sd, b, h], encoder output [se, b, h])`."""
     m, t = config.model, config.train
-    s = m.seq_length // (t.tensor_model_parallel_size if t.sequence_parallel else 1)
-    return TensorSpec(shapes=((s, t.micro_batch_size, m.hidden_size),),
-                      dtype=torch.bfloat16 if t.bf16 else torch.float32, device=device)
+    sp = t.tensor_model_parallel_size if t.sequence_parallel else 1
+    dtype = torch.bfloat16 if t.bf16 else torch.float32
+    b, h = t.micro_batch_size, m.hidden_size
+    enc = (m.seq_length // sp, b, h)
+    if not m.is_encoder_decoder:
+        return TensorSpec(shapes=(enc,), dtype=dtype, device=device)
+    dec = (m.decoder_seq_length // sp, b, h)
+    rank, split = ps.get_pipeline_model_parallel_rank(), t.pipeline_model_parallel_split_rank
+    received = (enc,) if split is None or rank <= split else (dec, enc)
+    sent = (enc,) if split is not None and rank < split else (dec, enc)
+    return TensorSpec(shapes=received, dtype=dtype, device=device, next_shapes=sent)
 
 
 def global_loss_sum(loss_sum: torch.Tensor) -> torch.Tensor:
@@ -281,7 +293,8 @@ def pretrain(config: Config, on_end=None) -> list[dict]:
         with trace.dump_on_error(ignore=_UNIFORM_ERRORS):
             ps.initialize_model_parallel(t.tensor_model_parallel_size,
                                          t.pipeline_model_parallel_size,
-                                         t.virtual_pipeline_model_parallel_size, device=device)
+                                         t.virtual_pipeline_model_parallel_size, device=device,
+                                         **pipeline_copies(config))
             records = _train(config, device, on_end, run_start)
             collectives.barrier()  # every rank got here, so nothing is left hanging
         clean = True
@@ -293,6 +306,21 @@ def pretrain(config: Config, on_end=None) -> list[dict]:
         debug_collectives.disable()
         trace.stop_trace(remove=clean)
         ps.destroy_model_parallel()
+
+
+def pipeline_copies(config: Config) -> dict:
+    """`initialize_model_parallel` keywords for the parameters several pipeline stages hold
+    (T5 with --pipeline-model-parallel-split-rank): the embedding on the first encoder and
+    first decoder stage (and the last, when tied), each position-bias table on every stage
+    of its stack. Empty for GPT (the default first + last embedding group)."""
+    m, t = config.model, config.train
+    split, pp = t.pipeline_model_parallel_split_rank, t.pipeline_model_parallel_size
+    if not m.is_encoder_decoder or pp == 1:
+        return {}
+    embedding = [0, split] + ([] if m.untie_embeddings_and_output_weights else [pp - 1])
+    return {"embedding_stages": embedding,
+            "stage_groups": {"encoder_position_bias": list(range(split)),
+                             "decoder_position_bias": list(range(split, pp))}}
 
 
 def vocab_notice(m, tokenizer_vocab: int) -> str:
