@@ -7,7 +7,7 @@ import os
 import torch
 
 import parallel_state as ps
-from models import GPTModel
+from models import GPTModel, T5Model
 from models.config import ModelConfig
 from models.pipeline import build_model_chunks
 from models.tokenizer import Tokenizer
@@ -24,8 +24,15 @@ def stage_layers(num_layers: int, pp: int) -> list[int]:
 
 def build_model(config: ModelConfig) -> GPTModel:
     """This rank's `GPTModel` stage on the current grid (KV heads replicated when tp >
-    num_query_groups), weights uninitialized. Raises `models.config.ConfigError`."""
+    num_query_groups), or a `T5Model` (pp 1), weights uninitialized. Raises
+    `models.config.ConfigError` (and `ValueError` for T5 at pp > 1)."""
     pp = ps.get_pipeline_model_parallel_world_size()
+    if config.is_encoder_decoder:  # T5: the whole model on each TP rank (no pipeline)
+        if pp > 1:
+            raise ValueError("encoder-decoder (T5) generation runs with --pp 1 (tensor "
+                             "parallelism only); relaunch with --pp 1")
+        with torch.device(ps.get_device()):
+            return T5Model(config)
     with torch.device(ps.get_device()):
         return build_model_chunks(GPTModel, config, stage_layers(config.num_layers, pp),
                                   ps.get_pipeline_model_parallel_rank(), None,

@@ -241,7 +241,9 @@ class RelativePositionBias(nn.Module):
     (each rank holds the columns of its `n/tp` heads, so the bias needs no communication).
 
     `forward(sq, sk)` -> `[1, n/tp, sq, sk]` float for queries at positions sk-sq..sk-1
-    (decoding with a cache) and keys 0..sk-1; buckets bidirectional or causal as built.
+    (decoding with a cache) and keys 0..sk-1; with `query_positions [b, sq]` (batched
+    decoding, each row at its own position) -> `[b, n/tp, sq, sk]`. Buckets bidirectional or
+    causal as built.
     """
 
     def __init__(self, num_buckets: int, max_distance: int, num_heads: int, bidirectional: bool):
@@ -252,12 +254,18 @@ class RelativePositionBias(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_buckets, num_heads // tp))
         set_tensor_parallel_attributes(self.weight, partition_dim=1, init="normal")
 
-    def forward(self, sq: int, sk: int, device=None) -> torch.Tensor:
+    def forward(self, sq: int, sk: int, device=None,
+                query_positions: torch.Tensor | None = None) -> torch.Tensor:
         device = device or self.weight.device
+        key = torch.arange(sk, device=device)
+        if query_positions is not None:  # [b, sq]: rows at their own positions (decoding)
+            relative = key[None, None, :] - query_positions.to(device)[:, :, None]
+            buckets = relative_position_bucket(relative, self.bidirectional, self.num_buckets,
+                                               self.max_distance)
+            return F.embedding(buckets, self.weight).permute(0, 3, 1, 2)  # [b, n/tp, sq, sk]
         query = torch.arange(sk - sq, sk, device=device)[:, None]
-        key = torch.arange(sk, device=device)[None, :]
-        buckets = relative_position_bucket(key - query, self.bidirectional, self.num_buckets,
-                                           self.max_distance)
+        buckets = relative_position_bucket(key[None, :] - query, self.bidirectional,
+                                           self.num_buckets, self.max_distance)
         return F.embedding(buckets, self.weight).permute(2, 0, 1).unsqueeze(0)
 
 

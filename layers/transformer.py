@@ -62,7 +62,7 @@ class TransformerLayer(nn.Module):
             self.input_layernorm(x), rotary=rotary, kv_cache=kv_cache,
             attention_mask=attention_mask, attention_bias=attention_bias))
         if self.cross_attention is not None:
-            if encoder_output is None:
+            if encoder_output is None and kv_cache is None:
                 raise ValueError("a decoder layer with cross-attention needs encoder_output")
             x = self._residual(x, self.cross_attention(
                 self.pre_cross_attn_layernorm(x), encoder_output,

@@ -181,19 +181,24 @@ class T5Model(nn.Module):
     def decode(self, decoder_input_ids: torch.Tensor | None, encoder_output: torch.Tensor, *,
                hidden_states: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                encoder_attention_mask: torch.Tensor | None = None, kv_cache=None,
-               position_offset: int = 0, label_smoothing: float = 0.0,
+               position_offset: int = 0, position_ids: torch.Tensor | None = None,
+               attention_mask: torch.Tensor | None = None, label_smoothing: float = 0.0,
                output_positions: torch.Tensor | None = None) -> torch.Tensor:
         """Decoder layers held here.
 
         Args:
             decoder_input_ids: `[b, sd]` (first decoder stage; `shift_right(labels)` in
                 training).
-            encoder_output: `[se, b, h]` (`[se/tp, b, h]` under SP), the encoder's output.
+            encoder_output: `[se, b, h]` (`[se/tp, b, h]` under SP), the encoder's output
+                (None when decoding from a cache that holds the cross-attention keys/values).
             hidden_states: `[sd, b, h]` from the previous decoder stage.
             labels: `[b, sd]` targets (-100 = ignore), on the last stage.
             encoder_attention_mask: `[b, se]` bool, True = real encoder token.
             kv_cache: inference cache (self-attention `update`, cross-attention `cross`).
             position_offset: decoder position of the first token (decoding with a cache).
+            position_ids: `[b, sd]` decoder position of every token (batched decoding, rows
+                at different positions; replaces position_offset).
+            attention_mask: `[b, 1, sd, s_kv]` bool self-attention mask (default causal).
             output_positions: `[b]` (last stage, no labels): the one token per row whose
                 logits are returned.
         Returns: per-token loss `[b, sd]` float32 (last stage with labels), vocab-parallel
@@ -203,9 +208,15 @@ class T5Model(nn.Module):
         if x is None:
             raise ValueError("a decoder stage without the embedding needs hidden_states")
         s = self._full_length(x)
-        bias = self.decoder_position_bias(s, position_offset + s, device=x.device)
+        if position_ids is not None:
+            keys = attention_mask.shape[-1] if attention_mask is not None else \
+                int(position_ids.max()) + 1
+            bias = self.decoder_position_bias(s, keys, device=x.device,
+                                              query_positions=position_ids)
+        else:
+            bias = self.decoder_position_bias(s, position_offset + s, device=x.device)
         mask = None if encoder_attention_mask is None else encoder_attention_mask[:, None, None, :]
-        x = self.decoder(x, kv_cache=kv_cache, attention_bias=bias,
+        x = self.decoder(x, kv_cache=kv_cache, attention_bias=bias, attention_mask=attention_mask,
                          encoder_output=encoder_output, cross_attention_mask=mask)
         if not self.post_process:
             return x

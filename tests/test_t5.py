@@ -1,6 +1,7 @@
 """T5Model against transformers' T5ForConditionalGeneration (tiny random v1.0 tied and v1.1
-untied models): logits at tp=1 and tp=2 (with and without sequence parallel), relative
-position buckets against an independent implementation, HF import/export round trip."""
+untied models): logits at tp=1 and tp=2 (with and without sequence parallel), greedy
+generation against `generate` at tp=1 and tp=2, relative position buckets against an
+independent implementation, HF import/export round trip."""
 from __future__ import annotations
 
 import json
@@ -24,7 +25,7 @@ def _hf_t5(v11: bool, seed: int = 0, eos_bias: bool = False):
     torch.manual_seed(seed)
     c = T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=2,
                  num_decoder_layers=3, num_heads=4, relative_attention_num_buckets=8,
-                 relative_attention_max_distance=20, dropout_rate=0.0,
+                 relative_attention_max_distance=20, dropout_rate=0.0, decoder_start_token_id=0,
                  feed_forward_proj="gated-gelu" if v11 else "relu", tie_word_embeddings=not v11)
     m = T5ForConditionalGeneration(c).eval()
     with torch.no_grad():
@@ -78,8 +79,42 @@ def _logit_diffs(sequence_parallel: bool) -> dict:
     return out
 
 
+def _greedy_matches_hf() -> list[tuple]:
+    """Greedy generation of the engine (continuous batching: 3 prompts, 2 slots) against HF
+    `generate`, for v1.0 and v1.1: `(ours, HF)` token lists per prompt."""
+    from inference.engine import Engine, Request
+    from inference.sampling import SamplingParams
+
+    out = []
+    for v11 in (False, True):
+        m = _hf_t5(v11, seed=4)
+        ours = _ours_from_hf(m)
+        g = torch.Generator().manual_seed(3)
+        prompts = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in (7, 12, 3)]
+        engine = Engine(ours, eos_token_ids=[1], max_batch_size=2, max_seq_length=16,
+                        max_source_length=32)
+        requests = [Request(str(i), p, SamplingParams(max_new_tokens=10, temperature=0.0))
+                    for i, p in enumerate(prompts)]
+        engine.generate(requests)
+        for r, p in zip(requests, prompts):
+            # use_cache=False: transformers' cache mis-sizes a decoder deeper than the encoder
+            hf = m.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, num_beams=1,
+                            use_cache=False)[0, 1:].tolist()  # without the start id 0
+            out.append((r.output, hf))
+    return out
+
+
 def _tp_suite():
-    return {sp: _logit_diffs(sp) for sp in (False, True)}
+    """At tp=2: logits (with and without SP) and greedy generation; then, on a rebuilt grid
+    of two tp=1 replicas, greedy generation again."""
+    import parallel_state as ps
+
+    out = {"logits": {sp: _logit_diffs(sp) for sp in (False, True)},
+           "generate": {2: _greedy_matches_hf()}}
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(1, 1, device="cpu")
+    out["generate"][1] = _greedy_matches_hf()
+    return out
 
 
 def test_logits_match_hf_tp1(no_grid):
@@ -87,11 +122,15 @@ def test_logits_match_hf_tp1(no_grid):
     assert max(diffs.values()) < 1e-4, diffs
 
 
-def test_logits_match_hf_tp2():
-    results = run_distributed(_tp_suite, 2, tp=2, timeout=180)
-    for rank, by_sp in enumerate(results):
-        for sp, diffs in by_sp.items():
+def test_logits_and_greedy_generation_match_hf_tp2_tp1():
+    results = run_distributed(_tp_suite, 2, tp=2, timeout=240)
+    for rank, result in enumerate(results):
+        for sp, diffs in result["logits"].items():
             assert max(diffs.values()) < 1e-4, (rank, sp, diffs)
+        for tp, pairs in result["generate"].items():
+            for ours, hf in pairs:
+                assert ours == hf, (rank, tp, ours, hf)
+            assert len({t for ours, _ in pairs for t in ours}) > 6  # not one repeated token
 
 
 def _bucket_reference(rel: int, bidirectional: bool, num_buckets: int, max_distance: int) -> int:
@@ -192,3 +231,66 @@ def test_hf_import_export_round_trip_bitwise(v11, tmp_path, no_grid):
         assert torch.equal(again(input_ids=ids, decoder_input_ids=dec).logits,
                            m(input_ids=ids, decoder_input_ids=dec).logits)
     assert os.path.exists(tmp_path / "out" / "generation_config.json")
+
+
+def test_infer_serves_t5_checkpoint(tmp_path, corpus_env, no_grid):
+    """`infer.py --load` detects an encoder-decoder checkpoint and `--serve` answers
+    /v1/completions with HF's greedy continuation of the prompt (EOS appended, as T5's
+    tokenizer does); /v1/chat/completions is refused (no chat template)."""
+    import signal
+    import subprocess
+    import sys
+
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from checkpoint.hf import import_hf
+    from distributed import free_port
+    from inference.seq2seq import SourceTokenizer
+    from models.tokenizer import build_tokenizer
+    from tests.test_server import _post
+    from training.data import ensure_default_corpus
+
+    _, sp_path = ensure_default_corpus(corpus_env["SHARDZOO_CACHE"], quiet=True)
+    sp = build_tokenizer(sp_path)
+    vocab = sp.vocab_size + 100  # the sentinels above the tokenizer
+    torch.manual_seed(0)
+    hf = T5ForConditionalGeneration(T5Config(
+        vocab_size=vocab, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4,
+        dropout_rate=0.0, decoder_start_token_id=0, eos_token_id=sp.eod,
+        initializer_factor=4.0)).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"), log=lambda *a: None)
+    port = free_port()
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(repo, "infer.py"), "--load", str(tmp_path / "ckpt"),
+         "--tokenizer", sp_path, "--serve", "--port", str(port), "--served-model-name", "t5"],
+        cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "serving t5 on" in line:
+                break
+        else:
+            raise AssertionError("server did not start:\n" + "".join(lines[-30:]))
+        prompt = "def hello(name):\n    return"
+        status, body = _post(port, "/v1/completions", {"model": "t5", "prompt": prompt,
+                                                       "max_tokens": 8, "temperature": 0},
+                             key=None)
+        assert status == 200, body
+        source = SourceTokenizer(sp, vocab)
+        ids = source.encode(prompt)
+        assert ids[-1] == sp.eod and body["usage"]["prompt_tokens"] == len(ids)
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False,
+                               num_beams=1)[0, 1:].tolist()
+        assert body["choices"][0]["text"] == source.decode(want)
+        assert body["usage"]["completion_tokens"] == len(want)
+        status, body = _post(port, "/v1/chat/completions", {
+            "model": "t5", "messages": [{"role": "user", "content": "hi"}]}, key=None)
+        assert status == 400 and "chat template" in body["error"]["message"], body
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)

@@ -124,12 +124,17 @@ def _check(result, ref, args):
         assert abs(a - e) <= 1e-5 * abs(e), (result["losses"], ref["losses"])
 
 
-def test_t5_layouts_match_single_process(references, tmp_path, corpus_env):
-    runs = [(TIED if ref == "tied" else UNTIED) + flags for ref, flags in LAYOUTS]
-    results = run_distributed(_train_worker, 2, runs, str(tmp_path),
+def _check_layouts(layouts, world, references, tmp_path, corpus_env):
+    """Run every `(reference, flags)` of `layouts` one after the other in one world."""
+    runs = [(TIED if ref == "tied" else UNTIED) + flags for ref, flags in layouts]
+    results = run_distributed(_train_worker, world, runs, str(tmp_path),
                               corpus_env["SHARDZOO_CACHE"], timeout=600)[0]
-    for (ref, _), args, result in zip(LAYOUTS, runs, results):
+    for (ref, _), args, result in zip(layouts, runs, results):
         _check(result, references[ref], args)
+
+
+def test_t5_layouts_match_single_process(references, tmp_path, corpus_env):
+    _check_layouts(LAYOUTS, 2, references, tmp_path, corpus_env)
     for ref in references.values():
         assert ref["losses"][-1] < ref["losses"][0]  # it trains
 
@@ -146,8 +151,4 @@ PIPELINE_LAYOUTS = [  # one world of 8: encoder stages | decoder stages, 1F1B
 
 
 def test_t5_pipeline_layouts_match_single_process(references, tmp_path, corpus_env):
-    runs = [(TIED if ref == "tied" else UNTIED) + flags for ref, flags in PIPELINE_LAYOUTS]
-    results = run_distributed(_train_worker, 8, runs, str(tmp_path),
-                              corpus_env["SHARDZOO_CACHE"], timeout=600)[0]
-    for (ref, _), args, result in zip(PIPELINE_LAYOUTS, runs, results):
-        _check(result, references[ref], args)
+    _check_layouts(PIPELINE_LAYOUTS, 8, references, tmp_path, corpus_env)
