@@ -167,10 +167,14 @@ class Config:
         pad = m.padded_vocab_size(t.tensor_model_parallel_size)
         tp = t.tensor_model_parallel_size
         padded = f" (padded to {pad} for tp {tp})" if pad != m.vocab_size else ""
+        layers = (f"{m.encoder_num_layers}+{m.decoder_num_layers} encoder+decoder"
+                  if m.is_encoder_decoder else f"{m.num_layers}")
+        seq = (f"{m.seq_length}/{m.decoder_seq_length}" if m.is_encoder_decoder
+               else f"{m.seq_length}")
         return (
-            f"model   {m.name or 'custom'}: {m.num_parameters() / 1e6:.1f}M params, {m.num_layers}"
+            f"model   {m.name or 'custom'}: {m.num_parameters() / 1e6:.1f}M params, {layers}"
             f" layers, hidden {m.hidden_size}, heads {m.num_attention_heads} (kv "
-            f"{m.num_query_groups}), ffn {m.ffn_hidden_size}, seq {m.seq_length}, vocab "
+            f"{m.num_query_groups}), ffn {m.ffn_hidden_size}, seq {seq}, vocab "
             f"{m.vocab_size}{padded}, {m.position_embedding_type}/{m.normalization}/"
             f"{m.activation}\n"
             f"layout  world {self.world_size} = pp {t.pipeline_model_parallel_size} x dp {dp} x "

@@ -323,12 +323,14 @@ def pipeline_copies(config: Config) -> dict:
                              "decoder_position_bias": list(range(split, pp))}}
 
 
-def vocab_notice(m, tokenizer_vocab: int) -> str:
-    """The one line saying that the tokenizer's vocabulary replaces the model file's, with the
-    parameter counts of both (e.g. gpt2-124m on the 8192-token demo corpus)."""
+def vocab_notice(m, tokenizer_vocab: int, sentinels: int = 0) -> str:
+    """The one line saying that the tokenizer's vocabulary (plus T5's `sentinels`) replaces
+    the model file's, with the parameter counts of both (e.g. gpt2-124m on the 8192-token
+    demo corpus)."""
     named = dataclasses.replace(m)
-    actual = dataclasses.replace(m, vocab_size=tokenizer_vocab)
-    return (f"note: the tokenizer has {tokenizer_vocab} tokens, so the vocabulary of "
+    actual = dataclasses.replace(m, vocab_size=tokenizer_vocab + sentinels)
+    extra = f" + {sentinels} sentinels" if sentinels else ""
+    return (f"note: the tokenizer has {tokenizer_vocab} tokens{extra}, so the vocabulary of "
             f"{m.name or 'the model'} ({m.vocab_size}) is replaced: this run trains "
             f"{actual.num_parameters() / 1e6:.1f}M parameters, not "
             f"{named.num_parameters() / 1e6:.1f}M (for the named size, pass --data-path and "
@@ -353,7 +355,7 @@ def _train(config: Config, device, on_end=None, run_start: float | None = None) 
     if not loads_weights and m.vocab_size != needed:
         # from scratch, the tokenizer decides the vocabulary (a model loaded from a checkpoint
         # keeps its own, which may hold unused ids, as HF models often do)
-        _rank0_print(vocab_notice(m, needed))
+        _rank0_print(vocab_notice(m, tokenizer.vocab_size, vocab_extra_ids(config)))
         m.vocab_size = needed
         m.validate(t.tensor_model_parallel_size)
     _rank0_print(config.summary())
