@@ -346,6 +346,14 @@ def _train(config: Config, device, on_end=None, run_start: float | None = None) 
     tokenizer, train_ds, valid_ds = build_data(config)
     loads_weights = bool(t.load) and resume_path(t) is not None
     needed = tokenizer.vocab_size + vocab_extra_ids(config)  # T5: sentinels on top
+    if loads_weights and m.vocab_size != needed:
+        from checkpoint.format import read_metadata
+
+        if read_metadata(resume_path(t))["model"].get("vocab_size") == needed:
+            # the run that saved it replaced the model file's vocabulary as a fresh run of
+            # this command does (tokenizer + sentinels): the same command resumes it
+            m.vocab_size = needed
+            m.validate(t.tensor_model_parallel_size)
     if loads_weights and needed > m.vocab_size:
         raise DataError(f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} ids"
                         f"{' + the sentinels' if needed > tokenizer.vocab_size else ''} but the "
