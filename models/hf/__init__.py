@@ -9,7 +9,8 @@ architecture, both directions, beside our model families (`GPTModel`, `T5Model`)
   parameter at a time through the architecture's `Rule` table (models/hf/rules.py).
 
 Supported: GPT2LMHeadModel (gpt2), LlamaForCausalLM (llama), MistralForCausalLM (mistral),
-Qwen2ForCausalLM (qwen2), T5ForConditionalGeneration (t5, v1.0 and v1.1). File formats (safetensors, .bin, GGUF) are in models/hf/files.py.
+Qwen2ForCausalLM (qwen2), T5ForConditionalGeneration (t5, v1.0 and v1.1). File formats
+(safetensors, .bin, GGUF) are in models/hf/files.py.
 """
 from __future__ import annotations
 

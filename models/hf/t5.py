@@ -56,7 +56,8 @@ def config_from_hf(d: dict) -> ModelConfig:
     return ModelConfig(
         model_type="t5", num_layers=layers, encoder_num_layers=layers,
         decoder_num_layers=d.get("num_decoder_layers") or layers, hidden_size=d.get("d_model", 512),
-        num_attention_heads=heads, kv_channels=d.get("d_kv", 64), ffn_hidden_size=d.get("d_ff", 2048),
+        num_attention_heads=heads, kv_channels=d.get("d_kv", 64),
+        ffn_hidden_size=d.get("d_ff", 2048),
         seq_length=seq, decoder_seq_length=seq, max_position_embeddings=seq,
         vocab_size=d.get("vocab_size", 32128), position_embedding_type="relative",
         relative_attention_num_buckets=d.get("relative_attention_num_buckets", 32),
