@@ -1,6 +1,7 @@
 """T5 pretraining: span corruption over indexed .bin/.idx files, and loss equivalence of
 train.py's T5 runs against one process (tp=2 with sequence parallel, dp=2 with the
-distributed optimizer, recompute), with dropout 0 in float32."""
+distributed optimizer, full and selective recompute, a save + resume under the same command,
+pp=2 split 1, pp=4 split 2, tp=2 x pp=2 x dp=2), with dropout 0 in float32."""
 from __future__ import annotations
 
 import numpy as np
@@ -122,17 +123,25 @@ def _check(result, ref, args):
         assert abs(a - e) <= 1e-5 * abs(e), (result["losses"], ref["losses"])
 
 
-def _check_layouts(layouts, world, references, tmp_path, corpus_env):
-    """Run every `(reference, flags)` of `layouts` one after the other in one world."""
+def _check_layouts(layouts, world, references, tmp_path, corpus_env, extra_runs=()):
+    """Run every `(reference, flags)` of `layouts` (then `extra_runs`) one after the other in
+    one world; returns the results of `extra_runs`."""
     runs = [(TIED if ref == "tied" else UNTIED) + flags for ref, flags in layouts]
-    results = run_distributed(_train_worker, world, runs, str(tmp_path),
+    results = run_distributed(_train_worker, world, runs + list(extra_runs), str(tmp_path),
                               corpus_env["SHARDZOO_CACHE"], timeout=600)[0]
     for (ref, _), args, result in zip(layouts, runs, results):
         _check(result, references[ref], args)
+    return results[len(runs):]
 
 
 def test_t5_layouts_match_single_process(references, tmp_path, corpus_env):
-    _check_layouts(LAYOUTS, 2, references, tmp_path, corpus_env)
+    # and a resume: stop after step 2 with a checkpoint, then the same command continues
+    resume = UNTIED + ["--use-distributed-optimizer", "--save", str(tmp_path / "ckpt"),
+                       "--load", str(tmp_path / "ckpt"), "--exit-interval", "2"]
+    first, second = _check_layouts(LAYOUTS, 2, references, tmp_path, corpus_env,
+                                   [resume, resume])
+    _check({k: first[k] + second[k] for k in first}, references["untied"], resume)
+    assert len(first["losses"]) == 2 and len(second["losses"]) == 1
     for ref in references.values():
         assert ref["losses"][-1] < ref["losses"][0]  # it trains
 
