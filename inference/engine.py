@@ -49,19 +49,22 @@ class ModelRunner:
     of token `last[i]` of each row, gathered over the vocab-parallel head and cut to the real
     vocabulary (padding ids can never be produced; only these rows' last tokens go through
     the output layer). Row i's tokens go to positions `starts[i] + 0..s-1`; `hidden` is the
-    previous stage's output (None on the first stage, which embeds `ids`).
+    previous stage's output tuple (None on the first stage, which embeds `ids`).
     """
 
     def __init__(self, model, max_batch_size: int, max_seq_length: int):
         self.model = model.eval()
         self.config = model.config
-        attn = next(iter(model.decoder.layers.values())).self_attention
+        attn = self._first_attention()
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
         self.cache = self._make_cache(attn, max_batch_size, max_seq_length)
         self.first, self.last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         self.stage = ps.get_pipeline_model_parallel_rank()
         self.pp = ps.get_pipeline_model_parallel_world_size()
+
+    def _first_attention(self):
+        return next(iter(self.model.decoder.layers.values())).self_attention
 
     def _make_cache(self, attn, slots: int, max_len: int) -> KVCache:
         return KVCache(self.model.layer_numbers, slots, max_len, attn.num_groups,
@@ -72,9 +75,18 @@ class ModelRunner:
         b, s = ids.shape
         return p2p.TensorSpec(((s, b, self.config.hidden_size),), self.dtype, self.device)
 
+    def incoming(self, flight) -> p2p.TensorSpec | None:
+        """What this stage receives from the previous one for `flight` (None: nothing)."""
+        return None if self.first else self.spec(flight.ids)
+
+    def outgoing(self, out, flight) -> tuple | None:
+        """What this stage sends on for `flight` after running it (None: nothing)."""
+        return None if self.last else (out,)
+
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
-                last: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
+                last: torch.Tensor, hidden: tuple | None) -> torch.Tensor:
+        hidden = hidden[0] if hidden is not None else None
         b, s = ids.shape
         dev = self.device
         if s == 1:  # decode: one token per row at its own position
@@ -183,7 +195,7 @@ class Engine:
         self.in_flight: dict[int, _Flight] = {}  # launch tick -> micro-batch
         self.busy: set[str] = set()  # ids of requests whose micro-batch is in flight
         self.max_in_flight = 0  # most micro-batches in flight at once (statistics)
-        self._received: torch.Tensor | None = None  # this stage's input for the next tick
+        self._received: tuple | None = None  # this stage's input for the next tick
 
     # ------------------------------------------------------------------ requests
     def check(self, prompt: list[int], params: SamplingParams) -> None:
@@ -255,13 +267,13 @@ class Engine:
             extra = {"sources": mine.sources} if self.encoder_decoder else {}
             out = runner.forward(mine.ids, mine.slots, mine.starts, mine.last, hidden, **extra)
         if runner.pp > 1:  # hand the output on, take the next tick's input
-            ahead = self.in_flight.get(t + 1 - runner.stage) if not runner.first else None
-            send = mine is not None and not runner.last
-            if send or ahead is not None:
-                spec = runner.spec((ahead or mine).ids)
-                got = p2p.communicate(spec, send_next=(out,) if send else None,
-                                      recv_prev=ahead is not None)[0]
-                self._received = got[0] if got else None
+            ahead = self.in_flight.get(t + 1 - runner.stage)
+            spec = runner.incoming(ahead) if ahead is not None else None
+            send = runner.outgoing(out, mine) if mine is not None else None
+            if send is not None or spec is not None:
+                got = p2p.communicate(spec or p2p.TensorSpec((), runner.dtype, runner.device),
+                                      send_next=send, recv_prev=spec is not None)[0]
+                self._received = got
         done = self.in_flight.pop(t - runner.pp + 1, None)
         self.tick += 1
         if done is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 import parallel_state as ps
+from parallel_state import p2p
 
 from .engine import ModelRunner
 from .kv_cache import KVCache
@@ -65,20 +66,22 @@ class CrossKVCache(KVCache):
 
 
 class Seq2SeqRunner(ModelRunner):
-    """The `ModelRunner` of a T5Model (one pipeline stage holding the whole model).
+    """The `ModelRunner` of a T5Model stage: encoder stages (before the split) run only on
+    prefill micro-batches; decoder stages on every micro-batch.
 
     `forward(ids [b, 1], slots, starts, last, hidden, sources=None)`: with `sources`
     `(prompt ids [b, se] right-padded, lengths [b])` the rows are new (prefill): the encoder
-    runs and its cross-attention keys/values go to the slots; then one decoder step of `ids`
-    at positions `starts`. Returns the logits `[b, vocab]` of each row's token, gathered over
-    the vocab-parallel head. Raises `ValueError` under pipeline parallelism (not supported).
+    runs (on its stages) and each decoder stage stores the cross-attention keys/values of the
+    encoder output in the slots; then one decoder step of `ids` at positions `starts`.
+    Between stages travel the encoder hidden `[se, b, h]` (prefill, encoder stages), `(decoder
+    hidden [1, b, h], encoder output [se, b, h])` (prefill, decoder stages) or the decoder
+    hidden alone (decode). The last stage returns the logits `[b, vocab]` of each row's
+    token, gathered over the vocab-parallel head.
     """
 
     def __init__(self, model, max_batch_size: int, max_seq_length: int, max_source_length: int):
-        if ps.get_pipeline_model_parallel_world_size() > 1:
-            raise ValueError("encoder-decoder (T5) generation runs with --pp 1 (tensor "
-                             "parallelism only); relaunch with --pp 1")
         self.max_source_length = max_source_length
+        self.encoder_stage = model.add_encoder and not model.add_decoder  # pp > 1
         super().__init__(model, max_batch_size, max_seq_length)
 
     def _make_cache(self, attn, slots: int, max_len: int) -> CrossKVCache:
@@ -86,25 +89,60 @@ class Seq2SeqRunner(ModelRunner):
                             self.max_source_length, attn.num_groups, attn.head_dim, self.dtype,
                             self.device)
 
+    def _first_attention(self):
+        block = self.model.decoder if self.model.add_decoder else self.model.encoder
+        return next(iter(block.layers.values())).self_attention
+
+    def incoming(self, flight) -> p2p.TensorSpec | None:
+        if self.first:
+            return None
+        b, h = flight.ids.shape[0], self.config.hidden_size
+        if flight.sources is None:  # decode: decoder stages after the first get the hidden
+            if self.encoder_stage or self.model.decoder_pre_process:
+                return None
+            return p2p.TensorSpec(((1, b, h),), self.dtype, self.device)
+        enc = (flight.sources[0].shape[1], b, h)
+        shapes = (enc,) if self.encoder_stage or self.model.decoder_pre_process else \
+            ((1, b, h), enc)
+        return p2p.TensorSpec(shapes, self.dtype, self.device)
+
+    def outgoing(self, out, flight) -> tuple | None:
+        if self.last or out is None:
+            return None
+        return out if isinstance(out, tuple) else (out,)
+
     @torch.inference_mode()
-    def forward(self, ids, slots, starts, last, hidden, sources=None) -> torch.Tensor:
+    def forward(self, ids, slots, starts, last, hidden, sources=None):
+        model, dev = self.model, self.device
+        if sources is not None:
+            source, lengths = sources
+            source_mask = (torch.arange(source.shape[1])[None, :] < lengths[:, None]).to(dev)
+        if self.encoder_stage:
+            if sources is None:
+                return None  # decoding does not involve the encoder
+            return model.encode(source.to(dev) if model.encoder_pre_process else None,
+                                hidden[0] if hidden else None, encoder_attention_mask=source_mask)
         b, s = ids.shape
-        dev = self.device
         positions = (starts[:, None] + torch.arange(s)[None, :]).to(dev)  # [b, s]
         length = int(starts.max()) + s
         mask = torch.arange(length, device=dev)[None, None, :] <= positions[:, :, None]
         self.cache.bind(slots, positions, length)
-        encoder_output = None
-        if sources is not None:
-            source, lengths = sources
-            source_mask = (torch.arange(source.shape[1])[None, :] < lengths[:, None]).to(dev)
-            encoder_output = self.model.encode(source.to(dev),
-                                               encoder_attention_mask=source_mask)
+        first = model.decoder_pre_process
+        encoder_output, dec_hidden = None, None
+        if sources is not None and model.add_encoder:  # the whole model on this stage
+            encoder_output = model.encode(source.to(dev), encoder_attention_mask=source_mask)
+        elif sources is not None:
+            encoder_output = hidden[0] if first else hidden[1]
+        if not first:
+            dec_hidden = hidden[0]
         self.cache.bind_cross(slots, lengths if sources is not None else None)
-        out = self.model.decode(ids.to(dev), encoder_output, kv_cache=self.cache,
-                                position_ids=positions, attention_mask=mask[:, None],
-                                encoder_attention_mask=self.cache.cross_mask(),
-                                output_positions=last.to(dev))
+        out = model.decode(ids.to(dev) if first else None, encoder_output,
+                           hidden_states=dec_hidden, kv_cache=self.cache,
+                           position_ids=positions, attention_mask=mask[:, None],
+                           encoder_attention_mask=self.cache.cross_mask(),
+                           output_positions=last.to(dev) if self.last else None)
+        if not self.last:
+            return (out, encoder_output) if sources is not None else (out,)
         return ps.gather_from_tensor_model_parallel_region(out[:, 0])[:, :self.config.vocab_size]
 
 

@@ -1,6 +1,6 @@
 """T5Model against transformers' T5ForConditionalGeneration (tiny random v1.0 tied and v1.1
 untied models): logits at tp=1 and tp=2 (with and without sequence parallel), greedy
-generation against `generate` at tp=1 and tp=2, relative position buckets against an
+generation against `generate` at tp=1, tp=2 and pp=2, relative position buckets against an
 independent implementation, HF import/export round trip."""
 from __future__ import annotations
 
@@ -85,10 +85,17 @@ def _greedy_matches_hf() -> list[tuple]:
     from inference.engine import Engine, Request
     from inference.sampling import SamplingParams
 
+    from checkpoint.hf import load_hf_weights
+    from inference.loading import build_model
+    from models import hf as hfmap
+
     out = []
     for v11 in (False, True):
         m = _hf_t5(v11, seed=4)
-        ours = _ours_from_hf(m)
+        src = _hf_source(m)
+        config = hfmap.config_from_hf(src.config)
+        ours = build_model(config).eval()  # this pipeline stage's part
+        load_hf_weights(src, config, [ours])
         g = torch.Generator().manual_seed(3)
         prompts = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in (7, 12, 3)]
         engine = Engine(ours, eos_token_ids=[1], max_batch_size=2, max_seq_length=16,
@@ -105,8 +112,8 @@ def _greedy_matches_hf() -> list[tuple]:
 
 
 def _tp_suite():
-    """At tp=2: logits (with and without SP) and greedy generation; then, on a rebuilt grid
-    of two tp=1 replicas, greedy generation again."""
+    """At tp=2: logits (with and without SP) and greedy generation; then, on rebuilt grids,
+    greedy generation at tp=1 (two replicas) and at pp=2 (encoder | decoder stages)."""
     import parallel_state as ps
 
     out = {"logits": {sp: _logit_diffs(sp) for sp in (False, True)},
@@ -114,6 +121,9 @@ def _tp_suite():
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(1, 1, device="cpu")
     out["generate"][1] = _greedy_matches_hf()
+    ps.destroy_model_parallel()  # pp 2: the encoder on stage 0, the decoder on stage 1
+    ps.initialize_model_parallel(1, 2, device="cpu")
+    out["generate"]["pp2"] = _greedy_matches_hf()
     return out
 
 
@@ -122,7 +132,7 @@ def test_logits_match_hf_tp1(no_grid):
     assert max(diffs.values()) < 1e-4, diffs
 
 
-def test_logits_and_greedy_generation_match_hf_tp2_tp1():
+def test_logits_and_greedy_generation_match_hf_tp2_tp1_pp2():
     results = run_distributed(_tp_suite, 2, tp=2, timeout=240)
     for rank, result in enumerate(results):
         for sp, diffs in result["logits"].items():
