@@ -91,7 +91,7 @@ def _greedy_matches_hf() -> list[tuple]:
 
     out = []
     for v11 in (False, True):
-        m = _hf_t5(v11, seed=4)
+        m = _hf_t5(v11, seed=6)  # a seed whose greedy outputs vary (both versions)
         src = _hf_source(m)
         config = hfmap.config_from_hf(src.config)
         ours = build_model(config).eval()  # this pipeline stage's part
@@ -140,7 +140,8 @@ def test_logits_and_greedy_generation_match_hf_tp2_tp1_pp2():
         for tp, pairs in result["generate"].items():
             for ours, hf in pairs:
                 assert ours == hf, (rank, tp, ours, hf)
-            assert len({t for ours, _ in pairs for t in ours}) > 6  # not one repeated token
+            for version in (pairs[:3], pairs[3:]):  # v1.0, v1.1: not one repeated token
+                assert len({t for ours, _ in version for t in ours}) > 4, (tp, version)
 
 
 def _bucket_reference(rel: int, bidirectional: bool, num_buckets: int, max_distance: int) -> int:
