@@ -125,6 +125,9 @@ def _check_t5(m: ModelConfig, t: TrainConfig) -> None:
         if getattr(t, name) is not None:
             raise ConfigError(f"{flag(name)} is not supported for T5 (the encoder and decoder "
                               f"split at --pipeline-model-parallel-split-rank); drop it")
+    if t.report_comm:
+        raise ConfigError("--report-comm compares against the planner, whose formulas are for "
+                          "decoder-only models; T5 is not modelled: drop --report-comm")
     for name in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
         if getattr(t, name):
             raise ConfigError(f"{flag(name)} is for GPT's packed documents; T5 samples are "

@@ -608,9 +608,14 @@ def log_memory(model, optimizer, dataset, config: Config, device) -> dict:
     the run_start record of metrics.jsonl."""
     state = model_state_bytes(model, optimizer)
     act = log_activation_memory(model, dataset, config, device)
-    planner, line = memory_prediction(config, ps.get_pipeline_model_parallel_rank(), {
-        "model_state_total_bytes": state["total"],
-        "activation_bytes_per_microbatch": act["activation_bytes_per_microbatch"]})
+    if config.model.is_encoder_decoder:
+        planner = {"planner_model_state_ratio": None, "planner_activation_ratio": None}
+        line = ("note: the planner (tools/plan.py) models decoder-only runs; this T5 run "
+                "gets no prediction")
+    else:
+        planner, line = memory_prediction(config, ps.get_pipeline_model_parallel_rank(), {
+            "model_state_total_bytes": state["total"],
+            "activation_bytes_per_microbatch": act["activation_bytes_per_microbatch"]})
     ranks = [None] * dist.get_world_size()  # (measured total, planner's two ratios) per rank
     collectives.all_gather_object(ranks, (
         state["total"] + act["activation_bytes_per_microbatch"],
