@@ -137,12 +137,21 @@ def main(argv=None) -> int:
     try:
         model, tokenizer, name = load(args.load, args.hf, args.tokenizer, args.dtype)
         cfg = model.config
-        limit = cfg.max_position_embeddings
-        max_len = min(args.max_seq_length or min(limit, 2048), limit)
+        source_len = None
+        if cfg.is_encoder_decoder:  # T5: prompts are encoder inputs, ended by EOS
+            from inference.seq2seq import SourceTokenizer
+
+            tokenizer = SourceTokenizer(tokenizer, cfg.vocab_size) if tokenizer else None
+            source_len = cfg.seq_length  # relative positions: the decoder has no hard limit
+            max_len = args.max_seq_length or max(cfg.decoder_seq_length, args.max_new_tokens)
+        else:
+            limit = cfg.max_position_embeddings
+            max_len = min(args.max_seq_length or min(limit, 2048), limit)
         engine = Engine(model, eos_token_ids=[tokenizer.eod] if tokenizer else [],
                         decode=tokenizer.decode if tokenizer else None,
                         max_batch_size=args.max_batch_size, max_seq_length=max_len,
-                        num_micro_batches=args.inference_micro_batches)
+                        num_micro_batches=args.inference_micro_batches,
+                        max_source_length=source_len)
         if args.serve:
             from inference.server import serve
 
@@ -159,7 +168,9 @@ def main(argv=None) -> int:
                                     top_p=args.top_p, seed=args.seed + i, stop=args.stop,
                                     ignore_eos=args.ignore_eos)
             ids = encode(tokenizer, prompt, args.chat)
-            if len(ids) + params.max_new_tokens > max_len:
+            if cfg.is_encoder_decoder:
+                params.max_new_tokens = min(params.max_new_tokens, max_len)
+            elif len(ids) + params.max_new_tokens > max_len:
                 params.max_new_tokens = max_len - len(ids)  # generate up to the context
             requests.append(Request(str(i), ids, params))
         engine.generate(requests)

@@ -215,7 +215,8 @@ def _check_dcp_references(path: str, listed: dict[str, int], fix: str) -> list[s
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                 "ffn_hidden_size", "kv_channels", "vocab_size", "activation", "normalization",
                 "position_embedding_type", "add_bias_linear", "add_qkv_bias",
-                "untie_embeddings_and_output_weights")
+                "untie_embeddings_and_output_weights", "model_type", "encoder_num_layers",
+                "decoder_num_layers", "relative_attention_num_buckets")
 
 
 def compare_model(meta: dict, model: dict, path: str) -> None:

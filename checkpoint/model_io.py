@@ -27,7 +27,7 @@ import yaml
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from models import GPTModel
+from models import model_class
 from models.config import ModelConfig
 
 from .format import (CONFIG, FORMAT_VERSION, METADATA, CheckpointError, describe_files,
@@ -50,7 +50,7 @@ def dense_parameters(config: ModelConfig) -> dict[str, torch.nn.Parameter]:
     """`{name: meta-device parameter}` of the whole model at tp = 1 (shapes with the padded
     vocab, and the sharding attributes: `num_fused_parts`, `full_rows`)."""
     with torch.device("meta"):
-        model = GPTModel(config)
+        model = model_class(config)(config)
     return dict(model.named_parameters())
 
 

@@ -49,29 +49,44 @@ class ModelRunner:
     of token `last[i]` of each row, gathered over the vocab-parallel head and cut to the real
     vocabulary (padding ids can never be produced; only these rows' last tokens go through
     the output layer). Row i's tokens go to positions `starts[i] + 0..s-1`; `hidden` is the
-    previous stage's output (None on the first stage, which embeds `ids`).
+    previous stage's output tuple (None on the first stage, which embeds `ids`).
     """
 
     def __init__(self, model, max_batch_size: int, max_seq_length: int):
         self.model = model.eval()
         self.config = model.config
-        attn = next(iter(model.decoder.layers.values())).self_attention
+        attn = self._first_attention()
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
-        self.cache = KVCache(model.layer_numbers, max_batch_size, max_seq_length,
-                             attn.num_groups, attn.head_dim, self.dtype, self.device)
+        self.cache = self._make_cache(attn, max_batch_size, max_seq_length)
         self.first, self.last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         self.stage = ps.get_pipeline_model_parallel_rank()
         self.pp = ps.get_pipeline_model_parallel_world_size()
+
+    def _first_attention(self):
+        return next(iter(self.model.decoder.layers.values())).self_attention
+
+    def _make_cache(self, attn, slots: int, max_len: int) -> KVCache:
+        return KVCache(self.model.layer_numbers, slots, max_len, attn.num_groups,
+                       attn.head_dim, self.dtype, self.device)
 
     def spec(self, ids: torch.Tensor) -> p2p.TensorSpec:
         """What a stage passes on for a micro-batch of `ids [b, s]`: `[s, b, h]`."""
         b, s = ids.shape
         return p2p.TensorSpec(((s, b, self.config.hidden_size),), self.dtype, self.device)
 
+    def incoming(self, flight) -> p2p.TensorSpec | None:
+        """What this stage receives from the previous one for `flight` (None: nothing)."""
+        return None if self.first else self.spec(flight.ids)
+
+    def outgoing(self, out, flight) -> tuple | None:
+        """What this stage sends on for `flight` after running it (None: nothing)."""
+        return None if self.last else (out,)
+
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
-                last: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
+                last: torch.Tensor, hidden: tuple | None) -> torch.Tensor:
+        hidden = hidden[0] if hidden is not None else None
         b, s = ids.shape
         dev = self.device
         if s == 1:  # decode: one token per row at its own position
@@ -101,6 +116,7 @@ class _Flight:
     starts: torch.Tensor
     last: torch.Tensor
     tick: int
+    sources: tuple | None = None  # encoder-decoder prefill: (prompts [b, se], lengths [b])
 
 
 @dataclass(eq=False)  # requests compare by identity
@@ -140,7 +156,10 @@ class Engine:
         decode: `ids -> text` (the tokenizer's), for stop strings and text events; None =
             no text.
         max_batch_size: KV cache slots (requests running at once).
-        max_seq_length: prompt + generated tokens of one request at most.
+        max_seq_length: prompt + generated tokens of one request at most (encoder-decoder:
+            generated tokens at most).
+        max_source_length: encoder-decoder: prompt (encoder input) tokens at most (default
+            max_seq_length).
         max_prefill_tokens: padded prompt tokens admitted in one prefill step.
         num_micro_batches: micro-batches in flight through the pipeline at once, at most
             (default pp; 1 = one batch at a time). Each holds at most ceil(max_batch_size /
@@ -150,8 +169,16 @@ class Engine:
 
     def __init__(self, model, *, eos_token_ids=(), decode=None, max_batch_size: int = 8,
                  max_seq_length: int = 2048, max_prefill_tokens: int = 8192,
-                 num_micro_batches: int | None = None):
-        self.runner = ModelRunner(model, max_batch_size, max_seq_length)
+                 num_micro_batches: int | None = None, max_source_length: int | None = None):
+        self.encoder_decoder = getattr(model.config, "is_encoder_decoder", False)
+        self.max_source_length = max_source_length or max_seq_length
+        if self.encoder_decoder:  # T5: the prompt is the encoder input (inference/seq2seq.py)
+            from .seq2seq import Seq2SeqRunner
+
+            self.runner = Seq2SeqRunner(model, max_batch_size, max_seq_length,
+                                        self.max_source_length)
+        else:
+            self.runner = ModelRunner(model, max_batch_size, max_seq_length)
         self.eos = set(int(e) for e in eos_token_ids)
         self.decode = decode
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
@@ -168,7 +195,7 @@ class Engine:
         self.in_flight: dict[int, _Flight] = {}  # launch tick -> micro-batch
         self.busy: set[str] = set()  # ids of requests whose micro-batch is in flight
         self.max_in_flight = 0  # most micro-batches in flight at once (statistics)
-        self._received: torch.Tensor | None = None  # this stage's input for the next tick
+        self._received: tuple | None = None  # this stage's input for the next tick
 
     # ------------------------------------------------------------------ requests
     def check(self, prompt: list[int], params: SamplingParams) -> None:
@@ -179,7 +206,14 @@ class Engine:
         vocab = self.runner.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if len(prompt) + params.max_new_tokens > self.max_seq_length:
+        if self.encoder_decoder:
+            if len(prompt) > self.max_source_length:
+                raise ValueError(f"the prompt ({len(prompt)} tokens) is longer than the "
+                                 f"encoder's {self.max_source_length} tokens; shorten it")
+            if params.max_new_tokens > self.max_seq_length:
+                raise ValueError(f"max_tokens ({params.max_new_tokens}) exceeds the decoder's "
+                                 f"{self.max_seq_length} tokens; lower max_tokens")
+        elif len(prompt) + params.max_new_tokens > self.max_seq_length:
             raise ValueError(
                 f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_new_tokens}) "
                 f"exceeds the context of {self.max_seq_length} tokens; shorten the prompt or "
@@ -230,15 +264,16 @@ class Engine:
         out = None
         if mine is not None:
             hidden, self._received = self._received, None
-            out = runner.forward(mine.ids, mine.slots, mine.starts, mine.last, hidden)
+            extra = {"sources": mine.sources} if self.encoder_decoder else {}
+            out = runner.forward(mine.ids, mine.slots, mine.starts, mine.last, hidden, **extra)
         if runner.pp > 1:  # hand the output on, take the next tick's input
-            ahead = self.in_flight.get(t + 1 - runner.stage) if not runner.first else None
-            send = mine is not None and not runner.last
-            if send or ahead is not None:
-                spec = runner.spec((ahead or mine).ids)
-                got = p2p.communicate(spec, send_next=(out,) if send else None,
-                                      recv_prev=ahead is not None)[0]
-                self._received = got[0] if got else None
+            ahead = self.in_flight.get(t + 1 - runner.stage)
+            spec = runner.incoming(ahead) if ahead is not None else None
+            send = runner.outgoing(out, mine) if mine is not None else None
+            if send is not None or spec is not None:
+                got = p2p.communicate(spec or p2p.TensorSpec((), runner.dtype, runner.device),
+                                      send_next=send, recv_prev=spec is not None)[0]
+                self._received = got
         done = self.in_flight.pop(t - runner.pp + 1, None)
         self.tick += 1
         if done is None:
@@ -270,6 +305,7 @@ class Engine:
         if len(self.in_flight) >= self.num_micro_batches:
             return None
         batch = self._admit()
+        sources = None
         if batch:
             n = [len(r.prompt) for r in batch]
             ids = torch.zeros(len(batch), max(n), dtype=torch.int64)
@@ -277,17 +313,22 @@ class Engine:
                 ids[i, :n[i]] = torch.tensor(r.prompt)
             starts = torch.zeros(len(batch), dtype=torch.int64)
             last = torch.tensor(n) - 1
+            if self.encoder_decoder:  # encode the prompts; decode from the start id 0
+                sources = (ids, torch.tensor(n))
+                ids, last = torch.zeros(len(batch), 1, dtype=torch.int64), starts.clone()
         else:
             batch = [r for r in self.running if r.id not in self.busy][:self.micro_batch_size]
             if not batch:
                 return None
             ids = torch.tensor([[r.output[-1]] for r in batch])
-            starts = torch.tensor([len(r.prompt) + len(r.output) - 1 for r in batch])
+            starts = torch.tensor([len(r.output) + (0 if self.encoder_decoder else
+                                                    len(r.prompt) - 1) for r in batch])
             last = torch.zeros(len(batch), dtype=torch.int64)
         self.busy.update(r.id for r in batch)
         # the micro-batch decoded longest ago goes first next time (fair rotation)
         self.running = [r for r in self.running if r not in batch] + batch
-        return _Flight(batch, ids, torch.tensor([r.slot for r in batch]), starts, last, tick)
+        return _Flight(batch, ids, torch.tensor([r.slot for r in batch]), starts, last, tick,
+                       sources)
 
     def _admit(self) -> list[Request]:
         batch = []

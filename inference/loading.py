@@ -7,7 +7,7 @@ import os
 import torch
 
 import parallel_state as ps
-from models import GPTModel
+from models import GPTModel, T5Model
 from models.config import ModelConfig
 from models.pipeline import build_model_chunks
 from models.tokenizer import Tokenizer
@@ -22,10 +22,32 @@ def stage_layers(num_layers: int, pp: int) -> list[int]:
     return [num_layers // pp + (s < num_layers % pp) for s in range(pp)]
 
 
+def t5_stage_layers(config: ModelConfig, pp: int) -> list[tuple[list[int], list[int]]]:
+    """`(encoder layers, decoder layers)` of each stage of a T5 pipeline for inference: the
+    encoder on the first `max(1, pp // 2)` stages, the decoder on the rest, each as even as
+    possible (`stage_layers`). pp = 1: everything on the one stage."""
+    if pp == 1:
+        return [(list(range(config.encoder_num_layers)), list(range(config.decoder_num_layers)))]
+    split = max(1, pp // 2)
+    out = []
+    for n, stages in ((config.encoder_num_layers, split), (config.decoder_num_layers, pp - split)):
+        sizes, start, runs = stage_layers(n, stages), 0, []
+        for k in sizes:
+            runs.append(list(range(start, start + k)))
+            start += k
+        out.append(runs)
+    return [(e, []) for e in out[0]] + [([], d) for d in out[1]]
+
+
 def build_model(config: ModelConfig) -> GPTModel:
     """This rank's `GPTModel` stage on the current grid (KV heads replicated when tp >
-    num_query_groups), weights uninitialized. Raises `models.config.ConfigError`."""
+    num_query_groups), or a `T5Model` stage (`t5_stage_layers`), weights uninitialized.
+    Raises `models.config.ConfigError`."""
     pp = ps.get_pipeline_model_parallel_world_size()
+    if config.is_encoder_decoder:  # T5: the encoder on the first pp // 2 stages
+        enc, dec = t5_stage_layers(config, pp)[ps.get_pipeline_model_parallel_rank()]
+        with torch.device(ps.get_device()):
+            return T5Model(config, encoder_layer_numbers=enc, decoder_layer_numbers=dec)
     with torch.device(ps.get_device()):
         return build_model_chunks(GPTModel, config, stage_layers(config.num_layers, pp),
                                   ps.get_pipeline_model_parallel_rank(), None,

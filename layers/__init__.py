@@ -1,6 +1,13 @@
 """Parallel building blocks: column/row linear, vocab embedding, vocab-parallel cross entropy,
 norms, attention, MLP, transformer layer and block."""
-from .attention import RotaryEmbedding, SelfAttention, apply_rotary_pos_emb  # noqa: F401
+from .attention import (  # noqa: F401
+    CrossAttention,
+    RelativePositionBias,
+    RotaryEmbedding,
+    SelfAttention,
+    apply_rotary_pos_emb,
+    relative_position_bucket,
+)
 from .cross_entropy import vocab_parallel_cross_entropy  # noqa: F401
 from .embedding import LanguageModelEmbedding, VocabParallelEmbedding  # noqa: F401
 from .linear import ColumnParallelLinear, RowParallelLinear  # noqa: F401

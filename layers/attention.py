@@ -11,6 +11,7 @@ attention is Ainslie et al. 2023; query head i reads KV group i // heads_per_gro
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -20,6 +21,7 @@ from torch import nn
 from parallel_state import get_rng_tracker, get_tensor_model_parallel_world_size
 
 from .linear import ColumnParallelLinear, RowParallelLinear
+from .sharding import set_tensor_parallel_attributes
 
 
 def rope_inv_freq(dim: int, base: float, scaling_type: str | None = None, factor: float = 1.0,
@@ -85,10 +87,12 @@ def apply_rotary_pos_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
 
 
 class SelfAttention(nn.Module):
-    """Causal multi-head / grouped-query self-attention.
+    """Causal (or, with `causal=False`, bidirectional) multi-head / grouped-query self-attention.
 
     `forward(x [s, b, h] (or [s/tp, b, h] with SP), rotary=(cos, sin) | None, kv_cache=None,
-    attention_mask=None)` -> `[s, b, h]` (or `[s/tp, b, h]`). `kv_cache`, when given, is an
+    attention_mask=None, attention_bias=None)` -> `[s, b, h]` (or `[s/tp, b, h]`).
+    `attention_bias` `[1 or b, n/tp, sq, sk]` float is added to the scores of this rank's heads
+    (T5's relative position bias); `softmax_scale` replaces 1/sqrt(d) (T5: 1, no scaling). `kv_cache`, when given, is an
     object with `update(layer_number, k, v) -> (k_all, v_all)` taking and returning
     `[b, g, s, d]` local KV heads; it is how inference appends to its cache.
     `attention_mask` `[b, 1, sq, sk]` bool (True = may attend) replaces the causal mask: it is
@@ -97,10 +101,13 @@ class SelfAttention(nn.Module):
     Raises `ValueError` when tp neither divides num_query_groups nor is a multiple of it.
     """
 
-    def __init__(self, config, layer_number: int, sequence_parallel: bool = False):
+    def __init__(self, config, layer_number: int, sequence_parallel: bool = False,
+                 causal: bool = True, softmax_scale: float | None = None):
         super().__init__()
         tp = get_tensor_model_parallel_world_size()
         self.layer_number = layer_number
+        self.causal = causal  # False: bidirectional (an encoder)
+        self.softmax_scale = softmax_scale  # None: 1/sqrt(d); T5 uses 1.0
         self.head_dim = d = config.kv_channels
         groups = config.num_query_groups
         self.num_heads = config.num_attention_heads // tp
@@ -127,7 +134,8 @@ class SelfAttention(nn.Module):
         self.checkpoint_fn = None  # selective recompute of the core attention (training/recompute.py)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-                kv_cache=None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                kv_cache=None, attention_mask: torch.Tensor | None = None,
+                attention_bias: torch.Tensor | None = None) -> torch.Tensor:
         mixed = self.linear_qkv(x)  # [s, b, groups * (heads_per_group + 2) * d]
         s, b = mixed.shape[:2]
         mixed = mixed.view(s, b, self.num_groups, self.heads_per_group + 2, self.head_dim)
@@ -141,31 +149,183 @@ class SelfAttention(nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_number, k, v)
-        if self.checkpoint_fn is not None and self.training and torch.is_grad_enabled():
-            out = self.checkpoint_fn(self._core_attention, q, k, v, attention_mask)
-        else:
-            out = self._core_attention(q, k, v, attention_mask)
+        out = self._run_core(q, k, v, attention_mask, attention_bias)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
         return self.linear_proj(out)
 
-    def _core_attention(self, q, k, v, attention_mask=None):
-        """Scaled dot-product attention (Vaswani et al. 2017, eq. 1) with a causal mask.
+    def _run_core(self, q, k, v, attention_mask, attention_bias):
+        """The core attention, checkpointed under selective recompute (training only)."""
+        if self.checkpoint_fn is not None and self.training and torch.is_grad_enabled():
+            return self.checkpoint_fn(self._core_attention, q, k, v, attention_mask,
+                                      attention_bias)
+        return self._core_attention(q, k, v, attention_mask, attention_bias)
+
+    def _core_attention(self, q, k, v, attention_mask=None, attention_bias=None):
+        """Scaled dot-product attention (Vaswani et al. 2017, eq. 1), causal unless built
+        with `causal=False`.
 
         q `[b, n, sq, d]`, k/v `[b, g, sk, d]`; when sk > sq (decoding with a cache) query i
         sits at position sk - sq + i. `attention_mask` `[b, 1, sq, sk]` bool, when given, is
-        used instead. Attention dropout draws from the TP stream since heads are sharded.
+        used instead of the causal mask. `attention_bias` `[1 or b, n, sq, sk]` is added to
+        the scores. Attention dropout draws from the TP stream since heads are sharded.
         """
         sq, sk = q.shape[2], k.shape[2]
-        p = self.attention_dropout if self.training else 0.0
-        kwargs = dict(enable_gqa=self.heads_per_group > 1)
-        if attention_mask is not None:
-            kwargs["attn_mask"] = attention_mask
-        elif sq == sk:
+        mask = attention_mask
+        if mask is None and self.causal and sq > 1:
+            mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+        return core_attention(q, k, v, mask, attention_bias, self.softmax_scale,
+                              self.attention_dropout if self.training else 0.0,
+                              causal=attention_mask is None and self.causal and sq == sk)
+
+
+def core_attention(q, k, v, mask, bias, scale, dropout_p, causal=False) -> torch.Tensor:
+    """`softmax(q k^T * scale + bias, masked) v` -> `[b, n, sq, d]`.
+
+    q `[b, n, sq, d]`; k, v `[b, g, sk, d]` with n a multiple of g (grouped-query heads);
+    `mask` bool broadcastable to `[b, n, sq, sk]` (True = may attend) or None; `bias` float
+    broadcastable to `[b, n, sq, sk]` or None; `scale` None = 1/sqrt(d); `causal` (with mask
+    None) lets the fused kernel build the mask. A bias goes through the explicit float32
+    softmax (its gradient is needed: T5's position bias is learned); otherwise
+    `F.scaled_dot_product_attention`. Dropout draws from the TP stream (heads are sharded).
+    """
+    fork = get_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext()
+    if bias is None:
+        kwargs = dict(enable_gqa=q.shape[1] != k.shape[1], scale=scale)
+        if causal:
             kwargs["is_causal"] = True
-        elif sq > 1:
-            kwargs["attn_mask"] = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
-        if p > 0:
-            with get_rng_tracker().fork():
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, **kwargs)
-        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+        elif mask is not None:
+            kwargs["attn_mask"] = mask
+        with fork:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, **kwargs)
+    if q.shape[1] != k.shape[1]:
+        reps = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(reps, dim=1), v.repeat_interleave(reps, dim=1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = torch.matmul(q, k.transpose(-1, -2)).float()
+    if scale != 1.0:
+        scores = scores * scale
+    scores = scores + bias.float()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    if dropout_p > 0:
+        with fork:
+            probs = F.dropout(probs, dropout_p, training=True)
+    return torch.matmul(probs, v)
+
+
+def relative_position_bucket(relative_position: torch.Tensor, bidirectional: bool,
+                             num_buckets: int = 32, max_distance: int = 128) -> torch.Tensor:
+    """T5's bucket of each relative position `key - query` (Raffel et al. 2020, sec. 2.1).
+
+    Half the buckets (per direction when `bidirectional`; a causal decoder folds keys after
+    the query onto distance 0) hold the exact distances 0..n/2-1; the rest grow
+    logarithmically up to `max_distance`, beyond which all distances share the last bucket.
+    Returns int64 buckets in [0, num_buckets), the shape of `relative_position`.
+    """
+    buckets = torch.zeros_like(relative_position)
+    if bidirectional:
+        num_buckets //= 2
+        buckets = buckets + (relative_position > 0).long() * num_buckets
+        distance = relative_position.abs()
+    else:
+        distance = (-relative_position).clamp(min=0)
+    exact = num_buckets // 2
+    log_ratio = torch.log(distance.float().clamp(min=1) / exact) / math.log(max_distance / exact)
+    far = (exact + (log_ratio * (num_buckets - exact)).long()).clamp(max=num_buckets - 1)
+    return buckets + torch.where(distance < exact, distance, far)
+
+
+class RelativePositionBias(nn.Module):
+    """T5's learned relative position bias: a `[num_buckets, n]` table, heads split over TP
+    (each rank holds the columns of its `n/tp` heads, so the bias needs no communication).
+
+    `forward(sq, sk)` -> `[1, n/tp, sq, sk]` float for queries at positions sk-sq..sk-1
+    (decoding with a cache) and keys 0..sk-1; with `query_positions [b, sq]` (batched
+    decoding, each row at its own position) -> `[b, n/tp, sq, sk]`. Buckets bidirectional or
+    causal as built.
+    """
+
+    def __init__(self, num_buckets: int, max_distance: int, num_heads: int, bidirectional: bool):
+        super().__init__()
+        tp = get_tensor_model_parallel_world_size()
+        self.num_buckets, self.max_distance = num_buckets, max_distance
+        self.bidirectional = bidirectional
+        self.weight = nn.Parameter(torch.empty(num_buckets, num_heads // tp))
+        set_tensor_parallel_attributes(self.weight, partition_dim=1, init="normal")
+
+    def forward(self, sq: int, sk: int, device=None,
+                query_positions: torch.Tensor | None = None) -> torch.Tensor:
+        device = device or self.weight.device
+        key = torch.arange(sk, device=device)
+        if query_positions is not None:  # [b, sq]: rows at their own positions (decoding)
+            relative = key[None, None, :] - query_positions.to(device)[:, :, None]
+            buckets = relative_position_bucket(relative, self.bidirectional, self.num_buckets,
+                                               self.max_distance)
+            return F.embedding(buckets, self.weight).permute(0, 3, 1, 2)  # [b, n/tp, sq, sk]
+        query = torch.arange(sk - sq, sk, device=device)[:, None]
+        buckets = relative_position_bucket(key[None, :] - query, self.bidirectional,
+                                           self.num_buckets, self.max_distance)
+        return F.embedding(buckets, self.weight).permute(2, 0, 1).unsqueeze(0)
+
+
+class CrossAttention(nn.Module):
+    """Encoder-decoder attention: queries from the decoder, keys/values from the encoder
+    output (Vaswani et al. 2017, sec. 3.2.3), heads split over TP as in SelfAttention.
+
+    `forward(x [sd, b, h], encoder_output [se, b, h], attention_mask=None, kv_cache=None)`
+    -> `[sd, b, h]` (under SP both inputs are sequence shards `[s/tp, b, h]` and so is the
+    output). `linear_kv` fuses `[K; V]` (two blocks, each split over TP). No position bias
+    (T5). `attention_mask` `[b, 1, sd, se]` bool (True = may attend: encoder padding).
+    `kv_cache`, when given, has `cross(layer_number, compute) -> (k, v)` returning `[b, n/tp,
+    se, d]` that it computed once (from `compute()`) and keeps for every decoding step.
+    """
+
+    def __init__(self, config, layer_number: int, sequence_parallel: bool = False,
+                 softmax_scale: float | None = None):
+        super().__init__()
+        tp = get_tensor_model_parallel_world_size()
+        self.layer_number = layer_number
+        self.head_dim = config.kv_channels
+        self.num_heads = config.num_attention_heads // tp
+        self.softmax_scale = softmax_scale
+        self.attention_dropout = config.attention_dropout
+        proj = config.query_projection_size
+        self.linear_q = ColumnParallelLinear(config.hidden_size, proj, bias=config.add_qkv_bias,
+                                             sequence_parallel=sequence_parallel, init="normal")
+        self.linear_kv = ColumnParallelLinear(config.hidden_size, 2 * proj,
+                                              bias=config.add_qkv_bias, num_fused_parts=2,
+                                              sequence_parallel=sequence_parallel, init="normal")
+        self.linear_proj = RowParallelLinear(proj, config.hidden_size, bias=config.add_bias_linear,
+                                             sequence_parallel=sequence_parallel,
+                                             init="scaled_normal")
+        self.checkpoint_fn = None
+
+    def key_values(self, encoder_output: torch.Tensor):
+        """`[se, b, h]` (or its SP shard) -> k, v `[b, n/tp, se, d]`."""
+        kv = self.linear_kv(encoder_output)  # [se, b, 2 * n/tp * d]
+        se, b = kv.shape[:2]
+        k, v = kv.view(se, b, 2, self.num_heads, self.head_dim).unbind(2)
+        return k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
+
+    def forward(self, x, encoder_output, attention_mask=None, kv_cache=None) -> torch.Tensor:
+        q = self.linear_q(x)
+        s, b = q.shape[:2]
+        q = q.view(s, b, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
+        if kv_cache is not None:
+            k, v = kv_cache.cross(self.layer_number, lambda: self.key_values(encoder_output))
+        else:
+            k, v = self.key_values(encoder_output)
+        p = self.attention_dropout if self.training else 0.0
+        if self.checkpoint_fn is not None and self.training and torch.is_grad_enabled():
+            out = self.checkpoint_fn(_cross_core(self.softmax_scale, p), q, k, v, attention_mask)
+        else:
+            out = core_attention(q, k, v, attention_mask, None, self.softmax_scale, p)
+        return self.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, -1))
+
+
+def _cross_core(scale, p):
+    def run(q, k, v, mask):
+        return core_attention(q, k, v, mask, None, scale, p)
+    return run
 

@@ -1,7 +1,7 @@
 """The feed-forward block: column-parallel fc1, activation, row-parallel fc2.
 
-Splitting fc1 by columns and fc2 by rows needs no communication between them, since GeLU and
-SwiGLU are elementwise on the split dim (Shoeybi et al. 2019, sec. 3, Fig. 3a). SwiGLU
+Splitting fc1 by columns and fc2 by rows needs no communication between them, since GeLU, ReLU and
+the gated units are elementwise on the split dim (Shoeybi et al. 2019, sec. 3, Fig. 3a). SwiGLU
 (Shazeer 2020, eq. 6) fuses gate and up projections into one fc1 weight `[gate; up]` whose two
 blocks are split separately, so each rank holds matching gate/up columns.
 
@@ -47,24 +47,43 @@ def swiglu(fused: torch.Tensor) -> torch.Tensor:
     return _SwiGLU.apply(fused)
 
 
+def geglu(fused: torch.Tensor) -> torch.Tensor:
+    """GeGLU on a fused `[..., 2f]` tensor `[gate; up]` -> `gelu_tanh(gate) * up [..., f]`
+    (Shazeer 2020, eq. 5; T5 v1.1's "gated-gelu" with the tanh approximation, HF's gelu_new)."""
+    gate, up = fused.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+GATED = ("swiglu", "geglu")  # activations whose fc1 is the fused [gate; up]
+
+
 class MLP(nn.Module):
-    """`[s, b, h] -> [s, b, h]` (sequence shards `[s/tp, b, h]` under SP)."""
+    """`[s, b, h] -> [s, b, h]` (sequence shards `[s/tp, b, h]` under SP).
+
+    `config.activation`: "gelu" (tanh approximation, GPT-2), "relu" (T5 v1.0), or the gated
+    "swiglu" (Llama) / "geglu" (T5 v1.1), whose fc1 holds `[gate; up]`.
+    """
 
     def __init__(self, config, sequence_parallel: bool = False):
         super().__init__()
-        self.swiglu = config.activation == "swiglu"
-        fc1_out = config.ffn_hidden_size * (2 if self.swiglu else 1)
+        self.activation = config.activation
+        gated = self.activation in GATED
+        fc1_out = config.ffn_hidden_size * (2 if gated else 1)
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size, fc1_out, bias=config.add_bias_linear,
-            sequence_parallel=sequence_parallel, num_fused_parts=2 if self.swiglu else 1)
+            sequence_parallel=sequence_parallel, num_fused_parts=2 if gated else 1)
         self.linear_fc2 = RowParallelLinear(
             config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear,
             sequence_parallel=sequence_parallel, init="scaled_normal")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear_fc1(x)
-        if self.swiglu:
+        if self.activation == "swiglu":
             y = swiglu(y)
+        elif self.activation == "geglu":
+            y = geglu(y)
+        elif self.activation == "relu":
+            y = F.relu(y)
         else:
             y = F.gelu(y, approximate="tanh")
         return self.linear_fc2(y)

@@ -4,6 +4,10 @@ Layer: `x = x + dropout(attn(norm1(x)))`, `x = x + dropout(mlp(norm2(x)))` (GPT-
 pre-normalization, Radford et al. 2019 sec. 2.3). Activations are `[s, b, h]`, or sequence
 shards `[s/tp, b, h]` under sequence parallelism, where norms and dropout run on the shard.
 
+An encoder-decoder model builds its encoder from bidirectional layers (`causal=False`) and its
+decoder from layers with `cross_attention`: `x = x + dropout(cross_attn(norm(x), encoder
+output))` between self-attention and the MLP (Vaswani et al. 2017, sec. 3.1; T5's order).
+
 A block holds the layers of one pipeline chunk in a ModuleDict keyed by *global* layer number
 (0-based), so parameter names (`layers.7.mlp.linear_fc1.weight`) are the same at any pipeline
 layout; they seed initialization and key checkpoints.
@@ -15,43 +19,69 @@ from torch import nn
 
 from parallel_state import dropout, get_tensor_model_parallel_world_size
 
-from .attention import SelfAttention
+from .attention import CrossAttention, SelfAttention
 from .mlp import MLP
 from .norm import build_norm
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, config, layer_number: int, sequence_parallel: bool = False):
+    """One pre-norm layer. `causal=False`: bidirectional self-attention (an encoder);
+    `cross_attention`: a decoder layer of an encoder-decoder model; `softmax_scale`: see
+    SelfAttention (T5: 1.0)."""
+
+    def __init__(self, config, layer_number: int, sequence_parallel: bool = False,
+                 causal: bool = True, cross_attention: bool = False,
+                 softmax_scale: float | None = None):
         super().__init__()
         sp = sequence_parallel and get_tensor_model_parallel_world_size() > 1
         self.layer_number = layer_number
         self.hidden_dropout = config.hidden_dropout
         self.sequence_parallel = sp
         self.input_layernorm = build_norm(config, sequence_parallel=sp)
-        self.self_attention = SelfAttention(config, layer_number, sequence_parallel=sp)
+        self.self_attention = SelfAttention(config, layer_number, sequence_parallel=sp,
+                                            causal=causal, softmax_scale=softmax_scale)
+        if cross_attention:
+            self.pre_cross_attn_layernorm = build_norm(config, sequence_parallel=sp)
+            self.cross_attention = CrossAttention(config, layer_number, sequence_parallel=sp,
+                                                  softmax_scale=softmax_scale)
+        else:
+            self.cross_attention = None
         self.pre_mlp_layernorm = build_norm(config, sequence_parallel=sp)
         self.mlp = MLP(config, sequence_parallel=sp)
 
-    def forward(self, x: torch.Tensor, rotary=None, kv_cache=None,
-                attention_mask=None) -> torch.Tensor:
-        """`x [s, b, h]` (or `[s/tp, b, h]`) -> same shape (mask: see SelfAttention)."""
-        attn = self.self_attention(self.input_layernorm(x), rotary=rotary, kv_cache=kv_cache,
-                                   attention_mask=attention_mask)
-        x = x + dropout(attn, self.hidden_dropout, self.training, sharded=self.sequence_parallel)
-        mlp = self.mlp(self.pre_mlp_layernorm(x))
-        return x + dropout(mlp, self.hidden_dropout, self.training, sharded=self.sequence_parallel)
+    def _residual(self, x, y):
+        return x + dropout(y, self.hidden_dropout, self.training, sharded=self.sequence_parallel)
+
+    def forward(self, x: torch.Tensor, rotary=None, kv_cache=None, attention_mask=None,
+                attention_bias=None, encoder_output=None,
+                cross_attention_mask=None) -> torch.Tensor:
+        """`x [s, b, h]` (or `[s/tp, b, h]`) -> same shape (masks and bias: see SelfAttention
+        and CrossAttention; `encoder_output [se, b, h]` (SP: `[se/tp, b, h]`) for a decoder
+        layer with cross-attention)."""
+        x = self._residual(x, self.self_attention(
+            self.input_layernorm(x), rotary=rotary, kv_cache=kv_cache,
+            attention_mask=attention_mask, attention_bias=attention_bias))
+        if self.cross_attention is not None:
+            if encoder_output is None and kv_cache is None:
+                raise ValueError("a decoder layer with cross-attention needs encoder_output")
+            x = self._residual(x, self.cross_attention(
+                self.pre_cross_attn_layernorm(x), encoder_output,
+                attention_mask=cross_attention_mask, kv_cache=kv_cache))
+        return self._residual(x, self.mlp(self.pre_mlp_layernorm(x)))
 
 
 class TransformerBlock(nn.Module):
     """The layers `layer_numbers` (global, 0-based) of the model, plus the final norm when
-    `post_layer_norm` (the last pipeline stage)."""
+    `post_layer_norm` (the last pipeline stage). `layer_kwargs` go to every TransformerLayer
+    (`causal`, `cross_attention`, `softmax_scale`)."""
 
     def __init__(self, config, layer_numbers: list[int], post_layer_norm: bool = True,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, **layer_kwargs):
         super().__init__()
         sp = sequence_parallel and get_tensor_model_parallel_world_size() > 1
         self.layers = nn.ModuleDict({
-            str(n): TransformerLayer(config, n, sequence_parallel=sp) for n in layer_numbers})
+            str(n): TransformerLayer(config, n, sequence_parallel=sp, **layer_kwargs)
+            for n in layer_numbers})
         self.final_layernorm = build_norm(config, sequence_parallel=sp) if post_layer_norm else None
         # Set by the recompute policy (training/recompute.py): `checkpoint_fn(fn, *tensors)`
         # runs fn keeping only its inputs for backward; `recompute_spans` are the (start,
@@ -59,20 +89,24 @@ class TransformerBlock(nn.Module):
         self.checkpoint_fn = None
         self.recompute_spans: list[tuple[int, int]] = []
 
-    def forward(self, x: torch.Tensor, rotary=None, kv_cache=None,
-                attention_mask=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary=None, kv_cache=None, attention_mask=None,
+                attention_bias=None, encoder_output=None,
+                cross_attention_mask=None) -> torch.Tensor:
         layers = list(self.layers.values())
         recompute = self.checkpoint_fn is not None and self.training and torch.is_grad_enabled()
         span_stop = dict(self.recompute_spans) if recompute else {}  # start -> stop
+        extra = (attention_bias, encoder_output, cross_attention_mask)
         i = 0
         while i < len(layers):
             if i in span_stop:
                 stop = span_stop[i]
-                x = self.checkpoint_fn(_run_layers(layers[i:stop]), x, attention_mask,
+                x = self.checkpoint_fn(_run_layers(layers[i:stop]), x, attention_mask, *extra,
                                        *(rotary if rotary is not None else ()))
                 i = stop
             else:
-                x = layers[i](x, rotary=rotary, kv_cache=kv_cache, attention_mask=attention_mask)
+                x = layers[i](x, rotary=rotary, kv_cache=kv_cache, attention_mask=attention_mask,
+                              attention_bias=attention_bias, encoder_output=encoder_output,
+                              cross_attention_mask=cross_attention_mask)
                 i += 1
         if self.final_layernorm is not None:
             x = self.final_layernorm(x)
@@ -80,10 +114,12 @@ class TransformerBlock(nn.Module):
 
 
 def _run_layers(layers):
-    """`fn(x, attention_mask, *rotary) -> x` through `layers`: a checkpointable unit (tensors
-    as arguments; the mask may be None)."""
-    def run(x, attention_mask, *rotary):
+    """`fn(x, attention_mask, attention_bias, encoder_output, cross_attention_mask, *rotary)
+    -> x` through `layers`: a checkpointable unit (tensors as arguments; any may be None)."""
+    def run(x, attention_mask, attention_bias, encoder_output, cross_attention_mask, *rotary):
         for layer in layers:
-            x = layer(x, rotary=rotary or None, attention_mask=attention_mask)
+            x = layer(x, rotary=rotary or None, attention_mask=attention_mask,
+                      attention_bias=attention_bias, encoder_output=encoder_output,
+                      cross_attention_mask=cross_attention_mask)
         return x
     return run

@@ -15,20 +15,25 @@ class ConfigError(ValueError):
     """A bad configuration value; the message names the flag and how to fix it."""
 
 
-_POSITION_TYPES = ("learned_absolute", "rope", "none")
+_POSITION_TYPES = ("learned_absolute", "rope", "relative", "none")
 _NORMS = ("LayerNorm", "RMSNorm")
-_ACTIVATIONS = ("gelu", "swiglu")
+_ACTIVATIONS = ("gelu", "swiglu", "relu", "geglu")
+_MODEL_TYPES = ("gpt", "t5")
 _ROPE_SCALING = (None, "linear", "llama3")
 
 
 @dataclass
 class ModelConfig:
-    """Shape and numerics of a decoder-only model (GPT-2 / Llama families).
+    """Shape and numerics of a decoder-only model (GPT-2 / Llama families) or, with
+    `model_type: t5`, an encoder-decoder (T5: `encoder_num_layers` + `decoder_num_layers`,
+    relative position bias, `seq_length` the encoder length, `decoder_seq_length` the
+    decoder's).
 
     Sizes are counts (not bytes). `ffn_hidden_size` defaults to 4*h for GeLU and to
     Llama's 2/3 * 4h rounded up to a multiple of 256 for SwiGLU.
     """
 
+    model_type: str = "gpt"  # "gpt" (decoder-only) or "t5" (encoder-decoder)
     num_layers: int = 2
     hidden_size: int = 64
     num_attention_heads: int = 4
@@ -58,6 +63,13 @@ class ModelConfig:
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     init_method_std: float = 0.02
+    # T5 (model_type t5): layers of each stack (None: num_layers), decoder length (None:
+    # seq_length) and the relative position buckets (Raffel et al. 2020, sec. 2.1)
+    encoder_num_layers: int | None = None
+    decoder_num_layers: int | None = None
+    decoder_seq_length: int | None = None
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
     name: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -75,6 +87,14 @@ class ModelConfig:
             self.max_position_embeddings = self.seq_length
         if self.add_qkv_bias is None:
             self.add_qkv_bias = self.add_bias_linear
+        if self.model_type == "t5":
+            self.encoder_num_layers = self.encoder_num_layers or self.num_layers
+            self.decoder_num_layers = self.decoder_num_layers or self.num_layers
+            self.decoder_seq_length = self.decoder_seq_length or self.seq_length
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return self.model_type == "t5"
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -110,13 +130,20 @@ class ModelConfig:
         h, f, L = self.hidden_size, self.ffn_hidden_size, self.num_layers
         qkv_out = self.query_projection_size + 2 * self.kv_projection_size
         norm = 2 * h if self.normalization == "LayerNorm" else h
-        fc1_out = 2 * f if self.activation == "swiglu" else f
-        layer = h * qkv_out + self.query_projection_size * h + h * fc1_out + f * h + 2 * norm
+        fc1_out = 2 * f if self.activation in ("swiglu", "geglu") else f
+        attn = h * qkv_out + self.query_projection_size * h
+        mlp = h * fc1_out + f * h
         if self.add_qkv_bias:
-            layer += qkv_out
+            attn += qkv_out
         if self.add_bias_linear:
-            layer += h + fc1_out + h
-        total = L * layer + norm
+            attn += h
+            mlp += fc1_out + h
+        if self.is_encoder_decoder:  # cross-attention: same projections; 3 norms a layer
+            total = self.encoder_num_layers * (attn + mlp + 2 * norm) + \
+                self.decoder_num_layers * (2 * attn + mlp + 3 * norm) + 2 * norm
+            total += 2 * self.relative_attention_num_buckets * self.num_attention_heads
+        else:
+            total = L * (attn + mlp + 2 * norm) + norm
         if include_embedding:
             total += self.vocab_size * h
             if self.untie_embeddings_and_output_weights:
@@ -134,6 +161,14 @@ class ModelConfig:
         num_query_groups: each KV head is then replicated on tp / num_query_groups ranks.
         """
         tp = tensor_model_parallel_size
+        if self.model_type not in _MODEL_TYPES:
+            raise ConfigError(f"--model-type must be one of {_MODEL_TYPES}, got "
+                              f"{self.model_type!r}")
+        if self.is_encoder_decoder:
+            self._validate_t5()
+        elif self.position_embedding_type == "relative":
+            raise ConfigError("--position-embedding-type relative (T5's bias) is for "
+                              "--model-type t5; a GPT model uses learned_absolute, rope or none")
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                      "vocab_size", "ffn_hidden_size", "kv_channels", "num_query_groups",
                      "make_vocab_size_divisible_by", "max_position_embeddings"):
@@ -214,3 +249,16 @@ class ModelConfig:
             p = getattr(self, name)
             if not 0.0 <= p < 1.0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1), got {p}")
+
+    def _validate_t5(self) -> None:
+        for name in ("encoder_num_layers", "decoder_num_layers", "decoder_seq_length",
+                     "relative_attention_num_buckets", "relative_attention_max_distance"):
+            if getattr(self, name) is None or getattr(self, name) <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, "
+                                  f"got {getattr(self, name)}")
+        if self.position_embedding_type != "relative":
+            raise ConfigError(f"--model-type t5 uses --position-embedding-type relative, got "
+                              f"{self.position_embedding_type!r}")
+        if self.relative_attention_num_buckets < 4:
+            raise ConfigError("--relative-attention-num-buckets must be >= 4 (half exact, "
+                              "half logarithmic, per direction)")

@@ -13,6 +13,7 @@ from .grid import (  # noqa: F401
     get_data_parallel_world_size,
     get_device,
     get_embedding_group,
+    get_stage_group,
     get_grid,
     get_model_parallel_group,
     get_pipeline_model_parallel_group,

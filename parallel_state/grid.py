@@ -40,6 +40,9 @@ class Grid:
     pp_group: dist.ProcessGroup
     model_parallel_group: dist.ProcessGroup  # tp x pp ranks of one model replica
     embedding_group: dist.ProcessGroup | None  # first + last pipeline stage (tied embeddings)
+    # stages that hold copies of one replicated parameter (T5: each stack's position-bias
+    # table on every stage of that stack), by name; this rank's group or None
+    stage_groups: dict = field(default_factory=dict)
     tp_rank: int = 0
     dp_rank: int = 0
     pp_rank: int = 0
@@ -131,8 +134,15 @@ def initialize_model_parallel(
     pipeline_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: int | None = None,
     device: torch.device | str | None = None,
+    embedding_stages: list[int] | None = None,
+    stage_groups: dict[str, list[int]] | None = None,
 ) -> Grid:
     """Build the (pp, dp, tp) grid over the running world and make it current.
+
+    `embedding_stages`: the pipeline stages holding a copy of the word embedding (default the
+    first and the last; T5 also the first decoder stage, Megatron's split rank).
+    `stage_groups`: `{name: stages}` of other parameters replicated over stages; each gets a
+    group per (dp, tp) coordinate (`get_stage_group(name)`), like the embedding group.
 
     Raises `GridError` when the world size is not divisible by tp * pp, when a size is not
     positive, when the default process group is not started, or when a grid already exists
@@ -174,13 +184,26 @@ def initialize_model_parallel(
             model_parallel_group = g
     embedding_group = None
     pp_ranks = [(p * dp + dp_rank) * tp + tp_rank for p in range(pp)]
-    if pp > 1:
+
+    def stage_group(stages, label):
+        mine = None
         for d in range(dp):
             for t in range(tp):
-                ranks = [(0 * dp + d) * tp + t, ((pp - 1) * dp + d) * tp + t]
-                g = collectives.new_group(ranks, label="embedding")
+                ranks = [(p * dp + d) * tp + t for p in stages]
+                g = collectives.new_group(ranks, label=label)
                 if rank in ranks:
-                    embedding_group = g
+                    mine = g
+        return mine
+
+    if pp > 1:
+        embedding_group = stage_group(sorted(set(embedding_stages or [0, pp - 1])), "embedding")
+    groups = {}
+    for name, stages in sorted((stage_groups or {}).items()):
+        stages = sorted(set(stages))
+        if any(not 0 <= p < pp for p in stages):
+            raise GridError(f"stage group {name!r}: stages {stages} outside 0..{pp - 1}")
+        if len(stages) > 1:
+            groups[name] = stage_group(stages, name)
     _GRID = Grid(
         mesh=mesh,
         tensor_model_parallel_size=tp,
@@ -193,6 +216,7 @@ def initialize_model_parallel(
         pp_group=mesh.get_group("pp"),
         model_parallel_group=model_parallel_group,
         embedding_group=embedding_group,
+        stage_groups=groups,
         tp_rank=tp_rank,
         dp_rank=dp_rank,
         pp_rank=pp_rank,
@@ -247,6 +271,12 @@ def get_model_parallel_group():
 
 def get_embedding_group():
     return get_grid().embedding_group
+
+
+def get_stage_group(name: str):
+    """This rank's group of the stages replicating parameter group `name` (see
+    `initialize_model_parallel`), or None when this stage holds no copy or there is one."""
+    return get_grid().stage_groups.get(name)
 
 
 def get_tensor_model_parallel_world_size() -> int:

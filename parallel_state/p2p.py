@@ -47,10 +47,14 @@ class TensorSpec:
     shapes: tuple[tuple[int, ...], ...]
     dtype: torch.dtype
     device: torch.device
+    # what this stage sends to the next one (and gets gradients of), when that differs from
+    # what it receives (`shapes`): a T5 stage at the encoder/decoder split gets the encoder
+    # output and sends (decoder hidden, encoder output); None: the same as `shapes`
+    next_shapes: tuple[tuple[int, ...], ...] | None = None
 
-    def empty(self, requires_grad: bool = False) -> Tensors:
+    def empty(self, requires_grad: bool = False, shapes=None) -> Tensors:
         return tuple(torch.empty(s, dtype=self.dtype, device=self.device,
-                                 requires_grad=requires_grad) for s in self.shapes)
+                                 requires_grad=requires_grad) for s in (shapes or self.shapes))
 
 
 def communicate(spec: TensorSpec, *, send_next: Tensors | None = None,
@@ -78,7 +82,7 @@ def communicate(spec: TensorSpec, *, send_next: Tensors | None = None,
     if send_prev is not None:
         add_sends(send_prev, prv, BACKWARD_TAG)
     from_prev = spec.empty() if recv_prev else None
-    from_next = spec.empty() if recv_next else None
+    from_next = spec.empty(shapes=spec.next_shapes) if recv_next else None
     for t in from_prev or ():
         ops.append(dist.P2POp(dist.irecv, t, prv, group=group, tag=FORWARD_TAG))
     for t in from_next or ():

@@ -255,6 +255,8 @@ NATURAL_TP = {
     "gpt2-124m": 1, "gpt2-350m": 2, "gpt2-774m": 4, "gpt2-1.5b": 5, "llama-style-135m": 3,
     "llama-style-1b": 2, "llama-7b": 4, "llama-8b": 8, "llama-70b": 8, "tiny-gpt": 2,
     "tiny-llama": 2, "small-gpt": 2, "small-llama": 2,
+    "t5-small": 2, "t5-base": 2, "t5-large": 4, "t5-3b": 8, "t5-11b": 8, "t5-v1_1-small": 2,
+    "t5-v1_1-base": 4, "t5-v1_1-large": 4, "t5-v1_1-xl": 8, "t5-v1_1-xxl": 8, "t5-tiny": 2,
 }
 
 
@@ -279,6 +281,16 @@ def test_named_models_validate_at_natural_tp(name):
 def test_parameter_counts(name, expected):
     # the published counts above are rounded to 0.1M at most: within half of that
     assert load_model_config(name).num_parameters() == pytest.approx(expected, abs=0.05e6)
+
+
+@pytest.mark.parametrize("name, expected", [  # transformers' T5ForConditionalGeneration
+    ("t5-small", 60_506_624), ("t5-base", 222_903_552), ("t5-large", 737_668_096),
+    ("t5-3b", 2_851_598_336), ("t5-11b", 11_307_321_344), ("t5-v1_1-small", 76_961_152),
+    ("t5-v1_1-base", 247_577_856), ("t5-v1_1-large", 783_150_080),
+    ("t5-v1_1-xl", 2_849_757_184), ("t5-v1_1-xxl", 11_135_332_352),
+])
+def test_t5_parameter_counts_equal_hf(name, expected):
+    assert load_model_config(name).num_parameters() == expected
 
 
 def test_gpt2_124m_exact_parameter_count():

@@ -95,7 +95,8 @@ def forward_chain_terms(cfg, seq_length: int, kind: str = "gpt") -> int:
     """`k` of a forward pass: the reduction lengths on one token's path (norms over h; QKV
     over h; scores over d; softmax and AV over s; projection over q; fc1 over h; fc2 over
     ffn; for the whole model the final norm and the logits over h, and for "gpt" (the loss)
-    the cross entropy over the vocab).
+    the cross entropy over the vocab). A T5 config counts its encoder, then its decoder
+    with cross-attention (`seq_length`: the longer of the two).
 
     `cfg` is a models.ModelConfig; `kind` is "attention", "mlp", "layer", "logits" or "gpt".
     """
@@ -104,6 +105,10 @@ def forward_chain_terms(cfg, seq_length: int, kind: str = "gpt") -> int:
     mlp = h + cfg.ffn_hidden_size
     layer = 2 * h + attention + mlp
     logits = cfg.num_layers * layer + 2 * h
+    if getattr(cfg, "is_encoder_decoder", False):  # T5: both stacks; cross-attention per
+        # decoder layer (a norm and an attention more); two final norms
+        logits = cfg.encoder_num_layers * layer + \
+            cfg.decoder_num_layers * (layer + h + attention) + 3 * h
     return {"attention": attention, "mlp": mlp, "layer": layer, "logits": logits,
             "gpt": logits + cfg.vocab_size}[kind]
 

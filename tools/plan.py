@@ -219,6 +219,10 @@ def main(argv=None) -> int:
     try:
         args = build_parser().parse_args(argv)
         model, base, hw, gbs = _inputs(args)
+        if model.is_encoder_decoder:
+            raise PlanError(f"{model.name or 'this model'} is an encoder-decoder (T5): the "
+                            f"planner's formulas are for decoder-only models; T5 is not "
+                            f"modelled")
         bf16 = not args.fp32 and (base.bf16 if args.config else True)
         result = plan(model, hw, gbs, bf16=bf16, base=base)
         if not result["fits"]:

@@ -49,6 +49,7 @@ class TrainConfig:
     num_layers_per_virtual_pipeline_stage: int | None = None
     decoder_first_pipeline_num_layers: int | None = None
     decoder_last_pipeline_num_layers: int | None = None
+    pipeline_model_parallel_split_rank: int | None = None  # T5: first decoder stage
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False  # ZeRO-1: Adam states/main weights sharded over DP
     data_parallel_sharding_strategy: str | None = None  # None: optim if the above, else no_shard
@@ -82,6 +83,9 @@ class TrainConfig:
     reset_attention_mask: bool = False  # attention does not cross an EOD in a sample
     eod_mask_loss: bool = False  # no loss on predicting from an EOD input token
     tokenizer_model: str | None = None  # SentencePiece .model file or HF tokenizer folder
+    vocab_extra_ids: int | None = None  # T5 sentinels on top of the tokenizer (None: 100 for t5)
+    noise_density: float = 0.15  # T5 span corruption: share of tokens masked
+    mean_noise_span_length: float = 3.0  # T5 span corruption: mean tokens per masked span
     eval_interval: int = 1000  # 0 disables evaluation
     eval_iters: int = 100
     log_interval: int = 10
@@ -163,10 +167,14 @@ class Config:
         pad = m.padded_vocab_size(t.tensor_model_parallel_size)
         tp = t.tensor_model_parallel_size
         padded = f" (padded to {pad} for tp {tp})" if pad != m.vocab_size else ""
+        layers = (f"{m.encoder_num_layers}+{m.decoder_num_layers} encoder+decoder"
+                  if m.is_encoder_decoder else f"{m.num_layers}")
+        seq = (f"{m.seq_length}/{m.decoder_seq_length}" if m.is_encoder_decoder
+               else f"{m.seq_length}")
         return (
-            f"model   {m.name or 'custom'}: {m.num_parameters() / 1e6:.1f}M params, {m.num_layers}"
+            f"model   {m.name or 'custom'}: {m.num_parameters() / 1e6:.1f}M params, {layers}"
             f" layers, hidden {m.hidden_size}, heads {m.num_attention_heads} (kv "
-            f"{m.num_query_groups}), ffn {m.ffn_hidden_size}, seq {m.seq_length}, vocab "
+            f"{m.num_query_groups}), ffn {m.ffn_hidden_size}, seq {seq}, vocab "
             f"{m.vocab_size}{padded}, {m.position_embedding_type}/{m.normalization}/"
             f"{m.activation}\n"
             f"layout  world {self.world_size} = pp {t.pipeline_model_parallel_size} x dp {dp} x "
@@ -248,7 +256,7 @@ FLAG_HELP = {
     "max_position_embeddings": "rows of the learned position table",
     "vocab_size": "replaced by the tokenizer's at run time",
     "make_vocab_size_divisible_by": "pad the vocab to a multiple of this x tp",
-    "position_embedding_type": "learned_absolute | rope | none",
+    "position_embedding_type": "learned_absolute | rope | relative (T5) | none",
     "rotary_base": "RoPE theta",
     "rope_scaling_type": "RoPE frequency scaling: linear | llama3 (default none)",
     "rope_scaling_factor": "RoPE context extension factor",
@@ -256,7 +264,7 @@ FLAG_HELP = {
     "rope_high_freq_factor": "llama3 RoPE scaling: high-frequency factor",
     "rope_original_max_position_embeddings": "llama3 RoPE scaling: pretraining context",
     "window_size": "sliding-window span (Mistral); must be >= seq-length", "normalization": "LayerNorm | RMSNorm",
-    "activation": "gelu | swiglu", "add_bias_linear": "biases in linear layers",
+    "activation": "gelu | swiglu | relu | geglu", "add_bias_linear": "biases in linear layers",
     "untie_embeddings_and_output_weights": "separate output layer weight",
     "hidden_dropout": "dropout on residual branches", "attention_dropout": "dropout on scores",
     "init_method_std": "std of the normal init (output projections / sqrt(2 L))",
@@ -267,6 +275,8 @@ FLAG_HELP = {
     "num_layers_per_virtual_pipeline_stage": "layers per chunk (alternative to --vpp)",
     "decoder_first_pipeline_num_layers": "layers on the first stage (uneven split)",
     "decoder_last_pipeline_num_layers": "layers on the last stage (uneven split)",
+    "pipeline_model_parallel_split_rank": "T5: stages before it hold the encoder, the rest "
+    "the decoder",
     "sequence_parallel": "norms/dropout on sequence shards (needs tp > 1)",
     "use_distributed_optimizer": "ZeRO-1: shard main weights and Adam states over DP",
     "data_parallel_sharding_strategy": "no_shard | optim (ZeRO-1) | optim_grads (ZeRO-2) | "
@@ -297,6 +307,15 @@ FLAG_HELP = {
     "reset_attention_mask": "do not attend across an EOD inside a sample",
     "eod_mask_loss": "no loss where the input token is EOD", "tokenizer_model":
     "SentencePiece .model or HF tokenizer folder used to make --data-path",
+    "vocab_extra_ids": "T5 sentinel ids added above the tokenizer's (default 100 for t5)",
+    "noise_density": "T5 span corruption: share of tokens masked",
+    "mean_noise_span_length": "T5 span corruption: mean masked span length",
+    "model_type": "gpt (decoder-only) | t5 (encoder-decoder)",
+    "encoder_num_layers": "T5 encoder layers (default num-layers)",
+    "decoder_num_layers": "T5 decoder layers (default num-layers)",
+    "decoder_seq_length": "T5 decoder (target) tokens per sample",
+    "relative_attention_num_buckets": "T5 relative position buckets",
+    "relative_attention_max_distance": "T5 distance where the last bucket starts",
     "eval_interval": "validate every N steps; 0 disables", "eval_iters": "batches per validation",
     "log_interval": "log every N steps", "log_dir": "metrics.jsonl + TensorBoard events",
     "save": "checkpoint folder", "load": "checkpoint folder (or iter_XXXXXXX) to resume from",

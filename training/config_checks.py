@@ -31,7 +31,13 @@ def validate(config: "Config", world_size: int) -> None:
     config.data_parallel_size = _check_grid(t, world_size)
     config.model.validate(t.tensor_model_parallel_size)
     _check_sequence_parallel(config.model, t)
-    _check_pipeline(config.model, t)
+    if config.model.is_encoder_decoder:
+        _check_t5(config.model, t)
+    else:
+        if t.pipeline_model_parallel_split_rank is not None:
+            raise ConfigError("--pipeline-model-parallel-split-rank is for encoder-decoder "
+                              "models (--model-type t5); drop it for a GPT model")
+        _check_pipeline(config.model, t)
     config.num_microbatches = _check_batch(t, config.data_parallel_size)
     check_batch_schedule(t, t.micro_batch_size * config.data_parallel_size,
                          t.pipeline_model_parallel_size,
@@ -75,6 +81,66 @@ def _check_sequence_parallel(m: ModelConfig, t: TrainConfig) -> None:
         raise ConfigError(
             f"--sequence-parallel needs --seq-length {m.seq_length} divisible by "
             f"--tensor-model-parallel-size {tp}; change one of them or pass --no-sequence-parallel")
+
+
+def t5_stage_layers(m: ModelConfig, t: TrainConfig) -> list[tuple[list[int], list[int]]]:
+    """`(encoder layers, decoder layers)` of each pipeline stage: the encoder split evenly over
+    the stages before --pipeline-model-parallel-split-rank, the decoder over the rest
+    (Megatron's encoder-and-decoder pipeline). Raises `ConfigError` for an uneven split."""
+    pp = t.pipeline_model_parallel_size
+    if pp == 1:
+        return [(list(range(m.encoder_num_layers)), list(range(m.decoder_num_layers)))]
+    split = t.pipeline_model_parallel_split_rank
+    out = []
+    for stack, n, stages in (("encoder", m.encoder_num_layers, split),
+                             ("decoder", m.decoder_num_layers, pp - split)):
+        if n % stages:
+            raise ConfigError(f"--{stack}-num-layers {n} cannot be split evenly over {stages} "
+                              f"{stack} stage(s) (--pipeline-model-parallel-split-rank {split} "
+                              f"of --pipeline-model-parallel-size {pp}); change one of them")
+        each = n // stages
+        out.append([list(range(i * each, (i + 1) * each)) for i in range(stages)])
+    return [(enc, []) for enc in out[0]] + [([], dec) for dec in out[1]]
+
+
+def _check_t5(m: ModelConfig, t: TrainConfig) -> None:
+    """An encoder-decoder run: sequence parallel needs both lengths divisible by tp; a
+    pipeline needs --pipeline-model-parallel-split-rank; no interleaving, uneven splits or
+    packed-document flags (GPT-only); span-corruption settings in range."""
+    tp, pp, split = (t.tensor_model_parallel_size, t.pipeline_model_parallel_size,
+                     t.pipeline_model_parallel_split_rank)
+    if t.sequence_parallel and m.decoder_seq_length % tp:
+        raise ConfigError(f"--sequence-parallel needs --decoder-seq-length "
+                          f"{m.decoder_seq_length} divisible by --tensor-model-parallel-size "
+                          f"{tp}; change one of them or pass --no-sequence-parallel")
+    if pp > 1 and (split is None or not 0 < split < pp):
+        raise ConfigError(f"a T5 pipeline of {pp} stages needs "
+                          f"--pipeline-model-parallel-split-rank between 1 and {pp - 1} (the "
+                          f"first decoder stage), got {split}")
+    if pp == 1 and split is not None:
+        raise ConfigError("--pipeline-model-parallel-split-rank needs "
+                          "--pipeline-model-parallel-size > 1")
+    for name in ("virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+                 "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
+        if getattr(t, name) is not None:
+            raise ConfigError(f"{flag(name)} is not supported for T5 (the encoder and decoder "
+                              f"split at --pipeline-model-parallel-split-rank); drop it")
+    if t.report_comm:
+        raise ConfigError("--report-comm compares against the planner, whose formulas are for "
+                          "decoder-only models; T5 is not modelled: drop --report-comm")
+    for name in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
+        if getattr(t, name):
+            raise ConfigError(f"{flag(name)} is for GPT's packed documents; T5 samples are "
+                              f"span-corrupted windows: drop it")
+    if not 0 < t.noise_density < 1:
+        raise ConfigError(f"--noise-density must be in (0, 1), got {t.noise_density}")
+    if not t.mean_noise_span_length >= 1:
+        raise ConfigError(f"--mean-noise-span-length must be >= 1, got "
+                          f"{t.mean_noise_span_length}")
+    if t.vocab_extra_ids is not None and t.vocab_extra_ids < 1:
+        raise ConfigError(f"--vocab-extra-ids must be >= 1 for T5 (the sentinels), got "
+                          f"{t.vocab_extra_ids}")
+    t5_stage_layers(m, t)
 
 
 def stage_layers(num_layers: int, t: TrainConfig) -> list[int]:
@@ -220,7 +286,10 @@ def _check_recompute(m: ModelConfig, t: TrainConfig) -> None:
         return
     t.recompute_method = t.recompute_method or "uniform"
     t.recompute_num_layers = 1 if t.recompute_num_layers is None else t.recompute_num_layers
-    chunk = max(stage_layers(m.num_layers, t)) // (t.virtual_pipeline_model_parallel_size or 1)
+    if m.is_encoder_decoder:  # a T5 stage holds one run of encoder or decoder layers
+        chunk = min(max(len(e), len(d)) for e, d in t5_stage_layers(m, t))
+    else:
+        chunk = max(stage_layers(m.num_layers, t)) // (t.virtual_pipeline_model_parallel_size or 1)
     if not 1 <= t.recompute_num_layers <= chunk:
         raise ConfigError(f"--recompute-num-layers {t.recompute_num_layers} must be in [1, "
                           f"{chunk}] (the layers of a model chunk: --num-layers {m.num_layers} "

@@ -210,7 +210,8 @@ class DistributedDataParallel(nn.Module):
 
         for params in groups:
             for p in reversed(params):
-                alone = pad > 1 and getattr(p, "shared_embedding", False)
+                alone = pad > 1 and (getattr(p, "shared_embedding", False) or
+                                     getattr(p, "stage_group", None) is not None)
                 if alone:
                     close()
                 offsets[id(p)] = offset
@@ -480,8 +481,10 @@ def grad_pieces(model, predicate) -> list[torch.Tensor]:
 
 
 def all_reduce_embedding_grads(model) -> None:
-    """Sum the gradients of the tied word embedding's two copies (first and last pipeline
-    stage) so both take the same update and stay equal (Megatron's embedding group). With
+    """Sum the gradients of the tied word embedding's copies (first and last pipeline stage;
+    T5 also the first decoder stage) so all take the same update and stay equal (Megatron's
+    embedding group), and likewise those of other parameters replicated over stages (the
+    `stage_group` tag: T5's position-bias tables, over the stages of their stack). With
     sharding both copies sit alone in identically sharded buckets, so the sum is right on each
     rank's reduced (or kept) shard; the rest of a full buffer is not read.
 
@@ -492,10 +495,18 @@ def all_reduce_embedding_grads(model) -> None:
         return
     grads = grad_pieces(model, lambda p: getattr(p, "shared_embedding", False))
     group = ps.get_embedding_group()
-    if group is None or not grads:
-        return
-    for g in grads:
-        collectives.all_reduce(g, group=group)
+    if group is not None and grads:
+        for g in grads:
+            collectives.all_reduce(g, group=group)
+    # other parameters replicated over stages (T5's per-stack position-bias tables)
+    names = sorted({p.stage_group for ddp in model for p in ddp.params
+                    if getattr(p, "stage_group", None) is not None})
+    for name in names:
+        group = ps.get_stage_group(name)
+        if group is None:
+            continue
+        for g in grad_pieces(model, lambda p, name=name: getattr(p, "stage_group", None) == name):
+            collectives.all_reduce(g, group=group)
 
 
 def all_reduce_sequence_parallel_grad_pieces(model) -> None:

@@ -16,7 +16,8 @@ Per layer and per sequence of `s` tokens, forward:
 with `q = heads * d`, `kv = query_groups * d`, `fc1_out = 2 ffn` for SwiGLU (gate and up) and
 `ffn` for GeLU; plus the logits `2 s h V` once. The attention term is counted over the full
 `s x s` score matrix, as in the paper (no discount for the causal mask). Embedding lookups,
-norms, activations, softmax and the loss are not matmuls and are not counted.
+norms, activations, softmax and the loss are not matmuls and are not counted. T5 (encoder-
+decoder) is counted per encoder token by the same rules (`_t5_flops_per_encoder_token`).
 """
 from __future__ import annotations
 
@@ -45,10 +46,27 @@ def forward_flops_per_token(config, seq_length: int | None = None,
     v = vocab_size or config.vocab_size
     h, ffn = config.hidden_size, config.ffn_hidden_size
     q, kv = config.query_projection_size, config.kv_projection_size
-    fc1_out = 2 * ffn if config.activation == "swiglu" else ffn
+    fc1_out = 2 * ffn if config.activation in ("swiglu", "geglu") else ffn
     dense = 2 * (h * (q + 2 * kv) + q * h + h * fc1_out + ffn * h)
     attention = 2 * 2 * s * q  # per token: one row of QK^T and of AV, each 2 s q
+    if getattr(config, "is_encoder_decoder", False):
+        return _t5_flops_per_encoder_token(config, s, dense, v)
     return float(config.num_layers * (dense + attention) + 2 * h * v)
+
+
+def _t5_flops_per_encoder_token(config, se: int, dense: float, v: int) -> float:
+    """T5 forward FLOPs of one sample (`se` encoder, `sd` decoder tokens) per encoder token
+    (the unit of tokens/s): the same terms per layer as above, with the decoder's
+    cross-attention adding its query and output projections (`2 * 2 h q` per decoder
+    token), the K/V projections of the encoder output (`2 * 2 h kv` per encoder token and
+    decoder layer) and `4 se q` of scores and weighted values per decoder token."""
+    sd, h, q = config.decoder_seq_length, config.hidden_size, config.query_projection_size
+    kv = config.kv_projection_size
+    encoder = se * config.encoder_num_layers * (dense + 4 * se * q)
+    cross_kv = se * config.decoder_num_layers * 4 * h * kv
+    decoder = sd * (config.decoder_num_layers * (dense + 4 * h * q + 4 * sd * q + 4 * se * q)
+                    + 2 * h * v)
+    return float(encoder + cross_kv + decoder) / se
 
 
 def training_flops_per_token(config, seq_length: int | None = None,

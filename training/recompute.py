@@ -78,17 +78,30 @@ def recompute_spans(num_layers: int, method: str, recompute_num_layers: int) -> 
 def apply_recompute(chunk: torch.nn.Module, granularity: str | None, method: str | None = None,
                     num_layers: int | None = None) -> None:
     """Set the recompute policy on a model chunk (a module holding a `TransformerBlock` as
-    `.decoder`, e.g. GPTModel). Recompute acts only in training mode with grad enabled.
+    `.decoder`, e.g. GPTModel, or T5Model's encoder and decoder blocks; selective recompute
+    covers cross-attention too). Recompute acts only in training mode with grad enabled.
 
     Args:
         granularity: None (off), "full" or "selective".
         method, num_layers: for "full": "uniform" (default) / "block" and the group size /
             number of checkpointed layers (default 1). Ignored otherwise.
     """
-    block = chunk.decoder
+    blocks = chunk.transformer_blocks() if hasattr(chunk, "transformer_blocks") else \
+        [chunk.decoder]
+    for block in blocks:
+        _apply_to_block(block, granularity, method, num_layers)
+
+
+def _attentions(layer):
+    return [a for a in (layer.self_attention, getattr(layer, "cross_attention", None))
+            if a is not None]
+
+
+def _apply_to_block(block, granularity, method, num_layers) -> None:
     block.checkpoint_fn, block.recompute_spans = None, []
     for layer in block.layers.values():
-        layer.self_attention.checkpoint_fn = None
+        for attention in _attentions(layer):
+            attention.checkpoint_fn = None
     if granularity is None:
         return
     if granularity == "full":
@@ -97,7 +110,8 @@ def apply_recompute(chunk: torch.nn.Module, granularity: str | None, method: str
                                                 num_layers or 1)
     elif granularity == "selective":
         for layer in block.layers.values():
-            layer.self_attention.checkpoint_fn = checkpoint
+            for attention in _attentions(layer):
+                attention.checkpoint_fn = checkpoint
     else:
         raise ValueError(f"recompute granularity must be None, 'full' or 'selective', "
                          f"got {granularity!r}")

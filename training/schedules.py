@@ -29,10 +29,19 @@ from parallel_state import p2p
 
 def loss_from_batch(model, batch: dict, hidden_states=None):
     """Forward one microbatch on one model chunk. Returns (summed masked token loss `[]`
-    float32, None) on the chunk holding the loss, else (None, output hidden states)."""
-    out = model(batch["tokens"], labels=batch["labels"], hidden_states=hidden_states,
-                position_ids=batch.get("position_ids"),
-                attention_mask=batch.get("attention_mask"))
+    float32, None) on the chunk holding the loss, else (None, output hidden states: a tensor,
+    or a tuple for an encoder-decoder stage). `hidden_states` is what the previous stage sent
+    (a tensor, or the tuple an encoder-decoder stage receives). A T5 batch (`encoder_mask`)
+    holds encoder `tokens`, decoder `labels` (the decoder input is their right shift)."""
+    if "encoder_mask" in batch:
+        out = model(batch["tokens"], labels=batch["labels"], hidden_states=hidden_states,
+                    encoder_attention_mask=batch["encoder_mask"])
+    else:
+        if isinstance(hidden_states, tuple):
+            hidden_states = hidden_states[0]
+        out = model(batch["tokens"], labels=batch["labels"], hidden_states=hidden_states,
+                    position_ids=batch.get("position_ids"),
+                    attention_mask=batch.get("attention_mask"))
     inner = getattr(model, "module", model)
     if not inner.post_process:
         return None, out
@@ -61,15 +70,15 @@ class _Runner:
         if inputs is not None and not self.forward_only:
             for t in inputs:
                 t.requires_grad_(True)
-        hidden = inputs[0] if inputs is not None else None
         with self._timed("F", chunk, mb):
             grad_ctx = torch.no_grad() if self.forward_only else contextlib.nullcontext()
             with grad_ctx:
-                loss, out = loss_from_batch(self.model[chunk], self.microbatches[mb], hidden)
+                loss, out = loss_from_batch(self.model[chunk], self.microbatches[mb],
+                                            tuple(inputs) if inputs is not None else None)
         if loss is not None:
             self.total += loss.detach()
             return (loss * self.loss_scale,)
-        return (out,)
+        return out if isinstance(out, tuple) else (out,)
 
     def backward(self, chunk: int, mb: int, inputs, outputs, output_grads):
         """Backpropagate `outputs` (with `output_grads`, None for the loss); returns the

@@ -13,14 +13,13 @@ import sys
 import time
 from datetime import timedelta
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
 import parallel_state as ps
 from checkpoint.format import CheckpointError
-from models import GPTModel
+from models import GPTModel, T5Model
 from models.config import ConfigError
 from models.pipeline import build_model_chunks
 from parallel_state import collectives, debug_collectives, trace
@@ -31,8 +30,8 @@ from .arguments import Config
 from .batch_schedule import BatchSchedule, rampup_of
 from .checkpointing import (Checkpointer, completed_checkpoint, kill_hook, load_checkpoint,
                             resume_path, signal_hook)
+from .batches import DataError, build_data, get_microbatches, vocab_extra_ids
 from .data import batch_digest
-from .data.masks import ltor_masks_and_position_ids
 from .distributed import (DistributedDataParallel, all_reduce_embedding_grads,
                           all_reduce_sequence_parallel_grad_pieces)
 from .distributed_optimizer import DistributedOptimizer
@@ -54,100 +53,6 @@ def _rank0_print(*args) -> None:
         print(*args, flush=True)
 
 
-# ---------------------------------------------------------------------- data
-class DataError(ValueError):
-    """The data or tokenizer cannot be used as given; raised alike on every rank before any
-    training step, with the file and the fix in the message."""
-
-
-def build_data(config: Config):
-    """Tokenizer and train/valid datasets; the embedded default corpus when no --data-path.
-
-    Raises `DataError` for missing/corrupt files, an unusable tokenizer, empty splits, or data
-    holding token ids the tokenizer (and so the model's vocabulary) does not have.
-    """
-    try:
-        return _build_data(config)
-    except (ValueError, FileNotFoundError) as e:
-        raise DataError(str(e)) from None
-
-
-def check_token_ids(prefixes: list[str], vocab_size: int, limit: int = 1_000_000_000) -> None:
-    """Every token id of each dataset must be < vocab_size, or the data was tokenized with
-    another tokenizer (ids beyond the vocab would silently embed as zeros at TP > 1).
-    Datasets over `limit` tokens are checked on their first `limit` tokens."""
-    from .data import IndexedDataset
-
-    for prefix in prefixes:
-        ds = IndexedDataset(prefix)
-        if ds.num_tokens == 0:
-            continue
-        tokens = np.memmap(prefix + ".bin", dtype=ds.dtype, mode="r",
-                           shape=(min(ds.num_tokens, limit),))
-        top = int(tokens.max())
-        if top >= vocab_size:
-            raise ValueError(f"{prefix}.bin holds token id {top} but the tokenizer has only "
-                             f"{vocab_size} ids: the data was made with another tokenizer; "
-                             f"pass the --tokenizer-model used by tools/preprocess_data.py")
-
-
-def _build_data(config: Config):
-    from .config_checks import parse_data_path
-    from .data import build_tokenizer, build_train_valid_test_datasets, ensure_default_corpus
-
-    t = config.train
-    data_path, tokenizer_path = t.data_path, t.tokenizer_model
-    if not data_path:
-        # One process builds (file lock inside), the others wait and reuse the cache. A given
-        # tokenizer (e.g. a fine-tuned checkpoint's) tokenizes the corpus itself.
-        if dist.get_rank() == 0:
-            prefix, tokenizer_path = ensure_default_corpus(tokenizer=tokenizer_path)
-        collectives.barrier()
-        if dist.get_rank() != 0:
-            prefix, tokenizer_path = ensure_default_corpus(quiet=True, tokenizer=tokenizer_path)
-        data_path = [prefix]
-    tokenizer = build_tokenizer(tokenizer_path)
-    config.eod = tokenizer.eod
-    check_token_ids([prefix for _, prefix in parse_data_path(data_path)], tokenizer.vocab_size)
-    gbs = t.global_batch_size
-    # every evaluation reads the same first eval_iters global batches of the valid split
-    num_samples = (t.train_iters * gbs, t.eval_iters * gbs if t.eval_interval else 0, 0)
-    train_ds, valid_ds, _ = build_train_valid_test_datasets(
-        data_path, t.split, config.model.seq_length, t.seed, num_samples)
-    return tokenizer, train_ds, valid_ds
-
-
-def get_microbatches(dataset, base: int, config: Config, device,
-                     global_batch_size: int | None = None) -> list[dict]:
-    """This DP rank's microbatches of the global batch that starts at sample `base`.
-
-    The global batch (`global_batch_size`, default --global-batch-size; smaller during
-    --rampup-batch-size) holds samples [base, base + gbs) (`base` is the data position, the
-    consumed samples, so a changed --global-batch-size neither repeats nor skips one);
-    within each chunk of mbs*dp samples, DP rank r takes [r*mbs, (r+1)*mbs) (Megatron's
-    pretraining sampler), so the set of samples in a step does not depend on the layout.
-    """
-    t = config.train
-    mbs, dp, dp_rank = t.micro_batch_size, config.data_parallel_size, ps.get_data_parallel_rank()
-    gbs = global_batch_size or t.global_batch_size
-    packed = t.reset_position_ids or t.reset_attention_mask or t.eod_mask_loss
-    out = []
-    for m in range(gbs // (mbs * dp)):
-        start = base + m * mbs * dp + dp_rank * mbs
-        samples = np.stack([dataset[start + j] for j in range(mbs)]).astype(np.int64)
-        tokens = torch.from_numpy(samples)
-        batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
-                 "loss_mask": torch.ones(mbs, tokens.shape[1] - 1)}
-        if packed:  # --reset-position-ids / --reset-attention-mask / --eod-mask-loss
-            mask, batch["loss_mask"], positions = ltor_masks_and_position_ids(
-                batch["tokens"], config.eod, t.reset_position_ids, t.reset_attention_mask,
-                t.eod_mask_loss)
-            batch.update({k: v for k, v in (("attention_mask", mask),
-                                             ("position_ids", positions)) if v is not None})
-        out.append({k: v.to(device) for k, v in batch.items()})
-    return out
-
-
 def _global_sum(x: torch.Tensor, group) -> torch.Tensor:
     x = x.clone()
     if dist.get_world_size(group) > 1:
@@ -156,11 +61,23 @@ def _global_sum(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def pipeline_spec(config: Config, device) -> TensorSpec:
-    """What adjacent stages exchange: hidden states `[s, b, h]` (`[s/tp, b, h]` under SP)."""
+    """What adjacent stages exchange: hidden states `[s, b, h]` (`[s/tp, b, h]` under SP).
+
+    T5 (Megatron's encoder-and-decoder pipeline): encoder stages pass the encoder hidden
+    `[se, b, h]`; the first decoder stage receives the encoder output, and every decoder
+    stage passes `(decoder hidden [sd, b, h], encoder output [se, b, h])`."""
     m, t = config.model, config.train
-    s = m.seq_length // (t.tensor_model_parallel_size if t.sequence_parallel else 1)
-    return TensorSpec(shapes=((s, t.micro_batch_size, m.hidden_size),),
-                      dtype=torch.bfloat16 if t.bf16 else torch.float32, device=device)
+    sp = t.tensor_model_parallel_size if t.sequence_parallel else 1
+    dtype = torch.bfloat16 if t.bf16 else torch.float32
+    b, h = t.micro_batch_size, m.hidden_size
+    enc = (m.seq_length // sp, b, h)
+    if not m.is_encoder_decoder:
+        return TensorSpec(shapes=(enc,), dtype=dtype, device=device)
+    dec = (m.decoder_seq_length // sp, b, h)
+    rank, split = ps.get_pipeline_model_parallel_rank(), t.pipeline_model_parallel_split_rank
+    received = (enc,) if split is None or rank <= split else (dec, enc)
+    sent = (enc,) if split is not None and rank < split else (dec, enc)
+    return TensorSpec(shapes=received, dtype=dtype, device=device, next_shapes=sent)
 
 
 def global_loss_sum(loss_sum: torch.Tensor) -> torch.Tensor:
@@ -192,10 +109,17 @@ def evaluate(chunks, dataset, config: Config, device) -> float:
 def build_model(config: Config, device) -> list[GPTModel]:
     """This rank's model chunks (one unless virtual pipelining), initialized from the seed."""
     t = config.train
-    chunks = build_model_chunks(GPTModel, config.model, config.stage_num_layers(),
-                                ps.get_pipeline_model_parallel_rank(),
-                                t.virtual_pipeline_model_parallel_size,
-                                sequence_parallel=t.sequence_parallel)
+    if config.model.is_encoder_decoder:
+        from .config_checks import t5_stage_layers
+
+        enc, dec = t5_stage_layers(config.model, t)[ps.get_pipeline_model_parallel_rank()]
+        chunks = [T5Model(config.model, encoder_layer_numbers=enc, decoder_layer_numbers=dec,
+                          sequence_parallel=t.sequence_parallel)]
+    else:
+        chunks = build_model_chunks(GPTModel, config.model, config.stage_num_layers(),
+                                    ps.get_pipeline_model_parallel_rank(),
+                                    t.virtual_pipeline_model_parallel_size,
+                                    sequence_parallel=t.sequence_parallel)
     for chunk in chunks:
         chunk.init_weights(t.seed)
         if t.bf16:  # Megatron's Float16Module: bf16 weights (the optimizer keeps fp32 copies)
@@ -240,7 +164,8 @@ def pretrain(config: Config, on_end=None) -> list[dict]:
         with trace.dump_on_error(ignore=_UNIFORM_ERRORS):
             ps.initialize_model_parallel(t.tensor_model_parallel_size,
                                          t.pipeline_model_parallel_size,
-                                         t.virtual_pipeline_model_parallel_size, device=device)
+                                         t.virtual_pipeline_model_parallel_size, device=device,
+                                         **pipeline_copies(config))
             records = _train(config, device, on_end, run_start)
             collectives.barrier()  # every rank got here, so nothing is left hanging
         clean = True
@@ -254,12 +179,29 @@ def pretrain(config: Config, on_end=None) -> list[dict]:
         ps.destroy_model_parallel()
 
 
-def vocab_notice(m, tokenizer_vocab: int) -> str:
-    """The one line saying that the tokenizer's vocabulary replaces the model file's, with the
-    parameter counts of both (e.g. gpt2-124m on the 8192-token demo corpus)."""
+def pipeline_copies(config: Config) -> dict:
+    """`initialize_model_parallel` keywords for the parameters several pipeline stages hold
+    (T5 with --pipeline-model-parallel-split-rank): the embedding on the first encoder and
+    first decoder stage (and the last, when tied), each position-bias table on every stage
+    of its stack. Empty for GPT (the default first + last embedding group)."""
+    m, t = config.model, config.train
+    split, pp = t.pipeline_model_parallel_split_rank, t.pipeline_model_parallel_size
+    if not m.is_encoder_decoder or pp == 1:
+        return {}
+    embedding = [0, split] + ([] if m.untie_embeddings_and_output_weights else [pp - 1])
+    return {"embedding_stages": embedding,
+            "stage_groups": {"encoder_position_bias": list(range(split)),
+                             "decoder_position_bias": list(range(split, pp))}}
+
+
+def vocab_notice(m, tokenizer_vocab: int, sentinels: int = 0) -> str:
+    """The one line saying that the tokenizer's vocabulary (plus T5's `sentinels`) replaces
+    the model file's, with the parameter counts of both (e.g. gpt2-124m on the 8192-token
+    demo corpus)."""
     named = dataclasses.replace(m)
-    actual = dataclasses.replace(m, vocab_size=tokenizer_vocab)
-    return (f"note: the tokenizer has {tokenizer_vocab} tokens, so the vocabulary of "
+    actual = dataclasses.replace(m, vocab_size=tokenizer_vocab + sentinels)
+    extra = f" + {sentinels} sentinels" if sentinels else ""
+    return (f"note: the tokenizer has {tokenizer_vocab} tokens{extra}, so the vocabulary of "
             f"{m.name or 'the model'} ({m.vocab_size}) is replaced: this run trains "
             f"{actual.num_parameters() / 1e6:.1f}M parameters, not "
             f"{named.num_parameters() / 1e6:.1f}M (for the named size, pass --data-path and "
@@ -274,16 +216,26 @@ def _train(config: Config, device, on_end=None, run_start: float | None = None) 
                  f"data ({' '.join(t.data_path) if t.data_path else 'the embedded demo corpus'})")
     tokenizer, train_ds, valid_ds = build_data(config)
     loads_weights = bool(t.load) and resume_path(t) is not None
-    if loads_weights and tokenizer.vocab_size > m.vocab_size:
-        raise DataError(f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} ids but the "
+    needed = tokenizer.vocab_size + vocab_extra_ids(config)  # T5: sentinels on top
+    if loads_weights and m.vocab_size != needed:
+        from checkpoint.format import read_metadata
+
+        if read_metadata(resume_path(t))["model"].get("vocab_size") == needed:
+            # the run that saved it replaced the model file's vocabulary as a fresh run of
+            # this command does (tokenizer + sentinels): the same command resumes it
+            m.vocab_size = needed
+            m.validate(t.tensor_model_parallel_size)
+    if loads_weights and needed > m.vocab_size:
+        raise DataError(f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} ids"
+                        f"{' + the sentinels' if needed > tokenizer.vocab_size else ''} but the "
                         f"model loaded from {t.load} embeds only {m.vocab_size}; use the "
                         f"tokenizer the model was trained with (the one stored in the "
                         f"checkpoint is used when --tokenizer-model is not given)")
-    if not loads_weights and m.vocab_size != tokenizer.vocab_size:
+    if not loads_weights and m.vocab_size != needed:
         # from scratch, the tokenizer decides the vocabulary (a model loaded from a checkpoint
         # keeps its own, which may hold unused ids, as HF models often do)
-        _rank0_print(vocab_notice(m, tokenizer.vocab_size))
-        m.vocab_size = tokenizer.vocab_size
+        _rank0_print(vocab_notice(m, tokenizer.vocab_size, vocab_extra_ids(config)))
+        m.vocab_size = needed
         m.validate(t.tensor_model_parallel_size)
     _rank0_print(config.summary())
     _rank0_print("building the model and optimizer")
@@ -527,9 +479,14 @@ def log_memory(model, optimizer, dataset, config: Config, device) -> dict:
     the run_start record of metrics.jsonl."""
     state = model_state_bytes(model, optimizer)
     act = log_activation_memory(model, dataset, config, device)
-    planner, line = memory_prediction(config, ps.get_pipeline_model_parallel_rank(), {
-        "model_state_total_bytes": state["total"],
-        "activation_bytes_per_microbatch": act["activation_bytes_per_microbatch"]})
+    if config.model.is_encoder_decoder:
+        planner = {"planner_model_state_ratio": None, "planner_activation_ratio": None}
+        line = ("note: the planner (tools/plan.py) models decoder-only runs; this T5 run "
+                "gets no prediction")
+    else:
+        planner, line = memory_prediction(config, ps.get_pipeline_model_parallel_rank(), {
+            "model_state_total_bytes": state["total"],
+            "activation_bytes_per_microbatch": act["activation_bytes_per_microbatch"]})
     ranks = [None] * dist.get_world_size()  # (measured total, planner's two ratios) per rank
     collectives.all_gather_object(ranks, (
         state["total"] + act["activation_bytes_per_microbatch"],
@@ -567,6 +524,12 @@ def log_activation_memory(chunks, dataset, config: Config, device) -> dict:
     untouched) and return them beside the predictions: the total, the decoder layers' share,
     and the layers' model-specific and Korthikanti et al. predictions (training/memory.py)."""
     t = config.train
+    if config.model.is_encoder_decoder:
+        _rank0_print("note: activation memory is measured and predicted for decoder-only "
+                     "models only; this T5 run reports none (its formulas are not written)")
+        return {k: 0 for k in ("activation_bytes_per_microbatch", "activation_bytes_layers",
+                               "activation_bytes_layers_predicted",
+                               "activation_bytes_layers_paper")}
     batch = get_microbatches(dataset, 0, config, device)[0]  # sample 0: any would do
     dtype = next(chunks[0].parameters()).dtype
     measured = measure_activation_bytes(chunks, batch, pipeline_spec(config, device).shapes[0],

@@ -1,5 +1,5 @@
 """Hugging Face conversion maps: config fields and tensor names of each supported HF
-architecture, both directions, beside our model family (`GPTModel`).
+architecture, both directions, beside our model families (`GPTModel`, `T5Model`).
 
 - `config_from_hf(config_dict) -> ModelConfig`, refusing (with `HFConversionError`) every
   field we cannot represent: another model_type, MoE, unknown RoPE scaling, a quantization
@@ -9,7 +9,8 @@ architecture, both directions, beside our model family (`GPTModel`).
   parameter at a time through the architecture's `Rule` table (models/hf/rules.py).
 
 Supported: GPT2LMHeadModel (gpt2), LlamaForCausalLM (llama), MistralForCausalLM (mistral),
-Qwen2ForCausalLM (qwen2). File formats (safetensors, .bin, GGUF) are in models/hf/files.py.
+Qwen2ForCausalLM (qwen2), T5ForConditionalGeneration (t5, v1.0 and v1.1). File formats
+(safetensors, .bin, GGUF) are in models/hf/files.py.
 """
 from __future__ import annotations
 
@@ -19,10 +20,10 @@ import torch
 
 from models.config import ConfigError, ModelConfig
 
-from . import gpt2, llama
+from . import gpt2, llama, t5
 from .rules import HFConversionError, Rule  # noqa: F401
 
-FAMILIES = {mt: fam for fam in (gpt2, llama) for mt in fam.MODEL_TYPES}
+FAMILIES = {mt: fam for fam in (gpt2, llama, t5) for mt in fam.MODEL_TYPES}
 # config.json fields that mean mixture-of-experts (not supported)
 _MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
 
@@ -61,7 +62,7 @@ def config_from_hf(d: dict) -> ModelConfig:
 def family_for(c: ModelConfig):
     """The family module that can represent `c` in HF form; `HFConversionError` if none."""
     reasons = {}
-    for fam in (gpt2, llama):
+    for fam in (gpt2, llama, t5):
         why = fam.conditions(c)
         if not why:
             return fam
