@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -88,7 +89,7 @@ def main(argv=None) -> int:
         for r in range(args.repeats):
             for name, nproc, flags in LAYOUTS:
                 out = run_layout(nproc, MODEL + flags + args.extra, args.iters,
-                                 os.path.join(tmp, f"{r}-{name.replace(' ', '')}"))
+                                 os.path.join(tmp, f"{r}-{re.sub(r'[^a-z0-9]', '', name)}"))
                 results[name].append(out)
                 print(f"round {r + 1}: {name:<10} {out['tokens_per_s']:8.0f} tok/s", flush=True)
     base = statistics.median(o["tokens_per_s"] for o in results["1 process"])
