@@ -50,8 +50,8 @@ class _SequenceParallelLinear(torch.autograd.Function):
 
 # Inference on CPU with 2 to this many rows (decode: one token per sequence) computes
 # `Y^T = W X^T` instead of `Y = X W^T`: the same product, but MKL streams the large weight as
-# the left operand, which bench/generate_throughput.py measured up to ~2x faster at 2-8 rows
-# on 2 cores (the weights, not the FLOPs, bound decode).
+# the left operand: a SmolLM2 decode step at batch 8 ran 1.40x faster on 2 threads and 1.27x
+# on one (the weights, not the FLOPs, bound decode; docs/DECISIONS.md).
 FEW_ROWS = 16
 
 
