@@ -171,11 +171,12 @@ class SelfAttention(nn.Module):
         """
         sq, sk = q.shape[2], k.shape[2]
         mask = attention_mask
-        if mask is None and self.causal and sq > 1:
+        # square and unbiased: the fused kernel's is_causal, no [sq, sk] mask to build
+        causal = mask is None and self.causal and sq == sk and attention_bias is None
+        if mask is None and self.causal and sq > 1 and not causal:
             mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
         return core_attention(q, k, v, mask, attention_bias, self.softmax_scale,
-                              self.attention_dropout if self.training else 0.0,
-                              causal=attention_mask is None and self.causal and sq == sk)
+                              self.attention_dropout if self.training else 0.0, causal=causal)
 
 
 def core_attention(q, k, v, mask, bias, scale, dropout_p, causal=False) -> torch.Tensor:
