@@ -89,9 +89,9 @@ def rank_memory(config, pp_rank: int) -> dict:
                  for c, params in enumerate(chunks)]
     per_mb = sum(per_chunk)
     held = in_flight(pp, v, config.num_microbatches, pp_rank)
-    activations = per_mb * held / v if v > 1 else per_mb * held
+    activations = per_mb * held / v
     transient = 0
-    strategy, w = t.data_parallel_sharding_strategy, 2 if t.bf16 else 4
+    strategy = t.data_parallel_sharding_strategy
     dp = config.data_parallel_size
     if strategy in ("optim_grads", "optim_grads_params") and dp > 1:
         sizes = sorted((b.end - b.start for params in chunks for b in chunk_layout(
