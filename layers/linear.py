@@ -21,31 +21,55 @@ from parallel_state import (
     reduce_scatter_to_sequence_parallel_region,
 )
 
-from parallel_state.mappings import all_gather_sequence, reduce_scatter_sequence
+from parallel_state.mappings import (
+    all_gather_sequence,
+    all_gather_sequence_async,
+    all_reduce_async,
+    reduce_scatter_sequence_async,
+)
 
 from .sharding import set_tensor_parallel_attributes
 
 
-class _SequenceParallelLinear(torch.autograd.Function):
-    """`Y = all_gather_s(X) W^T + b` that keeps only the shard `X [s/tp, b, in]` for backward
-    and all-gathers it again there (Korthikanti et al. 2022, sec. 4.2.2 count the shard, not
-    the gathered input); the input gradient is reduce-scattered back to the shard."""
+class _ColumnParallelLinearGrad(torch.autograd.Function):
+    """`Y = X W^T + b` of a column-parallel layer with a training backward that overlaps its
+    TP communication with compute (Megatron's async tensor-parallel all-reduce; Narayanan et
+    al. 2021, sec. 4.2): the input gradient `dY W` is computed first and its all-reduce over
+    TP starts while the weight gradient `dY^T X` is computed.
+
+    With sequence parallelism `X` arrives as the shard `[s/tp, b, in]`: forward all-gathers
+    it, backward keeps only the shard (Korthikanti et al. 2022, sec. 4.2.2 count the shard,
+    not the gathered input), starts its all-gather before computing `dY W`, and starts the
+    input gradient's reduce-scatter before computing `dY^T X`.
+    """
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, sequence_parallel):
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return F.linear(all_gather_sequence(x), weight, bias)
+        ctx.has_bias, ctx.sequence_parallel = bias is not None, sequence_parallel
+        total = all_gather_sequence(x) if sequence_parallel else x
+        return F.linear(total, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        total = all_gather_sequence(x)
-        grad_input = reduce_scatter_sequence(grad.matmul(weight))
+        if ctx.sequence_parallel:
+            total, gather = all_gather_sequence_async(x)
+        else:
+            total, gather = x, None
+        grad_input = grad.matmul(weight)
+        if gather is not None:
+            gather.wait()
+        if ctx.sequence_parallel:
+            grad_input, reduce = reduce_scatter_sequence_async(grad_input)
+        else:
+            reduce = all_reduce_async(grad_input)
         grad_2d = grad.reshape(-1, grad.shape[-1])
         grad_weight = grad_2d.t().matmul(total.reshape(-1, total.shape[-1]))
         grad_bias = grad_2d.sum(0) if ctx.has_bias else None
-        return grad_input, grad_weight, grad_bias
+        if reduce is not None:
+            reduce.wait()
+        return grad_input, grad_weight, grad_bias, None
 
 
 # Inference on CPU with 2 to this many rows (decode: one token per sequence) computes
@@ -96,6 +120,7 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output = gather_output
         self.num_fused_parts = num_fused_parts
         self.sequence_parallel = sequence_parallel and tp > 1
+        self.tensor_parallel = tp > 1
         if skip_weight:
             self.weight = None
         else:
@@ -115,8 +140,11 @@ class ColumnParallelLinear(nn.Module):
         if weight is None:
             raise ValueError("ColumnParallelLinear built with skip_weight needs forward(x, weight)")
         if self.sequence_parallel:
-            y = _SequenceParallelLinear.apply(x, weight, self.bias)
-        else:
+            y = _ColumnParallelLinearGrad.apply(x, weight, self.bias, True)
+        elif self.tensor_parallel and torch.is_grad_enabled() \
+                and not torch.is_autocast_enabled(x.device.type):
+            y = _ColumnParallelLinearGrad.apply(x, weight, self.bias, False)
+        else:  # one TP rank, no graph, or autocast (whose casts F.linear's backward knows)
             y = linear(copy_to_tensor_model_parallel_region(x), weight, self.bias)
         if not self.gather_output:
             return y

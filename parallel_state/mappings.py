@@ -67,24 +67,16 @@ def _split_first(x: torch.Tensor) -> torch.Tensor:
 
 
 def _gather_first(x: torch.Tensor) -> torch.Tensor:
-    size, _ = _tp()
-    if size == 1:
-        return x
-    x = x.contiguous()
-    out = torch.empty((x.shape[0] * size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    all_gather_single(out, x, group=grid.get_tensor_model_parallel_group())
+    out, handle = all_gather_sequence_async(x)
+    if handle is not None:
+        handle.wait()
     return out
 
 
 def _reduce_scatter_first(x: torch.Tensor) -> torch.Tensor:
-    size, _ = _tp()
-    if size == 1:
-        return x
-    if x.shape[0] % size:
-        raise ValueError(f"dim 0 ({x.shape[0]}) is not divisible by tensor-parallel size {size}")
-    x = x.contiguous()
-    out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    reduce_scatter_single(out, x, group=grid.get_tensor_model_parallel_group())
+    out, handle = reduce_scatter_sequence_async(x)
+    if handle is not None:
+        handle.wait()
     return out
 
 
@@ -231,6 +223,43 @@ def all_reduce_over_tensor_parallel(tensors) -> None:
         offset += t.numel()
 
 
-# Plain (no-autograd) sequence collectives, for layers that write their own backward.
+# Plain (no-autograd) collectives, for layers that write their own backward.
 all_gather_sequence = _gather_first
-reduce_scatter_sequence = _reduce_scatter_first
+
+
+def all_reduce_async(x: torch.Tensor):
+    """Start summing `x` over TP in place; returns a handle to `wait()` on (None at tp 1)."""
+    if _tp()[0] == 1:
+        return None
+    return collectives.all_reduce(x, group=grid.get_tensor_model_parallel_group(),
+                                  async_op=True)
+
+
+def all_gather_sequence_async(x: torch.Tensor):
+    """Start all-gathering `x [s/tp, ...]` into a new `[s, ...]`; returns `(out, handle)`
+    (handle None at tp 1, where out is x). Read `out` only after `handle.wait()`."""
+    size, _ = _tp()
+    if size == 1:
+        return x, None
+    x = x.contiguous()
+    out = torch.empty((x.shape[0] * size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    return out, all_gather_single(out, x, group=grid.get_tensor_model_parallel_group(),
+                                  async_op=True)
+
+
+def reduce_scatter_sequence_async(x: torch.Tensor):
+    """Start summing `x [s, ...]` over TP and keeping this rank's `[s/tp, ...]`; returns
+    `(out, handle)` (handle None at tp 1). Read `out` only after `handle.wait()`.
+
+    Raises:
+        ValueError: dim 0 not divisible by the TP size.
+    """
+    size, _ = _tp()
+    if size == 1:
+        return x, None
+    if x.shape[0] % size:
+        raise ValueError(f"dim 0 ({x.shape[0]}) is not divisible by tensor-parallel size {size}")
+    x = x.contiguous()
+    out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    return out, reduce_scatter_single(out, x, group=grid.get_tensor_model_parallel_group(),
+                                      async_op=True)
