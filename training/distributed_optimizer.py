@@ -28,8 +28,9 @@ transfers of one shard overlap the CPU update of another (Megatron's
 --overlap-cpu-optimizer-d2h-h2d). The copies cannot start during backward: the sequence-
 parallel and tied-embedding gradient sums and the clipping scale change gradients after it.
 
-The update is torch.optim.AdamW's (decoupled weight decay, Loshchilov & Hutter 2019) operation
-for operation, applied to whole shards at once, so it matches AdamW elementwise. 1-D parameters
+The update is torch.optim.AdamW's (decoupled weight decay, Loshchilov & Hutter 2019), run by
+torch's fused kernel (one pass over each tensor, on the device or the host) over views of the
+flat shards, one per parameter segment, so it matches AdamW elementwise up to rounding. 1-D parameters
 (biases, norm weights) get no weight decay; a shard records which element ranges decay.
 
 Gradient norm (Megatron's clip_grad_norm_fp32): the squared norm is summed over each rank's
@@ -69,8 +70,8 @@ class _Shard:
     decay: list[tuple[int, int]] = field(default_factory=list)  # shard-relative ranges
     norm: list[tuple[int, int]] = field(default_factory=list)
     host_grad: torch.Tensor | None = None  # offloaded: the gradient's host copy
-    host_adamw: torch.optim.AdamW | None = None  # offloaded: fused CPU AdamW over views
-    host_steps: list[torch.Tensor] = field(default_factory=list)
+    adamw: torch.optim.AdamW | None = None  # torch's fused AdamW over views of the above
+    steps: list[torch.Tensor] = field(default_factory=list)  # its per-view step counts
 
     @property
     def host(self) -> bool:
@@ -145,20 +146,23 @@ class DistributedOptimizer:
             main.copy_(store)
         if host:
             shard.host_grad = zeros()
-            self._build_host_adamw(shard)
+        self._build_adamw(shard)
         return shard
 
-    def _build_host_adamw(self, s: _Shard) -> None:
-        """torch's fused AdamW over parameter views of the shard's host tensors, one per
-        parameter segment, with the moments pre-set to views of `exp_avg`/`exp_avg_sq`."""
+    def _build_adamw(self, s: _Shard) -> None:
+        """torch's fused AdamW (one pass over each tensor) over parameter views of the
+        shard's flat tensors, one per parameter segment: weights `main`, gradients the DDP
+        buffer's (or its host copy), moments pre-set to views of `exp_avg`/`exp_avg_sq`. The
+        views stay valid: every one of these buffers is only ever updated in place."""
         g = self.param_groups[0]
+        grad = s.host_grad if s.host else s.grad
         groups = {True: [], False: []}
         state = {}
         for p, _, at, n in s.segments:
             view = nn.Parameter(s.main[at: at + n], requires_grad=False)
-            view.grad = s.host_grad[at: at + n]
-            step = torch.zeros((), dtype=torch.float32)
-            s.host_steps.append(step)
+            view.grad = grad[at: at + n]
+            step = torch.zeros((), dtype=torch.float32, device=s.main.device)
+            s.steps.append(step)
             state[view] = {"step": step, "exp_avg": s.exp_avg[at: at + n],
                            "exp_avg_sq": s.exp_avg_sq[at: at + n]}
             groups[p.ndim > 1].append(view)
@@ -167,9 +171,9 @@ class DistributedOptimizer:
                         for decay, v in groups.items() if v]
         if not param_groups:
             return
-        s.host_adamw = torch.optim.AdamW(param_groups, lr=g["lr"], betas=g["betas"],
-                                         eps=g["eps"], fused=True)
-        s.host_adamw.state.update(state)
+        s.adamw = torch.optim.AdamW(param_groups, lr=g["lr"], betas=g["betas"],
+                                    eps=g["eps"], fused=True)
+        s.adamw.state.update(state)
 
     # ------------------------------------------------------------------ gradient norm
     def clip_grad_norm(self, max_norm: float) -> float:
@@ -207,21 +211,26 @@ class DistributedOptimizer:
             copied.append(_event(s.grad.device))
         for s in self.shards:
             if not s.host:
-                _adamw_(s, g, self.step_count)
+                self._adamw_step(s, g)
                 self._write_back(s)
         for s, done in zip(host, copied):
             if done is not None:
                 done.synchronize()
-            if s.host_adamw is not None:
-                for group in s.host_adamw.param_groups:
-                    group.update(lr=g["lr"], betas=g["betas"], eps=g["eps"],
-                                 weight_decay=g["weight_decay"] if group["decay"] else 0.0)
-                for t in s.host_steps:  # the fused kernel counts from here to step_count
-                    t.fill_(self.step_count - 1)
-                s.host_adamw.step()
+            self._adamw_step(s, g)
             self._write_back(s, non_blocking=True)
         for ddp in self.model:
             ddp.start_param_sync()
+
+    def _adamw_step(self, s: _Shard, g: dict) -> None:
+        """torch.optim.AdamW's update of one shard (fused), at this step's lr and count."""
+        if s.adamw is None:
+            return
+        for group in s.adamw.param_groups:
+            group.update(lr=g["lr"], betas=g["betas"], eps=g["eps"],
+                         weight_decay=g["weight_decay"] if group["decay"] else 0.0)
+        for t in s.steps:  # the fused kernel counts from here to step_count
+            t.fill_(self.step_count - 1)
+        s.adamw.step()
 
     @staticmethod
     def _write_back(s: _Shard, non_blocking: bool = False) -> None:
@@ -262,19 +271,3 @@ def _event(device: torch.device):
     ev = torch.cuda.Event()
     ev.record()
     return ev
-
-
-def _adamw_(s: _Shard, g: dict, step_count: int) -> None:
-    """torch.optim.AdamW's update on one shard's flat tensors, in place."""
-    lr, wd, (beta1, beta2), eps = g["lr"], g["weight_decay"], g["betas"], g["eps"]
-    step = float(step_count)
-    step_size = lr / (1 - beta1 ** step)
-    bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
-    if wd != 0:
-        for a, b in s.decay:
-            s.main[a:b].mul_(1 - lr * wd)
-    grad = s.grad
-    s.exp_avg.lerp_(grad, 1 - beta1)
-    s.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    denom = (s.exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-    s.main.addcdiv_(s.exp_avg, denom, value=-step_size)
