@@ -20,4 +20,4 @@ from .sharding import (  # noqa: F401
     shard_tensor,
     unshard_tensors,
 )
-from .transformer import TransformerBlock, TransformerLayer  # noqa: F401
+from .transformer import TransformerBlock, TransformerLayer, compile_transformer_layers  # noqa: F401

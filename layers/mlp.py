@@ -44,6 +44,9 @@ def swiglu(fused: torch.Tensor) -> torch.Tensor:
     if not torch.is_grad_enabled():  # inference: no autograd.Function call, in place
         gate, up = fused.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)
+    if torch.compiler.is_compiling():  # inductor fuses forward and backward itself
+        gate, up = fused.chunk(2, dim=-1)
+        return F.silu(gate) * up
     return _SwiGLU.apply(fused)
 
 

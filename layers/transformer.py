@@ -123,3 +123,23 @@ def _run_layers(layers):
                       cross_attention_mask=cross_attention_mask)
         return x
     return run
+
+
+def compile_transformer_layers(module: nn.Module) -> int:
+    """`torch.compile` every TransformerLayer inside `module` in place (`nn.Module.compile`:
+    parameter names and state dicts are unchanged), so inductor fuses each layer's elementwise
+    chains (norms, RoPE, SwiGLU/GeLU, bias and residual adds, dropout) into generated kernels;
+    matmuls and SDPA stay library calls. Layers share one compiled graph (same code and
+    shapes); collectives and the RNG tracker's stream switches are graph breaks that run
+    eagerly. Returns the number of layers compiled.
+
+    Random numbers: inductor is told to draw them with torch's own kernels
+    (`fallback_random`), so dropout masks are the eager ones and a compiled run matches an
+    eager one, and every layout matches every other, as without compile."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fallback_random = True
+    layers = [m for m in module.modules() if isinstance(m, TransformerLayer)]
+    for layer in layers:
+        layer.compile()
+    return len(layers)

@@ -1,7 +1,8 @@
 """Layout equivalence of train.py: the first 5 losses and gradient norms at several (tp, dp, sp)
 layouts equal the
 single-process run up to float32 rounding (tests/tolerances.py: step t carries `t` training
-steps' chains of `k` terms), with dropout 0 (issue 2)."""
+steps' chains of `k` terms), with dropout 0 (issue 2); also with every transformer layer
+compiled (`--compile`, issue 16) against the eager single-process run."""
 from __future__ import annotations
 
 import pytest
@@ -53,3 +54,15 @@ def test_layout_matches_single_process(family, tp, dp, sp, reference, tmp_path, 
     assert_losses_close(losses, ref, k_step)
     assert_losses_close(norms, ref_norms, k_step, "gradient norms")
     assert ref[-1] < ref[0]  # it is training, not just agreeing
+
+
+def test_compiled_layers_match_eager_single_process(reference, tmp_path, corpus_env):
+    """--compile at tp=2 with sequence parallelism (collectives are graph breaks, inductor
+    fuses the elementwise chains between them) against the eager 1-process run."""
+    args = FAMILIES["llama"] + COMMON + ["--tp", "2", "--sequence-parallel", "--compile"]
+    run_train(2, args, tmp_path, env=corpus_env)
+    (losses, norms), (ref, ref_norms) = _curves(tmp_path), reference["llama"]
+    assert len(losses) == len(ref) == 5
+    k_step = training_chain_terms(args)
+    assert_losses_close(losses, ref, k_step)
+    assert_losses_close(norms, ref_norms, k_step, "gradient norms")

@@ -58,6 +58,7 @@ class TrainConfig:
     recompute_granularity: str | None = None  # None | "full" | "selective"
     recompute_method: str | None = None  # full only: uniform (default) | block
     recompute_num_layers: int | None = None  # full only: group size / checkpointed layers (1)
+    compile: bool = False  # torch.compile each transformer layer (layers/compile.py)
     micro_batch_size: int = 1
     global_batch_size: int | None = None  # None: micro_batch_size * data_parallel_size
     train_iters: int = 1000
@@ -286,6 +287,8 @@ FLAG_HELP = {
     "recompute_granularity": "full | selective activation recompute",
     "recompute_method": "full only: uniform | block",
     "recompute_num_layers": "full only: layers per checkpointed group / checkpointed layers",
+    "compile": "torch.compile each transformer layer (fuses norms, RoPE, SwiGLU, residuals; "
+    "the first steps pay the compilation)",
     # batch and optimizer
     "micro_batch_size": "sequences per microbatch per DP rank",
     "global_batch_size": "sequences per optimizer step (all DP ranks)",

@@ -5,6 +5,7 @@ records it logged (every rank gets the same losses).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -19,6 +20,7 @@ from torch.profiler import record_function
 
 import parallel_state as ps
 from checkpoint.format import CheckpointError
+from layers import compile_transformer_layers
 from models import GPTModel, T5Model
 from models.config import ConfigError
 from models.pipeline import build_model_chunks
@@ -126,6 +128,8 @@ def build_model(config: Config, device) -> list[GPTModel]:
             chunk.to(torch.bfloat16)
         apply_recompute(chunk, t.recompute_granularity, t.recompute_method,
                         t.recompute_num_layers)
+        if t.compile:
+            compile_transformer_layers(chunk)
     return [c.to(device) for c in chunks]
 
 
@@ -532,8 +536,11 @@ def log_activation_memory(chunks, dataset, config: Config, device) -> dict:
                                "activation_bytes_layers_paper")}
     batch = get_microbatches(dataset, 0, config, device)[0]  # sample 0: any would do
     dtype = next(chunks[0].parameters()).dtype
-    measured = measure_activation_bytes(chunks, batch, pipeline_spec(config, device).shapes[0],
-                                        dtype=dtype)
+    # --compile: measure the eager layers (saved-tensor hooks do not see inside a compiled
+    # graph, whose own choice of saved tensors can only be smaller)
+    with torch.compiler.set_stance("force_eager") if t.compile else contextlib.nullcontext():
+        measured = measure_activation_bytes(chunks, batch,
+                                            pipeline_spec(config, device).shapes[0], dtype=dtype)
     report = activation_report(config.model, measured, micro_batch_size=t.micro_batch_size,
                                tp=t.tensor_model_parallel_size, sp=t.sequence_parallel,
                                granularity=t.recompute_granularity, method=t.recompute_method,
