@@ -190,6 +190,8 @@ def test_optimizer_errors():
     raises("--weight-decay", "--weight-decay", "-0.1")
     raises("--peak-tflops", "--peak-tflops", "0")
     raises("--recompute-granularity", "--recompute-granularity", "some")
+    raises("--compile", "--compile", "--recompute-granularity", "selective")
+    assert cfg("--compile", "--recompute-granularity", "full", world_size=1).train.compile
     assert cfg("--clip-grad", "0", world_size=1).train.clip_grad == 0
 
 

@@ -277,6 +277,10 @@ def _check_recompute(m: ModelConfig, t: TrainConfig) -> None:
     largest model chunk (a smaller chunk, e.g. an uneven first stage, checkpoints all its
     layers under block)."""
     _check_choice("recompute_method", t.recompute_method, (None, "uniform", "block"))
+    if t.compile and t.recompute_granularity == "selective":
+        raise ConfigError("--recompute-granularity selective checkpoints core attention inside "
+                          "each layer, which a compiled layer cannot trace; with --compile "
+                          "use --recompute-granularity full (whole layers), or drop --compile")
     if t.recompute_granularity != "full":
         for name in ("recompute_method", "recompute_num_layers"):
             if getattr(t, name) is not None:
