@@ -65,9 +65,18 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, dim: int, base: float = 10000.0, scaling: dict | None = None):
         super().__init__()
         self.dim, self.base, self.scaling = dim, base, dict(scaling or {})
+        self._table = None  # ((seq_len, offset, device), cos, sin) of the last contiguous call
 
     def forward(self, seq_len: int, offset: int = 0, device=None,
                 position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if position_ids is None:  # training asks for the same table every microbatch
+            key = (seq_len, offset, torch.device(device) if device is not None else None)
+            if self._table is None or self._table[0] != key:
+                self._table = (key, *self._compute(seq_len, offset, device, None))
+            return self._table[1], self._table[2]
+        return self._compute(seq_len, offset, device, position_ids)
+
+    def _compute(self, seq_len, offset, device, position_ids):
         inv_freq = rope_inv_freq(self.dim, self.base, **self.scaling).to(device)
         if position_ids is None:
             pos = torch.arange(offset, offset + seq_len, device=device, dtype=torch.float64)
