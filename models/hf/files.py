@@ -10,6 +10,7 @@ whole model in float32: fine for the small models GGUF is used for here.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 from dataclasses import dataclass, field
@@ -142,7 +143,10 @@ def _open_gguf(path: str) -> HFSource:
 
     folder, name = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
     try:
-        config = AutoConfig.from_pretrained(folder, gguf_file=name).to_dict()
+        # parsed once: each AutoConfig.from_pretrained(gguf_file=) reads the whole metadata
+        # (tokenizer included; ~7 s for SmolLM2-135M on 2 cores), so it is passed on below
+        hf_config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        config = hf_config.to_dict()
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds here
         raise HFConversionError(f"transformers cannot read {path} as GGUF "
                                 f"({type(e).__name__}: {str(e)[:300]})") from None
@@ -151,6 +155,7 @@ def _open_gguf(path: str) -> HFSource:
     def get(n: str) -> torch.Tensor:
         if not state:
             model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                         config=copy.deepcopy(hf_config),
                                                          dtype=torch.float32)
             state.update(model.state_dict())
         return state[n]
@@ -159,7 +164,6 @@ def _open_gguf(path: str) -> HFSource:
     from accelerate import init_empty_weights
 
     with init_empty_weights():
-        names = list(AutoModelForCausalLM.from_config(
-            AutoConfig.from_pretrained(folder, gguf_file=name)).state_dict())
+        names = list(AutoModelForCausalLM.from_config(copy.deepcopy(hf_config)).state_dict())
     return HFSource(path=path, config=config, kind="gguf", names=names, _get=get,
                     gguf_file=name)
