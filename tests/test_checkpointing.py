@@ -49,17 +49,33 @@ def test_exact_resume_tp2_pp2_dp2_async(tmp_path, corpus_env):
     assert train_losses(tmp_path / "b") == ref[3:]  # bitwise
 
 
+def _saved_run(nproc: int, args: list[str], root: Path, env: dict) -> tuple[Path, list]:
+    """Train `args` (6 iterations, saved at 3 and 6) in `root`: (save folder, losses)."""
+    save = root / "save"
+    run_train(nproc, args + ["--save", str(save), "--save-interval", "3"], root / "a", env=env)
+    return save, train_losses(root / "a")
+
+
+REPAD = ["--make-vocab-size-divisible-by", "100"]  # padded vocab 8200 at tp1, 8400 at tp4
+
+
+@pytest.fixture(scope="module")
+def tp1_run(tmp_path_factory, corpus_env):
+    """One process, saved at 3 and 6 (shared: it is resumed at (tp4, pp2), and copies of it
+    are damaged in test_damaged_or_mismatched_checkpoint_errors)."""
+    return _saved_run(1, COMMON + REPAD + _layout(), tmp_path_factory.mktemp("tp1"), corpus_env)
+
+
 @pytest.mark.parametrize("src,dst,extra", [
     ((2, 2, False, 4), (1, 1, True, 4), []),  # (tp2,pp2,dp1) -> (tp1,pp1,dp4 + ZeRO)
     # (tp1,pp1,dp1) -> (tp4,pp2): padded vocab 8200 -> 8400 (re-padded on load)
-    ((1, 1, False, 1), (4, 2, False, 8), ["--make-vocab-size-divisible-by", "100"]),
+    ((1, 1, False, 1), (4, 2, False, 8), REPAD),
 ], ids=["tp2pp2-to-dp4zero", "tp1-to-tp4pp2"])
-def test_resume_on_other_layout(src, dst, extra, tmp_path, corpus_env):
-    save = tmp_path / "save"
-    run_train(src[3], COMMON + extra + _layout(*src[:3]) + ["--save", str(save),
-                                                            "--save-interval", "3"],
-              tmp_path / "a", env=corpus_env)
-    ref = train_losses(tmp_path / "a")
+def test_resume_on_other_layout(src, dst, extra, request, tmp_path, corpus_env):
+    if src[3] == 1:
+        save, ref = request.getfixturevalue("tp1_run")
+    else:
+        save, ref = _saved_run(src[3], COMMON + extra + _layout(*src[:3]), tmp_path, corpus_env)
     run_train(dst[3], COMMON + extra + _layout(*dst[:3]) +
               ["--load", str(save / "iter_0000003")], tmp_path / "b", env=corpus_env)
     # losses 4..6 carry the rounding of steps 1..6: compare them as steps 4..6 of one run
@@ -93,31 +109,57 @@ def test_kill_during_save_keeps_previous(tmp_path, corpus_env):
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
 
 
-def test_damaged_or_mismatched_checkpoint_errors(tmp_path, corpus_env):
-    save = tmp_path / "save"
-    run_train(1, COMMON + ["--train-iters", "2", "--save", str(save)], tmp_path / "a",
-              env=corpus_env)
-    ckpt = save / "iter_0000002"
+def _train_main_worker(argvs: list[list[str]], cache: str) -> list[tuple[int, str]]:
+    """In a run_distributed world of 1: `train.main(argv)` per argument list (each fails
+    before any training step); per run its exit code and stderr."""
+    import contextlib
+    import io
+
+    import parallel_state as ps
+    import train
+
+    os.environ["SHARDZOO_CACHE"] = cache
+    out = []
+    for argv in argvs:
+        ps.destroy_model_parallel()  # pretrain builds the grid from the config
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = train.main(argv)
+        out.append((code, err.getvalue()))
+    return out
+
+
+def test_damaged_or_mismatched_checkpoint_errors(tp1_run, tmp_path, corpus_env):
+    """On copies of tp1_run's checkpoint: a changed model shape and a truncated shard each
+    fail train.py (exit 1, one line naming the field or the file, before any step; both
+    loads in one spawned process: train.py's torchrun error path is in test_run_log.py), and
+    checkpoint_info reports the shard and a missing metadata.json."""
+    from distributed import run_distributed
+
+    save, _ = tp1_run
+    bad = tmp_path / "bad"
+    shutil.copytree(save, bad)
+    shard = next((bad / "iter_0000006").glob("__0_*.distcp"))
+    with open(shard, "r+b") as f:
+        f.truncate(100)
+    args = COMMON + REPAD + ["--train-iters", "9"]  # past the saved 6: not already complete
+    (shape_code, shape_err), (cut_code, cut_err) = run_distributed(
+        _train_main_worker, 1,
+        [args + ["--load", str(save), "--hidden-size", "32", "--log-dir", str(tmp_path / "b")],
+         args + ["--load", str(bad), "--log-dir", str(tmp_path / "c")]],
+        corpus_env["SHARDZOO_CACHE"], timeout=240)[0]
     # wrong model shape: names the field and the fix, before any step
-    proc = run_train(1, COMMON + ["--load", str(save), "--hidden-size", "32"], tmp_path / "b",
-                     env=corpus_env, check=False)
-    assert proc.returncode == 1, proc.stderr[-2000:]
-    assert "hidden_size: checkpoint 64, this run 32" in proc.stderr
+    assert shape_code == 1, shape_err[-2000:]
+    assert "hidden_size: checkpoint 64, this run 32" in shape_err
     # no training step ran: the check runs before the run log is even opened
     assert not (tmp_path / "b" / "metrics.jsonl").exists() or train_losses(tmp_path / "b") == []
     # truncated shard: names the file
-    bad = tmp_path / "bad"
-    shutil.copytree(save, bad)
-    shard = next((bad / "iter_0000002").glob("__0_*.distcp"))
-    with open(shard, "r+b") as f:
-        f.truncate(100)
-    proc = run_train(1, COMMON + ["--load", str(bad)], tmp_path / "c", env=corpus_env,
-                     check=False)
-    assert proc.returncode == 1
-    assert f"{shard} has 100 bytes" in proc.stderr and "truncated" in proc.stderr
+    assert cut_code == 1, cut_err[-2000:]
+    assert f"{shard} has 100 bytes" in cut_err and "truncated" in cut_err
     info = _info(bad)
     assert info.returncode == 1 and "status: BAD" in info.stdout and str(shard) in info.stdout
     # missing metadata.json (an interrupted copy), checked by the tool (same code as load)
+    ckpt = bad / "iter_0000003"
     os.remove(ckpt / "metadata.json")
     info = _info(ckpt)
     assert info.returncode == 1 and "metadata.json is missing" in info.stdout
@@ -161,7 +203,8 @@ def _finish(procs, timeout=240) -> list[str]:
 RESTART = COMMON + ["--train-iters", "8", "--save-interval", "2", "--keep-last", "2"]
 
 
-def test_torchrun_restart_resumes(tmp_path, corpus_env):
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # train.main's @record
+def test_torchrun_restart_resumes(tmp_path, corpus_env, capsys, monkeypatch):
     """`torchrun --max-restarts 1`: rank 1 is SIGKILLed after iteration 5 on the first attempt;
     torchrun restarts the group, which resumes from iteration 4 and finishes."""
     save = tmp_path / "save"
@@ -178,11 +221,18 @@ def test_torchrun_restart_resumes(tmp_path, corpus_env):
     assert sorted(n for n in os.listdir(save) if n.startswith("iter")) == \
         ["iter_0000006", "iter_0000008"]  # --keep-last 2
     _check_run_boundaries(tmp_path / "log", second)
-    # the same job again, at another layout: already complete, exits 0 and writes nothing
+    # the same job again, at another layout (1 process): already complete, exits 0 and writes
+    # nothing. That is decided before any process group or data work, so it runs in this
+    # process (a torchrun launch costs ~10 s here).
+    import train
+
+    monkeypatch.setenv("SHARDZOO_CACHE", corpus_env["SHARDZOO_CACHE"])
     before = _snapshot(tmp_path)
-    proc = run_train(1, RESTART + ["--save", str(save), "--load", str(save)], tmp_path / "log",
-                     env=corpus_env)
-    assert "already complete" in proc.stdout and "iter_0000008 is at iteration 8" in proc.stdout
+    capsys.readouterr()
+    assert train.main(RESTART + ["--save", str(save), "--load", str(save),
+                                 "--log-dir", str(tmp_path / "log")]) == 0
+    out = capsys.readouterr().out
+    assert "already complete" in out and "iter_0000008 is at iteration 8" in out
     assert _snapshot(tmp_path) == before
 
 
