@@ -50,7 +50,7 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-__all__ = ["run_distributed", "WorkerError", "free_port"]
+__all__ = ["run_distributed", "WorkerError", "free_port", "batched_by_world"]
 
 
 class WorkerError(RuntimeError):
@@ -190,3 +190,22 @@ def run_distributed(fn, world_size: int, *args, tp: int = 1, pp: int = 1,
             _kill(procs)
         results.close()
     return [out[r] for r in range(world_size)]
+
+
+def batched_by_world(cases: list, world_of, run_cases):
+    """`get(case)` -> that case's result, where every case of the same world size runs in one
+    world, on the first request for any of them (a module-scoped fixture returns `get`):
+    starting a world (torch imported in every process) costs more than a tiny 5-step run.
+
+    `world_of(case)` is a case's world size; `run_cases(world, same_world_cases)` runs them
+    (typically one `run_distributed` call) and returns one result per case, in order.
+    """
+    done: dict[int, object] = {}  # index in `cases` -> result
+
+    def get(case):
+        if cases.index(case) not in done:
+            same = [i for i, c in enumerate(cases) if world_of(c) == world_of(case)]
+            results = run_cases(world_of(case), [cases[i] for i in same])
+            done.update(zip(same, results, strict=True))
+        return done[cases.index(case)]
+    return get

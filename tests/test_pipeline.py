@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed import run_distributed
+from distributed import batched_by_world, run_distributed
 from tolerances import assert_losses_close, training_chain_terms, weights_mismatch
 
 # --adam-eps 1e-4: some gradients are exactly zero in exact arithmetic (the key bias: adding
@@ -21,9 +21,13 @@ GPT4 = ["--config", "configs/tiny-gpt.yaml", "--num-layers", "4"]  # tied embedd
 LLAMA = ["--config", "configs/tiny-llama.yaml"]  # untied, GQA, RoPE, SwiGLU (4 layers)
 
 
-def _train_worker(args: list[str], log_dir: str, cache: str):
-    """Run pretrain() inside a run_distributed world; return losses, full weights and the
-    tied-embedding copies of this rank."""
+def _train_worker(runs: list[list[str]], log_dir: str, cache: str) -> list[dict]:
+    """Run pretrain() once per argument list, one after the other, inside a run_distributed
+    world; per run the losses, full weights and the tied-embedding copies of this rank."""
+    return [_train_one(args, f"{log_dir}/{i}", cache) for i, args in enumerate(runs)]
+
+
+def _train_one(args: list[str], log_dir: str, cache: str) -> dict:
     import os
 
     import parallel_state as ps
@@ -48,18 +52,16 @@ def _train_worker(args: list[str], log_dir: str, cache: str):
     return {"losses": [r["loss"] for r in records if "loss" in r], **end}
 
 
-def _run(world, args, tmp_path, corpus_env):
-    out = run_distributed(_train_worker, world, args + COMMON, str(tmp_path),
-                          corpus_env["SHARDZOO_CACHE"], timeout=300)
-    return out
+def _run(world, runs, tmp_path, corpus_env) -> list[list[dict]]:
+    """`[rank][run]` results of the argument lists `runs` (+ COMMON) in one world."""
+    return run_distributed(_train_worker, world, [args + COMMON for args in runs],
+                           str(tmp_path), corpus_env["SHARDZOO_CACHE"], timeout=300 * len(runs))
 
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory, corpus_env):
-    refs = {}
-    for name, args in (("gpt", GPT4), ("llama", LLAMA)):
-        refs[name] = _run(1, args, tmp_path_factory.mktemp(name), corpus_env)[0]
-    return refs
+    out = _run(1, [GPT4, LLAMA], tmp_path_factory.mktemp("ref"), corpus_env)[0]
+    return {"gpt": out[0], "llama": out[1]}
 
 
 CASES = [
@@ -75,11 +77,25 @@ CASES = [
 ]
 
 
+def _case_args(case) -> list[str]:
+    return (GPT4 if case[1] == "gpt" else LLAMA) + case[3]
+
+
+@pytest.fixture(scope="module")
+def case_results(tmp_path_factory, corpus_env):
+    """case -> per-rank results; the cases of one world size run in one world."""
+    def run_cases(world, cases):
+        out = _run(world, [_case_args(c) for c in cases],
+                   tmp_path_factory.mktemp(f"world{world}"), corpus_env)
+        return [[rank_out[j] for rank_out in out] for j in range(len(cases))]
+    return batched_by_world(CASES, lambda c: c[2], run_cases)
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_pipeline_matches_single_process(case, references, tmp_path, corpus_env):
+def test_pipeline_matches_single_process(case, references, case_results):
     _, family, world, extra = case
-    args = (GPT4 if family == "gpt" else LLAMA) + extra
-    out = _run(world, args, tmp_path, corpus_env)
+    args = _case_args(case)
+    out = case_results(case)
     ref = references[family]
     k_step = training_chain_terms(args + COMMON)
     for rank_out in out:
