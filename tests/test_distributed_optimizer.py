@@ -24,7 +24,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed import run_distributed
+from distributed import batched_by_world, run_distributed
 from tolerances import (assert_losses_close, bf16_loss_atol, training_chain_terms,
                         weights_mismatch)
 
@@ -75,7 +75,7 @@ def _train_worker(runs: list[list[str]], log_dir: str, cache: str):
 
 def _run(world, runs, tmp_path, corpus_env):
     return run_distributed(_train_worker, world, runs, str(tmp_path),
-                           corpus_env["SHARDZOO_CACHE"], timeout=600)
+                           corpus_env["SHARDZOO_CACHE"], timeout=max(600, 120 * len(runs)))
 
 
 @pytest.fixture(scope="module")
@@ -109,11 +109,27 @@ CASES = [
 ]
 
 
+def _case_base(case) -> list[str]:
+    return (GPT if case[1] == "gpt" else LLAMA) + COMMON + case[3]
+
+
+@pytest.fixture(scope="module")
+def case_results(tmp_path_factory, corpus_env):
+    """case -> `[rank][run]` results; the cases of one world size run in one world."""
+    def run_cases(world, cases):
+        flat = [_case_base(c) + r for c in cases for r in c[4]]
+        out = _run(world, flat, tmp_path_factory.mktemp(f"world{world}"), corpus_env)
+        starts = [sum(len(c[4]) for c in cases[:j]) for j in range(len(cases))]
+        return [[rank_out[start:start + len(c[4])] for rank_out in out]
+                for start, c in zip(starts, cases)]
+    return batched_by_world(CASES, lambda c: c[2], run_cases)
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_sharding_strategies_match_adamw(case, references, tmp_path, corpus_env):
+def test_sharding_strategies_match_adamw(case, references, case_results):
     _, family, world, layout, runs = case
-    base = (GPT if family == "gpt" else LLAMA) + COMMON + layout
-    out = _run(world, [base + r for r in runs], tmp_path, corpus_env)
+    base = _case_base(case)
+    out = case_results(case)
     ref = references[family]
     assert all(n > 0.05 for n in ref["grad_norms"])  # clipping was active at every step
     k_step = training_chain_terms(base)
