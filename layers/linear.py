@@ -53,10 +53,7 @@ class _ColumnParallelLinearGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        if ctx.sequence_parallel:
-            total, gather = all_gather_sequence_async(x)
-        else:
-            total, gather = x, None
+        total, gather = all_gather_sequence_async(x) if ctx.sequence_parallel else (x, None)
         grad_input = grad.matmul(weight)
         if gather is not None:
             gather.wait()

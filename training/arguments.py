@@ -58,7 +58,7 @@ class TrainConfig:
     recompute_granularity: str | None = None  # None | "full" | "selective"
     recompute_method: str | None = None  # full only: uniform (default) | block
     recompute_num_layers: int | None = None  # full only: group size / checkpointed layers (1)
-    compile: bool = False  # torch.compile each transformer layer (layers/compile.py)
+    compile: bool = False  # torch.compile each transformer layer (layers/transformer.py)
     micro_batch_size: int = 1
     global_batch_size: int | None = None  # None: micro_batch_size * data_parallel_size
     train_iters: int = 1000

@@ -30,8 +30,8 @@ parallel and tied-embedding gradient sums and the clipping scale change gradient
 
 The update is torch.optim.AdamW's (decoupled weight decay, Loshchilov & Hutter 2019), run by
 torch's fused kernel (one pass over each tensor, on the device or the host) over views of the
-flat shards, one per parameter segment, so it matches AdamW elementwise up to rounding. 1-D parameters
-(biases, norm weights) get no weight decay; a shard records which element ranges decay.
+flat shards, one per parameter segment, so it matches AdamW elementwise up to rounding. 1-D
+parameters (biases, norm weights) get no weight decay: their views sit in a group without it.
 
 Gradient norm (Megatron's clip_grad_norm_fp32): the squared norm is summed over each rank's
 owned element ranges, counting a range only if its parameter counts (`counts_toward_norm`:
@@ -67,7 +67,6 @@ class _Shard:
     owns_main: bool  # main is a separate copy (bf16 weights, no parameter store, or host)
     # (param, first element in param, first element in shard, count) for each overlap
     segments: list[tuple] = field(default_factory=list)
-    decay: list[tuple[int, int]] = field(default_factory=list)  # shard-relative ranges
     norm: list[tuple[int, int]] = field(default_factory=list)
     host_grad: torch.Tensor | None = None  # offloaded: the gradient's host copy
     adamw: torch.optim.AdamW | None = None  # torch's fused AdamW over views of the above
@@ -136,8 +135,6 @@ class DistributedOptimizer:
         shard = _Shard(ddp, bucket, lo, hi, main, zeros(), zeros(), owns_main=not alias,
                        segments=ddp.owned_segments(bucket, lo, hi))
         for p, p_start, at, n in shard.segments:
-            if p.ndim > 1:
-                shard.decay.append((at, at + n))
             if counts_toward_norm(p):
                 shard.norm.append((at, at + n))
             if not alias and store is None:
