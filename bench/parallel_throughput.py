@@ -3,7 +3,10 @@ model, its scaling over the 1-process figure, and each layout's communication sh
 `train.py --profile`), measured in the same run (issue 16).
 
 Layouts: also pp2 with 3 layers on the first stage (`--decoder-first-pipeline-num-layers 3`),
-since the last stage's output layer and loss cost about 2.6 layers at this vocabulary.
+since the last stage's output layer and loss cost about 2.6 layers at this vocabulary. And the
+machine's own ceiling, "2 x 1 process": two independent 1-process runs started together, no
+communication at all; their summed tokens/s over the 1-process figure is the most any 2-rank
+layout can scale here (the ranks share the memory bandwidth and the last-level cache).
 
 Model: picotron's tiny Llama (hidden 256, ffn 688, 4 layers, 4 heads / 2 KV heads, seq 256,
 micro batch 2, global batch 8: 4 microbatches at dp 1), float32, one thread per rank
@@ -43,16 +46,30 @@ MODEL = ["--model", "tiny-llama", "--num-layers", "4", "--hidden-size", "256",
          "--ffn-hidden-size", "688", "--num-attention-heads", "4", "--num-query-groups", "2",
          "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ), "--micro-batch-size", "2",
          "--global-batch-size", "8"]
+INDEPENDENT = "2 x 1 process"  # two 1-process runs at once: the machine's 2-rank ceiling
 # "pp2 3|1": the first stage takes 3 of the 4 layers (the last stage's output layer and loss
 # cost ~2.6 layers at this vocabulary), the split --profile-pipeline suggests
 LAYOUTS = [("1 process", 1, []), ("tp2", 2, ["--tp", "2"]), ("pp2", 2, ["--pp", "2"]),
            ("pp2 3|1", 2, ["--pp", "2", "--decoder-first-pipeline-num-layers", "3"]),
-           ("dp2", 2, []), ("tp2 x pp2", 4, ["--tp", "2", "--pp", "2"])]
+           ("dp2", 2, []), ("tp2 x pp2", 4, ["--tp", "2", "--pp", "2"]),
+           (INDEPENDENT, 2, [])]
 TARGETS = {"dp2": 1.8, "pp2": 1.4, "pp2 3|1": 1.4, "tp2": 1.5, "tp2 x pp2": 1.5}
 
 
-def run_layout(nproc: int, flags: list[str], iters: int, log_dir: str) -> dict:
-    """One train.py run; tokens/s over steps 2..iters-2 and the profiled comm share."""
+def run_layout(nproc: int, flags: list[str], iters: int, log_dir: str,
+               copies: int = 1) -> dict:
+    """One train.py run (or `copies` independent 1-process runs started together, summed);
+    tokens/s over steps 2..iters-2 and the profiled comm share."""
+    if copies == 1:
+        return _result(*_launch(nproc, flags, iters, log_dir), log_dir, iters)
+    runs = [_launch(1, flags, iters, f"{log_dir}-{c}") for c in range(copies)]
+    outs = [_result(*run, f"{log_dir}-{c}", iters) for c, run in enumerate(runs)]
+    return {"tokens_per_s": sum(o["tokens_per_s"] for o in outs),
+            "comm_share": statistics.mean(o["comm_share"] for o in outs),
+            "loss": outs[0]["loss"]}
+
+
+def _launch(nproc: int, flags: list[str], iters: int, log_dir: str):
     start, end = iters - 2, iters
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", str(ROOT / "train.py"), *flags,
@@ -60,11 +77,17 @@ def run_layout(nproc: int, flags: list[str], iters: int, log_dir: str) -> dict:
            "--no-tensorboard", "--peak-tflops", "1", "--log-dir", log_dir,
            "--profile", "--profile-step-start", str(start), "--profile-step-end", str(end),
            "--profile-ranks", *[str(r) for r in range(nproc)]]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if done.returncode:
-        sys.exit(f"failed ({done.returncode}): {' '.join(cmd)}\n{done.stdout[-2000:]}\n"
-                 f"{done.stderr[-4000:]}")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return proc, cmd
+
+
+def _result(proc, cmd, log_dir: str, iters: int) -> dict:
+    start = iters - 2
+    stdout, stderr = proc.communicate()
+    if proc.returncode:
+        sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{stdout[-2000:]}\n"
+                 f"{stderr[-4000:]}")
     with open(os.path.join(log_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     steps = {r["iteration"]: r for r in records if "loss" in r}
@@ -89,7 +112,8 @@ def main(argv=None) -> int:
         for r in range(args.repeats):
             for name, nproc, flags in LAYOUTS:
                 out = run_layout(nproc, MODEL + flags + args.extra, args.iters,
-                                 os.path.join(tmp, f"{r}-{re.sub(r'[^a-z0-9]', '', name)}"))
+                                 os.path.join(tmp, f"{r}-{re.sub(r'[^a-z0-9]', '', name)}"),
+                                 copies=nproc if name == INDEPENDENT else 1)
                 results[name].append(out)
                 print(f"round {r + 1}: {name:<10} {out['tokens_per_s']:8.0f} tok/s", flush=True)
     base = statistics.median(o["tokens_per_s"] for o in results["1 process"])
@@ -110,6 +134,10 @@ def main(argv=None) -> int:
               f"{spread:6.0%}")
     print("comm share: time blocked in collectives / step wall time (train.py --profile, "
           "profiled steps), mean over ranks; spread: (max - min) / median over rounds")
+    ceiling = statistics.median(o["tokens_per_s"] for o in results[INDEPENDENT]) / base
+    print(f"'{INDEPENDENT}': two independent runs at once (no communication), tokens/s summed: "
+          f"this machine lets no 2-rank layout pass {ceiling:.2f}x; each target as a share of "
+          f"that ceiling: " + ", ".join(f"{n} {t / ceiling:.0%}" for n, t in TARGETS.items()))
     return 0
 
 

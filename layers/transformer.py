@@ -135,11 +135,30 @@ def compile_transformer_layers(module: nn.Module) -> int:
 
     Random numbers: inductor is told to draw them with torch's own kernels
     (`fallback_random`), so dropout masks are the eager ones and a compiled run matches an
-    eager one, and every layout matches every other, as without compile."""
+    eager one, and every layout matches every other, as without compile.
+
+    Raises `RuntimeError` before compiling anything when a layer sits on the CPU and no C++
+    compiler is found (inductor generates C++ for CPU kernels; it looks for `CXX`, else g++).
+    """
     import torch._inductor.config as inductor_config
 
+    if any(p.device.type == "cpu" for p in module.parameters()):
+        _require_cpp_compiler()
     inductor_config.fallback_random = True
     layers = [m for m in module.modules() if isinstance(m, TransformerLayer)]
     for layer in layers:
         layer.compile()
     return len(layers)
+
+
+def _require_cpp_compiler() -> None:
+    from torch._inductor import cpp_builder
+    from torch._inductor.exc import InvalidCxxCompiler
+
+    try:
+        cpp_builder.get_cpp_compiler()
+    except InvalidCxxCompiler:
+        raise RuntimeError(
+            "--compile on CPU needs a C++ compiler (inductor generates C++ kernels) and none "
+            "was found: install one (e.g. `apt install g++`), or point CXX at it, or drop "
+            "--compile") from None

@@ -668,3 +668,23 @@ def test_cross_entropy_rejects_bad_label_smoothing(no_grid):
     with pytest.raises(ValueError, match="label_smoothing"):
         vocab_parallel_cross_entropy(torch.zeros(2, 4), torch.zeros(2, dtype=torch.long),
                                      label_smoothing=1.0)
+
+
+def test_compile_without_cpp_compiler_names_the_fix(no_grid, monkeypatch):
+    """--compile on CPU with no C++ compiler stops before compiling with a message naming the
+    fix (not inductor's error from inside the first step)."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor import cpp_builder
+
+    from layers import compile_transformer_layers
+
+    monkeypatch.setattr(inductor_config.cpp, "cxx", ("shardzoo-no-such-cxx",))
+    cpp_builder.cpp_compiler_search.cache_clear()
+    layer = TransformerLayer(ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
+                                         vocab_size=16), 0)
+    try:
+        with pytest.raises(RuntimeError, match="needs a C\\+\\+ compiler.*drop --compile"):
+            compile_transformer_layers(layer)
+    finally:
+        cpp_builder.cpp_compiler_search.cache_clear()
+    assert not hasattr(layer, "_compiled_call_impl") or layer._compiled_call_impl is None
