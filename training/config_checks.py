@@ -303,8 +303,12 @@ def _check_recompute(m: ModelConfig, t: TrainConfig) -> None:
 def parse_data_path(data_path: list[str]) -> list[tuple[float, str]]:
     """``[prefix]`` or ``[w1, prefix1, w2, prefix2, ...]`` -> ``[(weight, prefix), ...]``.
 
-    Weights are returned as given (not normalised). Raises `ConfigError` naming --data-path.
+    Weights are returned as given (not normalised). Raises `ConfigError` (a ValueError) naming
+    --data-path.
     """
+    data_path = [str(x) for x in data_path]
+    if not data_path:
+        raise ConfigError("--data-path is empty; pass a prefix or pairs 'w1 prefix1 w2 prefix2'")
     if len(data_path) == 1:
         return [(1.0, data_path[0])]
     if len(data_path) % 2:

@@ -30,6 +30,7 @@ from typing import Sequence
 
 import numpy as np
 
+from training.config_checks import parse_data_path
 from training.data.indexed_dataset import IndexedDataset
 
 _CACHED_EPOCHS = 2  # epoch indices kept in memory (a run reads one epoch at a time)
@@ -224,31 +225,6 @@ def batch_digest(dataset, start: int, count: int) -> str:
     return hashlib.sha1(",".join(ids).encode()).hexdigest()[:12]
 
 
-def parse_data_path(data_path: Sequence[str]) -> tuple[list[str], list[float]]:
-    """Megatron ``--data-path``: ``[prefix]`` or ``[w1, prefix1, w2, prefix2, ...]``.
-
-    Returns (prefixes, normalised weights). Raises ValueError with the expected form.
-    """
-    items = [str(x) for x in data_path]
-    if not items:
-        raise ValueError("--data-path is empty; pass a prefix or 'w1 prefix1 w2 prefix2 ...'")
-    if len(items) == 1:
-        return items, [1.0]
-    if len(items) % 2:
-        raise ValueError(f"--data-path {' '.join(items)}: expected a single prefix or "
-                         "weight/prefix pairs like '0.7 data/a_text_document "
-                         "0.3 data/b_text_document'")
-    try:
-        weights = [float(x) for x in items[0::2]]
-    except ValueError:
-        raise ValueError(f"--data-path {' '.join(items)}: every odd item must be a weight "
-                         "(e.g. '0.7 prefixA 0.3 prefixB')") from None
-    total = sum(weights)
-    if any(x < 0 for x in weights) or total <= 0:
-        raise ValueError(f"--data-path weights must be >= 0 with a positive sum, got {weights}")
-    return items[1::2], [x / total for x in weights]
-
-
 def parse_split(split: str) -> list[float]:
     """``"969,30,1"`` (or ``"98/2/0"``, or fewer parts padded with 0) -> 3 normalised shares."""
     parts = [p for p in split.replace("/", ",").split(",") if p.strip()]
@@ -291,7 +267,9 @@ def build_train_valid_test_datasets(data_path: list[str], split: str, seq_length
         ValueError: a split with samples requested and a positive share but no documents
             (e.g. "valid split of <prefix> is empty; raise its share in --split").
     """
-    prefixes, weights = parse_data_path(data_path)
+    blend = parse_data_path(data_path)
+    total = sum(w for w, _ in blend)
+    prefixes, weights = [p for _, p in blend], [w / total for w, _ in blend]
     shares = parse_split(split)
     if len(train_valid_test_num_samples) != 3:
         raise ValueError("train_valid_test_num_samples must be (train, valid, test)")
