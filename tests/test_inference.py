@@ -116,10 +116,15 @@ def _run_layouts(models: dict, eos: dict) -> dict:
                 out["one_at_a_time"] = [r.output for r in engine.generate(reqs)]
                 assert engine.max_in_flight == 1
             results[(name, tp, pp)] = out
+        if (tp, pp) == (2, 2):  # T5 (encoder | decoder stages, each split over tp) vs HF
+            from test_t5 import _greedy_matches_hf
+
+            results[("t5", 2, 2)] = _greedy_matches_hf()
     return results
 
 
 def test_generation_matches_transformers_at_every_layout(models):
+    """GPT-2 and Llama GQA at every layout; T5 v1.0 / v1.1 also at tp=2 x pp=2."""
     import torch.multiprocessing  # noqa: F401
 
     # EOS per model: a greedy token of prompt 1 first seen after its first token, so row 1
@@ -148,6 +153,8 @@ def test_generation_matches_transformers_at_every_layout(models):
             assert got["sampled_in_flight"] == pp, where
             if pp > 1:
                 assert got["one_at_a_time"] == ref[name], where
+    for ours, hf in results[("t5", 2, 2)]:  # T5 v1.0 and v1.1 at tp=2 x pp=2
+        assert ours == hf, ("t5 tp=2 pp=2", ours, hf)
 
 
 def test_kv_replication_layout_and_refusals():
