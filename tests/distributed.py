@@ -11,8 +11,10 @@ every multi-process test uses.
         assert run_distributed(_check, 4, 10, tp=2) == [0, 10, 0, 10]
 
 `run_distributed(fn, world_size, *args, tp=1, pp=1, vpp=None, timeout=120)` spawns
-`world_size` processes (spawn context, one CPU thread each, MASTER_ADDR=127.0.0.1 on a free
-port, RANK / WORLD_SIZE / LOCAL_RANK set), and in each one:
+`world_size` processes (forked from a fork server that imported torch and the project once;
+each takes the parent's environment and working folder, as a spawned process would; one CPU
+thread each, MASTER_ADDR=127.0.0.1 on a free port, RANK / WORLD_SIZE / LOCAL_RANK set), and
+in each one:
 
 1. `parallel_state.initialize_distributed("cpu")` (gloo) and
    `parallel_state.initialize_model_parallel(tp, pp, vpp, device="cpu")`;
@@ -34,8 +36,10 @@ Nothing hangs: after `timeout` seconds (for the whole world) every worker is kil
 `TimeoutError` names the ranks that had not answered. Remaining workers are always killed
 before the parent raises.
 
-Cost: each spawn imports torch in every worker (about 2-3 s on 2 cores), so batch many checks
-into one world rather than spawning a world per assertion.
+Cost: the fork server's imports (torch, the project: about 5 s) are paid once per test
+session; a worker then costs its fork, the import of `fn`'s test module and the grid's set-up
+(a spawned worker imported torch again: 2-3 s each on 2 cores). Still batch many checks into
+one world rather than starting a world per assertion.
 """
 from __future__ import annotations
 
@@ -89,7 +93,12 @@ def _pickled_exception(exc: BaseException) -> bytes | None:
         return None
 
 
-def _worker(rank, world_size, port, tp, pp, vpp, fn, args, results):
+def _worker(rank, world_size, port, tp, pp, vpp, fn, args, results, environ, cwd):
+    # A forked worker has the fork server's environment and folder, from when it started:
+    # take the parent's, as a spawned process would.
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
@@ -120,6 +129,18 @@ def _kill(procs) -> None:
         p.join(timeout=5)
 
 
+# Imported once by the fork server; every worker then starts from a copy of it (a fork) and
+# not from a fresh interpreter that imports torch again.
+_PRELOAD = ["torch", "torch.distributed", "pytest", "parallel_state", "layers", "models",
+            "training.trainer", "inference"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def run_distributed(fn, world_size: int, *args, tp: int = 1, pp: int = 1,
                     vpp: int | None = None, timeout: float = 120) -> list:
     """Run `fn(*args)` on `world_size` gloo CPU processes with a (pp, dp, tp) grid built.
@@ -136,7 +157,7 @@ def run_distributed(fn, world_size: int, *args, tp: int = 1, pp: int = 1,
         WorkerError: a worker raised (message: rank + traceback) or died without reporting.
         TimeoutError: not every worker answered within `timeout` seconds.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
     saved_omp = os.environ.get("OMP_NUM_THREADS")
@@ -145,7 +166,8 @@ def run_distributed(fn, world_size: int, *args, tp: int = 1, pp: int = 1,
     try:
         for rank in range(world_size):
             p = ctx.Process(target=_worker, daemon=True,
-                            args=(rank, world_size, port, tp, pp, vpp, fn, args, results))
+                            args=(rank, world_size, port, tp, pp, vpp, fn, args, results,
+                                  dict(os.environ), os.getcwd()))
             p.start()
             procs.append(p)
     finally:
