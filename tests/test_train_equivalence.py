@@ -1,12 +1,15 @@
-"""Layout equivalence of train.py: the first 5 losses and gradient norms at several (tp, dp, sp)
+"""Layout equivalence of training: the first 5 losses and gradient norms at several (tp, dp, sp)
 layouts equal the
 single-process run up to float32 rounding (tests/tolerances.py: step t carries `t` training
 steps' chains of `k` terms), with dropout 0 (issue 2); also with every transformer layer
-compiled (`--compile`, issue 16) against the eager single-process run."""
+compiled (`--compile`, issue 16, train.py under torchrun) against the eager single-process run.
+The layouts run pretrain() in run_distributed worlds, the cases of one world size in one world
+(train.py's command line under torchrun: the compile test here, test_checkpointing.py)."""
 from __future__ import annotations
 
 import pytest
 
+from distributed import batched_by_world, run_distributed
 from launch import read_metrics, run_train
 from tolerances import assert_losses_close, training_chain_terms
 
@@ -25,14 +28,34 @@ FAMILIES = {
 }
 
 
+def _train_worker(runs: list[list[str]], log_dir: str, cache: str) -> None:
+    """In a run_distributed world: pretrain() once per argument list, one after the other,
+    each logging to `<log_dir>/<i>` (read back by `_curves`, as from a train.py run)."""
+    import os
+
+    import parallel_state as ps
+    from training.arguments import parse_config
+    from training.trainer import pretrain
+
+    os.environ["SHARDZOO_CACHE"] = cache
+    for i, args in enumerate(runs):
+        ps.destroy_model_parallel()  # pretrain builds the grid from the config
+        pretrain(parse_config(args + ["--log-dir", f"{log_dir}/{i}"]))
+
+
+def _run(world: int, runs: list[list[str]], root, corpus_env) -> list[tuple[list, list]]:
+    """The `_curves` of the argument lists `runs`, trained in one world of `world` processes
+    (starting a world costs more than a 5-step run of these tiny models)."""
+    run_distributed(_train_worker, world, runs, str(root), corpus_env["SHARDZOO_CACHE"],
+                    timeout=300 * len(runs))
+    return [_curves(root / str(i)) for i in range(len(runs))]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, corpus_env):
-    out = {}
-    for family, args in FAMILIES.items():
-        log = tmp_path_factory.mktemp(f"ref-{family}")
-        run_train(1, args + COMMON, log, env=corpus_env)
-        out[family] = _curves(log)
-    return out
+    curves = _run(1, [args + COMMON for args in FAMILIES.values()],
+                  tmp_path_factory.mktemp("ref"), corpus_env)
+    return dict(zip(FAMILIES, curves))
 
 
 def _curves(log_dir):
@@ -42,13 +65,29 @@ def _curves(log_dir):
     return [r["loss"] for r in records], [r["grad_norm"] for r in records]
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-@pytest.mark.parametrize("tp,dp,sp", LAYOUTS)
-def test_layout_matches_single_process(family, tp, dp, sp, reference, tmp_path, corpus_env):
-    args = FAMILIES[family] + COMMON + ["--tp", str(tp)]
-    args.append("--sequence-parallel" if sp else "--no-sequence-parallel")
-    run_train(tp * dp, args, tmp_path, env=corpus_env)
-    (losses, norms), (ref, ref_norms) = _curves(tmp_path), reference[family]
+CASES = [(family, tp, dp, sp) for tp, dp, sp in LAYOUTS for family in sorted(FAMILIES)]
+
+
+def _case_args(case) -> list[str]:
+    family, tp, _, sp = case
+    return FAMILIES[family] + COMMON + ["--tp", str(tp),
+                                        "--sequence-parallel" if sp else "--no-sequence-parallel"]
+
+
+@pytest.fixture(scope="module")
+def case_curves(tmp_path_factory, corpus_env):
+    """case -> its `_curves`; the cases of one world size (tp * dp) run in one world."""
+    def run_cases(world, cases):
+        return _run(world, [_case_args(c) for c in cases],
+                    tmp_path_factory.mktemp(f"world{world}"), corpus_env)
+    return batched_by_world(CASES, lambda c: c[1] * c[2], run_cases)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{tp}-{dp}-{sp}-{family}"
+                                             for family, tp, dp, sp in CASES])
+def test_layout_matches_single_process(case, reference, case_curves):
+    args = _case_args(case)
+    (losses, norms), (ref, ref_norms) = case_curves(case), reference[case[0]]
     assert len(losses) == len(ref) == 5
     k_step = training_chain_terms(args)
     assert_losses_close(losses, ref, k_step)
