@@ -31,14 +31,22 @@ def _info(path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)
 
 
-def test_exact_resume_tp2_pp2_dp2_async(tmp_path, corpus_env):
-    """Save at 3 and 6 (async, with a replica) at (tp2, pp2, dp2); resuming the replica's
-    iteration 3 on the same layout gives bitwise the same losses 4..6."""
-    save, replica = tmp_path / "save", tmp_path / "replica"
+@pytest.fixture(scope="module")
+def tp2pp2_run(tmp_path_factory, corpus_env):
+    """(tp2, pp2, dp2) saved at 3 and 6, async, with a replica: (save, replica, losses).
+    Shared: resumed on the same layout (exact) and at (tp1, pp1, dp4 + ZeRO)."""
+    root = tmp_path_factory.mktemp("tp2pp2")
+    save, replica = root / "save", root / "replica"
     run_train(8, COMMON + _layout(2, 2) + ["--save", str(save), "--save-interval", "3",
                                            "--async-save", "--save-replica", str(replica)],
-              tmp_path / "a", env=corpus_env)
-    ref = train_losses(tmp_path / "a")
+              root / "a", env=corpus_env)
+    return save, replica, train_losses(root / "a")
+
+
+def test_exact_resume_tp2_pp2_dp2_async(tp2pp2_run, tmp_path, corpus_env):
+    """Save at 3 and 6 (async, with a replica) at (tp2, pp2, dp2); resuming the replica's
+    iteration 3 on the same layout gives bitwise the same losses 4..6."""
+    save, replica, ref = tp2pp2_run
     for root in (save, replica):
         assert sorted(os.listdir(root)) == ["iter_0000003", "iter_0000006",
                                             "latest_checkpointed_iteration.txt"]
@@ -67,7 +75,8 @@ def tp1_run(tmp_path_factory, corpus_env):
 
 
 @pytest.mark.parametrize("src,dst,extra", [
-    ((2, 2, False, 4), (1, 1, True, 4), []),  # (tp2,pp2,dp1) -> (tp1,pp1,dp4 + ZeRO)
+    # (tp2,pp2,dp2, saved async: tp2pp2_run) -> (tp1,pp1,dp4 + ZeRO)
+    ((2, 2, False, 8), (1, 1, True, 4), []),
     # (tp1,pp1,dp1) -> (tp4,pp2): padded vocab 8200 -> 8400 (re-padded on load)
     ((1, 1, False, 1), (4, 2, False, 8), REPAD),
 ], ids=["tp2pp2-to-dp4zero", "tp1-to-tp4pp2"])
@@ -75,7 +84,7 @@ def test_resume_on_other_layout(src, dst, extra, request, tmp_path, corpus_env):
     if src[3] == 1:
         save, ref = request.getfixturevalue("tp1_run")
     else:
-        save, ref = _saved_run(src[3], COMMON + extra + _layout(*src[:3]), tmp_path, corpus_env)
+        save, _, ref = request.getfixturevalue("tp2pp2_run")
     run_train(dst[3], COMMON + extra + _layout(*dst[:3]) +
               ["--load", str(save / "iter_0000003")], tmp_path / "b", env=corpus_env)
     # losses 4..6 carry the rounding of steps 1..6: compare them as steps 4..6 of one run
