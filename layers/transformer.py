@@ -142,8 +142,10 @@ def compile_transformer_layers(module: nn.Module) -> int:
     """
     import torch._inductor.config as inductor_config
 
-    if any(p.device.type == "cpu" for p in module.parameters()):
-        _require_cpp_compiler()
+    problem = cpp_compiler_problem() if any(
+        p.device.type == "cpu" for p in module.parameters()) else None
+    if problem:
+        raise RuntimeError(problem)
     inductor_config.fallback_random = True
     layers = [m for m in module.modules() if isinstance(m, TransformerLayer)]
     for layer in layers:
@@ -151,14 +153,16 @@ def compile_transformer_layers(module: nn.Module) -> int:
     return len(layers)
 
 
-def _require_cpp_compiler() -> None:
+def cpp_compiler_problem() -> str | None:
+    """None when inductor finds a C++ compiler (for CPU kernels), else the message saying how
+    to get one (its search is cached: cheap after the first call)."""
     from torch._inductor import cpp_builder
     from torch._inductor.exc import InvalidCxxCompiler
 
     try:
         cpp_builder.get_cpp_compiler()
     except InvalidCxxCompiler:
-        raise RuntimeError(
-            "--compile on CPU needs a C++ compiler (inductor generates C++ kernels) and none "
-            "was found: install one (e.g. `apt install g++`), or point CXX at it, or drop "
-            "--compile") from None
+        return ("--compile on CPU needs a C++ compiler (inductor generates C++ kernels) and "
+                "none was found: install one (e.g. `apt install g++`), or point CXX at it, or "
+                "drop --compile")
+    return None

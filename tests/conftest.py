@@ -34,3 +34,16 @@ def corpus_env(tmp_path_factory):
 
     ensure_default_corpus(str(cache), quiet=True)
     return {"SHARDZOO_CACHE": str(cache)}
+
+
+@pytest.fixture
+def no_cpp_compiler():
+    """inductor finds no C++ compiler while the test runs (its cached search is reset)."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor import cpp_builder
+
+    cpp_builder.cpp_compiler_search.cache_clear()
+    with inductor_config.patch({"cpp.cxx": ("shardzoo-no-such-cxx",)}):
+        yield
+    cpp_builder.cpp_compiler_search.cache_clear()
+

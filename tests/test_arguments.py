@@ -317,3 +317,10 @@ def test_train_config_defaults_are_megatron_like():
     t = TrainConfig()
     assert (t.seed, t.weight_decay, t.adam_beta2, t.clip_grad) == (1234, 0.01, 0.999, 1.0)
     assert t.log_dir == "runs/latest" and t.overlap_grad_reduce and t.device == "auto"
+
+
+def test_compile_on_cpu_without_cpp_compiler_is_a_config_error(no_cpp_compiler):
+    """Refused at validation, before any process starts (the layers' own check: test_layers)."""
+    msg = raises("--compile", "--compile", "--device", "cpu")
+    assert "C++ compiler" in msg and "drop --compile" in msg
+    cfg("--device", "cpu", world_size=1)  # without --compile nothing needs a compiler

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from layers.transformer import cpp_compiler_problem
 from models.config import ConfigError, ModelConfig
 from .batch_schedule import check_batch_schedule
 
@@ -367,6 +368,9 @@ def _check_run(t: TrainConfig) -> None:
     if t.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda but no CUDA device is available; use --device cpu "
                           "(or auto)")
+    on_cpu = t.device == "cpu" or (t.device == "auto" and not torch.cuda.is_available())
+    if t.compile and on_cpu and (problem := cpp_compiler_problem()):
+        raise ConfigError(problem)
     if not 0 <= t.seed < 2**32:
         raise ConfigError(f"--seed must be in [0, 2**32), got {t.seed}")
     for name in ("log_dir", "save", "save_replica"):
