@@ -63,7 +63,12 @@ def run_layout(nproc: int, flags: list[str], iters: int, log_dir: str,
     if copies == 1:
         return _result(*_launch(nproc, flags, iters, log_dir), log_dir, iters)
     runs = [_launch(1, flags, iters, f"{log_dir}-{c}") for c in range(copies)]
-    outs = [_result(*run, f"{log_dir}-{c}", iters) for c, run in enumerate(runs)]
+    try:
+        outs = [_result(*run, f"{log_dir}-{c}", iters) for c, run in enumerate(runs)]
+    finally:  # one copy failed: stop the others too
+        for proc, _ in runs:
+            if proc.poll() is None:
+                proc.kill()
     return {"tokens_per_s": sum(o["tokens_per_s"] for o in outs),
             "comm_share": statistics.mean(o["comm_share"] for o in outs),
             "loss": outs[0]["loss"]}
