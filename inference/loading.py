@@ -71,6 +71,11 @@ def load(load: str | None = None, hf: str | None = None, tokenizer: str | None =
         from checkpoint.model_io import find_tokenizer, load_model_weights
 
         path = resolve_checkpoint(load)
+        if path is None:
+            raise FileNotFoundError(
+                f"--load {load}: no checkpoint there (no {load}/latest_checkpointed_iteration.txt "
+                f"and no iter_* folder); pass a folder written by train.py --save or "
+                f"tools/convert_hf.py import, or use --hf PATH for a Hugging Face model")
         config = ModelConfig.from_dict(read_metadata(path)["model"])
         model = build_model(config)
         load_model_weights(path, [model])

@@ -162,7 +162,10 @@ def cpp_compiler_problem() -> str | None:
     try:
         cpp_builder.get_cpp_compiler()
     except InvalidCxxCompiler:
-        return ("--compile on CPU needs a C++ compiler (inductor generates C++ kernels) and "
-                "none was found: install one (e.g. `apt install g++`), or point CXX at it, or "
-                "drop --compile")
+        import os
+
+        tried = f" (CXX={os.environ['CXX']} does not run)" if os.environ.get("CXX") else ""
+        return (f"--compile on CPU needs a C++ compiler (inductor generates C++ kernels) and "
+                f"none was found{tried}: install one (e.g. `apt install g++`), or point CXX at "
+                f"it, or drop --compile")
     return None

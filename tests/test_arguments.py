@@ -95,6 +95,8 @@ def test_data_path_forms():
     assert parse_data_path(["a"]) == [(1.0, "a")]
     assert parse_data_path(["0.3", "a", "0.7", "b"]) == [(0.3, "a"), (0.7, "b")]
     assert cfg("--data-path", "0.3", "a", "0.7", "b").train.data_path == ["0.3", "a", "0.7", "b"]
+    for bad in ("inf", "nan"):  # not finite: refused here, not as a NaN deep in the blend
+        raises("--data-path", "--data-path", bad, "a", "0.5", "b")
 
 
 # ---------------------------------------------------------------------------- unknowns

@@ -186,3 +186,13 @@ def test_kv_replication_layout_and_refusals():
     with pytest.raises(ConfigError, match="multiple"):
         ModelConfig(**{**cfg.to_dict(), "num_attention_heads": 12, "num_query_groups": 4,
                        "hidden_size": 96}).validate(6, kv_replication=True)
+
+
+def test_load_without_a_checkpoint_names_the_fix(tmp_path, no_grid):
+    """--load on a missing or empty folder: a FileNotFoundError saying what to pass (it was a
+    TypeError from deep inside the reader)."""
+    from inference.loading import load
+
+    for where in (tmp_path / "missing", tmp_path):
+        with pytest.raises(FileNotFoundError, match="no checkpoint there.*--hf PATH"):
+            load(load=str(where))

@@ -322,6 +322,8 @@ def parse_data_path(data_path: list[str]) -> list[tuple[float, str]]:
         except ValueError:
             raise ConfigError(f"--data-path weight {w!r} (before {prefix!r}) is not a number; "
                               f"write pairs like: --data-path 0.7 data/a_text 0.3 data/b_text")
+    if not all(math.isfinite(w) for w, _ in blend):
+        raise ConfigError(f"--data-path weights {[w for w, _ in blend]} must be finite numbers")
     if min(w for w, _ in blend) < 0:
         raise ConfigError(f"--data-path weights {[w for w, _ in blend]} must be >= 0")
     if not sum(w for w, _ in blend) > 0:
