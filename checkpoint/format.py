@@ -134,6 +134,17 @@ def resolve_checkpoint(load: str, newest_if_no_marker: bool = False) -> str | No
     return path
 
 
+
+def require_checkpoint(load: str) -> str:
+    """`resolve_checkpoint(load)` for a reader that needs one (export, inference): raises
+    `CheckpointError` naming what to pass when there is none yet."""
+    path = resolve_checkpoint(load)
+    if path is None:
+        raise CheckpointError(
+            f"--load {load}: no checkpoint there (no {LATEST} and no iter_XXXXXXX folder); "
+            f"pass a folder written by train.py --save or tools/convert_hf.py import")
+    return path
+
 def read_metadata(path: str) -> dict:
     """metadata.json of checkpoint folder `path`; `CheckpointError` if missing or unreadable."""
     if not os.path.isdir(path):

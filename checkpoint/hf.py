@@ -19,7 +19,7 @@ import torch
 from models import hf as hfmap
 from models.hf.files import open_hf
 
-from .format import CheckpointError, resolve_checkpoint
+from .format import CheckpointError, require_checkpoint
 from .model_io import (TOKENIZER_DIR, TOKENIZER_MODEL, find_tokenizer, read_dense_weights,
                        write_weights_checkpoint)
 
@@ -99,10 +99,7 @@ def export_hf(load: str, out: str, dtype: str = "float32",
     if os.path.exists(out):
         raise CheckpointError(f"--out {out} already exists; pass a new folder (nothing was "
                               f"written)")
-    path = resolve_checkpoint(load)
-    if path is None:
-        raise CheckpointError(f"--load {load}: no checkpoint there (no latest marker and no "
-                              f"iter_XXXXXXX folder)")
+    path = require_checkpoint(load)
     config, dense = read_dense_weights(path)
     kwargs = hfmap.config_to_hf(config)  # raises if the model has no HF equivalent
     torch_dtype = DTYPES[dtype]

@@ -67,15 +67,10 @@ def load(load: str | None = None, hf: str | None = None, tokenizer: str | None =
         raise ValueError("pass exactly one of --load CKPT (native checkpoint) and --hf PATH "
                          "(Hugging Face folder or .gguf file)")
     if load is not None:
-        from checkpoint.format import read_metadata, resolve_checkpoint
+        from checkpoint.format import read_metadata, require_checkpoint
         from checkpoint.model_io import find_tokenizer, load_model_weights
 
-        path = resolve_checkpoint(load)
-        if path is None:
-            raise FileNotFoundError(
-                f"--load {load}: no checkpoint there (no {load}/latest_checkpointed_iteration.txt "
-                f"and no iter_* folder); pass a folder written by train.py --save or "
-                f"tools/convert_hf.py import, or use --hf PATH for a Hugging Face model")
+        path = require_checkpoint(load)
         config = ModelConfig.from_dict(read_metadata(path)["model"])
         model = build_model(config)
         load_model_weights(path, [model])

@@ -14,6 +14,8 @@ layout; they seed initialization and key checkpoints.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -162,8 +164,6 @@ def cpp_compiler_problem() -> str | None:
     try:
         cpp_builder.get_cpp_compiler()
     except InvalidCxxCompiler:
-        import os
-
         tried = f" (CXX={os.environ['CXX']} does not run)" if os.environ.get("CXX") else ""
         return (f"--compile on CPU needs a C++ compiler (inductor generates C++ kernels) and "
                 f"none was found{tried}: install one (e.g. `apt install g++`), or point CXX at "

@@ -46,4 +46,3 @@ def no_cpp_compiler():
     with inductor_config.patch({"cpp.cxx": ("shardzoo-no-such-cxx",)}):
         yield
     cpp_builder.cpp_compiler_search.cache_clear()
-

@@ -189,10 +189,11 @@ def test_kv_replication_layout_and_refusals():
 
 
 def test_load_without_a_checkpoint_names_the_fix(tmp_path, no_grid):
-    """--load on a missing or empty folder: a FileNotFoundError saying what to pass (it was a
+    """--load on a missing or empty folder: a CheckpointError saying what to pass (it was a
     TypeError from deep inside the reader)."""
+    from checkpoint.format import CheckpointError
     from inference.loading import load
 
     for where in (tmp_path / "missing", tmp_path):
-        with pytest.raises(FileNotFoundError, match="no checkpoint there.*--hf PATH"):
+        with pytest.raises(CheckpointError, match="no checkpoint there.*train.py --save"):
             load(load=str(where))

@@ -670,7 +670,6 @@ def test_cross_entropy_rejects_bad_label_smoothing(no_grid):
                                      label_smoothing=1.0)
 
 
-
 def test_compile_without_cpp_compiler_names_the_fix(no_grid, no_cpp_compiler):
     """--compile on CPU with no C++ compiler stops before compiling with a message naming the
     fix (not inductor's error from inside the first step); train.py's config check says the
