@@ -39,6 +39,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from . import shm
+
 ReduceOp = dist.ReduceOp
 STARTUP_TIMEOUT = timedelta(minutes=10)  # group creation (rendezvous) waits at least this long
 
@@ -360,39 +362,62 @@ def _group(group):
 
 
 # ---------------------------------------------------------------------------- collectives
+def _channel(group, tensor, op=None):
+    """The shared-memory channel (shm.py) that runs a collective of CPU `tensor` on `group`,
+    or None (torch's backend runs it; also inside a torch.compile region, which traces
+    torch's collectives into its graph)."""
+    if not shm._channels or tensor.device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    ch = shm.channel(_group(group))
+    return ch if ch is not None and (op is None or ch.supports(op)) else None
+
+
+def _collective(name, group, payload, async_op, torch_fn, shm_fn, reduce_op=None):
+    """Run collective `name` on `payload`: `shm_fn(channel)` when the group has a
+    shared-memory channel for it (synchronous; an async call returns a finished Work), else
+    `torch_fn()`; observed by the consumers, if any."""
+    ch = _channel(group, payload, reduce_op)
+    if ch is not None:
+        def fn():
+            shm_fn(ch)
+            return shm.DONE if async_op else None
+    else:
+        fn = torch_fn
+    if not _consumers:
+        return fn()
+    return _run(Call(name, _group(group), (payload,), reduce_op=reduce_op, async_op=async_op),
+                fn)
+
+
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
     """`torch.distributed.all_reduce`, observed."""
-    if not _consumers:
-        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
-    return _run(Call("all_reduce", _group(group), (tensor,), reduce_op=op, async_op=async_op),
-                lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op))
+    return _collective("all_reduce", group, tensor, async_op,
+                       lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op),
+                       lambda ch: ch.all_reduce(tensor, op), reduce_op=op)
 
 
 def all_gather(tensor_list, tensor, group=None, async_op=False):
     """`torch.distributed.all_gather`, observed."""
-    if not _consumers:
-        return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
-    return _run(Call("all_gather", _group(group), (tensor,), async_op=async_op),
-                lambda: dist.all_gather(tensor_list, tensor, group=group, async_op=async_op))
+    return _collective("all_gather", group, tensor, async_op,
+                       lambda: dist.all_gather(tensor_list, tensor, group=group,
+                                               async_op=async_op),
+                       lambda ch: ch.all_gather(tensor_list, tensor))
 
 
 def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
     """`torch.distributed.all_gather_single` (formerly all_gather_into_tensor), observed."""
-    if not _consumers:
-        return _all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
-    return _run(Call("all_gather_single", _group(group), (input_tensor,), async_op=async_op),
-                lambda: _all_gather_single(output_tensor, input_tensor, group=group,
-                                           async_op=async_op))
+    return _collective("all_gather_single", group, input_tensor, async_op,
+                       lambda: _all_gather_single(output_tensor, input_tensor, group=group,
+                                                  async_op=async_op),
+                       lambda ch: ch.all_gather_single(output_tensor, input_tensor))
 
 
 def reduce_scatter_single(output, input, op=ReduceOp.SUM, group=None, async_op=False):
     """`torch.distributed.reduce_scatter_single` (formerly reduce_scatter_tensor), observed."""
-    if not _consumers:
-        return _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
-    return _run(Call("reduce_scatter_single", _group(group), (input,), reduce_op=op,
-                     async_op=async_op),
-                lambda: _reduce_scatter_single(output, input, op=op, group=group,
-                                               async_op=async_op))
+    return _collective("reduce_scatter_single", group, input, async_op,
+                       lambda: _reduce_scatter_single(output, input, op=op, group=group,
+                                                      async_op=async_op),
+                       lambda ch: ch.reduce_scatter_single(output, input, op), reduce_op=op)
 
 
 # Newer torch names the flat collectives *_single and deprecates the *_tensor spellings;
@@ -487,6 +512,9 @@ def apply_timeout(group=None) -> None:
     from torch.distributed.distributed_c10d import _set_pg_timeout
 
     _set_pg_timeout(_timeout, group)
+    ch = shm.channel(group) if group is not None else None
+    if ch is not None:
+        ch.timeout = _timeout.total_seconds()
 
 
 def new_group(ranks=None, backend=None, label: str | None = None):

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from . import collectives
+from . import collectives, shm
 
 
 class GridError(RuntimeError):
@@ -171,6 +171,8 @@ def initialize_model_parallel(
     for dim in ("pp", "dp", "tp"):
         collectives.apply_timeout(mesh.get_group(dim))
         collectives.name_group(mesh.get_group(dim), dim)
+    if device.type == "cpu" and tp > 1:  # TP's many small all-reduces: shared memory (shm.py)
+        shm.attach(mesh.get_group("tp"), collectives.get_timeout())
     rank = dist.get_rank()
     pp_rank, rest = divmod(rank, dp * tp)
     dp_rank, tp_rank = divmod(rest, tp)
@@ -229,6 +231,7 @@ def destroy_model_parallel(destroy_world: bool = False) -> None:
     """Forget the current grid; with destroy_world (or if we started it) end the world too."""
     global _GRID, _OWNS_WORLD
     _GRID = None
+    shm.detach_all()
     if (destroy_world or _OWNS_WORLD) and dist.is_initialized():
         dist.destroy_process_group()
         collectives.forget_groups()

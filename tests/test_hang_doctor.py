@@ -295,6 +295,8 @@ def _layer_suite(log_dir: str, env: dict) -> dict:
         except RuntimeError as e:  # CollectiveMismatchError is one
             out["p2p_debug"] = f"{type(e).__name__}: {e}"[:400]
         debug_collectives.disable()
+        if rank == 0:  # alive (only absent) while rank 1 waits for it
+            time.sleep(TIMEOUT_S + 0.5)
     else:
         time.sleep(TIMEOUT_S + 0.5)
     trace.stop_trace(remove=False)

@@ -63,6 +63,46 @@ def _rng_draws() -> dict:
                 default_untouched=default_untouched, tp_stream_advanced=advanced)
 
 
+def _shm_collectives() -> dict:
+    """Each collective on the tp4 group's shared-memory channel against gloo (dist.* on the
+    same group), with the default slots and with 256-byte slots (many pieces), contiguous and
+    strided tensors, four dtypes."""
+    from parallel_state import collectives, shm
+
+    group = ps.get_tensor_model_parallel_group()
+    out = {"channel": shm.channel(group) is not None}
+    gen = torch.Generator().manual_seed(10 + dist.get_rank())
+    cases = {}
+    for slots in ("default", "small"):
+        if slots == "small":
+            shm.attach(group, slot_bytes=256)
+        for dtype in (torch.float32, torch.bfloat16, torch.float64, torch.int64):
+            x = (torch.randn(33, 17, generator=gen) * 100).to(dtype)
+            strided = x.t()  # not contiguous
+            for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX):
+                mine, ref = strided.clone().t().t(), strided.clone()  # both strided
+                handle = collectives.all_reduce(mine, op=op, group=group, async_op=True)
+                handle.wait()
+                dist.all_reduce(ref, op=op, group=group)
+                cases[f"{slots} all_reduce {dtype} {op}"] = (mine, ref)
+            parts = [torch.empty(17, 33, dtype=dtype).t() for _ in range(4)]  # strided outputs
+            collectives.all_gather(parts, x, group=group)
+            ref = [torch.empty_like(x) for _ in range(4)]
+            dist.all_gather(ref, x, group=group)
+            cases[f"{slots} all_gather {dtype}"] = (torch.stack(parts), torch.stack(ref))
+            full = torch.empty(4 * 33, 17, dtype=dtype)
+            collectives.all_gather_single(full, x, group=group)
+            cases[f"{slots} all_gather_single {dtype}"] = (full, torch.stack(ref).flatten(0, 1))
+            big = (torch.randn(4 * 12, 5, generator=gen) * 100).to(dtype)
+            mine, ref = torch.empty(12, 5, dtype=dtype), torch.empty(12, 5, dtype=dtype)
+            collectives.reduce_scatter_single(mine, big, group=group)
+            dist.reduce_scatter_tensor(ref, big, group=group)
+            cases[f"{slots} reduce_scatter {dtype}"] = (mine, ref)
+    shm.attach(group)  # back to the default slots
+    out["cases"] = cases
+    return out
+
+
 def _grid_suite() -> dict:
     out = {"tp2pp2": _describe()}
     out["twice"] = _error(ps.initialize_model_parallel, 2, 2)
@@ -73,6 +113,7 @@ def _grid_suite() -> dict:
     out["non_positive"] = _error(ps.initialize_model_parallel, 0, 1)
     ps.initialize_model_parallel(4, 1, device="cpu")
     out["tp4pp1"] = _describe()
+    out["shm"] = _shm_collectives()
     out["rng"] = _rng_draws()
     out["bad_model"] = _error(GPTModel, ModelConfig(hidden_size=48, num_attention_heads=6,
                                                     num_layers=1))
@@ -118,6 +159,67 @@ def test_tp2_pp2_groups_follow_megatron_order(grid8):
         assert (r["first"], r["last"]) == (pp_rank == 0, pp_rank == 1), rank
         other = r["pp_group"][1 - pp_rank]
         assert r["next"] == other and r["prev"] == other, (rank, r)  # 2 stages: wraps around
+
+
+def test_shared_memory_collectives_match_gloo(grid8):
+    for rank, g in enumerate(grid8):
+        assert g["shm"]["channel"], rank  # 4 ranks on one host: the tp group has a channel
+        for name, (mine, ref) in g["shm"]["cases"].items():
+            assert mine.shape == ref.shape, (rank, name)
+            if "reduce" in name and mine.is_floating_point():  # 4 ranks: another sum order
+                # bf16 keeps 8 bits: one rounding of a sum near 300 moves it by 2
+                rtol, atol = (2e-2, 4.0) if mine.dtype == torch.bfloat16 else (1e-5, 1e-4)
+                torch.testing.assert_close(mine, ref, rtol=rtol, atol=atol,
+                                           msg=f"{rank} {name}")
+            else:
+                assert torch.equal(mine, ref), (rank, name)
+    for rank in range(WORLD):  # every rank of a group gets the same bits (rank-order sums)
+        for name, (mine, _) in grid8[rank]["shm"]["cases"].items():
+            if "all_reduce" in name:
+                assert torch.equal(mine, grid8[rank - rank % 4]["shm"]["cases"][name][0]), name
+
+
+def test_shared_memory_waits_fail_instead_of_hanging(tmp_path):
+    """A peer that never arrives times out with the process-group timeout's message; a peer
+    that exited is named at once. (The peer: a plain Python process holding rank 1 of a
+    2-rank channel, which writes only its pid.)"""
+    import subprocess
+    import sys
+
+    from parallel_state.shm import Channel
+
+    path = str(tmp_path / "segment")
+    ch = Channel(path, 2, 0, 4096, None, [0, 1])
+    peer = subprocess.Popen([sys.executable, "-c", (
+        "import mmap, os, struct, sys\n"
+        f"f = open({path!r}, 'r+b'); m = mmap.mmap(f.fileno(), 0)\n"
+        "struct.pack_into('<q', m, 72, os.getpid()); m.flush()\n"  # rank 1's pid word
+        "print('ready', flush=True); sys.stdin.read()")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert peer.stdout.readline().strip() == "ready"
+        ch.find_peers()
+        ch.timeout = 0.2
+        with pytest.raises(RuntimeError, match=r"Timed out after 0\.\d s .* waiting for rank 1 "
+                                                r"to arrive at shared-memory collective 1"):
+            ch.all_reduce(torch.ones(3))
+        peer.stdin.close()
+        peer.wait(timeout=30)
+        ch.timeout = 600
+        with pytest.raises(RuntimeError, match=rf"rank 1 \(pid {peer.pid}\) exited while this "
+                                                r"rank waited for it to arrive"):
+            ch.all_reduce(torch.ones(3))
+    finally:
+        peer.kill()
+
+
+def test_shared_memory_switch(monkeypatch):
+    from parallel_state import shm
+
+    monkeypatch.setenv(shm.ENV_SWITCH, "0")
+    assert not shm.available()
+    monkeypatch.setenv(shm.ENV_SWITCH, "1")
+    assert shm.available() == (os.path.isdir("/dev/shm") and os.uname().machine == "x86_64")
 
 
 def test_tp4_pp1_groups(grid8):
