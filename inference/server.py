@@ -107,10 +107,23 @@ def build_app(fe: Frontend):
     from fastapi import FastAPI, Request as HTTPRequest
     from fastapi.responses import JSONResponse, StreamingResponse
 
+    from starlette.exceptions import HTTPException
+
     app = FastAPI(title="shardzoo")
 
-    def err(e: protocol.APIError) -> JSONResponse:
-        return JSONResponse(protocol.error_body(e), status_code=e.status)
+    def err(e: protocol.APIError, headers=None) -> JSONResponse:
+        return JSONResponse(protocol.error_body(e), status_code=e.status, headers=headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(req: HTTPRequest, exc: HTTPException):
+        """The router's own errors (unknown path, wrong method) as OpenAI error objects."""
+        where = f"{req.method} {req.url.path}"
+        allow = {k.lower(): v for k, v in (exc.headers or {}).items()}.get("allow")
+        message = {404: f"no route {where}; this server has POST /v1/completions, POST "
+                        f"/v1/chat/completions, GET /v1/models and GET /health",
+                   405: f"{where} is not allowed; use {allow or 'another method'}"}.get(
+            exc.status_code, str(exc.detail))
+        return err(protocol.APIError(exc.status_code, message), headers=exc.headers)
 
     def authorized(req: HTTPRequest) -> bool:
         return fe.api_key is None or req.headers.get("authorization") == f"Bearer {fe.api_key}"

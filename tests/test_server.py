@@ -211,6 +211,12 @@ def test_bad_inputs_then_good_request(server):
         assert set(obj["error"]) >= {"message", "type", "param", "code"}, obj
         code, obj = _post(port, "/v1/completions", good)
         assert code == 200 and obj["choices"][0]["text"] is not None, obj
+    # the router's own errors are OpenAI error objects too
+    code, obj = _post(port, "/v1/complete", good)
+    assert code == 404 and "POST /v1/completions" in obj["error"]["message"], (code, obj)
+    code, obj = _post(port, "/v1/completions", None, method="GET")
+    assert code == 405 and "use POST" in obj["error"]["message"], (code, obj)
+    assert obj["error"]["type"] == "invalid_request_error", obj
     # a client that goes away mid-stream: the server drops it and serves the next request
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     conn.request("POST", "/v1/completions", body=json.dumps(
