@@ -295,3 +295,13 @@ def train_losses_records(log_dir: Path) -> list[tuple[int, float]]:
     from launch import read_metrics
 
     return [(r["iteration"], r["loss"]) for r in read_metrics(log_dir) if "loss" in r]
+
+
+def test_resume_with_another_global_batch_size_says_so():
+    from training.checkpointing import batch_size_notice
+
+    assert batch_size_notice({"global_batch_size": 8}, 8, 10, 80) is None
+    assert batch_size_notice({}, 16, 10, 80) is None  # a checkpoint that predates the field
+    line = batch_size_notice({"global_batch_size": 8}, 16, 10, 80)
+    assert line.startswith("--global-batch-size changed on resume"), line
+    assert "used 8, this run 16" in line and "from 10" in line and "sample 80" in line, line

@@ -505,7 +505,23 @@ def load_checkpoint(config, chunks, model, optimizer) -> ResumeState:
     position = DataPosition(consumed, consumed if restart_data else
                             int(meta.get("data_start_samples", 0)))
     _print0(f"loaded checkpoint {path} at iteration {iteration} ({consumed} samples consumed)")
+    notice = batch_size_notice(meta, t.global_batch_size, iteration, consumed)
+    if notice:
+        _print0(notice)
     return ResumeState(iteration, position, meta)
+
+
+def batch_size_notice(meta: dict, global_batch_size: int, iteration: int,
+                      consumed: int) -> str | None:
+    """The line a resume prints when this run's --global-batch-size differs from the one
+    that wrote the checkpoint (`meta["global_batch_size"]`), else None."""
+    saved = meta.get("global_batch_size")
+    if saved is None or int(saved) == global_batch_size:
+        return None
+    return (f"--global-batch-size changed on resume: the checkpoint's run used {saved}, this "
+            f"run {global_batch_size}; iterations continue from {iteration} and the data from "
+            f"sample {consumed}, each iteration now {global_batch_size} samples (the LR "
+            f"schedule and --train-iters count iterations, not samples)")
 
 
 def check_data_config(meta: dict, config, path: str) -> bool:
