@@ -33,6 +33,7 @@ import platform
 import socket
 import time
 import uuid
+import warnings
 from datetime import timedelta
 
 import torch
@@ -46,6 +47,15 @@ _LINE = 8  # int64 words per counter (64 bytes: one cache line each)
 _ARRIVED, _DONE = 0, 1
 _REDUCE = {dist.ReduceOp.SUM: torch.add, dist.ReduceOp.MAX: torch.maximum,
            dist.ReduceOp.MIN: torch.minimum, dist.ReduceOp.PRODUCT: torch.mul}
+
+# What a rank publishes with each piece (word 2 + k % 2 of its `arrived` line) so that ranks calling
+# different collectives, sizes or dtypes get an error instead of reading each other's bytes
+# as something else: op * 2**56 + dtype index * 2**48 + the collective's element count.
+_OPS = {"all_reduce": 1, "all_gather": 2, "reduce_scatter": 3}
+_DTYPES = {dt: i + 1 for i, dt in enumerate((
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128))}
+_KEY_OP, _KEY_DTYPE = 1 << 56, 1 << 48
 
 _channels: dict[str, "Channel"] = {}  # torch group name -> channel
 
@@ -90,8 +100,14 @@ def attach(group, timeout: timedelta | None = None, slot_bytes: int = SLOT_BYTES
     dist.all_gather_object(hosts, (_host_id(), available()), group=group)
     if len(set(h for h, _ in hosts)) != 1 or not all(ok for _, ok in hosts):
         return None
-    names = [f"/dev/shm/shardzoo-{uuid.uuid4().hex}" if dist.get_rank(group) == 0 else None]
+    names = [None]
+    if dist.get_rank(group) == 0:
+        path = f"/dev/shm/shardzoo-{uuid.uuid4().hex}"
+        if create_segment(path, segment_bytes(n, slot_bytes)):
+            names[0] = path
     dist.broadcast_object_list(names, src=dist.get_global_rank(group, 0), group=group)
+    if names[0] is None:  # /dev/shm too small: rank 0 warned
+        return None
     channel = Channel(names[0], n, dist.get_rank(group), slot_bytes, timeout,
                       [dist.get_global_rank(group, j) for j in range(n)])
     dist.barrier(group=group)  # every rank has mapped the segment: its name may go
@@ -102,9 +118,35 @@ def attach(group, timeout: timedelta | None = None, slot_bytes: int = SLOT_BYTES
     return channel
 
 
+def segment_bytes(size: int, slot_bytes: int) -> int:
+    """Bytes of the segment of a `size`-rank channel: the counters, then two buffers."""
+    return 2 * size * _LINE * 8 + 2 * size * slot_bytes
+
+
+def create_segment(path: str, nbytes: int) -> bool:
+    """Create the segment file at `path` with all its `nbytes` reserved; False (and a
+    warning, no file) when the file system lacks the space. A tmpfs file is sparse: without
+    the reservation a segment larger than the free space of /dev/shm (Docker's default is
+    64 MB; a tp8 channel takes 64 MB) fails with SIGBUS, killing the rank, when a
+    collective first touches a page past it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        os.unlink(path)
+        warnings.warn(f"no shared-memory channel ({nbytes >> 20} MB in {os.path.dirname(path)}: "
+                      f"{e.strerror}); the group stays on gloo. Give /dev/shm more space "
+                      f"(docker run --shm-size) or set {ENV_SWITCH}=0 to silence this")
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
 def channel(group) -> "Channel | None":
-    """The channel of `group` (None: it has none)."""
-    return _channels.get(group.group_name) if _channels else None
+    """The channel of `group` (None: it has none, or `group` is torch's NON_GROUP_MEMBER,
+    which torch's collectives take as a no-op on a rank outside the group)."""
+    return _channels.get(getattr(group, "group_name", None)) if _channels else None
 
 
 def detach_all() -> None:
@@ -132,7 +174,7 @@ class Channel:
         self.slot_bytes = slot_bytes
         self.timeout = (timeout or timedelta(minutes=30)).total_seconds()
         counters = 2 * size * _LINE * 8
-        mem = torch.from_file(path, shared=True, size=counters + 2 * size * slot_bytes,
+        mem = torch.from_file(path, shared=True, size=segment_bytes(size, slot_bytes),
                               dtype=torch.uint8)
         self._counters = mem[:counters].view(torch.int64).numpy().reshape(2, size, _LINE)
         self._slots = mem[counters:].view(2, size, slot_bytes)
@@ -149,9 +191,10 @@ class Channel:
         self._pids = [p if _alive(p) else None for p in pids]
 
     # ------------------------------------------------------------------ the protocol
-    def _round(self, data: torch.Tensor, read) -> None:
+    def _round(self, data: torch.Tensor, read, key: int) -> None:
         """One collective step: publish `data` (at most a slot), then `read(slots)` with
-        every rank's published tensor (same dtype and length, rank order)."""
+        every rank's published tensor (same dtype and length, rank order). `key` (see
+        `_key`) must be the same on every rank, else every rank raises `RuntimeError`."""
         k = self.seq = self.seq + 1
         if k > 2:
             self._wait(_DONE, k - 2)
@@ -159,10 +202,34 @@ class Channel:
         count = data.numel()
         mine = slots[self.rank][:count]
         mine.copy_(data.view(-1) if data.is_contiguous() else data.reshape(-1))
-        self._counters[_ARRIVED, self.rank, 0] = k
+        arrived, word = self._counters[_ARRIVED], 2 + k % 2  # a key word per buffer, as
+        arrived[self.rank, word] = key  # the slots (a rank at k + 1 must not overwrite it)
+        arrived[self.rank, 0] = k  # after the key: whoever sees `arrived` sees the key
         self._wait(_ARRIVED, k)
-        read([mine if j == self.rank else s[:count] for j, s in enumerate(slots)])
-        self._counters[_DONE, self.rank, 0] = k
+        try:
+            if (arrived[:, word] != key).any():
+                self._mismatch([int(x) for x in arrived[:, word]])
+            read([mine if j == self.rank else s[:count] for j, s in enumerate(slots)])
+        finally:  # also after an error: the peers' next collectives need not wait for us
+            self._counters[_DONE, self.rank, 0] = k
+
+    @staticmethod
+    def _key(op: str, count: int, dtype) -> int:
+        return _OPS[op] * _KEY_OP + _DTYPES.get(dtype, 0) * _KEY_DTYPE + count
+
+    def _mismatch(self, keys: list[int]) -> None:
+        ops, dtypes = {v: k for k, v in _OPS.items()}, {v: k for k, v in _DTYPES.items()}
+
+        def desc(key):
+            op, rest = divmod(key, _KEY_OP)
+            dt, count = divmod(rest, _KEY_DTYPE)
+            return (f"{ops.get(op, '?')} of {count} "
+                    f"{str(dtypes.get(dt, 'other dtype')).removeprefix('torch.')} elements")
+        raise RuntimeError(
+            f"shared-memory collective {self.seq} does not match across its ranks: "
+            + "; ".join(f"rank {g} calls {desc(key)}" for g, key in zip(self.global_ranks, keys))
+            + ". Every rank of the group must call the same collectives with the same shapes "
+              "and dtypes, in the same order (--debug-collectives names the call sites)")
 
     def _typed(self, dtype) -> list[list[torch.Tensor]]:
         """[buffer][rank] slots viewed as `dtype` (cached: views cost microseconds each)."""
@@ -211,6 +278,7 @@ class Channel:
         except TypeError:  # an unhashable custom op: gloo's
             return False
 
+    @torch.no_grad()  # like torch's collectives: no autograd through the copies
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
         """In place, like `dist.all_reduce` (SUM, MAX, MIN, PRODUCT)."""
         fn = _REDUCE[op]
@@ -223,30 +291,39 @@ class Channel:
                     fn(out, s, out=out)
             return read
 
+        key = self._key("all_reduce", flat.numel(), flat.dtype)
         for a, b in self._pieces(flat.numel(), flat.element_size()):
-            self._round(flat[a:b], reduce_into(flat[a:b]))
+            self._round(flat[a:b], reduce_into(flat[a:b]), key)
         if not tensor.is_contiguous():
             tensor.copy_(flat.view(tensor.shape))
 
+    @torch.no_grad()  # like torch's collectives: no autograd through the copies
     def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> None:
         """Like `dist.all_gather`: `outputs[j]` = rank j's `tensor`."""
+        if len(outputs) != self.size or any(o.numel() != tensor.numel() for o in outputs):
+            raise ValueError(f"all_gather needs {self.size} output tensors (the group's size) "
+                             f"of {tensor.numel()} elements each (the input's), got "
+                             f"{[o.numel() for o in outputs]}")
         flat = tensor.reshape(-1)
+        key = self._key("all_gather", flat.numel(), flat.dtype)
         outs = [o.view(-1) if o.is_contiguous() else None for o in outputs]
         temps = [torch.empty_like(flat) if o is None else o for o in outs]
         for a, b in self._pieces(flat.numel(), flat.element_size()):
             def read(slots, a=a, b=b):
                 for out, s in zip(temps, slots):
                     out[a:b].copy_(s)
-            self._round(flat[a:b], read)
+            self._round(flat[a:b], read, key)
         for o, out, t in zip(outs, outputs, temps):
             if o is None:
                 out.copy_(t.view(out.shape))
 
+    @torch.no_grad()  # like torch's collectives: no autograd through the copies
     def all_gather_single(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
         """Like `dist.all_gather_into_tensor`: `output` (size x tensor's elements, contiguous)
         holds the ranks' tensors concatenated in rank order."""
         self.all_gather(list(output.view(self.size, -1).unbind(0)), tensor)
 
+    @torch.no_grad()  # like torch's collectives: no autograd through the copies
     def reduce_scatter_single(self, output: torch.Tensor, tensor: torch.Tensor,
                               op=dist.ReduceOp.SUM) -> None:
         """Like `dist.reduce_scatter_tensor`: `output` = the reduction over ranks of chunk
@@ -254,6 +331,7 @@ class Channel:
         fn = _REDUCE[op]
         n, r = self.size, self.rank
         chunks = tensor.reshape(n, -1)
+        key = self._key("reduce_scatter", tensor.numel(), tensor.dtype)
         out = output.view(-1) if output.is_contiguous() else torch.empty(
             chunks.shape[1], dtype=output.dtype)
         for a, b in self._pieces(chunks.shape[1], chunks.element_size(), parts=n):
@@ -262,6 +340,6 @@ class Channel:
                 fn(mine[0], mine[1], out=out[a:b])
                 for s in mine[2:]:
                     fn(out[a:b], s, out=out[a:b])
-            self._round(chunks[:, a:b], read)
+            self._round(chunks[:, a:b], read, key)
         if not output.is_contiguous():
             output.copy_(out.view(output.shape))

@@ -46,6 +46,14 @@ def _error(fn, *args) -> str | None:
     return None
 
 
+def _raised(fn, *args, **kwargs) -> str | None:
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def _rng_draws() -> dict:
     """Dropout masks from the default and the TP stream, and an exact replay of the TP stream."""
     ps.model_parallel_seed(1234, ps.get_tensor_model_parallel_rank(),
@@ -99,6 +107,39 @@ def _shm_collectives() -> dict:
             dist.reduce_scatter_tensor(ref, big, group=group)
             cases[f"{slots} reduce_scatter {dtype}"] = (mine, ref)
     shm.attach(group)  # back to the default slots
+    # autograd: tensors that require grad, with grad mode on (torch's collectives accept
+    # them); an all_gather of one must not leave the slots requiring grad either
+    leaf = torch.randn(3, 4, generator=gen, requires_grad=True)
+    mine, ref = leaf * 2, (leaf * 2).detach()
+    collectives.all_reduce(mine, group=group)
+    dist.all_reduce(ref, group=group)
+    cases["grad all_reduce"] = (mine.detach(), ref)
+    parts = [torch.empty(3, 4) for _ in range(4)]
+    collectives.all_gather(parts, leaf * 2, group=group)
+    ref_parts = [torch.empty(3, 4) for _ in range(4)]
+    dist.all_gather(ref_parts, (leaf * 2).detach(), group=group)
+    cases["grad all_gather"] = (torch.stack(parts), torch.stack(ref_parts))
+    plain, ref = torch.ones(5), torch.ones(5)
+    collectives.all_reduce(plain, group=group)  # after the grad-requiring all_gather
+    dist.all_reduce(ref, group=group)
+    cases["grad after all_gather all_reduce"] = (plain, ref)
+    # ranks that disagree on the payload all raise (gloo aborts), and the channel goes on
+    tp_rank = dist.get_rank(group)
+    errors = {"mismatch": _raised(collectives.all_reduce, torch.ones(4 + (tp_rank == 1)),
+                                 group=group),
+              "short_list": _raised(collectives.all_gather, [torch.empty(2)] * 3,
+                                   torch.ones(2), group=group)}
+    after = torch.ones(2)
+    collectives.all_reduce(after, group=group)
+    errors["after"] = after.tolist()
+    # a group this rank is not in (torch's NON_GROUP_MEMBER): a no-op, as in torch
+    pair = dist.new_group([0, 1])
+    x = torch.ones(2)
+    errors["non_member"] = (_raised(collectives.all_reduce, x, group=pair)
+                            if dist.get_rank() > 1 else "member")
+    if dist.get_rank() <= 1:
+        collectives.all_reduce(x, group=pair)
+    out["errors"] = errors
     out["cases"] = cases
     return out
 
@@ -179,6 +220,17 @@ def test_shared_memory_collectives_match_gloo(grid8):
                 assert torch.equal(mine, grid8[rank - rank % 4]["shm"]["cases"][name][0]), name
 
 
+def test_shared_memory_errors(grid8):
+    for rank, g in enumerate(grid8):
+        e = g["shm"]["errors"]
+        assert "does not match across its ranks" in e["mismatch"], (rank, e)
+        odd = rank - rank % 4 + 1  # tp rank 1 of this rank's group sent 5 elements
+        assert f"rank {odd} calls all_reduce of 5 float32 elements" in e["mismatch"], (rank, e)
+        assert "all_gather needs 4 output tensors" in e["short_list"], (rank, e)
+        assert e["after"] == [4.0, 4.0], rank  # the channel still works
+        assert e["non_member"] in ("member", None), (rank, e)
+
+
 def test_shared_memory_waits_fail_instead_of_hanging(tmp_path):
     """A peer that never arrives times out with the process-group timeout's message; a peer
     that exited is named at once. (The peer: a plain Python process holding rank 1 of a
@@ -211,6 +263,25 @@ def test_shared_memory_waits_fail_instead_of_hanging(tmp_path):
             ch.all_reduce(torch.ones(3))
     finally:
         peer.kill()
+
+
+def test_shared_memory_segment_larger_than_dev_shm():
+    """A segment that does not fit /dev/shm is refused at creation (the group stays on gloo)
+    instead of killing a rank with SIGBUS at its first touch of a page past the free space."""
+    from parallel_state import shm
+
+    if not shm.available():
+        pytest.skip("no /dev/shm channels on this machine")
+    fs = os.statvfs("/dev/shm")
+    path = f"/dev/shm/shardzoo-test-{os.getpid()}"
+    with pytest.warns(UserWarning, match="the group stays on gloo"):
+        assert not shm.create_segment(path, fs.f_blocks * fs.f_frsize + (1 << 20))
+    assert not os.path.exists(path)
+    assert shm.create_segment(path, 1 << 16)
+    try:
+        assert os.path.getsize(path) == 1 << 16
+    finally:
+        os.unlink(path)
 
 
 def test_shared_memory_switch(monkeypatch):
