@@ -22,6 +22,14 @@ sees `arrived = k` also sees the data written before it. Channels are therefore 
 x86-64 Linux (with /dev/shm); elsewhere, or across hosts, or with SHARDZOO_SHM_COLLECTIVES=0
 set, the group stays on gloo.
 
+Set-up (`attach`): rank 0 creates the segment with all its pages reserved (a segment that
+does not fit /dev/shm is refused there, with a warning, instead of killing a rank with SIGBUS
+later) and a random token in it; a rank that does not find that file and token (its own
+/dev/shm, as in containers sharing a host name) makes the whole group stay on gloo. Each
+rank publishes, with every piece, the collective's op, dtype and element count: ranks that
+disagree all raise a `RuntimeError` naming what each called, instead of reading each other's
+bytes as something else. The collectives run under `torch.no_grad()`, as torch's do.
+
 A waiting rank spins, yielding its core (`sched_yield`) so that more ranks than cores still
 progress. It fails instead of hanging, with a `RuntimeError` (as gloo does), when a peer
 process exits (naming the rank) or when the operation timeout of the process groups passes.
@@ -57,6 +65,7 @@ _DTYPES = {dt: i + 1 for i, dt in enumerate((
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128))}
 _KEY_OP, _KEY_DTYPE = 1 << 56, 1 << 48
 
+SHM_DIR = "/dev/shm"  # where segments are made (each is unlinked once every rank mapped it)
 _channels: dict[str, "Channel"] = {}  # torch group name -> channel
 
 
@@ -100,20 +109,37 @@ def attach(group, timeout: timedelta | None = None, slot_bytes: int = SLOT_BYTES
     dist.all_gather_object(hosts, (_host_id(), available()), group=group)
     if len(set(h for h, _ in hosts)) != 1 or not all(ok for _, ok in hosts):
         return None
-    names = [None]
-    if dist.get_rank(group) == 0:
-        path = f"/dev/shm/shardzoo-{uuid.uuid4().hex}"
-        if create_segment(path, segment_bytes(n, slot_bytes)):
-            names[0] = path
-    dist.broadcast_object_list(names, src=dist.get_global_rank(group, 0), group=group)
-    if names[0] is None:  # /dev/shm too small: rank 0 warned
+    rank, ranks = dist.get_rank(group), [dist.get_global_rank(group, j) for j in range(n)]
+    # The segment is named by rank 0 with a random token in it; a rank that cannot see the
+    # file or the token (same host name and kernel, but its own /dev/shm: containers with
+    # host networking) must not make its own, else every collective would wait for ranks
+    # that write elsewhere: the group stays on gloo.
+    name, token = f"shardzoo-{uuid.uuid4().hex}", uuid.uuid4().int >> 65
+    path, channel = os.path.join(SHM_DIR, name), None
+    if rank == 0 and create_segment(path, segment_bytes(n, slot_bytes)):
+        channel = Channel(path, n, rank, slot_bytes, timeout, ranks)
+        channel._counters[_DONE, 0, 1] = token
+    shared = [(name, token) if channel is not None else None]
+    dist.broadcast_object_list(shared, src=ranks[0], group=group)
+    if shared[0] is None:  # /dev/shm too small: rank 0 warned
         return None
-    channel = Channel(names[0], n, dist.get_rank(group), slot_bytes, timeout,
-                      [dist.get_global_rank(group, j) for j in range(n)])
-    dist.barrier(group=group)  # every rank has mapped the segment: its name may go
-    if dist.get_rank(group) == 0:
-        os.unlink(names[0])
-    channel.find_peers()
+    if rank != 0:
+        name, token = shared[0]
+        path = os.path.join(SHM_DIR, name)
+        if os.path.isfile(path) and os.path.getsize(path) == segment_bytes(n, slot_bytes):
+            channel = Channel(path, n, rank, slot_bytes, timeout, ranks)
+            if int(channel._counters[_DONE, 0, 1]) != token:
+                channel = None
+    seen = [None] * n
+    dist.all_gather_object(seen, channel is not None, group=group)  # then the name may go
+    if rank == 0:
+        os.unlink(path)
+    if not all(seen):
+        if rank == 0:
+            blind = [r for r, ok in zip(ranks, seen) if not ok]
+            warnings.warn(f"no shared-memory channel: ranks {blind} do not see {path} "
+                          f"(another /dev/shm); the group stays on gloo")
+        return None
     _channels[group.group_name] = channel
     return channel
 
@@ -188,7 +214,7 @@ class Channel:
         """Read the peers' pids (after every rank wrote its own); a pid this process cannot
         see (another pid namespace) is not checked for liveness."""
         pids = [int(p) for p in self._counters[_ARRIVED, :, 1]]
-        self._pids = [p if _alive(p) else None for p in pids]
+        self._pids = [p if p > 0 and _alive(p) else None for p in pids]  # kill(0) is our group
 
     # ------------------------------------------------------------------ the protocol
     def _round(self, data: torch.Tensor, read, key: int) -> None:

@@ -3,6 +3,8 @@ config's TP checks. One world of 8 processes answers every multi-process questio
 from __future__ import annotations
 
 import os
+import tempfile
+import warnings
 
 import pytest
 import torch
@@ -106,6 +108,18 @@ def _shm_collectives() -> dict:
             collectives.reduce_scatter_single(mine, big, group=group)
             dist.reduce_scatter_tensor(ref, big, group=group)
             cases[f"{slots} reduce_scatter {dtype}"] = (mine, ref)
+    # a rank with its own /dev/shm (containers on one host): no channel for anyone
+    tp_rank = dist.get_rank(group)
+    if tp_rank == 1:
+        own = tempfile.mkdtemp(prefix="own-dev-shm-")
+        shm.SHM_DIR, saved = own, shm.SHM_DIR
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out["private_dev_shm"] = shm.attach(group) is None
+    if tp_rank == 1:
+        shm.SHM_DIR = saved
+        out["private_dev_shm"] = (out["private_dev_shm"], os.listdir(own))
+        os.rmdir(own)
     shm.attach(group)  # back to the default slots
     # autograd: tensors that require grad, with grad mode on (torch's collectives accept
     # them); an all_gather of one must not leave the slots requiring grad either
@@ -124,7 +138,6 @@ def _shm_collectives() -> dict:
     dist.all_reduce(ref, group=group)
     cases["grad after all_gather all_reduce"] = (plain, ref)
     # ranks that disagree on the payload all raise (gloo aborts), and the channel goes on
-    tp_rank = dist.get_rank(group)
     errors = {"mismatch": _raised(collectives.all_reduce, torch.ones(4 + (tp_rank == 1)),
                                  group=group),
               "short_list": _raised(collectives.all_gather, [torch.empty(2)] * 3,
@@ -228,6 +241,8 @@ def test_shared_memory_errors(grid8):
         assert f"rank {odd} calls all_reduce of 5 float32 elements" in e["mismatch"], (rank, e)
         assert "all_gather needs 4 output tensors" in e["short_list"], (rank, e)
         assert e["after"] == [4.0, 4.0], rank  # the channel still works
+        # tp rank 1 looked in its own /dev/shm: no channel, and it made no file there
+        assert g["shm"]["private_dev_shm"] == ((True, []) if rank % 4 == 1 else True), rank
         assert e["non_member"] in ("member", None), (rank, e)
 
 
