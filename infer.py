@@ -189,6 +189,7 @@ def main(argv=None) -> int:
             HFConversionError) as e:
         if rank == 0:
             print(f"infer.py: error: {e}", file=sys.stderr)
+        ps.report_error(f"infer.py: error: {e}")  # torchrun's failure summary shows it
         return 2
     finally:
         ps.destroy_model_parallel(destroy_world=True)

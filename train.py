@@ -15,16 +15,15 @@ also this worker's elastic error file (torch.distributed.elastic's JSON format),
 failure summary shows it in place of "To enable traceback see ..."; any other exception is
 recorded with its traceback by `torch.distributed.elastic.multiprocessing.errors.record`.
 """
-import json
 import os
 import sys
-import time
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from checkpoint.format import CheckpointError
 from models.config import ConfigError
+from parallel_state import report_error
 from training.arguments import parse_config
 from training.trainer import DataError, pretrain
 
@@ -45,11 +44,7 @@ def _fail(kind: str, error: Exception, code: int) -> int:
     line = f"train.py: {kind} error: {error}"
     if os.environ.get("RANK", "0") == "0":
         print(line, file=sys.stderr, flush=True)
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # set by torchrun per worker
-    if error_file:
-        with open(error_file, "w") as f:  # the format torch's ErrorHandler writes
-            json.dump({"message": {"message": line, "extraInfo": {
-                "py_callstack": line, "timestamp": str(int(time.time()))}}}, f)
+    report_error(line)
     return code
 
 

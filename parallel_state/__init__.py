@@ -31,6 +31,7 @@ from .grid import (  # noqa: F401
     is_pipeline_first_stage,
     is_pipeline_last_stage,
     model_parallel_is_initialized,
+    report_error,
     set_virtual_pipeline_model_parallel_rank,
 )
 from .mappings import (  # noqa: F401

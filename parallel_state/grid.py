@@ -106,6 +106,20 @@ def initialize_distributed(device: torch.device | str | None = None,
     return device
 
 
+def report_error(line: str) -> None:
+    """Make `line` this worker's elastic error file (torch.distributed.elastic's JSON format;
+    the file torchrun names in TORCHELASTIC_ERROR_FILE), so torchrun's failure summary shows
+    it in place of "To enable traceback see ..."; a no-op outside torchrun."""
+    import json
+    import time
+
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with open(error_file, "w") as f:  # the format torch's ErrorHandler writes
+            json.dump({"message": {"message": line, "extraInfo": {
+                "py_callstack": line, "timestamp": str(int(time.time()))}}}, f)
+
+
 def _restart_safe_store():
     """Under torchrun, a store namespace of this restart generation only.
 

@@ -188,6 +188,25 @@ def test_kv_replication_layout_and_refusals():
                        "hidden_size": 96}).validate(6, kv_replication=True)
 
 
+def test_torchrun_error_is_the_root_cause(tmp_path):
+    """Under torchrun infer.py's one-line error is also the worker's elastic error file, so
+    torchrun's failure summary shows it (as train.py's)."""
+    import os
+    import subprocess
+    import sys
+
+    from launch import REPO
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+         "infer.py", "--load", str(tmp_path / "missing"), "--prompt", "hi"], cwd=REPO,
+        capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    root = proc.stderr.split("Root Cause")[1]
+    line = next(ln for ln in root.splitlines() if "traceback :" in ln)
+    assert "traceback : infer.py: error: --load" in line and "no checkpoint there" in line, root
+
+
 def test_load_without_a_checkpoint_names_the_fix(tmp_path, no_grid):
     """--load on a missing or empty folder: a CheckpointError saying what to pass (it was a
     TypeError from deep inside the reader)."""
