@@ -140,6 +140,7 @@ def attach(group, timeout: timedelta | None = None, slot_bytes: int = SLOT_BYTES
             warnings.warn(f"no shared-memory channel: ranks {blind} do not see {path} "
                           f"(another /dev/shm); the group stays on gloo")
         return None
+    channel.find_peers()  # every rank wrote its pid before the all-gather above
     _channels[group.group_name] = channel
     return channel
 
@@ -282,8 +283,9 @@ class Channel:
 
     def _check(self, j: int, start: float, what: str) -> None:
         who = f"rank {self.global_ranks[j]}"
-        if self._pids[j] is not None and not _alive(self._pids[j]):
-            raise RuntimeError(f"{who} (pid {self._pids[j]}) exited while this rank waited "
+        pid = self._pids[j]
+        if pid is not None and not _alive(pid):
+            raise RuntimeError(f"{who} (pid {pid}) exited while this rank waited "
                                f"for it to {what} shared-memory collective {self.seq}; see "
                                f"that rank's error")
         waited = time.monotonic() - start

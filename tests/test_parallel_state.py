@@ -80,7 +80,9 @@ def _shm_collectives() -> dict:
     from parallel_state import collectives, shm
 
     group = ps.get_tensor_model_parallel_group()
-    out = {"channel": shm.channel(group) is not None}
+    ch = shm.channel(group)
+    out = {"channel": ch is not None,
+           "peers_known": ch is not None and len(ch._pids) == 4 and None not in ch._pids}
     gen = torch.Generator().manual_seed(10 + dist.get_rank())
     cases = {}
     for slots in ("default", "small"):
@@ -218,6 +220,7 @@ def test_tp2_pp2_groups_follow_megatron_order(grid8):
 def test_shared_memory_collectives_match_gloo(grid8):
     for rank, g in enumerate(grid8):
         assert g["shm"]["channel"], rank  # 4 ranks on one host: the tp group has a channel
+        assert g["shm"]["peers_known"], rank  # a waiter can tell a dead peer from a late one
         for name, (mine, ref) in g["shm"]["cases"].items():
             assert mine.shape == ref.shape, (rank, name)
             if "reduce" in name and mine.is_floating_point():  # 4 ranks: another sum order
