@@ -470,8 +470,10 @@ def _report_end(config: Config, start_iteration: int, last: int, start: float,
            "wall_s": time.time() - start, "mean_step_time_s": step_time,
            "mean_tokens_per_s": tps, "mean_tflops": tflops, "mean_mfu": mfu,
            "peak_tflops": peak.tflops}
-    logger.log(rec, f"done: {steps} iterations in {format_duration(rec['wall_s'])} | "
-                    f"{tps:,.0f} tok/s on average (steps after the first) | mfu "
+    which = "steps after the first" if progress.steps else "one step, its warm-up included"
+    logger.log(rec, f"done: {steps} iteration{'' if steps == 1 else 's'} in "
+                    f"{format_duration(rec['wall_s'])} | "
+                    f"{tps:,.0f} tok/s on average ({which}) | mfu "
                     f"{'n/a' if mfu is None else f'{mfu:.1%}'} of {peak.describe()}",
                prefix="run")
     return rec
