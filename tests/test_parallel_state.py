@@ -217,10 +217,22 @@ def test_tp2_pp2_groups_follow_megatron_order(grid8):
         assert r["next"] == other and r["prev"] == other, (rank, r)  # 2 stages: wraps around
 
 
+def _shm_possible() -> bool:
+    """Whether the tp4 groups of the 8-rank world can have channels here (x86-64 Linux with a
+    /dev/shm of at least 256 MB free: Docker's default 64 MB is too small for them)."""
+    from parallel_state import shm
+
+    if not shm.available():
+        return False
+    fs = os.statvfs(shm.SHM_DIR)
+    return fs.f_bavail * fs.f_frsize >= 256 << 20
+
+
 def test_shared_memory_collectives_match_gloo(grid8):
     for rank, g in enumerate(grid8):
-        assert g["shm"]["channel"], rank  # 4 ranks on one host: the tp group has a channel
-        assert g["shm"]["peers_known"], rank  # a waiter can tell a dead peer from a late one
+        if _shm_possible():  # else the cases below ran on gloo, and must still match
+            assert g["shm"]["channel"], rank  # 4 ranks on one host: the tp group has one
+            assert g["shm"]["peers_known"], rank  # a waiter tells a dead peer from a late one
         for name, (mine, ref) in g["shm"]["cases"].items():
             assert mine.shape == ref.shape, (rank, name)
             if "reduce" in name and mine.is_floating_point():  # 4 ranks: another sum order
@@ -237,6 +249,8 @@ def test_shared_memory_collectives_match_gloo(grid8):
 
 
 def test_shared_memory_errors(grid8):
+    if not _shm_possible():
+        pytest.skip("no shared-memory channels here (not x86-64 Linux, or /dev/shm < 256 MB)")
     for rank, g in enumerate(grid8):
         e = g["shm"]["errors"]
         assert "does not match across its ranks" in e["mismatch"], (rank, e)
