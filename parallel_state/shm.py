@@ -102,11 +102,13 @@ def attach(group, timeout: timedelta | None = None, slot_bytes: int = SLOT_BYTES
     share this host; returns the `Channel`, or None (the group stays on gloo). Collective:
     every member calls it, and all reach the same answer. `timeout`: how long a collective
     waits for a peer (None: 30 minutes, torch's default)."""
+    from . import collectives  # the one layer every call passes (it imports this module)
+
     n = dist.get_world_size(group)
     if n < 2:
         return None
     hosts = [None] * n
-    dist.all_gather_object(hosts, (_host_id(), available()), group=group)
+    collectives.all_gather_object(hosts, (_host_id(), available()), group=group)
     if len(set(h for h, _ in hosts)) != 1 or not all(ok for _, ok in hosts):
         return None
     rank, ranks = dist.get_rank(group), [dist.get_global_rank(group, j) for j in range(n)]
@@ -120,7 +122,7 @@ def attach(group, timeout: timedelta | None = None, slot_bytes: int = SLOT_BYTES
         channel = Channel(path, n, rank, slot_bytes, timeout, ranks)
         channel._counters[_DONE, 0, 1] = token
     shared = [(name, token) if channel is not None else None]
-    dist.broadcast_object_list(shared, src=ranks[0], group=group)
+    collectives.broadcast_object_list(shared, src=ranks[0], group=group)
     if shared[0] is None:  # /dev/shm too small: rank 0 warned
         return None
     if rank != 0:
@@ -131,7 +133,7 @@ def attach(group, timeout: timedelta | None = None, slot_bytes: int = SLOT_BYTES
             if int(channel._counters[_DONE, 0, 1]) != token:
                 channel = None
     seen = [None] * n
-    dist.all_gather_object(seen, channel is not None, group=group)  # then the name may go
+    collectives.all_gather_object(seen, channel is not None, group=group)  # then unlink
     if rank == 0:
         os.unlink(path)
     if not all(seen):
