@@ -24,7 +24,7 @@ from layers import compile_transformer_layers
 from models import GPTModel, T5Model
 from models.config import ConfigError
 from models.pipeline import build_model_chunks
-from parallel_state import collectives, debug_collectives, trace
+from parallel_state import collectives, debug_collectives, shm, trace
 from parallel_state.comm_counter import CommCounter
 from parallel_state.p2p import TensorSpec
 
@@ -242,6 +242,12 @@ def _train(config: Config, device, on_end=None, run_start: float | None = None) 
         m.vocab_size = needed
         m.validate(t.tensor_model_parallel_size)
     _rank0_print(config.summary())
+    if t.tensor_model_parallel_size > 1 and device.type == "cpu":
+        on_shm = shm.channel(ps.get_tensor_model_parallel_group()) is not None
+        _rank0_print("tp collectives over " + (
+            f"shared memory ({shm.SHM_DIR}; {shm.ENV_SWITCH}=0 keeps gloo)" if on_shm else
+            "gloo (no shared-memory channel: ranks on several hosts, the switch off, or no "
+            "room in /dev/shm)"))
     _rank0_print("building the model and optimizer")
 
     chunks = build_model(config, device)
