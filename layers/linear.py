@@ -28,59 +28,83 @@ from parallel_state.mappings import (
     reduce_scatter_sequence_async,
 )
 
+from . import gemm
 from .sharding import set_tensor_parallel_attributes
 
 
-class _ColumnParallelLinearGrad(torch.autograd.Function):
-    """`Y = X W^T + b` of a column-parallel layer with a training backward that overlaps its
-    TP communication with compute (Megatron's async tensor-parallel all-reduce; Narayanan et
-    al. 2021, sec. 4.2): the input gradient `dY W` is computed first and its all-reduce over
-    TP starts while the weight gradient `dY^T X` is computed.
+class _LinearWithGrad(torch.autograd.Function):
+    """`Y = X W^T + b` with its own backward, for two reasons (either or both):
 
-    With sequence parallelism `X` arrives as the shard `[s/tp, b, in]`: forward all-gathers
-    it, backward keeps only the shard (Korthikanti et al. 2022, sec. 4.2.2 count the shard,
-    not the gathered input), starts its all-gather before computing `dY W`, and starts the
-    input gradient's reduce-scatter before computing `dY^T X`.
+    - a column-parallel layer's TP communication overlaps compute (Megatron's async
+      tensor-parallel all-reduce; Narayanan et al. 2021, sec. 4.2): the input gradient `dY W`
+      is computed first and its all-reduce over TP (`grad_all_reduce`) starts while the weight
+      gradient `dY^T X` is computed. With sequence parallelism `X` arrives as the shard
+      `[s/tp, b, in]`: forward all-gathers it, backward keeps only the shard (Korthikanti et
+      al. 2022, sec. 4.2.2 count the shard, not the gathered input), starts its all-gather
+      before computing `dY W`, and starts the input gradient's reduce-scatter before `dY^T X`;
+    - on CPU in float32 the three GEMMs go to oneDNN (`onednn`; layers/gemm.py).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, sequence_parallel):
+    def forward(ctx, x, weight, bias, sequence_parallel, grad_all_reduce, onednn):
         ctx.save_for_backward(x, weight)
         ctx.has_bias, ctx.sequence_parallel = bias is not None, sequence_parallel
+        ctx.grad_all_reduce, ctx.onednn = grad_all_reduce, onednn
         total = all_gather_sequence(x) if sequence_parallel else x
-        return F.linear(total, weight, bias)
+        if not onednn:
+            return F.linear(total, weight, bias)
+        y = gemm.linear_nt(total.reshape(-1, total.shape[-1]), weight, bias)
+        return y.view(*total.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
+        need_input, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         total, gather = all_gather_sequence_async(x) if ctx.sequence_parallel else (x, None)
-        grad_input = grad.matmul(weight)
+        grad_2d = grad.reshape(-1, grad.shape[-1])
+        grad_input = reduce = None
+        if need_input:
+            if ctx.onednn:
+                grad_input = gemm.linear_nt(grad_2d, weight.t()).view(*grad.shape[:-1], -1)
+            else:
+                grad_input = grad.matmul(weight)
         if gather is not None:
             gather.wait()
-        if ctx.sequence_parallel:
+        if need_input and ctx.sequence_parallel:
             grad_input, reduce = reduce_scatter_sequence_async(grad_input)
-        else:
+        elif need_input and ctx.grad_all_reduce:
             reduce = all_reduce_async(grad_input)
-        grad_2d = grad.reshape(-1, grad.shape[-1])
-        grad_weight = grad_2d.t().matmul(total.reshape(-1, total.shape[-1]))
-        grad_bias = grad_2d.sum(0) if ctx.has_bias else None
+        grad_weight = None
+        if need_weight:
+            total_2d = total.reshape(-1, total.shape[-1])
+            grad_weight = gemm.weight_grad(grad_2d, total_2d) if ctx.onednn \
+                else grad_2d.t().matmul(total_2d)
+        grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if reduce is not None:
             reduce.wait()
-        return grad_input, grad_weight, grad_bias, None
+        return grad_input, grad_weight, grad_bias, None, None, None
 
 
 # Inference on CPU with 2 to this many rows (decode: one token per sequence) computes
-# `Y^T = W X^T` instead of `Y = X W^T`: the same product, but MKL streams the large weight as
-# the left operand: a SmolLM2 decode step at batch 8 ran 1.40x faster on 2 threads and 1.27x
-# on one (the weights, not the FLOPs, bound decode; docs/DECISIONS.md).
+# `Y^T = W X^T` instead of `Y = X W^T` where torch's MKL does the GEMM: the same product, but
+# MKL streams the large weight as the left operand: a SmolLM2 decode step at batch 8 ran 1.40x
+# faster on 2 threads and 1.27x on one (an earlier machine, without bf16 instructions; the
+# weights, not the FLOPs, bound decode; docs/DECISIONS.md). oneDNN needs no such turn.
 FEW_ROWS = 16
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`: `x [..., in]`, `weight [out, in]` -> `[..., out]`; under
-    no-grad on CPU with 2..FEW_ROWS rows, computed as `(W X^T)^T` (one row: MKL's
-    matrix-vector product either way, and `F.linear` measured faster)."""
+    """`F.linear(x, weight, bias)`: `x [..., in]`, `weight [out, in]` -> `[..., out]`, with
+    autograd. On CPU in float32 the GEMM is oneDNN's (forward and backward; layers/gemm.py);
+    where it is MKL's, under no-grad with 2..FEW_ROWS rows, it is computed as `(W X^T)^T` (one
+    row: MKL's matrix-vector product either way, and `F.linear` measured faster)."""
+    if gemm.uses_onednn(x, weight) and x.dim() >= 2:
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                        or (bias is not None and bias.requires_grad)):
+            return _LinearWithGrad.apply(x, weight, bias, False, False, True)
+        y = gemm.linear_nt(x.reshape(-1, x.shape[-1]), weight, bias)
+        return y.view(*x.shape[:-1], weight.shape[0])
     rows = x.numel() // max(x.shape[-1], 1)
     if torch.is_grad_enabled() or x.device.type != "cpu" or not 1 < rows <= FEW_ROWS \
             or x.dim() < 2:
@@ -136,11 +160,12 @@ class ColumnParallelLinear(nn.Module):
         weight = self.weight if weight is None else weight
         if weight is None:
             raise ValueError("ColumnParallelLinear built with skip_weight needs forward(x, weight)")
+        onednn = gemm.uses_onednn(x, weight)
         if self.sequence_parallel:
-            y = _ColumnParallelLinearGrad.apply(x, weight, self.bias, True)
+            y = _LinearWithGrad.apply(x, weight, self.bias, True, False, onednn)
         elif self.tensor_parallel and torch.is_grad_enabled() \
                 and not torch.is_autocast_enabled(x.device.type):
-            y = _ColumnParallelLinearGrad.apply(x, weight, self.bias, False)
+            y = _LinearWithGrad.apply(x, weight, self.bias, False, True, onednn)
         else:  # one TP rank, no graph, or autocast (whose casts F.linear's backward knows)
             y = linear(copy_to_tensor_model_parallel_region(x), weight, self.bias)
         if not self.gather_output:

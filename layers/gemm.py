@@ -1,0 +1,84 @@
+"""The GEMM behind every weight matmul on CPU in float32: oneDNN's, where torch has it.
+
+torch sends a float32 `F.linear` / `matmul` on CPU to MKL's sgemm, and MKL takes its AVX2
+code on a CPU that is not Intel's; oneDNN (which torch already uses for bf16 matmuls and
+convolutions) picks its kernel from the CPU's instruction set alone. On the 2-core AMD EPYC
+(Zen 5, AVX-512) these benchmarks ran on, oneDNN's float32 inner product took the bench
+model's training GEMMs from ~95 to ~210 GFLOP/s on one thread, forward, input gradient and
+weight gradient alike, and a SmolLM2 decode step's weight matmuls at 8 rows from 2.1x to 1x
+the time (docs/PERFORMANCE.md, "Fifth session"). The result differs from MKL's by rounding
+only (a different summation order), like any change of thread count.
+
+`SHARDZOO_CPU_GEMM=torch` keeps torch's own choice (MKL) for comparison; the default,
+`onednn`, takes oneDNN where torch was built with it. CUDA, bf16/fp16 (which torch already
+sends to oneDNN on CPU) and autocast always go through torch.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+ENV_SWITCH = "SHARDZOO_CPU_GEMM"
+CHOICES = ("onednn", "torch")
+
+
+def available() -> bool:
+    """Whether this torch build has oneDNN's inner product (whatever the switch says)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _resolve() -> bool:
+    choice = os.environ.get(ENV_SWITCH, "onednn").strip().lower()
+    if choice not in CHOICES:
+        raise ValueError(f"{ENV_SWITCH}={choice!r}: expected one of {', '.join(CHOICES)} "
+                         f"(onednn: oneDNN's float32 GEMM on CPU, the default; torch: MKL)")
+    return choice == "onednn" and available()
+
+
+_ONEDNN = _resolve()
+
+
+def backend() -> str:
+    """'onednn' or 'torch': who computes a float32 weight matmul on CPU in this process."""
+    return "onednn" if _ONEDNN else "torch"
+
+
+def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `x @ weight^T` goes to oneDNN: CPU, both float32, no autocast."""
+    return _ONEDNN and x.device.type == "cpu" and x.dtype == torch.float32 \
+        and weight.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
+
+
+def linear_nt(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """`a @ b^T (+ bias)` by oneDNN's inner product: `a [m, k]`, `b [n, k]` (either may be a
+    transposed view; oneDNN reads the strides) -> `[m, n]`. No autograd: callers give it
+    their backward (layers/linear.py). Under `torch.compile` it is one opaque op
+    (`shardzoo::onednn_linear_nt`; inductor's own lowering of this kernel wants frozen
+    weights), fused around like any extern kernel."""
+    if torch.compiler.is_compiling():
+        return _onednn_linear_nt(a, b, bias)
+    return torch.ops.mkldnn._linear_pointwise(a, b, bias, "none", [], "")
+
+
+def weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A linear layer's weight gradient `dW = dY^T X` by oneDNN: `grad [m, n]`, `x [m, k]` ->
+    `[n, k]`. oneDNN reads a transposed right operand in place but copies a transposed left
+    one, so the larger of the two goes on the right: for `n > k` it computes `dW^T = X^T dY`
+    and returns its transpose (a view). On the bench model's output layer (`m` 2048, `k` 256,
+    `n` 8192) that is 23 ms instead of 70 (MKL: 49)."""
+    if grad.shape[1] > x.shape[1]:
+        return linear_nt(x.t(), grad.t()).t()
+    return linear_nt(grad.t(), x.t())
+
+
+@torch.library.custom_op("shardzoo::onednn_linear_nt", mutates_args=())
+def _onednn_linear_nt(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
+                      ) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(a, b, bias, "none", [], "")
+
+
+@_onednn_linear_nt.register_fake
+def _(a, b, bias):
+    return a.new_empty(a.shape[0], b.shape[0])

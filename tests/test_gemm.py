@@ -1,0 +1,116 @@
+"""The CPU float32 GEMM behind every weight matmul (layers/gemm.py): oneDNN's, with its own
+backward in layers/linear.py, must give F.linear's values and gradients; the switch and the
+cases that stay with torch."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from layers import gemm
+from layers.linear import linear
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+needs_onednn = pytest.mark.skipif(gemm.backend() != "onednn",
+                                  reason="this torch build has no oneDNN inner product")
+
+
+def _reference(x, w, b, grad):
+    """float64 F.linear and its gradients: the exact values both GEMMs round."""
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    b64 = None if b is None else b.detach().double().requires_grad_()
+    y = F.linear(x64, w64, b64)
+    y.backward(grad.double())
+    return y, x64.grad, w64.grad, None if b is None else b64.grad
+
+
+def _close(a, b, what):
+    scale = b.abs().max().item() + 1e-12
+    err = (a.double() - b).abs().max().item() / scale
+    assert err < 1e-5, f"{what}: relative error {err:.2e}"
+
+
+@needs_onednn
+@pytest.mark.parametrize("x_shape,out,bias,transposed", [
+    ((7, 3, 16), 24, True, False),    # [s, b, h], n > k: dW^T = X^T dY
+    ((40, 48), 8, False, False),      # n < k: dW = dY^T X
+    ((1, 1, 16), 300, True, False),   # one row (decode), a wide output
+    ((5, 2, 16), 16, True, True),     # an input that is a transposed view
+])
+def test_onednn_linear_matches_float64(x_shape, out, bias, transposed):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(*x_shape, generator=g)
+    if transposed:
+        x = x.transpose(0, 1).contiguous().transpose(0, 1)
+    x.requires_grad_()
+    w = torch.randn(out, x_shape[-1], generator=g, requires_grad=True)
+    b = torch.randn(out, generator=g, requires_grad=True) if bias else None
+    assert gemm.uses_onednn(x, w)
+    y = linear(x, w, b)
+    assert type(y.grad_fn).__name__ == "_LinearWithGradBackward"  # oneDNN's backward ran
+    grad = torch.randn(y.shape, generator=g)
+    y.backward(grad)
+    ref_y, ref_x, ref_w, ref_b = _reference(x, w, b, grad)
+    _close(y, ref_y, "output")
+    _close(x.grad, ref_x, "input grad")
+    _close(w.grad, ref_w, "weight grad")
+    assert w.grad.shape == w.shape
+    if bias:
+        _close(b.grad, ref_b, "bias grad")
+    with torch.no_grad():
+        _close(linear(x, w, b), ref_y, "no-grad output")
+
+
+@needs_onednn
+def test_onednn_linear_frozen_weight_and_constant_input():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 16, generator=g, requires_grad=True)
+    w = torch.randn(12, 16, generator=g)  # frozen
+    linear(x, w).sum().backward()
+    _close(x.grad, w.double().sum(0).expand(6, 16), "input grad, frozen weight")
+    x2 = torch.randn(6, 16, generator=g)  # constant input
+    w2 = torch.randn(12, 16, generator=g, requires_grad=True)
+    linear(x2, w2).sum().backward()
+    _close(w2.grad, x2.double().sum(0).expand(12, 16), "weight grad, constant input")
+
+
+@needs_onednn
+def test_other_dtypes_and_autocast_stay_with_torch():
+    x, w = torch.randn(4, 8), torch.randn(3, 8)
+    assert gemm.uses_onednn(x, w)
+    assert not gemm.uses_onednn(x.bfloat16(), w.bfloat16())
+    assert not gemm.uses_onednn(x.double(), w.double())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not gemm.uses_onednn(x, w)
+        assert linear(x.requires_grad_(), w).dtype == torch.bfloat16  # autocast's F.linear
+
+
+def _backend_in_subprocess(value: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, **{gemm.ENV_SWITCH: value})
+    return subprocess.run([sys.executable, "-c", "from layers import gemm; print(gemm.backend())"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_switch_keeps_torch_and_refuses_unknown_values():
+    out = _backend_in_subprocess("torch")
+    assert out.returncode == 0 and out.stdout.strip() == "torch", out.stderr
+    out = _backend_in_subprocess("mkl-please")
+    assert out.returncode != 0
+    assert "SHARDZOO_CPU_GEMM='mkl-please': expected one of onednn, torch" in out.stderr
+
+
+@needs_onednn
+def test_measured_peak_times_onednn_too(monkeypatch):
+    from training import flops
+
+    calls = []
+    real = gemm.linear_nt
+    monkeypatch.setattr(gemm, "linear_nt", lambda a, b, bias=None: calls.append(a.shape)
+                        or real(a, b, bias))
+    rate, size = flops.measured_matmul_peak(torch.float32, torch.device("cpu"), n=256,
+                                            repeats=2, max_seconds=0.2)
+    assert calls and rate > 0 and size == 256
