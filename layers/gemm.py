@@ -11,7 +11,8 @@ only (a different summation order), like any change of thread count.
 
 `SHARDZOO_CPU_GEMM=torch` keeps torch's own choice (MKL) for comparison; the default,
 `onednn`, takes oneDNN where torch was built with it. CUDA, bf16/fp16 (which torch already
-sends to oneDNN on CPU) and autocast always go through torch.
+sends to oneDNN on CPU), autocast, and oneDNN turned off by `torch.backends.mkldnn` always go
+through torch.
 """
 from __future__ import annotations
 
@@ -45,9 +46,11 @@ def backend() -> str:
 
 
 def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `x @ weight^T` goes to oneDNN: CPU, both float32, no autocast."""
+    """Whether `x @ weight^T` goes to oneDNN: CPU, both float32, no autocast, and oneDNN not
+    turned off (`torch.backends.mkldnn.flags(enabled=False)`)."""
     return _ONEDNN and x.device.type == "cpu" and x.dtype == torch.float32 \
-        and weight.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
+        and weight.dtype == torch.float32 and not torch.is_autocast_enabled("cpu") \
+        and torch.backends.mkldnn.enabled
 
 
 def linear_nt(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None

@@ -79,6 +79,7 @@ def test_onednn_linear_frozen_weight_and_constant_input():
 
 
 @needs_onednn
+@pytest.mark.filterwarnings("ignore:TF32 acceleration")  # mkldnn.flags() also sets its TF32 flag
 def test_other_dtypes_and_autocast_stay_with_torch():
     x, w = torch.randn(4, 8), torch.randn(3, 8)
     assert gemm.uses_onednn(x, w)
@@ -87,6 +88,8 @@ def test_other_dtypes_and_autocast_stay_with_torch():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not gemm.uses_onednn(x, w)
         assert linear(x.requires_grad_(), w).dtype == torch.bfloat16  # autocast's F.linear
+    with torch.backends.mkldnn.flags(enabled=False):
+        assert not gemm.uses_onednn(x, w)
 
 
 def _backend_in_subprocess(value: str) -> subprocess.CompletedProcess:

@@ -21,8 +21,8 @@ in the first that applies:
   `shardzoo.cross_entropy` (the vocab-parallel loss, forward; its backward by the autograd
   node's name);
 - attention: scaled-dot-product attention and what runs inside it, forward and backward;
-- matmul: `mm`, `addmm`, `bmm`, `baddbmm` and what `matmul`/`linear` run around them
-  (transposes, reshapes);
+- matmul: `mm`, `addmm`, `bmm`, `baddbmm`, oneDNN's inner product (layers/gemm.py) and
+  what `matmul`/`linear` run around them (transposes, reshapes);
 - elementwise/norm: every other `aten::` operator (norms, RoPE, activations, residual adds,
   dropout, copies, the gradient buffer's arithmetic).
 What is left of the step's wall time is `other`: Python between operators, framework glue
@@ -45,7 +45,8 @@ SCOPES = {"shardzoo.data": "data", "shardzoo.optimizer": "optimizer",
 CATEGORIES = ("matmul", "attention", "elementwise/norm", "cross entropy", "optimizer",
               "communication", "data", "other")
 MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul",
-              "aten::linear", "aten::_mkl_linear", "aten::mkldnn_linear"}
+              "aten::linear", "aten::_mkl_linear", "aten::mkldnn_linear",
+              "mkldnn::_linear_pointwise", "shardzoo::onednn_linear_nt"}  # layers/gemm.py
 _ATTENTION_KEYS = ("scaled_dot_product", "scaleddotproduct", "flash_attention",
                    "efficient_attention")
 _COMM_PREFIXES = ("c10d::", "gloo:", "nccl:", "record_param_comms")
