@@ -65,6 +65,24 @@ def linear_nt(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None
     return torch.ops.mkldnn._linear_pointwise(a, b, bias, "none", [], "")
 
 
+def pack(weight: torch.Tensor) -> int:
+    """Keep oneDNN's pre-packed (blocked) copy of a `[n, k]` float32 weight beside it, for
+    inference: `packed(weight)` returns it while the weight is unchanged. Decode's few-row
+    products read it 1.5-2.3x faster than the plain layout (SmolLM2's weights at 4-16 rows;
+    prefill and one row: the same or slightly faster), with the same values to rounding.
+    Returns the bytes the copy takes (the weight's own size: inference holds both)."""
+    copy = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    weight.onednn_packed = (weight._version, copy)
+    return weight.numel() * weight.element_size()
+
+
+def packed(weight: torch.Tensor) -> torch.Tensor:
+    """`weight`'s pre-packed copy (see `pack`), or `weight` itself when it has none or was
+    changed in place since it was packed."""
+    entry = getattr(weight, "onednn_packed", None)
+    return entry[1] if entry is not None and entry[0] == weight._version else weight
+
+
 def weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """A linear layer's weight gradient `dW = dY^T X` by oneDNN: `grad [m, n]`, `x [m, k]` ->
     `[n, k]`. oneDNN reads a transposed right operand in place but copies a transposed left

@@ -103,7 +103,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                         or (bias is not None and bias.requires_grad)):
             return _LinearWithGrad.apply(x, weight, bias, False, False, True)
-        y = gemm.linear_nt(x.reshape(-1, x.shape[-1]), weight, bias)
+        y = gemm.linear_nt(x.reshape(-1, x.shape[-1]), gemm.packed(weight), bias)
         return y.view(*x.shape[:-1], weight.shape[0])
     rows = x.numel() // max(x.shape[-1], 1)
     if torch.is_grad_enabled() or x.device.type != "cpu" or not 1 < rows <= FEW_ROWS \
@@ -113,6 +113,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def pack_weights(model: nn.Module, extra: tuple[torch.Tensor, ...] = ()) -> int:
+    """For inference on CPU in float32: give the weight of every ColumnParallelLinear and
+    RowParallelLinear in `model`, and the `extra` weights (a tied output layer's, which
+    lives in the embedding), oneDNN's pre-packed copy (`layers.gemm.pack`), which `linear`
+    then reads under no-grad. Nothing happens where the GEMM is not oneDNN's. Returns the
+    bytes the copies take (the packed weights' own size)."""
+    weights = [m.weight for m in model.modules()
+               if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.weight is not None]
+    total, seen = 0, set()
+    for w in weights + list(extra):
+        if id(w) not in seen and w.dim() == 2 and gemm.uses_onednn(w, w):
+            seen.add(id(w))
+            total += gemm.pack(w)
+    return total
 
 
 def _divide(n: int, d: int, what: str) -> int:

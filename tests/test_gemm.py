@@ -117,3 +117,37 @@ def test_measured_peak_times_onednn_too(monkeypatch):
     rate, size = flops.measured_matmul_peak(torch.float32, torch.device("cpu"), n=256,
                                             repeats=2, max_seconds=0.2)
     assert calls and rate > 0 and size == 256
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 8, 40])
+def test_packed_weights_give_the_same_products_until_the_weight_changes(rows):
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(48, 32, generator=g), torch.randn(48, generator=g)
+    x = torch.randn(rows, 2, 32, generator=g)
+    assert gemm.pack(w) == w.numel() * 4 and gemm.packed(w) is not w
+    with torch.no_grad():
+        _close(linear(x, w, b), F.linear(x.double(), w.double(), b.double()), "packed")
+        _close(linear(x.transpose(0, 1), w, b),
+               F.linear(x.transpose(0, 1).double(), w.double(), b.double()), "strided input")
+    w.mul_(2)  # changed in place: the stale copy must not be read
+    assert gemm.packed(w) is w
+    with torch.no_grad():
+        _close(linear(x, w, b), F.linear(x.double(), w.double(), b.double()), "after change")
+
+
+@needs_onednn
+def test_engine_packs_every_linear_weight_once(no_grid):
+    from inference.engine import ModelRunner
+    from models import GPTModel, ModelConfig
+
+    config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+                         ffn_hidden_size=64, vocab_size=96, seq_length=16,
+                         position_embedding_type="rope")  # tied output layer (the default)
+    model = GPTModel(config)
+    model.init_weights(0)
+    runner = ModelRunner(model, 2, 16)
+    linear_weights = [p for n, p in model.named_parameters()
+                      if n.endswith("weight") and p.dim() == 2]  # the tied embedding included
+    assert runner.packed_bytes == sum(p.numel() * 4 for p in linear_weights)
+    assert all(gemm.packed(p) is not p for p in linear_weights)
