@@ -65,6 +65,14 @@ def linear_nt(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None
     return torch.ops.mkldnn._linear_pointwise(a, b, bias, "none", [], "")
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """`linear_nt` over leading dims: `x [..., k]`, `weight [n, k]` (or its packed copy)
+    -> `[..., n]`."""
+    y = linear_nt(x.reshape(-1, x.shape[-1]), weight, bias)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
 def pack(weight: torch.Tensor) -> int:
     """Keep oneDNN's pre-packed (blocked) copy of a `[n, k]` float32 weight beside it, for
     inference: `packed(weight)` returns it while the weight is unchanged. Decode's few-row

@@ -53,8 +53,7 @@ class _LinearWithGrad(torch.autograd.Function):
         total = all_gather_sequence(x) if sequence_parallel else x
         if not onednn:
             return F.linear(total, weight, bias)
-        y = gemm.linear_nt(total.reshape(-1, total.shape[-1]), weight, bias)
-        return y.view(*total.shape[:-1], weight.shape[0])
+        return gemm.linear(total, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
@@ -65,7 +64,7 @@ class _LinearWithGrad(torch.autograd.Function):
         grad_input = reduce = None
         if need_input:
             if ctx.onednn:
-                grad_input = gemm.linear_nt(grad_2d, weight.t()).view(*grad.shape[:-1], -1)
+                grad_input = gemm.linear(grad, weight.t())
             else:
                 grad_input = grad.matmul(weight)
         if gather is not None:
@@ -103,8 +102,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                         or (bias is not None and bias.requires_grad)):
             return _LinearWithGrad.apply(x, weight, bias, False, False, True)
-        y = gemm.linear_nt(x.reshape(-1, x.shape[-1]), gemm.packed(weight), bias)
-        return y.view(*x.shape[:-1], weight.shape[0])
+        return gemm.linear(x, gemm.packed(weight), bias)
     rows = x.numel() // max(x.shape[-1], 1)
     if torch.is_grad_enabled() or x.device.type != "cpu" or not 1 < rows <= FEW_ROWS \
             or x.dim() < 2:
