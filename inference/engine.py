@@ -99,7 +99,10 @@ class ModelRunner:
         else:
             positions = (starts[:, None] + torch.arange(s)[None, :]).to(dev)  # [b, s]
         length = int(starts.max()) + s
-        mask = torch.arange(length, device=dev)[None, None, :] <= positions[:, :, None]
+        allowed = torch.arange(length, device=dev)[None, None, :] <= positions[:, :, None]
+        # additive, made once here: a bool mask is turned into this by SDPA in every layer
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=dev).masked_fill_(
+            ~allowed, float("-inf"))
         self.cache.bind(slots, positions, length)
         out = self.model(ids.to(dev) if self.first else None, position_ids=positions,
                          hidden_states=hidden, kv_cache=self.cache,

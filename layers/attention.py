@@ -89,9 +89,12 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary_pos_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x [s, b, n, d]` by angles given as `cos, sin [s, 1, 1, d]` or `[s, b, 1, d]`."""
+    """Rotate `x [s, b, ..., d]` by angles given as `cos, sin` float32 broadcastable to it
+    (`[s, 1, 1, d]` or `[s, b, 1, d]` for `[s, b, n, d]` heads), computed in float32."""
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
+    if x.dtype == cos.dtype:  # float32: no conversions (each is a dispatch in decode's loop)
+        return x * cos + rotated * sin
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
@@ -104,8 +107,9 @@ class SelfAttention(nn.Module):
     (T5's relative position bias); `softmax_scale` replaces 1/sqrt(d) (T5: 1, no scaling). `kv_cache`, when given, is an
     object with `update(layer_number, k, v) -> (k_all, v_all)` taking and returning
     `[b, g, s, d]` local KV heads; it is how inference appends to its cache.
-    `attention_mask` `[b, 1, sq, sk]` bool (True = may attend) replaces the causal mask: it is
-    how a batch of rows at different positions (padding, a shared cache) is masked.
+    `attention_mask` `[b, 1, sq, sk]` bool (True = may attend), or float added to the scores
+    (0 or -inf, in q's dtype), replaces the causal mask: it is how a batch of rows at
+    different positions (padding, a shared cache) is masked.
 
     Raises `ValueError` when tp neither divides num_query_groups nor is a multiple of it.
     """
@@ -148,13 +152,14 @@ class SelfAttention(nn.Module):
         mixed = self.linear_qkv(x)  # [s, b, groups * (heads_per_group + 2) * d]
         s, b = mixed.shape[:2]
         mixed = mixed.view(s, b, self.num_groups, self.heads_per_group + 2, self.head_dim)
-        q, k, v = mixed.split([self.heads_per_group, 1, 1], dim=3)
+        qk, v = mixed.split([self.heads_per_group + 1, 1], dim=3)
+        if rotary is not None:  # q and k heads rotated in one pass: [s, b, g, hpg + 1, d]
+            cos, sin = rotary
+            qk = apply_rotary_pos_emb(qk, cos.unsqueeze(-2), sin.unsqueeze(-2))
+        q, k = qk.split([self.heads_per_group, 1], dim=3)
         q = q.reshape(s, b, self.num_heads, self.head_dim)
         k = k.squeeze(3)  # [s, b, g, d]
         v = v.squeeze(3)
-        if rotary is not None:
-            cos, sin = rotary
-            q, k = apply_rotary_pos_emb(q, cos, sin), apply_rotary_pos_emb(k, cos, sin)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_number, k, v)
@@ -174,8 +179,8 @@ class SelfAttention(nn.Module):
         with `causal=False`.
 
         q `[b, n, sq, d]`, k/v `[b, g, sk, d]`; when sk > sq (decoding with a cache) query i
-        sits at position sk - sq + i. `attention_mask` `[b, 1, sq, sk]` bool, when given, is
-        used instead of the causal mask. `attention_bias` `[1 or b, n, sq, sk]` is added to
+        sits at position sk - sq + i. `attention_mask` `[b, 1, sq, sk]` (bool, or additive
+        float), when given, is used instead of the causal mask. `attention_bias` `[1 or b, n, sq, sk]` is added to
         the scores. Attention dropout draws from the TP stream since heads are sharded.
         """
         sq, sk = q.shape[2], k.shape[2]
@@ -192,7 +197,8 @@ def core_attention(q, k, v, mask, bias, scale, dropout_p, causal=False) -> torch
     """`softmax(q k^T * scale + bias, masked) v` -> `[b, n, sq, d]`.
 
     q `[b, n, sq, d]`; k, v `[b, g, sk, d]` with n a multiple of g (grouped-query heads);
-    `mask` bool broadcastable to `[b, n, sq, sk]` (True = may attend) or None; `bias` float
+    `mask` broadcastable to `[b, n, sq, sk]`, bool (True = may attend) or float added to the
+    scores (0 or -inf; what SDPA makes of a bool mask), or None; `bias` float
     broadcastable to `[b, n, sq, sk]` or None; `scale` None = 1/sqrt(d); `causal` (with mask
     None) lets the fused kernel build the mask. A bias goes through the explicit float32
     softmax (its gradient is needed: T5's position bias is learned); otherwise
@@ -215,8 +221,10 @@ def core_attention(q, k, v, mask, bias, scale, dropout_p, causal=False) -> torch
     if scale != 1.0:
         scores = scores * scale
     scores = scores + bias.float()
-    if mask is not None:
+    if mask is not None and mask.dtype == torch.bool:
         scores = scores.masked_fill(~mask, float("-inf"))
+    elif mask is not None:
+        scores = scores + mask.float()
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     if dropout_p > 0:
         with fork:
