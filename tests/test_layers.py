@@ -681,3 +681,22 @@ def test_compile_without_cpp_compiler_names_the_fix(no_grid, no_cpp_compiler):
     with pytest.raises(RuntimeError, match="needs a C\\+\\+ compiler.*drop --compile"):
         compile_transformer_layers(layer)
     assert getattr(layer, "_compiled_call_impl", None) is None
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["sdpa", "bias"])
+def test_additive_mask_equals_bool_mask(with_bias, no_grid):
+    """A float mask (0 / -inf, what inference builds once per forward) gives bitwise the
+    attention of the bool mask it stands for, through SDPA and through the biased softmax."""
+    from layers.attention import core_attention
+
+    g = torch.Generator().manual_seed(5)
+    b, n, kv, sq, sk, d = 3, 4, 2, 2, 7, 8
+    q, k, v = (torch.randn(b, h, s, d, generator=g) for h, s in ((n, sq), (kv, sk), (kv, sk)))
+    allowed = torch.rand(b, 1, sq, sk, generator=g) > 0.4
+    allowed[..., 0] = True  # every query sees at least one key
+    additive = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+    bias = torch.randn(1, n, sq, sk, generator=g) if with_bias else None
+    want = core_attention(q, k, v, allowed, bias, None, 0.0)
+    got = core_attention(q, k, v, additive, bias, None, 0.0)
+    assert torch.equal(got, want)
+    assert not torch.allclose(got, core_attention(q, k, v, None, bias, None, 0.0))  # it masks
