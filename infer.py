@@ -79,6 +79,25 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--dp {args.dp} x --tp {args.tp} x --pp {args.pp} != world size {world}")
     if args.prompt_file and not os.path.isfile(args.prompt_file):
         p.error(f"--prompt-file {args.prompt_file} does not exist")
+    if not args.serve:
+        try:
+            args.prompts = read_prompts(args)
+        except ValueError as e:
+            p.error(str(e))
+        if not args.prompts:
+            p.error(f"--prompt-file {args.prompt_file} holds no prompt (blank lines are skipped)")
+    from inference.sampling import SamplingError, SamplingParams
+
+    last = args.seed + max(len(getattr(args, "prompts", ())) - 1, 0)
+    try:  # the sampling flags (prompt i samples with seed + i), before minutes of loading
+        for seed in (args.seed, last):
+            SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                           top_k=args.top_k, top_p=args.top_p, seed=seed, stop=args.stop,
+                           ignore_eos=args.ignore_eos).validate()
+    except SamplingError as e:
+        flag = {"max_tokens": "max-new-tokens", "top_k": "top-k", "top_p": "top-p"}.get(
+            e.param, e.param)
+        p.error(f"--{flag}: {e}")
     return args
 
 
@@ -120,7 +139,7 @@ def encode(tokenizer, prompt, chat: bool) -> list[int]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    prompts = read_prompts(args) if not args.serve else []
+    prompts = [] if args.serve else args.prompts
 
     import parallel_state as ps
     from checkpoint.format import CheckpointError

@@ -16,6 +16,11 @@ from .sampling import SamplingError, SamplingParams
 MAX_N = 16
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CHAT_TOKENS = 512  # chat: at most this, or what is left of the context
+# OpenAI fields this server does not implement: refused when set (to anything but their
+# "off" value), never silently ignored
+UNSUPPORTED = ("echo", "logprobs", "top_logprobs", "best_of", "suffix", "logit_bias",
+               "tools", "tool_choice", "functions", "function_call", "response_format")
+ROLES = ("system", "developer", "user", "assistant")  # developer: OpenAI's newer system
 
 
 class APIError(Exception):
@@ -64,11 +69,18 @@ def parse(raw: bytes, *, chat: bool, tokenizer, model_names: list[str], check,
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     model = body.get("model")
-    if not isinstance(model, str) or not model:
+    if model is None or model == "":
         raise APIError(400, "'model' is required", "model")
+    if not isinstance(model, str):
+        raise APIError(400, f"'model' must be a string, got {model!r}", "model")
     if model not in model_names:
         raise APIError(404, f"the model '{model}' does not exist; this server serves "
                             f"{model_names}", "model", "model_not_found")
+    for name in UNSUPPORTED:
+        value = body.get(name)
+        if value not in (None, False, 0, "", [], {}) and not (name == "best_of" and value == 1):
+            raise APIError(400, f"'{name}' is not supported by this server; leave it out",
+                           name)
     if tokenizer is None:
         raise APIError(400, "this server has no tokenizer; it cannot read text prompts")
     if chat:
@@ -78,9 +90,14 @@ def parse(raw: bytes, *, chat: bool, tokenizer, model_names: list[str], check,
                 isinstance(m.get("content"), str) for m in messages):
             raise APIError(400, "'messages' must be a non-empty list of {role, content} "
                                 "objects with string content", "messages")
+        roles = {m["role"] for m in messages} - set(ROLES)
+        if roles:
+            raise APIError(400, f"unsupported message role(s) {sorted(roles)}; use one of "
+                                f"{list(ROLES)}", "messages")
         try:
             prompts = [tokenizer.apply_chat_template(
-                [{"role": m["role"], "content": m["content"]} for m in messages])]
+                [{"role": "system" if m["role"] == "developer" else m["role"],
+                  "content": m["content"]} for m in messages])]
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
         except Exception as e:  # noqa: BLE001 - a template may reject roles in its own way

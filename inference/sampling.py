@@ -62,8 +62,10 @@ class SamplingParams:
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or
-                                      not isinstance(self.seed, int)):
-            bad("seed", f"must be an integer, got {self.seed!r}")
+                                      not isinstance(self.seed, int)
+                                      or not -2**63 <= self.seed < 2**63):
+            bad("seed", f"must be a 64-bit signed integer (with n > 1: seed + n - 1 too), "
+                        f"got {self.seed!r}")
         if not isinstance(self.stop, list) or len(self.stop) > MAX_STOP_STRINGS or \
                 not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", f"must be a non-empty string or a list of at most {MAX_STOP_STRINGS} "

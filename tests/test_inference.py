@@ -216,3 +216,33 @@ def test_load_without_a_checkpoint_names_the_fix(tmp_path, no_grid):
     for where in (tmp_path / "missing", tmp_path):
         with pytest.raises(CheckpointError, match="no checkpoint there.*train.py --save"):
             load(load=str(where))
+
+
+@pytest.mark.parametrize("flags, lines, message", [
+    (["--seed", str(2**70)], None, "--seed: seed must be a 64-bit signed integer"),
+    (["--seed", str(2**63 - 1), "--prompt", "b"], None, "--seed"),  # prompt 1: seed + 1
+    (["--temperature", "-1"], None, "--temperature: temperature must be in [0, 100]"),
+    (["--top-p", "1.5"], None, "--top-p: top_p must be in (0, 1]"),
+    ([], ['{"prompt": "a"}', '{"prompt": '], "--prompt-file line 2 is not valid JSON"),
+    ([], ["", "  "], "holds no prompt"),
+], ids=["seed", "seed-plus-i", "temperature", "top-p", "bad-jsonl", "empty-file"])
+def test_cli_rejects_bad_flags_before_loading(tmp_path, capsys, flags, lines, message):
+    """Bad sampling flags and prompt files are usage errors (exit 2, one line) raised while
+    parsing, before any model is read (the checkpoint path here does not exist)."""
+    import sys
+
+    from launch import REPO
+
+    sys.path.insert(0, REPO)
+    import infer
+
+    argv = ["--load", str(tmp_path / "missing"), *flags]
+    if lines is None:
+        argv += ["--prompt", "a"]
+    else:
+        (tmp_path / "p.txt").write_text("\n".join(lines) + "\n")
+        argv += ["--prompt-file", str(tmp_path / "p.txt")]
+    with pytest.raises(SystemExit) as e:
+        infer.parse_args(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err

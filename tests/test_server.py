@@ -204,6 +204,13 @@ def test_bad_inputs_then_good_request(server):
         ("/v1/completions", {**good, "n": 0}, None, 400),
         ("/v1/chat/completions", {"model": "tiny", "messages": []}, None, 400),
         ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}, None, 400),
+        ("/v1/chat/completions", {"model": "tiny", "messages": [
+            {"role": "wizard", "content": "hi"}]}, None, 400),
+        ("/v1/completions", {**good, "model": 5}, None, 400),
+        ("/v1/completions", {**good, "seed": 2**70}, None, 400),  # torch's generator: 64 bits
+        ("/v1/completions", {**good, "seed": 2**63 - 1, "n": 2}, None, 400),  # seed + 1
+        ("/v1/completions", {**good, "logprobs": 2}, None, 400),  # not implemented: refused
+        ("/v1/completions", {**good, "echo": True}, None, 400),
     ]
     for path, body, raw, status in cases:
         code, obj = _post(port, path, body, raw)
