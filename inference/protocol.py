@@ -78,7 +78,8 @@ def parse(raw: bytes, *, chat: bool, tokenizer, model_names: list[str], check,
                             f"{model_names}", "model", "model_not_found")
     for name in UNSUPPORTED:
         value = body.get(name)
-        if value not in (None, False, 0, "", [], {}) and not (name == "best_of" and value == 1):
+        if value not in (None, False, 0, "", [], {}) and not (name == "best_of" and value == 1) \
+                and not (name == "response_format" and value == {"type": "text"}):
             raise APIError(400, f"'{name}' is not supported by this server; leave it out",
                            name)
     if tokenizer is None:

@@ -211,6 +211,7 @@ def test_bad_inputs_then_good_request(server):
         ("/v1/completions", {**good, "seed": 2**63 - 1, "n": 2}, None, 400),  # seed + 1
         ("/v1/completions", {**good, "logprobs": 2}, None, 400),  # not implemented: refused
         ("/v1/completions", {**good, "echo": True}, None, 400),
+        ("/v1/completions", {**good, "response_format": {"type": "json_object"}}, None, 400),
     ]
     for path, body, raw, status in cases:
         code, obj = _post(port, path, body, raw)
@@ -218,6 +219,10 @@ def test_bad_inputs_then_good_request(server):
         assert set(obj["error"]) >= {"message", "type", "param", "code"}, obj
         code, obj = _post(port, "/v1/completions", good)
         assert code == 200 and obj["choices"][0]["text"] is not None, obj
+    # the "off" values of unimplemented fields, as SDKs send them, are fine
+    code, obj = _post(port, "/v1/completions", {**good, "logprobs": None, "echo": False,
+                                                "best_of": 1, "response_format": {"type": "text"}})
+    assert code == 200, obj
     # the router's own errors are OpenAI error objects too
     code, obj = _post(port, "/v1/complete", good)
     assert code == 404 and "POST /v1/completions" in obj["error"]["message"], (code, obj)
