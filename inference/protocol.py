@@ -16,10 +16,12 @@ from .sampling import SamplingError, SamplingParams
 MAX_N = 16
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CHAT_TOKENS = 512  # chat: at most this, or what is left of the context
-# OpenAI fields this server does not implement: refused when set (to anything but their
-# "off" value), never silently ignored
-UNSUPPORTED = ("echo", "logprobs", "top_logprobs", "best_of", "suffix", "logit_bias",
-               "tools", "tool_choice", "functions", "function_call", "response_format")
+# OpenAI fields this server does not implement: refused when set to anything but an "off"
+# value (SDKs send those), never silently ignored. Field -> its own off values beyond
+# null / false / 0 / empty.
+UNSUPPORTED = {name: () for name in ("echo", "logprobs", "top_logprobs", "suffix", "logit_bias",
+                                     "tools", "tool_choice", "functions", "function_call")}
+UNSUPPORTED.update(best_of=(1,), response_format=({"type": "text"},))
 ROLES = ("system", "developer", "user", "assistant")  # developer: OpenAI's newer system
 
 
@@ -76,10 +78,8 @@ def parse(raw: bytes, *, chat: bool, tokenizer, model_names: list[str], check,
     if model not in model_names:
         raise APIError(404, f"the model '{model}' does not exist; this server serves "
                             f"{model_names}", "model", "model_not_found")
-    for name in UNSUPPORTED:
-        value = body.get(name)
-        if value not in (None, False, 0, "", [], {}) and not (name == "best_of" and value == 1) \
-                and not (name == "response_format" and value == {"type": "text"}):
+    for name, off in UNSUPPORTED.items():
+        if body.get(name) not in (None, False, 0, "", [], {}, *off):
             raise APIError(400, f"'{name}' is not supported by this server; leave it out",
                            name)
     if tokenizer is None:

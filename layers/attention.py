@@ -182,8 +182,9 @@ class SelfAttention(nn.Module):
 
         q `[b, n, sq, d]`, k/v `[b, g, sk, d]`; when sk > sq (decoding with a cache) query i
         sits at position sk - sq + i. `attention_mask` `[b, 1, sq, sk]` (bool, or additive
-        float), when given, is used instead of the causal mask. `attention_bias` `[1 or b, n, sq, sk]` is added to
-        the scores. Attention dropout draws from the TP stream since heads are sharded.
+        float), when given, is used instead of the causal mask. `attention_bias`
+        `[1 or b, n, sq, sk]` is added to the scores. Attention dropout draws from the TP
+        stream since heads are sharded.
         """
         sq, sk = q.shape[2], k.shape[2]
         mask = attention_mask
