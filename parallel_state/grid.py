@@ -185,8 +185,10 @@ def initialize_model_parallel(
     for dim in ("pp", "dp", "tp"):
         collectives.apply_timeout(mesh.get_group(dim))
         collectives.name_group(mesh.get_group(dim), dim)
-    if device.type == "cpu" and tp > 1:  # TP's many small all-reduces: shared memory (shm.py)
-        shm.attach(mesh.get_group("tp"), collectives.get_timeout())
+    if device.type == "cpu":  # TP's many small collectives, DP's large ones: shm.py
+        for dim, size in (("tp", tp), ("dp", dp)):
+            if size > 1:
+                shm.attach(mesh.get_group(dim), collectives.get_timeout())
     rank = dist.get_rank()
     pp_rank, rest = divmod(rank, dp * tp)
     dp_rank, tp_rank = divmod(rest, tp)

@@ -82,6 +82,8 @@ def _shm_collectives() -> dict:
     group = ps.get_tensor_model_parallel_group()
     ch = shm.channel(group)
     out = {"channel": ch is not None,
+           "dp_channel": shm.channel(ps.get_data_parallel_group()) is not None,  # dp 2
+           "pp_channel": shm.channel(ps.get_pipeline_model_parallel_group()) is not None,
            "peers_known": ch is not None and len(ch._pids) == 4 and None not in ch._pids}
     gen = torch.Generator().manual_seed(10 + dist.get_rank())
     cases = {}
@@ -232,6 +234,8 @@ def test_shared_memory_collectives_match_gloo(grid8):
     for rank, g in enumerate(grid8):
         if _shm_possible():  # else the cases below ran on gloo, and must still match
             assert g["shm"]["channel"], rank  # 4 ranks on one host: the tp group has one
+            assert g["shm"]["dp_channel"], rank  # and the dp group (gradient reductions)
+            assert not g["shm"]["pp_channel"], rank  # p2p only: it stays on gloo
             assert g["shm"]["peers_known"], rank  # a waiter tells a dead peer from a late one
         for name, (mine, ref) in g["shm"]["cases"].items():
             assert mine.shape == ref.shape, (rank, name)

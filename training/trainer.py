@@ -242,12 +242,17 @@ def _train(config: Config, device, on_end=None, run_start: float | None = None) 
         m.vocab_size = needed
         m.validate(t.tensor_model_parallel_size)
     _rank0_print(config.summary())
-    if t.tensor_model_parallel_size > 1 and device.type == "cpu":
-        on_shm = shm.channel(ps.get_tensor_model_parallel_group()) is not None
-        _rank0_print("tp collectives over " + (
-            f"shared memory ({shm.SHM_DIR}; {shm.ENV_SWITCH}=0 keeps gloo)" if on_shm else
-            "gloo (no shared-memory channel: ranks on several hosts, the switch off, or no "
-            "room in /dev/shm)"))
+    if device.type == "cpu":
+        for dim, size, group in (("tp", t.tensor_model_parallel_size,
+                                  ps.get_tensor_model_parallel_group()),
+                                 ("dp", ps.get_data_parallel_world_size(),
+                                  ps.get_data_parallel_group())):
+            if size > 1:
+                _rank0_print(f"{dim} collectives over " + (
+                    f"shared memory ({shm.SHM_DIR}; {shm.ENV_SWITCH}=0 keeps gloo)"
+                    if shm.channel(group) is not None else
+                    "gloo (no shared-memory channel: ranks on several hosts, the switch off, "
+                    "or no room in /dev/shm)"))
     _rank0_print("building the model and optimizer")
 
     chunks = build_model(config, device)
