@@ -375,18 +375,20 @@ def _channel(group, tensor, op=None):
 def _collective(name, group, payload, async_op, torch_fn, shm_fn, reduce_op=None):
     """Run collective `name` on `payload`: `shm_fn(channel)` when the group has a
     shared-memory channel for it (synchronous; an async call returns a finished Work), else
-    `torch_fn()`; observed by the consumers, if any."""
+    `torch_fn()`; observed by the consumers, if any (a shared-memory call as the blocking
+    call it is, so that profiles count its time as communication)."""
     ch = _channel(group, payload, reduce_op)
     if ch is not None:
-        def fn():
+        if _consumers:
+            _run(Call(name, _group(group), (payload,), reduce_op=reduce_op, async_op=False),
+                 lambda: shm_fn(ch))
+        else:
             shm_fn(ch)
-            return shm.DONE if async_op else None
-    else:
-        fn = torch_fn
+        return shm.DONE if async_op else None
     if not _consumers:
-        return fn()
+        return torch_fn()
     return _run(Call(name, _group(group), (payload,), reduce_op=reduce_op, async_op=async_op),
-                fn)
+                torch_fn)
 
 
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
