@@ -143,6 +143,7 @@ def main(argv=None) -> int:
 
     import parallel_state as ps
     from checkpoint.format import CheckpointError
+    from parallel_state.host_memory import tune_host_allocator
     from inference.comm import gather_to_rank0
     from inference.engine import Engine, Request
     from inference.loading import load
@@ -150,6 +151,11 @@ def main(argv=None) -> int:
     from models.config import ConfigError
     from models.hf import HFConversionError
 
+    try:
+        tune_host_allocator()  # large freed blocks stay in the process (host_memory.py)
+    except ValueError as e:  # a bad SHARDZOO_HOST_MALLOC
+        print(f"infer.py: error: {e}", file=sys.stderr)
+        return 2
     ps.initialize_distributed()
     ps.initialize_model_parallel(args.tp, args.pp)
     rank = int(os.environ.get("RANK", "0"))

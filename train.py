@@ -24,6 +24,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from checkpoint.format import CheckpointError
 from models.config import ConfigError
 from parallel_state import report_error
+from parallel_state.host_memory import tune_host_allocator
 from training.arguments import parse_config
 from training.trainer import DataError, pretrain
 
@@ -51,6 +52,10 @@ def _fail(kind: str, error: Exception, code: int) -> int:
 @record
 def main(argv=None) -> int:
     argv = with_demo_default(sys.argv[1:] if argv is None else list(argv))
+    try:
+        tune_host_allocator()  # large freed blocks stay in the process (host_memory.py)
+    except ValueError as e:  # a bad SHARDZOO_HOST_MALLOC
+        return _fail("configuration", e, 2)
     try:
         config = parse_config(argv)
         pretrain(config)

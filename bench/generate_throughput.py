@@ -275,6 +275,9 @@ def main() -> None:
     p.add_argument("--pipeline-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ckpt", help=argparse.SUPPRESS)
     args = p.parse_args()
+    from parallel_state.host_memory import tune_host_allocator
+
+    tune_host_allocator()  # as infer.py does; process-wide, so transformers gets it too
     if args.pipeline_worker:
         return pipeline_worker(args)
     path = args.hf or default_model()

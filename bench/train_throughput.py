@@ -43,6 +43,8 @@ if str(ROOT) not in sys.path:
 
 from layers import compile_transformer_layers  # noqa: E402
 from models import GPTModel, ModelConfig  # noqa: E402
+from parallel_state.host_memory import ENV_SWITCH as HOST_SWITCH  # noqa: E402
+from parallel_state.host_memory import tune_host_allocator  # noqa: E402
 from training.distributed import DistributedDataParallel  # noqa: E402
 from training.distributed_optimizer import DistributedOptimizer  # noqa: E402
 from training.flops import PeakFlops, training_flops_per_token  # noqa: E402
@@ -364,8 +366,11 @@ def main(argv=None) -> int:
     import transformers
     transformers.logging.set_verbosity_error()  # config notes about unused token ids / loss_type
     threads = torch.get_num_threads() if device.type == "cpu" else None
+    tuned = tune_host_allocator()  # as train.py does; process-wide, so both models get it
     print(f"device {device}" + (f" ({threads} threads)" if threads else "")
-          + f", torch {torch.__version__}, transformers {transformers.__version__}")
+          + f", torch {torch.__version__}, transformers {transformers.__version__}; host "
+          f"allocator {'tuned (both models)' if tuned else 'default'} ({HOST_SWITCH}=default "
+          f"keeps glibc's)")
     print("variants: fp32 = float32 weights and compute; bf16 = float32 weights and AdamW "
           "state, forward/backward under torch.autocast(bfloat16), same for both models; "
           "bf16-main = ours with bf16 weights and float32 main weights (train.py --bf16) "
