@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch.profiler import profile, record_function
 
 from launch import read_metrics, run_train
+from layers.linear import linear
 
 
 def _categories(fn) -> dict:
@@ -31,6 +32,10 @@ def test_operators_land_in_their_category():
     a, b = torch.randn(64, 64), torch.randn(64, 64)
     q = torch.randn(1, 2, 16, 8, requires_grad=True)
     assert set(_categories(lambda: a @ b)) == {"matmul"}
+    # every weight matmul of our layers: oneDNN's op on CPU (layers/gemm.py), not aten's
+    x, w = torch.randn(512, 512, requires_grad=True), torch.randn(512, 512)
+    cats = _categories(lambda: linear(x, w).sum().backward())
+    assert cats.get("matmul", 0) > sum(v for c, v in cats.items() if c != "matmul"), cats
     assert set(_categories(lambda: (a * b).relu())) == {"elementwise/norm"}
     # a scope of ours wins over the operator's own kind
     assert set(_categories(lambda: _scoped("shardzoo.optimizer", lambda: a @ b))) \

@@ -99,9 +99,9 @@ def _category(ev) -> str | None:
         return "cross entropy"
     if any(k in n for n in low for k in _ATTENTION_KEYS):
         return "attention"
-    if not ev.name.startswith("aten::"):
-        return None
-    return "matmul" if any(n in MATMUL_OPS for n in names) else "elementwise/norm"
+    if any(n in MATMUL_OPS for n in names):  # also oneDNN's ops, which are not aten's
+        return "matmul"
+    return "elementwise/norm" if ev.name.startswith("aten::") else None
 
 
 def summarize(prof, wall_s: float, steps: int, comm: _CommClock, cuda: bool) -> dict:
