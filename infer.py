@@ -171,7 +171,10 @@ def main(argv=None) -> int:
             max_len = args.max_seq_length or max(cfg.decoder_seq_length, args.max_new_tokens)
         else:
             limit = cfg.max_position_embeddings
-            max_len = min(args.max_seq_length or min(limit, 2048), limit)
+            if args.max_seq_length and args.max_seq_length > limit:
+                raise ValueError(f"--max-seq-length {args.max_seq_length} exceeds the model's "
+                                 f"max_position_embeddings ({limit}); pass at most {limit}")
+            max_len = args.max_seq_length or min(limit, 2048)
         engine = Engine(model, eos_token_ids=[tokenizer.eod] if tokenizer else [],
                         decode=tokenizer.decode if tokenizer else None,
                         max_batch_size=args.max_batch_size, max_seq_length=max_len,

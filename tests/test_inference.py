@@ -246,3 +246,23 @@ def test_cli_rejects_bad_flags_before_loading(tmp_path, capsys, flags, lines, me
         infer.parse_args(argv)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_max_seq_length_beyond_the_model_is_an_error(tmp_path):
+    """--max-seq-length past a decoder's max_position_embeddings: one error line naming the
+    limit, exit 2 (it used to be cut down to the limit without a word)."""
+    import os
+    import subprocess
+    import sys
+
+    from launch import REPO
+    from tests.test_server import _make_model
+
+    _make_model(str(tmp_path / "tiny"))  # max_position_embeddings 64
+    proc = subprocess.run(
+        [sys.executable, "infer.py", "--hf", str(tmp_path / "tiny"), "--max-seq-length", "65",
+         "--prompt", "hi"], cwd=REPO, capture_output=True, text=True, timeout=180,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "infer.py: error: --max-seq-length 65 exceeds the model's max_position_embeddings " \
+           "(64); pass at most 64" in proc.stderr, proc.stderr[-2000:]
