@@ -8,7 +8,7 @@ import torch
 
 import parallel_state as ps
 from models import GPTModel, T5Model
-from models.config import ModelConfig
+from models.config import ConfigError, ModelConfig
 from models.pipeline import build_model_chunks
 from models.tokenizer import Tokenizer
 
@@ -39,10 +39,34 @@ def t5_stage_layers(config: ModelConfig, pp: int) -> list[tuple[list[int], list[
     return [(e, []) for e in out[0]] + [([], d) for d in out[1]]
 
 
+def _check_tp(config: ModelConfig, tp: int) -> None:
+    """Raise a `ConfigError` in infer.py's terms when the model cannot be split over `tp`
+    ranks (heads, KV heads or FFN width not divisible), naming the tp values that work."""
+    def fits(t):
+        try:
+            config.validate(t) if config.is_encoder_decoder else \
+                config.validate(t, kv_replication=True)
+        except ConfigError as e:
+            return e
+        return None
+
+    error = fits(tp)
+    if error is None:
+        return
+    good = [t for t in range(1, config.num_attention_heads + 1) if fits(t) is None]
+    if not good:  # the config itself is bad, whatever the tp
+        raise error
+    raise ConfigError(f"--tp {tp} does not fit this model ({config.num_attention_heads} "
+                      f"attention heads, {config.num_query_groups} KV heads; in the config's "
+                      f"terms: {error}); use --tp {', '.join(map(str, good))}")
+
+
 def build_model(config: ModelConfig) -> GPTModel:
     """This rank's `GPTModel` stage on the current grid (KV heads replicated when tp >
     num_query_groups), or a `T5Model` stage (`t5_stage_layers`), weights uninitialized.
-    Raises `models.config.ConfigError`."""
+    Raises `models.config.ConfigError` (a tp the heads do not split over names the ones they
+    do)."""
+    _check_tp(config, ps.get_tensor_model_parallel_world_size())
     pp = ps.get_pipeline_model_parallel_world_size()
     if config.is_encoder_decoder:  # T5: the encoder on the first pp // 2 stages
         enc, dec = t5_stage_layers(config, pp)[ps.get_pipeline_model_parallel_rank()]

@@ -266,3 +266,17 @@ def test_max_seq_length_beyond_the_model_is_an_error(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "infer.py: error: --max-seq-length 65 exceeds the model's max_position_embeddings " \
            "(64); pass at most 64" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_tp_the_heads_do_not_split_over_names_the_ones_they_do():
+    from inference.loading import _check_tp
+    from models.config import ConfigError, ModelConfig
+
+    smol = ModelConfig(num_layers=2, hidden_size=72, num_attention_heads=9, num_query_groups=3,
+                       ffn_hidden_size=144, seq_length=32, max_position_embeddings=32,
+                       vocab_size=100)  # SmolLM2's heads: 9, 3 KV
+    _check_tp(smol, 3)
+    _check_tp(smol, 9)  # KV heads replicated
+    with pytest.raises(ConfigError, match=r"^--tp 2 does not fit this model \(9 attention "
+                                          r"heads, 3 KV heads; .*\); use --tp 1, 3, 9$"):
+        _check_tp(smol, 2)
