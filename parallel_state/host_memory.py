@@ -30,7 +30,6 @@ CHOICES = ("tuned", "default")
 MMAP_THRESHOLD = 1 << 30  # bytes: larger requests still get their own mapping
 TRIM_THRESHOLD = 1 << 30  # bytes of free heap top kept before it is returned (a C int)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
-_state = {"tuned": False}
 
 
 def tune_host_allocator() -> bool:
@@ -49,12 +48,5 @@ def tune_host_allocator() -> bool:
     if choice == "default" or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    ok = libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and \
+    return libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and \
         libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
-    _state["tuned"] = bool(ok)
-    return _state["tuned"]
-
-
-def host_allocator_tuned() -> bool:
-    """Whether `tune_host_allocator` changed this process's allocator."""
-    return _state["tuned"]
