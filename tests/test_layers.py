@@ -373,6 +373,25 @@ def check_cross_entropy(ex: Expect) -> None:
             ex.true(bool((grad[2, :2] == 0).all()) and bool((loss[2, :2] == 0).all()),
                     f"cross entropy [{name}] ignored tokens: zero loss and zero grad")
 
+    # bf16 logits (autocast's output layer): computed in float32 from the bf16 values, the
+    # gradient handed back in bf16.
+    V, Vp = 50257, ModelConfig(vocab_size=50257).padded_vocab_size(tp)
+    logits_full = (_randn(4, 3, Vp, seed=80) * 3).bfloat16()
+    target = (_randn(4, 3, seed=81).abs() * 1e6).long() % V
+    logits = logits_full.chunk(tp, -1)[rank].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(logits, target, vocab_size=V, label_smoothing=0.1)
+    loss.sum().backward()
+    lr = logits_full[..., :V].double().requires_grad_()
+    ref = F.cross_entropy(lr.reshape(-1, V), target.reshape(-1), reduction="none",
+                          label_smoothing=0.1).view(4, 3)
+    ref.sum().backward()
+    ex.true(loss.dtype == torch.float32 and logits.grad.dtype == torch.bfloat16,
+            "cross entropy [bf16 logits] float32 loss, bf16 grad")
+    ex.close(loss, ref, "cross entropy [bf16 logits] loss", k=V)
+    grad = torch.cat(_all_gather(logits.grad), -1)[..., :V].double()
+    ex.true(torch.allclose(grad, lr.grad, rtol=2 ** -7, atol=1e-9),
+            f"cross entropy [bf16 logits] grad off by {(grad - lr.grad).abs().max():.2e}")
+
 
 CHECKS = {
     "mappings": check_mappings,
