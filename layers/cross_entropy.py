@@ -49,15 +49,21 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         else:
             log_p = torch.full(logits.shape, float("-inf"), device=logits.device)
         if get_tensor_model_parallel_world_size() > 1:
-            # log p over the full vocabulary = local log p - (log Z - log Z_local), with
-            # log Z = logsumexp over ranks of log Z_local: two [s, b] all-reduces.
-            if real:  # log Z_local = max x - max log p (the max's own term, no extra exp)
-                log_z_local = x.amax(dim=-1).float() - log_p.amax(dim=-1)
-            else:
-                log_z_local = log_p[..., 0].clone()
-            log_z_max = _all_reduce(log_z_local.clone(), dist.ReduceOp.MAX)
-            sum_exp = _all_reduce((log_z_local - log_z_max).exp())
-            log_p.sub_((log_z_max + sum_exp.log() - log_z_local).unsqueeze(-1))
+            # log p over the full vocabulary = local log p - (log Z - log Z_local). With the
+            # local max m and L = log sum exp(x - m) = -max log p (the max's own term, no
+            # extra exp), log Z_local = m + L and log Z = M + log sum_r exp(m_r - M + L_r),
+            # M = max_r m_r: two [s, b] all-reduces. The correction is assembled from
+            # differences (M - m, log S - L), never from log Z itself, so a large common
+            # offset of the logits costs no precision.
+            m = x.amax(dim=-1).float() if real else log_p[..., 0].clone()
+            dead = torch.isneginf(m)  # rows whose slice is all -inf: nothing to normalize
+            lse = (-log_p.amax(dim=-1)).masked_fill_(dead, 0.0)
+            # not log_softmax's NaN there; the check would sync a GPU, where the pass is cheap
+            if real and (log_p.device.type != "cpu" or bool(dead.any())):
+                log_p.masked_fill_(dead.unsqueeze(-1), float("-inf"))
+            m_max = _all_reduce(m.clone(), dist.ReduceOp.MAX)
+            sum_exp = _all_reduce((m - m_max + lse).exp())
+            log_p.sub_(((m_max - m) + sum_exp.log() - lse).unsqueeze(-1))
 
         ignored = target == ignore_index
         in_range = (target >= start) & (target < start + part) & ~ignored

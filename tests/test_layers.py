@@ -345,6 +345,12 @@ def check_cross_entropy(ex: Expect) -> None:
         ("gpt2 vocab padded + ignore + smoothing", 50257,
          ModelConfig(vocab_size=50257).padded_vocab_size(tp), True, 0.1),
         ("whole partitions of padding", 100, 128 * tp, True, 0.1),
+        # every logit + 1e4: the normalizer must be corrected from differences, not from
+        # log Z itself (float32's step at 1e4 is 1e-3)
+        ("large common offset", 64 * tp, 64 * tp, False, 0.1),
+        # row 3's first half of the vocabulary -inf: at tp >= 2 whole ranks have nothing to
+        # normalize (log_softmax alone gives NaN there)
+        ("a rank's slice all -inf", 64 * tp, 64 * tp, True, 0.0),
     ]
     for i, (name, V, Vp, ignore, eps) in enumerate(cases):
         s, b = 4, 3
@@ -352,6 +358,11 @@ def check_cross_entropy(ex: Expect) -> None:
         logits_full[..., V:] += 20.0  # huge padding logits: wrong unless they are masked out
         target = (_randn(s, b, seed=40 + i).abs() * 1e6).long() % V
         target[0, 0], target[1, 0] = V - 1, 0
+        if name == "large common offset":
+            logits_full += 1e4
+        if name == "a rank's slice all -inf":
+            logits_full[3, :, :Vp // 2] = float("-inf")
+            target[3] = V - 1
         if ignore:
             target[2, :2] = -100
         gl = _randn(s, b, seed=60 + i)
