@@ -11,7 +11,6 @@ attention is Ainslie et al. 2023; query head i reads KV group i // heads_per_gro
 """
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -19,6 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel_state import get_rng_tracker, get_tensor_model_parallel_world_size
+
+from .dropout import attention_dropout, sample_keyed
 
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .sharding import set_tensor_parallel_attributes
@@ -133,6 +134,7 @@ class SelfAttention(nn.Module):
                              f"of num_query_groups {groups}; use a tp that does")
         self.heads_per_group = self.num_heads // self.num_groups  # local query heads per group
         self.attention_dropout = config.attention_dropout
+        self.dropout_site = 0  # set from the module's name (layers/dropout.py)
         local_qkv = (self.num_heads + 2 * self.num_groups) * d
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size, local_qkv * tp, bias=config.add_qkv_bias,
@@ -183,8 +185,7 @@ class SelfAttention(nn.Module):
         q `[b, n, sq, d]`, k/v `[b, g, sk, d]`; when sk > sq (decoding with a cache) query i
         sits at position sk - sq + i. `attention_mask` `[b, 1, sq, sk]` (bool, or additive
         float), when given, is used instead of the causal mask. `attention_bias`
-        `[1 or b, n, sq, sk]` is added to the scores. Attention dropout draws from the TP
-        stream since heads are sharded.
+        `[1 or b, n, sq, sk]` is added to the scores. Attention dropout: layers/dropout.py.
         """
         sq, sk = q.shape[2], k.shape[2]
         mask = attention_mask
@@ -193,10 +194,12 @@ class SelfAttention(nn.Module):
         if mask is None and self.causal and sq > 1 and not causal:
             mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
         return core_attention(q, k, v, mask, attention_bias, self.softmax_scale,
-                              self.attention_dropout if self.training else 0.0, causal=causal)
+                              self.attention_dropout if self.training else 0.0, causal=causal,
+                              dropout_site=self.dropout_site)
 
 
-def core_attention(q, k, v, mask, bias, scale, dropout_p, causal=False) -> torch.Tensor:
+def core_attention(q, k, v, mask, bias, scale, dropout_p, causal=False,
+                   dropout_site: int = 0) -> torch.Tensor:
     """`softmax(q k^T * scale + bias, masked) v` -> `[b, n, sq, d]`.
 
     q `[b, n, sq, d]`; k, v `[b, g, sk, d]` with n a multiple of g (grouped-query heads);
@@ -205,34 +208,41 @@ def core_attention(q, k, v, mask, bias, scale, dropout_p, causal=False) -> torch
     broadcastable to `[b, n, sq, sk]` or None; `scale` None = 1/sqrt(d); `causal` (with mask
     None) lets the fused kernel build the mask. A bias goes through the explicit float32
     softmax (its gradient is needed: T5's position bias is learned); otherwise
-    `F.scaled_dot_product_attention`. Dropout draws from the TP stream (heads are sharded).
+    `F.scaled_dot_product_attention`. Dropout (`dropout_p > 0`, training) on the
+    probabilities: `layers.dropout.attention_dropout` at `dropout_site`; its masks need the
+    probabilities, so they go through the explicit softmax too (as SDPA's CPU math kernel
+    does whenever it has dropout).
     """
-    fork = get_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext()
-    if bias is None:
+    if bias is None and not (dropout_p > 0 and sample_keyed()):
         kwargs = dict(enable_gqa=q.shape[1] != k.shape[1], scale=scale)
         if causal:
             kwargs["is_causal"] = True
         elif mask is not None:
             kwargs["attn_mask"] = mask
-        with fork:
+        if dropout_p == 0:
+            return F.scaled_dot_product_attention(q, k, v, **kwargs)
+        with get_rng_tracker().fork():  # Megatron's scheme: heads are sharded, the TP stream
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, **kwargs)
-    if q.shape[1] != k.shape[1]:
-        reps = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(reps, dim=1), v.repeat_interleave(reps, dim=1)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = torch.matmul(q, k.transpose(-1, -2)).float()
+    b, n, sq, d = q.shape
+    g, sk = k.shape[1], k.shape[2]
+    if causal:
+        mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    # grouped-query heads without copies of k, v: the n/g query heads of a group as rows
+    scores = torch.matmul(q.reshape(b, g, n // g * sq, d), k.transpose(-1, -2))
+    scores = scores.view(b, n, sq, sk).float()
     if scale != 1.0:
         scores = scores * scale
-    scores = scores + bias.float()
+    if bias is not None:
+        scores = scores + bias.float()
     if mask is not None and mask.dtype == torch.bool:
         scores = scores.masked_fill(~mask, float("-inf"))
     elif mask is not None:
         scores = scores + mask.float()
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     if dropout_p > 0:
-        with fork:
-            probs = F.dropout(probs, dropout_p, training=True)
-    return torch.matmul(probs, v)
+        probs = attention_dropout(probs, dropout_p, dropout_site)
+    return torch.matmul(probs.view(b, g, n // g * sq, sk), v).view(b, n, sq, d)
 
 
 def relative_position_bucket(relative_position: torch.Tensor, bidirectional: bool,
@@ -311,6 +321,7 @@ class CrossAttention(nn.Module):
         self.num_heads = config.num_attention_heads // tp
         self.softmax_scale = softmax_scale
         self.attention_dropout = config.attention_dropout
+        self.dropout_site = 0  # set from the module's name (layers/dropout.py)
         proj = config.query_projection_size
         self.linear_q = ColumnParallelLinear(config.hidden_size, proj, bias=config.add_qkv_bias,
                                              sequence_parallel=sequence_parallel, init="normal")
@@ -339,14 +350,16 @@ class CrossAttention(nn.Module):
             k, v = self.key_values(encoder_output)
         p = self.attention_dropout if self.training else 0.0
         if self.checkpoint_fn is not None and self.training and torch.is_grad_enabled():
-            out = self.checkpoint_fn(_cross_core(self.softmax_scale, p), q, k, v, attention_mask)
+            out = self.checkpoint_fn(_cross_core(self.softmax_scale, p, self.dropout_site),
+                                     q, k, v, attention_mask)
         else:
-            out = core_attention(q, k, v, attention_mask, None, self.softmax_scale, p)
+            out = core_attention(q, k, v, attention_mask, None, self.softmax_scale, p,
+                                 dropout_site=self.dropout_site)
         return self.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, -1))
 
 
-def _cross_core(scale, p):
+def _cross_core(scale, p, site):
     def run(q, k, v, mask):
-        return core_attention(q, k, v, mask, None, scale, p)
+        return core_attention(q, k, v, mask, None, scale, p, dropout_site=site)
     return run
 

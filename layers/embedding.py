@@ -12,13 +12,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel_state import (
-    dropout,
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
 
+from .dropout import hidden_dropout, sub_site
 from .sharding import set_tensor_parallel_attributes
 
 
@@ -80,9 +80,12 @@ class LanguageModelEmbedding(nn.Module):
                                            init="normal",
                                            sequence_parallel=self.sequence_parallel)
         self.hidden_dropout = config.hidden_dropout
+        self.dropout_site = 0  # set from the module's name (layers/dropout.py)
 
-    def forward(self, input_ids: torch.Tensor,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                dropout_sub_site: int = 0) -> torch.Tensor:
+        """`dropout_sub_site`: which of a model's embedding dropouts this is (T5 embeds the
+        encoder and the decoder input with one module)."""
         x = self.word_embeddings(input_ids.t())  # [s, b, h] or [s/tp, b, h]
         if self.learned_positions:
             if position_ids is None:
@@ -94,4 +97,6 @@ class LanguageModelEmbedding(nn.Module):
                 tp, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
                 pos = pos.chunk(tp, dim=0)[rank]
             x = x + pos
-        return dropout(x, self.hidden_dropout, self.training, sharded=self.sequence_parallel)
+        return hidden_dropout(x, self.hidden_dropout, self.training,
+                              sub_site(self.dropout_site, dropout_sub_site),
+                              self.sequence_parallel)

@@ -19,9 +19,16 @@ import os
 import torch
 from torch import nn
 
-from parallel_state import dropout, get_tensor_model_parallel_world_size
+from parallel_state import get_tensor_model_parallel_world_size
 
 from .attention import CrossAttention, SelfAttention
+from .dropout import (
+    SITE_ATTENTION_RESIDUAL,
+    SITE_CROSS_ATTENTION_RESIDUAL,
+    SITE_MLP_RESIDUAL,
+    hidden_dropout,
+    sub_site,
+)
 from .mlp import MLP
 from .norm import build_norm
 
@@ -38,6 +45,7 @@ class TransformerLayer(nn.Module):
         sp = sequence_parallel and get_tensor_model_parallel_world_size() > 1
         self.layer_number = layer_number
         self.hidden_dropout = config.hidden_dropout
+        self.dropout_site = 0  # set from the module's name (layers/dropout.py)
         self.sequence_parallel = sp
         self.input_layernorm = build_norm(config, sequence_parallel=sp)
         self.self_attention = SelfAttention(config, layer_number, sequence_parallel=sp,
@@ -51,8 +59,9 @@ class TransformerLayer(nn.Module):
         self.pre_mlp_layernorm = build_norm(config, sequence_parallel=sp)
         self.mlp = MLP(config, sequence_parallel=sp)
 
-    def _residual(self, x, y):
-        return x + dropout(y, self.hidden_dropout, self.training, sharded=self.sequence_parallel)
+    def _residual(self, x, y, site: int):
+        return x + hidden_dropout(y, self.hidden_dropout, self.training,
+                                  sub_site(self.dropout_site, site), self.sequence_parallel)
 
     def forward(self, x: torch.Tensor, rotary=None, kv_cache=None, attention_mask=None,
                 attention_bias=None, encoder_output=None,
@@ -62,14 +71,15 @@ class TransformerLayer(nn.Module):
         layer with cross-attention)."""
         x = self._residual(x, self.self_attention(
             self.input_layernorm(x), rotary=rotary, kv_cache=kv_cache,
-            attention_mask=attention_mask, attention_bias=attention_bias))
+            attention_mask=attention_mask, attention_bias=attention_bias), SITE_ATTENTION_RESIDUAL)
         if self.cross_attention is not None:
             if encoder_output is None and kv_cache is None:
                 raise ValueError("a decoder layer with cross-attention needs encoder_output")
             x = self._residual(x, self.cross_attention(
                 self.pre_cross_attn_layernorm(x), encoder_output,
-                attention_mask=cross_attention_mask, kv_cache=kv_cache))
-        return self._residual(x, self.mlp(self.pre_mlp_layernorm(x)))
+                attention_mask=cross_attention_mask, kv_cache=kv_cache),
+                SITE_CROSS_ATTENTION_RESIDUAL)
+        return self._residual(x, self.mlp(self.pre_mlp_layernorm(x)), SITE_MLP_RESIDUAL)
 
 
 class TransformerBlock(nn.Module):

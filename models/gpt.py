@@ -18,6 +18,7 @@ from layers import (
     initialize_parameters,
     vocab_parallel_cross_entropy,
 )
+from layers.dropout import assign_dropout_sites
 from parallel_state import get_tensor_model_parallel_world_size
 
 from .config import ModelConfig
@@ -84,6 +85,7 @@ class GPTModel(nn.Module):
                 self.output_layer.weight.shared_embedding = True
         if pre_process and self.share_embeddings_and_output_weights and not post_process:
             self.embedding.word_embeddings.weight.shared_embedding = True
+        assign_dropout_sites(self)
 
     # ------------------------------------------------------------------ weights
     def init_weights(self, seed: int) -> None:

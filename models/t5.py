@@ -29,7 +29,8 @@ from layers import (
     initialize_parameters,
     vocab_parallel_cross_entropy,
 )
-from parallel_state import dropout, get_tensor_model_parallel_world_size
+from layers.dropout import assign_dropout_sites, hidden_dropout, sub_site
+from parallel_state import get_tensor_model_parallel_world_size
 
 from .config import ConfigError, ModelConfig
 from .gpt import WORD_EMBEDDINGS
@@ -102,6 +103,8 @@ class T5Model(nn.Module):
                 self.output_layer.weight.init_key = WORD_EMBEDDINGS
                 self.output_layer.weight.shared_embedding = True
         self._tag_pipeline_copies()
+        self.dropout_site = 0  # the encoder's and the decoder's output dropouts (sub-sites 0, 1)
+        assign_dropout_sites(self)
 
     def _tag_pipeline_copies(self) -> None:
         """Mark the parameters other pipeline stages also hold, so that their gradients are
@@ -166,7 +169,8 @@ class T5Model(nn.Module):
         `hidden_states [se, b, h]` -> `[se, b, h]` (`[se/tp, b, h]` under SP; after the final
         norm on the last encoder stage). `encoder_attention_mask [b, se]` bool, True = real
         token (default: all real)."""
-        x = self.embedding(input_ids) if self.encoder_pre_process else hidden_states
+        x = self.embedding(input_ids, dropout_sub_site=0) if self.encoder_pre_process \
+            else hidden_states
         if x is None:
             raise ValueError("an encoder stage without the embedding needs hidden_states")
         s = self._full_length(x)
@@ -174,8 +178,8 @@ class T5Model(nn.Module):
         mask = None if encoder_attention_mask is None else encoder_attention_mask[:, None, None, :]
         x = self.encoder(x, attention_mask=mask, attention_bias=bias)
         if self.encoder_post_process:  # T5 drops out the encoder output too
-            x = dropout(x, self.config.hidden_dropout, self.training,
-                        sharded=self.sequence_parallel)
+            x = hidden_dropout(x, self.config.hidden_dropout, self.training,
+                               sub_site(self.dropout_site, 0), self.sequence_parallel)
         return x
 
     def decode(self, decoder_input_ids: torch.Tensor | None, encoder_output: torch.Tensor, *,
@@ -204,7 +208,8 @@ class T5Model(nn.Module):
         Returns: per-token loss `[b, sd]` float32 (last stage with labels), vocab-parallel
             logits `[b, sd or 1, v_padded/tp]` (last stage), else hidden `[sd, b, h]`.
         """
-        x = self.embedding(decoder_input_ids) if self.decoder_pre_process else hidden_states
+        x = self.embedding(decoder_input_ids, dropout_sub_site=1) if self.decoder_pre_process \
+            else hidden_states
         if x is None:
             raise ValueError("a decoder stage without the embedding needs hidden_states")
         s = self._full_length(x)
@@ -220,7 +225,8 @@ class T5Model(nn.Module):
                          encoder_output=encoder_output, cross_attention_mask=mask)
         if not self.post_process:
             return x
-        x = dropout(x, self.config.hidden_dropout, self.training, sharded=self.sequence_parallel)
+        x = hidden_dropout(x, self.config.hidden_dropout, self.training,
+                           sub_site(self.dropout_site, 1), self.sequence_parallel)
         if output_positions is not None:
             if self.sequence_parallel or labels is not None:
                 raise ValueError("output_positions is for inference: no labels, no sequence "

@@ -44,4 +44,13 @@ from .mappings import (  # noqa: F401
     scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from .random import dropout, get_rng_tracker, model_parallel_seed  # noqa: F401
+from .random import (  # noqa: F401
+    DEFAULT_RNG,
+    DROPOUT_MASKS,
+    MODEL_PARALLEL_RNG,
+    dropout_sample_ids,
+    get_dropout_sample_ids,
+    get_dropout_seed,
+    get_rng_tracker,
+    model_parallel_seed,
+)

@@ -77,6 +77,10 @@ class TrainConfig:
     adam_eps: float = 1.0e-8
     clip_grad: float = 1.0  # 0 disables gradient clipping
     seed: int = 1234
+    dropout_masks: str = "sample"  # sample (layout-independent) | rank-streams (Megatron's)
+    check_for_nan_in_loss_and_grad: bool = True  # skip a step whose loss/grad norm is not finite
+    max_skipped_iters: int = 3  # consecutive skipped steps that stop the run (0: never stop)
+    check_weight_hash_across_dp_replicas_interval: int | None = None  # replicas' weights equal?
     bf16: bool = False  # bf16 weights/activations; fp32 main weights, grads, Adam states
     data_path: list[str] | None = None  # [prefix] or [w1, prefix1, w2, prefix2, ...]
     split: str = "969,30,1"
@@ -302,6 +306,14 @@ FLAG_HELP = {
     "lr_decay_samples": "decay length in samples (default: --train-samples)",
     "weight_decay": "AdamW decay (not on 1-D)",
     "clip_grad": "max global grad norm; 0 disables", "seed": "seeds init, data order and dropout",
+    "dropout_masks": "sample: masks keyed by (seed, sample, layer, position), the same at any "
+    "layout | rank-streams: Megatron's per-rank RNG streams",
+    "check_for_nan_in_loss_and_grad": "do not apply a step whose loss or grad norm is NaN/inf "
+    "(it is logged as skipped)",
+    "max_skipped_iters": "stop (without saving) after this many consecutive skipped steps; 0: "
+    "never",
+    "check_weight_hash_across_dp_replicas_interval": "every N steps compare the weights' "
+    "hashes across DP replicas and across TP ranks for TP-replicated ones; stop on a mismatch",
     "bf16": "bf16 weights/activations with fp32 main weights and grads",
     # data, logging, checkpoints
     "data_path": "PREFIX or W1 PREFIX1 W2 PREFIX2 ... (default: embedded stdlib corpus)",

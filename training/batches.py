@@ -112,6 +112,7 @@ def get_microbatches(dataset, base: int, config: Config, device,
     consumed samples, so a changed --global-batch-size neither repeats nor skips one);
     within each chunk of mbs*dp samples, DP rank r takes [r*mbs, (r+1)*mbs) (Megatron's
     pretraining sampler), so the set of samples in a step does not depend on the layout.
+    Each microbatch also holds `sample_ids` `[mbs]`, those samples' indices (dropout's key).
     """
     t = config.train
     mbs, dp, dp_rank = t.micro_batch_size, config.data_parallel_size, ps.get_data_parallel_rank()
@@ -120,17 +121,20 @@ def get_microbatches(dataset, base: int, config: Config, device,
     out = []
     for m in range(gbs // (mbs * dp)):
         start = base + m * mbs * dp + dp_rank * mbs
+        # the global indices of the samples: what keys their dropout masks (layers/dropout.py)
+        sample_ids = torch.arange(start, start + mbs, dtype=torch.int64)
         if config.model.is_encoder_decoder:  # span-corrupted T5 samples (dicts)
             items = [dataset[start + j] for j in range(mbs)]
             batch = {k: torch.from_numpy(np.stack([it[k] for it in items])) for k in items[0]}
             out.append({"tokens": batch["text_enc"], "encoder_mask": batch["enc_mask"],
-                        "labels": batch["labels"], "loss_mask": batch["loss_mask"]})
+                        "labels": batch["labels"], "loss_mask": batch["loss_mask"],
+                        "sample_ids": sample_ids})
             out[-1] = {k: v.to(device) for k, v in out[-1].items()}
             continue
         samples = np.stack([dataset[start + j] for j in range(mbs)]).astype(np.int64)
         tokens = torch.from_numpy(samples)
         batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
-                 "loss_mask": torch.ones(mbs, tokens.shape[1] - 1)}
+                 "loss_mask": torch.ones(mbs, tokens.shape[1] - 1), "sample_ids": sample_ids}
         if packed:  # --reset-position-ids / --reset-attention-mask / --eod-mask-loss
             mask, batch["loss_mask"], positions = ltor_masks_and_position_ids(
                 batch["tokens"], config.eod, t.reset_position_ids, t.reset_attention_mask,

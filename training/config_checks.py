@@ -225,6 +225,14 @@ def _check_optimizer(t: TrainConfig) -> None:
                           f"--lr-decay-iters {t.lr_decay_iters}] (which defaults to "
                           f"--train-iters); lower --lr-warmup-iters or raise --train-iters")
     _check_choice("lr_decay_style", t.lr_decay_style, ("cosine", "linear", "constant"))
+    _check_choice("dropout_masks", t.dropout_masks, ("sample", "rank-streams"))
+    if t.max_skipped_iters < 0:
+        raise ConfigError(f"--max-skipped-iters must be >= 0 (0: never stop), got "
+                          f"{t.max_skipped_iters}")
+    interval = t.check_weight_hash_across_dp_replicas_interval
+    if interval is not None and interval < 1:
+        raise ConfigError(f"--check-weight-hash-across-dp-replicas-interval must be >= 1 "
+                          f"(steps), got {interval}; drop the flag to turn the check off")
     if t.override_opt_param_scheduler and t.use_checkpoint_opt_param_scheduler:
         raise ConfigError("--override-opt-param-scheduler and "
                           "--use-checkpoint-opt-param-scheduler contradict each other: pass one "

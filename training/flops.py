@@ -119,7 +119,10 @@ def _measured_kernel_peak(kernel, dtype, device, n, repeats, min_seconds, max_se
         return time.perf_counter() - t0
 
     size = min(256, n)
-    make = lambda: torch.randn(size, size, device=device).to(dtype)  # noqa: E731
+    # its own generator: how many matrices a measurement makes depends on the machine's speed,
+    # and no measurement may move a random stream of the run (parallel_state/random.py)
+    gen = torch.Generator().manual_seed(0)
+    make = lambda: torch.randn(size, size, generator=gen).to(device=device, dtype=dtype)  # noqa: E731
     a, b = make(), make()
     timed(a, b)  # warm-up: one-time costs (CUDA context, BLAS handles) are not the rate
     while size < n and timed(a, b) <= max_seconds / 64:

@@ -14,10 +14,12 @@ al. 2022, "Reducing Activation Recomputation in Large Transformer Models", sec. 
   percent of the layer's FLOPs (sec. 5).
 
 Exact replay: `checkpoint` runs `torch.utils.checkpoint` (non-reentrant), which restores the
-default generator for the recompute, and also replays the RNG tracker's named streams (the TP
-stream used by dropout on head/sequence shards): their states at forward time are swapped in
-for the recompute and the live states put back afterwards, as Megatron's CheckpointFunction
-does. Loss and gradients are then bitwise equal to a run without recompute.
+default generator for the recompute, and also replays dropout's key (the microbatch's sample
+ids, layers/dropout.py) and the RNG tracker's named streams (Megatron's scheme): their values
+at forward time are swapped in for the recompute (which runs in the backward, possibly while
+another microbatch's forward is current) and the live ones put back afterwards, as
+Megatron's CheckpointFunction does for the streams. Loss and gradients are then bitwise equal
+to a run without recompute.
 """
 from __future__ import annotations
 
@@ -26,21 +28,23 @@ import contextlib
 import torch
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
-from parallel_state import get_rng_tracker
+import parallel_state as ps
 
 
 def _tracker_replay_contexts():
     """(forward ctx, recompute ctx) for torch.utils.checkpoint's `context_fn`: called at
     forward time, so the tracker states captured here are the ones the forward drew from."""
-    tracker = get_rng_tracker()
+    tracker = ps.get_rng_tracker()
     forward_states = tracker.get_states()
+    sample_ids = ps.get_dropout_sample_ids()
 
     @contextlib.contextmanager
     def replay():
         live = tracker.get_states()
         tracker.set_states(forward_states)
         try:
-            yield
+            with ps.dropout_sample_ids(sample_ids):
+                yield
         finally:
             tracker.set_states(live)
 

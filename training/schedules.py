@@ -72,8 +72,9 @@ class _Runner:
                 t.requires_grad_(True)
         with self._timed("F", chunk, mb):
             grad_ctx = torch.no_grad() if self.forward_only else contextlib.nullcontext()
-            with grad_ctx:
-                loss, out = loss_from_batch(self.model[chunk], self.microbatches[mb],
+            batch = self.microbatches[mb]
+            with grad_ctx, ps.dropout_sample_ids(batch.get("sample_ids")):
+                loss, out = loss_from_batch(self.model[chunk], batch,
                                             tuple(inputs) if inputs is not None else None)
         if loss is not None:
             self.total += loss.detach()

@@ -215,7 +215,7 @@ def vocab_notice(m, tokenizer_vocab: int, sentinels: int = 0) -> str:
 def _train(config: Config, device, on_end=None, run_start: float | None = None) -> list[dict]:
     t, m = config.train, config.model
     ps.model_parallel_seed(t.seed, ps.get_tensor_model_parallel_rank(),
-                           ps.get_pipeline_model_parallel_rank(), device)
+                           ps.get_pipeline_model_parallel_rank(), device, t.dropout_masks)
     _rank0_print(f"train.py: {config.world_size} process(es) on {device.type}; building the "
                  f"data ({' '.join(t.data_path) if t.data_path else 'the embedded demo corpus'})")
     tokenizer, train_ds, valid_ds = build_data(config)

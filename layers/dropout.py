@@ -1,0 +1,146 @@
+"""Dropout whose masks do not depend on the layout (the default), or Megatron's per-rank streams.
+
+Layout-independent masks ("sample" scheme, `--dropout-masks sample`). Whether element `e` of
+a dropout site is kept is a pure function of
+
+    (seed, global sample index, site, position in the sequence, feature or head/key index)
+
+hashed with a counter-based integer mixer, in the spirit of counter-based generators such as
+Philox (Salmon et al. 2011, "Parallel random numbers: as easy as 1, 2, 3", sec. 2): no
+generator state is consumed, so the mask of an element is the same whichever rank computes
+it, at any TP / SP / PP / VPP / DP / ZeRO / recompute layout, and a resumed run draws the
+masks the uninterrupted run would have drawn. The training schedules say which global samples
+a microbatch holds (`parallel_state.dropout_sample_ids`); each module with dropout carries a
+`dropout_site` (crc32 of its layout-independent module name, set by `assign_dropout_sites`),
+so two layers never share masks.
+
+- hidden dropout `[s, b, h]` (or its sequence-parallel shard `[s/tp, b, h]`): element
+  `(pos, sample, j)` with `pos` the global position (the shard's offset added under SP);
+- attention dropout on the probabilities `[b, n/tp, sq, sk]`: element `(sample, head, q, k)`
+  with `head` the global query head (the TP rank's offset added).
+
+Keep test: the 32-bit hash `v` keeps an element when `v >= round(p * 2^32)`, so the keep
+probability is `1 - p` up to 2^-32; kept values are scaled by `1 / (1 - p)` (inverted dropout,
+Srivastava et al. 2014, sec. 10). The hash is integer arithmetic on int64 tensors holding
+32-bit values (every product stays below 2^63), identical on CPU and CUDA.
+
+Without sample ids (a model called outside the training schedules, e.g. a user's own loop or
+a layer test) or with `--dropout-masks rank-streams`, dropout draws from the RNG tracker's
+streams as Megatron does: a replicated tensor from the default stream (the same on every TP
+rank), a sharded one (heads, sequence shards) from the TP stream. Those masks depend on the
+layout; nothing outside model code draws from either stream (parallel_state/random.py).
+"""
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.nn.functional as F
+
+import parallel_state as ps
+
+MASK32 = 0xFFFFFFFF
+# Odd multipliers below 2^31, so that `x * M` of a 32-bit `x` stays below 2^63 (no overflow
+# in int64); the xor-shift-multiply rounds are those of Wellons' 32-bit "lowbias32" mixer.
+_M1, _M2 = 0x7FEB352D, 0x5BD1E995
+# Sub-sites of one module (a transformer layer has three residual dropouts)
+SITE_ATTENTION_RESIDUAL, SITE_CROSS_ATTENTION_RESIDUAL, SITE_MLP_RESIDUAL = 0, 1, 2
+
+
+def _mix32_int(x: int) -> int:
+    x ^= x >> 16
+    x = (x * _M1) & MASK32
+    x ^= x >> 15
+    x = (x * _M2) & MASK32
+    return x ^ (x >> 16)
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """Bijective 32-bit mixer, in place on an int64 tensor whose values are in [0, 2^32)."""
+    x.bitwise_xor_(x >> 16).mul_(_M1).bitwise_and_(MASK32)
+    x.bitwise_xor_(x >> 15).mul_(_M2).bitwise_and_(MASK32)
+    return x.bitwise_xor_(x >> 16)
+
+
+def site_id(name: str) -> int:
+    """The dropout site of a module named `name` (32 bits)."""
+    return zlib.crc32(name.encode())
+
+
+def sub_site(site: int, k: int) -> int:
+    """Site `k` of a module with several dropouts (a layer's residuals)."""
+    return (site + k * 0x9E3779B9) & MASK32
+
+
+def assign_dropout_sites(model: torch.nn.Module) -> None:
+    """Give every submodule that has a `dropout_site` attribute the id of its name in `model`
+    (`decoder.layers.7.self_attention`: global layer numbers, so the same at any pipeline
+    layout). Call at the end of a model's constructor."""
+    for name, module in model.named_modules():
+        if hasattr(module, "dropout_site"):
+            module.dropout_site = site_id(name)
+
+
+def _row_keys(sample_ids: torch.Tensor, site: int) -> torch.Tensor:
+    """`[b]` int64 keys of (seed, site, sample) in [0, 2^32)."""
+    base = _mix32_int((_mix32_int(ps.get_dropout_seed() & MASK32) ^ (site & MASK32)) & MASK32)
+    ids = sample_ids.to(torch.int64)
+    keys = mix32((ids & MASK32).add_(base).bitwise_and_(MASK32))
+    return mix32(keys.bitwise_xor_((ids >> 32) & MASK32))
+
+
+def _apply(x: torch.Tensor, hashes: torch.Tensor, p: float) -> torch.Tensor:
+    keep = hashes >= round(p * 2.0 ** 32)
+    return x * keep.to(x.dtype).mul_(1.0 / (1.0 - p))
+
+
+def _counters(rows: torch.Tensor, cols: int, device) -> torch.Tensor:
+    """Mixed counters `[len(rows), cols]` of the elements `row * cols + col`."""
+    c = rows.to(device=device, dtype=torch.int64)[:, None] * cols
+    return mix32(c.add(torch.arange(cols, device=device)).bitwise_and_(MASK32))
+
+
+def hidden_dropout(x: torch.Tensor, p: float, training: bool, site: int,
+                   sequence_parallel: bool = False) -> torch.Tensor:
+    """Dropout on hidden states `x [s, b, h]`, or on the sequence shard `[s/tp, b, h]` of TP
+    rank r (`sequence_parallel`: positions r*s/tp ...). Returns `x` itself when `p == 0` or not
+    `training`; masks as in the module docstring."""
+    if p == 0.0 or not training:
+        return x
+    ids = ps.get_dropout_sample_ids()
+    if ids is None:
+        return _stream_dropout(x, p, sharded=sequence_parallel)
+    s, b, h = x.shape
+    if ids.numel() != b:
+        raise ValueError(f"dropout: {ids.numel()} sample ids for a batch of {b}")
+    start = s * ps.get_tensor_model_parallel_rank() if sequence_parallel else 0
+    counters = _counters(torch.arange(start, start + s), h, x.device)  # [s, h]
+    keys = _row_keys(ids.to(x.device), site)
+    return _apply(x, mix32(counters[:, None, :] ^ keys[None, :, None]), p)
+
+
+def attention_dropout(probs: torch.Tensor, p: float, site: int) -> torch.Tensor:
+    """Dropout on attention probabilities `[b, n/tp, sq, sk]` of this TP rank's query heads
+    (global heads `rank * n/tp ...`), after the softmax. `p > 0`, training only."""
+    ids = ps.get_dropout_sample_ids()
+    if ids is None:
+        with ps.get_rng_tracker().fork():
+            return F.dropout(probs, p, training=True)
+    b, n, sq, sk = probs.shape
+    heads = torch.arange(n, device=probs.device) + n * ps.get_tensor_model_parallel_rank()
+    keys = _row_keys(ids.to(probs.device), site)[:, None] ^ mix32(heads + 0x9E3779B9)  # [b, n]
+    counters = _counters(torch.arange(sq), sk, probs.device)  # [sq, sk]
+    return _apply(probs, mix32(counters[None, None] ^ mix32(keys)[:, :, None, None]), p)
+
+
+def sample_keyed() -> bool:
+    """Whether attention dropout must run outside SDPA (masks keyed by sample, not a stream)."""
+    return ps.get_dropout_sample_ids() is not None
+
+
+def _stream_dropout(x: torch.Tensor, p: float, sharded: bool) -> torch.Tensor:
+    """Megatron's scheme: the TP stream for a tensor sharded over TP ranks (heads or sequence),
+    the tracker's default stream for a replicated one (the same masks on every TP rank)."""
+    name = ps.MODEL_PARALLEL_RNG if sharded else ps.DEFAULT_RNG
+    with ps.get_rng_tracker().fork(name):
+        return F.dropout(x, p, True)
