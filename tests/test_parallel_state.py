@@ -57,18 +57,21 @@ def _raised(fn, *args, **kwargs) -> str | None:
 
 
 def _rng_draws() -> dict:
-    """Dropout masks from the default and the TP stream, and an exact replay of the TP stream."""
+    """Megatron's scheme (dropout without sample ids): masks from the tracker's default and TP
+    streams, the process's own generator untouched by both, and an exact replay."""
+    from layers.dropout import hidden_dropout
+
     ps.model_parallel_seed(1234, ps.get_tensor_model_parallel_rank(),
                            ps.get_pipeline_model_parallel_rank())
-    tracker, x = ps.get_rng_tracker(), torch.ones(256)
-    default_mask = ps.dropout(x, 0.5, training=True, sharded=False) != 0
-    before_fork = torch.get_rng_state()
+    tracker, x = ps.get_rng_tracker(), torch.ones(8, 1, 32)
+    before = torch.get_rng_state()
+    default_mask = hidden_dropout(x, 0.5, True, site=0, sequence_parallel=False) != 0
     states = tracker.get_states()
-    tp_mask = ps.dropout(x, 0.5, training=True, sharded=True) != 0
-    default_untouched = torch.equal(torch.get_rng_state(), before_fork)
+    tp_mask = hidden_dropout(x, 0.5, True, site=0, sequence_parallel=True) != 0
+    default_untouched = torch.equal(torch.get_rng_state(), before)
     advanced = not torch.equal(tracker.get_states()[MODEL_PARALLEL_RNG], states[MODEL_PARALLEL_RNG])
     tracker.set_states(states)  # recompute: replay the region exactly
-    replay = ps.dropout(x, 0.5, training=True, sharded=True) != 0
+    replay = hidden_dropout(x, 0.5, True, site=0, sequence_parallel=True) != 0
     return dict(default=default_mask, tp=tp_mask, replay_equal=torch.equal(replay, tp_mask),
                 default_untouched=default_untouched, tp_stream_advanced=advanced)
 
@@ -418,12 +421,15 @@ def test_rng_tracker_single_process():
     with pytest.raises(KeyError, match="model_parallel_seed"):
         with tracker.fork("missing"):
             pass
-    x = torch.ones(16)
-    assert ps.dropout(x, 0.0, training=True, sharded=True) is x
-    assert ps.dropout(x, 0.5, training=False, sharded=False) is x
+    from layers.dropout import hidden_dropout
+
+    x = torch.ones(2, 1, 8)
+    assert hidden_dropout(x, 0.0, True, site=0, sequence_parallel=True) is x
+    assert hidden_dropout(x, 0.5, False, site=0, sequence_parallel=False) is x
     # the seeds model_parallel_seed documents: default = seed + 100 * pp, TP = default + 2718 + tp
     ps.model_parallel_seed(7, tp_rank=1, pp_rank=2)
-    default = torch.rand(4)
+    with ps.get_rng_tracker().fork(ps.DEFAULT_RNG):
+        default = torch.rand(4)
     with ps.get_rng_tracker().fork():
         tp_draw = torch.rand(4)
     torch.manual_seed(7 + 200)

@@ -1,7 +1,8 @@
 """T5 pretraining: span corruption over indexed .bin/.idx files, and loss equivalence of
 train.py's T5 runs against one process (tp=2 with sequence parallel, dp=2 with the
 distributed optimizer, full and selective recompute, a save + resume under the same command,
-pp=2 split 1, pp=4 split 2, tp=2 x pp=2 x dp=2), with dropout 0 in float32."""
+pp=2 split 1, pp=4 split 2, tp=2 x pp=2 x dp=2), in float32 with hidden and attention dropout
+0.1 (layout-independent masks, layers/dropout.py; the resume draws the same masks)."""
 from __future__ import annotations
 
 import numpy as np
@@ -74,7 +75,7 @@ def test_span_corruption_lengths_and_errors(tmp_path):
 COMMON = ["--model", "t5-tiny", "--train-iters", "3", "--log-interval", "1",
           "--eval-interval", "0", "--micro-batch-size", "2", "--global-batch-size", "8",
           "--no-tensorboard", "--adam-eps", "1e-4", "--clip-grad", "0.05", "--peak-tflops", "1",
-          "--lr", "1e-3"]
+          "--lr", "1e-3", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 UNTIED = COMMON  # t5-tiny: v1.1 style, gated-GeLU, untied head
 TIED = COMMON + ["--activation", "relu", "--no-untie-embeddings-and-output-weights"]  # v1.0
 
