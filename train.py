@@ -10,7 +10,9 @@ keys. (`--load CKPT` alone takes the checkpoint's model and tokenizer instead.)
 Config: a YAML file (--config) plus Megatron-named flags that override it; see README.md.
 
 A configuration, checkpoint or data error prints one line (`train.py: configuration error:
-...`) on rank 0 and exits with 2, 1 or 2 before any training step. Under torchrun the line is
+...`) on rank 0 and exits with 2, 1 or 2 before any training step; a run stopped by
+non-finite steps or by diverged replicas (`train.py: training error: ...`) exits with 3
+without saving. Under torchrun the line is
 also this worker's elastic error file (torch.distributed.elastic's JSON format), so torchrun's
 failure summary shows it in place of "To enable traceback see ..."; any other exception is
 recorded with its traceback by `torch.distributed.elastic.multiprocessing.errors.record`.
@@ -26,7 +28,7 @@ from models.config import ConfigError
 from parallel_state import report_error
 from parallel_state.host_memory import tune_host_allocator
 from training.arguments import parse_config
-from training.trainer import DataError, pretrain
+from training.trainer import DataError, NonFiniteError, ReplicaMismatchError, pretrain
 
 DEMO = Path(__file__).resolve().parent / "configs" / "demo.yaml"
 
@@ -65,6 +67,8 @@ def main(argv=None) -> int:
         return _fail("checkpoint", e, 1)
     except DataError as e:  # likewise
         return _fail("data", e, 2)
+    except (NonFiniteError, ReplicaMismatchError) as e:  # alike on every rank; nothing saved
+        return _fail("training", e, 3)
     return 0
 
 

@@ -111,8 +111,9 @@ LAYOUTS = {  # world -> [(reference, flags)], run one after the other in one wor
         ("llama", ["--data-parallel-sharding-strategy", "optim_grads_params",
                    "--recompute-granularity", "full"])],
     4: [("gpt", ["--tp", "2", "--pp", "2", "--sequence-parallel", "--use-distributed-optimizer"]),
+        # the replicas (DP, and TP for norms and row-parallel biases) checked after every step
         ("llama", ["--tp", "2", "--no-sequence-parallel", "--data-parallel-sharding-strategy",
-                   "optim_grads"])],
+                   "optim_grads", "--check-weight-hash-across-dp-replicas-interval", "1"])],
 }
 FAMILY = {"gpt": GPT, "llama": LLAMA}
 

@@ -40,6 +40,9 @@ from .distributed_optimizer import DistributedOptimizer
 from .flops import PeakFlops, training_flops_per_token
 from .fsdp import peak_gathered_bytes
 from .memory import activation_report, measure_activation_bytes, model_state_bytes
+from .nonfinite import (NonFiniteError, StepGuard, held_grads, inject_grad_for_test,
+                        inject_loss_for_test)
+from .replicas import ReplicaMismatchError, check_replicas
 from .metrics import MetricsLogger, Progress, format_duration, peak_memory_bytes
 from .optimizer import build_optimizer, clip_grads, learning_rate, reconcile_schedule
 from .planner.report import log_comm, memory_prediction, run_end_summary
@@ -134,9 +137,10 @@ def build_model(config: Config, device) -> list[GPTModel]:
 
 
 # ---------------------------------------------------------------------- main loop
-# Raised alike on every rank before any training step, with a message naming the fix: not a
-# hang, so no trace dump.
-_UNIFORM_ERRORS = (ConfigError, CheckpointError, DataError)
+# Raised alike on every rank (before any training step, or from values all ranks share: the
+# global loss and gradient norm, the replica check's world-wide verdict), with a message naming
+# the fix: not a hang, so no trace dump.
+_UNIFORM_ERRORS = (ConfigError, CheckpointError, DataError, NonFiniteError, ReplicaMismatchError)
 
 
 def pretrain(config: Config, on_end=None) -> list[dict]:
@@ -315,6 +319,7 @@ def _train(config: Config, device, on_end=None, run_start: float | None = None) 
     exit_check = ExitCheck(t, run_start or start)
     profiler = StepProfiler(t, t.log_dir, device)
     stop = None
+    guard = StepGuard(t.check_for_nan_in_loss_and_grad, t.max_skipped_iters)
     # --report-comm counts the second step (a steady one) when there is one, else the first
     counted_step = start_iteration + (1 if t.train_iters > start_iteration + 1 else 0)
     counter = CommCounter() if t.report_comm else None
@@ -345,23 +350,29 @@ def _train(config: Config, device, on_end=None, run_start: float | None = None) 
             for ddp in model:
                 ddp.zero_grad_buffer()
             timeline = Timeline() if t.profile_pipeline and iteration > 0 else None
+            hooks = inject_grad_for_test(iteration + 1, params)  # no-op unless testing
             loss_sum = forward_backward(model=model, microbatches=microbatches,
                                         loss_scale=1.0 / float(num_tokens), spec=spec,
                                         timeline=timeline)
+            for hook in hooks:
+                hook.remove()
             if timeline is not None:
                 profiles.append(gather_timeline(timeline))
             for ddp in model:
                 ddp.finish_grad_sync()
             all_reduce_sequence_parallel_grad_pieces(model)
             all_reduce_embedding_grads(model)
+            loss_sum = inject_loss_for_test(iteration + 1, loss_sum)
             with record_function("shardzoo.optimizer"):
                 if isinstance(optimizer, DistributedOptimizer):
                     grad_norm = optimizer.clip_grad_norm(t.clip_grad)
                 else:
                     grad_norm = clip_grads(params, t.clip_grad)
-                optimizer.step()
+                loss = float(global_loss_sum(loss_sum) / num_tokens)  # the same on every rank
+                skipped = guard.skip_reason(loss, grad_norm, held_grads(optimizer, params))
+                if skipped is None:
+                    optimizer.step()
             position.consumed_samples += gbs
-            loss = float(global_loss_sum(loss_sum) / num_tokens)  # waits for the step to finish
             counted = counter.stop() if counter is not None and counter.active else None
             profile = profiler.after(iteration, logger)
             if profile is not None:
@@ -371,11 +382,21 @@ def _train(config: Config, device, on_end=None, run_start: float | None = None) 
                 comm = log_comm(config, counted, gbs, iteration + 1, logger,
                                 first_step=iteration == start_iteration)
                 records.append(comm)
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"loss is {loss} at iteration {iteration + 1}; lower --lr "
-                                         f"or enable --clip-grad")
             it = iteration + 1
-            if it % t.log_interval == 0 or it == t.train_iters or it == start_iteration + 1:
+            if skipped is not None:
+                rec = {"iteration": it, "event": "skipped", "reason": skipped, "loss": loss,
+                       "grad_norm": grad_norm, "consecutive": guard.consecutive + 1}
+                limit = f" of {t.max_skipped_iters} allowed" if t.max_skipped_iters else ""
+                logger.log(rec, f"iter {it:6d}/{t.train_iters} | step skipped: {skipped} "
+                                f"(weights and optimizer unchanged; {guard.consecutive + 1} in a "
+                                f"row{limit})", prefix="skip")
+                records.append(rec)
+            guard.after_step(it, skipped, loss)
+            if t.check_weight_hash_across_dp_replicas_interval and \
+                    it % t.check_weight_hash_across_dp_replicas_interval == 0:
+                check_replicas(model, it)
+            if skipped is None and (it % t.log_interval == 0 or it == t.train_iters
+                                    or it == start_iteration + 1):
                 step_time = progress.window()  # training steps only: no validation or saving
                 tps = gbs * m.seq_length / step_time  # this step's batch (ramp-up)
                 tflops = flops_per_token * tps / dist.get_world_size() / 1e12
@@ -403,7 +424,8 @@ def _train(config: Config, device, on_end=None, run_start: float | None = None) 
                 records.append(rec)
             if evaluating and (it % t.eval_interval == 0 or it == t.train_iters):
                 records.append(_validate(model, valid_ds, config, device, logger, it, progress))
-            if checkpointer and t.save_interval and it % t.save_interval == 0:
+            if checkpointer and t.save_interval and it % t.save_interval == 0 and \
+                    skipped is None:  # a save never ends a streak of skipped steps
                 save_start = time.perf_counter()
                 checkpointer.save(it, chunks, model, optimizer, position)
                 progress.other("save", time.perf_counter() - save_start)
@@ -411,6 +433,10 @@ def _train(config: Config, device, on_end=None, run_start: float | None = None) 
             stop = exit_check.reason(it)
             if stop is not None:
                 break
+    except NonFiniteError:
+        if checkpointer:
+            checkpointer.wait()  # an earlier, good save still being written completes
+        raise
     finally:
         exit_check.close()
     last = it if stop is not None else max(start_iteration, t.train_iters)

@@ -1,0 +1,151 @@
+"""Steps whose loss or gradient norm is not finite are not applied (Megatron's
+--check-for-nan-in-loss-and-grad, on by default).
+
+After the backward and the gradient norm (a global all-reduce, so every rank sees the same
+value) and the global loss (summed over the pipeline and data-parallel groups, likewise the
+same everywhere), a step whose loss or norm is NaN or infinite skips the optimizer. The norm
+counts a TP-replicated parameter's gradient on one TP rank only, so each rank also checks
+every gradient it holds and the world agrees on the verdict (one all-reduce of a flag per
+rank): a gradient that is not finite on any rank skips the step everywhere. Skipping: weights,
+Adam moments and the step count stay as they were; the data of the step is consumed (the
+next step reads the next samples, as Megatron does after an fp16 overflow) and the learning
+rate schedule follows the iteration. The log line of the step says what was not finite.
+After `--max-skipped-iters` consecutive skipped steps the run stops with `NonFiniteError`:
+nothing is saved (the last checkpoint written stays the newest and `latest`), so the same
+command, or one with a lower --lr, resumes from good weights.
+
+With `--no-check-for-nan-in-loss-and-grad` a step is applied whatever its norm, and a
+non-finite loss stops the run with `NonFiniteError` after the step (weights may be NaN; still
+nothing is saved).
+
+Test hook: `SHARDZOO_TEST_NONFINITE="grad:3,4 loss:7"` makes the gradient (of one parameter on
+the last rank, in its backward: before the data-parallel reduction, as a bad sample would) or
+the loss sum (on the last rank) NaN at those iterations (1-based).
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.distributed as dist
+
+import parallel_state as ps
+from parallel_state import collectives
+
+TEST_ENV = "SHARDZOO_TEST_NONFINITE"
+
+
+class NonFiniteError(FloatingPointError):
+    """Training cannot go on: too many consecutive non-finite steps (or one, unchecked)."""
+
+
+def _describe(value: float) -> str:
+    return "NaN" if math.isnan(value) else f"{value:+}"
+
+
+class StepGuard:
+    """Decides whether a step is applied, and stops the run after too many skipped ones.
+
+    Args:
+        enabled: --check-for-nan-in-loss-and-grad.
+        max_skipped: --max-skipped-iters (consecutive skipped steps that stop the run; 0:
+            never stop).
+    """
+
+    def __init__(self, enabled: bool, max_skipped: int):
+        self.enabled, self.max_skipped = enabled, max_skipped
+        self.consecutive = 0
+        self.total = 0
+
+    def skip_reason(self, loss: float, grad_norm: float, grads: list[torch.Tensor]) -> str | None:
+        """Why this step must not be applied (e.g. "grad norm NaN"), or None to apply it.
+        `grads`: the gradients this rank holds (all of them, replicated ones included).
+        Collective over the world (when enabled)."""
+        if not self.enabled:
+            return None
+        loss_ranks, grad_ranks = _ranks_with_nonfinite(loss, grads)
+        bad = []
+        if loss_ranks:
+            bad.append(f"loss not finite on rank(s) {loss_ranks}")
+        if not math.isfinite(grad_norm):
+            bad.append(f"grad norm {_describe(grad_norm)}")
+        elif grad_ranks:
+            bad.append(f"a gradient on rank(s) {grad_ranks} is not finite")
+        return " and ".join(bad) or None
+
+    def after_step(self, iteration: int, reason: str | None, loss: float) -> None:
+        """Count the step (1-based `iteration`). Raises `NonFiniteError` when the run must stop:
+        `max_skipped` consecutive skipped steps, or (unchecked) a non-finite loss."""
+        if not self.enabled:
+            if not math.isfinite(loss):
+                raise NonFiniteError(
+                    f"loss is {loss} at iteration {iteration} and the step was applied "
+                    f"(--no-check-for-nan-in-loss-and-grad); nothing was saved. Resume from "
+                    f"the last checkpoint with a lower --lr, or drop that flag so that such "
+                    f"steps are skipped")
+            return
+        if reason is None:
+            self.consecutive = 0
+            return
+        self.consecutive += 1
+        self.total += 1
+        if self.max_skipped and self.consecutive >= self.max_skipped:
+            raise NonFiniteError(
+                f"{self.consecutive} consecutive steps skipped (iterations "
+                f"{iteration - self.consecutive + 1}..{iteration}; the last: {reason}); "
+                f"stopping without saving, so the newest checkpoint holds the last good "
+                f"weights. Resume from it with a lower --lr (or --clip-grad), look for bad "
+                f"samples around these iterations, or raise --max-skipped-iters")
+
+
+def held_grads(optimizer, params) -> list[torch.Tensor]:
+    """The gradients the optimizer will apply on this rank: the distributed optimizer's shards
+    (ZeRO: each rank checks what it owns), else every parameter's `.grad`."""
+    shards = getattr(optimizer, "shards", None)
+    if shards is not None:
+        return [s.grad for s in shards]
+    return [p.grad for p in params if p.grad is not None]
+
+
+def _ranks_with_nonfinite(loss: float, grads: list[torch.Tensor]) -> tuple[list[int], list[int]]:
+    """(global ranks whose loss is NaN or infinite, ranks holding such a gradient element):
+    the same answer on every rank, whatever each saw."""
+    grads = [g for g in grads if g.numel()]
+    device = grads[0].device if grads else ps.get_device()
+    flags = torch.zeros(2, dist.get_world_size(), dtype=torch.float32, device=device)
+    flags[0, dist.get_rank()] = float(not math.isfinite(loss))
+    if grads:
+        local = torch.stack(torch._foreach_norm(grads)).sum()
+        flags[1, dist.get_rank()] = (~torch.isfinite(local)).float()
+    collectives.all_reduce(flags)
+    flags = flags.cpu()
+    return torch.nonzero(flags[0]).flatten().tolist(), torch.nonzero(flags[1]).flatten().tolist()
+
+
+def _test_iterations(kind: str) -> set[int]:
+    spec = os.environ.get(TEST_ENV, "")
+    out = set()
+    for part in spec.split():
+        name, _, its = part.partition(":")
+        if name == kind:
+            out.update(int(i) for i in its.split(",") if i)
+    return out
+
+
+def _last_rank_at(iteration: int, kind: str) -> bool:
+    return os.environ.get(TEST_ENV) is not None and iteration in _test_iterations(kind) and \
+        dist.get_rank() == dist.get_world_size() - 1
+
+
+def inject_grad_for_test(iteration: int, params) -> list:
+    """The test hook's gradient: a hook that makes the gradient of this rank's last parameter
+    NaN in the coming backward. Returns the hook handles to remove after it."""
+    if not _last_rank_at(iteration, "grad"):
+        return []
+    return [params[-1].register_hook(lambda g: g + float("nan"))]
+
+
+def inject_loss_for_test(iteration: int, loss_sum: torch.Tensor) -> torch.Tensor:
+    """The test hook's loss: NaN added to the last rank's loss sum at `iteration`."""
+    return loss_sum + float("nan") if _last_rank_at(iteration, "loss") else loss_sum
