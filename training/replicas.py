@@ -88,8 +88,8 @@ def check_replicas(model: list, iteration: int) -> None:
     collectives.all_gather_object(everyone, problems)
     lines = sorted({line for found in everyone for line in found})
     raise ReplicaMismatchError(
-        f"after iteration {iteration}, {len(lines)} parameter(s) differ between ranks that "
-        f"must hold the same values: " + "; ".join(lines[:20])
+        f"after iteration {iteration}, weights differ between ranks that must hold the same "
+        f"values ({len(lines)} difference(s)): " + "; ".join(lines[:20])
         + (f"; ... {len(lines) - 20} more" if len(lines) > 20 else "")
         + ". Nothing was saved after this step; a checkpoint written at or before the last "
           "passing check holds consistent weights. Look for what these ranks compute "
