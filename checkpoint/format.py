@@ -14,6 +14,12 @@ A checkpoint is a folder `<save>/iter_0000010/` holding:
 checkpoint (Megatron's marker). Saves go to `iter_XXXXXXX.tmp-<random>/` and are renamed only
 after verification, so any folder named `iter_XXXXXXX` was complete when it appeared.
 
+A checkpoint is untrusted input, like a weight file: `read_metadata` refuses a metadata.json
+whose model needs more memory than the shard files hold before anything is built from it, and
+`verify_files` checks sizes and sha256, reads `.metadata` only after its sha256 matched and
+only through `checkpoint.safe_dcp`, and compares the stored tensors with the model before any
+tensor is read.
+
 Every failure is a `CheckpointError` naming the file, what is wrong and the fix.
 """
 from __future__ import annotations
@@ -27,6 +33,9 @@ LATEST = "latest_checkpointed_iteration.txt"
 METADATA = "metadata.json"
 CONFIG = "config.yaml"
 FORMAT_VERSION = 1
+DCP_METADATA = ".metadata"
+SHARD = re.compile(r"^__\d+_\d+\.distcp$")  # DCP FileSystemWriter's shard file names
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 
 
@@ -70,7 +79,7 @@ def newest_verified(save_dir: str) -> str | None:
     (sizes; the loader checks sha256), or None."""
     for _, path in reversed(complete_checkpoints(save_dir)):
         try:
-            meta = read_metadata(path)
+            meta = read_metadata(path, check=False)  # verify_files checks the rest
         except CheckpointError:
             continue
         if not verify_files(path, meta, checksums=False):
@@ -145,8 +154,11 @@ def require_checkpoint(load: str) -> str:
             f"pass a folder written by train.py --save or tools/convert_hf.py import")
     return path
 
-def read_metadata(path: str) -> dict:
-    """metadata.json of checkpoint folder `path`; `CheckpointError` if missing or unreadable."""
+def read_metadata(path: str, check: bool = True) -> dict:
+    """metadata.json of checkpoint folder `path`; `CheckpointError` if missing, unreadable or
+    malformed. With `check`, also what is cheap to know before anything is built from it:
+    every listed file present at its recorded size (`file_problem`) and a model that fits in
+    the shard files (`model_config`)."""
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint folder {path} does not exist; check --load")
     meta_path = os.path.join(path, METADATA)
@@ -158,68 +170,145 @@ def read_metadata(path: str) -> dict:
     try:
         with open(meta_path) as f:
             meta = json.load(f)
-        meta["iteration"], meta["files"], meta["layout"], meta["model"]  # noqa: B018
+        problem = _malformed(meta)
     except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{meta_path} is corrupt ({type(e).__name__}: {e}); restore the "
-                              f"checkpoint from --save-replica or load an earlier one") from None
+        problem = f"{type(e).__name__}: {e}"
+    if problem:
+        raise CheckpointError(f"{meta_path} is corrupt ({problem}); restore the checkpoint "
+                              f"from --save-replica or load an earlier one")
+    if check:
+        problems = [p for p in (file_problem(path, f, checksums=False) for f in meta["files"])
+                    if p]
+        if problems:
+            raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(problems))
+        model_config(path, meta)
     return meta
 
 
+def _malformed(meta) -> str | None:
+    """What makes a parsed metadata.json unusable (None: its fields have the right types, and
+    every file name stays inside the folder)."""
+    if type(meta) is not dict:
+        return "not a JSON object"
+    meta["iteration"], meta["files"], meta["layout"], meta["model"]  # noqa: B018 - KeyError
+    if type(meta["iteration"]) is not int or meta["iteration"] < 0:
+        return f"iteration {meta['iteration']!r}"
+    if type(meta["layout"]) is not dict or type(meta["model"]) is not dict or \
+            type(meta["files"]) is not list:
+        return "layout, model or files has the wrong type"
+    for f in meta["files"]:
+        name = f.get("name") if type(f) is dict else None
+        if type(name) is not str or os.path.isabs(name) or \
+                os.path.normpath(name).split(os.sep)[0] in ("..", "") or \
+                type(f.get("bytes")) is not int or f["bytes"] < 0 or \
+                not _SHA256.match(str(f.get("sha256"))):
+            return f"file entry {f!r}"
+    return None
+
+
+_NOT_THESE_FILES = ("metadata.json does not describe the files beside it (edited, or from "
+                    "another checkpoint); restore the folder from the --save-replica copy or "
+                    "the checkpoint's source, or load another checkpoint")
+
+
+def model_config(path: str, meta: dict):
+    """metadata.json's model (`meta["model"]`) as a `ModelConfig`, refused before any model is
+    built from it when it is invalid or would need more memory than the checkpoint's shard
+    files hold: at least 4 bytes (float32) per parameter of its unpadded model, and a vocab
+    padding (`make_vocab_size_divisible_by`) of at most max(vocab, 1024) rows. Raises
+    `CheckpointError` with the numbers."""
+    from models.config import ConfigError, ModelConfig
+
+    meta_path = os.path.join(path, METADATA)
+    fix = f"nothing was built or read; {_NOT_THESE_FILES}"
+    try:
+        config = ModelConfig.from_dict(meta["model"])
+        config.validate()
+        params = config.num_parameters()
+        pad = config.padded_vocab_size() - config.vocab_size
+    except (ConfigError, TypeError, ValueError, ArithmeticError) as e:
+        raise CheckpointError(f"{meta_path}: its model config is invalid ({e}); {fix}") from None
+    held = sum(os.path.getsize(os.path.join(path, f["name"])) for f in meta["files"]
+               if SHARD.match(f["name"]) and os.path.isfile(os.path.join(path, f["name"])))
+    if 4 * params > held:
+        raise CheckpointError(
+            f"{meta_path}: its model ({config.num_layers} layers, hidden {config.hidden_size}, "
+            f"ffn {config.ffn_hidden_size}, vocab {config.vocab_size}) has {params:,} "
+            f"parameters, {4 * params:,} bytes in float32, but the checkpoint's shard files "
+            f"hold {held:,} bytes; {fix}")
+    if pad > max(config.vocab_size, 1024):
+        raise CheckpointError(
+            f"{meta_path}: make_vocab_size_divisible_by {config.make_vocab_size_divisible_by} "
+            f"pads its vocabulary of {config.vocab_size} by {pad:,} rows (at most "
+            f"max(vocab, 1024) = {max(config.vocab_size, 1024)} are accepted); {fix}")
+    return config
+
+
+def damage_fix(path: str) -> str:
+    """The fix for a damaged file of checkpoint folder `path`."""
+    return ("restore it from the --save-replica copy or the checkpoint's source, or load an "
+            f"earlier checkpoint with --load {os.path.dirname(os.path.normpath(path)) or '.'}"
+            f"/iter_XXXXXXX")
+
+
+def file_problem(path: str, entry: dict, checksums: bool = True) -> str | None:
+    """What is wrong with the file metadata.json `entry` of checkpoint `path` (missing, size,
+    with `checksums` sha256), naming it and the fix; None when it matches."""
+    fix = damage_fix(path)
+    fpath = os.path.join(path, entry["name"])
+    if not os.path.isfile(fpath):
+        return f"{fpath} is missing (metadata.json lists it); {fix}"
+    size = os.path.getsize(fpath)
+    if size != entry["bytes"]:
+        return (f"{fpath} has {size} bytes, metadata.json records {entry['bytes']} "
+                f"(truncated or partially written); {fix}")
+    if checksums and sha256_file(fpath) != entry["sha256"]:
+        return (f"{fpath}: sha256 differs from metadata.json (the file is corrupt or was "
+                f"replaced by another); {fix}")
+    return None
+
+
 def verify_files(path: str, meta: dict, *, rank: int = 0, world: int = 1,
-                 checksums: bool = True) -> list[str]:
+                 checksums: bool = True, tensors=None) -> list[str]:
     """Problems with the files of checkpoint `path` (empty list: OK), each naming the file.
 
     Rank `rank` of `world` checks every `world`-th file of metadata.json (so a job verifies in
-    parallel); rank 0 also checks that every shard `.metadata` refers to is listed and long
-    enough. `checksums=False` checks presence and sizes only.
+    parallel). Rank 0 also checks the model fits in the files (`model_config`) and reads
+    `.metadata` as untrusted input (`safe_dcp.read_dcp_metadata`: its size and sha256 first,
+    whatever `checksums` says); then, given `tensors(config)` -> the `model.*` tensors a
+    reader of metadata.json's model needs (`keys.expected_tensors`), compares them with the
+    stored ones. `checksums=False` checks the other files' presence and sizes only.
     """
-    problems = []
-    fix = ("restore it from the --save-replica copy, or load an earlier checkpoint with "
-           f"--load {os.path.dirname(os.path.normpath(path)) or '.'}/iter_XXXXXXX")
-    files = meta["files"]
-    for i, entry in enumerate(files):
-        if i % world != rank:
-            continue
-        fpath = os.path.join(path, entry["name"])
-        if not os.path.isfile(fpath):
-            problems.append(f"{fpath} is missing (metadata.json lists it); {fix}")
-            continue
-        size = os.path.getsize(fpath)
-        if size != entry["bytes"]:
-            problems.append(f"{fpath} has {size} bytes, metadata.json records {entry['bytes']} "
-                            f"(truncated or partially written); {fix}")
-        elif checksums and sha256_file(fpath) != entry["sha256"]:
-            problems.append(f"{fpath}: sha256 differs from metadata.json (the file is "
-                            f"corrupt); {fix}")
+    problems = [p for i, entry in enumerate(meta["files"])
+                if i % world == rank and entry["name"] != DCP_METADATA
+                for p in [file_problem(path, entry, checksums)] if p]
     if rank == 0:
-        problems += _check_dcp_references(path, {f["name"]: f["bytes"] for f in files}, fix)
+        problems += _structure_problems(path, meta, tensors)
     return problems
 
 
-def _check_dcp_references(path: str, listed: dict[str, int], fix: str) -> list[str]:
-    """Every byte range DCP's `.metadata` points at lies inside a listed file."""
-    if ".metadata" not in listed:
-        return [f"{os.path.join(path, '.metadata')} is not listed in metadata.json; the "
-                f"checkpoint is incomplete; {fix}"]
+def _structure_problems(path: str, meta: dict, tensors) -> list[str]:
+    """Rank 0's part of `verify_files`: the model, `.metadata` and the stored tensors."""
+    from .keys import tensor_problems
+    from .safe_dcp import read_dcp_metadata
+
+    if any(file_problem(path, f, checksums=False) for f in meta["files"]
+           if f["name"] != DCP_METADATA):
+        return []  # a missing or cut file: reported by the rank that checks it
     try:
-        from torch.distributed.checkpoint import FileSystemReader
-
-        storage = FileSystemReader(path).read_metadata().storage_data
-    except Exception as e:  # noqa: BLE001 - any unreadable .metadata is the same problem
-        return [f"{os.path.join(path, '.metadata')} cannot be read ({type(e).__name__}: {e}); "
-                f"{fix}"]
-    ends: dict[str, int] = {}
-    for info in storage.values():
-        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-    problems = []
-    for name, end in sorted(ends.items()):
-        if name not in listed:
-            problems.append(f"{os.path.join(path, name)} holds shards (per .metadata) but is "
-                            f"not listed in metadata.json; {fix}")
-        elif listed[name] < end:
-            problems.append(f"{os.path.join(path, name)} has {listed[name]} bytes but its "
-                            f"shards end at byte {end} (truncated); {fix}")
-    return problems
+        config = model_config(path, meta)
+        md = read_dcp_metadata(path, meta)
+    except CheckpointError as e:
+        return [str(e)]
+    if tensors is None:
+        return []
+    stored = {k: tuple(v.size) for k, v in md.state_dict_metadata.items()}
+    mismatch = tensor_problems(tensors(config), stored)
+    if not mismatch:
+        return []
+    return [f"{os.path.join(path, METADATA)}: its model ({config.num_layers} layers, hidden "
+            f"{config.hidden_size}) does not match the tensors {os.path.join(path, DCP_METADATA)} "
+            f"lists: {'; '.join(mismatch)}; {_NOT_THESE_FILES}"]
 
 
 # model fields that must agree between a checkpoint and the model that loads it
@@ -246,8 +335,10 @@ def compare_model(meta: dict, model: dict, path: str) -> None:
 
 def summarize(path: str, checksums: bool = True) -> tuple[dict | None, list[str]]:
     """(metadata or None, problems) for `tools/checkpoint_info.py`."""
+    from .keys import dense_tensors
+
     try:
-        meta = read_metadata(path)
+        meta = read_metadata(path, check=False)  # verify_files checks (and lists) the rest
     except CheckpointError as e:
         return None, [str(e)]
-    return meta, verify_files(path, meta, checksums=checksums)
+    return meta, verify_files(path, meta, checksums=checksums, tensors=dense_tensors)

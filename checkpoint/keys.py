@@ -16,6 +16,7 @@ so there is one definition of the format.
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
@@ -23,10 +24,81 @@ from torch.distributed.tensor import DTensor, Shard
 import parallel_state as ps
 from layers import shard_tensor
 from layers.sharding import full_shape
+from models import model_class
 
 from .format import CONFIG, CheckpointError
 
 EMBEDDING = "embedding.word_embeddings.weight"
+OPTIMIZER_KINDS = ("optim.exp_avg", "optim.exp_avg_sq")
+
+
+def _dense_model(config):
+    """`config`'s whole model on the meta device, at the current grid's tp (1 without one)."""
+    with torch.device("meta"):
+        return model_class(config)(config)
+
+
+def dense_parameters(config) -> dict[str, torch.nn.Parameter]:
+    """`{name: meta-device parameter}` of the whole model at tp = 1 (shapes with the padded
+    vocab, and the sharding attributes: `num_fused_parts`, `full_rows`). Without a grid."""
+    return dict(_dense_model(config).named_parameters())
+
+
+def dense_tensors(config) -> dict[str, tuple[tuple[int, ...], int | None]]:
+    """`expected_tensors` of `config`'s whole model (one process without a grid: tools)."""
+    return expected_tensors(entries([_dense_model(config)]))
+
+
+def expected_tensors(items) -> dict[str, tuple[tuple[int, ...], int | None]]:
+    """`{model.* DCP key: (dense shape, real vocab rows or None)}` that the parameters `items`
+    (`entries(chunks)`) read; a tied copy reads the embedding's key, left to its owner."""
+    out = {}
+    for _, p, key_name, tied_copy in items:
+        if not tied_copy:
+            for key, _, want in _parts(p, "model", key_name, "meta"):
+                out[key] = (tuple(want), getattr(p, "full_rows", None))
+    return out
+
+
+def _parts(p, kind: str, key_name: str, device: str) -> list[tuple[str, torch.Tensor, torch.Size]]:
+    """`[(DCP key, empty TP-local part, dense shape)]` of parameter `p`'s stored tensors."""
+    locals_ = split_parts(torch.empty_like(p, dtype=torch.float32, device=device), p)
+    return [(key, local, global_shape(local, p))
+            for key, local in zip(part_keys(kind, key_name, p), locals_)]
+
+
+def _fits(have: tuple, want: tuple, rows: int | None) -> bool:
+    """A stored shape `have` serves `want`: equal, or a vocab tensor (`rows` real rows) padded
+    to any size >= them."""
+    return tuple(have) == tuple(want) or bool(rows) and len(have) == len(want) and \
+        tuple(have[1:]) == tuple(want[1:]) and have[0] >= rows
+
+
+def tensor_problems(expected: dict, stored: dict[str, tuple[int, ...]]) -> list[str]:
+    """How a checkpoint's tensors (`stored`: DCP key -> shape) differ from the `model.*`
+    tensors a model reads (`expected`, see `expected_tensors`): keys missing or extra (a
+    layer count that is not the checkpoint's), shapes, and optimizer moments that are not one
+    per stored model tensor. Empty when they match."""
+    model = {k: v for k, v in stored.items() if k.startswith("model.")}
+    problems = [f"{len(keys)} {what} tensor(s) ({_few(keys)})" for what, keys in (
+        ("missing", sorted(set(expected) - set(model))),
+        ("extra", sorted(set(model) - set(expected)))) if keys]
+    problems += [f"{key} has shape {model[key]}, the model's is {shape}"
+                 for key, (shape, rows) in expected.items()
+                 if key in model and not _fits(model[key], shape, rows)]
+    for kind in OPTIMIZER_KINDS:
+        moments = {"model" + k[len(kind):]: v for k, v in stored.items()
+                   if k.startswith(kind + ".")}
+        if moments and moments != model:
+            problems.append(f"the {kind} tensors are not one per model tensor of the same shape")
+    return problems
+
+
+def _few(keys: list[str], n: int = 3) -> str:
+    """The first `n` of `keys` and the layer numbers they all span."""
+    layers = sorted({int(m.group(1)) for k in keys if (m := re.search(r"\.layers\.(\d+)\.", k))})
+    return ((f"layers {', '.join(map(str, layers))}: " if layers else "") + ", ".join(keys[:n])
+            + (f", ... (+{len(keys) - n} more)" if len(keys) > n else ""))
 
 
 def entries(chunks) -> list[tuple[str, torch.nn.Parameter, str, bool]]:
@@ -95,11 +167,9 @@ def read_plan(path: str, saved: dict, items, kinds: tuple[str, ...]):
     sd, plan = {}, []
     for name, p, key_name, _ in items:
         for kind in kinds:
-            keys = part_keys(kind, key_name, p)
+            parts = _parts(p, kind, key_name, "cpu")
             dense = False
-            for key, local in zip(keys, split_parts(torch.empty_like(p, dtype=torch.float32,
-                                                                     device="cpu"), p)):
-                want = global_shape(local, p)
+            for key, local, want in parts:
                 if key not in saved:
                     raise CheckpointError(
                         f"{path}: the checkpoint has no tensor {key!r} (this model's parameter "
@@ -108,8 +178,7 @@ def read_plan(path: str, saved: dict, items, kinds: tuple[str, ...]):
                         f"with this run's flags")
                 have = torch.Size(saved[key].size)
                 if have != want:
-                    rows = getattr(p, "full_rows", None)
-                    if rows is None or have[1:] != want[1:] or have[0] < rows:
+                    if not _fits(have, want, getattr(p, "full_rows", None)):
                         raise CheckpointError(
                             f"{path}: tensor {key!r} has shape {tuple(have)}, this model "
                             f"expects {tuple(want)}; the model settings differ from "
@@ -118,7 +187,7 @@ def read_plan(path: str, saved: dict, items, kinds: tuple[str, ...]):
                 if getattr(p, "kv_replicas", 1) > 1:
                     dense = True  # replicated KV heads are no Shard(): read whole, then shard
                 sd[key] = torch.empty(have) if dense else as_saved(local, p)
-            plan.append((p, kind, keys, dense))
+            plan.append((p, kind, [key for key, _, _ in parts], dense))
     return sd, plan
 
 

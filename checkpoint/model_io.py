@@ -27,12 +27,14 @@ import yaml
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from models import model_class
 from models.config import ModelConfig
+from parallel_state import collectives
 
+from . import safe_dcp
 from .format import (CONFIG, FORMAT_VERSION, METADATA, CheckpointError, describe_files,
                      read_metadata, verify_files)
-from .keys import entries, num_parts, read_plan, rebuild
+from .keys import (dense_parameters, dense_tensors, entries, expected_tensors, num_parts,
+                   read_plan, rebuild)
 
 TOKENIZER_DIR = "tokenizer"  # an HF tokenizer folder inside a checkpoint
 TOKENIZER_MODEL = "tokenizer.model"  # or a SentencePiece model file
@@ -44,14 +46,6 @@ def _single_process():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-
-
-def dense_parameters(config: ModelConfig) -> dict[str, torch.nn.Parameter]:
-    """`{name: meta-device parameter}` of the whole model at tp = 1 (shapes with the padded
-    vocab, and the sharding attributes: `num_fused_parts`, `full_rows`)."""
-    with torch.device("meta"):
-        model = model_class(config)(config)
-    return dict(model.named_parameters())
 
 
 class _LazySavePlanner(DefaultSavePlanner):
@@ -145,7 +139,7 @@ def write_weights_checkpoint(out: str, config: ModelConfig,
                 "files": describe_files(tmp, names)}
         with open(os.path.join(tmp, METADATA), "w") as f:
             json.dump(meta, f, indent=1)
-        problems = verify_files(tmp, meta)
+        problems = verify_files(tmp, meta, tensors=dense_tensors)
         if problems:
             raise CheckpointError("the written checkpoint failed verification: " +
                                   "; ".join(problems))
@@ -156,13 +150,50 @@ def write_weights_checkpoint(out: str, config: ModelConfig,
     return out
 
 
+def verify_checkpoint(path: str, meta: dict, tensors=None) -> None:
+    """Check checkpoint folder `path` against its metadata.json `meta` before any tensor is
+    read (`format.verify_files`: sizes, sha256, `.metadata` as untrusted input, with
+    `tensors` the stored tensors against the model), its files split over the ranks of the
+    world when there is one (then collective). Raises the same `CheckpointError` on every
+    rank, listing every problem with its file."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    problems = verify_files(path, meta, rank=rank, world=world, tensors=tensors)
+    if world > 1:
+        everyone = [None] * world
+        collectives.all_gather_object(everyone, problems)
+        problems = [p for part in everyone for p in part]
+    if problems:
+        raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(problems))
+
+
+def model_tensors(chunks) -> dict:
+    """`keys.expected_tensors` of the model whose chunks the ranks of the world hold (each
+    rank passes its own; gathered, so collective when there is a process group)."""
+    mine = expected_tensors(entries(chunks))
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return mine
+    everyone = [None] * dist.get_world_size()
+    collectives.all_gather_object(everyone, mine)
+    return {k: v for part in everyone for k, v in part.items()}
+
+
+def open_checkpoint(path: str, tensors) -> tuple[dict, "safe_dcp.Metadata"]:
+    """`(metadata.json, checked DCP metadata)` of checkpoint folder `path`, verified first
+    (`verify_checkpoint` with `tensors`; collective when there is a process group). Raises
+    `CheckpointError`."""
+    meta = read_metadata(path)
+    verify_checkpoint(path, meta, tensors)
+    return meta, safe_dcp.read_dcp_metadata(path, meta)
+
+
 def read_dense_weights(path: str) -> tuple[ModelConfig, dict[str, Callable[[], torch.Tensor]]]:
     """`(model config, {name: function -> dense float32 tensor})` of checkpoint folder `path`
-    (one process, no process group). Vocab padding rows are cut off and fused parts joined,
-    so the tensors are the same whatever layout saved them. Raises `CheckpointError`."""
-    meta = read_metadata(path)
+    (one process, no process group), verified first (`open_checkpoint`). Vocab padding rows
+    are cut off and fused parts joined, so the tensors are the same whatever layout saved
+    them. Raises `CheckpointError`."""
+    meta, md = open_checkpoint(path, dense_tensors)
     config = ModelConfig.from_dict(meta["model"])
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    saved = md.state_dict_metadata
     out = {}
     for name, p in dense_parameters(config).items():
         keys = [f"model.{name}"] if num_parts(p) == 1 else \
@@ -175,7 +206,7 @@ def read_dense_weights(path: str) -> tuple[ModelConfig, dict[str, Callable[[], t
         def read(keys=keys, p=p):
             sd = {k: torch.empty(saved[k].size, dtype=torch.float32) for k in keys}
             with _single_process():
-                dcp.load(sd, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+                safe_dcp.load(sd, path, md, no_dist=True)
             t = sd[keys[0]] if len(keys) == 1 else torch.cat([sd[k] for k in keys],
                                                              p.partition_dim)
             rows = getattr(p, "full_rows", None)
@@ -186,15 +217,15 @@ def read_dense_weights(path: str) -> tuple[ModelConfig, dict[str, Callable[[], t
 
 @torch.no_grad()
 def load_model_weights(path: str, chunks) -> dict:
-    """Load checkpoint folder `path`'s weights into this rank's model `chunks` (any layout);
-    returns its metadata. Collective: every rank of the world calls it (DCP's load)."""
-    meta = read_metadata(path)
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    """Load checkpoint folder `path`'s weights into this rank's model `chunks` (any layout),
+    verified first (`open_checkpoint`); returns its metadata. Collective: every rank of the
+    world calls it (the verification's gather, DCP's load)."""
+    expected = model_tensors(chunks)
+    meta, md = open_checkpoint(path, lambda config: expected)
     items = entries(chunks)
-    sd, plan = read_plan(path, saved, items, ("model",))
+    sd, plan = read_plan(path, md.state_dict_metadata, items, ("model",))
     with _single_process():
-        dcp.load(sd, storage_reader=dcp.FileSystemReader(path),
-                 no_dist=not dist.is_initialized())
+        safe_dcp.load(sd, path, md, no_dist=not dist.is_initialized())
     values = rebuild(sd, plan)
     for _, p, _, _ in items:
         p.copy_(values[id(p)]["model"].to(p.device, p.dtype))

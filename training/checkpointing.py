@@ -65,7 +65,9 @@ import torch.distributed.checkpoint as dcp
 
 import parallel_state as ps
 from checkpoint.keys import as_saved, entries, part_keys, read_plan, rebuild, split_parts
-from checkpoint.model_io import TOKENIZER_DIR, TOKENIZER_MODEL, read_tokenizer, write_tokenizer
+from checkpoint import safe_dcp
+from checkpoint.model_io import (TOKENIZER_DIR, TOKENIZER_MODEL, model_tensors, read_tokenizer,
+                                 verify_checkpoint, write_tokenizer)
 from parallel_state import collectives
 from parallel_state.collectives import all_gather_single
 
@@ -482,22 +484,20 @@ def load_checkpoint(config, chunks, model, optimizer) -> ResumeState:
     compare_model(meta, config.model.to_dict(), path)
     weights_only = t.finetune or meta.get("optimizer_state", True) is False
     restart_data = not weights_only and check_data_config(meta, config, path)
-    problems = verify_files(path, meta, rank=dist.get_rank(), world=dist.get_world_size())
-    everyone = [None] * dist.get_world_size()
-    collectives.all_gather_object(everyone, problems)
-    problems = [p for ps_ in everyone for p in ps_]
-    if problems:
-        raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(problems))
+    expected = model_tensors(chunks)  # this run's model, which is metadata.json's
+    verify_checkpoint(path, meta, lambda _: expected)
+    md = safe_dcp.read_dcp_metadata(path, meta)  # on every rank (rank 0 checked it above)
     if weights_only:
         why = ("--finetune" if t.finetune else
                "it holds weights only (imported, e.g. by tools/convert_hf.py)")
-        _load_states(path, config, chunks, model, optimizer, load_rng=False, weights_only=True)
+        _load_states(path, md, config, chunks, model, optimizer, load_rng=False,
+                     weights_only=True)
         _print0(f"loaded the weights of checkpoint {path} ({why}): iteration, optimizer and "
                 f"RNG start fresh")
         return ResumeState()
     same_layout = meta["layout"]["world_size"] == config.world_size and all(
         meta["layout"][k] == v for k, v in _layout(config).items() if k in ("tp", "pp", "vpp"))
-    iteration, consumed = _load_states(path, config, chunks, model, optimizer,
+    iteration, consumed = _load_states(path, md, config, chunks, model, optimizer,
                                        load_rng=same_layout and t.load_rng)
     if not same_layout and t.load_rng:
         _print0(f"checkpoint layout {meta['layout']} differs from this run's "
@@ -552,11 +552,10 @@ def check_data_config(meta: dict, config, path: str) -> bool:
     return True
 
 
-def _load_states(path: str, config, chunks, model, optimizer, load_rng: bool,
+def _load_states(path: str, md, config, chunks, model, optimizer, load_rng: bool,
                  weights_only: bool = False) -> tuple[int, int]:
-    """(iteration, consumed_samples) of the loaded checkpoint."""
-    reader = dcp.FileSystemReader(path)
-    saved = reader.read_metadata().state_dict_metadata
+    """(iteration, consumed_samples) of the checkpoint whose checked DCP metadata is `md`."""
+    saved = md.state_dict_metadata
     with_optim = config.train.load_optim and not weights_only
     kinds = KINDS if with_optim else KINDS[:1]
     sd, plan = read_plan(path, saved, entries(chunks), kinds)
@@ -564,12 +563,7 @@ def _load_states(path: str, config, chunks, model, optimizer, load_rng: bool,
     sd.update({k: torch.tensor(0) for k in scalars})
     if load_rng:
         sd.update({k: v.clone() for k, v in _rng_state().items()})
-    try:
-        dcp.load(sd, storage_reader=reader)
-    except Exception as e:  # noqa: BLE001 - name the checkpoint and the fix
-        raise CheckpointError(f"reading checkpoint {path} failed ({type(e).__name__}: "
-                              f"{str(e)[:500]}); verify it with tools/checkpoint_info.py "
-                              f"{path}, or load an earlier one") from e
+    safe_dcp.load(sd, path, md)
     values = rebuild(sd, plan)
     _apply(values, int(sd["optim.step"]), chunks, model, optimizer, with_optim=with_optim)
     if load_rng:

@@ -1,0 +1,269 @@
+"""Checkpoints are untrusted input (issue 27, item 4): on every load path (train.py --load,
+infer.py --load, tools/convert_hf.py export, tools/checkpoint_info.py) a crafted `.metadata`
+pickle is refused without running (a marker file it would create never appears), and a shard
+swapped for another checkpoint's, a flipped byte, a truncated shard and a metadata.json whose
+num_layers is not the checkpoint's are each refused naming the file.
+
+One tiny-llama run (1 process, saved at iterations 1 and 2) is trained once; each case damages
+its own copy of iteration 2. Every path is called in-process for every case (train.main in one
+spawned world of 1, the others in this process); each CLI also runs once as a subprocess on
+the crafted pickle.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+from launch import REPO, read_metrics, run_train
+
+TRAIN = ["--config", "configs/tiny-llama.yaml", "--train-iters", "2", "--eval-interval", "0",
+         "--log-interval", "1", "--peak-tflops", "1"]
+CASES = ("pickle", "swapped", "flipped", "truncated", "num_layers")
+SHARD = "__0_0.distcp"
+# the file each case must be refused by, and a word of its problem
+NAMED = {"pickle": (".metadata", "refused"), "swapped": (SHARD, "sha256"),
+         "flipped": (SHARD, "sha256"), "truncated": (SHARD, "truncated"),
+         "num_layers": ("metadata.json", "extra")}
+
+
+class _Payload:
+    """Unpickling it creates the file `path` (what a crafted checkpoint could run instead)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def _rehash(folder: Path, name: str) -> None:
+    """Rewrite metadata.json's size and sha256 of `name` (an attacker edits both files)."""
+    from checkpoint.format import describe_files
+
+    meta = json.loads((folder / "metadata.json").read_text())
+    entry = describe_files(str(folder), [name])[0]
+    meta["files"] = [entry if f["name"] == name else f for f in meta["files"]]
+    (folder / "metadata.json").write_text(json.dumps(meta, indent=1))
+
+
+def _damage(case: str, folder: Path, save: Path, marker: Path) -> None:
+    shard = folder / SHARD
+    if case == "pickle":
+        (folder / ".metadata").write_bytes(pickle.dumps(_Payload(str(marker))))
+        _rehash(folder, ".metadata")
+    elif case == "swapped":  # same name and size, another checkpoint's bytes
+        other = save / "iter_0000001" / SHARD
+        assert other.stat().st_size == shard.stat().st_size
+        shutil.copyfile(other, shard)
+    elif case == "flipped":
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        shard.write_bytes(bytes(data))
+    elif case == "truncated":
+        with open(shard, "r+b") as f:
+            f.truncate(shard.stat().st_size // 2)
+    else:  # num_layers: 2 of the checkpoint's 4 (the loader used to drop layers 2 and 3)
+        meta = json.loads((folder / "metadata.json").read_text())
+        assert meta["model"]["num_layers"] == 4
+        meta["model"]["num_layers"] = 2
+        (folder / "metadata.json").write_text(json.dumps(meta, indent=1))
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory, corpus_env):
+    """(cases {name: damaged copy of iteration 2}, the marker path, the intact save folder)."""
+    root = tmp_path_factory.mktemp("trust")
+    save = root / "save"
+    run_train(1, TRAIN + ["--save", str(save), "--save-interval", "1"], root / "log",
+              env=corpus_env)
+    marker = root / "MARKER"
+    cases = {}
+    for case in CASES:
+        cases[case] = root / case / "iter_0000002"
+        shutil.copytree(save / "iter_0000002", cases[case])
+        _damage(case, cases[case], save, marker)
+    return cases, marker, save
+
+
+def _missed(case: str, folder: Path, message: str, marker: Path) -> list[str]:
+    """`[]` when `message` refuses `case` naming its file, and nothing ran; else why not."""
+    name, word = NAMED[case]
+    out = [] if str(folder / name) in message and word in message else \
+        [f"{case}: not refused naming {name} ({word}): {message[-1500:]}"]
+    if marker.exists():
+        marker.unlink()  # so that the next case is judged on its own
+        out.append(f"{case}: a crafted .metadata ran code")
+    return out
+
+
+def test_checkpoint_info_refuses(hostile, capsys):
+    from tools import checkpoint_info
+
+    cases, marker, _ = hostile
+    missed = []
+    for case, folder in cases.items():
+        code = checkpoint_info.main([str(folder)])
+        out = capsys.readouterr().out
+        missed += _missed(case, folder, out, marker) + (
+            [] if code == 1 and "status: BAD" in out else [f"{case}: exit {code}"])
+    assert not missed, "\n".join(missed)
+
+
+def test_export_refuses(hostile, tmp_path, capsys):
+    from tools import convert_hf
+
+    cases, marker, _ = hostile
+    missed = []
+    for case, folder in cases.items():
+        out = tmp_path / case
+        try:
+            code = convert_hf.main(["export", "--load", str(folder), "--out", str(out)])
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - a traceback: a miss
+            code = repr(e)
+        err = capsys.readouterr().err
+        missed += _missed(case, folder, err, marker) + (
+            [] if code == 1 and not out.exists() else [f"{case}: exit {code}"])
+    assert not missed, "\n".join(missed)
+
+
+def test_infer_load_refuses(hostile, no_grid):
+    from checkpoint.format import CheckpointError
+    from inference.loading import load
+
+    cases, marker, _ = hostile
+    missed = []
+    for case, folder in cases.items():
+        try:
+            load(load=str(folder))
+            error = None
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - a traceback: a miss
+            error = e
+        missed += _missed(case, folder, str(error), marker) + (
+            [] if isinstance(error, CheckpointError) else [f"{case}: {error!r}"])
+    assert not missed, "\n".join(missed)
+
+
+def test_train_load_refuses(hostile, tmp_path, corpus_env):
+    """`train.py --load CKPT` (the model from the checkpoint): exit 1 naming the file, before
+    any step."""
+    from distributed import run_distributed
+    from test_checkpointing import _train_main_worker
+
+    cases, marker, _ = hostile
+    argvs = [["--load", str(folder), "--train-iters", "3", "--eval-interval", "0",
+              "--peak-tflops", "1", "--log-dir", str(tmp_path / case)]
+             for case, folder in cases.items()]
+    results = run_distributed(_train_main_worker, 1, argvs, corpus_env["SHARDZOO_CACHE"],
+                              timeout=300)[0]
+    missed = []
+    for (case, folder), (code, err) in zip(cases.items(), results):
+        missed += _missed(case, folder, err, marker) + (
+            [] if code == 1 and "train.py: checkpoint error:" in err else [f"{case}: exit {code}"])
+        log = tmp_path / case / "metrics.jsonl"
+        if log.exists() and [r for r in read_metrics(log.parent) if "loss" in r]:
+            missed.append(f"{case}: trained")
+    assert not missed, "\n".join(missed)
+
+
+def test_every_cli_refuses_a_crafted_metadata_pickle(hostile, tmp_path, corpus_env):
+    """The four command lines on the crafted `.metadata` (metadata.json rewritten to match
+    its size and sha256, so only the restricted unpickler stands in the way)."""
+    cases, marker, _ = hostile
+    folder = cases["pickle"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **corpus_env}
+    commands = {
+        "train": ["train.py", "--load", str(folder), "--train-iters", "3", "--eval-interval",
+                  "0", "--peak-tflops", "1", "--log-dir", str(tmp_path / "log")],
+        "infer": ["infer.py", "--load", str(folder), "--prompt", "hi", "--max-new-tokens", "1"],
+        "export": ["tools/convert_hf.py", "export", "--load", str(folder), "--out",
+                   str(tmp_path / "hf")],
+        "info": ["tools/checkpoint_info.py", str(folder)],
+    }
+    procs = {k: subprocess.Popen([sys.executable, *cmd], cwd=REPO, env=env, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for k, cmd in commands.items()}
+    outs = {k: p.communicate(timeout=240)[0] for k, p in procs.items()}
+    missed = []
+    for k, p in procs.items():
+        missed += [f"{k}: {m}" for m in _missed("pickle", folder, outs[k], marker)] + (
+            [] if p.returncode in (1, 2) and "Traceback" not in outs[k] else
+            [f"{k}: exit {p.returncode}, or a traceback"])
+    assert not missed, "\n".join(missed)
+
+
+def test_pickle_with_stale_hash_is_not_unpickled(hostile, tmp_path):
+    """metadata.json left as it was: `.metadata`'s sha256 differs, so it is never unpickled
+    (the restricted unpickler is not even reached)."""
+    from checkpoint.format import CheckpointError
+    from checkpoint.safe_dcp import read_dcp_metadata
+
+    cases, marker, save = hostile
+    folder = tmp_path / "iter_0000002"
+    shutil.copytree(save / "iter_0000002", folder)
+    payload = pickle.dumps(_Payload(str(marker)))
+    (folder / ".metadata").write_bytes(payload)
+    meta = json.loads((folder / "metadata.json").read_text())
+    for f in meta["files"]:
+        if f["name"] == ".metadata":
+            f["bytes"] = len(payload)  # same size: only the sha256 tells
+    with pytest.raises(CheckpointError, match="sha256 differs"):
+        read_dcp_metadata(str(folder), meta)
+    assert not marker.exists()
+
+
+def test_pickled_object_entries_are_refused(tmp_path):
+    """A checkpoint DCP itself wrote with a non-tensor entry: DCP would
+    `torch.load(weights_only=False)` it on load; ours refuses it by name, in `.metadata`'s
+    check and again in the planner."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    from checkpoint.format import CheckpointError, describe_files
+    from checkpoint.model_io import _single_process
+    from checkpoint.safe_dcp import LoadPlanner, read_dcp_metadata
+
+    marker = tmp_path / "MARKER"
+    folder = tmp_path / "ckpt"
+    with _single_process():
+        dcp.save({"x": torch.ones(3), "obj": _Payload(str(marker))},
+                 storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
+    meta = {"files": describe_files(str(folder), os.listdir(folder))}
+    with pytest.raises(CheckpointError, match="'obj' is a pickled object"):
+        read_dcp_metadata(str(folder), meta)  # .metadata unpickles (DCP's classes only)
+
+    item = ReadItem(LoadItemType.BYTE_IO, MetadataIndex("obj"), torch.Size([0]),
+                    MetadataIndex("obj"), torch.Size([0]), torch.Size([0]))
+    with pytest.raises(CheckpointError, match="'obj' is a pickled object"):
+        LoadPlanner().load_bytes(item, io.BytesIO(b""))
+    assert not marker.exists()
+
+
+def test_config_larger_than_the_files_is_refused_with_the_numbers(hostile, tmp_path):
+    """A metadata.json claiming a far larger model (hidden 8192, 80 layers) is refused before
+    anything is built from it: the bytes it needs and the bytes the shards hold."""
+    from checkpoint.format import CheckpointError, read_metadata
+
+    _, _, save = hostile
+    folder = tmp_path / "iter_0000002"
+    shutil.copytree(save / "iter_0000002", folder)
+    meta = json.loads((folder / "metadata.json").read_text())
+    meta["model"].update(num_layers=80, hidden_size=8192, ffn_hidden_size=28672,
+                         num_attention_heads=64, num_query_groups=8, kv_channels=128)
+    (folder / "metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError) as e:
+        read_metadata(str(folder))
+    msg = str(e.value)
+    assert str(folder / "metadata.json") in msg and "bytes in float32" in msg, msg
+    held = (folder / SHARD).stat().st_size
+    assert f"hold {held:,} bytes" in msg, msg
