@@ -273,10 +273,10 @@ def verify_files(path: str, meta: dict, *, rank: int = 0, world: int = 1,
     """Problems with the files of checkpoint `path` (empty list: OK), each naming the file.
 
     Rank `rank` of `world` checks every `world`-th file of metadata.json (so a job verifies in
-    parallel). Rank 0 also checks the model fits in the files (`model_config`) and reads
-    `.metadata` as untrusted input (`safe_dcp.read_dcp_metadata`: its size and sha256 first,
-    whatever `checksums` says); then, given `tensors(config)` -> the `model.*` tensors a
-    reader of metadata.json's model needs (`keys.expected_tensors`), compares them with the
+    parallel). Rank 0 also reads `.metadata` as untrusted input (`safe_dcp.read_dcp_metadata`:
+    its size and sha256 first, whatever `checksums` says); given `tensors(config)` -> the
+    `model.*` tensors a reader of metadata.json's model needs (`keys.expected_tensors`), it
+    checks the model fits in the files (`model_config`) and compares those tensors with the
     stored ones. `checksums=False` checks the other files' presence and sizes only.
     """
     problems = [p for i, entry in enumerate(meta["files"])
@@ -296,7 +296,7 @@ def _structure_problems(path: str, meta: dict, tensors) -> list[str]:
            if f["name"] != DCP_METADATA):
         return []  # a missing or cut file: reported by the rank that checks it
     try:
-        config = model_config(path, meta)
+        config = model_config(path, meta) if tensors else None
         md = read_dcp_metadata(path, meta)
     except CheckpointError as e:
         return [str(e)]

@@ -11,7 +11,9 @@
   never stored; it reads `embedding.word_embeddings.weight`.
 
 Training (`training/checkpointing.py`), inference and `tools/` all go through these helpers,
-so there is one definition of the format.
+so there is one definition of the format; `expected_tensors` / `tensor_problems` compare a
+checkpoint's stored tensors with the model metadata.json describes (missing or extra layers,
+shapes) before anything is read.
 """
 from __future__ import annotations
 

@@ -9,6 +9,12 @@
   vocab padding trimmed, fused parts joined.
 - `load_model_weights(path, chunks)`: load a checkpoint's weights into this rank's sharded
   model chunks at any tp/pp/vpp (collective over the world, like `dcp.load`).
+
+Both readers (and training's `load_checkpoint`) treat the folder as untrusted input: before
+any tensor is read, `verify_checkpoint` checks every file's size and sha256 (split over the
+ranks), reads `.metadata` through `safe_dcp` and compares the stored tensors with the model
+(`model_tensors`: what the ranks' chunks read; `keys.dense_tensors` in one process); tensors
+are then read through `safe_dcp.load`.
 """
 from __future__ import annotations
 

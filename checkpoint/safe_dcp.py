@@ -46,14 +46,25 @@ _ALLOWED = {
     (_META, "BytesStorageMetadata"), (_META, "_MEM_FORMAT_ENCODING"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"), ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
 } | {("torch", n) for n, v in vars(torch).items() if isinstance(v, torch.dtype)}
+_PATHS = {("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}  # StorageMeta.checkpoint_id
+
+
+def _path(*parts: Any) -> pathlib.PurePosixPath:
+    """A pickled path, built only from a few short strings (joining one memoized string
+    many times would otherwise turn a small file into a huge allocation)."""
+    if not all(type(p) is str for p in parts) or sum(map(len, parts)) > 4096:
+        raise pickle.UnpicklingError("it holds a path that is not a short string")
+    return pathlib.PurePosixPath(*parts)
 
 
 class _Unpickler(pickle.Unpickler):
-    """Builds only the classes of `_ALLOWED`; any other global is refused unresolved."""
+    """Builds only the classes of `_ALLOWED` (paths through `_path`); any other global is
+    refused unresolved."""
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _PATHS:
+            return _path
         if (module, name) not in _ALLOWED:
             raise pickle.UnpicklingError(f"it refers to {module}.{name}, which DCP checkpoint "
                                          f"metadata never holds")
@@ -83,7 +94,10 @@ def read_dcp_metadata(path: str, meta: dict) -> Metadata:
                               f"with an unpickler that only builds DCP's metadata classes); "
                               f"do not load this folder unless you trust its source; "
                               f"{damage_fix(path)}") from None
-    problem = _validate(md, {f["name"]: f["bytes"] for f in meta["files"]})
+    try:
+        problem = _validate(md, {f["name"]: f["bytes"] for f in meta["files"]})
+    except Exception as e:  # noqa: BLE001 - an object of an allowed class, built oddly
+        problem = f"its contents are malformed ({type(e).__name__})"
     if problem:
         raise CheckpointError(f"{file}: {problem}; {damage_fix(path)}")
     return md
@@ -116,11 +130,11 @@ def _validate(md: Any, listed: dict[str, int]) -> str | None:
     for index, info in storage.items():
         if type(index) is not MetadataIndex or type(index.fqn) is not str or \
                 not (index.offset is None or _is_size(index.offset)):
-            return f"storage key {index!r} is malformed"
+            return f"a storage key ({type(index).__name__}) is malformed"
         if type(info) is not _StorageInfo or type(info.relative_path) is not str or \
                 not _is_int(info.offset) or not _is_int(info.length) or \
                 info.transform_descriptors:  # the project never writes stream transforms
-            return f"storage entry {info!r} of {index.fqn!r} is malformed"
+            return f"the storage entry of {index.fqn!r} is malformed"
         name = info.relative_path
         if not SHARD.match(name) or name not in listed:
             return (f"tensor {index.fqn!r} is stored in {name!r}, which is not a shard file "
@@ -130,7 +144,7 @@ def _validate(md: Any, listed: dict[str, int]) -> str | None:
                     f"which has {listed[name]} bytes (truncated)")
     for fqn, tmd in md.state_dict_metadata.items():
         if type(fqn) is not str:
-            return f"state dict key {fqn!r} is not a string"
+            return f"a state dict key ({type(fqn).__name__}) is not a string"
         if type(tmd) is BytesStorageMetadata:
             return (f"entry {fqn!r} is a pickled object, not a tensor (the project stores "
                     f"tensors only; loading it would run code)")

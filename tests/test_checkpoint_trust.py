@@ -267,3 +267,34 @@ def test_config_larger_than_the_files_is_refused_with_the_numbers(hostile, tmp_p
     assert str(folder / "metadata.json") in msg and "bytes in float32" in msg, msg
     held = (folder / SHARD).stat().st_size
     assert f"hold {held:,} bytes" in msg, msg
+
+
+class _Reduce:
+    """Pickles as `fn(*args)`."""
+
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args
+
+
+def test_unpickler_builds_dcp_metadata_only(hostile, tmp_path):
+    """The restricted unpickler reads a real `.metadata`, and refuses other globals (without
+    calling them) and a path that would join one memoized string into a huge allocation."""
+    import pathlib
+
+    from checkpoint.safe_dcp import _Unpickler
+
+    _, marker, save = hostile
+    with open(save / "iter_0000002" / ".metadata", "rb") as f:
+        md = _Unpickler(f).load()
+    assert "model.embedding.word_embeddings.weight" in md.state_dict_metadata
+    for payload, refused in [
+            (_Reduce(os.system, f"touch {marker}"), "posix.system"),
+            (_Reduce(eval, f"open({str(marker)!r}, 'w')"), "builtins.eval"),
+            (_Reduce(shutil.rmtree, str(tmp_path)), "shutil.rmtree"),
+            (_Reduce(pathlib.PosixPath, *["x" * 1000] * 100), "not a short string")]:
+        with pytest.raises(pickle.UnpicklingError, match=refused):
+            _Unpickler(io.BytesIO(pickle.dumps(payload))).load()
+    assert not marker.exists() and tmp_path.exists()

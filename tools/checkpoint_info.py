@@ -5,7 +5,10 @@
     python tools/checkpoint_info.py runs/ckpt --no-checksums   # sizes only (fast)
 
 Exit code 0 when the checkpoint is complete and every file matches metadata.json (size and
-sha256), 1 otherwise (the problems are printed, each naming the file and the fix).
+sha256), its model fits in the shard files and matches the tensors `.metadata` lists, 1
+otherwise (the problems are printed, each naming the file and the fix). The folder is read as
+untrusted input (checkpoint/safe_dcp.py): `.metadata` is unpickled only after its sha256
+matched, and only into DCP's metadata classes.
 """
 from __future__ import annotations
 
@@ -43,11 +46,11 @@ def main(argv=None) -> int:
         total = sum(f["bytes"] for f in meta["files"])
         print(f"iteration: {meta['iteration']} (consumed samples {meta.get('consumed_samples')})")
         print("layout: " + " ".join(f"{k}={v}" for k, v in lay.items()))
-        print(f"model: {m.get('name') or 'custom'}: layers {m['num_layers']}, hidden "
-              f"{m['hidden_size']}, heads {m['num_attention_heads']} (kv "
+        print(f"model: {m.get('name') or 'custom'}: layers {m.get('num_layers')}, hidden "
+              f"{m.get('hidden_size')}, heads {m.get('num_attention_heads')} (kv "
               f"{m.get('num_query_groups')}), ffn {m.get('ffn_hidden_size')}, vocab "
-              f"{m['vocab_size']}, {m.get('position_embedding_type')}/{m.get('normalization')}"
-              f"/{m.get('activation')}")
+              f"{m.get('vocab_size')}, {m.get('position_embedding_type')}/"
+              f"{m.get('normalization')}/{m.get('activation')}")
         print(f"files: {len(meta['files'])}, {total:,} bytes; torch {meta.get('torch_version')}")
         print(f"checkpoints in {root}: {' '.join(others) or '-'}")
         left = [os.path.basename(q) for q in debris(root)]

@@ -455,7 +455,7 @@ def completed_checkpoint(train_config) -> tuple[str, int] | None:
     path = resume_path(t)
     if path is None:
         return None
-    meta = read_metadata(path)
+    meta = read_metadata(path, check=False)  # the iteration only; load_checkpoint checks
     return None if meta.get("optimizer_state", True) is False else (path, int(meta["iteration"]))
 
 
