@@ -19,7 +19,7 @@ from torch import nn
 
 from parallel_state import get_rng_tracker, get_tensor_model_parallel_world_size
 
-from .dropout import attention_dropout, sample_keyed
+from .dropout import add_dropout_site, attention_dropout, sample_keyed
 
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .sharding import set_tensor_parallel_attributes
@@ -134,7 +134,7 @@ class SelfAttention(nn.Module):
                              f"of num_query_groups {groups}; use a tp that does")
         self.heads_per_group = self.num_heads // self.num_groups  # local query heads per group
         self.attention_dropout = config.attention_dropout
-        self.dropout_site = 0  # set from the module's name (layers/dropout.py)
+        add_dropout_site(self)  # set from the module's name (layers/dropout.py)
         local_qkv = (self.num_heads + 2 * self.num_groups) * d
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size, local_qkv * tp, bias=config.add_qkv_bias,
@@ -321,7 +321,7 @@ class CrossAttention(nn.Module):
         self.num_heads = config.num_attention_heads // tp
         self.softmax_scale = softmax_scale
         self.attention_dropout = config.attention_dropout
-        self.dropout_site = 0  # set from the module's name (layers/dropout.py)
+        add_dropout_site(self)  # set from the module's name (layers/dropout.py)
         proj = config.query_projection_size
         self.linear_q = ColumnParallelLinear(config.hidden_size, proj, bias=config.add_qkv_bias,
                                              sequence_parallel=sequence_parallel, init="normal")

@@ -12,7 +12,9 @@ it, at any TP / SP / PP / VPP / DP / ZeRO / recompute layout, and a resumed run 
 masks the uninterrupted run would have drawn. The training schedules say which global samples
 a microbatch holds (`parallel_state.dropout_sample_ids`); each module with dropout carries a
 `dropout_site` (crc32 of its layout-independent module name, set by `assign_dropout_sites`),
-so two layers never share masks.
+so two layers never share masks. The site is a 0-dim int64 buffer (not persistent), not a
+Python int: `torch.compile` then sees it as an input, and the layers share one compiled
+graph instead of recompiling per layer.
 
 - hidden dropout `[s, b, h]` (or its sequence-parallel shard `[s/tp, b, h]`): element
   `(pos, sample, j)` with `pos` the global position (the shard's offset added under SP);
@@ -67,24 +69,32 @@ def site_id(name: str) -> int:
     return zlib.crc32(name.encode())
 
 
-def sub_site(site: int, k: int) -> int:
+def add_dropout_site(module: torch.nn.Module) -> None:
+    """Give `module` its `dropout_site` buffer (0 until `assign_dropout_sites` names it)."""
+    module.register_buffer("dropout_site", torch.zeros((), dtype=torch.int64), persistent=False)
+
+
+def sub_site(site: torch.Tensor | int, k: int) -> torch.Tensor | int:
     """Site `k` of a module with several dropouts (a layer's residuals)."""
     return (site + k * 0x9E3779B9) & MASK32
 
 
 def assign_dropout_sites(model: torch.nn.Module) -> None:
-    """Give every submodule that has a `dropout_site` attribute the id of its name in `model`
-    (`decoder.layers.7.self_attention`: global layer numbers, so the same at any pipeline
-    layout). Call at the end of a model's constructor."""
-    for name, module in model.named_modules():
-        if hasattr(module, "dropout_site"):
-            module.dropout_site = site_id(name)
+    """Set every `dropout_site` buffer of `model`'s submodules to the id of the submodule's
+    name (`decoder.layers.7.self_attention`: global layer numbers, so the same at any
+    pipeline layout). Call at the end of a model's constructor."""
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            site = module._buffers.get("dropout_site")
+            if site is not None:
+                site.fill_(site_id(name))
 
 
-def _row_keys(sample_ids: torch.Tensor, site: int) -> torch.Tensor:
+def _row_keys(sample_ids: torch.Tensor, site: torch.Tensor | int) -> torch.Tensor:
     """`[b]` int64 keys of (seed, site, sample) in [0, 2^32)."""
-    base = _mix32_int((_mix32_int(ps.get_dropout_seed() & MASK32) ^ (site & MASK32)) & MASK32)
     ids = sample_ids.to(torch.int64)
+    seed = _mix32_int(ps.get_dropout_seed() & MASK32)
+    base = mix32((torch.as_tensor(site, device=ids.device) & MASK32) ^ seed)
     keys = mix32((ids & MASK32).add_(base).bitwise_and_(MASK32))
     return mix32(keys.bitwise_xor_((ids >> 32) & MASK32))
 
@@ -100,7 +110,7 @@ def _counters(rows: torch.Tensor, cols: int, device) -> torch.Tensor:
     return mix32(c.add(torch.arange(cols, device=device)).bitwise_and_(MASK32))
 
 
-def hidden_dropout(x: torch.Tensor, p: float, training: bool, site: int,
+def hidden_dropout(x: torch.Tensor, p: float, training: bool, site: torch.Tensor | int,
                    sequence_parallel: bool = False) -> torch.Tensor:
     """Dropout on hidden states `x [s, b, h]`, or on the sequence shard `[s/tp, b, h]` of TP
     rank r (`sequence_parallel`: positions r*s/tp ...). Returns `x` itself when `p == 0` or not
@@ -119,7 +129,7 @@ def hidden_dropout(x: torch.Tensor, p: float, training: bool, site: int,
     return _apply(x, mix32(counters[:, None, :] ^ keys[None, :, None]), p)
 
 
-def attention_dropout(probs: torch.Tensor, p: float, site: int) -> torch.Tensor:
+def attention_dropout(probs: torch.Tensor, p: float, site: torch.Tensor | int) -> torch.Tensor:
     """Dropout on attention probabilities `[b, n/tp, sq, sk]` of this TP rank's query heads
     (global heads `rank * n/tp ...`), after the softmax. `p > 0`, training only."""
     ids = ps.get_dropout_sample_ids()

@@ -18,7 +18,7 @@ from parallel_state import (
     reduce_scatter_to_sequence_parallel_region,
 )
 
-from .dropout import hidden_dropout, sub_site
+from .dropout import add_dropout_site, hidden_dropout, sub_site
 from .sharding import set_tensor_parallel_attributes
 
 
@@ -80,7 +80,7 @@ class LanguageModelEmbedding(nn.Module):
                                            init="normal",
                                            sequence_parallel=self.sequence_parallel)
         self.hidden_dropout = config.hidden_dropout
-        self.dropout_site = 0  # set from the module's name (layers/dropout.py)
+        add_dropout_site(self)  # set from the module's name (layers/dropout.py)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 dropout_sub_site: int = 0) -> torch.Tensor:

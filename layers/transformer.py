@@ -24,6 +24,7 @@ from parallel_state import get_tensor_model_parallel_world_size
 from .attention import CrossAttention, SelfAttention
 from .dropout import (
     SITE_ATTENTION_RESIDUAL,
+    add_dropout_site,
     SITE_CROSS_ATTENTION_RESIDUAL,
     SITE_MLP_RESIDUAL,
     hidden_dropout,
@@ -45,7 +46,7 @@ class TransformerLayer(nn.Module):
         sp = sequence_parallel and get_tensor_model_parallel_world_size() > 1
         self.layer_number = layer_number
         self.hidden_dropout = config.hidden_dropout
-        self.dropout_site = 0  # set from the module's name (layers/dropout.py)
+        add_dropout_site(self)  # set from the module's name (layers/dropout.py)
         self.sequence_parallel = sp
         self.input_layernorm = build_norm(config, sequence_parallel=sp)
         self.self_attention = SelfAttention(config, layer_number, sequence_parallel=sp,

@@ -29,7 +29,7 @@ from layers import (
     initialize_parameters,
     vocab_parallel_cross_entropy,
 )
-from layers.dropout import assign_dropout_sites, hidden_dropout, sub_site
+from layers.dropout import add_dropout_site, assign_dropout_sites, hidden_dropout, sub_site
 from parallel_state import get_tensor_model_parallel_world_size
 
 from .config import ConfigError, ModelConfig
@@ -103,7 +103,7 @@ class T5Model(nn.Module):
                 self.output_layer.weight.init_key = WORD_EMBEDDINGS
                 self.output_layer.weight.shared_embedding = True
         self._tag_pipeline_copies()
-        self.dropout_site = 0  # the encoder's and the decoder's output dropouts (sub-sites 0, 1)
+        add_dropout_site(self)  # the encoder's and the decoder's output dropouts (sub-sites 0, 1)
         assign_dropout_sites(self)
 
     def _tag_pipeline_copies(self) -> None:

@@ -4,8 +4,9 @@
   slice of the full mask, different samples / sites / positions draw independent masks, a
   mask does not depend on which microbatch or rank holds the sample;
 - training with hidden and attention dropout 0.1 gives the single process's losses and
-  gradient norms at every layout (tp 2 without and with SP, pp with vpp, dp with ZeRO-1/3,
-  recompute full and selective), to the float32 tolerance of tests/tolerances.py;
+  gradient norms at every layout (tp 2 without and with SP, pp with vpp, dp with ZeRO-1/2/3,
+  recompute full and selective, compiled layers), to the float32 tolerance of
+  tests/tolerances.py, and the replica check finds TP and DP replicas identical;
 - a start-up or logging measurement that draws from the process's generator (more draws on
   a slower machine, and not the same on every rank) leaves the losses bitwise unchanged, in
   both schemes (`--dropout-masks sample` and Megatron's `rank-streams`).
@@ -103,7 +104,10 @@ GPT = ["--config", "configs/tiny-gpt.yaml", "--num-layers", "4", "--peak-tflops"
 LLAMA = MEASURED_LLAMA + ["--peak-tflops", "1"]
 LAYOUTS = {  # world -> [(reference, flags)], run one after the other in one world
     1: [("gpt", ["--recompute-granularity", "full"]),
-        ("llama", ["--recompute-granularity", "selective"])],
+        ("llama", ["--recompute-granularity", "selective"]),
+        # compiled layers: one graph shared by every layer (counted in the test; at tp 1 the
+        # layer has no graph break, so its frame holds all of it)
+        ("llama", ["--compile"])],
     2: [("gpt", ["--tp", "2", "--no-sequence-parallel"]),
         ("llama", ["--tp", "2", "--no-sequence-parallel"]),
         ("llama", ["--tp", "2", "--sequence-parallel", "--recompute-granularity", "selective"]),
@@ -143,7 +147,17 @@ def _train(runs: list[list[str]], log_dir: str, cache: str, busy: list[bool] | N
             flops.measured_matmul_peak = measure
         steps = [r for r in records if "loss" in r]
         out.append(([r["loss"] for r in steps], [r["grad_norm"] for r in steps]))
-    return out
+    return out + [_compiled_layer_graphs()]
+
+
+def _compiled_layer_graphs() -> int:
+    """How many graphs torch.compile keeps for TransformerLayer.forward: one per layer if
+    something in a layer (a Python int such as its dropout site) specializes the graph."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from layers.transformer import TransformerLayer
+
+    return len(_debug_get_cache_entry_list(TransformerLayer.forward.__code__))
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +176,7 @@ def dropout_runs(tmp_path_factory, corpus_env):
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
 def test_dropout_on_every_layout_matches_single_process(world, dropout_runs):
     refs = dict(zip(("gpt", "llama"), dropout_runs[1][:2]))
-    results = dropout_runs[world][2:] if world == 1 else dropout_runs[world]
+    results = dropout_runs[world][2:-1] if world == 1 else dropout_runs[world][:-1]
     for (ref, flags), (losses, norms) in zip(LAYOUTS[world], results, strict=True):
         args = FAMILY[ref] + flags
         k_step = training_chain_terms(args)
@@ -172,6 +186,8 @@ def test_dropout_on_every_layout_matches_single_process(world, dropout_runs):
         assert_losses_close(norms, ref_norms, k_step, f"grad norms of {ref} {flags}")
     for ref_losses, _ in refs.values():
         assert ref_losses[-1] < ref_losses[0]
+    if world == 1:  # the --compile run's 4 layers: one graph, not one per layer
+        assert dropout_runs[1][-1] == 1, dropout_runs[1][-1]
 
 
 def test_dropout_is_on_and_the_schemes_differ(dropout_runs, tmp_path, corpus_env):
@@ -182,7 +198,7 @@ def test_dropout_is_on_and_the_schemes_differ(dropout_runs, tmp_path, corpus_env
                                 "rank-streams"]
     sample = MEASURED_LLAMA + ["--tp", "2", "--no-sequence-parallel"]
     runs = [no_dropout, no_dropout, streams, streams, sample]
-    (off, _), _, (quiet, _), (busy, _), (sample_busy, _) = run_distributed(
+    (off, _), _, (quiet, _), (busy, _), (sample_busy, _), _ = run_distributed(
         _train, 2, runs, str(tmp_path), corpus_env["SHARDZOO_CACHE"],
         [False, True, False, True, True], timeout=600)[0]
     ref = dropout_runs[1][1][0]
