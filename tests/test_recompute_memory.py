@@ -88,7 +88,9 @@ def test_tracker_replay_is_needed(no_grid, monkeypatch):
     assert bad_grads
 
 
-def _measure(name, policy, sp, dropout, s=32, b=2, dtype=torch.float32):
+def _measure(name, policy, sp, dropout, s=32, b=2, dtype=torch.float32, keyed=False):
+    """Measured and predicted layer bytes; `keyed`: dropout masks keyed by sample (the batch
+    carries sample ids: the attention takes the explicit softmax), else Megatron's streams."""
     from parallel_state import get_tensor_model_parallel_rank, model_parallel_seed
     from parallel_state import get_tensor_model_parallel_world_size as tp_size
     from training.memory import measure_activation_bytes, model_chunk_bytes, paper_layer_bytes
@@ -96,12 +98,14 @@ def _measure(name, policy, sp, dropout, s=32, b=2, dtype=torch.float32):
     model = _model(name, dropout, policy, sp, s=s, dtype=dtype)
     model_parallel_seed(11, get_tensor_model_parallel_rank())
     ids = torch.randint(0, 256, (b, s))
-    got = measure_activation_bytes([model], {"tokens": ids, "labels": ids,
-                                             "loss_mask": torch.ones(b, s)}, None, dtype=dtype)
+    batch = {"tokens": ids, "labels": ids, "loss_mask": torch.ones(b, s)}
+    if keyed:
+        batch["sample_ids"] = torch.arange(b)
+    got = measure_activation_bytes([model], batch, None, dtype=dtype)
     cfg, t, n = model.config, tp_size(), got["num_layers"]
     sp = model.sequence_parallel
     model_pred = model_chunk_bytes(cfg, n, s, b, t, sp, *policy,
-                                   bytes_per_value=dtype.itemsize)
+                                   bytes_per_value=dtype.itemsize, keyed_dropout=keyed)
     paper = n * paper_layer_bytes(s, b, cfg.hidden_size, cfg.num_attention_heads, t, sp,
                                   policy[0], bytes_per_value=4)
     return {"layers": got["layers"], "model": model_pred, "paper": paper, "n": n}
@@ -113,6 +117,9 @@ def _memory_table(sp):
         for dropout in (0.0, 0.1):
             for policy in (POLICIES[0], POLICIES[1], POLICIES[4]):
                 rows[(name, dropout, policy[0])] = _measure(name, policy, sp, dropout)
+                if dropout:
+                    rows[(name, "keyed", policy[0])] = _measure(name, policy, sp, dropout,
+                                                                keyed=True)
     return rows
 
 
@@ -154,10 +161,10 @@ def test_bf16_memory_matches_prediction(name, no_grid):
     """In bf16 the prediction counts what stays float32: RMSNorm's float32 input copy and rstd,
     and the CPU math attention kernel (dropout on), which upcasts q, k, v and keeps its s x s
     tensors in float32; LayerNorm's statistics are bf16 on CPU."""
-    for dropout in (0.0, 0.1):
+    for dropout, keyed in ((0.0, False), (0.1, False), (0.1, True)):
         for policy in (POLICIES[0], POLICIES[1], POLICIES[4]):
-            r = _measure(name, policy, False, dropout, dtype=torch.bfloat16)
-            assert r["layers"] == r["model"], (name, dropout, policy, r)
+            r = _measure(name, policy, False, dropout, dtype=torch.bfloat16, keyed=keyed)
+            assert r["layers"] == r["model"], (name, dropout, keyed, policy, r)
 
 
 def test_tp2_sequence_parallel_exact_and_memory():

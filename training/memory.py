@@ -26,9 +26,11 @@ Predicted, per transformer layer, `s` sequence, `b` micro batch, `h` hidden, `a`
   materialized `s x s` softmax.
 - `model_layer_bytes`: what *our* layer saves, term by term (read off the saved tensors of
   layers/transformer.py on CPU): SwiGLU or GeLU, GQA, RMSNorm or LayerNorm, SDPA (flash on
-  CPU without dropout: q, k, v, output and log-sum-exp, no `s x s`; the math kernel with
-  dropout: scaled q and k, softmax, float mask and dropped probabilities), dropout masks of
-  the activation dtype (CPU `F.dropout` keeps `input * mask` with a float mask), and under SP
+  CPU without dropout: q, k, v, output and log-sum-exp, no `s x s`; with dropout keyed by
+  sample, the default, the explicit softmax: the float32 probabilities, the mask and the
+  dropped probabilities; with Megatron's stream dropout SDPA's math kernel: scaled q and k,
+  softmax, float mask and dropped probabilities), dropout masks of the activation dtype
+  (`input * mask` with a float mask, as CPU `F.dropout` keeps), and under SP
   the column-parallel linears keep only the sequence shard of their input and all-gather it
   again in backward (as Megatron). Change it with the layer code; the tests compare it to
   the measurement at several shapes.
@@ -134,7 +136,10 @@ def measure_activation_bytes(chunks, batch: dict, hidden_shape, dtype=torch.floa
     # every chunk's output stays referenced until all are measured: a freed graph's storages
     # would be reused by the next chunk at the same addresses and be counted once
     outputs = []
-    with _rng_untouched(), SavedTensorMeter(modules) as meter:
+    # the batch's sample ids key dropout as in training (layers/dropout.py: the attention then
+    # takes the explicit softmax), so the measurement sees what a training step saves
+    with _rng_untouched(), ps.dropout_sample_ids(batch.get("sample_ids")), \
+            SavedTensorMeter(modules) as meter:
         for chunk, module in zip(chunks, modules):
             hidden = None if module.pre_process else torch.zeros(
                 hidden_shape, dtype=dtype, device=device, requires_grad=True)
@@ -180,9 +185,11 @@ def norm_bytes(config, tokens: int, bytes_per_value: int) -> int:
 
 def model_layer_bytes(config, s: int, b: int, t: int = 1, sp: bool = False,
                       recompute: str | None = None, bytes_per_value: int = 4,
-                      dropout: bool | None = None) -> dict:
+                      dropout: bool | None = None, keyed_dropout: bool = True) -> dict:
     """What one of our transformer layers saves for backward, term by term, in bytes (see the
-    module docstring). `dropout`: whether dropout is active (default: from the config).
+    module docstring). `dropout`: whether dropout is active (default: from the config);
+    `keyed_dropout`: masks keyed by sample (`--dropout-masks sample`: the attention takes the
+    explicit softmax) rather than drawn from streams (SDPA's math kernel).
     Returns `{term: bytes}`; `sum(...values())` is the layer's total.
     """
     e, h, d = bytes_per_value, config.hidden_size, config.kv_channels
@@ -205,6 +212,16 @@ def model_layer_bytes(config, s: int, b: int, t: int = 1, sp: bool = False,
         out["attention output"] = q
         if recompute != "selective":
             out["attention log-sum-exp"] = 4 * b * an * s
+    elif keyed_dropout:  # the explicit softmax (layers/attention.py `core_attention`): q
+        # reshaped for grouped heads (a copy under GQA, else a view of RoPE's q copy or of
+        # the fused output), k and v viewed in place (the fused output, or RoPE's k copy);
+        # the float32 softmax output, the mask and the dropped probabilities (activation
+        # dtype) and the causal mask's complement (bool s x s); the projection reads a copy
+        # of the output
+        own_q = rope or an != gn
+        out["attention q, k, v"] = mixed + (q if own_q else 0) + (kv_heads if rope else 0)
+        out["attention s^2 (softmax, mask, dropped)"] = (4 + 2 * e) * b * an * s * s + s * s
+        out["projection input"] = q
     else:  # math kernel with dropout, which on CPU computes in float32 (a bf16 input is
         # upcast): scaled q and k copies; v viewing the fused output in float32, else its
         # float32 copy (expanded to the query heads under GQA); the s x s softmax, float mask
@@ -222,10 +239,11 @@ def model_layer_bytes(config, s: int, b: int, t: int = 1, sp: bool = False,
 def model_chunk_bytes(config, num_layers: int, s: int, b: int, t: int = 1, sp: bool = False,
                       granularity: str | None = None, method: str | None = None,
                       recompute_num_layers: int | None = None, bytes_per_value: int = 4,
-                      dropout: bool | None = None) -> int:
+                      dropout: bool | None = None, keyed_dropout: bool = True) -> int:
     """Predicted bytes of a chunk's decoder layers (the "layers" region of the meter): per-layer
     terms under the recompute policy, plus the RoPE cos/sin tables shared by all layers."""
-    kw = dict(s=s, b=b, t=t, sp=sp, bytes_per_value=bytes_per_value, dropout=dropout)
+    kw = dict(s=s, b=b, t=t, sp=sp, bytes_per_value=bytes_per_value, dropout=dropout,
+              keyed_dropout=keyed_dropout)
     if granularity == "full":
         spans = recompute_spans(num_layers, method or "uniform", recompute_num_layers or 1)
         inside = sum(stop - start for start, stop in spans)
@@ -240,12 +258,12 @@ def model_chunk_bytes(config, num_layers: int, s: int, b: int, t: int = 1, sp: b
 
 def activation_report(config, measured: dict, *, micro_batch_size: int, tp: int, sp: bool,
                       granularity, method, recompute_num_layers, dtype=torch.float32,
-                      dropout: bool | None = None) -> dict:
+                      dropout: bool | None = None, keyed_dropout: bool = True) -> dict:
     """Record of measured vs predicted activation bytes per microbatch on this rank."""
     s, b, n = config.seq_length, micro_batch_size, measured["num_layers"]
     e = torch.tensor([], dtype=dtype).element_size()
     model = model_chunk_bytes(config, n, s, b, tp, sp, granularity, method, recompute_num_layers,
-                              e, dropout)
+                              e, dropout, keyed_dropout)
     per_layer = paper_layer_bytes(s, b, config.hidden_size, config.num_attention_heads, tp, sp,
                                   granularity, bytes_per_value=e)
     if granularity == "full":

@@ -583,7 +583,8 @@ def log_activation_memory(chunks, dataset, config: Config, device) -> dict:
     report = activation_report(config.model, measured, micro_batch_size=t.micro_batch_size,
                                tp=t.tensor_model_parallel_size, sp=t.sequence_parallel,
                                granularity=t.recompute_granularity, method=t.recompute_method,
-                               recompute_num_layers=t.recompute_num_layers, dtype=dtype)
+                               recompute_num_layers=t.recompute_num_layers, dtype=dtype,
+                               keyed_dropout=t.dropout_masks == "sample")
     return {"activation_bytes_per_microbatch": report["activation_bytes_per_microbatch"],
             "activation_bytes_layers": report["activation_bytes_layers"],
             "activation_bytes_layers_predicted": report["activation_bytes_layers_model_predicted"],

@@ -35,7 +35,8 @@ def chunk_activation_bytes(config, params, pre_process: bool, post_process: bool
     s, b, e = m.seq_length, t.micro_batch_size, 2 if t.bf16 else 4
     n = len({p.unit for p in params if p.unit.startswith("layer")})
     layers = model_chunk_bytes(m, n, s, b, tp, sp, t.recompute_granularity, t.recompute_method,
-                               t.recompute_num_layers, e) if n else 0
+                               t.recompute_num_layers, e,
+                               keyed_dropout=t.dropout_masks == "sample") if n else 0
     s_local = s // tp if sp else s
     other = 0
     if pre_process:  # the token ids, learned positions' ids, the embedding dropout's mask
