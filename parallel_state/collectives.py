@@ -89,6 +89,13 @@ def remove_consumer(consumer) -> None:
     _needs_site = any(getattr(c, "needs_site", False) for c in _consumers)
 
 
+def forget_world_label() -> None:
+    """Drop the world group's label: the grid that named a dimension after it ("world/dp") is
+    gone, and the next grid may split the world otherwise."""
+    if dist.is_initialized():
+        _labels.pop(_world_name(), None)
+
+
 def forget_groups() -> None:
     """Drop labels, cached ranks and call counts (the world was destroyed: torch reuses
     group names in the next one)."""

@@ -248,6 +248,7 @@ def destroy_model_parallel(destroy_world: bool = False) -> None:
     global _GRID, _OWNS_WORLD
     _GRID = None
     shm.detach_all()
+    collectives.forget_world_label()
     if (destroy_world or _OWNS_WORLD) and dist.is_initialized():
         dist.destroy_process_group()
         collectives.forget_groups()

@@ -30,6 +30,9 @@ message). Per microbatch and layer, with `e` bytes per activation value, `A = s 
 - embedding (tied weights, pp > 1): the word-embedding gradient (or this rank's shard of it)
   all-reduced between the first and last stage.
 - mp: the squared gradient norm over tp x pp.
+- world (`--check-for-nan-in-loss-and-grad`, on by default): the verdict on non-finite losses
+  and gradients, one all-reduce of 2 float32 flags per rank (training/nonfinite.py). When
+  only one dimension exceeds 1 the world is that dimension's group, and so is the label.
 """
 from __future__ import annotations
 
@@ -175,12 +178,17 @@ def step_communication(config, first_step: bool = False) -> dict[tuple[str, str]
         _add(out, ("pp", "recv"), msgs, msgs * stage)
     if tp * pp > 1:
         _add(out, ("mp", "all_reduce"), world, world * 4)
+    if t.check_for_nan_in_loss_and_grad and world > 1:
+        spanning = [name for name, size in (("tp", tp), ("dp", dp), ("pp", pp)) if size > 1]
+        label = spanning[0] if len(spanning) == 1 else "world"
+        _add(out, (label, "all_reduce"), world, world * 2 * world * 4)
     return dict(sorted(out.items()))
 
 
 # ---------------------------------------------------------------------- alpha-beta time
 def group_size(group: str, tp: int, dp: int, pp: int) -> int:
-    return {"tp": tp, "sp": tp, "dp": dp, "pp": pp, "embedding": 2, "mp": tp * pp}[group]
+    return {"tp": tp, "sp": tp, "dp": dp, "pp": pp, "embedding": 2, "mp": tp * pp,
+            "world": tp * dp * pp}[group]
 
 
 def group_ranks(group: str, tp: int, dp: int, pp: int) -> list[list[int]]:
@@ -196,6 +204,8 @@ def group_ranks(group: str, tp: int, dp: int, pp: int) -> list[list[int]]:
                 for t in range(tp)]
     if group == "embedding":
         return [[rank(0, d, t), rank(pp - 1, d, t)] for d in range(dp) for t in range(tp)]
+    if group == "world":
+        return [list(range(tp * dp * pp))]
     return [[rank(p, d, t) for p in range(pp) for t in range(tp)] for d in range(dp)]
 
 
