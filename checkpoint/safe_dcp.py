@@ -10,9 +10,10 @@ Every reader of the project goes through this module instead:
   classes DCP's metadata is made of (`_ALLOWED`: its dataclasses, `torch.Size`, dtypes, the
   layout and memory-format encodings, `pathlib` paths); then every field is checked
   (`_validate`): plain types, chunks inside their tensor and covering it, each chunk's bytes in
-  a shard file metadata.json lists, inside that file and at least as long as the chunk's
-  data. So a tensor size read from `.metadata` never makes the loader allocate more than the
-  files hold. Byte (non-tensor) entries are refused: the project stores tensors only.
+  a shard file metadata.json lists, inside that file, apart from every other chunk's and at
+  least as long as the chunk's data. So the tensor sizes read from `.metadata` never make the
+  loader allocate more than the files hold. Byte (non-tensor) entries are refused: the
+  project stores tensors only.
 - `Reader`: a `FileSystemReader` whose `read_metadata` returns that checked metadata.
 - `LoadPlanner`: a `DefaultLoadPlanner` that refuses byte entries (a second line behind
   `_validate`).
@@ -22,6 +23,7 @@ Tensor data itself is read by DCP with `torch.load(weights_only=True)`.
 """
 from __future__ import annotations
 
+import math
 import os
 import pathlib
 import pickle
@@ -112,13 +114,6 @@ def _is_size(x: Any, ndim: int | None = None) -> bool:
         (ndim is None or len(x) == ndim)
 
 
-def _numel(size) -> int:
-    n = 1
-    for v in size:
-        n *= v
-    return n
-
-
 def _validate(md: Any, listed: dict[str, int]) -> str | None:
     """The first thing wrong with unpickled DCP metadata `md` (None: fine); `listed` maps the
     files of metadata.json to their sizes."""
@@ -142,6 +137,10 @@ def _validate(md: Any, listed: dict[str, int]) -> str | None:
         if info.offset + info.length > listed[name]:
             return (f"tensor {index.fqn!r} ends at byte {info.offset + info.length} of {name}, "
                     f"which has {listed[name]} bytes (truncated)")
+    ranges = sorted((i.relative_path, i.offset, i.offset + i.length) for i in storage.values())
+    for (file_a, _, end), (file_b, start, _) in zip(ranges, ranges[1:]):
+        if file_a == file_b and start < end:  # shared bytes would multiply what is allocated
+            return f"two tensors are stored in overlapping bytes of {file_a}"
     for fqn, tmd in md.state_dict_metadata.items():
         if type(fqn) is not str:
             return f"a state dict key ({type(fqn).__name__}) is not a string"
@@ -163,14 +162,14 @@ def _validate(md: Any, listed: dict[str, int]) -> str | None:
             info = storage.get(MetadataIndex(fqn, chunk.offsets))
             if info is None:
                 return f"tensor {fqn!r} has a chunk at {tuple(chunk.offsets)} with no storage"
-            if info.length < _numel(chunk.sizes) * itemsize:
+            if info.length < math.prod(chunk.sizes) * itemsize:
                 return (f"tensor {fqn!r}: its chunk of shape {tuple(chunk.sizes)} needs "
-                        f"{_numel(chunk.sizes) * itemsize} bytes but is stored in "
+                        f"{math.prod(chunk.sizes) * itemsize} bytes but is stored in "
                         f"{info.length} bytes of {info.relative_path}")
-            covered += _numel(chunk.sizes)
-        if covered != _numel(tmd.size):
+            covered += math.prod(chunk.sizes)
+        if covered != math.prod(tmd.size):
             return (f"the chunks of tensor {fqn!r} hold {covered} elements, its size "
-                    f"{tuple(tmd.size)} has {_numel(tmd.size)}")
+                    f"{tuple(tmd.size)} has {math.prod(tmd.size)}")
     if md.planner_data is not None and not (type(md.planner_data) is dict and all(
             type(k) is str and type(v) is tuple and all(type(x) in (str, int) for x in v)
             for k, v in md.planner_data.items())):
