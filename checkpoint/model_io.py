@@ -37,8 +37,8 @@ from models.config import ModelConfig
 from parallel_state import collectives
 
 from . import safe_dcp
-from .format import (CONFIG, FORMAT_VERSION, METADATA, CheckpointError, describe_files,
-                     read_metadata, verify_files)
+from .format import (CONFIG, FORMAT_VERSION, METADATA, CheckpointError, damage_fix,
+                     describe_files, file_problem, read_metadata, verify_files)
 from .keys import (dense_parameters, dense_tensors, entries, expected_tensors, num_parts,
                    read_plan, rebuild)
 
@@ -245,6 +245,30 @@ def find_tokenizer(path: str) -> str | None:
         if os.path.exists(os.path.join(path, name)):
             return os.path.join(path, name)
     return None
+
+
+def verify_stored_tokenizer(tokenizer: str | None) -> None:
+    """When `tokenizer` is the one stored in a checkpoint folder (`find_tokenizer`), check its
+    files' sizes and sha256 against the folder's metadata.json before anything parses them
+    (a checkpoint is untrusted input). Raises `CheckpointError` naming the file."""
+    if not tokenizer:
+        return
+    folder, name = os.path.split(os.path.normpath(tokenizer))
+    if name not in (TOKENIZER_DIR, TOKENIZER_MODEL) or \
+            not os.path.isfile(os.path.join(folder, METADATA)):
+        return
+    listed = [f for f in read_metadata(folder, check=False)["files"]
+              if f["name"] == name or f["name"].startswith(TOKENIZER_DIR + "/")]
+    on_disk = {os.path.relpath(os.path.join(d, n), folder) for d, _, names in
+               os.walk(tokenizer) for n in names} if os.path.isdir(tokenizer) else {name}
+    unlisted = sorted(on_disk - {f["name"] for f in listed})
+    if unlisted:
+        raise CheckpointError(f"{os.path.join(folder, unlisted[0])} is not listed in "
+                              f"{os.path.join(folder, METADATA)}; {damage_fix(folder)}")
+    for entry in listed:
+        problem = file_problem(folder, entry)
+        if problem:
+            raise CheckpointError(problem)
 
 
 def read_tokenizer(tokenizer: str | None) -> dict[str, bytes]:

@@ -2,7 +2,8 @@
 infer.py --load, tools/convert_hf.py export, tools/checkpoint_info.py) a crafted `.metadata`
 pickle is refused without running (a marker file it would create never appears), and a shard
 swapped for another checkpoint's, a flipped byte, a truncated shard and a metadata.json whose
-num_layers is not the checkpoint's are each refused naming the file.
+num_layers is not the checkpoint's are each refused naming the file, and so is a stored
+tokenizer with a flipped byte (before it is parsed).
 
 One tiny-llama run (1 process, saved at iterations 1 and 2) is trained once; each case damages
 its own copy of iteration 2. Every path is called in-process for every case (train.main in one
@@ -28,12 +29,12 @@ from launch import REPO, read_metrics, run_train
 
 TRAIN = ["--config", "configs/tiny-llama.yaml", "--train-iters", "2", "--eval-interval", "0",
          "--log-interval", "1", "--peak-tflops", "1"]
-CASES = ("pickle", "swapped", "flipped", "truncated", "num_layers")
+CASES = ("pickle", "swapped", "flipped", "truncated", "num_layers", "tokenizer")
 SHARD = "__0_0.distcp"
 # the file each case must be refused by, and a word of its problem
 NAMED = {"pickle": (".metadata", "refused"), "swapped": (SHARD, "sha256"),
          "flipped": (SHARD, "sha256"), "truncated": (SHARD, "truncated"),
-         "num_layers": ("metadata.json", "extra")}
+         "num_layers": ("metadata.json", "extra"), "tokenizer": ("tokenizer.model", "sha256")}
 
 
 class _Payload:
@@ -69,6 +70,10 @@ def _damage(case: str, folder: Path, save: Path, marker: Path) -> None:
         data = bytearray(shard.read_bytes())
         data[len(data) // 2] ^= 0x01
         shard.write_bytes(bytes(data))
+    elif case == "tokenizer":  # the stored SentencePiece model, parsed before any weight
+        data = bytearray((folder / "tokenizer.model").read_bytes())
+        data[len(data) // 2] ^= 0x01
+        (folder / "tokenizer.model").write_bytes(bytes(data))
     elif case == "truncated":
         with open(shard, "r+b") as f:
             f.truncate(shard.stat().st_size // 2)

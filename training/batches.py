@@ -51,6 +51,8 @@ def check_token_ids(prefixes: list[str], vocab_size: int, limit: int = 1_000_000
 
 
 def _build_data(config: Config):
+    from checkpoint.model_io import verify_stored_tokenizer
+
     from .config_checks import parse_data_path
     from .data import build_tokenizer, build_train_valid_test_datasets, ensure_default_corpus
 
@@ -65,6 +67,7 @@ def _build_data(config: Config):
         if dist.get_rank() != 0:
             prefix, tokenizer_path = ensure_default_corpus(quiet=True, tokenizer=tokenizer_path)
         data_path = [prefix]
+    verify_stored_tokenizer(tokenizer_path)  # a checkpoint's: its sha256 before it is parsed
     tokenizer = build_tokenizer(tokenizer_path)
     config.eod = tokenizer.eod
     check_token_ids([prefix for _, prefix in parse_data_path(data_path)], tokenizer.vocab_size)
