@@ -60,9 +60,21 @@ def _path(*parts: Any) -> pathlib.PurePosixPath:
     return pathlib.PurePosixPath(*parts)
 
 
-class _Unpickler(pickle.Unpickler):
+class _Unpickler(pickle._Unpickler):
     """Builds only the classes of `_ALLOWED` (paths through `_path`); any other global is
-    refused unresolved."""
+    refused unresolved. The pure-Python unpickler (`.metadata` is small), so that BUILD can be
+    refused on a class: `BUILD` with a class on the stack would set attributes of the class
+    itself (its `__getstate__`, `__repr__`, ...) for the whole process."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
+    def load_build(self) -> None:
+        if callable(self.stack[-2]):  # a class, or a function such as a path builder
+            raise pickle.UnpicklingError("it sets attributes of a class or function, which "
+                                         "DCP checkpoint metadata never does")
+        pickle._Unpickler.load_build(self)
+
+    dispatch[pickle.BUILD[0]] = load_build
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _PATHS:
@@ -170,6 +182,14 @@ def _validate(md: Any, listed: dict[str, int]) -> str | None:
         if covered != math.prod(tmd.size):
             return (f"the chunks of tensor {fqn!r} hold {covered} elements, its size "
                     f"{tuple(tmd.size)} has {math.prod(tmd.size)}")
+        # disjoint boxes whose volumes add up to the tensor's cover it (an overlap would let
+        # a gap through: elements the load never writes)
+        boxes = [(c.offsets, c.sizes) for c in tmd.chunks]
+        for i, (oa, sa) in enumerate(boxes):
+            for ob, sb in boxes[i + 1:]:
+                if all(a < b + m and b < a + n for a, n, b, m in zip(oa, sa, ob, sb)):
+                    return (f"tensor {fqn!r} has overlapping chunks at {tuple(oa)} and "
+                            f"{tuple(ob)} (some of its elements would not be read)")
     if md.planner_data is not None and not (type(md.planner_data) is dict and all(
             type(k) is str and type(v) is tuple and all(type(x) in (str, int) for x in v)
             for k, v in md.planner_data.items())):

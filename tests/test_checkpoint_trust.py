@@ -303,3 +303,48 @@ def test_unpickler_builds_dcp_metadata_only(hostile, tmp_path):
         with pytest.raises(pickle.UnpicklingError, match=refused):
             _Unpickler(io.BytesIO(pickle.dumps(payload))).load()
     assert not marker.exists() and tmp_path.exists()
+
+
+def test_unpickler_refuses_build_on_a_class(hostile):
+    """BUILD with a class on the stack sets the class's own attributes for the whole process
+    (a found attack: `Metadata.__getstate__` replaced, so the next save crashed): refused, and
+    DCP's class is untouched."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from checkpoint.safe_dcp import _Unpickler
+
+    _, _, save = hostile
+    raw = (save / "iter_0000002" / ".metadata").read_bytes()
+    poison = (b"ctorch.distributed.checkpoint.metadata\nMetadata\n" + b"N}"
+              + b"\x8c\x0c__getstate__" + b"ctorch.serialization\n_get_layout\n" + b"s\x86b0")
+    with pytest.raises(pickle.UnpicklingError, match="sets attributes of a class"):
+        _Unpickler(io.BytesIO(raw[:2] + poison + raw[2:])).load()
+    assert "__getstate__" not in vars(Metadata)
+
+
+def test_overlapping_chunks_that_leave_a_gap_are_refused(hostile, tmp_path):
+    """Two chunks of a 64-element tensor at offsets 0 (33 elements) and 32 (31 elements) add
+    up to 64 but leave element 63 unread (a found attack: the load kept the old value)."""
+    import dataclasses
+
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    from checkpoint.safe_dcp import _Unpickler, _validate
+
+    _, _, save = hostile
+    with open(save / "iter_0000002" / ".metadata", "rb") as f:
+        md = _Unpickler(f).load()
+    fqn = "model.decoder.layers.0.input_layernorm.weight"
+    tmd = md.state_dict_metadata[fqn]
+    (chunk,) = tmd.chunks
+    info = md.storage_data.pop(MetadataIndex(fqn, chunk.offsets))
+    shard_end = max(i.offset + i.length for i in md.storage_data.values()) + 4096
+    tmd.chunks = [ChunkStorageMetadata(torch.Size([0]), torch.Size([33])),
+                  ChunkStorageMetadata(torch.Size([32]), torch.Size([31]))]
+    md.storage_data[MetadataIndex(fqn, torch.Size([0]))] = dataclasses.replace(
+        info, offset=shard_end, length=4096)
+    md.storage_data[MetadataIndex(fqn, torch.Size([32]))] = dataclasses.replace(
+        info, offset=shard_end + 4096, length=4096)
+    listed = {SHARD: shard_end + 8192}
+    problem = _validate(md, listed)
+    assert problem and "overlapping chunks at (0,) and (32,)" in problem, problem
