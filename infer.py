@@ -50,7 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                           "--pp; 1 = one batch at a time)")
     gen.add_argument("--max-seq-length", type=int, default=None,
                      help="tokens per request (prompt + output); default "
-                          "min(max_position_embeddings, 2048)")
+                          "min(max_position_embeddings, 2048) (T5: decoder tokens, default "
+                          "min(decoder_seq_length, 2048) or --max-new-tokens; prompts up to "
+                          "min(seq_length, 2048) tokens)")
     srv = p.add_argument_group("server")
     srv.add_argument("--serve", action="store_true", help="OpenAI-compatible HTTP server")
     srv.add_argument("--host", default="127.0.0.1")
@@ -167,8 +169,11 @@ def main(argv=None) -> int:
             from inference.seq2seq import SourceTokenizer
 
             tokenizer = SourceTokenizer(tokenizer, cfg.vocab_size) if tokenizer else None
-            source_len = cfg.seq_length  # relative positions: the decoder has no hard limit
-            max_len = args.max_seq_length or max(cfg.decoder_seq_length, args.max_new_tokens)
+            # relative positions: no hard limit, so the config's lengths are capped as a GPT's
+            # default is (a checkpoint's metadata.json must not size the cache unbounded)
+            source_len = min(cfg.seq_length, 2048)
+            max_len = args.max_seq_length or max(min(cfg.decoder_seq_length, 2048),
+                                                 args.max_new_tokens)
         else:
             limit = cfg.max_position_embeddings
             if args.max_seq_length and args.max_seq_length > limit:

@@ -211,6 +211,26 @@ _NOT_THESE_FILES = ("metadata.json does not describe the files beside it (edited
                     "the checkpoint's source, or load another checkpoint")
 
 
+_SCALARS = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,)}
+
+
+def _field_type_problem(model: dict) -> str | None:
+    """The first field of metadata.json's model whose value is not of the `ModelConfig`
+    field's scalar type (`num_layers: 2.0`, `true` for an int), or None."""
+    import dataclasses
+
+    from models.config import ModelConfig
+
+    for f in dataclasses.fields(ModelConfig):
+        kind, _, optional = str(f.type).partition(" | ")
+        if f.name not in model or kind not in _SCALARS or (optional and model[f.name] is None):
+            continue
+        v = model[f.name]
+        if type(v) not in _SCALARS[kind]:  # type(), not isinstance: True is not an int here
+            return f"{f.name} is {v!r} ({type(v).__name__}), not {f.type}"
+    return None
+
+
 def model_config(path: str, meta: dict):
     """metadata.json's model (`meta["model"]`) as a `ModelConfig`, refused before any model is
     built from it when it is invalid or would need more memory than the checkpoint's shard
@@ -222,6 +242,9 @@ def model_config(path: str, meta: dict):
     meta_path = os.path.join(path, METADATA)
     fix = f"nothing was built or read; {_NOT_THESE_FILES}"
     try:
+        problem = _field_type_problem(meta["model"])
+        if problem:
+            raise ConfigError(problem)
         config = ModelConfig.from_dict(meta["model"])
         config.validate()
         params = config.num_parameters()

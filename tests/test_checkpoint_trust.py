@@ -348,3 +348,20 @@ def test_overlapping_chunks_that_leave_a_gap_are_refused(hostile, tmp_path):
     listed = {SHARD: shard_end + 8192}
     problem = _validate(md, listed)
     assert problem and "overlapping chunks at (0,) and (32,)" in problem, problem
+
+
+@pytest.mark.parametrize("field,value", [("num_layers", 2.0), ("num_layers", True),
+                                         ("hidden_size", "64"), ("layernorm_epsilon", "x")])
+def test_model_field_of_the_wrong_type_is_refused(hostile, tmp_path, field, value):
+    """A metadata.json value of the wrong JSON type is refused by name (it used to surface as
+    a TypeError from the model's constructor; `true` passed as 1)."""
+    from checkpoint.format import CheckpointError, read_metadata
+
+    _, _, save = hostile
+    folder = tmp_path / "iter_0000002"
+    shutil.copytree(save / "iter_0000002", folder)
+    meta = json.loads((folder / "metadata.json").read_text())
+    meta["model"][field] = value
+    (folder / "metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=f"{field} is {value!r}"):
+        read_metadata(str(folder))
