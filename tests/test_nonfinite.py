@@ -5,8 +5,8 @@
   step are bitwise those before it, and the run goes on;
 - `--max-skipped-iters` consecutive skipped steps stop the run with NonFiniteError (train.py:
   exit 3, one line) without saving: the checkpoint before the streak stays current and whole;
-- with `--no-check-for-nan-in-loss-and-grad` the step is applied, and the NaN loss stops the
-  run, still without a save;
+- with `--no-check-for-nan-in-loss-and-grad` the step is applied, and a NaN loss or gradient
+  norm stops the run before anything is saved from it;
 - the replica check passes on a healthy model and names the parameter and the ranks when one
   rank's copy of a TP-replicated or a DP-replicated parameter is perturbed.
 """
@@ -73,8 +73,11 @@ def test_nonfinite_steps_are_skipped_and_stop_the_run(tmp_path, corpus_env):
         (BASE + ["--train-iters", "8", "--use-distributed-optimizer", "--save", str(ckpt),
                  "--save-interval", "2"], "loss:3 grad:4,5"),  # 3 in a row: stops
         (BASE + ["--train-iters", "3", "--no-check-for-nan-in-loss-and-grad"], "loss:2"),
+        # unchecked, a NaN gradient at a save interval: applied, then the run stops unsaved
+        (BASE + ["--train-iters", "4", "--no-check-for-nan-in-loss-and-grad", "--save",
+                 str(tmp_path / "unchecked"), "--save-interval", "2"], "grad:2"),
     ]
-    two, skipped_third, goes_on, stops, unchecked = run_distributed(
+    two, skipped_third, goes_on, stops, unchecked, unchecked_grad = run_distributed(
         _runs, 2, runs, str(tmp_path), corpus_env["SHARDZOO_CACHE"], timeout=600)[0]
 
     def digest(result):
@@ -102,7 +105,9 @@ def test_nonfinite_steps_are_skipped_and_stop_the_run(tmp_path, corpus_env):
     logged = [json.loads(line) for line in open(tmp_path / "3" / "metrics.jsonl")]
     assert [r["iteration"] for r in logged if r.get("event") == "skipped"] == [3, 4, 5]
 
-    assert "loss is nan at iteration 2 and the step was applied" in unchecked["error"]
+    assert "loss is NaN at iteration 2 and the step was applied" in unchecked["error"]
+    assert "grad norm is NaN at iteration 2 and the step was applied" in unchecked_grad["error"]
+    assert not (tmp_path / "unchecked").exists() or not any((tmp_path / "unchecked").iterdir())
 
 
 def test_train_py_stops_with_one_line_and_exit_3(tmp_path, corpus_env):

@@ -58,32 +58,41 @@ class StepGuard:
         self.consecutive = 0
         self.total = 0
 
-    def skip_reason(self, loss: float, grad_norm: float, grads: list[torch.Tensor]) -> str | None:
+    def skip_reason(self, loss: float, grad_norm: float, grads: list[torch.Tensor],
+                    local_loss: torch.Tensor) -> str | None:
         """Why this step must not be applied (e.g. "grad norm NaN"), or None to apply it.
+        `loss`: the global loss; `local_loss`: this rank's loss sum before the reductions (so
+        the reason names the ranks where a loss went bad, not those it was summed into);
         `grads`: the gradients this rank holds (all of them, replicated ones included).
         Collective over the world (when enabled)."""
         if not self.enabled:
             return None
-        loss_ranks, grad_ranks = _ranks_with_nonfinite(loss, grads)
+        loss_ranks, grad_ranks = _ranks_with_nonfinite(local_loss, grads)
         bad = []
         if loss_ranks:
             bad.append(f"loss not finite on rank(s) {loss_ranks}")
+        elif not math.isfinite(loss):  # finite on every rank, a sum that overflowed
+            bad.append(f"loss {_describe(loss)}")
         if not math.isfinite(grad_norm):
             bad.append(f"grad norm {_describe(grad_norm)}")
         elif grad_ranks:
             bad.append(f"a gradient on rank(s) {grad_ranks} is not finite")
         return " and ".join(bad) or None
 
-    def after_step(self, iteration: int, reason: str | None, loss: float) -> None:
+    def after_step(self, iteration: int, reason: str | None, loss: float,
+                   grad_norm: float) -> None:
         """Count the step (1-based `iteration`). Raises `NonFiniteError` when the run must stop:
-        `max_skipped` consecutive skipped steps, or (unchecked) a non-finite loss."""
+        `max_skipped` consecutive skipped steps, or (unchecked) a non-finite loss or gradient
+        norm, before anything is saved from the step."""
         if not self.enabled:
-            if not math.isfinite(loss):
+            bad = [f"{what} is {_describe(v)}" for what, v in
+                   (("loss", loss), ("grad norm", grad_norm)) if not math.isfinite(v)]
+            if bad:
                 raise NonFiniteError(
-                    f"loss is {loss} at iteration {iteration} and the step was applied "
-                    f"(--no-check-for-nan-in-loss-and-grad); nothing was saved. Resume from "
-                    f"the last checkpoint with a lower --lr, or drop that flag so that such "
-                    f"steps are skipped")
+                    f"{' and '.join(bad)} at iteration {iteration} and the step was applied "
+                    f"(--no-check-for-nan-in-loss-and-grad), so the weights may be NaN; "
+                    f"nothing was saved from it. Resume from the last checkpoint with a lower "
+                    f"--lr, or drop that flag so that such steps are skipped")
             return
         if reason is None:
             self.consecutive = 0
@@ -108,13 +117,14 @@ def held_grads(optimizer, params) -> list[torch.Tensor]:
     return [p.grad for p in params if p.grad is not None]
 
 
-def _ranks_with_nonfinite(loss: float, grads: list[torch.Tensor]) -> tuple[list[int], list[int]]:
-    """(global ranks whose loss is NaN or infinite, ranks holding such a gradient element):
-    the same answer on every rank, whatever each saw."""
+def _ranks_with_nonfinite(loss: torch.Tensor,
+                          grads: list[torch.Tensor]) -> tuple[list[int], list[int]]:
+    """(global ranks whose local loss sum is NaN or infinite, ranks holding such a gradient
+    element): the same answer on every rank, whatever each saw."""
     grads = [g for g in grads if g.numel()]
     device = grads[0].device if grads else ps.get_device()
     flags = torch.zeros(2, dist.get_world_size(), dtype=torch.float32, device=device)
-    flags[0, dist.get_rank()] = float(not math.isfinite(loss))
+    flags[0, dist.get_rank()] = (~torch.isfinite(loss.detach().float())).float()
     if grads:
         local = torch.stack(torch._foreach_norm(grads)).sum()
         flags[1, dist.get_rank()] = (~torch.isfinite(local)).float()

@@ -369,7 +369,8 @@ def _train(config: Config, device, on_end=None, run_start: float | None = None) 
                 else:
                     grad_norm = clip_grads(params, t.clip_grad)
                 loss = float(global_loss_sum(loss_sum) / num_tokens)  # the same on every rank
-                skipped = guard.skip_reason(loss, grad_norm, held_grads(optimizer, params))
+                skipped = guard.skip_reason(loss, grad_norm, held_grads(optimizer, params),
+                                            loss_sum)
                 if skipped is None:
                     optimizer.step()
             position.consumed_samples += gbs
@@ -391,7 +392,7 @@ def _train(config: Config, device, on_end=None, run_start: float | None = None) 
                                 f"(weights and optimizer unchanged; {guard.consecutive + 1} in a "
                                 f"row{limit})", prefix="skip")
                 records.append(rec)
-            guard.after_step(it, skipped, loss)
+            guard.after_step(it, skipped, loss, grad_norm)
             if t.check_weight_hash_across_dp_replicas_interval and \
                     it % t.check_weight_hash_across_dp_replicas_interval == 0:
                 check_replicas(model, it)
