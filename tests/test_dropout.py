@@ -41,7 +41,7 @@ def test_masks_rate_scale_and_independence(no_grid):
     # bf16: x / (1 - p) rounded once (a bf16 scale, 1.109375, would shrink every kept value)
     xb = torch.randn(64, 8, 256, generator=torch.Generator().manual_seed(0)).bfloat16()
     yb = _hidden(xb, ids)
-    assert torch.equal(yb[kept], (xb.float()[kept] / (1 - P)).bfloat16())
+    assert torch.equal(yb[kept], (xb.float()[kept] * (1 / (1 - P))).bfloat16())
     assert torch.equal(_hidden(x, ids), y), "a mask is a function of its key"
     # each sample's mask depends on its id, not on its row in the microbatch
     swapped = _hidden(x, ids.flip(0))
