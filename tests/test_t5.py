@@ -305,3 +305,41 @@ def test_infer_serves_t5_checkpoint(tmp_path, corpus_env, no_grid):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
+
+
+def test_infer_caps_a_t5_checkpoints_lengths(tmp_path, corpus_env, no_grid):
+    """T5's relative positions set no hard length, so a metadata.json claiming 1e8-token
+    sequences must not size the KV cache (it asked for 409 GB): the default is capped at 2048
+    as a GPT's is. Run under an 8 GB address-space limit, so the old code fails fast."""
+    import json
+    import resource
+    import subprocess
+    import sys
+
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from checkpoint.hf import import_hf
+    from training.data import ensure_default_corpus
+
+    _, sp_path = ensure_default_corpus(corpus_env["SHARDZOO_CACHE"], quiet=True)
+    hf = T5ForConditionalGeneration(T5Config(
+        vocab_size=8292, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4,
+        decoder_start_token_id=0, eos_token_id=2))
+    hf.save_pretrained(tmp_path / "hf")
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"), log=lambda *a: None)
+    meta_path = tmp_path / "ckpt" / "metadata.json"
+    meta = json.loads(meta_path.read_text())
+    meta["model"].update(seq_length=100_000_000, decoder_seq_length=100_000_000)
+    meta_path.write_text(json.dumps(meta))
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(repo, "infer.py"), "--load", str(tmp_path / "ckpt"),
+         "--tokenizer", sp_path, "--prompt", "def f(", "--max-new-tokens", "2"],
+        cwd=repo, capture_output=True, text=True, preexec_fn=limit, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "### prompt 0" in proc.stdout, proc.stdout[-2000:]
