@@ -326,3 +326,30 @@ def test_compile_on_cpu_without_cpp_compiler_is_a_config_error(no_cpp_compiler):
     msg = raises("--compile", "--compile", "--device", "cpu")
     assert "C++ compiler" in msg and "drop --compile" in msg
     cfg("--device", "cpu", world_size=1)  # without --compile nothing needs a compiler
+
+
+def test_folders_are_checked_not_created(tmp_path):
+    """Validation checks that --log-dir / --save could be written and creates nothing (the
+    test suite used to leave empty runs/* folders in the checkout); a file in the way or an
+    unwritable parent is refused by name."""
+    import os
+
+    log, save = tmp_path / "a" / "log", tmp_path / "b" / "ckpt"
+    parse_config(["--log-dir", str(log), "--save", str(save)]).validate(1)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="is under the file"):
+        parse_config(["--log-dir", str(tmp_path / "file" / "log")]).validate(1)
+    with pytest.raises(ConfigError, match="is a file, not a folder"):
+        parse_config(["--save", str(tmp_path / "file")]).validate(1)
+
+
+def test_unwritable_parent_is_refused(tmp_path):
+    import os
+
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    if os.access(locked, os.W_OK):  # root ignores permission bits
+        pytest.skip("running as a user who can write anywhere")
+    with pytest.raises(ConfigError, match="is not writable"):
+        parse_config(["--log-dir", str(locked / "log")]).validate(1)

@@ -415,16 +415,20 @@ def _check_profile(t: TrainConfig, world_size: int) -> None:
 
 
 def _check_writable_dir(name: str, path: str | None) -> None:
-    """Fail now, not after hours of training, if `path` cannot be created or written."""
+    """Fail now, not after hours of training, if `path` could not be created or written.
+    Nothing is created here (a validated config that never runs leaves no empty folder): the
+    writers create it; `path`, or its nearest existing ancestor, must be a writable folder."""
     if not path:
         return
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"{flag(name)} {path} cannot be created ({e.strerror}); pass a "
-                          f"writable folder") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(f"{flag(name)} {path} is not writable; pass a writable folder")
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        what = "is a file" if existing == os.path.abspath(path) else f"is under the file {existing}"
+        raise ConfigError(f"{flag(name)} {path} {what}, not a folder; pass a writable folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "" if existing == os.path.abspath(path) else f" (its parent {existing} is not)"
+        raise ConfigError(f"{flag(name)} {path} is not writable{where}; pass a writable folder")
 
 
 def _check_checkpointing(t: TrainConfig) -> None:
