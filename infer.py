@@ -48,8 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     gen.add_argument("--inference-micro-batches", type=int, default=None,
                      help="micro-batches in flight through the pipeline at once (default "
                           "--pp; 1 = one batch at a time)")
-    gen.add_argument("--max-seq-length", type=int, default=None,
-                     help="tokens per request (prompt + output); default "
+    gen.add_argument("--max-seq-length", "--max-model-len", type=int, default=None,
+                     help="tokens per request (prompt + output; --max-model-len is vLLM's "
+                          "name); default "
                           "min(max_position_embeddings, 2048) (T5: decoder tokens, default "
                           "min(decoder_seq_length, 2048) or --max-new-tokens; prompts up to "
                           "min(seq_length, 2048) tokens)")

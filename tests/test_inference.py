@@ -248,6 +248,14 @@ def test_cli_rejects_bad_flags_before_loading(tmp_path, capsys, flags, lines, me
     assert message in capsys.readouterr().err
 
 
+def test_max_model_len_is_vllms_name_for_max_seq_length():
+    import infer
+
+    for flag, value in (("--max-model-len", 48), ("--max-seq-length", 40)):
+        args = infer.parse_args(["--hf", "x", flag, str(value), "--prompt", "a"])
+        assert args.max_seq_length == value
+
+
 def test_max_seq_length_beyond_the_model_is_an_error(tmp_path):
     """--max-seq-length past a decoder's max_position_embeddings: one error line naming the
     limit, exit 2 (it used to be cut down to the limit without a word)."""
