@@ -121,6 +121,7 @@ def export_hf(load: str, out: str, dtype: str = "float32",
                 total += shard[name].numel() * shard[name].element_size()
                 weight_map[name] = fname
             save_file(shard, os.path.join(tmp, fname), metadata={"format": "pt"})
+            _as_created(os.path.join(tmp, fname))
             del shard
         if len(files) > 1:
             with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
@@ -140,6 +141,14 @@ def export_hf(load: str, out: str, dtype: str = "float32",
     log(f"exported {kwargs['architectures'][0]} ({config.num_parameters() / 1e6:.1f}M "
         f"parameters, {dtype}, {len(files)} safetensors file(s)) from {path} to {out}")
     return out
+
+
+def _as_created(path: str) -> None:
+    """Give `path` the mode `open()` would have (0666 less the umask): safetensors writes
+    its files 0600, unlike the rest of the folder."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def _save_tokenizer(tokenizer: str | None, folder: str, log) -> dict:

@@ -172,6 +172,8 @@ def test_round_trip_is_bitwise(converted, tmp_path):
                   log=lambda *a: None)
         original = load_file(os.path.join(hf_dir, "model.safetensors"))
         files = [f for f in os.listdir(out) if f.endswith(".safetensors")]
+        modes = {f: os.stat(os.path.join(out, f)).st_mode & 0o777 for f in os.listdir(out)}
+        assert len(set(modes.values())) == 1, modes  # safetensors' own were 0600
         back = {}
         for f in files:
             back.update(load_file(os.path.join(out, f)))
