@@ -320,3 +320,15 @@ def test_smollm2_gguf_logits_and_round_trip(tmp_path):
     print(f"SmolLM2 max |logit diff| vs transformers: tp=1 {float((ours - expected).abs().max()):.2e}"
           f", tp=3 {float((tp3 - expected).abs().max()):.2e}; exported "
           f"{float((again - expected).abs().max()):.2e}")
+
+
+def test_checkpoint_info_on_an_imported_folder(converted, capsys):
+    """An imported model is a standalone checkpoint folder: checkpoint_info says so (it printed
+    `checkpoints in <parent>: -`) and finds it whole."""
+    from tools import checkpoint_info
+
+    _, ckpt = converted["llama_mha_tied"]
+    assert checkpoint_info.main([ckpt]) == 0
+    out = capsys.readouterr().out
+    assert "a standalone checkpoint folder" in out and "checkpoints in" not in out, out
+    assert "status: OK" in out

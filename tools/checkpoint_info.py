@@ -52,7 +52,10 @@ def main(argv=None) -> int:
               f"{m.get('vocab_size')}, {m.get('position_embedding_type')}/"
               f"{m.get('normalization')}/{m.get('activation')}")
         print(f"files: {len(meta['files'])}, {total:,} bytes; torch {meta.get('torch_version')}")
-        print(f"checkpoints in {root}: {' '.join(others) or '-'}")
+        if os.path.basename(os.path.normpath(path)) in others:  # one of a --save folder's
+            print(f"checkpoints in {root}: {' '.join(others)}")
+        else:  # e.g. tools/convert_hf.py import's output
+            print("a standalone checkpoint folder (not an iter_XXXXXXX of a --save folder)")
         left = [os.path.basename(q) for q in debris(root)]
         if left:
             print(f"debris (interrupted saves; the next run's start-up or --keep-last removes "
