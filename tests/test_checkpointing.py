@@ -85,8 +85,10 @@ def test_resume_on_other_layout(src, dst, extra, request, tmp_path, corpus_env):
         save, ref = request.getfixturevalue("tp1_run")
     else:
         save, _, ref = request.getfixturevalue("tp2pp2_run")
-    run_train(dst[3], COMMON + extra + _layout(*dst[:3]) +
-              ["--load", str(save / "iter_0000003")], tmp_path / "b", env=corpus_env)
+    proc = run_train(dst[3], COMMON + extra + _layout(*dst[:3]) +
+                     ["--load", str(save / "iter_0000003")], tmp_path / "b", env=corpus_env)
+    assert f"differs from this run's (tp={dst[0]} pp={dst[1]}" in proc.stdout, proc.stdout
+    assert "{" not in proc.stdout.split("differs from this run's")[1].splitlines()[0]
     # losses 4..6 carry the rounding of steps 1..6: compare them as steps 4..6 of one run
     k_step = training_chain_terms(COMMON + extra)
     assert_losses_close(ref[:3] + train_losses(tmp_path / "b"), ref, k_step)

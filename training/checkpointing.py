@@ -170,6 +170,11 @@ def _set_rng_state(loaded: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state(loaded[prefix + "cuda"])
 
 
+def _describe_layout(layout: dict) -> str:
+    """`tp=2 pp=1 vpp=None dp=2` of a `_layout` dict (a checkpoint's, or this run's)."""
+    return " ".join(f"{k}={layout.get(k)}" for k in ("tp", "pp", "vpp", "dp"))
+
+
 def _layout(config) -> dict:
     t = config.train
     return {"tp": t.tensor_model_parallel_size, "pp": t.pipeline_model_parallel_size,
@@ -500,8 +505,12 @@ def load_checkpoint(config, chunks, model, optimizer) -> ResumeState:
     iteration, consumed = _load_states(path, md, config, chunks, model, optimizer,
                                        load_rng=same_layout and t.load_rng)
     if not same_layout and t.load_rng:
-        _print0(f"checkpoint layout {meta['layout']} differs from this run's "
-                f"{_layout(config)}: keeping the freshly seeded RNG (resume is not bitwise)")
+        masks = ("dropout masks are keyed by sample, so they are the uninterrupted run's"
+                 if t.dropout_masks == "sample" else
+                 "--dropout-masks rank-streams draws other masks than the uninterrupted run")
+        _print0(f"checkpoint layout ({_describe_layout(meta['layout'])}) differs from this "
+                f"run's ({_describe_layout(_layout(config))}): the RNG streams start freshly "
+                f"seeded; {masks}")
     position = DataPosition(consumed, consumed if restart_data else
                             int(meta.get("data_start_samples", 0)))
     _print0(f"loaded checkpoint {path} at iteration {iteration} ({consumed} samples consumed)")
