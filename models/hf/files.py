@@ -42,7 +42,9 @@ class HFSource:
     def tokenizer_source(self) -> tuple[str, dict]:
         """`(folder, from_pretrained kwargs)` to load this model's tokenizer."""
         if self.kind == "gguf":
-            return os.path.dirname(self.path), {"gguf_file": os.path.basename(self.path)}
+            # abspath: a bare "model.gguf" (run from its folder) has the folder "" otherwise
+            return os.path.dirname(os.path.abspath(self.path)), \
+                {"gguf_file": os.path.basename(self.path)}
         return self.path, {}
 
 
