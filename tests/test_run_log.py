@@ -140,6 +140,11 @@ def test_vocab_notice_names_both_sizes():
     actual = 124_439_808 - (50257 - 8192) * 768  # GPT-2's count less the dropped embedding rows
     assert f"this run trains {actual / 1e6:.1f}M parameters, not 124.4M" in line
     assert "\n" not in line
+    # T5: the sentinels sit on top of the tokenizer, so the named size needs a smaller one
+    line = vocab_notice(load_model_config("t5-tiny"), 8192, sentinels=100)
+    assert "8192 tokens + 100 sentinels, so the vocabulary of t5-tiny (8192) is replaced by " \
+           "8292" in line, line
+    assert "made with a 8092-token tokenizer (+ 100 sentinels = 8192)" in line, line
 
 
 def test_bare_train_py_is_the_demo():

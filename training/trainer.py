@@ -209,11 +209,15 @@ def vocab_notice(m, tokenizer_vocab: int, sentinels: int = 0) -> str:
     named = dataclasses.replace(m)
     actual = dataclasses.replace(m, vocab_size=tokenizer_vocab + sentinels)
     extra = f" + {sentinels} sentinels" if sentinels else ""
+    # the named size needs a tokenizer that, with the sentinels on top, fills its vocabulary
+    wanted = (f"a {m.vocab_size - sentinels}-token tokenizer (+ {sentinels} sentinels = "
+              f"{m.vocab_size})" if sentinels else f"a {m.vocab_size}-token tokenizer")
     return (f"note: the tokenizer has {tokenizer_vocab} tokens{extra}, so the vocabulary of "
-            f"{m.name or 'the model'} ({m.vocab_size}) is replaced: this run trains "
+            f"{m.name or 'the model'} ({m.vocab_size}) is replaced by "
+            f"{tokenizer_vocab + sentinels}: this run trains "
             f"{actual.num_parameters() / 1e6:.1f}M parameters, not "
             f"{named.num_parameters() / 1e6:.1f}M (for the named size, pass --data-path and "
-            f"--tokenizer-model made with a {m.vocab_size}-token tokenizer)")
+            f"--tokenizer-model made with {wanted})")
 
 
 def _train(config: Config, device, on_end=None, run_start: float | None = None) -> list[dict]:
@@ -548,10 +552,10 @@ def log_memory(model, optimizer, dataset, config: Config, device) -> dict:
         f"{mib(state['params'])}, gradients {mib(state['grads'])}, optimizer "
         f"{mib(state['main_params'] + state['optimizer_states'])}; {state['strategy']} at dp "
         f"{state['dp']}, ZeRO formula {mib(state['predicted_total'])}{host}{gathered}) + "
-        f"activations "
-        f"{mib(act['activation_bytes_per_microbatch'])} per microbatch (the decoder layers' "
-        f"{mib(act['activation_bytes_layers'])}, predicted "
-        f"{mib(act['activation_bytes_layers_predicted'])})" +
+        + ("activations not measured (T5)" if config.model.is_encoder_decoder else
+           f"activations {mib(act['activation_bytes_per_microbatch'])} per microbatch (the "
+           f"decoder layers' {mib(act['activation_bytes_layers'])}, predicted "
+           f"{mib(act['activation_bytes_layers_predicted'])})") +
         (f"; largest rank {largest}: {mib(totals[largest])}" if len(totals) > 1 else "") +
         "; details in metrics.jsonl")
     _rank0_print(line)
