@@ -68,6 +68,7 @@ class _Shard:
     # (param, first element in param, first element in shard, count) for each overlap
     segments: list[tuple] = field(default_factory=list)
     norm: list[tuple[int, int]] = field(default_factory=list)
+    outside_norm: list[tuple[int, int]] = field(default_factory=list)  # the other segments
     host_grad: torch.Tensor | None = None  # offloaded: the gradient's host copy
     adamw: torch.optim.AdamW | None = None  # torch's fused AdamW over views of the above
     steps: list[torch.Tensor] = field(default_factory=list)  # its per-view step counts
@@ -135,8 +136,7 @@ class DistributedOptimizer:
         shard = _Shard(ddp, bucket, lo, hi, main, zeros(), zeros(), owns_main=not alias,
                        segments=ddp.owned_segments(bucket, lo, hi))
         for p, p_start, at, n in shard.segments:
-            if counts_toward_norm(p):
-                shard.norm.append((at, at + n))
+            (shard.norm if counts_toward_norm(p) else shard.outside_norm).append((at, at + n))
             if not alias and store is None:
                 main[at: at + n].copy_(p.detach().reshape(-1)[p_start: p_start + n])
         if not alias and store is not None:

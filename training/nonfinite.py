@@ -4,9 +4,10 @@
 After the backward and the gradient norm (a global all-reduce, so every rank sees the same
 value) and the global loss (summed over the pipeline and data-parallel groups, likewise the
 same everywhere), a step whose loss or norm is NaN or infinite skips the optimizer. The norm
-counts a TP-replicated parameter's gradient on one TP rank only, so each rank also checks
-every gradient it holds and the world agrees on the verdict (one all-reduce of a flag per
-rank): a gradient that is not finite on any rank skips the step everywhere. Skipping: weights,
+counts a TP-replicated parameter's gradient on one TP rank only (and a pipeline copy on one
+stage), so each rank also checks the few gradients it holds that the norm does not count, and
+the world agrees on the verdict (one all-reduce of two flags per rank): a gradient that is
+not finite on any rank skips the step everywhere. Skipping: weights,
 Adam moments and the step count stay as they were; the data of the step is consumed (the
 next step reads the next samples, as Megatron does after an fp16 overflow) and the learning
 rate schedule follows the iteration. The log line of the step says what was not finite.
@@ -15,8 +16,8 @@ nothing is saved (the last checkpoint written stays the newest and `latest`), so
 command, or one with a lower --lr, resumes from good weights.
 
 With `--no-check-for-nan-in-loss-and-grad` a step is applied whatever its norm, and a
-non-finite loss stops the run with `NonFiniteError` after the step (weights may be NaN; still
-nothing is saved).
+non-finite loss or norm stops the run with `NonFiniteError` right after the step (weights may
+be NaN; nothing is saved from it).
 
 Test hook: `SHARDZOO_TEST_NONFINITE="grad:3,4 loss:7"` makes the gradient (of one parameter on
 the last rank, in its backward: before the data-parallel reduction, as a bad sample would) or
@@ -32,6 +33,8 @@ import torch.distributed as dist
 
 import parallel_state as ps
 from parallel_state import collectives
+
+from .optimizer import counts_toward_norm
 
 TEST_ENV = "SHARDZOO_TEST_NONFINITE"
 
@@ -56,15 +59,14 @@ class StepGuard:
     def __init__(self, enabled: bool, max_skipped: int):
         self.enabled, self.max_skipped = enabled, max_skipped
         self.consecutive = 0
-        self.total = 0
 
     def skip_reason(self, loss: float, grad_norm: float, grads: list[torch.Tensor],
                     local_loss: torch.Tensor) -> str | None:
         """Why this step must not be applied (e.g. "grad norm NaN"), or None to apply it.
         `loss`: the global loss; `local_loss`: this rank's loss sum before the reductions (so
         the reason names the ranks where a loss went bad, not those it was summed into);
-        `grads`: the gradients this rank holds (all of them, replicated ones included).
-        Collective over the world (when enabled)."""
+        `grads`: the gradients this rank holds that the norm does not count
+        (`grads_outside_norm`). Collective over the world (when enabled)."""
         if not self.enabled:
             return None
         loss_ranks, grad_ranks = _ranks_with_nonfinite(local_loss, grads)
@@ -79,11 +81,17 @@ class StepGuard:
             bad.append(f"a gradient on rank(s) {grad_ranks} is not finite")
         return " and ".join(bad) or None
 
-    def after_step(self, iteration: int, reason: str | None, loss: float,
-                   grad_norm: float) -> None:
-        """Count the step (1-based `iteration`). Raises `NonFiniteError` when the run must stop:
-        `max_skipped` consecutive skipped steps, or (unchecked) a non-finite loss or gradient
-        norm, before anything is saved from the step."""
+    def record(self, reason: str | None) -> int:
+        """Count a step (`reason`: why it was skipped, None if applied); returns the skipped
+        steps in a row, this one included."""
+        self.consecutive = self.consecutive + 1 if reason is not None else 0
+        return self.consecutive
+
+    def stop_if_needed(self, iteration: int, reason: str | None, loss: float,
+                       grad_norm: float) -> None:
+        """After `record`: raises `NonFiniteError` when the run must stop at 1-based
+        `iteration`: `max_skipped` consecutive skipped steps, or (unchecked) a non-finite loss
+        or gradient norm, before anything is saved from the step."""
         if not self.enabled:
             bad = [f"{what} is {_describe(v)}" for what, v in
                    (("loss", loss), ("grad norm", grad_norm)) if not math.isfinite(v)]
@@ -94,12 +102,7 @@ class StepGuard:
                     f"nothing was saved from it. Resume from the last checkpoint with a lower "
                     f"--lr, or drop that flag so that such steps are skipped")
             return
-        if reason is None:
-            self.consecutive = 0
-            return
-        self.consecutive += 1
-        self.total += 1
-        if self.max_skipped and self.consecutive >= self.max_skipped:
+        if reason is not None and self.max_skipped and self.consecutive >= self.max_skipped:
             raise NonFiniteError(
                 f"{self.consecutive} consecutive steps skipped (iterations "
                 f"{iteration - self.consecutive + 1}..{iteration}; the last: {reason}); "
@@ -108,13 +111,15 @@ class StepGuard:
                 f"samples around these iterations, or raise --max-skipped-iters")
 
 
-def held_grads(optimizer, params) -> list[torch.Tensor]:
-    """The gradients the optimizer will apply on this rank: the distributed optimizer's shards
-    (ZeRO: each rank checks what it owns), else every parameter's `.grad`."""
+def grads_outside_norm(optimizer, params) -> list[torch.Tensor]:
+    """The gradients this rank applies that the global norm does not count
+    (`optimizer.counts_toward_norm`: TP-replicated ones off TP rank 0, pipeline copies): the
+    distributed optimizer's owned ranges outside its norm ranges, else those parameters'
+    `.grad`. Every other gradient makes the norm non-finite when it is."""
     shards = getattr(optimizer, "shards", None)
     if shards is not None:
-        return [s.grad for s in shards]
-    return [p.grad for p in params if p.grad is not None]
+        return [s.grad[a:b] for s in shards for a, b in s.outside_norm]
+    return [p.grad for p in params if p.grad is not None and not counts_toward_norm(p)]
 
 
 def _ranks_with_nonfinite(loss: torch.Tensor,

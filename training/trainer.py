@@ -40,7 +40,7 @@ from .distributed_optimizer import DistributedOptimizer
 from .flops import PeakFlops, training_flops_per_token
 from .fsdp import peak_gathered_bytes
 from .memory import activation_report, measure_activation_bytes, model_state_bytes
-from .nonfinite import (NonFiniteError, StepGuard, held_grads, inject_grad_for_test,
+from .nonfinite import (NonFiniteError, StepGuard, grads_outside_norm, inject_grad_for_test,
                         inject_loss_for_test)
 from .replicas import ReplicaMismatchError, check_replicas
 from .metrics import MetricsLogger, Progress, format_duration, peak_memory_bytes
@@ -373,8 +373,8 @@ def _train(config: Config, device, on_end=None, run_start: float | None = None) 
                 else:
                     grad_norm = clip_grads(params, t.clip_grad)
                 loss = float(global_loss_sum(loss_sum) / num_tokens)  # the same on every rank
-                skipped = guard.skip_reason(loss, grad_norm, held_grads(optimizer, params),
-                                            loss_sum)
+                skipped = guard.skip_reason(loss, grad_norm,
+                                            grads_outside_norm(optimizer, params), loss_sum)
                 if skipped is None:
                     optimizer.step()
             position.consumed_samples += gbs
@@ -388,15 +388,16 @@ def _train(config: Config, device, on_end=None, run_start: float | None = None) 
                                 first_step=iteration == start_iteration)
                 records.append(comm)
             it = iteration + 1
+            in_a_row = guard.record(skipped)
             if skipped is not None:
                 rec = {"iteration": it, "event": "skipped", "reason": skipped, "loss": loss,
-                       "grad_norm": grad_norm, "consecutive": guard.consecutive + 1}
+                       "grad_norm": grad_norm, "consecutive": in_a_row}
                 limit = f" of {t.max_skipped_iters} allowed" if t.max_skipped_iters else ""
                 logger.log(rec, f"iter {it:6d}/{t.train_iters} | step skipped: {skipped} "
-                                f"(weights and optimizer unchanged; {guard.consecutive + 1} in a "
+                                f"(weights and optimizer unchanged; {in_a_row} in a "
                                 f"row{limit})", prefix="skip")
                 records.append(rec)
-            guard.after_step(it, skipped, loss, grad_norm)
+            guard.stop_if_needed(it, skipped, loss, grad_norm)
             if t.check_weight_hash_across_dp_replicas_interval and \
                     it % t.check_weight_hash_across_dp_replicas_interval == 0:
                 check_replicas(model, it)
