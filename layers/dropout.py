@@ -136,8 +136,7 @@ def attention_dropout(probs: torch.Tensor, p: float, site: torch.Tensor | int) -
     (global heads `rank * n/tp ...`), after the softmax. `p > 0`, training only."""
     ids = ps.get_dropout_sample_ids()
     if ids is None:
-        with ps.get_rng_tracker().fork():
-            return F.dropout(probs, p, training=True)
+        return _stream_dropout(probs, p, sharded=True)  # heads are sharded over TP
     b, n, sq, sk = probs.shape
     heads = torch.arange(n, device=probs.device) + n * ps.get_tensor_model_parallel_rank()
     keys = _row_keys(ids.to(probs.device), site)[:, None] ^ mix32(heads + 0x9E3779B9)  # [b, n]
