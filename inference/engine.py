@@ -38,6 +38,7 @@ from layers.linear import pack_weights
 from parallel_state import p2p
 
 from .comm import broadcast_tokens
+from .detokenize import IncrementalDetokenizer
 from .kv_cache import KVCache
 from .sampling import SamplingParams, sample
 
@@ -136,8 +137,9 @@ class Request:
     prompt: list[int]
     params: SamplingParams
     output: list[int] = field(default_factory=list)
-    text: str = ""  # decoded output so far (stop strings cut off)
+    text: str = ""  # decoded output so far, whole characters only (stop strings cut off)
     sent: int = 0  # characters of `text` already handed out by `step` events
+    detokenizer: IncrementalDetokenizer | None = None
     finish_reason: str | None = None
     slot: int | None = None
     generator: torch.Generator | None = None
@@ -359,24 +361,37 @@ class Engine:
         elif len(r.output) >= r.params.max_new_tokens:
             reason = "length"
         if self.decode is not None:
-            text = self.decode(r.output)
-            for s in r.params.stop:
-                cut = text.find(s)
-                if cut >= 0:
-                    text, reason = text[:cut], "stop"
-            r.text = text
+            reason = self._extend_text(r, token, reason)
         if reason is not None:
             self._finish(r, reason)
         return Event(r.id, [token], self._new_text(r), r.finish_reason, len(r.prompt),
                      len(r.output))
 
+    def _extend_text(self, r: Request, token: int, reason: str | None) -> str | None:
+        """Add `token`'s text to `r.text` (inference/detokenize.py: whole characters only;
+        all that is left once the request ends), cut it at the first stop string, and return
+        the finish reason ("stop" when a stop string appeared)."""
+        if r.detokenizer is None:  # the prompt is the first tokens' context (not for T5)
+            r.detokenizer = IncrementalDetokenizer(
+                self.decode, () if self.encoder_decoder else r.prompt)
+        piece = r.detokenizer.add(token)
+        if reason is not None:
+            piece += r.detokenizer.finish()
+        if not piece:
+            return reason
+        r.text += piece
+        if r.params.stop:  # a new match starts at most len(stop) - 1 characters back
+            lo = max(0, len(r.text) - len(piece) - max(map(len, r.params.stop)) + 1)
+            cuts = [c for c in (r.text.find(s, lo) for s in r.params.stop) if c >= 0]
+            if cuts:
+                r.text, reason = r.text[:min(cuts)], "stop"
+        return reason
+
     def _new_text(self, r: Request) -> str:
-        """Text not yet handed out; while running, hold back an incomplete UTF-8 character
-        and any tail that may still become a stop string."""
+        """Text not yet handed out; while running, hold back any tail that may still become
+        a stop string."""
         end = len(r.text)
         if r.finish_reason is None:
-            if r.text.endswith("\ufffd"):
-                end -= 1
             for s in r.params.stop:
                 for k in range(min(len(s) - 1, end), 0, -1):
                     if r.text[:end].endswith(s[:k]):
