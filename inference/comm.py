@@ -3,6 +3,8 @@ through parallel_state.collectives (observed like training's).
 
 - `broadcast_tokens(tokens [b] | None, b)`: the sampled ids from the last pipeline stage's TP
   rank 0 to every rank of this model replica (tp x pp ranks).
+- `broadcast_logprobs(values | None, rows, k)`: the same for the log-probabilities of the rows
+  that asked for them (only on steps where some did).
 - `broadcast_control(obj)`: a picklable object from global rank 0 to every rank.
 - `gather_to_rank0(obj)`: a list (by global rank) of every rank's object on rank 0, None
   elsewhere.
@@ -26,12 +28,24 @@ def replica_ranks() -> tuple[int, int]:
 
 def broadcast_tokens(tokens: torch.Tensor | None, b: int) -> torch.Tensor:
     """`[b]` int64 ids, identical on every rank of the replica (source: last stage, tp 0)."""
+    return _from_last_stage(tokens, (b,), torch.int64)
+
+
+def broadcast_logprobs(values: torch.Tensor | None, rows: int, k: int) -> torch.Tensor:
+    """`[rows, 1 + 2k]` float64 (inference/sampling.py `token_logprobs`: the rows that asked
+    for log-probabilities), identical on every rank of the replica (source: last stage, tp 0).
+    Called only on steps where some row asked, the same steps on every rank."""
+    return _from_last_stage(values, (rows, 1 + 2 * k), torch.float64)
+
+
+def _from_last_stage(t: torch.Tensor | None, shape: tuple, dtype) -> torch.Tensor:
+    """`t` (given on the last stage's TP rank 0, None elsewhere) on every replica rank (CPU)."""
     g = ps.get_grid()
     if g.tensor_model_parallel_size * g.pipeline_model_parallel_size == 1:
-        return tokens
+        return t
     src = replica_ranks()[1]
-    buf = tokens.to(torch.int64).contiguous() if dist.get_rank() == src else \
-        torch.empty(b, dtype=torch.int64, device=g.device)
+    buf = t.to(dtype).contiguous() if dist.get_rank() == src else \
+        torch.empty(shape, dtype=dtype, device=g.device)
     if buf.device.type == "cpu" and g.device.type == "cuda":
         buf = buf.to(g.device)
     collectives.broadcast(buf, src=src, group=g.model_parallel_group)

@@ -4,7 +4,8 @@ run this step).
 
 Every rank of a replica runs the same `Engine` with the same inputs and takes the same
 decisions: the only value that differs between ranks, the sampled ids, is broadcast from the
-last pipeline stage each step (inference/comm.py), so the ranks stay in lockstep without a
+last pipeline stage each step (inference/comm.py; with the log-probabilities of the rows that
+asked for them, on steps that have such rows), so the ranks stay in lockstep without a
 coordinator.
 
 Scheduling (Yu et al. 2022, Orca, "iteration-level scheduling"): each `step()` starts one
@@ -37,10 +38,10 @@ import parallel_state as ps
 from layers.linear import pack_weights
 from parallel_state import p2p
 
-from .comm import broadcast_tokens
+from .comm import broadcast_logprobs, broadcast_tokens
 from .detokenize import IncrementalDetokenizer
 from .kv_cache import KVCache
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, sample, token_logprobs, unpack_logprobs
 
 
 class ModelRunner:
@@ -147,7 +148,8 @@ class Request:
 
 @dataclass
 class Event:
-    """What `Engine.step` reports for a request: new ids, new text, finished or not."""
+    """What `Engine.step` reports for a request: new ids, new text, finished or not, and the
+    new ids' log-probabilities when the request asked for them."""
 
     id: str
     token_ids: list[int]
@@ -155,6 +157,9 @@ class Event:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    # per token of `token_ids` when the request asked (SamplingParams.logprobs), else None:
+    # (token id, logprob, [(id, logprob)] x N most likely, in decreasing probability)
+    logprobs: list[tuple] | None = None
 
 
 class Engine:
@@ -288,19 +293,41 @@ class Engine:
         self.tick += 1
         if done is None:
             return []
-        tokens = None
-        if mine is done and runner.last:
-            tokens = sample(out, [r.params for r in done.batch],
-                            [r.generator for r in done.batch])
-        tokens = broadcast_tokens(tokens, len(done.batch))
+        tokens, logprobs = self._sample(done, out if mine is done and runner.last else None)
         events = []
         for r, tok in zip(done.batch, tokens.tolist()):
             self.busy.discard(r.id)
             if r.finish_reason is not None:  # cancelled while in flight: free its slot now
                 self._release(r)
                 continue
-            events.append(self._append(r, int(tok)))
+            event = self._append(r, int(tok))
+            if r.id in logprobs:
+                event.logprobs = [logprobs[r.id]]
+            events.append(event)
         return events
+
+    def _sample(self, done: _Flight, logits: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
+        """The next ids `[b]` of `done`'s rows on every rank of the replica, sampled from
+        `logits [b, V]` (given on the last stage's ranks, None elsewhere), and for the rows
+        whose request asked for log-probabilities {request id: (token, logprob, [(id,
+        logprob)] x N)} (inference/sampling.py `token_logprobs`: the raw model output). Only
+        those rows are computed, and only steps with such a row broadcast them."""
+        batch = done.batch
+        asked = [i for i, r in enumerate(batch) if r.params.logprobs is not None]
+        k = max((batch[i].params.logprobs for i in asked), default=0)
+        tokens = values = None
+        if logits is not None:
+            tokens = sample(logits, [r.params for r in batch], [r.generator for r in batch])
+            if asked:
+                rows = torch.tensor(asked, device=logits.device)
+                values = token_logprobs(logits[rows], tokens[rows], k)
+        tokens = broadcast_tokens(tokens, len(batch))
+        if not asked:
+            return tokens, {}
+        values, ids = broadcast_logprobs(values, len(asked), k).tolist(), tokens.tolist()
+        return tokens, {batch[i].id: unpack_logprobs(row, ids[i], batch[i].params.logprobs)
+                        for i, row in zip(asked, values)}
+
 
     def generate(self, requests: list[Request]) -> list[Request]:
         """Run `requests` to completion (continuous batching when they outnumber the slots)."""

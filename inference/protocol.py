@@ -11,7 +11,8 @@ import json
 import time
 from dataclasses import dataclass
 
-from .sampling import SamplingError, SamplingParams
+from .logprobs import LogprobsFormat
+from .sampling import MAX_LOGPROBS, SamplingError, SamplingParams
 
 MAX_N = 16
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -19,8 +20,8 @@ DEFAULT_CHAT_TOKENS = 512  # chat: at most this, or what is left of the context
 # OpenAI fields this server does not implement: refused when set to anything but an "off"
 # value (SDKs send those), never silently ignored. Field -> its own off values beyond
 # null / false / 0 / empty.
-UNSUPPORTED = {name: () for name in ("echo", "logprobs", "top_logprobs", "suffix", "logit_bias",
-                                     "tools", "tool_choice", "functions", "function_call")}
+UNSUPPORTED = {name: () for name in ("echo", "prompt_logprobs", "suffix", "logit_bias", "tools",
+                                     "tool_choice", "functions", "function_call")}
 UNSUPPORTED.update(best_of=(1,), response_format=({"type": "text"},))
 ROLES = ("system", "developer", "user", "assistant")  # developer: OpenAI's newer system
 
@@ -48,6 +49,7 @@ class Parsed:
     params: list[SamplingParams]  # one per choice, in choice order (prompt-major)
     stream: bool
     include_usage: bool
+    logprobs: LogprobsFormat | None = None  # None: the request asked for no logprobs
 
 
 def _field(body: dict, name: str, kinds, default):
@@ -136,6 +138,7 @@ def parse(raw: bytes, *, chat: bool, tokenizer, model_names: list[str], check,
     seed = body.get("seed")
     stream_options = body.get("stream_options") or {}
     ignore_eos = _field(body, "ignore_eos", bool, False)  # vLLM's extra parameter
+    top = _logprobs(body, chat)
     params = []
     for prompt in prompts:
         for j in range(n):
@@ -144,7 +147,7 @@ def parse(raw: bytes, *, chat: bool, tokenizer, model_names: list[str], check,
                 top_k=body.get("top_k", 0) or 0, top_p=body.get("top_p", 1.0),
                 seed=(seed + j if isinstance(seed, int) and not isinstance(seed, bool)
                       else seed if seed is not None else seed_source()),
-                stop=stop, ignore_eos=ignore_eos)
+                stop=stop, ignore_eos=ignore_eos, logprobs=top)
             if sp.temperature is None:
                 sp.temperature = 1.0
             if sp.top_p is None:
@@ -161,7 +164,38 @@ def parse(raw: bytes, *, chat: bool, tokenizer, model_names: list[str], check,
             params.append(sp)
     stream = _field(body, "stream", bool, False)
     return Parsed(chat, model, prompts, n, params, stream,
-                  bool(isinstance(stream_options, dict) and stream_options.get("include_usage")))
+                  bool(isinstance(stream_options, dict) and stream_options.get("include_usage")),
+                  None if top is None else LogprobsFormat(top, chat, tokenizer.token_bytes))
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """Alternatives per token the request asks for (None: no logprobs). Chat: `logprobs`
+    true/false and `top_logprobs` 0..MAX_LOGPROBS (needs logprobs true); completions:
+    `logprobs` 0..MAX_LOGPROBS (OpenAI allows 5, vLLM its --max-logprobs, default 20)."""
+    value, top = body.get("logprobs"), body.get("top_logprobs")
+    if chat:
+        if value is not None and not isinstance(value, bool):
+            raise APIError(400, f"'logprobs' is true or false on /v1/chat/completions, got "
+                                f"{value!r}; ask for alternatives with 'top_logprobs'",
+                           "logprobs")
+        if top is not None and value is not True:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        if not value:
+            return None
+        name, value = "top_logprobs", 0 if top is None else top
+    else:
+        if top is not None:
+            raise APIError(400, "'top_logprobs' is a /v1/chat/completions field; on "
+                                "/v1/completions send 'logprobs': N (the alternatives per "
+                                "token)", "top_logprobs")
+        if value is None or value is False:
+            return None
+        name = "logprobs"
+    if isinstance(value, bool) or not isinstance(value, int) or \
+            not 0 <= value <= MAX_LOGPROBS:
+        raise APIError(400, f"'{name}' must be an integer in [0, {MAX_LOGPROBS}], got "
+                            f"{value!r}", name)
+    return value
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -169,16 +203,23 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+def _logprobs_of(parsed: Parsed, index: int, entries: list | None) -> dict | None:
+    return None if parsed.logprobs is None else parsed.logprobs.format(index, entries or [])
+
+
 def response(rid: str, parsed: Parsed, texts: list[str], reasons: list[str],
-             usage_: dict) -> dict:
-    """The non-streaming response object."""
+             usage_: dict, logprobs: list[list] | None = None) -> dict:
+    """The non-streaming response object; `logprobs[i]`: choice i's `Event.logprobs`, all
+    its tokens (when the request asked)."""
+    lps = [_logprobs_of(parsed, i, logprobs[i] if logprobs else None)
+           for i in range(len(texts))]
     if parsed.chat:
         choices = [{"index": i, "message": {"role": "assistant", "content": t},
-                    "logprobs": None, "finish_reason": r}
+                    "logprobs": lps[i], "finish_reason": r}
                    for i, (t, r) in enumerate(zip(texts, reasons))]
         obj = "chat.completion"
     else:
-        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
+        choices = [{"index": i, "text": t, "logprobs": lps[i], "finish_reason": r}
                    for i, (t, r) in enumerate(zip(texts, reasons))]
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": parsed.model,
@@ -186,15 +227,17 @@ def response(rid: str, parsed: Parsed, texts: list[str], reasons: list[str],
 
 
 def chunk(rid: str, parsed: Parsed, index: int, text: str | None, reason: str | None,
-          first: bool = False) -> dict:
-    """One streamed chunk for choice `index` (text delta and/or finish reason)."""
+          first: bool = False, logprobs: list | None = None) -> dict:
+    """One streamed chunk for choice `index` (text delta and/or finish reason; `logprobs`:
+    the `Event.logprobs` of the tokens it carries, when the request asked)."""
+    lp = _logprobs_of(parsed, index, logprobs) if logprobs else None
     if parsed.chat:
         delta = {"role": "assistant", "content": ""} if first else \
             ({"content": text} if text else {})
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+        choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
+        choice = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": reason}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": parsed.model,
             "choices": [choice]}

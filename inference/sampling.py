@@ -7,6 +7,10 @@ Sampled rows read the logits rounded to multiples of 2^-10 (`LOGIT_GRID`): layou
 different orders and differ by ~1e-6, which would otherwise move an id across the top-p edge
 or a CDF boundary now and then; rounded, the draw differs only when a logit sits within
 ~1e-6 of a grid point.
+
+Log-probabilities (`SamplingParams.logprobs`, `token_logprobs`) are those of the raw model
+output: log_softmax of the unrounded logits over the real vocabulary, before temperature,
+top-k and top-p, as vLLM returns by default (`--logprobs-mode raw_logprobs`).
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20  # alternatives per token at most (vLLM's --max-logprobs default)
 LOGIT_GRID = 2.0 ** -10
 
 
@@ -37,6 +42,9 @@ class SamplingParams:
     probability reaches top_p (1.0 = all). seed: the request's generator seed.
     stop: strings that end the generation (not included in the text).
     ignore_eos: keep generating past EOS (benchmarks).
+    logprobs: None = no log-probabilities; N in [0, MAX_LOGPROBS] = each generated token's
+    log-probability and the N most likely ids at its position (vLLM's field; see
+    `token_logprobs` for the distribution).
     """
 
     max_new_tokens: int = 16
@@ -46,6 +54,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def validate(self) -> "SamplingParams":
         """Raise `SamplingError` naming the first bad field and its range."""
@@ -70,6 +79,9 @@ class SamplingParams:
                 not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", f"must be a non-empty string or a list of at most {MAX_STOP_STRINGS} "
                         f"non-empty strings, got {self.stop!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(
+                self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         return self
 
 
@@ -99,3 +111,27 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         out[i] = int(torch.searchsorted(cdf, u.reshape(1), right=True).clamp(
             max=probs.numel() - 1))
     return out
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """Log-probabilities of the ids `ids [b]` and the `k` most likely ids per row of
+    `logits [b, V]` (real vocabulary only): `[b, 1 + 2k]` float64, row i =
+    `(logprob of ids[i], k ids in decreasing probability, their k logprobs)` (ids are exact
+    in float64, so one tensor carries both).
+
+    The distribution is the raw model output, log_softmax(logits) in float32, before
+    temperature / top-k / top-p (vLLM's default `raw_logprobs`; OpenAI documents its values
+    as the model's). -inf stays -inf (a logit of -inf); a NaN logit gives NaN.
+    """
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, ids.to(lp.device).view(-1, 1))
+    top = lp.topk(min(k, lp.shape[-1]), dim=-1) if k else None
+    parts = [chosen] if top is None else [chosen, top.indices.to(lp.dtype), top.values]
+    return torch.cat([t.double() for t in parts], dim=1)
+
+
+def unpack_logprobs(row: list[float], token: int, n: int) -> tuple:
+    """One row of `token_logprobs` (k alternatives) as `(token, logprob, [(id, logprob)] x
+    min(n, k))`."""
+    k = (len(row) - 1) // 2
+    return token, row[0], [(int(row[1 + j]), row[1 + k + j]) for j in range(min(n, k))]

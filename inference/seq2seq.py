@@ -171,3 +171,10 @@ class SourceTokenizer:
             else:
                 run.append(t)
         return "".join(out) + self._tok.decode(run)
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """`Tokenizer.token_bytes`, with a sentinel id's `<extra_id_k>`."""
+        t = int(token_id)
+        if self._tok.vocab_size <= t < self.model_vocab_size:
+            return f"<extra_id_{self.model_vocab_size - 1 - t}>".encode()
+        return self._tok.token_bytes(t)

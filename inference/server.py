@@ -168,15 +168,16 @@ def build_app(fe: Frontend):
             return StreamingResponse(_stream(fe, q, rid, parsed, ids, index),
                                      media_type="text/event-stream")
         texts, reasons = [""] * len(ids), [None] * len(ids)
-        tokens = [0] * len(ids)
+        tokens, logprobs = [0] * len(ids), [[] for _ in ids]
         while any(r is None for r in reasons):
             e = await q.get()
             i = index[e.id]
             texts[i] += e.text
+            logprobs[i] += e.logprobs or []
             reasons[i], tokens[i] = e.finish_reason, e.completion_tokens
         prompt_tokens = sum(len(p) for p in parsed.prompts)
         return protocol.response(rid, parsed, texts, reasons,
-                                 protocol.usage(prompt_tokens, sum(tokens)))
+                                 protocol.usage(prompt_tokens, sum(tokens)), logprobs)
 
     @app.post("/v1/completions")
     async def completions(req: HTTPRequest):
@@ -202,8 +203,8 @@ async def _stream(fe: Frontend, q, rid, parsed, ids, index):
         while open_ids:
             e = await q.get()
             i = index[e.id]
-            if e.text:
-                yield _sse(protocol.chunk(rid, parsed, i, e.text, None))
+            if e.text or e.logprobs:
+                yield _sse(protocol.chunk(rid, parsed, i, e.text, None, logprobs=e.logprobs))
             if e.finish_reason is not None:
                 open_ids.discard(e.id)
                 tokens += e.completion_tokens

@@ -9,7 +9,10 @@ few things the data pipeline and the model need: ``vocab_size``, ``eod`` and enc
 """
 from __future__ import annotations
 
+import json
 import os
+import re
+from functools import lru_cache
 from typing import Iterable, Sequence
 
 # Special ids fixed by `train_sentencepiece` (Llama-style order: unk, bos, eos, pad).
@@ -98,6 +101,65 @@ class Tokenizer:
             return self._sp.decode(ids)
         return self._hf.decode(ids, skip_special_tokens=True)
 
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The bytes token `token_id` stands for in decoded text (cached per id), so the bytes
+        of consecutive tokens concatenate to their text (OpenAI's logprobs `bytes`).
+
+        A byte-fallback piece (``<0xE2>``) or a byte-level BPE token (GPT-2's byte alphabet) is
+        its raw bytes, which may be part of a multi-byte character; a SentencePiece piece has
+        its ``▁`` as a space (kept where `decode` drops a first token's leading space, as vLLM
+        keeps it); a special or added token is its text (``</s>``); other HF decoders
+        (WordPiece, ...) give the UTF-8 of ``decode([token_id])``. None for an id the
+        tokenizer does not have (a model's padded vocabulary)."""
+        cache = self.__dict__.setdefault("_bytes_of", {})
+        token_id = int(token_id)
+        if token_id not in cache:
+            cache[token_id] = self._token_bytes(token_id) if 0 <= token_id < self.vocab_size \
+                else None
+        return cache[token_id]
+
+    def _token_bytes(self, i: int) -> bytes | None:
+        if self.kind == "sentencepiece":
+            piece = self._sp.id_to_piece(i)
+            if self._sp.is_byte(i):
+                return bytes([int(piece[3:-1], 16)])
+            if self._sp.is_control(i) or self._sp.is_unknown(i):
+                return piece.encode()
+            return piece.replace("\u2581", " ").encode()
+        piece = self._hf.convert_ids_to_tokens(i)
+        if piece is None:
+            return None
+        if i in self._hf.added_tokens_decoder:  # special / added tokens are stored as text
+            return piece.encode()
+        kinds, space = self._decoder_kinds()
+        if "ByteLevel" in kinds:
+            table = _byte_level_decoder()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+            return piece.encode()
+        if "ByteFallback" in kinds and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
+            return bytes([int(piece[3:5], 16)])
+        if space is not None:
+            return piece.replace(space, " ").encode()
+        return self._hf.decode([i]).encode()
+
+    def _decoder_kinds(self) -> tuple[set, str | None]:
+        """(types of the HF fast tokenizer's decoders, the character its Metaspace / Replace
+        decoder turns into a space or None); (set(), None) for a slow tokenizer."""
+        if "_kinds" not in self.__dict__:
+            backend = getattr(self._hf, "backend_tokenizer", None)
+            dec = backend.decoder if backend is not None else None
+            tree = json.loads(dec.__getstate__()) if dec is not None else {}
+            parts = tree.get("decoders", [tree]) if tree else []
+            kinds, space = {d.get("type") for d in parts}, None
+            for d in parts:
+                if d.get("type") == "Metaspace":
+                    space = d.get("replacement", "\u2581")
+                elif d.get("type") == "Replace" and d.get("content") == " ":
+                    space = (d.get("pattern") or {}).get("String", space)
+            self._kinds = kinds, space
+        return self._kinds
+
     @property
     def has_chat_template(self) -> bool:
         return self.kind == "hf" and bool(getattr(self._hf, "chat_template", None))
@@ -119,6 +181,19 @@ class Tokenizer:
     def __repr__(self) -> str:
         return (f"Tokenizer({self.kind}, vocab_size={self.vocab_size}, eod={self.eod}, "
                 f"path={self.path!r})")
+
+
+@lru_cache(maxsize=1)
+def _byte_level_decoder() -> dict[str, int]:
+    """Byte-level BPE's alphabet (Radford et al. 2019, GPT-2 `bytes_to_unicode`): character ->
+    byte. Printable bytes other than space stand for themselves; the other 68 bytes are
+    written as the characters from U+0100 on, in byte order."""
+    own = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+           *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    moved = [b for b in range(256) if b not in own]
+    table = {chr(b): b for b in own}
+    table.update({chr(256 + n): b for n, b in enumerate(moved)})
+    return table
 
 
 def build_tokenizer(path: str) -> Tokenizer:

@@ -8,7 +8,9 @@ heads replicated, pp=2, tp=2 x pp=2) and generates the same requests; the parent
 - padded-vocab logits forced to +1e4 never produce a padding id;
 - seeded sampling (temperature, top-k, top-p) is identical at every layout;
 - at pp=2 two micro-batches are in flight at once (default num_micro_batches = pp) and the
-  ids equal pp=1 and one micro-batch at a time.
+  ids equal pp=1 and one micro-batch at a time;
+- logprobs (greedy and sampled rows, some without) equal a direct log_softmax of HF's logits
+  for the same ids, identical on every rank.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from distributed import run_distributed
 PROMPTS = [[5, 17, 99, 3, 42], [7, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11], [300, 200, 100]]
 MAX_NEW = [4, 9, 6]
 LAYOUTS = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]  # (tp, pp)
+# SamplingParams.logprobs per prompt: greedy rows, sampled rows (None: not asked)
+LOGPROBS = {"greedy": [2, None, 0], "sampled": [3, 20, None]}
 
 
 def _hf_configs() -> dict:
@@ -80,6 +84,23 @@ def _force_padding_logits(model) -> None:
     model.output_layer.register_forward_hook(hook)
 
 
+def _generate(engine, reqs) -> list:
+    """Run `reqs` step by step; the logprobs of each request's events, in request order (the
+    events carry them exactly when the request asked, one entry per new id)."""
+    for r in reqs:
+        engine.add(r)
+    got = {r.id: [] for r in reqs}
+    asked = {r.id: r.params.logprobs for r in reqs}
+    while engine.has_work():
+        for e in engine.step():
+            assert (e.logprobs is None) == (asked[e.id] is None), (e, asked[e.id])
+            if e.logprobs is not None:
+                assert [t for t, _, top in e.logprobs] == e.token_ids
+                assert all(len(top) == asked[e.id] for _, _, top in e.logprobs)
+                got[e.id] += e.logprobs
+    return [got[r.id] for r in reqs]
+
+
 def _run_layouts(models: dict, eos: dict) -> dict:
     """In a worker: {(name, tp, pp): {"greedy": [...], "sampled": [...]}} on global rank 0."""
     import parallel_state as ps
@@ -98,16 +119,21 @@ def _run_layouts(models: dict, eos: dict) -> dict:
             out = {}
             for kind, stop in (("greedy", ()), ("eos", (eos[name],))):
                 engine = Engine(model, eos_token_ids=stop, max_batch_size=2, max_seq_length=32)
-                reqs = [Request(str(i), p, SamplingParams(max_new_tokens=n))
-                        for i, (p, n) in enumerate(zip(PROMPTS, MAX_NEW))]
-                out[kind] = [r.output for r in engine.generate(reqs)]
+                reqs = [Request(str(i), p, SamplingParams(
+                    max_new_tokens=n, logprobs=LOGPROBS["greedy"][i] if kind == "greedy" else
+                    None)) for i, (p, n) in enumerate(zip(PROMPTS, MAX_NEW))]
+                out[f"{kind}_logprobs"] = _generate(engine, reqs)
+                out[kind] = [r.output for r in reqs]
                 assert not engine.has_work() and sorted(engine.free_slots) == [0, 1]
                 out[f"{kind}_in_flight"] = engine.max_in_flight
             engine = Engine(model, max_batch_size=4, max_seq_length=32)
-            params = [SamplingParams(max_new_tokens=8, temperature=t, top_k=k, top_p=p, seed=s)
-                      for t, k, p, s in ((1.0, 0, 1.0, 1), (0.7, 20, 1.0, 2), (1.3, 0, 0.9, 3))]
+            params = [SamplingParams(max_new_tokens=8, temperature=t, top_k=k, top_p=p, seed=s,
+                                     logprobs=n)
+                      for t, k, p, s, n in zip((1.0, 0.7, 1.3), (0, 20, 0), (1.0, 1.0, 0.9),
+                                               (1, 2, 3), LOGPROBS["sampled"])]
             reqs = [Request(str(i), pr, sp) for i, (pr, sp) in enumerate(zip(PROMPTS, params))]
-            out["sampled"] = [r.output for r in engine.generate(reqs)]
+            out["sampled_logprobs"] = _generate(engine, reqs)
+            out["sampled"] = [r.output for r in reqs]
             out["sampled_in_flight"] = engine.max_in_flight
             if pp > 1:  # one micro-batch at a time must give the same ids
                 engine = Engine(model, max_batch_size=2, max_seq_length=32, num_micro_batches=1)
@@ -135,7 +161,8 @@ def test_generation_matches_transformers_at_every_layout(models):
            for name, r in ref.items()}
     ref_eos = {name: [_hf_generate(hf, p, n, eos[name]) for p, n in zip(PROMPTS, MAX_NEW)]
                for name, (hf, _) in models.items()}
-    results = run_distributed(_run_layouts, 4, models, eos, timeout=400)[0]
+    ranks = run_distributed(_run_layouts, 4, models, eos, timeout=400)
+    results = ranks[0]
     for name in models:
         assert len(ref_eos[name][1]) < MAX_NEW[1] and ref_eos[name][1][-1] == eos[name]
         sampled0 = results[(name, 1, 1)]["sampled"]
@@ -153,8 +180,57 @@ def test_generation_matches_transformers_at_every_layout(models):
             assert got["sampled_in_flight"] == pp, where
             if pp > 1:
                 assert got["one_at_a_time"] == ref[name], where
+            for kind in LOGPROBS:  # every rank of the layout got rank 0's values
+                assert all(r[(name, tp, pp)][f"{kind}_logprobs"] == got[f"{kind}_logprobs"]
+                           for r in ranks), f"{where}: {kind} logprobs differ between ranks"
+        worst = _check_logprobs(name, models[name], results)
+        print(f"{name}: max |logprob - HF log_softmax| {worst:.3g}")
     for ours, hf in results[("t5", 2, 2)]:  # T5 v1.0 and v1.1 at tp=2 x pp=2
         assert ours == hf, ("t5 tp=2 pp=2", ours, hf)
+
+
+def _check_logprobs(name: str, folders: tuple, results: dict) -> float:
+    """Every layout's logprobs of `name` against log_softmax of HF's float32 logits for the
+    same ids (the raw model output); the largest difference."""
+    from transformers import AutoModelForCausalLM
+
+    from checkpoint.format import read_metadata
+    from models import ModelConfig
+    from tolerances import assert_fp32_close, forward_chain_terms
+
+    hf_dir, ckpt = folders
+    cfg = ModelConfig.from_dict(read_metadata(ckpt)["model"])
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    worst = 0.0
+    for kind, asked in LOGPROBS.items():
+        for i, (prompt, n) in enumerate(zip(PROMPTS, asked)):
+            output = results[(name, 1, 1)][kind][i]
+            with torch.no_grad():
+                logits = hf(torch.tensor([prompt + output])).logits[0].float()
+            logits = logits[len(prompt) - 1:len(prompt) - 1 + len(output)]
+            ref = torch.log_softmax(logits, dim=-1)
+            k = forward_chain_terms(cfg, len(prompt) + len(output))
+            for tp, pp in LAYOUTS:
+                got = results[(name, tp, pp)][f"{kind}_logprobs"][i]
+                where = f"{name} tp={tp} pp={pp} {kind} row {i}"
+                if n is None:
+                    assert got == [], where
+                    continue
+                assert [t for t, _, _ in got] == output, where
+                ours = torch.tensor([lp for _, lp, _ in got])
+                want = ref.gather(1, torch.tensor(output)[:, None])[:, 0]
+                shape = (len(got), n)
+                top_ids = torch.tensor([[t for t, _ in top] for _, _, top in got]).view(shape)
+                top = torch.tensor([[lp for _, lp in top] for _, _, top in got]).view(shape)
+                # the top n are the n largest (ties may swap ids: each id's own value checked)
+                assert_fp32_close(torch.cat([ours, top.flatten(), top.flatten()]),
+                                  torch.cat([want, ref.gather(1, top_ids).flatten(),
+                                             ref.topk(n, dim=-1).values.flatten()]), k,
+                                  where, scale=float(logits.abs().max()))
+                assert all(len(set(row)) == n for row in top_ids.tolist()), where
+                worst = max(worst, float((ours - want).abs().max()), float(
+                    (top - ref.gather(1, top_ids)).abs().max()) if n else 0.0)
+    return worst
 
 
 def test_kv_replication_layout_and_refusals():

@@ -192,6 +192,7 @@ def test_bad_inputs_then_good_request(server):
 
     _, port, _, _ = server
     good = {"model": "tiny", "prompt": "hello", "max_tokens": 3, "temperature": 0}
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     cases = [
         ("/v1/completions", None, b"{not json", 400),
         ("/v1/completions", {**good, "model": "gpt-9"}, None, 404),
@@ -209,8 +210,19 @@ def test_bad_inputs_then_good_request(server):
         ("/v1/completions", {**good, "model": 5}, None, 400),
         ("/v1/completions", {**good, "seed": 2**70}, None, 400),  # torch's generator: 64 bits
         ("/v1/completions", {**good, "seed": 2**63 - 1, "n": 2}, None, 400),  # seed + 1
-        ("/v1/completions", {**good, "logprobs": 2}, None, 400),  # not implemented: refused
-        ("/v1/completions", {**good, "echo": True}, None, 400),
+        ("/v1/completions", {**good, "echo": True}, None, 400),  # not implemented: refused
+        ("/v1/completions", {**good, "prompt_logprobs": 1}, None, 400),
+        # logprobs: OpenAI's types and ranges per endpoint (vLLM's max, 20)
+        ("/v1/completions", {**good, "logprobs": 21}, None, 400),
+        ("/v1/completions", {**good, "logprobs": -1}, None, 400),
+        ("/v1/completions", {**good, "logprobs": True}, None, 400),
+        ("/v1/completions", {**good, "logprobs": "2"}, None, 400),
+        ("/v1/completions", {**good, "top_logprobs": 2}, None, 400),  # a chat field
+        ("/v1/chat/completions", {**chat, "top_logprobs": 2}, None, 400),  # needs logprobs
+        ("/v1/chat/completions", {**chat, "logprobs": False, "top_logprobs": 0}, None, 400),
+        ("/v1/chat/completions", {**chat, "logprobs": 3}, None, 400),
+        ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 21}, None, 400),
+        ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 1.5}, None, 400),
         ("/v1/completions", {**good, "response_format": {"type": "json_object"}}, None, 400),
     ]
     for path, body, raw, status in cases:
@@ -239,6 +251,199 @@ def test_bad_inputs_then_good_request(server):
     conn.close()
     code, obj = _post(port, "/v1/completions", good)
     assert code == 200
+
+
+def _reference_logprobs(folder, prompt_ids, output_ids):
+    """(log_softmax of HF's float32 logits at each output position [n, V], the float32 `k`
+    and scale of tests/tolerances.py for them)."""
+    from transformers import AutoModelForCausalLM
+
+    from models.hf import config_from_hf
+    from tolerances import forward_chain_terms
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt_ids + output_ids])).logits[0].float()
+    logits = logits[len(prompt_ids) - 1:len(prompt_ids) - 1 + len(output_ids)]
+    cfg = config_from_hf(json.load(open(os.path.join(folder, "config.json"))))
+    k = forward_chain_terms(cfg, len(prompt_ids) + len(output_ids))
+    return torch.log_softmax(logits, dim=-1), k, float(logits.abs().max())
+
+
+def test_logprobs_both_endpoints(server):
+    """logprobs through the openai client at tp=2 x dp=2: /v1/completions (`logprobs: N`) and
+    /v1/chat/completions (`logprobs: true`, `top_logprobs: N`), greedy and seeded sampling,
+    streamed and not; every value equals log_softmax of HF's logits for the same ids, the
+    shapes are the ones the SDK parses, the bytes concatenate to the text."""
+    from inference.logprobs import token_text
+    from models.tokenizer import Tokenizer
+    from tolerances import assert_fp32_close
+
+    folder, port, _, _ = server
+    client = _client(port)
+    tok = Tokenizer(folder)
+    by_bytes = {tok.token_bytes(i): i for i in range(tok.vocab_size)}
+    assert len(by_bytes) == tok.vocab_size  # every token has its own bytes: ids from bytes
+    worst = 0.0
+
+    def check(prompt_ids, ids, logprobs, tops, where, n=0):
+        """`tops[j]`: [(id, logprob)] of position j as the server listed them, the first `n`
+        being the n most likely (ties may swap ids: each id's own value is checked)."""
+        nonlocal worst
+        ref, k, scale = _reference_logprobs(folder, prompt_ids, ids)
+        got = torch.tensor(logprobs + [lp for top in tops for _, lp in top])
+        want = torch.cat([ref.gather(1, torch.tensor(ids)[:, None])[:, 0],
+                          torch.tensor([float(ref[j, i]) for j, top in enumerate(tops)
+                                        for i, _ in top])])
+        assert_fp32_close(got, want, k, where, scale=scale)
+        worst = max(worst, float((got - want).abs().max()))
+        if n:
+            assert all(len(top) >= n for top in tops), where
+            assert_fp32_close(torch.tensor([[lp for _, lp in top[:n]] for top in tops]),
+                              ref.topk(n).values, k, where + " (top n)", scale=scale)
+
+    # completions, greedy, logprobs 3: top 3 and the sampled token (here one of them)
+    prompt = "def wrap(text, width"
+    prompt_ids = tok.encode(prompt)
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
+                                    logprobs=3)
+    lp = out.choices[0].logprobs
+    ids = [by_bytes[_token_bytes(t)] for t in lp.tokens]
+    assert len(ids) == out.usage.completion_tokens
+    assert lp.tokens == [token_text(tok.token_bytes(i), i) for i in ids]
+    tops = [[(by_bytes[_token_bytes(t)], v) for t, v in d.items()] for d in lp.top_logprobs]
+    assert all(len(d) == 3 and ids[j] in dict(d) for j, d in enumerate(tops))
+    assert all(max(d.values()) == d[t] for d, t in zip(lp.top_logprobs, lp.tokens))  # greedy
+    check(prompt_ids, ids, lp.token_logprobs, tops, "completions greedy", n=3)
+    text = out.choices[0].text  # each token's text sits at its offset (EOS is not in the
+    # text; a token with part of a character is `bytes:...`)
+    assert all(text[o:o + len(t)] == t for o, t, i in zip(lp.text_offset, lp.tokens, ids)
+               if i != tok.eod and not t.startswith("bytes:")) and lp.text_offset[0] == 0
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=8,
+                                            temperature=0, logprobs=3, stream=True))
+    parts = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+    assert [t for p in parts for t in p.tokens] == lp.tokens
+    assert [o for p in parts for o in p.text_offset] == lp.text_offset  # runs on over chunks
+    check(prompt_ids, ids, [v for p in parts for v in p.token_logprobs],
+          [[(by_bytes[_token_bytes(t)], v) for t, v in d.items()] for p in parts
+           for d in p.top_logprobs], "completions greedy streamed", n=3)
+    # n = 2 sampled: each choice its own logprobs, one entry per generated token
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=5, n=2, seed=3,
+                                    temperature=1.0, logprobs=0)
+    assert sum(len(c.logprobs.tokens) for c in out.choices) == out.usage.completion_tokens
+    assert all(list(d) == [t] for c in out.choices  # logprobs 0: just the sampled token
+               for d, t in zip(c.logprobs.top_logprobs, c.logprobs.tokens))
+    for c in out.choices:
+        check(prompt_ids, [by_bytes[_token_bytes(t)] for t in c.logprobs.tokens],
+              c.logprobs.token_logprobs, [[]] * len(c.logprobs.tokens), "completions n=2")
+
+    # chat, seeded sampling, top_logprobs 4
+    messages = [{"role": "user", "content": "Wrap this text."}]
+    prompt_ids = tok.apply_chat_template(messages)
+    ask = dict(model="tiny", messages=messages, max_tokens=8, temperature=1.0, seed=5,
+               logprobs=True, top_logprobs=4)
+    chat = client.chat.completions.create(**ask)
+    content = chat.choices[0].logprobs.content
+    ids = [by_bytes[bytes(c.bytes)] for c in content]
+    assert len(ids) == chat.usage.completion_tokens
+    assert all(c.token == token_text(bytes(c.bytes), i) for c, i in zip(content, ids))
+    text = b"".join(bytes(c.bytes) for c, i in zip(content, ids) if i != tok.eod)
+    # a random model emits stray bytes: shown as U+FFFD as the tokenizer's decode shows them
+    assert text.decode(errors="replace") == chat.choices[0].message.content
+    for c in content:
+        assert len(c.top_logprobs) == 4 and [t.logprob for t in c.top_logprobs] == sorted(
+            (t.logprob for t in c.top_logprobs), reverse=True)
+        assert all(t.token == token_text(bytes(t.bytes), 0) for t in c.top_logprobs)
+    tops = [[(by_bytes[bytes(t.bytes)], t.logprob) for t in c.top_logprobs] for c in content]
+    check(prompt_ids, ids, [c.logprob for c in content], tops, "chat sampled", n=4)
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    assert [by_bytes[bytes(e.bytes)] for e in streamed] == ids  # the same seeded draws
+    assert chunks[0].choices[0].logprobs is None  # the role chunk
+    check(prompt_ids, ids, [e.logprob for e in streamed],
+          [[(by_bytes[bytes(t.bytes)], t.logprob) for t in e.top_logprobs] for e in streamed],
+          "chat sampled streamed", n=4)
+    # logprobs without top_logprobs: no alternatives; without logprobs: null
+    plain = client.chat.completions.create(**{**ask, "top_logprobs": None})
+    assert all(c.top_logprobs == [] for c in plain.choices[0].logprobs.content)
+    assert client.chat.completions.create(**{**ask, "logprobs": None, "top_logprobs": None}
+                                          ).choices[0].logprobs is None
+    code, obj = _post(port, "/v1/chat/completions", {**ask, "logprobs": False})
+    assert code == 400 and obj["error"]["param"] == "top_logprobs", obj
+    assert "'logprobs': true" in obj["error"]["message"], obj
+    print(f"max |logprob - HF log_softmax| over the server's answers: {worst:.3g}")
+
+
+def test_logprobs_token_strings_bytes_and_offsets(tmp_path):
+    """The token strings, bytes and text offsets of inference/logprobs.py over a Llama-2-style
+    byte-fallback tokenizer, the project's SentencePiece model and byte-level BPE, on text
+    with emoji, CJK and accents: the tokens' bytes concatenate to the text, a token holding
+    part of a character is `bytes:\\xNN..` with its own bytes, offsets point at each token's
+    text and run on across chunks; -inf / NaN are written -9999.0 (valid JSON)."""
+    from test_detokenize import TEXT, llama2_style_tokenizer
+
+    from inference.logprobs import LogprobsFormat, token_text
+    from models.tokenizer import Tokenizer, train_sentencepiece
+
+    llama = str(tmp_path / "llama2")
+    llama2_style_tokenizer().save_pretrained(llama)
+    _make_model(str(tmp_path / "bpe"))
+    corpus = os.path.join(os.path.dirname(os.__file__), "textwrap.py")
+    tokenizers = {"llama2-style": Tokenizer(llama), "byte-level": Tokenizer(str(
+        tmp_path / "bpe")), "sentencepiece": Tokenizer(train_sentencepiece(
+            [corpus], str(tmp_path / "sp"), 400))}
+    for name, tok in tokenizers.items():
+        ids = tok.encode(TEXT)
+        raw = [tok.token_bytes(i) for i in ids]
+        # Llama-2's decode drops the first token's leading space; its bytes keep it (vLLM too)
+        lead = b" " if name == "llama2-style" else b""
+        assert b"".join(raw) == lead + TEXT.encode(), name
+        split = [r for r in raw if _is_partial(r)]
+        assert split, f"{name}: no token holds part of a character; the test needs one"
+        for i, r in zip(ids, raw):
+            text = token_text(r, i)
+            assert text.startswith("bytes:\\x") == _is_partial(r), (name, text)
+            assert _token_bytes(text) == r, (name, text)
+        assert tok.token_bytes(tok.eod) == b"</s>", name  # a special token: its text
+        assert token_text(tok.token_bytes(tok.vocab_size), tok.vocab_size) == \
+            f"token_id:{tok.vocab_size}"  # a padded vocabulary's id
+        entries = [(i, -0.5, [(i, -0.5), (ids[0], -1.0)]) for i in ids]
+        whole = LogprobsFormat(1, False, tok.token_bytes).format(0, entries)
+        assert whole["tokens"] == [token_text(r, i) for i, r in zip(ids, raw)], name
+        assert all(len(d) <= 2 and d[t] == -0.5 for d, t in
+                   zip(whole["top_logprobs"], whole["tokens"])), name  # top 1 + the sampled
+        text = lead.decode() + TEXT
+        for o, t in zip(whole["text_offset"], whole["tokens"]):
+            assert text[o:o + len(t)] == t or t.startswith("bytes:"), (name, o, t)
+        half = len(entries) // 2  # a stream: offsets run on in the second chunk
+        fmt = LogprobsFormat(1, False, tok.token_bytes)
+        assert fmt.format(3, entries[:half])["text_offset"] + \
+            fmt.format(3, entries[half:])["text_offset"] == whole["text_offset"], name
+        chat = LogprobsFormat(1, True, tok.token_bytes).format(0, entries)["content"]
+        assert b"".join(bytes(e["bytes"]) for e in chat) == lead + TEXT.encode(), name
+        assert all(len(e["top_logprobs"]) == 1 for e in chat), name
+    fmt = LogprobsFormat(2, True, tok.token_bytes)
+    odd = fmt.format(0, [(ids[0], float("-inf"), [(ids[0], float("nan")), (1, -1e6)])])
+    json.dumps(odd, allow_nan=False)  # raises on a non-finite value
+    entry = odd["content"][0]
+    assert entry["logprob"] == -9999.0 and [t["logprob"] for t in entry["top_logprobs"]] == \
+        [-9999.0, -9999.0]
+
+
+def _is_partial(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+        return False
+    except UnicodeDecodeError:
+        return True
+
+
+def _token_bytes(token: str) -> bytes:
+    """The bytes of a completions `tokens` string (`bytes:\\xNN...` for a partial character)."""
+    if token.startswith("bytes:"):
+        return bytes(int(h, 16) for h in token[len("bytes:"):].split("\\x")[1:])
+    return token.encode()
 
 
 def test_ctrl_c_stops_every_rank_cleanly(server):
