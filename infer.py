@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -63,6 +64,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="require `Authorization: Bearer KEY` (default $SHARDZOO_API_KEY)")
     srv.add_argument("--served-model-name", help="model id in the API (default: the path's "
                                                  "base name)")
+    srv.add_argument("--shutdown-timeout", type=float, default=20.0,
+                     help="seconds in-flight requests may run after SIGTERM / Ctrl-C before "
+                          "they end with an error body (keep it below torchrun's own "
+                          "--shutdown-timeout, default 30, after which it kills the ranks)")
+    srv.add_argument("--max-request-bytes", type=int, default=4 << 20,
+                     help="largest request body in bytes (413 above it, before reading it)")
+    srv.add_argument("--max-request-choices", type=int, default=256,
+                     help="prompts x n of one request, at most (400 above it)")
     args = p.parse_args(argv)
     if (args.load is None) == (args.hf is None):
         p.error("pass exactly one of --load CKPT and --hf PATH")
@@ -73,6 +82,11 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.dp is not None and args.dp < 1:
         p.error("--dp must be >= 1")
+    for name in ("max_request_bytes", "max_request_choices"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 <= args.shutdown_timeout < float("inf"):
+        p.error("--shutdown-timeout must be a number of seconds >= 0")
     if args.inference_micro_batches is not None and args.inference_micro_batches < 1:
         p.error("--inference-micro-batches must be >= 1")
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -141,6 +155,19 @@ def encode(tokenizer, prompt, chat: bool) -> list[int]:
     return tokenizer.encode(prompt)
 
 
+def summary(done: list[tuple], seconds: float) -> str:
+    """One line: tokens generated, the rate over the generation's wall time, time to first
+    token (mean and max over the prompts)."""
+    tokens = sum(d[3] for d in done)
+    ttft = [d[4] for d in done if d[4] is not None]
+    line = (f"{len(done)} prompt(s), {tokens} tokens generated in {seconds:.2f} s "
+            f"({tokens / max(seconds, 1e-9):.1f} tokens/s)")
+    if ttft:
+        line += (f"; time to first token {sum(ttft) / len(ttft):.3f} s mean, "
+                 f"{max(ttft):.3f} s max")
+    return line
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     prompts = [] if args.serve else args.prompts
@@ -190,8 +217,14 @@ def main(argv=None) -> int:
         if args.serve:
             from inference.server import serve
 
-            serve(engine, tokenizer, args.served_model_name or name, args.host, args.port,
-                  args.api_key)
+            try:
+                serve(engine, tokenizer, args.served_model_name or name, args.host, args.port,
+                      args.api_key, shutdown_timeout=args.shutdown_timeout,
+                      max_request_bytes=args.max_request_bytes,
+                      max_request_choices=args.max_request_choices)
+            except RuntimeError as e:  # a rank died: exit non-zero so torchrun restarts us
+                print(f"infer.py: error: {e}", file=sys.stderr, flush=True)
+                return 1
             return 0
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         requests = []
@@ -208,17 +241,19 @@ def main(argv=None) -> int:
             elif len(ids) + params.max_new_tokens > max_len:
                 params.max_new_tokens = max_len - len(ids)  # generate up to the context
             requests.append(Request(str(i), ids, params))
+        start = time.perf_counter()
         engine.generate(requests)
-        mine = [(int(r.id), r.text if tokenizer else r.output, r.finish_reason)
-                for r in requests]
+        mine = [(int(r.id), r.text if tokenizer else r.output, r.finish_reason,
+                 len(r.output), r.ttft_s) for r in requests]
         gathered = gather_to_rank0(mine if ps.get_tensor_model_parallel_rank() == 0 and
                                    ps.is_pipeline_first_stage() else None)
         if rank == 0:
             done = sorted(x for part in gathered if part for x in part)
-            for i, text, reason in done:
+            for i, text, _, _, _ in done:
                 shown = prompts[i] if isinstance(prompts[i], str) else json.dumps(prompts[i])
                 print(f"### prompt {i}: {shown}", flush=True)
                 print(text, flush=True)
+            print(summary(done, time.perf_counter() - start), file=sys.stderr, flush=True)
         return 0
     except (ValueError, FileNotFoundError, ConfigError, CheckpointError,
             HFConversionError) as e:

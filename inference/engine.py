@@ -30,6 +30,7 @@ both, and cache entries past a row's length are never read.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -141,6 +142,9 @@ class Request:
     text: str = ""  # decoded output so far, whole characters only (stop strings cut off)
     sent: int = 0  # characters of `text` already handed out by `step` events
     detokenizer: IncrementalDetokenizer | None = None
+    arrival: float = 0.0  # time.monotonic() when `add` queued it
+    queue_s: float | None = None  # seconds it waited for a slot (set at admission)
+    ttft_s: float | None = None  # seconds from `add` to its first generated token
     finish_reason: str | None = None
     slot: int | None = None
     generator: torch.Generator | None = None
@@ -160,6 +164,7 @@ class Event:
     # per token of `token_ids` when the request asked (SamplingParams.logprobs), else None:
     # (token id, logprob, [(id, logprob)] x N most likely, in decreasing probability)
     logprobs: list[tuple] | None = None
+    queue_s: float | None = None  # on a request's first event: seconds it waited for a slot
 
 
 class Engine:
@@ -240,6 +245,7 @@ class Engine:
         seed = request.params.seed
         request.generator = torch.Generator().manual_seed(
             seed if seed is not None else int(torch.randint(0, 2**62, ())))
+        request.arrival = time.monotonic()
         self.waiting.append(request)
 
     def cancel(self, request_id: str) -> Request | None:
@@ -254,6 +260,11 @@ class Engine:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.in_flight)
+
+    def stats(self) -> dict:
+        """Requests running and waiting, and the fraction of KV cache slots held (0-1)."""
+        return {"running": len(self.running), "waiting": len(self.waiting),
+                "kv_cache_usage": 1 - len(self.free_slots) / self.max_batch_size}
 
     def load(self) -> int:
         """Tokens still to generate, at most (the router's measure of work)."""
@@ -328,7 +339,6 @@ class Engine:
         return tokens, {batch[i].id: unpack_logprobs(row, ids[i], batch[i].params.logprobs)
                         for i, row in zip(asked, values)}
 
-
     def generate(self, requests: list[Request]) -> list[Request]:
         """Run `requests` to completion (continuous batching when they outnumber the slots)."""
         for r in requests:
@@ -376,12 +386,15 @@ class Engine:
                 break
             self.waiting.pop(0)
             r.slot = self.free_slots.pop(0)
+            r.queue_s = time.monotonic() - r.arrival
             batch.append(r)
         self.running.extend(batch)
         return batch
 
     def _append(self, r: Request, token: int) -> Event:
         r.output.append(token)
+        if r.ttft_s is None:
+            r.ttft_s = time.monotonic() - r.arrival
         reason = None
         if token in self.eos and not r.params.ignore_eos:
             reason = "stop"
@@ -392,7 +405,7 @@ class Engine:
         if reason is not None:
             self._finish(r, reason)
         return Event(r.id, [token], self._new_text(r), r.finish_reason, len(r.prompt),
-                     len(r.output))
+                     len(r.output), queue_s=r.queue_s if len(r.output) == 1 else None)
 
     def _extend_text(self, r: Request, token: int, reason: str | None) -> str | None:
         """Add `token`'s text to `r.text` (inference/detokenize.py: whole characters only;

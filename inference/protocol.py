@@ -62,14 +62,41 @@ def _field(body: dict, name: str, kinds, default):
     return v
 
 
+def max_prompt_chars(tokenizer, max_seq_length: int) -> int | None:
+    """Characters a text prompt may have before it is tokenized: a token covers at most
+    `tokenizer.max_token_chars` characters, so a longer text cannot fit `max_seq_length`
+    tokens and is refused without the work of tokenizing it (None: no tokenizer)."""
+    return None if tokenizer is None else max_seq_length * tokenizer.max_token_chars
+
+
+def _check_text(text: str, limit: int | None, param: str) -> None:
+    """Refuse text that cannot be UTF-8 (a lone surrogate from a JSON escape) or that is
+    longer than any prompt that fits the context (`max_prompt_chars`)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"'{param}' holds a character that is not valid Unicode text "
+                            f"({e.reason} at position {e.start}); send UTF-8 text", param) \
+            from None
+    if limit is not None and len(text) > limit:
+        raise APIError(400, f"'{param}' has {len(text)} characters, more than any prompt that "
+                            f"fits the context ({limit} characters at most); shorten it",
+                       param, "context_length_exceeded")
+
+
 def parse(raw: bytes, *, chat: bool, tokenizer, model_names: list[str], check,
-          max_seq_length: int, seed_source) -> Parsed:
+          max_seq_length: int, seed_source, max_choices: int = 256,
+          max_prompt_chars: int | None = None) -> Parsed:
     """Validate a request body. `check(prompt, params)` is the engine's own check (raises
-    ValueError / SamplingError); `seed_source()` gives a seed when the request has none."""
+    ValueError / SamplingError); `seed_source()` gives a seed when the request has none.
+    `max_choices` bounds prompts x n; `max_prompt_chars` a text prompt's characters (both
+    checked before tokenizing)."""
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON ({e})") from None
+    except RecursionError:
+        raise APIError(400, "the request body nests JSON too deeply to read") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     model = body.get("model")
@@ -84,6 +111,9 @@ def parse(raw: bytes, *, chat: bool, tokenizer, model_names: list[str], check,
         if body.get(name) not in (None, False, 0, "", [], {}, *off):
             raise APIError(400, f"'{name}' is not supported by this server; leave it out",
                            name)
+    n = _field(body, "n", int, 1)
+    if not 1 <= n <= MAX_N:
+        raise APIError(400, f"'n' must be in [1, {MAX_N}], got {n}", "n")
     if tokenizer is None:
         raise APIError(400, "this server has no tokenizer; it cannot read text prompts")
     if chat:
@@ -97,6 +127,10 @@ def parse(raw: bytes, *, chat: bool, tokenizer, model_names: list[str], check,
         if roles:
             raise APIError(400, f"unsupported message role(s) {sorted(roles)}; use one of "
                                 f"{list(ROLES)}", "messages")
+        if n > max_choices:
+            raise APIError(400, f"n ({n}) is more than this server's "
+                                f"--max-request-choices ({max_choices})", "n")
+        _check_text("".join(m["content"] for m in messages), max_prompt_chars, "messages")
         try:
             prompts = [tokenizer.apply_chat_template(
                 [{"role": "system" if m["role"] == "developer" else m["role"],
@@ -121,20 +155,25 @@ def parse(raw: bytes, *, chat: bool, tokenizer, model_names: list[str], check,
         else:
             raise APIError(400, "'prompt' must be a string, a list of strings, or token ids",
                            "prompt")
+        if len(items) * n > max_choices:
+            raise APIError(400, f"{len(items)} prompts x n {n} = {len(items) * n} choices, "
+                                f"more than this server's --max-request-choices "
+                                f"({max_choices}); split the request", "prompt")
+        for p in items:
+            if isinstance(p, str):
+                _check_text(p, max_prompt_chars, "prompt")
         prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in items]
     if any(not p for p in prompts):
         raise APIError(400, "the prompt is empty; send at least one token",
                        "messages" if chat else "prompt")
-    n = _field(body, "n", int, 1)
-    if not 1 <= n <= MAX_N:
-        raise APIError(400, f"'n' must be in [1, {MAX_N}], got {n}", "n")
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     longest = max(len(p) for p in prompts)
     default_tokens = DEFAULT_COMPLETION_TOKENS if not chat else \
         max(1, min(DEFAULT_CHAT_TOKENS, max_seq_length - longest))
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    max_tokens = default_tokens if max_tokens is None else max_tokens
+    # OpenAI's newer name wins; a null one (SDKs send it) is as if absent
+    max_tokens = next((body[k] for k in ("max_completion_tokens", "max_tokens")
+                       if body.get(k) is not None), default_tokens)
     seed = body.get("seed")
     stream_options = body.get("stream_options") or {}
     ignore_eos = _field(body, "ignore_eos", bool, False)  # vLLM's extra parameter
@@ -239,5 +278,8 @@ def chunk(rid: str, parsed: Parsed, index: int, text: str | None, reason: str | 
     else:
         choice = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": reason}
         obj = "text_completion"
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": parsed.model,
-            "choices": [choice]}
+    out = {"id": rid, "object": obj, "created": int(time.time()), "model": parsed.model,
+           "choices": [choice]}
+    if parsed.include_usage:  # OpenAI: every chunk has usage, null but in the last one
+        out["usage"] = None
+    return out

@@ -1,73 +1,155 @@
 """`infer.py --serve`: an OpenAI-compatible HTTP server on global rank 0, every rank in
 lockstep.
 
-- The HTTP layer (FastAPI + uvicorn, the `serve` extra) runs in a thread of rank 0: it
-  validates requests (inference/protocol.py), routes each choice to the data-parallel
-  replica with the least work still to do, and streams events back.
+- The HTTP layer (inference/api.py: FastAPI + uvicorn, the `serve` extra) runs in a thread of
+  rank 0: it checks and parses requests, routes each choice to the data-parallel replica with
+  the least work still to do, and answers from the events the control loop delivers.
+- `Frontend` is the one place that owns a request's lifetime: `open` registers its choices,
+  `Lifetime.close` cancels whatever has not finished, whatever the transport did (stream
+  dropped, non-streaming client gone, handler error), and `fail_all` ends every open request
+  with an error body (drain deadline passed, a replica failed).
 - The control loop (`serve`, every rank) runs one iteration at a time: rank 0 broadcasts the
   new requests / cancels / stop flag to the world, each replica runs one `Engine.step`, and
-  the replicas' events are gathered to rank 0. While nothing runs, rank 0 sends a heartbeat
-  every `IDLE_S` so the others never sit in a collective past its timeout.
-- SIGTERM / Ctrl-C: new requests get 503, in-flight ones finish, then every rank leaves the
-  loop and exits 0; a second signal cancels what is left at once.
+  the replicas' events and load are gathered to rank 0. While nothing runs, rank 0 sends a
+  heartbeat every `IDLE_S` so the others never sit in a collective past its timeout.
+- SIGTERM / Ctrl-C: new requests get 503, in-flight ones run on for at most
+  `shutdown_timeout` seconds (then end with a 503 error body), then every rank leaves the loop
+  and exits 0; a second signal ends what is left at once. torchrun kills its workers
+  `--shutdown-timeout` seconds (default 30) after it forwards the signal: keep ours below it.
+- A failed collective (a rank of some replica died): rank 0 answers every open request with
+  a 503 error body, lets the HTTP layer send them, and raises; torchrun, given
+  `--max-restarts`, then starts the whole service again.
 """
+from __future__ import annotations
 
 import asyncio
-import json
 import queue
-import secrets
 import signal
 import threading
 import time
-import uuid
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
 import parallel_state as ps
 
-from . import protocol
 from .comm import broadcast_control, gather_to_rank0, replica_ranks
-from .engine import Request
+from .engine import Event, Request
 
 IDLE_S = 0.5
+FLUSH_S = 5.0  # how long rank 0 waits for the HTTP layer to send error bodies before exiting
+
+
+@dataclass
+class Failure:
+    """Put on a request's queue instead of an event: end it with this error body."""
+
+    status: int
+    message: str
+    kind: str = "server_error"
+
+
+@dataclass
+class _Choice:
+    """Rank 0's book-keeping of one choice in flight."""
+
+    replica: int
+    budget: int  # tokens it may still generate
+    arrival: float  # time.monotonic() at `open`
+    queue: object  # (loop, asyncio.Queue)
+    last: float | None = None  # time of its previous event with tokens
+
+
+class Lifetime:
+    """The choices of one HTTP request: `queue` receives their events (or a `Failure`);
+    `close()` (idempotent) cancels the ones that have not finished."""
+
+    def __init__(self, fe: "Frontend", ids: list[str], q: asyncio.Queue):
+        self.fe, self.ids, self.queue = fe, ids, q
+        self.finished: set[str] = set()
+
+    def close(self) -> None:
+        open_ids = [i for i in self.ids if i not in self.finished]
+        self.finished.update(open_ids)
+        if open_ids:
+            self.fe.forget(open_ids)
 
 
 class Frontend:
     """Rank 0's side: the HTTP app's bridge to the control loop (thread-safe)."""
 
-    def __init__(self, engine, tokenizer, model_name: str, api_key: str | None, dp: int):
+    def __init__(self, engine, tokenizer, model_name: str, api_key: str | None, dp: int,
+                 metrics=None, shutdown_timeout: float = 20.0):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
-        self.api_key, self.dp = api_key, dp
+        self.api_key, self.dp, self.metrics = api_key, dp, metrics
+        self.shutdown_timeout = shutdown_timeout
         self.inbox: queue.Queue = queue.Queue()
-        self.streams: dict[str, tuple] = {}  # request id -> (loop, asyncio.Queue)
+        self.choices: dict[str, _Choice] = {}
         self.work = [0] * dp  # tokens still to generate at most, per replica
         self.served = [0] * dp  # choices finished, per replica (GET /health)
-        self.owner: dict[str, list[int]] = {}  # id -> [replica, tokens still to generate]
         self.lock = threading.Lock()
-        self.stopping = 0  # 1: drain then stop; 2: cancel and stop
+        self.stopping = 0  # 1: drain then stop; 2: end what is left and stop
+        self.failed: str | None = None  # why the service failed (a replica died)
+        self.deadline: float | None = None  # drain deadline (time.monotonic())
+        self.handlers = 0  # HTTP handlers still answering (the exit waits for them)
 
     # ---------------------------------------------------------------- HTTP thread side
-    def submit(self, loop, q, items: list[tuple[str, list[int], object]]) -> None:
-        """Route each choice to the replica with the least work: tokens it still has to
-        generate at most (its requests' max_tokens minus what they produced so far)."""
+    def open(self, items: list[tuple[str, list[int], object]]) -> Lifetime:
+        """Register and route each choice `(id, prompt ids, SamplingParams)` to the replica
+        with the least work: tokens it still has to generate at most."""
+        loop, q = asyncio.get_running_loop(), asyncio.Queue()
+        now = time.monotonic()
         with self.lock:
             adds = []
             for rid, prompt, params in items:
                 rep = min(range(self.dp), key=lambda r: self.work[r])
                 self.work[rep] += params.max_new_tokens
-                self.owner[rid] = [rep, params.max_new_tokens]
-                self.streams[rid] = (loop, q)
+                self.choices[rid] = _Choice(rep, params.max_new_tokens, now, (loop, q))
                 adds.append((rep, rid, prompt, params))
         self.inbox.put(("add", adds))
+        return Lifetime(self, [rid for rid, _, _ in items], q)
 
-    def cancel(self, ids: list[str]) -> None:
+    def forget(self, ids: list[str]) -> None:
+        """Cancel `ids` in their engines; their remaining events go nowhere."""
+        with self.lock:
+            gone = [c for c in (self.choices.pop(rid, None) for rid in ids) if c is not None]
+            for c in gone:
+                self.work[c.replica] -= c.budget
+        if self.metrics is not None:
+            for c in gone:
+                self.metrics.aborted(c.replica, c.arrival)
         self.inbox.put(("cancel", ids))
+
+    def stop(self, level: int) -> None:
+        """1: drain (new requests 503; open ones get `shutdown_timeout` seconds); 2: now."""
+        if level == 1 and not self.stopping:
+            self.deadline = time.monotonic() + self.shutdown_timeout
+        self.stopping = max(self.stopping, level)
+
+    def unavailable(self) -> str | None:
+        """Why a new request is refused now (None: it is accepted)."""
+        if self.failed:
+            return self.failed
+        if self.stopping:
+            return "the server is shutting down; retry on another server"
+        return None
 
     # ---------------------------------------------------------------- control loop side
     def collect(self) -> dict:
+        """The control message of the next iteration: requests to add, ids to cancel, and
+        whether to stop (blocks up to `IDLE_S` while nothing runs)."""
+        if self.stopping == 1 and self.deadline is not None and \
+                time.monotonic() > self.deadline:
+            self.stopping = 2
+            self.fail_all(Failure(503, f"the server is shutting down and its shutdown "
+                                       f"timeout ({self.shutdown_timeout:g} s) has passed; "
+                                       f"retry on another server"))
+        if self.stopping == 2:
+            self.fail_all(Failure(503, "the server was stopped before this request "
+                                       "finished; retry on another server"))
         msg = {"add": [], "cancel": [], "stop": False}
-        idle = not self.owner
         try:
+            idle = not self.choices and not self.stopping
             items = [self.inbox.get(timeout=IDLE_S) if idle else self.inbox.get_nowait()]
         except queue.Empty:
             items = []
@@ -78,155 +160,69 @@ class Frontend:
                 break
         for kind, payload in items:
             msg[kind].extend(payload)
-        if self.stopping == 2 or (self.stopping and not self.owner and not msg["add"]):
-            msg["stop"] = True
-            msg["cancel"].extend(self.owner)
+        msg["stop"] = self.stopping == 2 or bool(self.stopping and not self.choices)
         return msg
 
-    def deliver(self, events) -> None:
+    def fail_all(self, failure: Failure) -> None:
+        """End every open request with `failure`'s error body (and cancel it)."""
+        with self.lock:
+            ids = list(self.choices)
+            targets = {id(c.queue[1]): c.queue for c in self.choices.values()}
+        for loop, q in targets.values():
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, failure)
+            except RuntimeError:  # the HTTP loop has closed
+                pass
+        if ids:
+            self.forget(ids)
+            if self.metrics is not None:
+                for _ in ids:
+                    self.metrics.error("shutdown" if self.failed is None else "replica_failed")
+
+    def deliver(self, events, stats=None) -> None:
+        """Hand the engines' events to their requests; `stats[r]`: replica r's load."""
+        now = time.monotonic()
         for e in events:
             with self.lock:
-                target = self.streams.get(e.id)
-                own = self.owner.get(e.id)
-                if own is not None:
-                    done = own[1] if e.finish_reason is not None else len(e.token_ids)
-                    own[1] -= done
-                    self.work[own[0]] -= done
+                c = self.choices.get(e.id)
+                if c is None:
+                    continue  # cancelled by its client, or failed above
+                done = c.budget if e.finish_reason is not None else len(e.token_ids)
+                c.budget -= done
+                self.work[c.replica] -= done
                 if e.finish_reason is not None:
-                    self.streams.pop(e.id, None)
-                    if self.owner.pop(e.id, None) is not None:
-                        self.served[own[0]] += 1
-            if target is not None:
-                loop, q = target
+                    del self.choices[e.id]
+                    self.served[c.replica] += 1
+                last, c.last = c.last, (now if e.token_ids else c.last)
+            if self.metrics is not None:
+                self.metrics.event(c.replica, e, c.arrival, last, first=bool(e.token_ids)
+                                   and len(e.token_ids) == e.completion_tokens)
+            loop, q = c.queue
+            try:
                 loop.call_soon_threadsafe(q.put_nowait, e)
+            except RuntimeError:
+                pass
+        if stats and self.metrics is not None:
+            for r, s in enumerate(stats):
+                if s is not None:
+                    self.metrics.replica_stats(r, s)
 
-
-def build_app(fe: Frontend):
-    """The FastAPI app of `fe` (routes /v1/completions, /v1/chat/completions, /v1/models,
-    /health)."""
-    from fastapi import FastAPI, Request as HTTPRequest
-    from fastapi.responses import JSONResponse, StreamingResponse
-
-    from starlette.exceptions import HTTPException
-
-    app = FastAPI(title="shardzoo")
-
-    def err(e: protocol.APIError, headers=None) -> JSONResponse:
-        return JSONResponse(protocol.error_body(e), status_code=e.status, headers=headers)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(req: HTTPRequest, exc: HTTPException):
-        """The router's own errors (unknown path, wrong method) as OpenAI error objects."""
-        where = f"{req.method} {req.url.path}"
-        allow = {k.lower(): v for k, v in (exc.headers or {}).items()}.get("allow")
-        message = {404: f"no route {where}; this server has POST /v1/completions, POST "
-                        f"/v1/chat/completions, GET /v1/models and GET /health",
-                   405: f"{where} is not allowed; use {allow or 'another method'}"}.get(
-            exc.status_code, str(exc.detail))
-        return err(protocol.APIError(exc.status_code, message), headers=exc.headers)
-
-    def authorized(req: HTTPRequest) -> bool:
-        return fe.api_key is None or req.headers.get("authorization") == f"Bearer {fe.api_key}"
-
-    @app.get("/health")
-    async def health():
-        """Liveness, and per data-parallel replica the work queued (tokens still to generate
-        at most) and the choices it finished."""
-        with fe.lock:
-            replicas = [{"queued_tokens": w, "served": n} for w, n in zip(fe.work, fe.served)]
-        return {"status": "stopping" if fe.stopping else "ok", "replicas": replicas}
-
-    @app.get("/v1/models")
-    async def models(req: HTTPRequest):
-        if not authorized(req):
-            return err(protocol.APIError(401, "invalid or missing API key", code="invalid_api_key",
-                                         kind="authentication_error"))
-        return {"object": "list", "data": [{"id": fe.model_name, "object": "model",
-                                            "created": 0, "owned_by": "shardzoo"}]}
-
-    async def handle(req: HTTPRequest, chat: bool):
-        if not authorized(req):
-            return err(protocol.APIError(401, "invalid or missing API key", code="invalid_api_key",
-                                         kind="authentication_error"))
-        if fe.stopping:
-            return err(protocol.APIError(503, "the server is shutting down", kind="server_error"))
-        try:
-            parsed = protocol.parse(
-                await req.body(), chat=chat, tokenizer=fe.tokenizer,
-                model_names=[fe.model_name], check=fe.engine.check,
-                max_seq_length=fe.engine.max_seq_length,
-                seed_source=lambda: secrets.randbits(62))
-        except protocol.APIError as e:
-            return err(e)
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        prompts = [p for p in parsed.prompts for _ in range(parsed.n)]
-        ids = [f"{rid}-{i}" for i in range(len(prompts))]
-        loop, q = asyncio.get_running_loop(), asyncio.Queue()
-        fe.submit(loop, q, list(zip(ids, prompts, parsed.params)))
-        index = {cid: i for i, cid in enumerate(ids)}
-        if parsed.stream:
-            return StreamingResponse(_stream(fe, q, rid, parsed, ids, index),
-                                     media_type="text/event-stream")
-        texts, reasons = [""] * len(ids), [None] * len(ids)
-        tokens, logprobs = [0] * len(ids), [[] for _ in ids]
-        while any(r is None for r in reasons):
-            e = await q.get()
-            i = index[e.id]
-            texts[i] += e.text
-            logprobs[i] += e.logprobs or []
-            reasons[i], tokens[i] = e.finish_reason, e.completion_tokens
-        prompt_tokens = sum(len(p) for p in parsed.prompts)
-        return protocol.response(rid, parsed, texts, reasons,
-                                 protocol.usage(prompt_tokens, sum(tokens)), logprobs)
-
-    @app.post("/v1/completions")
-    async def completions(req: HTTPRequest):
-        return await handle(req, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: HTTPRequest):
-        return await handle(req, chat=True)
-
-    return app
-
-
-async def _stream(fe: Frontend, q, rid, parsed, ids, index):
-    """Server-sent events: one chunk per text delta, a final chunk per choice with its finish
-    reason, usage if asked, then `data: [DONE]`. A client that goes away cancels its
-    requests."""
-    open_ids = set(ids)
-    tokens = 0
-    try:
-        if parsed.chat:
-            for i in range(len(ids)):
-                yield _sse(protocol.chunk(rid, parsed, i, None, None, first=True))
-        while open_ids:
-            e = await q.get()
-            i = index[e.id]
-            if e.text or e.logprobs:
-                yield _sse(protocol.chunk(rid, parsed, i, e.text, None, logprobs=e.logprobs))
-            if e.finish_reason is not None:
-                open_ids.discard(e.id)
-                tokens += e.completion_tokens
-                yield _sse(protocol.chunk(rid, parsed, i, None, e.finish_reason))
-        if parsed.include_usage:
-            body = protocol.chunk(rid, parsed, 0, None, None)
-            body["choices"] = []
-            body["usage"] = protocol.usage(sum(len(p) for p in parsed.prompts), tokens)
-            yield _sse(body)
-        yield "data: [DONE]\n\n"
-    finally:
-        if open_ids:  # the client disconnected (or the server is stopping)
-            fe.cancel(sorted(open_ids))
-
-
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
+    def wait_for_handlers(self, timeout: float) -> None:
+        end = time.monotonic() + timeout
+        while self.handlers and time.monotonic() < end:
+            time.sleep(0.01)
 
 
 def serve(engine, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-          api_key: str | None = None, log=print) -> None:
-    """Run the server until SIGTERM / Ctrl-C (collective: every rank of the world calls it)."""
+          api_key: str | None = None, log=print, *, shutdown_timeout: float = 20.0,
+          max_request_bytes: int = 4 << 20, max_request_choices: int = 256) -> None:
+    """Run the server until SIGTERM / Ctrl-C (collective: every rank of the world calls it).
+
+    `shutdown_timeout`: seconds in-flight requests may still run after the first signal.
+    `max_request_bytes`: larger request bodies get 413 before they are read.
+    `max_request_choices`: prompts x n of one request, at most.
+    Raises `RuntimeError` when a collective fails (a rank died), after rank 0 has answered
+    every open request with an error body."""
     rank = dist.get_rank()
     grid = ps.get_grid()
     dp, my_replica = grid.data_parallel_size, grid.dp_rank
@@ -237,15 +233,20 @@ def serve(engine, tokenizer, model_name: str, host: str = "127.0.0.1", port: int
     def on_signal(signum, frame):
         signals["n"] += 1
         if fe is not None:
-            fe.stopping = min(2, signals["n"])
+            fe.stop(min(2, signals["n"]))
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)  # other ranks: follow rank 0's stop
     if rank == 0:
         import uvicorn
 
-        fe = Frontend(engine, tokenizer, model_name, api_key, dp)
-        config = uvicorn.Config(build_app(fe), host=host, port=port, log_level="warning",
+        from .api import Limits, build_app
+        from .metrics import ServerMetrics
+
+        fe = Frontend(engine, tokenizer, model_name, api_key, dp,
+                      ServerMetrics(model_name, dp), shutdown_timeout)
+        app = build_app(fe, Limits(max_request_bytes, max_request_choices))
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning",
                                 timeout_graceful_shutdown=5)
         server = uvicorn.Server(config)
         thread = threading.Thread(target=server.run, name="http", daemon=True)
@@ -258,6 +259,26 @@ def serve(engine, tokenizer, model_name: str, host: str = "127.0.0.1", port: int
         log(f"serving {model_name} on http://{host}:{port}/v1 (dp={dp}, "
             f"tp={grid.tensor_model_parallel_size}, pp={grid.pipeline_model_parallel_size})",
             flush=True)
+    try:
+        _loop(engine, fe, my_replica, leader)
+    except Exception as e:  # a collective failed: a rank of some replica is gone
+        if fe is not None:
+            fe.failed = (f"a model replica failed ({type(e).__name__}: {str(e)[:200]}); the "
+                         f"service restarts if torchrun has --max-restarts left; retry shortly")
+            fe.fail_all(Failure(503, fe.failed))
+            fe.wait_for_handlers(FLUSH_S)
+            log(f"server failed: {e}", flush=True)
+        raise RuntimeError(f"serving stopped: {e}") from e
+    finally:
+        if server is not None:
+            fe.wait_for_handlers(FLUSH_S)
+            server.should_exit = True
+            thread.join(timeout=10)
+    log("server stopped", flush=True) if rank == 0 else None
+
+
+def _loop(engine, fe: Frontend | None, my_replica: int, leader: bool) -> None:
+    """The control loop of every rank (see the module docstring)."""
     while True:
         msg = broadcast_control(fe.collect() if fe is not None else None)
         events = []
@@ -267,24 +288,12 @@ def serve(engine, tokenizer, model_name: str, host: str = "127.0.0.1", port: int
         for rid in msg["cancel"]:
             r = engine.cancel(rid)
             if r is not None:
-                events.append(_cancelled(r))
-        if msg["stop"]:
-            gathered = gather_to_rank0(events if leader else None)
-            if fe is not None:
-                fe.deliver([e for part in gathered if part for e in part])
-            break
-        if engine.has_work():
+                events.append(Event(r.id, [], "", "cancelled", len(r.prompt), len(r.output)))
+        if not msg["stop"] and engine.has_work():
             events += engine.step()
-        gathered = gather_to_rank0(events if leader else None)
+        gathered = gather_to_rank0((events, engine.stats()) if leader else None)
         if fe is not None:
-            fe.deliver([e for part in gathered if part for e in part])
-    if server is not None:
-        server.should_exit = True
-        thread.join(timeout=10)
-        log("server stopped", flush=True)
-
-
-def _cancelled(r):
-    from .engine import Event
-
-    return Event(r.id, [], "", "cancelled", len(r.prompt), len(r.output))
+            parts = [g for g in gathered if g is not None]
+            fe.deliver([e for evs, _ in parts for e in evs], [s for _, s in parts])
+        if msg["stop"]:
+            break

@@ -161,6 +161,19 @@ class Tokenizer:
         return self._kinds
 
     @property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token stands for (its piece's length: a byte-level
+        BPE piece has one character per byte, so this bounds the text's characters too);
+        computed once. A text longer than `n * max_token_chars` has more than n tokens."""
+        if "_max_token_chars" not in self.__dict__:
+            if self.kind == "sentencepiece":
+                pieces = (self._sp.id_to_piece(i) for i in range(self.vocab_size))
+            else:
+                pieces = self._hf.convert_ids_to_tokens(list(range(len(self._hf))))
+            self._max_token_chars = max(1, max(len(p) for p in pieces if p))
+        return self._max_token_chars
+
+    @property
     def has_chat_template(self) -> bool:
         return self.kind == "hf" and bool(getattr(self._hf, "chat_template", None))
 

@@ -1,0 +1,235 @@
+"""The HTTP API of `infer.py --serve` (FastAPI, in rank 0's HTTP thread): POST /v1/completions,
+POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics.
+
+Every answer that is not a success is an OpenAI error object `{"error": {"message", "type",
+"param", "code"}}` with a 4xx/5xx status, the router's own errors and unexpected exceptions
+included. Limits are checked before work: the body size from Content-Length (and while it is
+read), prompts x n before tokenizing, a prompt's characters against what the context could
+hold before tokenizing; parsing and tokenizing run off the event loop, so /health answers
+while a large request is read. With an API key every route but /health needs
+`Authorization: Bearer KEY` (compared in constant time; a 401 carries
+`WWW-Authenticate: Bearer`).
+"""
+
+import asyncio
+import json
+import secrets
+import uuid
+from dataclasses import dataclass
+
+from . import protocol
+from .server import Failure, Frontend
+
+OPEN_PATHS = ("/health",)  # answered without the API key (load balancers' probes)
+
+
+@dataclass
+class Limits:
+    """`max_request_bytes`: largest request body; `max_request_choices`: prompts x n."""
+
+    max_request_bytes: int = 4 << 20
+    max_request_choices: int = 256
+
+
+def build_app(fe: Frontend, limits: Limits = Limits()):
+    """The FastAPI app serving `fe`."""
+    from fastapi import FastAPI, Request as HTTPRequest
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from starlette.exceptions import HTTPException
+
+    app = FastAPI(title="shardzoo", redoc_url=None)
+    max_chars = protocol.max_prompt_chars(fe.tokenizer, fe.engine.max_seq_length)
+
+    def err(e: protocol.APIError, headers=None) -> JSONResponse:
+        if fe.metrics is not None:
+            fe.metrics.error(e.code or e.kind)
+        return JSONResponse(protocol.error_body(e), status_code=e.status, headers=headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(req: HTTPRequest, exc: HTTPException):
+        """The router's own errors (unknown path, wrong method) as OpenAI error objects."""
+        where = f"{req.method} {req.url.path}"
+        allow = {k.lower(): v for k, v in (exc.headers or {}).items()}.get("allow")
+        message = {404: f"no route {where}; this server has POST /v1/completions, POST "
+                        f"/v1/chat/completions, GET /v1/models, GET /health and GET /metrics",
+                   405: f"{where} is not allowed; use {allow or 'another method'}"}.get(
+            exc.status_code, str(exc.detail))
+        return err(protocol.APIError(exc.status_code, message), headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected(req: HTTPRequest, exc: Exception):
+        return err(protocol.APIError(500, f"internal error ({type(exc).__name__}); the "
+                                          f"server log has the details", kind="server_error"))
+
+    @app.middleware("http")
+    async def authenticate(req: HTTPRequest, call_next):
+        if fe.api_key is not None and req.url.path not in OPEN_PATHS:
+            got = req.headers.get("authorization", "").encode("utf-8", "surrogateescape")
+            if not secrets.compare_digest(got, f"Bearer {fe.api_key}".encode()):
+                return err(protocol.APIError(
+                    401, "invalid or missing API key; send 'Authorization: Bearer KEY'",
+                    code="invalid_api_key", kind="authentication_error"),
+                    headers={"WWW-Authenticate": "Bearer"})
+        return await call_next(req)
+
+    @app.get("/health")
+    async def health():
+        """Liveness (503 while stopping or failed), and per data-parallel replica the work
+        queued (tokens still to generate at most) and the choices it finished."""
+        with fe.lock:
+            replicas = [{"queued_tokens": w, "served": n} for w, n in zip(fe.work, fe.served)]
+        status = "failed" if fe.failed else "stopping" if fe.stopping else "ok"
+        return JSONResponse({"status": status, "replicas": replicas},
+                            status_code=200 if status == "ok" else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(fe.metrics.render(), media_type=fe.metrics.content_type)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": fe.model_name, "object": "model",
+                                            "created": 0, "owned_by": "shardzoo",
+                                            "max_model_len": fe.engine.max_seq_length}]}
+
+    async def read_body(req: HTTPRequest) -> bytes:
+        cap = limits.max_request_bytes
+        too_big = protocol.APIError(413, f"the request body is larger than this server's "
+                                         f"--max-request-bytes ({cap} bytes); send less",
+                                    code="request_too_large")
+        length = req.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > cap):
+            raise too_big
+        body = bytearray()
+        async for piece in req.stream():
+            body += piece
+            if len(body) > cap:
+                raise too_big
+        return bytes(body)
+
+    async def handle(req: HTTPRequest, chat: bool):
+        why = fe.unavailable()
+        if why:
+            return err(protocol.APIError(503, why, kind="server_error"))
+        fe.handlers += 1
+        try:
+            try:
+                raw = await read_body(req)
+                parsed = await asyncio.to_thread(
+                    protocol.parse, raw, chat=chat, tokenizer=fe.tokenizer,
+                    model_names=[fe.model_name], check=fe.engine.check,
+                    max_seq_length=fe.engine.max_seq_length,
+                    seed_source=lambda: secrets.randbits(62),
+                    max_choices=limits.max_request_choices, max_prompt_chars=max_chars)
+            except protocol.APIError as e:
+                return err(e)
+            rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+            prompts = [p for p in parsed.prompts for _ in range(parsed.n)]
+            ids = [f"{rid}-{i}" for i in range(len(prompts))]
+            life = fe.open(list(zip(ids, prompts, parsed.params)))
+            if parsed.stream:
+                fe.handlers += 1  # the stream's own; this handler's ends below
+                return StreamingResponse(_stream(fe, life, rid, parsed),
+                                         media_type="text/event-stream")
+            return await _answer(req, life, rid, parsed, err)
+        finally:
+            fe.handlers -= 1
+
+    @app.post("/v1/completions")
+    async def completions(req: HTTPRequest):
+        return await handle(req, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: HTTPRequest):
+        return await handle(req, chat=True)
+
+    return app
+
+
+async def _client_gone(req) -> None:
+    """Returns when the client disconnects (the body has been read: the next ASGI message
+    is the disconnect)."""
+    while (await req.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _answer(req, life, rid: str, parsed, err):
+    """The non-streaming answer: every choice's events gathered, or an error body on a
+    `Failure`; a client that goes away cancels its choices."""
+    index = {cid: i for i, cid in enumerate(life.ids)}
+    n = len(life.ids)
+    texts, reasons, tokens = [""] * n, [None] * n, [0] * n
+    logprobs = [[] for _ in range(n)]
+
+    async def gather():
+        left = n
+        while left:
+            e = await life.queue.get()
+            if isinstance(e, Failure):
+                return e
+            i = index[e.id]
+            texts[i] += e.text
+            logprobs[i] += e.logprobs or []
+            reasons[i], tokens[i] = e.finish_reason, e.completion_tokens
+            if e.finish_reason is not None:
+                life.finished.add(e.id)
+                left -= 1
+        return None
+
+    work, gone = asyncio.create_task(gather()), asyncio.create_task(_client_gone(req))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+        life.close()  # cancels whatever did not finish (client gone, error)
+    if not work.done() or work.cancelled():  # nobody is listening (nginx's 499)
+        return err(protocol.APIError(499, "the client closed the request",
+                                     code="client_closed"))
+    failure = work.result()
+    if failure is not None:
+        return err(protocol.APIError(failure.status, failure.message, kind=failure.kind))
+    usage = protocol.usage(sum(len(p) for p in parsed.prompts), sum(tokens))
+    return protocol.response(rid, parsed, texts, reasons, usage, logprobs)
+
+
+async def _stream(fe: Frontend, life, rid: str, parsed):
+    """Server-sent events: one chunk per text delta, a final chunk per choice with its finish
+    reason, usage if asked, then `data: [DONE]`; a `Failure` ends the stream with an error
+    event. A client that goes away cancels its choices (Lifetime.close)."""
+    index = {cid: i for i, cid in enumerate(life.ids)}
+    tokens = 0
+    try:
+        if parsed.chat:
+            for i in range(len(life.ids)):
+                yield _sse(protocol.chunk(rid, parsed, i, None, None, first=True))
+        left = len(life.ids)
+        while left:
+            e = await life.queue.get()
+            if isinstance(e, Failure):
+                yield _sse(protocol.error_body(protocol.APIError(e.status, e.message,
+                                                                 kind=e.kind)))
+                break
+            i = index[e.id]
+            if e.text or e.logprobs:
+                yield _sse(protocol.chunk(rid, parsed, i, e.text, None, logprobs=e.logprobs))
+            if e.finish_reason is not None:
+                life.finished.add(e.id)
+                left -= 1
+                tokens += e.completion_tokens
+                yield _sse(protocol.chunk(rid, parsed, i, None, e.finish_reason))
+        else:
+            if parsed.include_usage:
+                body = protocol.chunk(rid, parsed, 0, None, None)
+                body["choices"] = []
+                body["usage"] = protocol.usage(sum(len(p) for p in parsed.prompts), tokens)
+                yield _sse(body)
+        yield "data: [DONE]\n\n"
+    finally:
+        life.close()
+        fe.handlers -= 1
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"

@@ -1,0 +1,137 @@
+"""The server's Prometheus metrics (GET /metrics, text exposition format), named as vLLM names
+them with the `shardzoo:` prefix, labelled by `model_name` and data-parallel `replica`:
+
+- counters: `request_success_total{finished_reason}` (stop / length / abort),
+  `prompt_tokens_total`, `generation_tokens_total`, `request_errors_total{kind}`
+  (requests answered with an error body: rejected input, overload, shutdown, replica failure);
+- gauges: `num_requests_running`, `num_requests_waiting`, `kv_cache_usage_perc` (fraction of
+  the replica's KV cache slots held, 0-1), `generation_tokens_per_second` (over the last
+  `RATE_WINDOW_S` seconds);
+- histograms (seconds): `time_to_first_token_seconds` (arrival at the HTTP layer to the first
+  generated token), `inter_token_latency_seconds` (between consecutive events of a request,
+  per token), `request_queue_time_seconds` (waiting in the engine before its prefill),
+  `e2e_request_latency_seconds`.
+
+One registry per server (not the process-global one), so tests and several servers in one
+process do not share counts.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+RATE_WINDOW_S = 10.0
+# vLLM's buckets for the latency histograms (seconds)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class ServerMetrics:
+    """Observations of one server, `render()` in Prometheus text format (`content_type`).
+
+    The HTTP thread calls `arrived` / `error`; the control loop calls `event` (each engine
+    event, with the arrival time the frontend kept) and `replica_stats`. Raises ImportError
+    naming the extra when prometheus_client is not installed.
+    """
+
+    def __init__(self, model_name: str, dp: int):
+        try:
+            import prometheus_client as pc
+        except ImportError as e:
+            raise ImportError("the server's /metrics needs prometheus_client: pip install "
+                              "'shardzoo[serve]'") from e
+        self._pc = pc
+        self.registry = reg = pc.CollectorRegistry(auto_describe=True)
+        self.content_type = pc.CONTENT_TYPE_LATEST
+        labels = ("model_name", "replica")
+        p = "shardzoo:"
+        self.success = pc.Counter(p + "request_success", "Requests finished, by finish reason",
+                                  labels + ("finished_reason",), registry=reg)
+        self.errors = pc.Counter(p + "request_errors", "Requests answered with an error body",
+                                 ("model_name", "kind"), registry=reg)
+        self.prompt_tokens = pc.Counter(p + "prompt_tokens", "Prompt tokens of admitted "
+                                        "requests", labels, registry=reg)
+        self.generation_tokens = pc.Counter(p + "generation_tokens", "Generated tokens",
+                                            labels, registry=reg)
+        self.running = pc.Gauge(p + "num_requests_running", "Requests in the running batch",
+                                labels, registry=reg)
+        self.waiting = pc.Gauge(p + "num_requests_waiting", "Requests waiting for a KV cache "
+                                "slot", labels, registry=reg)
+        self.kv_usage = pc.Gauge(p + "kv_cache_usage_perc", "Fraction of KV cache slots in "
+                                 "use (1 = full)", labels, registry=reg)
+        self.tokens_per_s = pc.Gauge(p + "generation_tokens_per_second", "Generated tokens "
+                                     f"per second over the last {RATE_WINDOW_S:g} s", labels,
+                                     registry=reg)
+        self.ttft = pc.Histogram(p + "time_to_first_token_seconds", "Time to first token",
+                                 labels, buckets=TTFT_BUCKETS, registry=reg)
+        self.itl = pc.Histogram(p + "inter_token_latency_seconds", "Time between tokens",
+                                labels, buckets=ITL_BUCKETS, registry=reg)
+        self.queue = pc.Histogram(p + "request_queue_time_seconds", "Time waiting in the "
+                                  "engine before prefill", labels, buckets=REQUEST_BUCKETS,
+                                  registry=reg)
+        self.e2e = pc.Histogram(p + "e2e_request_latency_seconds", "Arrival to last token",
+                                labels, buckets=REQUEST_BUCKETS, registry=reg)
+        self.model_name, self.dp = model_name, dp
+        self._recent = [deque() for _ in range(dp)]  # (monotonic time, tokens) per replica
+        self._lock = threading.Lock()
+        for r in range(dp):
+            lab = (model_name, str(r))
+            for g in (self.running, self.waiting, self.kv_usage):
+                g.labels(*lab).set(0)
+            self.tokens_per_s.labels(*lab).set_function(lambda r=r: self._rate(r))
+
+    def _rate(self, replica: int) -> float:
+        now = time.monotonic()
+        with self._lock:
+            q = self._recent[replica]
+            while q and q[0][0] < now - RATE_WINDOW_S:
+                q.popleft()
+            return sum(n for _, n in q) / RATE_WINDOW_S
+
+    def error(self, kind: str) -> None:
+        self.errors.labels(self.model_name, kind).inc()
+
+    def event(self, replica: int, e, arrival: float, last: float | None,
+              first: bool) -> None:
+        """Account engine event `e` of a request that arrived at `arrival` (monotonic
+        seconds) and whose previous event came at `last` (None: this is its first)."""
+        lab = (self.model_name, str(replica))
+        now = time.monotonic()
+        n = len(e.token_ids)
+        if first:
+            self.prompt_tokens.labels(*lab).inc(e.prompt_tokens)
+            if getattr(e, "queue_s", None) is not None:
+                self.queue.labels(*lab).observe(e.queue_s)
+        if n:
+            self.generation_tokens.labels(*lab).inc(n)
+            with self._lock:
+                self._recent[replica].append((now, n))
+            if last is None:
+                self.ttft.labels(*lab).observe(now - arrival)
+            else:
+                self.itl.labels(*lab).observe((now - last) / n)
+        if e.finish_reason is not None:
+            reason = "abort" if e.finish_reason == "cancelled" else e.finish_reason
+            self.success.labels(*lab, reason).inc()
+            self.e2e.labels(*lab).observe(now - arrival)
+
+    def aborted(self, replica: int, arrival: float) -> None:
+        """A request ended before it finished: its client went away, or it failed."""
+        lab = (self.model_name, str(replica))
+        self.success.labels(*lab, "abort").inc()
+        self.e2e.labels(*lab).observe(time.monotonic() - arrival)
+
+    def replica_stats(self, replica: int, stats: dict) -> None:
+        """`stats` from the replica's engine: running, waiting, kv_cache_usage."""
+        lab = (self.model_name, str(replica))
+        self.running.labels(*lab).set(stats["running"])
+        self.waiting.labels(*lab).set(stats["waiting"])
+        self.kv_usage.labels(*lab).set(stats["kv_cache_usage"])
+
+    def render(self) -> bytes:
+        return self._pc.generate_latest(self.registry)
