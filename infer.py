@@ -177,7 +177,7 @@ def main(argv=None) -> int:
     from parallel_state.host_memory import tune_host_allocator
     from inference.comm import gather_to_rank0
     from inference.engine import Engine, Request
-    from inference.loading import load
+    from inference.loading import eos_token_ids, load
     from inference.sampling import SamplingParams
     from models.config import ConfigError
     from models.hf import HFConversionError
@@ -209,7 +209,7 @@ def main(argv=None) -> int:
                 raise ValueError(f"--max-seq-length {args.max_seq_length} exceeds the model's "
                                  f"max_position_embeddings ({limit}); pass at most {limit}")
             max_len = args.max_seq_length or min(limit, 2048)
-        engine = Engine(model, eos_token_ids=[tokenizer.eod] if tokenizer else [],
+        engine = Engine(model, eos_token_ids=eos_token_ids(model.generation_config, tokenizer),
                         decode=tokenizer.decode if tokenizer else None,
                         max_batch_size=args.max_batch_size, max_seq_length=max_len,
                         num_micro_batches=args.inference_micro_batches,

@@ -1,15 +1,18 @@
 """Hugging Face import and export of native checkpoints (the library under tools/convert_hf.py).
 
 `import_hf(hf_path, out)`: an HF folder or `.gguf` file -> a native checkpoint folder (the
-format train.py saves; loads at any tp/pp/vpp/dp) with the tokenizer inside it.
+format train.py saves; loads at any tp/pp/vpp/dp) with the tokenizer and the generation config
+(stop ids, sampling fields: models/hf/generation.py) inside it.
 `export_hf(checkpoint, out, dtype)`: a native checkpoint of any layout (also one saved
 mid-training with optimizer state) -> an HF folder: config.json, model.safetensors (sharded
-with model.safetensors.index.json above `max_shard_bytes`), generation_config.json and the
-tokenizer. Both stream tensors: import holds about one tensor at a time, export one shard.
+with model.safetensors.index.json above `max_shard_bytes`), generation_config.json (the stored
+one, over the tokenizer's ids) and the tokenizer. Both stream tensors: import holds about one
+tensor at a time, export one shard.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import shutil
@@ -17,11 +20,11 @@ import shutil
 import torch
 
 from models import hf as hfmap
-from models.hf.files import open_hf
+from models.hf.generation import write_generation_config
 
 from .format import CheckpointError, require_checkpoint
 from .model_io import (TOKENIZER_DIR, TOKENIZER_MODEL, find_tokenizer, read_dense_weights,
-                       write_weights_checkpoint)
+                       stored_generation_config, write_weights_checkpoint)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default shard size, 5 GB
@@ -30,14 +33,15 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default shard size, 5 GB
 def import_hf(hf_path: str, out: str, log=print) -> str:
     """Convert `hf_path` into the native checkpoint folder `out`; returns `out`.
 
-    Raises `FileNotFoundError`, `models.hf.HFConversionError` (unsupported config, missing or
-    unused tensors) or `CheckpointError` (`out` exists, shape mismatch) before `out` exists.
+    Raises `FileNotFoundError`, `models.hf.HFConversionError` (unsupported or malformed config,
+    a config the weight files do not back, missing or unused tensors, a bad generation config)
+    or `CheckpointError` (`out` exists) before `out` exists.
     """
     if os.path.exists(out):
         raise CheckpointError(f"--out {out} already exists; pass a new folder (nothing was "
                               f"written)")
-    src = open_hf(hf_path)
-    config = hfmap.config_from_hf(src.config)
+    src, config = hfmap.open_checked(hf_path)
+    generation = src.generation_config(config.vocab_size)
     config.name = ""
     model_type = src.config["model_type"]
     tensors = hfmap.to_native(config, model_type, src.get, src.names)
@@ -59,7 +63,7 @@ def import_hf(hf_path: str, out: str, log=print) -> str:
         f"{config.num_query_groups}, vocab {config.vocab_size}, "
         f"{config.num_parameters() / 1e6:.1f}M parameters")
     return write_weights_checkpoint(
-        out, config, tensors, tokenizer=save_tokenizer,
+        out, config, tensors, tokenizer=save_tokenizer, generation_config=generation,
         source={"format": src.kind, "path": os.path.abspath(hf_path), "model_type": model_type,
                 "architectures": src.config.get("architectures")})
 
@@ -67,22 +71,14 @@ def import_hf(hf_path: str, out: str, log=print) -> str:
 def _shard_plan(config, max_shard_bytes: int, itemsize: int) -> list[list[tuple[str, tuple]]]:
     """HF tensor names and shapes, in write order, cut into shards of <= max_shard_bytes
     (a tensor larger than that gets a shard of its own). Computed on the meta device."""
-    from .model_io import dense_parameters
-
-    shapes = {}
-    for name, p in dense_parameters(config).items():
-        shape = list(p.shape)
-        if getattr(p, "full_rows", None):
-            shape[0] = p.full_rows
-        shapes[name] = torch.empty(shape, device="meta")
     shards: list[list[tuple[str, tuple]]] = [[]]
     size = 0
-    for name, t in hfmap.to_hf(config, shapes.__getitem__):
-        nbytes = t.numel() * itemsize
+    for name, shape in hfmap.hf_shapes(config).items():
+        nbytes = math.prod(shape) * itemsize
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
-        shards[-1].append((name, tuple(t.shape)))
+        shards[-1].append((name, shape))
         size += nbytes
     return shards
 
@@ -92,7 +88,7 @@ def export_hf(load: str, out: str, dtype: str = "float32",
     """Write the HF folder `out` from checkpoint `load` (a --save folder or iter_XXXXXXX);
     returns `out`. Raises `CheckpointError` / `HFConversionError` before `out` exists."""
     from safetensors.torch import save_file
-    from transformers import AutoConfig, GenerationConfig
+    from transformers import AutoConfig
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -105,6 +101,7 @@ def export_hf(load: str, out: str, dtype: str = "float32",
     torch_dtype = DTYPES[dtype]
     plan = _shard_plan(config, max_shard_bytes, torch.empty((), dtype=torch_dtype).itemsize)
     tokenizer = find_tokenizer(path)
+    generation = stored_generation_config(path, config.vocab_size)
     tmp = f"{os.path.abspath(out)}.tmp-{secrets.token_hex(4)}"
     os.makedirs(tmp)
     try:
@@ -133,7 +130,7 @@ def export_hf(load: str, out: str, dtype: str = "float32",
         for k, v in special.items():
             setattr(hf_config, k, v)
         hf_config.save_pretrained(tmp)
-        GenerationConfig(**special).save_pretrained(tmp)
+        write_generation_config(tmp, {**special, **generation})
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from models.config import ModelConfig
+from models.hf.generation import GENERATION_CONFIG, generation_config, write_generation_config
 from parallel_state import collectives
 
 from . import safe_dcp
@@ -79,13 +80,15 @@ def _checked(name: str, fn: Callable[[], torch.Tensor], shape: tuple) -> Callabl
 def write_weights_checkpoint(out: str, config: ModelConfig,
                              tensors: dict[str, Callable[[], torch.Tensor]], *,
                              tokenizer: Callable[[str], None] | None = None,
+                             generation_config: dict | None = None,
                              source: dict | None = None) -> str:
     """Write checkpoint folder `out` holding `config`'s weights and return its path.
 
     `tensors` maps every dense parameter name (tp = 1, global layer numbers; vocab tensors
     unpadded, `[vocab_size, h]`) to a function returning it. `tokenizer(folder)`, if given,
-    saves the tokenizer into `folder`. The folder is built as `out.tmp-*` and renamed when
-    complete; an existing `out` is never touched.
+    saves the tokenizer into `folder`; a non-empty `generation_config` (checked fields,
+    models/hf/generation.py) is stored as generation_config.json. The folder is built as
+    `out.tmp-*` and renamed when complete; an existing `out` is never touched.
 
     Raises `CheckpointError` if `out` exists, a parameter is missing or has the wrong shape.
     """
@@ -135,6 +138,8 @@ def write_weights_checkpoint(out: str, config: ModelConfig,
             f.write(yaml.safe_dump(model_flags, sort_keys=False))
         if tokenizer is not None:
             tokenizer(os.path.join(tmp, TOKENIZER_DIR))
+        if generation_config:
+            write_generation_config(tmp, generation_config)
         names = [os.path.relpath(os.path.join(d, f), tmp)
                  for d, _, fs in os.walk(tmp) for f in fs]
         meta = {"format_version": FORMAT_VERSION, "iteration": 0, "consumed_samples": 0,
@@ -254,13 +259,20 @@ def verify_stored_tokenizer(tokenizer: str | None) -> None:
     if not tokenizer:
         return
     folder, name = os.path.split(os.path.normpath(tokenizer))
-    if name not in (TOKENIZER_DIR, TOKENIZER_MODEL) or \
-            not os.path.isfile(os.path.join(folder, METADATA)):
+    if name in (TOKENIZER_DIR, TOKENIZER_MODEL):
+        _verify_stored(folder, name)
+
+
+def _verify_stored(folder: str, name: str) -> None:
+    """Check file or subfolder `name` of checkpoint folder `folder` against its metadata.json
+    (every file listed, at its size and sha256), when the folder has one (a checkpoint)."""
+    if not os.path.isfile(os.path.join(folder, METADATA)):
         return
+    path = os.path.join(folder, name)
     listed = [f for f in read_metadata(folder, check=False)["files"]
-              if f["name"] == name or f["name"].startswith(TOKENIZER_DIR + "/")]
+              if f["name"] == name or f["name"].startswith(name + "/")]
     on_disk = {os.path.relpath(os.path.join(d, n), folder) for d, _, names in
-               os.walk(tokenizer) for n in names} if os.path.isdir(tokenizer) else {name}
+               os.walk(path) for n in names} if os.path.isdir(path) else {name}
     unlisted = sorted(on_disk - {f["name"] for f in listed})
     if unlisted:
         raise CheckpointError(f"{os.path.join(folder, unlisted[0])} is not listed in "
@@ -269,6 +281,17 @@ def verify_stored_tokenizer(tokenizer: str | None) -> None:
         problem = file_problem(folder, entry)
         if problem:
             raise CheckpointError(problem)
+
+
+def stored_generation_config(path: str, vocab_size: int) -> dict:
+    """The generation config stored in checkpoint folder `path` (`import_hf` writes it), its
+    size and sha256 checked against metadata.json first, then its fields
+    (models/hf/generation.py); `{}` when there is none (train.py's checkpoints). Raises
+    `CheckpointError` / `HFConversionError` naming the file."""
+    if not os.path.exists(os.path.join(path, GENERATION_CONFIG)):
+        return {}
+    _verify_stored(path, GENERATION_CONFIG)
+    return generation_config(path, vocab_size)
 
 
 def read_tokenizer(tokenizer: str | None) -> dict[str, bytes]:

@@ -1,5 +1,6 @@
 """Build this rank's sharded model and the tokenizer from a native checkpoint (`--load`) or a
-Hugging Face folder / .gguf file (`--hf`, converted in memory)."""
+Hugging Face folder / .gguf file (`--hf`, converted in memory), with the model's generation
+config (`model.generation_config`; its stop ids through `eos_token_ids`)."""
 from __future__ import annotations
 
 import os
@@ -9,6 +10,7 @@ import torch
 import parallel_state as ps
 from models import GPTModel, T5Model
 from models.config import ConfigError, ModelConfig
+from models.hf.generation import eos_token_ids  # noqa: F401 - infer.py's stop ids
 from models.pipeline import build_model_chunks
 from models.tokenizer import Tokenizer
 
@@ -61,13 +63,44 @@ def _check_tp(config: ModelConfig, tp: int) -> None:
                       f"terms: {error}); use --tp {', '.join(map(str, good))}")
 
 
+def available_memory(device: torch.device) -> tuple[int, str]:
+    """`(bytes, what)`: memory one rank may still allocate on `device`: CUDA's free memory,
+    or the host's MemAvailable (/proc/meminfo) shared by the ranks on it (torchrun's
+    LOCAL_WORLD_SIZE)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0], f"free on {device}"
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return 2**63, "not known"
+    return kib * 1024 // ranks, f"of the host's {kib * 1024 / 2**30:.1f} GiB available, " \
+        f"shared by its {ranks} rank(s)"
+
+
+def _check_memory(config: ModelConfig, tp: int, pp: int) -> None:
+    """Refuse (`ConfigError`) a model whose float32 weights on this rank (its 1 / (tp x pp)
+    share of `num_parameters`) exceed the memory it may allocate (`available_memory`), before
+    anything is built."""
+    need = 4 * config.num_parameters() // (tp * pp)
+    have, what = available_memory(ps.get_device())
+    if need > have:
+        raise ConfigError(
+            f"the model ({config.num_parameters():,} parameters) needs about "
+            f"{need / 2**20:,.1f} MiB of float32 weights on each of the tp x pp = {tp * pp} "
+            f"ranks, more than the {have / 2**20:,.1f} MiB this rank has ({what}); raise --tp "
+            f"or --pp, or run on more hosts")
+
+
 def build_model(config: ModelConfig) -> GPTModel:
     """This rank's `GPTModel` stage on the current grid (KV heads replicated when tp >
     num_query_groups), or a `T5Model` stage (`t5_stage_layers`), weights uninitialized.
     Raises `models.config.ConfigError` (a tp the heads do not split over names the ones they
-    do)."""
+    do; float32 weights larger than the memory this rank has, `_check_memory`)."""
     _check_tp(config, ps.get_tensor_model_parallel_world_size())
     pp = ps.get_pipeline_model_parallel_world_size()
+    _check_memory(config, ps.get_tensor_model_parallel_world_size(), pp)
     if config.is_encoder_decoder:  # T5: the encoder on the first pp // 2 stages
         enc, dec = t5_stage_layers(config, pp)[ps.get_pipeline_model_parallel_rank()]
         with torch.device(ps.get_device()):
@@ -80,7 +113,9 @@ def build_model(config: ModelConfig) -> GPTModel:
 
 def load(load: str | None = None, hf: str | None = None, tokenizer: str | None = None,
          dtype: str = "float32") -> tuple[GPTModel, Tokenizer | None, str]:
-    """`(model stage, tokenizer or None, model name)` on the current grid.
+    """`(model stage, tokenizer or None, model name)` on the current grid; the model's
+    `generation_config` attribute holds its checked generation config (models/hf/generation.py;
+    `{}` for a checkpoint without one).
 
     Exactly one of `load` (native checkpoint folder, or its parent with a `latest` marker) and
     `hf` (HF folder or .gguf file). `tokenizer` overrides the one stored with the model.
@@ -92,10 +127,12 @@ def load(load: str | None = None, hf: str | None = None, tokenizer: str | None =
                          "(Hugging Face folder or .gguf file)")
     if load is not None:
         from checkpoint.format import read_metadata, require_checkpoint
-        from checkpoint.model_io import find_tokenizer, load_model_weights
+        from checkpoint.model_io import (find_tokenizer, load_model_weights,
+                                         stored_generation_config)
 
         path = require_checkpoint(load)
         config = ModelConfig.from_dict(read_metadata(path)["model"])
+        generation = stored_generation_config(path, config.vocab_size)
         model = build_model(config)
         load_model_weights(path, [model])
         tok_path = tokenizer or find_tokenizer(path)
@@ -103,11 +140,10 @@ def load(load: str | None = None, hf: str | None = None, tokenizer: str | None =
         name = os.path.basename(os.path.normpath(load))
     else:
         from checkpoint.hf import load_hf_weights
-        from models import hf as hfmap
-        from models.hf.files import open_hf
+        from models.hf import open_checked
 
-        src = open_hf(hf)
-        config = hfmap.config_from_hf(src.config)
+        src, config = open_checked(hf)
+        generation = src.generation_config(config.vocab_size)
         model = build_model(config)
         load_hf_weights(src, config, [model])
         if tokenizer:
@@ -123,4 +159,5 @@ def load(load: str | None = None, hf: str | None = None, tokenizer: str | None =
             name = name[:-5]
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    model.generation_config = generation
     return model.to(DTYPES[dtype]).eval(), tok, name

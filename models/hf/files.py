@@ -7,13 +7,19 @@ that reads one tensor at a time: safetensors through `safe_open` and `.bin` thro
 so a 70B folder converts with about one tensor in memory. GGUF goes through transformers'
 `gguf_file=` loader (it dequantizes and un-permutes q/k into HF layout), which builds the
 whole model in float32: fine for the small models GGUF is used for here.
+
+Every file is untrusted: config.json and the index are size-capped before they are parsed
+(`read_json`), and the index must be a JSON object whose `weight_map` maps tensor names to
+files inside the model folder (no absolute path, no `..`, no symlink out of the folder except
+into the Hugging Face cache's own `blobs/`), each present. Tensor shapes come from the
+safetensors headers (`HFSource.shape`) without reading data.
 """
 from __future__ import annotations
 
 import copy
-import re
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -21,6 +27,10 @@ import torch
 
 from .rules import HFConversionError
 
+# size caps, read before parsing: real config.json / generation_config.json files are a few
+# KB; a sharded index lists one line per tensor (~10 MB for the largest released models)
+MAX_CONFIG_BYTES = 4 * 2**20
+MAX_INDEX_BYTES = 32 * 2**20
 _FOLDER_HINT = ("an HF model folder holds config.json plus model.safetensors, "
                 "model-XXXXX-of-YYYYY.safetensors with model.safetensors.index.json, or "
                 "pytorch_model*.bin")
@@ -33,12 +43,32 @@ class HFSource:
     path: str
     config: dict
     kind: str  # "safetensors" | "bin" | "gguf"
-    names: list[str]
+    _names: list[str] | Callable[[], list[str]]  # GGUF: computed on first use
     _get: Callable[[str], torch.Tensor] = field(repr=False)
     gguf_file: str | None = None
+    _shape: Callable[[str], tuple[int, ...]] | None = field(default=None, repr=False)
+
+    @property
+    def names(self) -> list[str]:
+        if callable(self._names):
+            self._names = list(self._names())
+        return self._names
 
     def get(self, name: str) -> torch.Tensor:
         return self._get(name)
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        """Shape of tensor `name` as its file's header records it (no data read); None for
+        GGUF, whose tensors transformers dequantizes into the architecture's shapes."""
+        return None if self._shape is None else self._shape(name)
+
+    def generation_config(self, vocab_size: int) -> dict:
+        """The model's generation config, checked (models/hf/generation.py): its
+        generation_config.json, else the generation fields of config.json (as transformers
+        falls back; a GGUF file's ids are transformers' reading of its metadata)."""
+        from .generation import generation_config
+
+        return generation_config(self, vocab_size)
 
     def tokenizer_source(self) -> tuple[str, dict]:
         """`(folder, from_pretrained kwargs)` to load this model's tokenizer."""
@@ -87,22 +117,93 @@ def open_hf(path: str) -> HFSource:
             return _open_gguf(os.path.join(path, ggufs[0]))
         raise HFConversionError(f"{path} has no config.json; {_FOLDER_HINT}" +
                                 (f" (or pass one of its .gguf files: {ggufs})" if ggufs else ""))
-    try:
-        with open(cfg_path) as f:
-            config = json.load(f)
-    except ValueError as e:
-        raise HFConversionError(f"{cfg_path} is not valid JSON ({e})") from None
+    config = read_json(cfg_path, MAX_CONFIG_BYTES)
+    if type(config) is not dict:
+        raise HFConversionError(f"{cfg_path} is a JSON {type(config).__name__}, not an object; "
+                                f"pass the model's own config.json")
     files = set(os.listdir(path))
     for index, kind in (("model.safetensors.index.json", "safetensors"),
                         ("pytorch_model.bin.index.json", "bin")):
         if index in files:
-            with open(os.path.join(path, index)) as f:
-                weight_map = json.load(f)["weight_map"]
+            weight_map = _weight_map(path, index)
             return _open_files(path, config, kind, weight_map)
     for single, kind in (("model.safetensors", "safetensors"), ("pytorch_model.bin", "bin")):
         if single in files:
+            _inside(path, single)
             return _open_files(path, config, kind, None, single)
     raise HFConversionError(f"{path} holds no weights; {_FOLDER_HINT}")
+
+
+class InvalidJSON(HFConversionError):
+    """A file that is not valid JSON (`read_json`); callers that may ignore it catch this."""
+
+
+def read_json(path: str, max_bytes: int):
+    """The parsed JSON of untrusted file `path`, refused (`HFConversionError` naming the file)
+    when it is larger than `max_bytes` (checked before and while reading), not UTF-8, not
+    valid JSON or nested too deep to parse."""
+    size = os.path.getsize(path)
+    if size > max_bytes:
+        raise HFConversionError(f"{path} is {size:,} bytes, more than the {max_bytes:,} "
+                                f"accepted for this file; it is not a real model's (replace "
+                                f"it with the model's own)")
+    with open(path, "rb") as f:
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise HFConversionError(f"{path} grew past {max_bytes:,} bytes while being read")
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise InvalidJSON(f"{path} is not valid JSON ({type(e).__name__}: "
+                                f"{str(e)[:200]}); replace it with the model's own") from None
+
+
+def _weight_map(folder: str, index: str) -> dict[str, str]:
+    """The `weight_map` of index file `index` in `folder`: `{tensor name: file}`, every file
+    inside the folder and present (`_inside`). Raises `HFConversionError` naming the field."""
+    where = os.path.join(folder, index)
+    d = read_json(where, MAX_INDEX_BYTES)
+    fix = "replace it with the model's own index (or remove it for a single-file model)"
+    if type(d) is not dict or type(d.get("weight_map")) is not dict:
+        got = "not a JSON object" if type(d) is not dict else "no weight_map" if \
+            d.get("weight_map") is None else \
+            f"weight_map is a {type(d['weight_map']).__name__}, not an object"
+        raise HFConversionError(f"{where}: {got}; an index maps each tensor name to its file "
+                                f"as {{\"weight_map\": {{name: file}}}}; {fix}")
+    weight_map = d["weight_map"]
+    bad = next(((k, v) for k, v in weight_map.items() if type(v) is not str), None)
+    if bad:
+        raise HFConversionError(f"{where}: weight_map[{bad[0]!r}] is {bad[1]!r}, not a file "
+                                f"name; {fix}")
+    for name in sorted(set(weight_map.values())):
+        _inside(folder, name, index)
+    return weight_map
+
+
+def _inside(folder: str, name: str, listed_by: str | None = None) -> str:
+    """`folder/name`, refused (`HFConversionError`) unless `name` is a relative path without
+    `..` whose real path (symlinks followed) stays in `folder`, or in the `blobs/` of the
+    Hugging Face cache repository when `folder` is one of its `snapshots/<revision>`; and the
+    file must exist. `listed_by`: the index naming it, for the messages."""
+    where = os.path.join(folder, listed_by or "")
+    norm = os.path.normpath(name)
+    if not name or os.path.isabs(name) or norm.split(os.sep)[0] in ("..", ""):
+        raise HFConversionError(f"{where} names the file {name!r}, outside the model folder "
+                                f"{folder}; weight files must be plain names inside it")
+    full = os.path.join(folder, norm)
+    real = os.path.realpath(full)
+    roots = [os.path.realpath(folder)]
+    parent = os.path.dirname(roots[0])
+    if os.path.basename(parent) == "snapshots":  # hub cache: snapshots/<rev>/f -> ../../blobs/
+        roots.append(os.path.join(os.path.dirname(parent), "blobs"))
+    if not any(real.startswith(root + os.sep) for root in roots):
+        listed = f" (listed by {where})" if listed_by else ""
+        raise HFConversionError(f"{full}{listed} is a link to {real}, outside the model "
+                                f"folder; copy the file into the folder")
+    if not os.path.isfile(full):
+        raise HFConversionError(f"{full} is listed by {where} but missing; copy the model's "
+                                f"files again")
+    return full
 
 
 def _open_files(path: str, config: dict, kind: str, weight_map: dict | None,
@@ -112,16 +213,25 @@ def _open_files(path: str, config: dict, kind: str, weight_map: dict | None,
     def handle(fname: str):
         if fname not in handles:
             full = os.path.join(path, fname)
-            if not os.path.isfile(full):
-                raise HFConversionError(f"{full} is listed in the index but missing")
             handles[fname] = _safetensors(full) if kind == "safetensors" else _bin(full)
         return handles[fname]
 
     if weight_map is None:
-        names = list(_names(handle(single), kind))
+        names = list(handle(single).keys())
         weight_map = {n: single for n in names}
-    return HFSource(path=path, config=config, kind=kind, names=list(weight_map),
-                    _get=lambda n: _read(handle(weight_map[n]), kind, n))
+
+    def shape(name: str) -> tuple[int, ...]:
+        h = handle(weight_map[name])
+        try:
+            return tuple(h.get_slice(name).get_shape() if kind == "safetensors" else
+                         h[name].shape)
+        except Exception as e:  # noqa: BLE001 - KeyError, or safetensors' own kinds
+            raise HFConversionError(
+                f"{os.path.join(path, weight_map[name])} does not hold the tensor {name!r} "
+                f"its index lists ({type(e).__name__}); copy the model's files again") from None
+
+    return HFSource(path, config, kind, list(weight_map),
+                    lambda n: _read(handle(weight_map[n]), kind, n), _shape=shape)
 
 
 def _safetensors(path: str):
@@ -136,20 +246,21 @@ def _safetensors(path: str):
 def _bin(path: str) -> dict:
     try:
         try:
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError as e:
             if "mmap" not in str(e):
                 raise
-            return torch.load(path, map_location="cpu", weights_only=True)  # legacy format
+            state = torch.load(path, map_location="cpu", weights_only=True)  # legacy format
     except Exception as e:  # noqa: BLE001
         raise HFConversionError(
             f"{path} cannot be read as plain tensors with torch.load(weights_only=True) "
             f"({type(e).__name__}: {str(e)[:300]}); it may hold code objects (refused: weight "
             f"files are untrusted) — convert it to safetensors") from None
-
-
-def _names(handle, kind: str):
-    return handle.keys()
+    if type(state) is not dict or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                          for k, v in state.items()):
+        raise HFConversionError(f"{path} does not hold a {{name: tensor}} state dict (it holds "
+                                f"a {type(state).__name__}); convert it to safetensors")
+    return state
 
 
 def _read(handle, kind: str, name: str) -> torch.Tensor:
@@ -183,10 +294,11 @@ def _open_gguf(path: str) -> HFSource:
             state.update(model.state_dict())
         return state[n]
 
-    # names come from the architecture: build it on the meta device (no weights read)
-    from accelerate import init_empty_weights
+    def names() -> list[str]:
+        # from the architecture, built on the meta device (no weights read); on first use,
+        # after the config was checked (a hostile block count would take minutes here)
+        from accelerate import init_empty_weights
 
-    with init_empty_weights():
-        names = list(AutoModelForCausalLM.from_config(copy.deepcopy(hf_config)).state_dict())
-    return HFSource(path=path, config=config, kind="gguf", names=names, _get=get,
-                    gguf_file=name)
+        with init_empty_weights():
+            return list(AutoModelForCausalLM.from_config(copy.deepcopy(hf_config)).state_dict())
+    return HFSource(path, config, "gguf", names, get, gguf_file=name)
