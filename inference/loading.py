@@ -142,7 +142,8 @@ def load(load: str | None = None, hf: str | None = None, tokenizer: str | None =
         from checkpoint.hf import load_hf_weights
         from models.hf import open_checked
 
-        src, config = open_checked(hf)
+        src, config = open_checked(hf, lambda c: _check_tp(
+            c, ps.get_tensor_model_parallel_world_size()))
         generation = src.generation_config(config.vocab_size)
         model = build_model(config)
         load_hf_weights(src, config, [model])

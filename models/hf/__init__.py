@@ -151,11 +151,13 @@ def config_from_hf(d: dict, tensor_count: int | None = None) -> ModelConfig:
     return config
 
 
-def open_checked(path: str):
+def open_checked(path: str, check_config: Callable[[ModelConfig], None] | None = None):
     """`(HFSource, ModelConfig)` of the HF folder or `.gguf` file `path` (models/hf/files.py
-    `open_hf`), the config checked (`config_from_hf`) and held against the weight files
+    `open_hf`), the config checked (`config_from_hf`, then `check_config(config)` if given:
+    infer.py's "does it split over this tp") and held against the weight files
     (`check_weights`) before anything is allocated. Raises `FileNotFoundError` or
-    `HFConversionError` naming the file, the field and the fix."""
+    `HFConversionError` naming the file, the field and the fix (and what `check_config`
+    raises)."""
     from .files import open_hf
 
     src = open_hf(path)
@@ -163,19 +165,23 @@ def open_checked(path: str):
         config = config_from_hf(src.config, None if src.kind == "gguf" else len(src.names))
     except HFConversionError as e:
         raise HFConversionError(f"{src.path}: {e}") from None
+    if check_config is not None:
+        check_config(config)
     check_weights(config, src)
     return src, config
 
 
 def hf_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     """`{HF tensor name: dense shape}` of every HF weight of `c`, in write order, computed on
-    the meta device (no memory; any grid: the dense shapes are rebuilt from the shards')."""
+    the meta device (no memory; on any grid whose tp the model splits over: the dense shapes
+    are rebuilt from the shards', replicated KV heads included)."""
     from layers.sharding import full_shape
 
     from models import model_class
 
+    kw = {} if c.is_encoder_decoder else {"kv_replication": True}
     with torch.device("meta"):
-        params = dict(model_class(c)(c).named_parameters())
+        params = dict(model_class(c)(c, **kw).named_parameters())
     dense = {}
     for name, p in params.items():
         shape = list(full_shape(p))
