@@ -58,6 +58,7 @@ def _build_data(config: Config):
 
     t = config.train
     data_path, tokenizer_path = t.data_path, t.tokenizer_model
+    verify_stored_tokenizer(tokenizer_path)  # a checkpoint's: its sha256 before it is parsed
     if not data_path:
         # One process builds (file lock inside), the others wait and reuse the cache. A given
         # tokenizer (e.g. a fine-tuned checkpoint's) tokenizes the corpus itself.
@@ -67,7 +68,6 @@ def _build_data(config: Config):
         if dist.get_rank() != 0:
             prefix, tokenizer_path = ensure_default_corpus(quiet=True, tokenizer=tokenizer_path)
         data_path = [prefix]
-    verify_stored_tokenizer(tokenizer_path)  # a checkpoint's: its sha256 before it is parsed
     tokenizer = build_tokenizer(tokenizer_path)
     config.eod = tokenizer.eod
     check_token_ids([prefix for _, prefix in parse_data_path(data_path)], tokenizer.vocab_size)
