@@ -64,6 +64,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="require `Authorization: Bearer KEY` (default $SHARDZOO_API_KEY)")
     srv.add_argument("--served-model-name", help="model id in the API (default: the path's "
                                                  "base name)")
+    srv.add_argument("--generation-config", choices=["auto", "vllm"], default="auto",
+                     help="auto (vLLM's default): requests that leave out temperature, top_p, "
+                          "top_k or max_tokens take the model's generation_config values; "
+                          "vllm: OpenAI's defaults")
     srv.add_argument("--shutdown-timeout", type=float, default=20.0,
                      help="seconds in-flight requests may run after SIGTERM / Ctrl-C before "
                           "they end with an error body (keep it below torchrun's own "
@@ -155,6 +159,21 @@ def encode(tokenizer, prompt, chat: bool) -> list[int]:
     return tokenizer.encode(prompt)
 
 
+def server_defaults(args, generation_config: dict, rank: int) -> dict:
+    """The request defaults `--generation-config` asks for, said once on rank 0."""
+    from inference.protocol import sampling_defaults
+
+    if args.generation_config != "auto":
+        return {}
+    defaults = sampling_defaults(generation_config)
+    ignored = [k for k in ("min_p", "repetition_penalty") if k in generation_config]
+    if rank == 0 and (defaults or ignored):
+        print(f"requests that leave them out take the model's generation_config defaults "
+              f"{defaults}" + (f"; not applied (unsupported): {ignored}" if ignored else "")
+              + " (--generation-config vllm: OpenAI's defaults)", flush=True)
+    return defaults
+
+
 def summary(done: list[tuple], seconds: float) -> str:
     """One line: tokens generated, the rate over the generation's wall time, time to first
     token (mean and max over the prompts)."""
@@ -217,11 +236,13 @@ def main(argv=None) -> int:
         if args.serve:
             from inference.server import serve
 
+            defaults = server_defaults(args, model.generation_config, rank)
             try:
                 serve(engine, tokenizer, args.served_model_name or name, args.host, args.port,
                       args.api_key, shutdown_timeout=args.shutdown_timeout,
                       max_request_bytes=args.max_request_bytes,
-                      max_request_choices=args.max_request_choices)
+                      max_request_choices=args.max_request_choices,
+                      sampling_defaults=defaults)
             except RuntimeError as e:  # a rank died: exit non-zero so torchrun restarts us
                 print(f"infer.py: error: {e}", file=sys.stderr, flush=True)
                 return 1

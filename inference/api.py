@@ -37,6 +37,21 @@ def build_app(fe: Frontend, limits: Limits = Limits()):
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException
 
+    class Stream(StreamingResponse):
+        """A streamed answer whose `Lifetime` is closed however the response ends (also when
+        the client is gone before the first chunk, so the generator never starts)."""
+
+        def __init__(self, life, body):
+            super().__init__(body, media_type="text/event-stream")
+            self.life = life
+
+        async def __call__(self, scope, receive, send):
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                self.life.close()
+                fe.handlers -= 1
+
     app = FastAPI(title="shardzoo", redoc_url=None)
     max_chars = protocol.max_prompt_chars(fe.tokenizer, fe.engine.max_seq_length)
 
@@ -120,7 +135,8 @@ def build_app(fe: Frontend, limits: Limits = Limits()):
                     model_names=[fe.model_name], check=fe.engine.check,
                     max_seq_length=fe.engine.max_seq_length,
                     seed_source=lambda: secrets.randbits(62),
-                    max_choices=limits.max_request_choices, max_prompt_chars=max_chars)
+                    max_choices=limits.max_request_choices, max_prompt_chars=max_chars,
+                    defaults=fe.sampling_defaults)
             except protocol.APIError as e:
                 return err(e)
             rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -129,8 +145,7 @@ def build_app(fe: Frontend, limits: Limits = Limits()):
             life = fe.open(list(zip(ids, prompts, parsed.params)))
             if parsed.stream:
                 fe.handlers += 1  # the stream's own; this handler's ends below
-                return StreamingResponse(_stream(fe, life, rid, parsed),
-                                         media_type="text/event-stream")
+                return Stream(life, _stream(life, rid, parsed))
             return await _answer(req, life, rid, parsed, err)
         finally:
             fe.handlers -= 1
@@ -194,7 +209,7 @@ async def _answer(req, life, rid: str, parsed, err):
     return protocol.response(rid, parsed, texts, reasons, usage, logprobs)
 
 
-async def _stream(fe: Frontend, life, rid: str, parsed):
+async def _stream(life, rid: str, parsed):
     """Server-sent events: one chunk per text delta, a final chunk per choice with its finish
     reason, usage if asked, then `data: [DONE]`; a `Failure` ends the stream with an error
     event. A client that goes away cancels its choices (Lifetime.close)."""
@@ -228,7 +243,6 @@ async def _stream(fe: Frontend, life, rid: str, parsed):
         yield "data: [DONE]\n\n"
     finally:
         life.close()
-        fe.handlers -= 1
 
 
 def _sse(obj) -> str:

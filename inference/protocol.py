@@ -86,11 +86,12 @@ def _check_text(text: str, limit: int | None, param: str) -> None:
 
 def parse(raw: bytes, *, chat: bool, tokenizer, model_names: list[str], check,
           max_seq_length: int, seed_source, max_choices: int = 256,
-          max_prompt_chars: int | None = None) -> Parsed:
+          max_prompt_chars: int | None = None, defaults: dict | None = None) -> Parsed:
     """Validate a request body. `check(prompt, params)` is the engine's own check (raises
     ValueError / SamplingError); `seed_source()` gives a seed when the request has none.
     `max_choices` bounds prompts x n; `max_prompt_chars` a text prompt's characters (both
-    checked before tokenizing)."""
+    checked before tokenizing). `defaults` (`sampling_defaults`) replace OpenAI's defaults of
+    temperature, top_p, top_k and max_tokens when the request leaves them out."""
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
@@ -169,8 +170,11 @@ def parse(raw: bytes, *, chat: bool, tokenizer, model_names: list[str], check,
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     longest = max(len(p) for p in prompts)
+    d = defaults or {}
     default_tokens = DEFAULT_COMPLETION_TOKENS if not chat else \
         max(1, min(DEFAULT_CHAT_TOKENS, max_seq_length - longest))
+    if "max_tokens" in d:  # the model's max_new_tokens, within what the context leaves
+        default_tokens = max(1, min(d["max_tokens"], max_seq_length - longest))
     # OpenAI's newer name wins; a null one (SDKs send it) is as if absent
     max_tokens = next((body[k] for k in ("max_completion_tokens", "max_tokens")
                        if body.get(k) is not None), default_tokens)
@@ -182,8 +186,8 @@ def parse(raw: bytes, *, chat: bool, tokenizer, model_names: list[str], check,
     for prompt in prompts:
         for j in range(n):
             sp = SamplingParams(
-                max_new_tokens=max_tokens, temperature=body.get("temperature", 1.0),
-                top_k=body.get("top_k", 0) or 0, top_p=body.get("top_p", 1.0),
+                max_new_tokens=max_tokens, temperature=_or(body, "temperature", d, 1.0),
+                top_k=_or(body, "top_k", d, 0) or 0, top_p=_or(body, "top_p", d, 1.0),
                 seed=(seed + j if isinstance(seed, int) and not isinstance(seed, bool)
                       else seed if seed is not None else seed_source()),
                 stop=stop, ignore_eos=ignore_eos, logprobs=top)
@@ -235,6 +239,23 @@ def _logprobs(body: dict, chat: bool) -> int | None:
         raise APIError(400, f"'{name}' must be an integer in [0, {MAX_LOGPROBS}], got "
                             f"{value!r}", name)
     return value
+
+
+def _or(body: dict, name: str, defaults: dict, fallback):
+    """The request's `name`, else the model's default, else OpenAI's."""
+    v = body.get(name)
+    return defaults.get(name, fallback) if v is None else v
+
+
+def sampling_defaults(generation_config: dict) -> dict:
+    """Request defaults from a model's generation config, as vLLM's `--generation-config
+    auto` takes them: temperature, top_p, top_k, and max_new_tokens as max_tokens (do_sample
+    is not read, as in vLLM). Fields this server cannot apply (min_p, repetition_penalty) are
+    left out; `infer.py` names them."""
+    names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+             "max_new_tokens": "max_tokens"}
+    return {ours: generation_config[hf] for hf, ours in names.items()
+            if generation_config.get(hf) is not None}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -79,8 +79,10 @@ class Frontend:
     """Rank 0's side: the HTTP app's bridge to the control loop (thread-safe)."""
 
     def __init__(self, engine, tokenizer, model_name: str, api_key: str | None, dp: int,
-                 metrics=None, shutdown_timeout: float = 20.0):
+                 metrics=None, shutdown_timeout: float = 20.0,
+                 sampling_defaults: dict | None = None):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.sampling_defaults = sampling_defaults or {}
         self.api_key, self.dp, self.metrics = api_key, dp, metrics
         self.shutdown_timeout = shutdown_timeout
         self.inbox: queue.Queue = queue.Queue()
@@ -215,12 +217,14 @@ class Frontend:
 
 def serve(engine, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, log=print, *, shutdown_timeout: float = 20.0,
-          max_request_bytes: int = 4 << 20, max_request_choices: int = 256) -> None:
+          max_request_bytes: int = 4 << 20, max_request_choices: int = 256,
+          sampling_defaults: dict | None = None) -> None:
     """Run the server until SIGTERM / Ctrl-C (collective: every rank of the world calls it).
 
     `shutdown_timeout`: seconds in-flight requests may still run after the first signal.
     `max_request_bytes`: larger request bodies get 413 before they are read.
     `max_request_choices`: prompts x n of one request, at most.
+    `sampling_defaults`: a request's defaults (protocol.sampling_defaults) instead of OpenAI's.
     Raises `RuntimeError` when a collective fails (a rank died), after rank 0 has answered
     every open request with an error body."""
     rank = dist.get_rank()
@@ -244,7 +248,7 @@ def serve(engine, tokenizer, model_name: str, host: str = "127.0.0.1", port: int
         from .metrics import ServerMetrics
 
         fe = Frontend(engine, tokenizer, model_name, api_key, dp,
-                      ServerMetrics(model_name, dp), shutdown_timeout)
+                      ServerMetrics(model_name, dp), shutdown_timeout, sampling_defaults)
         app = build_app(fe, Limits(max_request_bytes, max_request_choices))
         config = uvicorn.Config(app, host=host, port=port, log_level="warning",
                                 timeout_graceful_shutdown=5)

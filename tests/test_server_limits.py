@@ -50,6 +50,7 @@ def _chain_model(folder: str) -> list[int]:
         head.zero_()
         for a, b in zip(ids, ids[1:] + [2]):
             head[b] += 5.0 * emb[a] / emb[a].norm()
+    model.generation_config.max_new_tokens = 7  # a request default (--generation-config auto)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return ids
@@ -148,6 +149,10 @@ def test_multibyte_text_streamed_and_not(server):
         {"model": "chain", "prompt": ids[:1], "max_tokens": 5, "max_completion_tokens": None,
          "temperature": 0, "ignore_eos": True}).encode())
     assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 5, body
+    # no max_tokens: the model's generation_config max_new_tokens (7), not OpenAI's 16
+    status, _, body = _http(port, "POST", "/v1/completions", json.dumps(
+        {"model": "chain", "prompt": ids[:1], "ignore_eos": True}).encode())
+    assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 7, body
 
 
 def test_limits_and_malformed_inputs(server):
