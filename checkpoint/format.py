@@ -176,6 +176,9 @@ def read_metadata(path: str, check: bool = True) -> dict:
     if problem:
         raise CheckpointError(f"{meta_path} is corrupt ({problem}); restore the checkpoint "
                               f"from --save-replica or load an earlier one")
+    window = meta["model"].get("window_size")
+    if type(window) is int:  # written when the window was one number: HF's sliding_window
+        meta["model"]["window_size"] = [window - 1, 0]
     if check:
         problems = [p for p in (file_problem(path, f, checksums=False) for f in meta["files"])
                     if p]
@@ -216,14 +219,17 @@ _SCALARS = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,)
 
 def _field_type_problem(model: dict) -> str | None:
     """The first field of metadata.json's model whose value is not of the `ModelConfig`
-    field's scalar type (`num_layers: 2.0`, `true` for an int), or None."""
+    field's scalar type (`num_layers: 2.0`, `true` for an int), or None. Fields of other
+    types (`window_size` pair, `window_attn_skip_freq` int or list) are checked exactly by
+    `ModelConfig.validate`."""
     import dataclasses
 
     from models.config import ModelConfig
 
     for f in dataclasses.fields(ModelConfig):
         kind, _, optional = str(f.type).partition(" | ")
-        if f.name not in model or kind not in _SCALARS or (optional and model[f.name] is None):
+        if f.name not in model or kind not in _SCALARS or optional not in ("", "None") or \
+                (optional and model[f.name] is None):
             continue
         v = model[f.name]
         if type(v) not in _SCALARS[kind]:  # type(), not isinstance: True is not an int here

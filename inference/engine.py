@@ -26,7 +26,8 @@ ceil(max_batch_size / num_micro_batches) rows.
 Rows of one forward sit at different positions: prefill right-pads the prompts (each row
 writes its tokens at 0..n-1 and reads its logits at n-1), decode feeds one token per row at
 that row's own position; the attention mask `key position <= query position` is the same in
-both, and cache entries past a row's length are never read.
+both, and cache entries past a row's length are never read. A model with sliding-window
+layers gets a second mask that also hides keys more than `window_size[0]` positions back.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 import parallel_state as ps
+from layers.attention import LAYER_TYPES, causal_window_mask
 from layers.linear import pack_weights
 from parallel_state import p2p
 
@@ -91,6 +93,14 @@ class ModelRunner:
         """What this stage sends on for `flight` after running it (None: nothing)."""
         return None if self.last else (out,)
 
+    def _mask(self, positions: torch.Tensor, length: int, window) -> torch.Tensor:
+        """`[b, 1, s, length]` additive mask of rows whose tokens sit at `positions [b, s]`:
+        key position <= query position, and inside the sliding `window` when given."""
+        allowed = causal_window_mask(positions, length, window)
+        # additive, made once here: a bool mask is turned into this by SDPA in every layer
+        return torch.zeros(allowed.shape, dtype=self.dtype, device=positions.device) \
+            .masked_fill_(~allowed, float("-inf"))[:, None]
+
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
                 last: torch.Tensor, hidden: tuple | None) -> torch.Tensor:
@@ -102,14 +112,13 @@ class ModelRunner:
         else:
             positions = (starts[:, None] + torch.arange(s)[None, :]).to(dev)  # [b, s]
         length = int(starts.max()) + s
-        allowed = torch.arange(length, device=dev)[None, None, :] <= positions[:, :, None]
-        # additive, made once here: a bool mask is turned into this by SDPA in every layer
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=dev).masked_fill_(
-            ~allowed, float("-inf"))
+        mask = self._mask(positions, length, None)
+        if self.config.window_size is not None:  # one mask per kind of layer (SelfAttention)
+            mask = {LAYER_TYPES[0]: mask,
+                    LAYER_TYPES[1]: self._mask(positions, length, self.config.window_size)}
         self.cache.bind(slots, positions, length)
         out = self.model(ids.to(dev) if self.first else None, position_ids=positions,
-                         hidden_states=hidden, kv_cache=self.cache,
-                         attention_mask=mask[:, None],
+                         hidden_states=hidden, kv_cache=self.cache, attention_mask=mask,
                          output_positions=last.to(dev) if self.last else None)
         if not self.last:
             return out

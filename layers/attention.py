@@ -112,6 +112,14 @@ class SelfAttention(nn.Module):
     (0 or -inf, in q's dtype), replaces the causal mask: it is how a batch of rows at
     different positions (padding, a shared cache) is masked.
 
+    Sliding window (`config.layer_window_size(layer_number)`, Megatron's `window_size`
+    `(left, right)`; Beltagy et al. 2020, Mistral's SWA): the query at position i attends keys
+    i - left .. i, HF's `sliding_window` W = left + 1 keys (transformers' `masking_utils`:
+    `q - W < k <= q`). Without a mask the band is built for queries at sk - sq .. sk - 1; a
+    tensor `attention_mask` (packed documents) is combined with that band; a dict
+    `{"full_attention": mask, "sliding_attention": mask}` (HF's layer types; the engine's
+    masks for rows at their own positions) gives each kind of layer its complete mask.
+
     Raises `ValueError` when tp neither divides num_query_groups nor is a multiple of it.
     """
 
@@ -121,6 +129,8 @@ class SelfAttention(nn.Module):
         tp = get_tensor_model_parallel_world_size()
         self.layer_number = layer_number
         self.causal = causal  # False: bidirectional (an encoder)
+        # (left, right) when this layer slides (causal only), None: every earlier key
+        self.window_size = config.layer_window_size(layer_number) if causal else None
         self.softmax_scale = softmax_scale  # None: 1/sqrt(d); T5 uses 1.0
         self.head_dim = d = config.kv_channels
         groups = config.num_query_groups
@@ -167,35 +177,87 @@ class SelfAttention(nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_number, k, v)
-        out = self._run_core(q, k, v, attention_mask, attention_bias)
+        window = self.window_size
+        if isinstance(attention_mask, dict):  # complete masks per layer kind: no band to add
+            attention_mask = attention_mask[LAYER_TYPES[window is not None]]
+            window = None
+        out = self._run_core(q, k, v, attention_mask, attention_bias, window)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
         return self.linear_proj(out)
 
-    def _run_core(self, q, k, v, attention_mask, attention_bias):
+    def _run_core(self, q, k, v, attention_mask, attention_bias, window):
         """The core attention, checkpointed under selective recompute (training only)."""
         if self.checkpoint_fn is not None and self.training and torch.is_grad_enabled():
             return self.checkpoint_fn(self._core_attention, q, k, v, attention_mask,
-                                      attention_bias)
-        return self._core_attention(q, k, v, attention_mask, attention_bias)
+                                      attention_bias, window)
+        return self._core_attention(q, k, v, attention_mask, attention_bias, window)
 
-    def _core_attention(self, q, k, v, attention_mask=None, attention_bias=None):
+    def _core_attention(self, q, k, v, attention_mask=None, attention_bias=None, window=None):
         """Scaled dot-product attention (Vaswani et al. 2017, eq. 1), causal unless built
         with `causal=False`.
 
         q `[b, n, sq, d]`, k/v `[b, g, sk, d]`; when sk > sq (decoding with a cache) query i
         sits at position sk - sq + i. `attention_mask` `[b, 1, sq, sk]` (bool, or additive
-        float), when given, is used instead of the causal mask. `attention_bias`
-        `[1 or b, n, sq, sk]` is added to the scores. Attention dropout: layers/dropout.py.
+        float), when given, is used instead of the causal mask. `window` `(left, right)` or
+        None: keys before i - left are masked too (combined with `attention_mask`).
+        `attention_bias` `[1 or b, n, sq, sk]` is added to the scores. Attention dropout:
+        layers/dropout.py.
         """
         sq, sk = q.shape[2], k.shape[2]
         mask = attention_mask
-        # square and unbiased: the fused kernel's is_causal, no [sq, sk] mask to build
-        causal = mask is None and self.causal and sq == sk and attention_bias is None
-        if mask is None and self.causal and sq > 1 and not causal:
-            mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+        # square, unbiased, full: the fused kernel's is_causal, no [sq, sk] mask to build
+        causal = mask is None and self.causal and sq == sk and attention_bias is None and \
+            window is None
+        if self.causal and (window is not None or (mask is None and sq > 1 and not causal)):
+            band = causal_window_mask(torch.arange(sk - sq, sk, device=q.device), sk, window)
+            mask = band if mask is None else _restrict(mask, band)
         return core_attention(q, k, v, mask, attention_bias, self.softmax_scale,
                               self.attention_dropout if self.training else 0.0, causal=causal,
                               dropout_site=self.dropout_site)
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")  # HF's names, indexed by "slides"
+
+
+def _restrict(mask: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """`mask` (bool, True = may attend, or additive float) that also hides what `allowed`
+    (bool, broadcastable) does not allow."""
+    if mask.dtype == torch.bool:
+        return mask & allowed
+    return mask.masked_fill(~allowed, float("-inf"))
+
+
+def window_attention_masks(attention_mask: torch.Tensor | None, seq_length: int,
+                           window_size: tuple[int, int], dtype: torch.dtype,
+                           device=None) -> dict:
+    """The per-layer-kind masks of a forward without a cache (training, a prefill from
+    position 0), made once for every layer: `{"full_attention": attention_mask,
+    "sliding_attention": additive [1 or b, 1, s, s] float of `dtype`}` (0 or -inf: causal,
+    inside `window_size`, and allowed by `attention_mask` `[b, 1, s, s]` bool or additive,
+    e.g. packed documents). Additive in the activation dtype, so the attention kernels use it
+    as it is: SDPA keeps one shared tensor for backward instead of a converted copy per layer.
+    """
+    allowed = causal_window_mask(torch.arange(seq_length, device=device), seq_length,
+                                 window_size)
+    sliding = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    sliding = sliding.masked_fill_(~allowed, float("-inf"))[None, None]
+    if attention_mask is not None:
+        sliding = _restrict(sliding, attention_mask)
+    return {LAYER_TYPES[0]: attention_mask, LAYER_TYPES[1]: sliding}
+
+
+def causal_window_mask(query_positions: torch.Tensor, num_keys: int,
+                       window_size: tuple[int, int] | None = None) -> torch.Tensor:
+    """Which keys (positions 0..num_keys-1) each query may attend: `[..., sq, num_keys]` bool
+    for `query_positions [..., sq]`, True where `key <= query` and, with `window_size`
+    `(left, right)` (right is 0), `key >= query - left`: transformers' sliding-window mask
+    `query - W < key <= query` for W = left + 1 (masking_utils' `sliding_window_overlay`)."""
+    keys = torch.arange(num_keys, device=query_positions.device)
+    query = query_positions[..., None]
+    allowed = keys <= query
+    if window_size is not None:
+        allowed = allowed & (keys >= query - window_size[0])
+    return allowed
 
 
 def core_attention(q, k, v, mask, bias, scale, dropout_p, causal=False,

@@ -53,7 +53,13 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position_embeddings: int = 8192
-    window_size: int | None = None  # sliding-window span (Mistral); must be >= seq_length
+    # Sliding-window attention (Megatron-Core's fields): `window_size` (left, right) lets the
+    # query at position i attend keys i - left .. i + right (right is 0: causal decoders), so
+    # HF's `sliding_window` W is (W - 1, 0); `window_attn_skip_freq` says which layers keep
+    # full attention: None (none), N (every Nth, 1-based: layers N, 2N, ...) or one 0/1 per
+    # layer (1 = sliding, 0 = full). See `layer_window_size`.
+    window_size: tuple[int, int] | None = None
+    window_attn_skip_freq: int | list[int] | None = None
     normalization: str = "LayerNorm"
     layernorm_epsilon: float = 1e-5
     activation: str = "gelu"  # "gelu" (tanh approximation, as GPT-2) or "swiglu"
@@ -87,6 +93,8 @@ class ModelConfig:
             self.max_position_embeddings = self.seq_length
         if self.add_qkv_bias is None:
             self.add_qkv_bias = self.add_bias_linear
+        if isinstance(self.window_size, list):  # YAML and JSON have no tuples
+            self.window_size = tuple(self.window_size)
         if self.model_type == "t5":
             self.encoder_num_layers = self.encoder_num_layers or self.num_layers
             self.decoder_num_layers = self.decoder_num_layers or self.num_layers
@@ -109,7 +117,11 @@ class ModelConfig:
         return cls(**{k.replace("-", "_"): v for k, v in d.items()})
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields as YAML/JSON values (`window_size` as a list); `from_dict` reads it back."""
+        d = dataclasses.asdict(self)
+        if self.window_size is not None:
+            d["window_size"] = list(self.window_size)
+        return d
 
     # ------------------------------------------------------------------ derived sizes
     @property
@@ -151,6 +163,17 @@ class ModelConfig:
             if self.position_embedding_type == "learned_absolute":
                 total += self.max_position_embeddings * h
         return total
+
+    def layer_window_size(self, layer_number: int) -> tuple[int, int] | None:
+        """`window_size` for the 0-based global layer `layer_number` when that layer slides,
+        None when it attends to every earlier key: Megatron-Core's
+        `is_layer_window_attention` (which counts layers from 1)."""
+        freq = self.window_attn_skip_freq
+        if self.window_size is None or freq is None:
+            return self.window_size
+        slides = bool(freq[layer_number]) if isinstance(freq, list) else \
+            (layer_number + 1) % freq != 0
+        return self.window_size if slides else None
 
     # ------------------------------------------------------------------ validation
     def validate(self, tensor_model_parallel_size: int = 1,
@@ -231,12 +254,7 @@ class ModelConfig:
             raise ConfigError(f"llama3 RoPE scaling needs 0 < --rope-low-freq-factor "
                               f"{self.rope_low_freq_factor} < --rope-high-freq-factor "
                               f"{self.rope_high_freq_factor}")
-        if self.window_size is not None and self.window_size < self.seq_length:
-            raise ConfigError(
-                f"--window-size {self.window_size} (sliding-window attention) is shorter than "
-                f"--seq-length {self.seq_length}: attention here is full causal, which equals "
-                f"sliding-window attention only while every sequence fits in the window; use "
-                f"--seq-length <= {self.window_size}")
+        self._validate_window()
         if self.position_embedding_type == "rope" and self.kv_channels % 2:
             raise ConfigError(f"RoPE needs an even head dim, got --kv-channels {self.kv_channels}")
         if self.max_position_embeddings < self.seq_length and \
@@ -249,6 +267,48 @@ class ModelConfig:
             p = getattr(self, name)
             if not 0.0 <= p < 1.0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1), got {p}")
+
+    def _validate_window(self) -> None:
+        """`window_size` and `window_attn_skip_freq` (they may come from untrusted metadata:
+        exact types, bounds, one entry per layer)."""
+        w, freq = self.window_size, self.window_attn_skip_freq
+        if w is None:
+            if freq is not None:
+                raise ConfigError(f"--window-attn-skip-freq {freq} says which layers keep full "
+                                  f"attention among sliding-window ones, but --window-size is "
+                                  f"not set; set it (e.g. --window-size 4095,0) or drop the flag")
+            return
+        if type(w) is int:
+            raise ConfigError(
+                f"--window-size {w}: give Megatron's (left, right) pair, e.g. --window-size "
+                f"{max(w - 1, 0)},0 for HF's sliding_window {w} (the query and the "
+                f"{max(w - 1, 0)} keys before it)")
+        if type(w) is not tuple or len(w) != 2 or any(type(v) is not int for v in w):
+            raise ConfigError(f"--window-size must be two integers (left, right), e.g. "
+                              f"4095,0; got {w!r}")
+        if not 0 <= w[0] < 2**31 or w[1] != 0:
+            raise ConfigError(
+                f"--window-size {w[0]},{w[1]}: left must be in [0, 2^31) (-1, Megatron's "
+                f"unbounded window, is full attention: leave --window-size unset) and right 0 "
+                f"(a causal decoder attends to no later key)")
+        if self.is_encoder_decoder:
+            raise ConfigError("--window-size is for decoder-only models (T5 has no sliding "
+                              "window); drop it or use --model-type gpt")
+        if freq is None:
+            return
+        if type(freq) is int:
+            if freq < 2:
+                raise ConfigError(
+                    f"--window-attn-skip-freq {freq}: every {freq}th layer keeps full attention, "
+                    f"so give N >= 2 (N = 1 is no sliding layer at all: drop --window-size)")
+            return
+        if type(freq) is not list or len(freq) != self.num_layers or \
+                any(type(v) is not int or v not in (0, 1) for v in freq):
+            shown = repr(freq) if len(repr(freq)) < 200 else repr(freq)[:200] + "..."
+            raise ConfigError(
+                f"--window-attn-skip-freq must be an integer N >= 2 or a list of "
+                f"--num-layers {self.num_layers} entries, each 1 (sliding window) or 0 (full "
+                f"attention); got {shown}")
 
     def _validate_t5(self) -> None:
         for name in ("encoder_num_layers", "decoder_num_layers", "decoder_seq_length",

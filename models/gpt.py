@@ -18,6 +18,7 @@ from layers import (
     initialize_parameters,
     vocab_parallel_cross_entropy,
 )
+from layers.attention import window_attention_masks
 from layers.dropout import assign_dropout_sites
 from parallel_state import get_tensor_model_parallel_world_size
 
@@ -130,7 +131,9 @@ class GPTModel(nn.Module):
             hidden_states: `[s, b, h]` (`[s/tp, b, h]` with SP) from the previous stage.
             kv_cache: inference cache (see layers.attention.SelfAttention).
             position_offset: position of the first token (decoding with a cache).
-            attention_mask: `[b, 1, s, s_kv]` bool, True = may attend (default causal).
+            attention_mask: `[b, 1, s, s_kv]` bool, True = may attend (default causal); or
+                a dict of one mask per layer kind (layers/attention.py SelfAttention). With
+                sliding-window layers and no cache, the dict is made here from it.
             output_positions: `[b]` int64 (last stage, no labels): only token
                 output_positions[i] of row i goes through the output layer (inference: the
                 logits that are sampled; HF's `logits_to_keep`). Not with sequence parallel.
@@ -152,6 +155,12 @@ class GPTModel(nn.Module):
                                     if self.sequence_parallel else 1)
             rotary = self.rotary(seq_len, position_offset, device=x.device,
                                  position_ids=position_ids)
+        if self.config.window_size is not None and kv_cache is None and \
+                not isinstance(attention_mask, dict):  # one sliding mask for all layers
+            seq_len = x.shape[0] * (get_tensor_model_parallel_world_size()
+                                    if self.sequence_parallel else 1)
+            attention_mask = window_attention_masks(attention_mask, seq_len,
+                                                    self.config.window_size, x.dtype, x.device)
         x = self.decoder(x, rotary=rotary, kv_cache=kv_cache, attention_mask=attention_mask)
         if not self.post_process:
             return x

@@ -39,23 +39,28 @@ def _hf_configs() -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """name -> (hf folder, native checkpoint folder); large init std, so greedy outputs do
-    not collapse into one repeated id."""
+def random_hf_models(root, configs: dict, seed: int) -> dict:
+    """name -> (hf folder, native checkpoint folder) of a random transformers model per
+    config (torch seed `seed + i`), saved under `root` and imported."""
     from checkpoint.hf import import_hf
     from transformers import AutoModelForCausalLM
 
-    root = tmp_path_factory.mktemp("infer")
     out = {}
-    for i, (name, cfg) in enumerate(_hf_configs().items()):
-        torch.manual_seed(10 + i)
+    for i, (name, cfg) in enumerate(configs.items()):
+        torch.manual_seed(seed + i)
         model = AutoModelForCausalLM.from_config(cfg)
         hf_dir, ckpt = str(root / name), str(root / f"{name}-ckpt")
         model.save_pretrained(hf_dir)
         import_hf(hf_dir, ckpt, log=lambda *a: None)
         out[name] = (hf_dir, ckpt)
     return out
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """name -> (hf folder, native checkpoint folder); large init std, so greedy outputs do
+    not collapse into one repeated id."""
+    return random_hf_models(tmp_path_factory.mktemp("infer"), _hf_configs(), 10)
 
 
 def _hf_generate(hf_dir: str, prompt: list[int], max_new: int, eos: int | None) -> list[int]:

@@ -215,9 +215,24 @@ def _field_types() -> dict[str, tuple[type, bool]]:
         for name in names:
             args = typing.get_args(hints[name])
             nullable = type(None) in args
-            base = next(a for a in args if a is not type(None)) if args else hints[name]
+            kinds = [a for a in args if a is not type(None)] if args else [hints[name]]
+            base = kinds[0]
+            if len(kinds) > 1 or typing.get_origin(base) is tuple:  # int | list[int], a pair
+                base = tuple
             out[name] = (list if typing.get_origin(base) is list else base, nullable)
     return out
+
+
+def _int_or_ints(value: Any) -> int | list[int]:
+    """One integer, or several (`4095,0`, `[1, 1, 0]`, `1 1 0`, a YAML list) as a list."""
+    if isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        items = str(value).strip().strip("[]()").replace(",", " ").split()
+    if not items or any(isinstance(v, bool) for v in items):
+        raise ValueError(value)
+    ints = [int(v) if isinstance(v, int) else int(str(v), 10) for v in items]
+    return ints[0] if len(ints) == 1 and not isinstance(value, (list, tuple)) else ints
 
 
 def _convert(name: str, value: Any) -> Any:
@@ -242,9 +257,12 @@ def _convert(name: str, value: Any) -> Any:
             return str(value)
         elif base is list:
             return value.split() if isinstance(value, str) else [str(v) for v in value]
+        elif base is tuple:  # window_size (left, right), window_attn_skip_freq N or 0/1 list
+            return _int_or_ints(value)
     except (TypeError, ValueError):
         pass
-    raise ConfigError(f"{flag(name)}: cannot read {value!r} as {base.__name__}")
+    raise ConfigError(f"{flag(name)}: cannot read {value!r} as "
+                      f"{'integers' if base is tuple else base.__name__}")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -268,7 +286,11 @@ FLAG_HELP = {
     "rope_low_freq_factor": "llama3 RoPE scaling: low-frequency factor",
     "rope_high_freq_factor": "llama3 RoPE scaling: high-frequency factor",
     "rope_original_max_position_embeddings": "llama3 RoPE scaling: pretraining context",
-    "window_size": "sliding-window span (Mistral); must be >= seq-length", "normalization": "LayerNorm | RMSNorm",
+    "window_size": "LEFT,RIGHT sliding-window attention: a query sees the LEFT keys before it "
+    "and itself (HF's sliding_window W is W-1,0; RIGHT must be 0)",
+    "window_attn_skip_freq": "with --window-size: N (every Nth layer, 1-based, keeps full "
+    "attention) or a 0/1 list per layer (1 = sliding, e.g. 1,1,0,1)",
+    "normalization": "LayerNorm | RMSNorm",
     "activation": "gelu | swiglu | relu | geglu", "add_bias_linear": "biases in linear layers",
     "untie_embeddings_and_output_weights": "separate output layer weight",
     "hidden_dropout": "dropout on residual branches", "attention_dropout": "dropout on scores",
@@ -386,7 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
                 [f"--{a}" for a, n in ALIASES.items() if n == f.name]
             kw = dict(action=argparse.BooleanOptionalAction) if base is bool else \
                 dict(type=str, nargs="+", metavar="STR") if base is list else \
-                dict(type=_argtype(f.name), metavar=base.__name__.upper())
+                dict(type=_argtype(f.name), metavar="INT[,INT...]" if base is tuple else
+                     base.__name__.upper())
             text = FLAG_HELP.get(f.name, "")
             group.add_argument(*flags, dest=f.name,
                                help=f"{text} (default: {f.default})" if text else

@@ -127,7 +127,8 @@ def measure_activation_bytes(chunks, batch: dict, hidden_shape, dtype=torch.floa
     Each chunk runs forward (training mode) on `batch` (`tokens`, `labels`); a chunk without
     the embedding gets a zero `hidden_shape` input (`[s, b, h]`, `[s/tp, b, h]` under SP) of
     `dtype`, which is what it would receive from the previous stage. RNG states are restored.
-    Returns `{"total", "layers", "num_layers"}` (bytes, bytes in decoder layers, layers).
+    Returns `{"total", "layers", "num_layers", "layer_numbers"}` (bytes, bytes in decoder
+    layers, layers, their global numbers).
     """
     from .schedules import loss_from_batch
 
@@ -146,7 +147,8 @@ def measure_activation_bytes(chunks, batch: dict, hidden_shape, dtype=torch.floa
             outputs.append(loss_from_batch(chunk, batch, hidden_states=hidden))
     del outputs
     return {"total": meter.bytes(), "layers": meter.bytes("layers"),
-            "num_layers": sum(len(m.decoder.layers) for m in modules)}
+            "num_layers": sum(len(m.decoder.layers) for m in modules),
+            "layer_numbers": [int(n) for m in modules for n in m.decoder.layers]}
 
 
 # ---------------------------------------------------------------------- formulas
@@ -185,11 +187,13 @@ def norm_bytes(config, tokens: int, bytes_per_value: int) -> int:
 
 def model_layer_bytes(config, s: int, b: int, t: int = 1, sp: bool = False,
                       recompute: str | None = None, bytes_per_value: int = 4,
-                      dropout: bool | None = None, keyed_dropout: bool = True) -> dict:
+                      dropout: bool | None = None, keyed_dropout: bool = True,
+                      sliding: bool = False) -> dict:
     """What one of our transformer layers saves for backward, term by term, in bytes (see the
     module docstring). `dropout`: whether dropout is active (default: from the config);
     `keyed_dropout`: masks keyed by sample (`--dropout-masks sample`: the attention takes the
-    explicit softmax) rather than drawn from streams (SDPA's math kernel).
+    explicit softmax) rather than drawn from streams (SDPA's math kernel); `sliding`: the
+    layer has a sliding window (its mask is the chunk's shared one: `model_chunk_bytes`).
     Returns `{term: bytes}`; `sum(...values())` is the layer's total.
     """
     e, h, d = bytes_per_value, config.hidden_size, config.kv_channels
@@ -216,11 +220,12 @@ def model_layer_bytes(config, s: int, b: int, t: int = 1, sp: bool = False,
         # reshaped for grouped heads (a copy under GQA, else a view of RoPE's q copy or of
         # the fused output), k and v viewed in place (the fused output, or RoPE's k copy);
         # the float32 softmax output, the mask and the dropped probabilities (activation
-        # dtype) and the causal mask's complement (bool s x s); the projection reads a copy
-        # of the output
+        # dtype) and the causal mask's complement (bool s x s; a sliding layer adds its
+        # additive mask, which keeps nothing); the projection reads a copy of the output
         own_q = rope or an != gn
         out["attention q, k, v"] = mixed + (q if own_q else 0) + (kv_heads if rope else 0)
-        out["attention s^2 (softmax, mask, dropped)"] = (4 + 2 * e) * b * an * s * s + s * s
+        out["attention s^2 (softmax, mask, dropped)"] = (4 + 2 * e) * b * an * s * s + \
+            (0 if sliding else s * s)
         out["projection input"] = q
     else:  # math kernel with dropout, which on CPU computes in float32 (a bf16 input is
         # upcast): scaled q and k copies; v viewing the fused output in float32, else its
@@ -239,18 +244,33 @@ def model_layer_bytes(config, s: int, b: int, t: int = 1, sp: bool = False,
 def model_chunk_bytes(config, num_layers: int, s: int, b: int, t: int = 1, sp: bool = False,
                       granularity: str | None = None, method: str | None = None,
                       recompute_num_layers: int | None = None, bytes_per_value: int = 4,
-                      dropout: bool | None = None, keyed_dropout: bool = True) -> int:
+                      dropout: bool | None = None, keyed_dropout: bool = True,
+                      layer_numbers: list[int] | None = None) -> int:
     """Predicted bytes of a chunk's decoder layers (the "layers" region of the meter): per-layer
-    terms under the recompute policy, plus the RoPE cos/sin tables shared by all layers."""
+    terms under the recompute policy, plus the RoPE cos/sin tables shared by all layers, plus
+    the sliding-window mask (`[1, 1, s, s]`, activation dtype, made once per forward by
+    GPTModel) when a sliding layer outside a fully recomputed span keeps it: the flash kernel
+    and selective recompute's checkpoint keep one shared copy; the explicit and math softmaxes
+    keep none. `layer_numbers`: the chunk's global layers (default 0..num_layers-1), which
+    say which layers slide (`ModelConfig.layer_window_size`)."""
     kw = dict(s=s, b=b, t=t, sp=sp, bytes_per_value=bytes_per_value, dropout=dropout,
               keyed_dropout=keyed_dropout)
+    numbers = range(num_layers) if layer_numbers is None else layer_numbers
+    sliding = [config.layer_window_size(n) is not None for n in numbers]
     if granularity == "full":
         spans = recompute_spans(num_layers, method or "uniform", recompute_num_layers or 1)
-        inside = sum(stop - start for start, stop in spans)
-        total = len(spans) * sum(model_layer_bytes(config, recompute="full", **kw).values()) + \
-            (num_layers - inside) * sum(model_layer_bytes(config, **kw).values())
+        inside = {i for start, stop in spans for i in range(start, stop)}
+        kept = [slides for i, slides in enumerate(sliding) if i not in inside]
+        total = len(spans) * sum(model_layer_bytes(config, recompute="full", **kw).values())
     else:
-        total = num_layers * sum(model_layer_bytes(config, recompute=granularity, **kw).values())
+        kept = sliding
+        total = 0
+    total += sum(sum(model_layer_bytes(config, recompute=granularity if granularity != "full"
+                                       else None, sliding=slides, **kw).values())
+                 for slides in kept)
+    att_drop = config.attention_dropout > 0 if dropout is None else dropout
+    if any(kept) and (granularity == "selective" or not att_drop):
+        total += bytes_per_value * s * s
     if config.position_embedding_type == "rope" and num_layers:
         total += 2 * 4 * s * config.kv_channels  # float32 cos, sin [s, 1, 1, d]
     return total
@@ -263,7 +283,7 @@ def activation_report(config, measured: dict, *, micro_batch_size: int, tp: int,
     s, b, n = config.seq_length, micro_batch_size, measured["num_layers"]
     e = torch.tensor([], dtype=dtype).element_size()
     model = model_chunk_bytes(config, n, s, b, tp, sp, granularity, method, recompute_num_layers,
-                              e, dropout, keyed_dropout)
+                              e, dropout, keyed_dropout, measured.get("layer_numbers"))
     per_layer = paper_layer_bytes(s, b, config.hidden_size, config.num_attention_heads, tp, sp,
                                   granularity, bytes_per_value=e)
     if granularity == "full":

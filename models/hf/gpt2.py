@@ -89,6 +89,8 @@ def conditions(c: ModelConfig) -> list[str]:
         out.append(f"num_query_groups={c.num_query_groups} (GPT-2 has multi-head attention)")
     if c.kv_channels * c.num_attention_heads != c.hidden_size:
         out.append(f"kv_channels={c.kv_channels} (GPT-2 has hidden_size / heads)")
+    if c.window_size is not None:
+        out.append(f"window_size={c.window_size} (GPT-2 has no sliding window)")
     return out
 
 

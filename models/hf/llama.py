@@ -2,11 +2,18 @@
 
 All three are pre-norm RMSNorm decoders with rotate-half RoPE (the layout our RotaryEmbedding
 uses, so q/k need no permutation), SwiGLU MLPs and grouped-query attention. They differ in:
-Qwen2 has q/k/v biases only; Mistral may have a sliding window; Llama may have biases on all
-attention projections (`attention_bias`) and MLP (`mlp_bias`), and llama3/linear RoPE scaling.
+Qwen2 has q/k/v biases only; Mistral may have a sliding window on every layer, Qwen2 on the
+layers from `max_window_layers` on (or those its `layer_types` call "sliding_attention"); Llama
+may have biases on all attention projections (`attention_bias`) and MLP (`mlp_bias`), and
+llama3/linear RoPE scaling.
+
+Sliding windows: HF's `sliding_window` W (a query sees itself and the W - 1 keys before it) is
+our `window_size` (W - 1, 0); which layers slide is `window_attn_skip_freq` (None: all of
+them; else one 1 (sliding) or 0 (full) per layer, HF's `layer_types`).
 """
 from __future__ import annotations
 
+from layers.attention import LAYER_TYPES
 from models.config import ModelConfig
 
 from .rules import HFConversionError, Rule, concat, qkv, same
@@ -65,11 +72,8 @@ def config_from_hf(d: dict) -> ModelConfig:
                 f"config.json attention_bias={attn} with mlp_bias={mlp} is not supported: "
                 f"biases are either on every linear layer or on none (add_bias_linear)")
         qkv_bias = linear_bias = attn
-    window = None
-    if mt == "mistral" or (mt == "qwen2" and d.get("use_sliding_window")):
-        window = d.get("sliding_window")
     max_pos = int(d.get("max_position_embeddings", 2048))
-    seq = min(max_pos, 4096, window or max_pos)
+    seq = min(max_pos, 4096)
     return ModelConfig(
         num_layers=d["num_hidden_layers"], hidden_size=hidden, num_attention_heads=heads,
         num_query_groups=kv_heads, ffn_hidden_size=d["intermediate_size"], kv_channels=head_dim,
@@ -78,7 +82,45 @@ def config_from_hf(d: dict) -> ModelConfig:
         layernorm_epsilon=float(d.get("rms_norm_eps", 1e-6)), activation="swiglu",
         add_bias_linear=linear_bias, add_qkv_bias=qkv_bias,
         untie_embeddings_and_output_weights=not d.get("tie_word_embeddings", False),
-        init_method_std=float(d.get("initializer_range", 0.02)), window_size=window, **rope)
+        init_method_std=float(d.get("initializer_range", 0.02)), **rope,
+        **_window_from_hf(d, mt, d["num_hidden_layers"]))
+
+
+def _window_from_hf(d: dict, mt: str, num_layers: int) -> dict:
+    """`window_size` / `window_attn_skip_freq` of a config dict, as transformers reads it:
+    Mistral slides every layer when `sliding_window` is set; Qwen2 only with
+    `use_sliding_window`, the layers its `layer_types` name "sliding_attention" (by default
+    those from `max_window_layers` on). Llama has no window."""
+    w, use = d.get("sliding_window"), d.get("use_sliding_window", False)
+    if mt == "qwen2" and type(use) is not bool:
+        raise HFConversionError(f"config.json use_sliding_window {use!r} must be true or false")
+    if mt == "llama" or w is None or (mt == "qwen2" and not use):
+        return {}
+    if type(w) is not int or w < 1:
+        raise HFConversionError(f"config.json sliding_window {w!r} must be a positive integer "
+                                f"(tokens a query sees, itself included)")
+    if mt == "mistral":  # MistralConfig ignores layer_types: every layer slides
+        return dict(window_size=(w - 1, 0))
+    types = d.get("layer_types")
+    if types is None:
+        first = d.get("max_window_layers", 28)  # transformers' default
+        if type(first) is not int or first < 0:
+            raise HFConversionError(f"config.json max_window_layers {first!r} must be an "
+                                    f"integer >= 0")
+        types = [LAYER_TYPES[i >= first] for i in range(num_layers)]
+    if type(types) is not list or len(types) != num_layers or \
+            any(t not in LAYER_TYPES for t in types):
+        raise HFConversionError(f"config.json layer_types must list {num_layers} entries "
+                                f"(num_hidden_layers), each one of {LAYER_TYPES}")
+    slides = [LAYER_TYPES.index(t) for t in types]
+    if not any(slides):
+        return {}
+    return dict(window_size=(w - 1, 0), window_attn_skip_freq=None if all(slides) else slides)
+
+
+def _sliding_layers(c: ModelConfig) -> list[int]:
+    """1 for each layer with a sliding window, 0 for each with full attention."""
+    return [int(c.layer_window_size(i) is not None) for i in range(c.num_layers)]
 
 
 def normalize(name: str) -> str:
@@ -116,9 +158,15 @@ def config_to_hf(c: ModelConfig) -> dict:
     if mt == "llama":
         d.update(attention_bias=c.add_bias_linear, mlp_bias=c.add_bias_linear)
     elif mt == "mistral":
-        d["sliding_window"] = c.window_size
+        d["sliding_window"] = c.window_size[0] + 1
     else:
-        d.update(use_sliding_window=c.window_size is not None, sliding_window=c.window_size)
+        slides = _sliding_layers(c)
+        d.update(use_sliding_window=c.window_size is not None, sliding_window=None,
+                 layer_types=[LAYER_TYPES[x] for x in slides])
+        if c.window_size is not None:  # layer_types rules (transformers >= 4.53); older
+            # versions read max_window_layers: the first ones full, which is exact for that form
+            d.update(sliding_window=c.window_size[0] + 1,
+                     max_window_layers=next((i for i, x in enumerate(slides) if x), len(slides)))
     return d
 
 
@@ -129,6 +177,13 @@ def conditions(c: ModelConfig) -> list[str]:
            if getattr(c, k) != v]
     if c.add_bias_linear and not c.add_qkv_bias:
         out.append("add_bias_linear without add_qkv_bias (no Llama-family model has that)")
+    if c.window_size is not None and c.add_bias_linear:
+        out.append("window_size with biases on every linear layer (Llama has biases but no "
+                   "sliding window)")
+    elif c.window_size is not None and model_type_for(c) == "mistral" and \
+            not all(_sliding_layers(c)):
+        out.append(f"window_attn_skip_freq={c.window_attn_skip_freq!r} without q/k/v biases "
+                   f"(Mistral slides every layer; only Qwen2, with q/k/v biases, has full ones)")
     return out
 
 

@@ -33,10 +33,12 @@ def chunk_activation_bytes(config, params, pre_process: bool, post_process: bool
     m, t = config.model, config.train
     tp, sp = t.tensor_model_parallel_size, t.sequence_parallel
     s, b, e = m.seq_length, t.micro_batch_size, 2 if t.bf16 else 4
-    n = len({p.unit for p in params if p.unit.startswith("layer")})
+    numbers = sorted({int(p.unit.split()[1]) for p in params if p.unit.startswith("layer ")})
+    n = len(numbers)
     layers = model_chunk_bytes(m, n, s, b, tp, sp, t.recompute_granularity, t.recompute_method,
                                t.recompute_num_layers, e,
-                               keyed_dropout=t.dropout_masks == "sample") if n else 0
+                               keyed_dropout=t.dropout_masks == "sample",
+                               layer_numbers=numbers) if n else 0
     s_local = s // tp if sp else s
     other = 0
     if pre_process:  # the token ids, learned positions' ids, the embedding dropout's mask
