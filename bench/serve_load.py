@@ -114,6 +114,9 @@ def load(base: str, model: str, args, root: int | None) -> dict:
                 tokens += n
             if root is not None:
                 rss.append(rss_mib(root))
+                print(f"  {min(args.requests, q0 + quarter)}/{args.requests} requests: {counts}, "
+                      f"server RSS {rss[-1]:.0f} MiB, {time.perf_counter() - start:.0f} s",
+                      flush=True)
     wall = time.perf_counter() - start
     return {"counts": counts, "tokens": tokens, "wall": wall, "rss": rss}
 
