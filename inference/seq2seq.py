@@ -13,7 +13,7 @@ import torch
 import parallel_state as ps
 from parallel_state import p2p
 
-from .engine import ModelRunner
+from .runner import ModelRunner
 from .kv_cache import KVCache
 
 

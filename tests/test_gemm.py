@@ -138,7 +138,7 @@ def test_packed_weights_give_the_same_products_until_the_weight_changes(rows):
 
 @needs_onednn
 def test_engine_packs_every_linear_weight_once(no_grid):
-    from inference.engine import ModelRunner
+    from inference.runner import ModelRunner
     from models import GPTModel, ModelConfig
 
     config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,

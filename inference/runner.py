@@ -1,0 +1,93 @@
+"""The model runner of one pipeline stage of a replica: one forward of a micro-batch of rows
+over this rank's model chunk with the KV cache (decoder-only models; inference/seq2seq.py
+subclasses it for T5). Split from the engine (inference/engine.py), which schedules the rows,
+so the seq2seq runner can build on it without importing the engine."""
+from __future__ import annotations
+
+import torch
+
+import parallel_state as ps
+from layers.attention import LAYER_TYPES, causal_window_mask
+from layers.linear import pack_weights
+from parallel_state import p2p
+
+from .kv_cache import KVCache
+
+
+class ModelRunner:
+    """Runs this rank's model chunk for one micro-batch of rows.
+
+    `forward(ids [b, s], slots [b], starts [b], last [b], hidden)` -> this stage's output:
+    hidden states `[s, b, h]` for the next stage, or on the last stage the logits `[b, vocab]`
+    of token `last[i]` of each row, gathered over the vocab-parallel head and cut to the real
+    vocabulary (padding ids can never be produced; only these rows' last tokens go through
+    the output layer). Row i's tokens go to positions `starts[i] + 0..s-1`; `hidden` is the
+    previous stage's output tuple (None on the first stage, which embeds `ids`).
+    """
+
+    def __init__(self, model, max_batch_size: int, max_seq_length: int):
+        self.model = model.eval()
+        self.config = model.config
+        # oneDNN's pre-packed weights on CPU in float32 (layers/gemm.py): decode's few-row
+        # products read them 1.5-2.3x faster; they take as much memory again as the weights
+        self.packed_bytes = pack_weights(
+            model, extra=(model.output_weight(),) if model.post_process else ())
+        attn = self._first_attention()
+        p = next(model.parameters())
+        self.dtype, self.device = p.dtype, p.device
+        self.cache = self._make_cache(attn, max_batch_size, max_seq_length)
+        self.first, self.last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+        self.stage = ps.get_pipeline_model_parallel_rank()
+        self.pp = ps.get_pipeline_model_parallel_world_size()
+
+    def _first_attention(self):
+        return next(iter(self.model.decoder.layers.values())).self_attention
+
+    def _make_cache(self, attn, slots: int, max_len: int) -> KVCache:
+        return KVCache(self.model.layer_numbers, slots, max_len, attn.num_groups,
+                       attn.head_dim, self.dtype, self.device)
+
+    def spec(self, ids: torch.Tensor) -> p2p.TensorSpec:
+        """What a stage passes on for a micro-batch of `ids [b, s]`: `[s, b, h]`."""
+        b, s = ids.shape
+        return p2p.TensorSpec(((s, b, self.config.hidden_size),), self.dtype, self.device)
+
+    def incoming(self, flight) -> p2p.TensorSpec | None:
+        """What this stage receives from the previous one for `flight` (None: nothing)."""
+        return None if self.first else self.spec(flight.ids)
+
+    def outgoing(self, out, flight) -> tuple | None:
+        """What this stage sends on for `flight` after running it (None: nothing)."""
+        return None if self.last else (out,)
+
+    def _mask(self, positions: torch.Tensor, length: int, window) -> torch.Tensor:
+        """`[b, 1, s, length]` additive mask of rows whose tokens sit at `positions [b, s]`:
+        key position <= query position, and inside the sliding `window` when given."""
+        allowed = causal_window_mask(positions, length, window)
+        # additive, made once here: a bool mask is turned into this by SDPA in every layer
+        return torch.zeros(allowed.shape, dtype=self.dtype, device=positions.device) \
+            .masked_fill_(~allowed, float("-inf"))[:, None]
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
+                last: torch.Tensor, hidden: tuple | None) -> torch.Tensor:
+        hidden = hidden[0] if hidden is not None else None
+        b, s = ids.shape
+        dev = self.device
+        if s == 1:  # decode: one token per row at its own position
+            positions = starts[:, None].to(dev)
+        else:
+            positions = (starts[:, None] + torch.arange(s)[None, :]).to(dev)  # [b, s]
+        length = int(starts.max()) + s
+        mask = self._mask(positions, length, None)
+        if self.config.window_size is not None:  # one mask per kind of layer (SelfAttention)
+            mask = {LAYER_TYPES[0]: mask,
+                    LAYER_TYPES[1]: self._mask(positions, length, self.config.window_size)}
+        self.cache.bind(slots, positions, length)
+        out = self.model(ids.to(dev) if self.first else None, position_ids=positions,
+                         hidden_states=hidden, kv_cache=self.cache, attention_mask=mask,
+                         output_positions=last.to(dev) if self.last else None)
+        if not self.last:
+            return out
+        local = out[:, 0]  # [b, v_padded / tp]
+        return ps.gather_from_tensor_model_parallel_region(local)[:, :self.config.vocab_size]
