@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass
 
 from . import protocol
-from .server import Failure, Frontend
+from .frontend import Failure, Frontend
 
 OPEN_PATHS = ("/health",)  # answered without the API key (load balancers' probes)
 

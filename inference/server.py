@@ -4,7 +4,7 @@ lockstep.
 - The HTTP layer (inference/api.py: FastAPI + uvicorn, the `serve` extra) runs in a thread of
   rank 0: it checks and parses requests, routes each choice to the data-parallel replica with
   the least work still to do, and answers from the events the control loop delivers.
-- `Frontend` is the one place that owns a request's lifetime: `open` registers its choices,
+- `Frontend` (inference/frontend.py) owns a request's lifetime: `open` registers its choices,
   `Lifetime.close` cancels whatever has not finished, whatever the transport did (stream
   dropped, non-streaming client gone, handler error), and `fail_all` ends every open request
   with an error body (drain deadline passed, a replica failed).
@@ -22,12 +22,9 @@ lockstep.
 """
 from __future__ import annotations
 
-import asyncio
-import queue
 import signal
 import threading
 import time
-from dataclasses import dataclass
 
 import torch.distributed as dist
 
@@ -35,184 +32,9 @@ import parallel_state as ps
 
 from .comm import broadcast_control, gather_to_rank0, replica_ranks
 from .engine import Event, Request
+from .frontend import Failure, Frontend
 
-IDLE_S = 0.5
 FLUSH_S = 5.0  # how long rank 0 waits for the HTTP layer to send error bodies before exiting
-
-
-@dataclass
-class Failure:
-    """Put on a request's queue instead of an event: end it with this error body."""
-
-    status: int
-    message: str
-    kind: str = "server_error"
-
-
-@dataclass
-class _Choice:
-    """Rank 0's book-keeping of one choice in flight."""
-
-    replica: int
-    budget: int  # tokens it may still generate
-    arrival: float  # time.monotonic() at `open`
-    queue: object  # (loop, asyncio.Queue)
-    last: float | None = None  # time of its previous event with tokens
-
-
-class Lifetime:
-    """The choices of one HTTP request: `queue` receives their events (or a `Failure`);
-    `close()` (idempotent) cancels the ones that have not finished."""
-
-    def __init__(self, fe: "Frontend", ids: list[str], q: asyncio.Queue):
-        self.fe, self.ids, self.queue = fe, ids, q
-        self.finished: set[str] = set()
-
-    def close(self) -> None:
-        open_ids = [i for i in self.ids if i not in self.finished]
-        self.finished.update(open_ids)
-        if open_ids:
-            self.fe.forget(open_ids)
-
-
-class Frontend:
-    """Rank 0's side: the HTTP app's bridge to the control loop (thread-safe)."""
-
-    def __init__(self, engine, tokenizer, model_name: str, api_key: str | None, dp: int,
-                 metrics=None, shutdown_timeout: float = 20.0,
-                 sampling_defaults: dict | None = None):
-        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
-        self.sampling_defaults = sampling_defaults or {}
-        self.api_key, self.dp, self.metrics = api_key, dp, metrics
-        self.shutdown_timeout = shutdown_timeout
-        self.inbox: queue.Queue = queue.Queue()
-        self.choices: dict[str, _Choice] = {}
-        self.work = [0] * dp  # tokens still to generate at most, per replica
-        self.served = [0] * dp  # choices finished, per replica (GET /health)
-        self.lock = threading.Lock()
-        self.stopping = 0  # 1: drain then stop; 2: end what is left and stop
-        self.failed: str | None = None  # why the service failed (a replica died)
-        self.deadline: float | None = None  # drain deadline (time.monotonic())
-        self.handlers = 0  # HTTP handlers still answering (the exit waits for them)
-
-    # ---------------------------------------------------------------- HTTP thread side
-    def open(self, items: list[tuple[str, list[int], object]]) -> Lifetime:
-        """Register and route each choice `(id, prompt ids, SamplingParams)` to the replica
-        with the least work: tokens it still has to generate at most."""
-        loop, q = asyncio.get_running_loop(), asyncio.Queue()
-        now = time.monotonic()
-        with self.lock:
-            adds = []
-            for rid, prompt, params in items:
-                rep = min(range(self.dp), key=lambda r: self.work[r])
-                self.work[rep] += params.max_new_tokens
-                self.choices[rid] = _Choice(rep, params.max_new_tokens, now, (loop, q))
-                adds.append((rep, rid, prompt, params))
-        self.inbox.put(("add", adds))
-        return Lifetime(self, [rid for rid, _, _ in items], q)
-
-    def forget(self, ids: list[str]) -> None:
-        """Cancel `ids` in their engines; their remaining events go nowhere."""
-        with self.lock:
-            gone = [c for c in (self.choices.pop(rid, None) for rid in ids) if c is not None]
-            for c in gone:
-                self.work[c.replica] -= c.budget
-        if self.metrics is not None:
-            for c in gone:
-                self.metrics.aborted(c.replica, c.arrival)
-        self.inbox.put(("cancel", ids))
-
-    def stop(self, level: int) -> None:
-        """1: drain (new requests 503; open ones get `shutdown_timeout` seconds); 2: now."""
-        if level == 1 and not self.stopping:
-            self.deadline = time.monotonic() + self.shutdown_timeout
-        self.stopping = max(self.stopping, level)
-
-    def unavailable(self) -> str | None:
-        """Why a new request is refused now (None: it is accepted)."""
-        if self.failed:
-            return self.failed
-        if self.stopping:
-            return "the server is shutting down; retry on another server"
-        return None
-
-    # ---------------------------------------------------------------- control loop side
-    def collect(self) -> dict:
-        """The control message of the next iteration: requests to add, ids to cancel, and
-        whether to stop (blocks up to `IDLE_S` while nothing runs)."""
-        if self.stopping == 1 and self.deadline is not None and \
-                time.monotonic() > self.deadline:
-            self.stopping = 2
-            self.fail_all(Failure(503, f"the server is shutting down and its shutdown "
-                                       f"timeout ({self.shutdown_timeout:g} s) has passed; "
-                                       f"retry on another server"))
-        if self.stopping == 2:
-            self.fail_all(Failure(503, "the server was stopped before this request "
-                                       "finished; retry on another server"))
-        msg = {"add": [], "cancel": [], "stop": False}
-        try:
-            idle = not self.choices and not self.stopping
-            items = [self.inbox.get(timeout=IDLE_S) if idle else self.inbox.get_nowait()]
-        except queue.Empty:
-            items = []
-        while True:
-            try:
-                items.append(self.inbox.get_nowait())
-            except queue.Empty:
-                break
-        for kind, payload in items:
-            msg[kind].extend(payload)
-        msg["stop"] = self.stopping == 2 or bool(self.stopping and not self.choices)
-        return msg
-
-    def fail_all(self, failure: Failure) -> None:
-        """End every open request with `failure`'s error body (and cancel it)."""
-        with self.lock:
-            ids = list(self.choices)
-            targets = {id(c.queue[1]): c.queue for c in self.choices.values()}
-        for loop, q in targets.values():
-            try:
-                loop.call_soon_threadsafe(q.put_nowait, failure)
-            except RuntimeError:  # the HTTP loop has closed
-                pass
-        if ids:
-            self.forget(ids)
-            if self.metrics is not None:
-                for _ in ids:
-                    self.metrics.error("shutdown" if self.failed is None else "replica_failed")
-
-    def deliver(self, events, stats=None) -> None:
-        """Hand the engines' events to their requests; `stats[r]`: replica r's load."""
-        now = time.monotonic()
-        for e in events:
-            with self.lock:
-                c = self.choices.get(e.id)
-                if c is None:
-                    continue  # cancelled by its client, or failed above
-                done = c.budget if e.finish_reason is not None else len(e.token_ids)
-                c.budget -= done
-                self.work[c.replica] -= done
-                if e.finish_reason is not None:
-                    del self.choices[e.id]
-                    self.served[c.replica] += 1
-                last, c.last = c.last, (now if e.token_ids else c.last)
-            if self.metrics is not None:
-                self.metrics.event(c.replica, e, c.arrival, last, first=bool(e.token_ids)
-                                   and len(e.token_ids) == e.completion_tokens)
-            loop, q = c.queue
-            try:
-                loop.call_soon_threadsafe(q.put_nowait, e)
-            except RuntimeError:
-                pass
-        if stats and self.metrics is not None:
-            for r, s in enumerate(stats):
-                if s is not None:
-                    self.metrics.replica_stats(r, s)
-
-    def wait_for_handlers(self, timeout: float) -> None:
-        end = time.monotonic() + timeout
-        while self.handlers and time.monotonic() < end:
-            time.sleep(0.01)
 
 
 def serve(engine, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8000,
