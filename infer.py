@@ -196,9 +196,10 @@ def main(argv=None) -> int:
     from parallel_state.host_memory import tune_host_allocator
     from inference.comm import gather_to_rank0
     from inference.engine import Engine, Request
-    from inference.loading import eos_token_ids, load
+    from inference.loading import load
     from inference.sampling import SamplingParams
     from models.config import ConfigError
+    from models.hf.generation import eos_token_ids
     from models.hf import HFConversionError
 
     try:

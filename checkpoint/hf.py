@@ -20,7 +20,7 @@ import shutil
 import torch
 
 from models import hf as hfmap
-from models.hf.generation import write_generation_config
+from models.hf.generation import generation_config, write_generation_config
 
 from .format import CheckpointError, require_checkpoint
 from .model_io import (TOKENIZER_DIR, TOKENIZER_MODEL, find_tokenizer, read_dense_weights,
@@ -41,7 +41,7 @@ def import_hf(hf_path: str, out: str, log=print) -> str:
         raise CheckpointError(f"--out {out} already exists; pass a new folder (nothing was "
                               f"written)")
     src, config = hfmap.open_checked(hf_path)
-    generation = src.generation_config(config.vocab_size)
+    generation = generation_config(src, config.vocab_size)
     config.name = ""
     model_type = src.config["model_type"]
     tensors = hfmap.to_native(config, model_type, src.get, src.names)

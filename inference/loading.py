@@ -1,6 +1,6 @@
 """Build this rank's sharded model and the tokenizer from a native checkpoint (`--load`) or a
 Hugging Face folder / .gguf file (`--hf`, converted in memory), with the model's generation
-config (`model.generation_config`; its stop ids through `eos_token_ids`)."""
+config (`model.generation_config`; its stop ids: models.hf.generation.eos_token_ids)."""
 from __future__ import annotations
 
 import os
@@ -10,7 +10,7 @@ import torch
 import parallel_state as ps
 from models import GPTModel, T5Model
 from models.config import ConfigError, ModelConfig
-from models.hf.generation import eos_token_ids  # noqa: F401 - infer.py's stop ids
+from models.hf.generation import generation_config
 from models.pipeline import build_model_chunks
 from models.tokenizer import Tokenizer
 
@@ -144,7 +144,7 @@ def load(load: str | None = None, hf: str | None = None, tokenizer: str | None =
 
         src, config = open_checked(hf, lambda c: _check_tp(
             c, ps.get_tensor_model_parallel_world_size()))
-        generation = src.generation_config(config.vocab_size)
+        generation = generation_config(src, config.vocab_size)
         model = build_model(config)
         load_hf_weights(src, config, [model])
         if tokenizer:

@@ -641,9 +641,9 @@ def test_generation_config_is_untrusted(tmp_path):
     src = HFSource(str(tmp_path), {"eos_token_id": 5, "pad_token_id": -1}, "safetensors", [],
                    lambda n: None)
     with pytest.warns(GenerationConfigWarning) as caught:  # the file is not JSON: ignored
-        assert src.generation_config(100) == {"eos_token_id": 5}
+        assert generation_config(src, 100) == {"eos_token_id": 5}
     assert [str(w.message).split(" ", 1)[1][:14] for w in caught] == \
         ["is not valid J", "pad_token_id -"], [str(w.message) for w in caught]
     path.unlink()
     with pytest.warns(GenerationConfigWarning):
-        assert src.generation_config(100) == {"eos_token_id": 5}
+        assert generation_config(src, 100) == {"eos_token_id": 5}

@@ -62,14 +62,6 @@ class HFSource:
         GGUF, whose tensors transformers dequantizes into the architecture's shapes."""
         return None if self._shape is None else self._shape(name)
 
-    def generation_config(self, vocab_size: int) -> dict:
-        """The model's generation config, checked (models/hf/generation.py): its
-        generation_config.json, else the generation fields of config.json (as transformers
-        falls back; a GGUF file's ids are transformers' reading of its metadata)."""
-        from .generation import generation_config
-
-        return generation_config(self, vocab_size)
-
     def tokenizer_source(self) -> tuple[str, dict]:
         """`(folder, from_pretrained kwargs)` to load this model's tokenizer."""
         if self.kind == "gguf":
