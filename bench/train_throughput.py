@@ -19,9 +19,9 @@ Variants (`--dtypes`):
   train.py --compile does), both models.
 
 MFU = tokens/s x `training.flops.training_flops_per_token(config)` / peak FLOP/s. The peak is
-`training.flops.PeakFlops`: the data sheet on known GPUs, else the best of repeated large
-matmuls measured at the start and again at the end of this run (the higher is used); an MFU
-above 100% is never printed (the peak was measured too low: "n/a" and why).
+`training.flops.PeakFlops`, the trainer's: the data sheet on known GPUs, else measured once at
+the start (on a CPU, one thread's best matmul in CPU time x the threads, so a busy machine
+does not lower it); an MFU above 100% is never printed ("n/a" and why).
 
 Run: `python bench/train_throughput.py` (defaults take ~3 minutes on 2 CPU cores); see
 `--help` and bench/README.md.
@@ -405,10 +405,6 @@ def main(argv=None) -> int:
                   f"HF {row['spread_hf']:.0%}; last loss ours {row['loss_ours']:.4f} "
                   f"HF {row['loss_hf']:.4f})")
 
-    if any(p.measured for p in peaks.values()):  # the first one may have met a busy machine
-        print("\npeak re-measured after the run: " + ", ".join(
-            f"{k} {peaks[k].remeasure():.3f} TFLOP/s" for k in kinds)
-            + "; MFU uses the higher of the two")
     print(f"\n{'family':<7} {'variant':<9} {'ours tok/s':>11} {'HF tok/s':>10} "
           f"{'ours/HF':>8} {'MFU ours':>9} {'MFU HF':>8}")
     pct = lambda x: "n/a" if x is None else f"{x:.1%}"  # noqa: E731

@@ -128,7 +128,7 @@ FAMILY = {"gpt": GPT, "llama": LLAMA}
 
 def _train(runs: list[list[str]], log_dir: str, cache: str, busy: list[bool] | None = None):
     """pretrain() once per argument list; its (losses, grad norms). `busy[i]`: run i's
-    start-up measurement and MFU re-measurements first draw from the process's generator, a
+    start-up peak measurement first draws from the process's generator, a
     different number of values on each rank (a slower machine times more matmuls)."""
     import os
 

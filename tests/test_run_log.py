@@ -76,6 +76,26 @@ def test_eta_counts_saves_and_the_final_save():
     assert p.eta(10) == pytest.approx(1 * 5.0)
 
 
+def test_long_validation_shows_progress(capsys):
+    """A validation of minutes says how far it is (after 10 s, then every 30 s); a short one,
+    and every rank but 0, print nothing."""
+    from training.metrics import EvalProgress
+
+    def run(total, seconds_per_batch, enabled=True):
+        now = [0.0]
+        progress = EvalProgress("validation at iter 0", total, enabled, clock=lambda: now[0])
+        for done in range(1, total + 1):
+            now[0] += seconds_per_batch
+            progress(done)
+        return capsys.readouterr().out.splitlines()
+
+    lines = run(100, 1.5)  # 150 s: lines at 10.5 s, 40.5 s, ... (batches 7, 27, 47, 67, 87)
+    assert lines[0] == "validation at iter 0: 7/100 batches in 00:10, about 02:19 to go"
+    assert [line.split(":")[1].split("/")[0].strip() for line in lines] == \
+        ["7", "27", "47", "67", "87"]
+    assert run(8, 1.0) == [] and run(100, 1.5, enabled=False) == []
+
+
 def test_latest_curve_supersedes_by_run_start():
     from training.metrics import latest_curve
 
@@ -94,24 +114,75 @@ def test_latest_curve_supersedes_by_run_start():
     assert again == [{"iteration": 0, "valid_loss": 9.0}]
 
 
-def test_mfu_is_never_over_100_percent(monkeypatch):
+def test_one_peak_per_run_and_mfu_never_over_100_percent(monkeypatch, capsys):
+    """The peak is measured once, at start-up; MFU always divides by it; a rate above it is
+    'n/a' with one note, never a re-measurement or a figure over 100%."""
+    from training import flops
     from training.flops import PeakFlops
 
-    measured = iter([0.1, 0.2, 0.5])  # TFLOP/s: start-up, then re-measurements
-    monkeypatch.setattr(PeakFlops, "_measure", lambda self: next(measured))
+    calls = []
+    monkeypatch.setattr(flops, "measured_matmul_peak",
+                        lambda *a, **kw: calls.append(a) or (0.05e12, 1024))  # per thread
+    monkeypatch.setattr(flops, "cpu_threads_per_rank", lambda: (2.0, "2 threads"))
     peak = PeakFlops(torch.device("cpu"), torch.float32)
-    assert peak.measured and peak.tflops == 0.1
+    assert peak.measured and peak.tflops == pytest.approx(0.1) and len(calls) == 1
+    assert "measured at start-up: 0.05 TFLOP/s per thread" in peak.source
+    assert "x 2 threads" in peak.source
     assert peak.mfu(0.05) == pytest.approx(0.5)
-    # 0.15 achieved > 0.1 measured: re-measured (0.2), then 75%
-    assert peak.mfu(0.15) == pytest.approx(0.75) and peak.tflops == 0.2
-    # 0.3 > 0.2: re-measured once already, so no more (one per log line would cost a
-    # measurement per line): no MFU, and the note says why
-    assert peak.mfu(0.3) is None and peak.tflops == 0.2
-    assert "measured" in peak.note and "--peak-tflops" in peak.note
-    assert peak.remeasure() == 0.5 and peak.mfu(0.3) == pytest.approx(0.6)
+    assert peak.mfu(0.3) is None and peak.mfu(0.1) == pytest.approx(1.0)
+    assert peak.tflops == pytest.approx(0.1) and len(calls) == 1  # never measured again
+    assert "exceeds the peak 0.1 TFLOP/s (measured at start-up" in peak.note
+    assert "--peak-tflops" in peak.note
+    peak.say_note(), peak.say_note()
+    assert capsys.readouterr().out.count("note: the achieved 0.3 TFLOP/s") == 1
     given = PeakFlops(torch.device("cpu"), torch.float32, given=0.2)
-    assert not given.measured and given.mfu(0.1) == pytest.approx(0.5)
-    assert given.mfu(0.4) is None and "--peak-tflops" in given.note
+    assert not given.measured and given.mfu(0.1) == pytest.approx(0.5) and len(calls) == 1
+    assert given.mfu(0.4) is None and "(--peak-tflops)" in given.note
+
+
+def test_cpu_peak_is_timed_in_thread_cpu_time_on_one_thread(monkeypatch):
+    """A busy machine stretches wall time, not the measuring thread's CPU time: the rate
+    follows `time.thread_time` (here 1 ms per matmul) whatever the wall clock does (here 50x
+    slower), and the matmuls run on one thread, with the thread count restored after."""
+    from training import flops
+
+    cpu, wall, threads = [0.0], [0.0], []
+
+    def thread_time():
+        return cpu[0]
+
+    def perf_counter():
+        return wall[0]
+
+    def matmul(a, b):
+        threads.append(torch.get_num_threads())
+        cpu[0] += 1e-3
+        wall[0] += 5e-2
+
+    monkeypatch.setattr(flops.time, "thread_time", thread_time)
+    monkeypatch.setattr(flops.time, "perf_counter", perf_counter)
+    monkeypatch.setattr(torch, "matmul", matmul)
+    monkeypatch.setattr(flops.gemm, "available", lambda: False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        rate, n = flops.measured_matmul_peak(torch.float32, torch.device("cpu"), n=1024)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert set(threads) == {1} and n == 1024  # 1 ms per matmul stays under 2 s / 64
+    assert rate == pytest.approx(2 * 1024 ** 3 / 1e-3)
+
+
+def test_cpu_peak_shares_the_host_among_local_ranks(monkeypatch):
+    from training.flops import cpu_threads_per_rank
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert cpu_threads_per_rank() == (2.0, "2 threads")  # 2 ranks x 2 threads fit 4 CPUs
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # 8 ranks on 4 CPUs: half a CPU each
+    assert cpu_threads_per_rank() == (0.5, "4 CPUs shared by 8 ranks")
 
 
 def test_pipeline_balance_suggestion():
@@ -185,10 +256,14 @@ def test_metrics_curve_tool(tmp_path):
             {"event": "run_start", "resumed_from_iteration": 1},
             {"iteration": 2, "loss": 2.0}, {"iteration": 2, "valid_loss": 2.2}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = subprocess.run([sys.executable, "tools/metrics_curve.py", str(tmp_path), "--format",
-                          "csv"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-X", "importtime", "tools/metrics_curve.py",
+                          str(tmp_path), "--format", "csv"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["iteration,loss,valid_loss", "1,3,", "2,2,", "2,,2.2"]
+    # reading a jsonl needs no torch (importing it took 32 s on a loaded machine)
+    imported = [line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines()]
+    assert "training.metrics" in imported and "torch" not in imported
 
 
 def test_already_complete_reads_the_resumed_checkpoint(tmp_path):

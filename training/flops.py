@@ -21,14 +21,18 @@ decoder) is counted per encoder token by the same rules (`_t5_flops_per_encoder_
 """
 from __future__ import annotations
 
+import os
 import time
 
 import torch
 
 from layers import gemm
 
-# Dense bf16 peak of one GPU from the data sheets (no sparsity), TFLOP/s.
-GPU_PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+# Dense (no sparsity) bf16 tensor-core peak of one GPU from NVIDIA's data sheets, TFLOP/s,
+# keyed by a part of torch.cuda.get_device_name(); the more specific names come first
+# ("NVIDIA H100 PCIe" before the SXM part, "NVIDIA H100 80GB HBM3").
+GPU_PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H800": 989.0,
+                        "H200": 989.0, "A100": 312.0, "L40S": 362.0, "B200": 2250.0}
 
 
 def forward_flops_per_token(config, seq_length: int | None = None,
@@ -82,20 +86,24 @@ def training_flops_per_token(config, seq_length: int | None = None,
 
 
 def measured_matmul_peak(dtype: torch.dtype, device: torch.device, n: int = 2048,
-                         repeats: int = 8, min_seconds: float = 0.0,
-                         max_seconds: float = 2.0) -> tuple[float, int]:
-    """Best FLOP/s of timed `[n, n] x [n, n]` matmuls in `dtype` on `device`.
+                         repeats: int = 8, max_seconds: float = 2.0) -> tuple[float, int]:
+    """Best FLOP/s of timed `[n, n] x [n, n]` matmuls in `dtype`: of the whole device on CUDA,
+    of one CPU thread on a CPU.
 
-    At least `repeats` of them, and more until `min_seconds` have been spent timing (at most
-    8x `repeats`), but never much past `max_seconds`: once two are timed and `max_seconds`
-    are spent it stops. After one warm-up matmul, the size grows from 256 by doubling up to
-    `n` while one matmul at the current size stays under `max_seconds / 64`, so that a slow dtype (bf16 on a CPU
-    without bf16 instructions runs ~40x below fp32) is measured at a smaller size in a
-    fraction of a second instead of taking seconds per matmul. The best, not the mean: a busy
-    machine only ever makes a matmul slower, so the fastest one is the closest to the
-    device's real rate. On CPU in float32 both GEMMs torch has are timed, MKL's
+    On CUDA, wall time between synchronizations. On a CPU the matmuls run on one thread
+    (`torch.set_num_threads(1)` for the measurement) and are timed in that thread's CPU time
+    (`time.thread_time`), which does not grow while other processes hold the cores: a busy
+    machine gives the same rate as an idle one (a 2-core VM with three processes per core:
+    0.092 against 0.091 TFLOP/s idle, where wall time said 0.050). The caller multiplies by
+    the threads a process has (`PeakFlops`). In float32 both GEMMs torch has are timed, MKL's
     (`torch.matmul`) and oneDNN's (layers/gemm.py), and the faster counts: the peak is the
     machine's, whichever one the model runs on.
+
+    `repeats` matmuls are timed (at most `max_seconds` once two are). After one warm-up
+    matmul, the size grows from 256 by doubling up to `n` while one matmul stays under
+    `max_seconds / 64`, so that a slow dtype (bf16 on a CPU without bf16 instructions runs
+    ~40x below fp32) is measured at a smaller size in a fraction of a second. The best, not
+    the mean: interference only ever makes a matmul slower.
 
     Returns:
         `(FLOP/s, size)`: the rate and the matrix size it was measured at.
@@ -103,20 +111,27 @@ def measured_matmul_peak(dtype: torch.dtype, device: torch.device, n: int = 2048
     kernels = [torch.matmul]
     if device.type == "cpu" and dtype == torch.float32 and gemm.available():
         kernels.append(lambda a, b: gemm.linear_nt(a, b.t()))  # oneDNN's (layers/gemm.py)
-    flops = [_measured_kernel_peak(k, dtype, device, n, repeats, min_seconds, max_seconds)
-             for k in kernels]
-    return max(flops)
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        return max(_measured_kernel_peak(k, dtype, device, n, repeats, max_seconds)
+                   for k in kernels)
+    finally:
+        torch.set_num_threads(threads)
 
 
-def _measured_kernel_peak(kernel, dtype, device, n, repeats, min_seconds, max_seconds):
+def _measured_kernel_peak(kernel, dtype, device, n, repeats, max_seconds):
+    clock = time.thread_time if device.type == "cpu" else time.perf_counter
+
     def timed(a: torch.Tensor, b: torch.Tensor) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0 = clock()
         kernel(a, b)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        return time.perf_counter() - t0
+        return clock() - t0
 
     size = min(256, n)
     # its own generator: how many matrices a measurement makes depends on the machine's speed,
@@ -129,76 +144,83 @@ def _measured_kernel_peak(kernel, dtype, device, n, repeats, min_seconds, max_se
         size *= 2
         a, b = make(), make()
     best, spent, done = float("inf"), 0.0, 0
-    while done < repeats or (spent < min_seconds and done < 8 * repeats):
-        if done >= 2 and spent >= max_seconds:
-            break
+    while done < repeats and not (done >= 2 and spent >= max_seconds):
         elapsed = timed(a, b)
         best, spent, done = min(best, elapsed), spent + elapsed, done + 1
     return 2.0 * size ** 3 / best, size
 
 
-class PeakFlops:
-    """The per-device peak TFLOP/s that MFU divides by, and the rule that keeps MFU honest.
+def cpu_threads_per_rank() -> tuple[float, str]:
+    """The CPU threads one rank can keep busy: its torch threads, but no more than the CPUs
+    this process may run on shared by the ranks on this host (torchrun's LOCAL_WORLD_SIZE),
+    so the ranks' peaks add up to the host's. Returns `(threads, what limited them)`."""
+    threads = torch.get_num_threads()
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if threads * ranks <= cpus:
+        return float(threads), f"{threads} thread{'s' if threads > 1 else ''}"
+    return cpus / ranks, f"{cpus} CPUs shared by {ranks} ranks"
 
-    The peak is `--peak-tflops` when given, the data sheet on known GPUs (H100, H200, A100),
-    else measured here: the best of repeated `n^3` matmuls (`measured_matmul_peak`). A
-    measured peak can come out low when the machine is busy while it is measured; then a
-    step can achieve more than "the peak". `mfu(achieved)` re-measures in that case and keeps
-    the higher peak, and when the achieved rate still exceeds it returns None (MFU unknown)
-    rather than a figure over 100%; `note` then says why. `remeasure()` (end of run) keeps
-    the higher of the old and a new measurement.
+
+class PeakFlops:
+    """The per-device peak TFLOP/s that MFU divides by: one figure per run, fixed at start-up.
+
+    Where it comes from (`source` says which): `--peak-tflops` when given; else on a GPU the
+    data sheet's dense bf16 peak (`GPU_PEAK_BF16_TFLOPS`; fp32 runs as TF32, half of it), as
+    torchtitan does; else measured here: on a CPU one thread's best matmul rate in CPU time
+    (`measured_matmul_peak`) times the threads the rank has (`cpu_threads_per_rank`); on a
+    GPU missing from the table its best matmul rate. It is not measured again: every MFU of
+    the run (log lines, the closing line) divides by the same figure. An achieved rate above
+    it would mean the peak is wrong; `mfu` then returns None rather than a figure over 100%,
+    and `note` says why and what to pass.
     """
 
     def __init__(self, device: torch.device, dtype: torch.dtype, given: float | None = None):
         self.device, self.dtype = device, dtype
         self.key = "bf16" if dtype == torch.bfloat16 else "fp32"
         self.note: str | None = None
-        self.remeasured = False
+        self._said = False
+        self.measured = False
         if given:
-            self.tflops, self.source, self.measured = float(given), "--peak-tflops", False
+            self.tflops, self.source = float(given), "--peak-tflops"
             return
-        if device.type == "cuda":
-            name = torch.cuda.get_device_name(device)
-            for key, tflops in GPU_PEAK_BF16_TFLOPS.items():
-                if key in name:
-                    self.tflops = tflops / (1 if self.key == "bf16" else 2)
-                    self.source, self.measured = f"{key} data sheet" + (
-                        ", TF32" if self.key == "fp32" else ""), False
-                    return
-        # CPU: many short matmuls (1024^3, ~20 ms on 2 cores) for half a second, so that the
-        # best of them likely met an idle moment on a shared machine
-        self.n = 8192 if device.type == "cuda" else 1024
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+        for key, tflops in GPU_PEAK_BF16_TFLOPS.items():
+            if device.type == "cuda" and key in name:
+                self.tflops = tflops / (1 if self.key == "bf16" else 2)
+                self.source = f"{key} data sheet, dense {'bf16' if self.key == 'bf16' else 'TF32'}"
+                return
         self.measured = True
-        self.tflops = self._measure()
-        self.source = f"measured: best of repeated {self.n}^3 {self.key} matmuls"
-
-    def _measure(self) -> float:
-        flops, self.n = measured_matmul_peak(self.dtype, self.device, self.n, min_seconds=0.5)
-        return flops / 1e12
-
-    def remeasure(self) -> float:
-        """Measure again (a measured peak only) and keep the higher; returns the peak."""
-        if self.measured:
-            self.tflops = max(self.tflops, self._measure())
-        return self.tflops
+        if device.type == "cpu":
+            # 1024^3 on one thread: ~20-30 ms in fp32, 16 of them (MKL's and oneDNN's) < 0.5 s
+            rate, n = measured_matmul_peak(dtype, device, 1024)
+            threads, why = cpu_threads_per_rank()
+            self.tflops = rate * threads / 1e12
+            self.source = (f"measured at start-up: {rate / 1e12:.3g} TFLOP/s per thread, the "
+                           f"best of {n}^3 {self.key} matmuls on one thread in CPU time, x "
+                           f"{why}")
+        else:
+            rate, n = measured_matmul_peak(dtype, device, 8192)
+            self.tflops = rate / 1e12
+            self.source = (f"measured at start-up: the best of {n}^3 {self.key} matmuls; "
+                           f"{name} is not in the peak table, pass --peak-tflops with its "
+                           f"data sheet's dense peak")
 
     def mfu(self, achieved_tflops: float) -> float | None:
-        """`achieved / peak`, or None when the achieved rate exceeds the peak (see class).
-
-        Re-measures at most once per run, so a peak that stays below the achieved rate costs
-        one measurement, not one per log line."""
-        if achieved_tflops > self.tflops and not self.remeasured:
-            self.remeasured = True
-            self.remeasure()
+        """`achieved / peak`, or None when the achieved rate exceeds the peak (see class)."""
         if achieved_tflops <= self.tflops:
             return achieved_tflops / self.tflops
-        self.note = (f"the achieved {achieved_tflops:.3g} TFLOP/s per device exceeds the peak "
-                     f"{self.tflops:.3g} TFLOP/s ({self.source})" +
-                     (": the measured peak came out low (a busy machine, or a matmul kernel slower at "
-                      f"{self.n}^3 than at the model's shapes)" if self.measured else "")
-                     + "; MFU is not shown, pass --peak-tflops with the device's real peak")
+        if self.note is None:
+            self.note = (f"the achieved {achieved_tflops:.3g} TFLOP/s per device exceeds the "
+                         f"peak {self.tflops:.3g} TFLOP/s ({self.source}), so MFU is not "
+                         f"shown; pass --peak-tflops with the device's real peak")
         return None
+
+    def say_note(self) -> None:
+        """Print `note` once per run (the first time it is set; later calls print nothing)."""
+        if self.note is not None and not self._said:
+            print(f"note: {self.note}", flush=True)
+            self._said = True
 
     def describe(self) -> str:
         return f"{self.tflops:.3g} TFLOP/s per device ({self.source})"
-

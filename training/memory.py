@@ -38,6 +38,7 @@ Predicted, per transformer layer, `s` sequence, `b` micro batch, `h` hidden, `a`
 from __future__ import annotations
 
 import contextlib
+import resource
 
 import torch
 
@@ -45,6 +46,13 @@ import parallel_state as ps
 
 from .distributed import STRATEGIES  # ZeRO stages 0-3, in order
 from .recompute import recompute_spans
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process: CUDA max allocated bytes, or peak RSS on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
 
 
 class SavedTensorMeter:

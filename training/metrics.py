@@ -1,5 +1,6 @@
 """Per-iteration metrics: one stdout line, one JSON object in `<log-dir>/metrics.jsonl`, and
 TensorBoard scalars in `<log-dir>` when `tensorboard` is installed. Only global rank 0 writes.
+No torch at import: tools/metrics_curve.py reads a metrics.jsonl without it.
 
 Runs and resumes append to the same files. Each run first writes a `run_start` record
 (`{"event": "run_start", "run_id", "time", "command", "restart", "resumed_from_iteration",
@@ -13,21 +14,14 @@ events at or after that step.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-import resource
+import shlex
+import sys
 import time
 
-import torch
-
 RUN_START = "run_start"
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory of this process: CUDA max allocated bytes, or peak RSS on CPU."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
 
 
 def format_duration(seconds: float) -> str:
@@ -176,3 +170,71 @@ class Progress:
             if count:
                 total += self._remaining(it, interval, at_end) * spent / count
         return total
+
+
+class EvalProgress:
+    """Progress lines of a long validation (a fine-tune's can run for minutes): none while it
+    is short, then after `first` seconds and every `every` seconds after that one line,
+    `<label>: <done>/<total> batches in <elapsed>, about <left> to go`. Call it with the
+    batches done after each one; `enabled` False (other ranks than 0) prints nothing."""
+
+    def __init__(self, label: str, total: int, enabled: bool, first: float = 10.0,
+                 every: float = 30.0, clock=time.perf_counter):
+        self.label, self.total, self.enabled = label, total, enabled
+        self.every, self.clock = every, clock
+        self.start = clock()
+        self.next_at = first
+
+    def __call__(self, done: int) -> None:
+        elapsed = self.clock() - self.start
+        if not self.enabled or done >= self.total or elapsed < self.next_at:
+            return
+        self.next_at = elapsed + self.every
+        left = elapsed / done * (self.total - done)
+        print(f"{self.label}: {done}/{self.total} batches in {format_duration(elapsed)}, "
+              f"about {format_duration(left)} to go", flush=True)
+
+
+def run_start_record(config, start_iteration: int, peak, flops_per_token: float,
+                     memory: dict) -> dict:
+    """The run-boundary record of metrics.jsonl (see the module docstring): who, what, from
+    where, the run's one MFU peak and its source (training/flops.PeakFlops), and the detailed
+    start-up accounting (model-state and activation bytes, formulas)."""
+    t = config.train
+    return {"run_id": f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}",
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "command": " ".join(shlex.quote(a) for a in sys.argv),
+            "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            "resumed_from_iteration": start_iteration if start_iteration > 0 else None,
+            "train_iters": t.train_iters, "world_size": config.world_size,
+            "layout": {"tp": t.tensor_model_parallel_size, "pp": t.pipeline_model_parallel_size,
+                       "vpp": t.virtual_pipeline_model_parallel_size,
+                       "dp": config.data_parallel_size},
+            "num_parameters": config.model.num_parameters(), "flops_per_token": flops_per_token,
+            "peak_tflops": peak.tflops, "peak_source": peak.source, **memory,
+            "config": {"model": config.model.to_dict(), "train": dataclasses.asdict(t)}}
+
+
+def log_run_end(config, first: int, last: int, wall_s: float, progress: Progress, peak,
+                flops_per_token: float, logger: MetricsLogger, world_size: int,
+                is_logger: bool) -> dict:
+    """The closing line and `run_end` record: iterations `first`+1..`last` in `wall_s`
+    seconds, the mean training rate (steps after the first) and its MFU against the run's
+    one peak (the start-up line's); MFU is computed where the log is written (`is_logger`)."""
+    steps = last - first
+    step_time = progress.mean_step()
+    tps = config.train.global_batch_size * config.model.seq_length / step_time
+    tflops = flops_per_token * tps / world_size / 1e12
+    mfu = peak.mfu(tflops) if is_logger else None
+    if is_logger:
+        peak.say_note()
+    rec = {"iteration": last, "event": "run_end",
+           "steps": steps, "wall_s": wall_s, "mean_step_time_s": step_time,
+           "mean_tokens_per_s": tps, "mean_tflops": tflops, "mean_mfu": mfu,
+           "peak_tflops": peak.tflops}
+    which = "steps after the first" if progress.steps else "one step, its warm-up included"
+    logger.log(rec, f"done: {steps} iteration{'' if steps == 1 else 's'} in "
+                    f"{format_duration(wall_s)} | {tps:,.0f} tok/s on average ({which}) | "
+                    f"mfu {'n/a' if mfu is None else f'{mfu:.1%}'} of the peak "
+                    f"{peak.tflops:.3g} TFLOP/s per device", prefix="run")
+    return rec

@@ -9,8 +9,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import shlex
-import sys
 import time
 from datetime import timedelta
 
@@ -39,11 +37,13 @@ from .distributed import (DistributedDataParallel, all_reduce_embedding_grads,
 from .distributed_optimizer import DistributedOptimizer
 from .flops import PeakFlops, training_flops_per_token
 from .fsdp import peak_gathered_bytes
-from .memory import activation_report, measure_activation_bytes, model_state_bytes
+from .memory import (activation_report, measure_activation_bytes, model_state_bytes,
+                     peak_memory_bytes)
 from .nonfinite import (NonFiniteError, StepGuard, grads_outside_norm, inject_grad_for_test,
                         inject_loss_for_test)
 from .replicas import ReplicaMismatchError, check_replicas
-from .metrics import MetricsLogger, Progress, format_duration, peak_memory_bytes
+from .metrics import (EvalProgress, MetricsLogger, Progress, format_duration,
+                      log_run_end, run_start_record)
 from .optimizer import build_optimizer, clip_grads, learning_rate, reconcile_schedule
 from .planner.report import log_comm, memory_prediction, run_end_summary
 from .preemption import ExitCheck
@@ -92,8 +92,9 @@ def global_loss_sum(loss_sum: torch.Tensor) -> torch.Tensor:
     return _global_sum(loss_sum, ps.get_data_parallel_group())
 
 
-def evaluate(chunks, dataset, config: Config, device) -> float:
-    """Mean token loss (nats) over `eval_iters` global batches of the validation split."""
+def evaluate(chunks, dataset, config: Config, device, progress=None) -> float:
+    """Mean token loss (nats) over `eval_iters` global batches of the validation split;
+    `progress(batches done)`, if given, is called after each (metrics.EvalProgress)."""
     forward_backward = get_forward_backward_func()
     spec = pipeline_spec(config, device)
     for c in chunks:
@@ -105,6 +106,8 @@ def evaluate(chunks, dataset, config: Config, device) -> float:
         loss_sum += forward_backward(model=chunks, microbatches=mbs, loss_scale=1.0, spec=spec,
                                      forward_only=True)
         tokens += sum(mb["loss_mask"].sum() for mb in mbs)
+        if progress is not None:
+            progress(i + 1)
     for c in chunks:
         c.train()
     return float(global_loss_sum(loss_sum) / _global_sum(tokens, ps.get_data_parallel_group()))
@@ -300,8 +303,8 @@ def _train(config: Config, device, on_end=None, run_start: float | None = None) 
     checkpointer = Checkpointer(config, tokenizer=tokenizer.path) if t.save else None
     is_logger = dist.get_rank() == 0
     logger = MetricsLogger(t.log_dir, enabled=is_logger, tensorboard=t.tensorboard is not False,
-                           run_start=_run_start(config, start_iteration, peak, flops_per_token,
-                                                memory))
+                           run_start=run_start_record(config, start_iteration, peak,
+                                                      flops_per_token, memory))
     _rank0_print(f"MFU: {flops_per_token / 1e6:.2f} MFLOP per token (model FLOPs: matmuls, 3x "
                  f"forward) against a peak of {peak.describe()}")
 
@@ -319,7 +322,6 @@ def _train(config: Config, device, on_end=None, run_start: float | None = None) 
     _rank0_print(f"training iterations {start_iteration + 1}..{t.train_iters}; the first step "
                  f"also does one-time set-up (allocation, warm-up)")
     start = time.time()
-    mfu_noted = False
     exit_check = ExitCheck(t, run_start or start)
     profiler = StepProfiler(t, t.log_dir, device)
     stop = None
@@ -360,8 +362,6 @@ def _train(config: Config, device, on_end=None, run_start: float | None = None) 
                                         timeline=timeline)
             for hook in hooks:
                 hook.remove()
-            if timeline is not None:
-                profiles.append(gather_timeline(timeline))
             for ddp in model:
                 ddp.finish_grad_sync()
             all_reduce_sequence_parallel_grad_pieces(model)
@@ -383,6 +383,8 @@ def _train(config: Config, device, on_end=None, run_start: float | None = None) 
             if profile is not None:
                 records.append(profile)
             progress.step(time.perf_counter() - step_start)
+            if timeline is not None:  # instrumentation: not the step's time or traffic
+                profiles.append(gather_timeline(timeline))
             if counted is not None:  # after the step's timing
                 comm = log_comm(config, counted, gbs, iteration + 1, logger,
                                 first_step=iteration == start_iteration)
@@ -417,9 +419,8 @@ def _train(config: Config, device, on_end=None, run_start: float | None = None) 
                        "consumed_samples": position.consumed_samples,
                        "global_batch_size": gbs,
                        "samples_digest": batch_digest(train_ds, data_start, gbs)}
-                if is_logger and peak.note and not mfu_noted:
-                    print(f"note: {peak.note}", flush=True)
-                    mfu_noted = True
+                if is_logger:
+                    peak.say_note()
                 logger.log(rec, f"iter {it:6d}/{t.train_iters} | loss {loss:.4f} | lr {lr:.3e} | "
                                 f"grad norm {grad_norm:.3f} | {tps:,.0f} tok/s | "
                                 f"{tflops:.3f} TFLOP/s/dev | mfu "
@@ -465,8 +466,9 @@ def _train(config: Config, device, on_end=None, run_start: float | None = None) 
         logger.log(dict(rec, iteration=last), line, prefix="planner")
         records.append(rec)
     if last > start_iteration:
-        records.append(_report_end(config, start_iteration, last, start, progress, peak,
-                                   flops_per_token, logger))
+        records.append(log_run_end(config, start_iteration, last, time.time() - start,
+                                   progress, peak, flops_per_token, logger,
+                                   dist.get_world_size(), is_logger))
     logger.close()
     for ddp in model:
         ddp.finish_param_sync()  # weights are read outside a forward from here on
@@ -475,51 +477,6 @@ def _train(config: Config, device, on_end=None, run_start: float | None = None) 
     for ddp in model:
         ddp.release_params()
     return records
-
-
-def _run_start(config: Config, start_iteration: int, peak: PeakFlops, flops_per_token: float,
-               memory: dict) -> dict:
-    """The run-boundary record of metrics.jsonl (training/metrics.py): who, what, from where,
-    and the detailed start-up accounting (model-state and activation bytes, formulas)."""
-    t = config.train
-    return {"run_id": f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}",
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "command": " ".join(shlex.quote(a) for a in sys.argv),
-            "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-            "resumed_from_iteration": start_iteration if start_iteration > 0 else None,
-            "train_iters": t.train_iters, "world_size": config.world_size,
-            "layout": {"tp": t.tensor_model_parallel_size, "pp": t.pipeline_model_parallel_size,
-                       "vpp": t.virtual_pipeline_model_parallel_size,
-                       "dp": config.data_parallel_size},
-            "num_parameters": config.model.num_parameters(), "flops_per_token": flops_per_token,
-            "peak_tflops": peak.tflops, "peak_source": peak.source, **memory,
-            "config": {"model": config.model.to_dict(), "train": dataclasses.asdict(t)}}
-
-
-def _report_end(config: Config, start_iteration: int, last: int, start: float,
-                progress: Progress, peak: PeakFlops, flops_per_token: float, logger) -> dict:
-    """The closing line: steps, wall time, mean training rate and its MFU against the peak
-    re-measured now (a measured peak keeps the higher of both measurements)."""
-    t = config.train
-    steps = last - start_iteration
-    step_time = progress.mean_step()
-    tps = t.global_batch_size * config.model.seq_length / step_time
-    tflops = flops_per_token * tps / dist.get_world_size() / 1e12
-    mfu = None
-    if dist.get_rank() == 0:
-        peak.remeasure()
-        mfu = peak.mfu(tflops)
-    rec = {"iteration": last, "event": "run_end", "steps": steps,
-           "wall_s": time.time() - start, "mean_step_time_s": step_time,
-           "mean_tokens_per_s": tps, "mean_tflops": tflops, "mean_mfu": mfu,
-           "peak_tflops": peak.tflops}
-    which = "steps after the first" if progress.steps else "one step, its warm-up included"
-    logger.log(rec, f"done: {steps} iteration{'' if steps == 1 else 's'} in "
-                    f"{format_duration(rec['wall_s'])} | "
-                    f"{tps:,.0f} tok/s on average ({which}) | mfu "
-                    f"{'n/a' if mfu is None else f'{mfu:.1%}'} of {peak.describe()}",
-               prefix="run")
-    return rec
 
 
 def log_memory(model, optimizer, dataset, config: Config, device) -> dict:
@@ -600,7 +557,8 @@ def log_activation_memory(chunks, dataset, config: Config, device) -> dict:
 def _validate(model, valid_ds, config: Config, device, logger, it: int,
               progress: Progress | None = None) -> dict:
     began = time.perf_counter()
-    vloss = evaluate(model, valid_ds, config, device)
+    vloss = evaluate(model, valid_ds, config, device, EvalProgress(
+        f"validation at iter {it}", config.train.eval_iters, enabled=dist.get_rank() == 0))
     if progress is not None:
         progress.other("valid", time.perf_counter() - began)
     rec = {"iteration": it, "valid_loss": vloss, "valid_ppl": math.exp(min(vloss, 50))}
