@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 
 import pytest
@@ -43,7 +44,8 @@ LAYOUTS = {
                                                "--recompute-granularity", "full"],
     "dp4 ZeRO-3 selective recompute, 2 steps": GPT + [
         STRATEGY, "optim_grads_params", "--recompute-granularity", "selective",
-        "--train-iters", "2", "--ddp-bucket-size", "30000"],  # the second step is counted
+        "--train-iters", "2", "--ddp-bucket-size", "30000",  # the second step is counted
+        "--profile-pipeline"],  # its timeline gather is not the step's traffic
     "tp2 sp pp2 ZeRO-1 tied, dropout": GPT + ["--tp", "2", "--pp", "2", "--sequence-parallel",
                                               "--use-distributed-optimizer", "--hidden-dropout",
                                               "0.1", "--attention-dropout", "0.1"],
@@ -162,3 +164,46 @@ def test_plan_bad_input_one_line(capsys, argv, message):
     code, out, err = _plan(capsys, *argv)
     assert code == 2 and out == "" and err.count("\n") == 1 and err.startswith("plan.py: error")
     assert message in err, err
+
+
+def test_plan_says_what_it_does_on_a_terminal():
+    """On a terminal plan.py's first output is a status line, written before torch is
+    imported (which took minutes on a loaded machine), then the count of layouts it checks;
+    the line is erased before the plan prints. `plan()` reports every layout it checks."""
+    import os
+    import pty
+    import subprocess
+
+    from launch import REPO
+    from training.arguments import parse_config
+    from training.planner import search
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-X", "importtime", "tools/plan.py", "--model",
+                             "tiny-gpt", "--gpus", "4", "--gpu-memory", "2GB", "--top", "1"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=slave, text=True)
+    os.close(slave)
+    err = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        err += chunk
+    os.close(master)
+    out = proc.stdout.read()
+    assert proc.wait(timeout=120) == 0, err
+    err = err.decode()
+    status = err.index("\r\x1b[Kplan.py: loading train.py's checks and the planner (torch)")
+    assert status < re.search(r"\| +torch\r\n", err).start()  # said before torch is imported
+    assert "plan.py: checking 432 layouts ..." in err and err.endswith("\r\x1b[K")
+    assert out.startswith("tiny-gpt: ") and "plan.py:" not in out
+
+    model = parse_config(["--model", "tiny-gpt"]).model
+    seen = []
+    hw = search.Hardware(gpus=4, gpu_memory=2e9, network=search.Network(node_size=4))
+    result = search.plan(model, hw, 16, progress=lambda n, fit: seen.append((n, fit)))
+    assert search.layout_count(model, 4) == 432 == len(result["fits"]) + len(result["rejected"])
+    assert [n for n, _ in seen] == list(range(432)) and seen[-1][1] <= len(result["fits"])

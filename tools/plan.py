@@ -10,6 +10,9 @@ do not, and why the top one wins.
 Layouts are validated by train.py's own checks (training/config_checks.py), so every listed
 one runs as `train.py --model NAME <its flags>`. Formulas and their sources: docs/PLANNING.md
 (training/planner). Bad input prints one line (`plan.py: error: ...`) and exits 2.
+
+When stderr is a terminal, one status line there says what it is doing (loading torch and
+train.py's checks, then layouts checked of how many) and is erased when the plan prints.
 """
 from __future__ import annotations
 
@@ -18,14 +21,17 @@ import json
 import os
 import re
 import sys
+import time
 from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from models.config import ConfigError  # noqa: E402
-from training.arguments import parse_config  # noqa: E402
-from training.planner.search import (Hardware, Network, flags, global_batch_default,  # noqa: E402
-                                     plan, smallest_fit)
+
+def _search():
+    """training.planner.search, imported when first needed, after the status line: it loads
+    torch and train.py's checks (seconds on a busy machine, up to minutes on a loaded one)."""
+    from training.planner import search
+    return search
 
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20,
           "gi": 2**30, "ti": 2**40}
@@ -59,6 +65,34 @@ def parse_seconds(text: str, flag: str) -> float:
     if value < 0:
         raise PlanError(f"{flag} must be >= 0, got {text!r}")
     return value
+
+
+class Status:
+    """One line of progress on `stream`, rewritten in place, when it is a terminal (nothing
+    otherwise: a log or a pipe keeps only the plan). `say(text)` shows text now; `tick(text)`
+    at most every `every` seconds; `clear()` erases the line before the results print."""
+
+    def __init__(self, stream=None, every: float = 0.25):
+        self.stream = stream or sys.stderr
+        self.on = self.stream.isatty()
+        self.every, self.last, self.shown = every, 0.0, False
+
+    def say(self, text: str) -> None:
+        if self.on:
+            self.last, self.shown = time.monotonic(), True
+            self.stream.write("\r\x1b[K" + text)
+            self.stream.flush()
+
+    def tick(self, text) -> None:
+        """`text`: a string, or a function making it (called only when shown)."""
+        if self.on and time.monotonic() - self.last >= self.every:
+            self.say(text() if callable(text) else text)
+
+    def clear(self) -> None:
+        if self.shown:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+            self.shown = False
 
 
 class _Parser(argparse.ArgumentParser):
@@ -97,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _inputs(args):
+    from training.arguments import parse_config
+
+    Hardware, Network = _search().Hardware, _search().Network
     if args.gpus < 1:
         raise PlanError(f"--gpus must be a positive integer, got {args.gpus}")
     if args.nodes_of < 1:
@@ -118,7 +155,7 @@ def _inputs(args):
             raise PlanError(f"--seq-length must be positive, got {args.seq_length}")
         model.seq_length = args.seq_length
     model.validate(1)
-    gbs = args.global_batch_size or global_batch_default(args.gpus)
+    gbs = args.global_batch_size or _search().global_batch_default(args.gpus)
     if gbs < 1:
         raise PlanError(f"--global-batch-size must be positive, got {gbs}")
     network = Network(node_size=min(args.nodes_of, args.gpus),
@@ -160,9 +197,9 @@ def table(fits: list[dict], top: int) -> str:
     return "\n".join(rows)
 
 
-def explain(best: dict, runner: dict | None, hw: Hardware, model_name: str) -> str:
+def explain(best: dict, runner: dict | None, hw, model_name: str) -> str:
     """A short paragraph on why the top layout wins."""
-    mem, net = best["memory"], hw.network
+    mem, net, flags = best["memory"], hw.network, _search().flags
     comm = best["comm"]
 
     def secs(group):
@@ -202,6 +239,7 @@ def explain(best: dict, runner: dict | None, hw: Hardware, model_name: str) -> s
 
 
 def rejected_summary(rejected: list[dict], limit: int = 8) -> str:
+    flags = _search().flags
     kinds = Counter(re.sub(r"\d+(\.\d+)?", "N", r["reason"].split(";")[0]) for r in rejected)
     example = {}
     for r in rejected:
@@ -216,29 +254,48 @@ def rejected_summary(rejected: list[dict], limit: int = 8) -> str:
 
 
 def main(argv=None) -> int:
+    status = Status()
     try:
         args = build_parser().parse_args(argv)
+    except PlanError as e:
+        print(f"plan.py: error: {e}", file=sys.stderr)
+        return 2
+    status.say("plan.py: loading train.py's checks and the planner (torch) ...")
+    from models.config import ConfigError
+
+    search = _search()
+    try:
         model, base, hw, gbs = _inputs(args)
         if model.is_encoder_decoder:
             raise PlanError(f"{model.name or 'this model'} is an encoder-decoder (T5): the "
                             f"planner's formulas are for decoder-only models; T5 is not "
                             f"modelled")
         bf16 = not args.fp32 and (base.bf16 if args.config else True)
-        result = plan(model, hw, gbs, bf16=bf16, base=base)
+        total = search.layout_count(model, hw.gpus)
+        status.say(f"plan.py: checking {total:,} layouts ...")
+
+        def progress(checked: int, fitting: int) -> None:
+            status.tick(lambda: f"plan.py: {checked:,} of {total:,} layouts checked, "
+                                f"{fitting:,} fit ...")
+        result = search.plan(model, hw, gbs, bf16=bf16, base=base, progress=progress)
         if not result["fits"]:
+            status.say("plan.py: nothing fits; looking for the GPU count that would ...")
             raise PlanError(f"no layout of {model.name or 'the model'} fits {hw.gpus} GPUs of "
-                            f"{hw.gpu_memory / 1e9:g} GB: " + smallest_fit(
+                            f"{hw.gpu_memory / 1e9:g} GB: " + search.smallest_fit(
                                 model, hw, gbs, bf16=bf16,
                                 rejected=result["rejected"]))
     except (PlanError, ConfigError) as e:
+        status.clear()
         print(f"plan.py: error: {e}", file=sys.stderr)
         return 2
+    status.clear()
     name = model.name or "the model"
     if args.json:
         print(json.dumps({"model": name, "gpus": hw.gpus, "gpu_memory": hw.gpu_memory,
                           "global_batch_size": gbs, "seq_length": model.seq_length,
-                          "fits": [dict(p, flags=flags(p)) for p in result["fits"]],
-                          "rejected": [dict(r, flags=flags(r)) for r in result["rejected"]]}))
+                          "fits": [dict(p, flags=search.flags(p)) for p in result["fits"]],
+                          "rejected": [dict(r, flags=search.flags(r))
+                                       for r in result["rejected"]]}))
         return 0
     fits = result["fits"]
     n = model.num_parameters()
@@ -251,7 +308,7 @@ def main(argv=None) -> int:
     print()
     print(explain(fits[0], fits[1] if len(fits) > 1 else None, hw, name))
     source = f"--model {args.model}" if args.model else f"--config {args.config}"
-    print(f"Run it: train.py {source} {flags(fits[0])} --global-batch-size {gbs} "
+    print(f"Run it: train.py {source} {search.flags(fits[0])} --global-batch-size {gbs} "
           f"--seq-length {model.seq_length}" + (" --bf16" if bf16 else ""))
     print()
     print(rejected_summary(result["rejected"]))

@@ -114,19 +114,34 @@ def enumerate_layouts(model, gpus: int, global_batch_size: int, *, bf16: bool = 
     it (or the planner: TP across nodes) rejects. `model`: a models.ModelConfig (not
     modified); `base`: the TrainConfig the layouts start from (default: train.py's defaults)."""
     base = base or TrainConfig()
+    for tp, pp, vpp, sp in _parallel_sizes(model, gpus):
+        for mbs in MICRO_BATCH_SIZES:
+            for strategy in STRATEGIES:
+                for recompute in _RECOMPUTE:
+                    yield _candidate(model, gpus, global_batch_size, base, bf16, node_size,
+                                     tp, pp, vpp, sp, mbs, strategy, recompute)
+
+
+_RECOMPUTE = (None, "selective", "full")
+
+
+def _parallel_sizes(model, gpus: int) -> list[tuple]:
+    """Every (tp, pp, vpp, sequence parallel) the search tries for `gpus`."""
+    out = []
     for tp in _divisors(gpus):
         for pp in _divisors(gpus // tp):
             per_stage = model.num_layers // pp if model.num_layers % pp == 0 else 0
             vpps = [None] + [v for v in _divisors(per_stage) if 1 < v <= MAX_VPP] \
                 if pp > 1 and per_stage else [None]
-            for vpp in vpps:
-                for sp in ((False, True) if tp > 1 else (False,)):
-                    for mbs in MICRO_BATCH_SIZES:
-                        for strategy in STRATEGIES:
-                            for recompute in (None, "selective", "full"):
-                                yield _candidate(model, gpus, global_batch_size, base, bf16,
-                                                 node_size, tp, pp, vpp, sp, mbs, strategy,
-                                                 recompute)
+            out += [(tp, pp, vpp, sp) for vpp in vpps
+                    for sp in ((False, True) if tp > 1 else (False,))]
+    return out
+
+
+def layout_count(model, gpus: int) -> int:
+    """How many layouts `enumerate_layouts` yields (valid or not): the search's length."""
+    return len(_parallel_sizes(model, gpus)) * len(MICRO_BATCH_SIZES) * len(STRATEGIES) \
+        * len(_RECOMPUTE)
 
 
 def _candidate(model, gpus, gbs, base, bf16, node_size, tp, pp, vpp, sp, mbs, strategy,
@@ -206,11 +221,16 @@ def predict(config: Config, hw: Hardware) -> dict:
 
 
 def plan(model, hw: Hardware, global_batch_size: int, *, bf16: bool = True,
-         base: TrainConfig | None = None) -> dict:
-    """`{"fits": [predictions, fastest first], "rejected": [{layout fields, "reason"}]}`."""
+         base: TrainConfig | None = None, progress=None) -> dict:
+    """`{"fits": [predictions, fastest first], "rejected": [{layout fields, "reason"}]}`.
+
+    `progress(checked, fitting)`, if given, is called before each layout with the counts so
+    far (tools/plan.py shows them against `layout_count`)."""
     fits, rejected = [], []
     for item, reason in enumerate_layouts(model, hw.gpus, global_batch_size, bf16=bf16,
                                           node_size=hw.network.node_size, base=base):
+        if progress is not None:
+            progress(len(fits) + len(rejected), len(fits))
         if reason is not None:
             rejected.append({**item, "reason": reason})
             continue
