@@ -328,7 +328,7 @@ def test_compile_on_cpu_without_cpp_compiler_is_a_config_error(no_cpp_compiler):
     cfg("--device", "cpu", world_size=1)  # without --compile nothing needs a compiler
 
 
-def test_folders_are_checked_not_created(tmp_path):
+def test_folders_are_checked_not_created(tmp_path, monkeypatch):
     """Validation checks that --log-dir / --save could be written and creates nothing (the
     test suite used to leave empty runs/* folders in the checkout); a file in the way or an
     unwritable parent is refused by name."""
@@ -342,6 +342,13 @@ def test_folders_are_checked_not_created(tmp_path):
         parse_config(["--log-dir", str(tmp_path / "file" / "log")]).validate(1)
     with pytest.raises(ConfigError, match="is a file, not a folder"):
         parse_config(["--save", str(tmp_path / "file")]).validate(1)
+    # the run files the tests use name folders relative to the current one: runs/latest,
+    # runs/tiny-gpt, runs/tiny-llama were left empty in the checkout
+    monkeypatch.chdir(tmp_path)
+    for argv in ([], ["--config", str(CONFIGS / "tiny-gpt.yaml")],
+                 ["--config", str(CONFIGS / "tiny-llama.yaml")]):
+        parse_config(argv).validate(1)
+    assert not (tmp_path / "runs").exists()
 
 
 def test_unwritable_parent_is_refused(tmp_path, monkeypatch):
@@ -355,3 +362,41 @@ def test_unwritable_parent_is_refused(tmp_path, monkeypatch):
                         str(locked) else real_access(p, mode))
     with pytest.raises(ConfigError, match="is not writable"):
         parse_config(["--log-dir", str(locked / "log")]).validate(1)
+
+
+def test_finetune_defaults_fill_only_what_was_not_given(tmp_path):
+    """`--load CKPT --finetune` alone gets a fine-tune's settings (not pretraining's global
+    batch 1, no warm-up, min lr 0, validation every 1000 over 100 batches, runs/latest), the
+    start-up lines say each one, and anything the run file or a flag gives wins."""
+    base = tmp_path / "smol"
+    base.mkdir()  # an empty folder: the model comes from --model here
+    ft = ["--model", "tiny-llama", "--load", str(base), "--finetune"]
+    c = cfg(*ft, "--train-iters", "20", "--save", str(tmp_path / "smol-ft"), world_size=1)
+    t = c.train
+    assert (t.global_batch_size, t.lr, t.lr_warmup_iters) == (16, 2e-5, 2)
+    assert t.min_lr == pytest.approx(2e-6)
+    assert (t.eval_interval, t.eval_iters, t.log_dir) == (5, 1, "runs/smol-ft")
+    line = c.summary().splitlines()[-1]
+    assert line.startswith("finetune defaults (not given): global batch 16, lr 2e-05, min lr "
+                           "2e-06 (lr / 10), warm-up 2 iterations (3%, at least 2), validation "
+                           "every 5 iterations, 1 batch each"), line
+    assert "log dir runs/smol-ft (set with --global-batch-size, --lr, --min-lr" in line
+    # proportionate to the run; the batch rounds up to whole steps (micro 3 x dp 2 = 6 -> 18)
+    long = cfg(*ft, "--micro-batch-size", "3", world_size=2).train
+    assert (long.train_iters, long.lr_warmup_iters, long.eval_interval, long.eval_iters,
+            long.global_batch_size, long.log_dir) == (1000, 30, 250, 25, 18, "runs/smol-finetune")
+    assert cfg(*ft, "--pp", "2", "--vpp", "2", "--num-layers", "4",
+               world_size=4).num_microbatches % 2 == 0  # interleaving: a multiple of pp
+    # given values win; min lr follows a given lr; a run file counts as given
+    given = cfg(*ft, "--lr", "1e-4", "--global-batch-size", "4", "--eval-iters", "7",
+                "--config", write(tmp_path, "log_dir: mine\nlr_warmup_iters: 0\n"), world_size=1)
+    assert (given.train.lr, given.train.global_batch_size) == (1e-4, 4)
+    assert given.train.min_lr == pytest.approx(1e-5)
+    assert (given.train.eval_iters, given.train.lr_warmup_iters, given.train.log_dir) == \
+        (7, 0, "mine")
+    assert set(given.finetune_defaults) == {"min_lr", "eval_interval"}
+    assert "global batch" not in given.summary() and "min lr 1e-05" in given.summary()
+    # not a fine-tune: the pretraining defaults stay
+    plain = cfg("--model", "tiny-llama", world_size=1)
+    assert plain.train.global_batch_size == 1 and plain.finetune_defaults == {}
+    assert "finetune" not in plain.summary()

@@ -1,7 +1,8 @@
 """`train.py --load <imported HF checkpoint> --finetune` at tp=2, and the trained checkpoint
 exported back to HF: weights from the checkpoint, iteration and optimizer fresh, the
 checkpoint's own tokenizer, and (at lr 0) a bitwise HF -> native -> tp=2 training save -> HF
-round trip."""
+round trip. Its log: the fine-tune defaults of what was not given (a global batch of 16, a
+warm-up), and one MFU peak, said once at start-up, that every MFU of the run divides by."""
 from __future__ import annotations
 
 import json
@@ -59,8 +60,19 @@ def test_finetune_imported_model_at_tp2_and_export(tmp_path):
                          "--data-path", str(tmp_path / "data_text_document"), "--save", save],
                      tmp_path / "log")
     assert "iteration, optimizer and RNG start fresh" in proc.stdout
-    losses = [r["loss"] for r in read_metrics(tmp_path / "log") if "loss" in r]
+    assert "finetune defaults (not given): global batch 16, warm-up 2 iterations" in proc.stdout
+    assert "batch   global 16 = micro 2 x 8 microbatches x dp 1" in proc.stdout
+    records = read_metrics(tmp_path / "log")
+    losses = [r["loss"] for r in records if "loss" in r]
     assert len(losses) == 2 and abs(losses[0] - losses[1]) < 0.5  # lr 0: no learning
+    peak = records[0]["peak_tflops"]  # run_start: measured once, at start-up
+    assert proc.stdout.count("against a peak of") == 1 and "measured at start-up" in proc.stdout
+    steps = [r for r in records if "loss" in r]
+    assert all(r["mfu"] is None or r["mfu"] == pytest.approx(r["tflops"] / peak) for r in steps)
+    end = records[-1]
+    assert end["event"] == "run_end" and end["peak_tflops"] == peak
+    assert end["mean_mfu"] is None or end["mean_mfu"] == pytest.approx(end["mean_tflops"] / peak)
+    assert f"of the peak {peak:.3g} TFLOP/s per device" in proc.stdout
     saved = json.load(open(os.path.join(save, "iter_0000002", "metadata.json")))
     assert saved["layout"]["tp"] == 2 and saved["iteration"] == 2
     assert any(f["name"] == "tokenizer/tokenizer.json" for f in saved["files"])

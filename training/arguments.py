@@ -29,6 +29,8 @@ import yaml
 from models.config import ConfigError, ModelConfig
 
 from .config_checks import flag, parse_data_path, stage_layers, validate  # noqa: F401 (re-exported)
+from .finetune_defaults import describe as describe_finetune_defaults
+from .finetune_defaults import finetune_defaults, resolve_global_batch
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "configs" / "models"
 ALIASES = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
@@ -139,10 +141,14 @@ class Config:
     data_parallel_size: int | None = None
     num_microbatches: int | None = None
     eod: int | None = None  # the tokenizer's end-of-document id (set when the data is built)
+    # --finetune: the settings nobody gave and the values chosen (training/finetune_defaults.py)
+    finetune_defaults: dict = dataclasses.field(default_factory=dict, compare=False)
 
     def validate(self, world_size: int) -> "Config":
         """Check all against ``world_size``, fill derived values, return self (idempotent).
         Raises `ConfigError` naming the flag and the fix (training/config_checks.py)."""
+        if "global_batch_size" in self.finetune_defaults:
+            resolve_global_batch(self.train, world_size)
         validate(self, world_size)
         return self
 
@@ -197,7 +203,9 @@ class Config:
             f"run     {t.train_iters} iters"
             + (f" (--train-samples {t.train_samples})" if t.train_samples else "")
             + f", eval every {t.eval_interval} ({t.eval_iters} iters),"
-            f" log every {t.log_interval} -> {t.log_dir}")
+            f" log every {t.log_interval} -> {t.log_dir}"
+            + ("\n" + describe_finetune_defaults(self.finetune_defaults, t)
+               if self.finetune_defaults else ""))
 
 
 # ---------------------------------------------------------------------------- parsing
@@ -527,5 +535,8 @@ def parse_config(argv: list[str] | None = None) -> Config:
         run["tokenizer_model"] = checkpoint[1]
     model = _model_file(model_name) if model_name else (checkpoint[0] if checkpoint else {})
     model.update({k: v for k, v in run.items() if k in model_fields})
+    defaults = finetune_defaults(run, run.get("train_iters", TrainConfig.train_iters)) \
+        if run.get("finetune") else {}
+    run.update(defaults)
     train = TrainConfig(**{k: v for k, v in run.items() if k not in model_fields})
-    return Config(model=ModelConfig.from_dict(model), train=train)
+    return Config(model=ModelConfig.from_dict(model), train=train, finetune_defaults=defaults)
