@@ -40,6 +40,7 @@ import faulthandler
 import json
 import mmap
 import os
+import re
 import select
 import signal
 import socket
@@ -49,7 +50,7 @@ import time
 import traceback
 from datetime import timedelta
 
-from . import collectives
+from . import collectives, grid
 
 HANG_DIR = "hang"
 FLUSH_S = 0.2  # the watchdog writes new calls to the ring file this often
@@ -141,6 +142,7 @@ class CollectiveTrace(collectives.Consumer):
         self.reasons: list[str] = []
         self.errors: list[BaseException] = []  # errors dumped so far
         self.reported = False
+        self.finding: str | None = None  # the report's first finding, once rank 0 made it
         self._report_done = threading.Event()
         self._hurry = False  # SIGTERM: stop waiting for the other ranks' dumps
         self._stalled: set[int] = set()
@@ -290,12 +292,36 @@ class CollectiveTrace(collectives.Consumer):
             except Exception as e:  # noqa: BLE001 - a broken analysis must not hide the hang
                 text = (f"hang report failed ({type(e).__name__}: {e}); run "
                         f"python tools/hang_report.py {self.directory}")
+            path = os.path.join(self.directory, "report.txt")
             with contextlib.suppress(OSError):
-                with open(os.path.join(self.directory, "report.txt"), "w") as f:
+                with open(path, "w") as f:
                     f.write(text + "\n")
-            print(text, file=sys.stderr, flush=True)
+            self.finding = first_finding(text)
+            # framed: the ranks' tracebacks and torchrun's summary surround it
+            print(f"{'=' * 100}\n{text}\n{'=' * 100}\n(end of the hang report; also in {path})",
+                  file=sys.stderr, flush=True)
         finally:
             self._report_done.set()
+
+    def pointer(self, error: BaseException) -> str:
+        """One line for the end of this rank's traceback and for torchrun's failure summary
+        (the last lines on screen): the report's first finding and where the report is.
+        Another rank than 0 waits up to 5 s for rank 0's report.txt (its dump, written
+        before, is what rank 0 waits for); without it, the line says where to look."""
+        path = os.path.join(self.directory, "report.txt")
+        again = f"python tools/hang_report.py {self.directory} prints it again"
+        deadline = time.time() + min(5.0, self.timeout_s or 5.0)
+        while self.finding is None and self.rank != 0 and time.time() < deadline:
+            with contextlib.suppress(OSError):
+                if os.path.getmtime(path) >= self.header["started"]:
+                    with open(path) as f:
+                        self.finding = first_finding(f.read()) or ""
+            time.sleep(0.1)
+        if self.finding:
+            return (f"shardzoo hang doctor: {self.finding}. The report (rank 0 prints it) is in "
+                    f"{path} ({again})")
+        return (f"shardzoo hang doctor: rank {self.rank} ended with {type(error).__name__}; the "
+                f"hang report is in {path} (rank 0 prints it; {again})")
 
     def _wait_for_dumps(self, deadline: float) -> None:
         """Until `deadline`, wait for each other rank's dump, unless its process is gone."""
@@ -482,6 +508,16 @@ def _at_exit(tracer: CollectiveTrace) -> None:
         tracer.close(remove=False, state="exited")
 
 
+def first_finding(report: str) -> str | None:
+    """The first sentence of a report's first finding ("1. Ranks of group world/dp [0, 1]
+    disagree at its collective #4: different collectives. rank 0 calls ..."), or None."""
+    findings = [p for p in report.split("\n\n")[1:] if p[:1].isdigit()]
+    if not findings:
+        return None
+    body = re.sub(r"^\d+\.( \([^)]*\))? ", "", findings[0])  # "1. (the first point ...) "
+    return body.split(". ", 1)[0].rstrip(".")
+
+
 @contextlib.contextmanager
 def dump_on_error(ignore: tuple[type[BaseException], ...] = ()):
     """Dump the running trace if an exception (other than `ignore`) escapes the block, and
@@ -496,4 +532,8 @@ def dump_on_error(ignore: tuple[type[BaseException], ...] = ()):
             else:
                 tracer.dump(f"exception: {type(e).__name__}: {_clean(str(e))[:500]}", e)
             tracer.report_if_rank0()
+            pointer = tracer.pointer(e)
+            if hasattr(e, "add_note"):  # Python 3.11+: printed as the traceback's last line
+                e.add_note(pointer)
+            grid.report_error(pointer)  # torchrun's failure summary shows it (root cause)
         raise

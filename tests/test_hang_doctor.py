@@ -111,6 +111,15 @@ def test_skipped_all_reduce(tmp_path):
     assert "collective #4" in f and f"rank 0 calls all_reduce SUM float32[10] at {sync}" in f, f
     assert f"rank 1 calls broadcast src 0 float32[4, 4] at {batch}" in f, f
     assert f"Rank 1 made that all_reduce at {sync}" in f and "skipped it" in f, f
+    # the printed report stands out: framed, and torchrun's failure summary (the last lines
+    # on screen) points at it, with the first finding from rank 0
+    assert f"{'=' * 100}\nshardzoo hang report for {tmp_path / 'hang'}" in proc.stderr
+    assert f"(end of the hang report; also in {tmp_path / 'hang' / 'report.txt'})" in proc.stderr
+    summary = proc.stderr.split("Root Cause")[-1]
+    assert "traceback : shardzoo hang doctor: Ranks of group world/dp [0, 1] disagree at its " \
+           "collective #4: different collectives. The report (rank 0 prints it) is in " \
+           f"{tmp_path / 'hang' / 'report.txt'}" in summary, summary
+    assert proc.stderr.count("shardzoo hang doctor: Ranks of group world/dp") >= 3  # each rank
 
 
 def test_mismatched_shapes(tmp_path):
