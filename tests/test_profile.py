@@ -76,6 +76,8 @@ def test_profile_table_and_traces_at_tp2(tmp_path):
                          "--profile-ranks", "0", "1", "--no-tensorboard",
                          "--peak-tflops", "1"], tmp_path)
     assert "profile of 2 step(s)" in proc.stdout and "rank 1" in proc.stdout, proc.stdout
+    # Kineto's probe markers (USDT:... profiler_start / profiler_stop) stay out of the log
+    assert "USDT:" not in proc.stdout + proc.stderr and "profiler_start" not in proc.stderr
     (record,) = [r for r in read_metrics(tmp_path) if r.get("event") == "profile"]
     assert [r["rank"] for r in record["ranks"]] == [0, 1] and record["iteration"] == 3
     for rank in record["ranks"]:

@@ -30,7 +30,10 @@ outside the scopes, anything not recorded (on CUDA: the time the device is idle)
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+import tempfile
 import time
 from collections import defaultdict
 
@@ -127,6 +130,36 @@ def summarize(prof, wall_s: float, steps: int, comm: _CommClock, cuda: bool) -> 
             "time_base": "device" if cuda else "cpu"}
 
 
+@contextlib.contextmanager
+def without_probe_lines():
+    """Drop the lines Kineto (torch.profiler's C++ side) writes to stderr for its USDT probes
+    while the block runs (`USDT:<time> <pid>:<tid> SyncActivityProfilerHandler.cpp:52]
+    profiler_start`, and `profiler_stop`): trace markers, not messages, printed at every
+    start and stop whatever KINETO_LOG_LEVEL says short of hiding its errors too. The block's
+    stderr (file descriptor 2, where C++ writes) goes to a temporary file and everything
+    else in it is written back after."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr to filter
+        yield
+        return
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = [line for line in captured.read().decode(errors="replace")
+                    .splitlines(keepends=True) if not line.startswith("USDT:")]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
+
+
 class StepProfiler:
     """Records the configured iterations on the configured ranks; `before(iteration)` and
     `after(iteration)` bracket each training step (iteration = finished steps before it).
@@ -150,7 +183,8 @@ class StepProfiler:
             self.prof = profile(activities=activities)
             self.comm = _CommClock()
             collectives.add_consumer(self.comm)
-            self.prof.start()
+            with without_probe_lines():
+                self.prof.start()
         if self.mine:
             self._sync()
             self._t0 = time.perf_counter()
@@ -166,7 +200,8 @@ class StepProfiler:
             return None
         mine = None
         if self.mine:
-            self.prof.stop()
+            with without_probe_lines():
+                self.prof.stop()
             collectives.remove_consumer(self.comm)
             os.makedirs(self.folder, exist_ok=True)
             trace = os.path.join(self.folder, f"rank{dist.get_rank()}.json")
