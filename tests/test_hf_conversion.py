@@ -530,7 +530,8 @@ def _eos_list_outputs(folder: str, ckpt: str, prompt: list[int], max_new: int) -
     """In a worker: `(generation config, greedy ids, finish reason)` of the model loaded from
     HF folder `folder` and from checkpoint `ckpt`, the Engine stopping on infer.py's ids."""
     from inference.engine import Engine, Request
-    from inference.loading import eos_token_ids, load
+    from inference.loading import load
+    from models.hf.generation import eos_token_ids
     from inference.sampling import SamplingParams
 
     out = []
@@ -552,7 +553,8 @@ def test_generation_config_eos_list_stops_like_transformers_and_round_trips(tmp_
 
     from checkpoint.format import CheckpointError
     from checkpoint.hf import export_hf, import_hf
-    from inference.loading import eos_token_ids, load
+    from inference.loading import load
+    from models.hf.generation import eos_token_ids
     from launch import REPO
     from models.tokenizer import Tokenizer
     from tests.test_server import _make_model
