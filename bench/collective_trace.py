@@ -47,7 +47,8 @@ def trace_cpu_us(calls: int, rounds: int) -> dict:
     with the trace, and with --report-comm's counter: what the layer and each consumer add to
     every collective."""
     import parallel_state as ps
-    from parallel_state import collectives, trace
+    from parallel_state import collectives
+    from parallel_state.hang_doctor import trace
     from parallel_state.comm_counter import CommCounter
 
     ps.initialize_distributed("cpu")
@@ -83,7 +84,8 @@ def _debug_worker(rank: int, port: int, calls: int, rounds: int, out):
                       WORLD_SIZE="2", LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     import parallel_state as ps
-    from parallel_state import collectives, debug_collectives
+    from parallel_state import collectives
+    from parallel_state.hang_doctor import debug_collectives
 
     ps.initialize_distributed("cpu", timeout=timedelta(minutes=2))
     x = torch.ones(16, 2, 64)

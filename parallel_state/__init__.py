@@ -1,8 +1,13 @@
 """The process grid (pp x dp x tp on one DeviceMesh), its getters, the TP-aware RNG tracker,
 the collectives with autograd, pipeline p2p and the one layer every collective passes through.
-See grid.py, random.py, mappings.py, p2p.py and collectives.py (with trace.py and
-debug_collectives.py, its consumers)."""
+See grid.py, random.py, mappings.py, p2p.py and collectives.py; hang_doctor/ (the collective
+trace, its report, --debug-collectives: consumers of collectives.py) and transport/ (the
+shared-memory channel collectives.py runs CPU groups on, and its set-up)."""
 from . import collectives  # noqa: F401
+# training/trainer.py still imports these three by their names from before they moved into
+# the sub-packages (it is being split in the same issue); remove once it imports them there.
+from .hang_doctor import debug_collectives, trace  # noqa: F401
+from .transport import shm  # noqa: F401
 from .grid import (  # noqa: F401
     Grid,
     GridError,

@@ -39,7 +39,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import shm
+from .transport import shm
 
 ReduceOp = dist.ReduceOp
 STARTUP_TIMEOUT = timedelta(minutes=10)  # group creation (rendezvous) waits at least this long
@@ -370,9 +370,9 @@ def _group(group):
 
 # ---------------------------------------------------------------------------- collectives
 def _channel(group, tensor, op=None):
-    """The shared-memory channel (shm.py) that runs a collective of CPU `tensor` on `group`,
-    or None (torch's backend runs it; also inside a torch.compile region, which traces
-    torch's collectives into its graph)."""
+    """The shared-memory channel (transport/shm.py) that runs a collective of CPU `tensor` on
+    `group`, or None (torch's backend runs it; also inside a torch.compile region, which
+    traces torch's collectives into its graph)."""
     if not shm._channels or tensor.device.type != "cpu" or torch.compiler.is_compiling():
         return None
     ch = shm.channel(_group(group))

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from . import collectives, shm
+from . import collectives
+from .transport import shm, shm_setup
 
 
 class GridError(RuntimeError):
@@ -185,10 +186,10 @@ def initialize_model_parallel(
     for dim in ("pp", "dp", "tp"):
         collectives.apply_timeout(mesh.get_group(dim))
         collectives.name_group(mesh.get_group(dim), dim)
-    if device.type == "cpu":  # TP's many small collectives, DP's large ones: shm.py
+    if device.type == "cpu":  # TP's many small collectives, DP's large ones: transport/shm.py
         for dim, size in (("tp", tp), ("dp", dp)):
             if size > 1:
-                shm.attach(mesh.get_group(dim), collectives.get_timeout())
+                shm_setup.attach(mesh.get_group(dim), collectives.get_timeout())
     rank = dist.get_rank()
     pp_rank, rest = divmod(rank, dp * tp)
     dp_rank, tp_rank = divmod(rest, tp)

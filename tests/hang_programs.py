@@ -30,7 +30,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import parallel_state as ps  # noqa: E402
-from parallel_state import collectives, debug_collectives, p2p, trace  # noqa: E402
+from parallel_state import collectives, p2p  # noqa: E402
+from parallel_state.hang_doctor import debug_collectives, trace  # noqa: E402
 
 
 def next_batch(step: int) -> torch.Tensor:

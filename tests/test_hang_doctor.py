@@ -209,7 +209,8 @@ def _layer_suite(log_dir: str, env: dict) -> dict:
     import torch.distributed as dist
 
     import parallel_state as ps
-    from parallel_state import collectives, debug_collectives, p2p, trace, trace_report
+    from parallel_state import collectives, p2p
+    from parallel_state.hang_doctor import debug_collectives, trace, trace_report
     from training.arguments import parse_config
     from training.trainer import pretrain
 

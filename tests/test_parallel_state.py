@@ -80,7 +80,8 @@ def _shm_collectives() -> dict:
     """Each collective on the tp4 group's shared-memory channel against gloo (dist.* on the
     same group), with the default slots and with 256-byte slots (many pieces), contiguous and
     strided tensors, four dtypes."""
-    from parallel_state import collectives, shm
+    from parallel_state import collectives
+    from parallel_state.transport import shm, shm_setup
 
     group = ps.get_tensor_model_parallel_group()
     ch = shm.channel(group)
@@ -92,7 +93,7 @@ def _shm_collectives() -> dict:
     cases = {}
     for slots in ("default", "small"):
         if slots == "small":
-            shm.attach(group, slot_bytes=256)
+            shm_setup.attach(group, slot_bytes=256)
         for dtype in (torch.float32, torch.bfloat16, torch.float64, torch.int64):
             x = (torch.randn(33, 17, generator=gen) * 100).to(dtype)
             strided = x.t()  # not contiguous
@@ -122,12 +123,12 @@ def _shm_collectives() -> dict:
         shm.SHM_DIR, saved = own, shm.SHM_DIR
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out["private_dev_shm"] = shm.attach(group) is None
+        out["private_dev_shm"] = shm_setup.attach(group) is None
     if tp_rank == 1:
         shm.SHM_DIR = saved
         out["private_dev_shm"] = (out["private_dev_shm"], os.listdir(own))
         os.rmdir(own)
-    shm.attach(group)  # back to the default slots
+    shm_setup.attach(group)  # back to the default slots
     # autograd: tensors that require grad, with grad mode on (torch's collectives accept
     # them); an all_gather of one must not leave the slots requiring grad either
     leaf = torch.randn(3, 4, generator=gen, requires_grad=True)
@@ -225,7 +226,7 @@ def test_tp2_pp2_groups_follow_megatron_order(grid8):
 def _shm_possible() -> bool:
     """Whether the tp4 groups of the 8-rank world can have channels here (x86-64 Linux with a
     /dev/shm of at least 256 MB free: Docker's default 64 MB is too small for them)."""
-    from parallel_state import shm
+    from parallel_state.transport import shm
 
     if not shm.available():
         return False
@@ -277,7 +278,7 @@ def test_shared_memory_waits_fail_instead_of_hanging(tmp_path):
     import subprocess
     import sys
 
-    from parallel_state.shm import Channel
+    from parallel_state.transport.shm import Channel
 
     path = str(tmp_path / "segment")
     ch = Channel(path, 2, 0, 4096, None, [0, 1])
@@ -307,7 +308,7 @@ def test_shared_memory_waits_fail_instead_of_hanging(tmp_path):
 def test_shared_memory_segment_larger_than_dev_shm():
     """A segment that does not fit /dev/shm is refused at creation (the group stays on gloo)
     instead of killing a rank with SIGBUS at its first touch of a page past the free space."""
-    from parallel_state import shm
+    from parallel_state.transport import shm
 
     if not shm.available():
         pytest.skip("no /dev/shm channels on this machine")
@@ -324,7 +325,7 @@ def test_shared_memory_segment_larger_than_dev_shm():
 
 
 def test_shared_memory_switch(monkeypatch):
-    from parallel_state import shm
+    from parallel_state.transport import shm
 
     monkeypatch.setenv(shm.ENV_SWITCH, "0")
     assert not shm.available()

@@ -6,7 +6,8 @@ Reads the rank files the collective trace writes (rank-K.ring: the newest calls,
 when a process is killed; rank-K.txt: a dump with the reason, error and Python stacks, written
 on a timeout, a collective error, an exception, SIGUSR1 or SIGTERM; rank-K.crash: stacks after
 a fatal signal) and prints one paragraph per finding, the first point of disagreement first,
-then the evidence per rank. See parallel_state/trace_report.py for what is found and how.
+then the evidence per rank. See parallel_state/hang_doctor/trace_report.py for what is found
+and how.
 
 Exit code 0 when nothing disagrees, 1 when something does, 2 when there is nothing to read.
 """
@@ -18,7 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from parallel_state.trace_report import analyze, load, report  # noqa: E402
+from parallel_state.hang_doctor.trace_report import analyze, load, report  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -16,8 +16,8 @@ The last two are local observations; the ranks agree through one MAX all-reduce 
 flags over the world group per iteration (only when either option is on), so every rank
 stops after the same iteration and saves the same checkpoint.
 
-The hang doctor (parallel_state/trace.py) also watches SIGTERM and SIGUSR1 (dump, and on
-SIGTERM exit). With --exit-signal-handler they are a clean stop instead: the signals are
+The hang doctor (parallel_state/hang_doctor/trace.py) also watches SIGTERM and SIGUSR1 (dump,
+and on SIGTERM exit). With --exit-signal-handler they are a clean stop instead: the signals are
 marked with `trace.handle_gracefully`, and the handler installed here chains to the one it
 replaced (restored by `close`). A SIGTERM that torchrun sends because another worker died
 then leads to that worker's missing peer being reported by the collective that fails.
@@ -32,7 +32,8 @@ import time
 import torch
 
 import parallel_state as ps
-from parallel_state import collectives, trace
+from parallel_state import collectives
+from parallel_state.hang_doctor import trace
 
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 

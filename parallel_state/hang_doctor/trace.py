@@ -24,7 +24,7 @@ main thread is blocked inside a C++ collective, where Python signal handlers can
 also dumps if a call stays in flight past the timeout without the backend raising. Fatal signals
 (SIGSEGV, SIGABRT: gloo aborts when message sizes disagree) write the stacks to
 `rank-K.crash` through faulthandler. After a timeout or error dump, rank 0 waits briefly for
-the other ranks' dumps and prints the analysis of `parallel_state.trace_report` (also written
+the other ranks' dumps and prints the analysis of `hang_doctor.trace_report` (also written
 to `hang/report.txt`); `python tools/hang_report.py <log_dir>/hang` prints it at any time.
 
 `stop_trace(remove=True)` (after a final barrier, when every rank is known to be done)
@@ -50,7 +50,7 @@ import time
 import traceback
 from datetime import timedelta
 
-from . import collectives, grid
+from .. import collectives, grid
 
 HANG_DIR = "hang"
 FLUSH_S = 0.2  # the watchdog writes new calls to the ring file this often

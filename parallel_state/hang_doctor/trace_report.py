@@ -149,7 +149,7 @@ def _frames(stack_text: str) -> list[str]:
 
 
 def _short(path: str) -> str:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return os.path.relpath(path, root) if path.startswith(os.path.join(root, "")) else path
 
 
@@ -181,7 +181,7 @@ def _thread_sites(stacks: str) -> list[str]:
     out = []
     for block in re.split(r"\n(?=(?:Current thread|Thread) 0x)", stacks):
         frames = _frames(block)
-        if not frames or any(f[0].endswith(os.path.join("parallel_state", "trace.py"))
+        if not frames or any(f[0].endswith(os.path.join("hang_doctor", "trace.py"))
                              and f[2] in ("_watch", "_handle_signal") for f in frames):
             continue
         user = [f for f in frames if not _is_library(f[0])]

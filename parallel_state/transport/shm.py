@@ -22,10 +22,13 @@ sees `arrived = k` also sees the data written before it. Channels are therefore 
 x86-64 Linux (with /dev/shm); elsewhere, or across hosts, or with SHARDZOO_SHM_COLLECTIVES=0
 set, the group stays on gloo.
 
-Set-up (`attach`): rank 0 creates the segment with all its pages reserved (a segment that
-does not fit /dev/shm is refused there, with a warning, instead of killing a rank with SIGBUS
-later) and a random token in it; a rank that does not find that file and token (its own
-/dev/shm, as in containers sharing a host name) makes the whole group stay on gloo. Each
+Set-up (`shm_setup.attach`, a collective over the group's gloo link, so it lives above the
+collectives layer while this module, which that layer calls, lives below it): rank 0 creates
+the segment with all its pages reserved (a segment that does not fit /dev/shm is refused
+there, with a warning, instead of killing a rank with SIGBUS later) and a random token in it;
+a rank that does not find that file and token (its own /dev/shm, as in containers sharing a
+host name) makes the whole group stay on gloo; the channel is then `register`ed for the group,
+and parallel_state.collectives runs the group's CPU collectives over it. Each
 rank publishes, with every piece, the collective's op, dtype and element count: ranks that
 disagree all raise a `RuntimeError` naming what each called, instead of reading each other's
 bytes as something else. The collectives run under `torch.no_grad()`, as torch's do.
@@ -38,9 +41,7 @@ from __future__ import annotations
 
 import os
 import platform
-import socket
 import time
-import uuid
 import warnings
 from datetime import timedelta
 
@@ -88,65 +89,6 @@ def available() -> bool:
             and platform.machine() in ("x86_64", "AMD64") and os.path.isdir("/dev/shm"))
 
 
-def _host_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
-
-
-def attach(group, timeout: timedelta | None = None, slot_bytes: int = SLOT_BYTES):
-    """Give `group` (a gloo group of CPU ranks) a shared-memory channel when all its ranks
-    share this host; returns the `Channel`, or None (the group stays on gloo). Collective:
-    every member calls it, and all reach the same answer. `timeout`: how long a collective
-    waits for a peer (None: 30 minutes, torch's default)."""
-    from . import collectives  # the one layer every call passes (it imports this module)
-
-    n = dist.get_world_size(group)
-    if n < 2:
-        return None
-    hosts = [None] * n
-    collectives.all_gather_object(hosts, (_host_id(), available()), group=group)
-    if len(set(h for h, _ in hosts)) != 1 or not all(ok for _, ok in hosts):
-        return None
-    rank, ranks = dist.get_rank(group), [dist.get_global_rank(group, j) for j in range(n)]
-    # The segment is named by rank 0 with a random token in it; a rank that cannot see the
-    # file or the token (same host name and kernel, but its own /dev/shm: containers with
-    # host networking) must not make its own, else every collective would wait for ranks
-    # that write elsewhere: the group stays on gloo.
-    name, token = f"shardzoo-{uuid.uuid4().hex}", uuid.uuid4().int >> 65
-    path, channel = os.path.join(SHM_DIR, name), None
-    if rank == 0 and create_segment(path, segment_bytes(n, slot_bytes)):
-        channel = Channel(path, n, rank, slot_bytes, timeout, ranks)
-        channel._counters[_DONE, 0, 1] = token
-    shared = [(name, token) if channel is not None else None]
-    collectives.broadcast_object_list(shared, src=ranks[0], group=group)
-    if shared[0] is None:  # /dev/shm too small: rank 0 warned
-        return None
-    if rank != 0:
-        name, token = shared[0]
-        path = os.path.join(SHM_DIR, name)
-        if os.path.isfile(path) and os.path.getsize(path) == segment_bytes(n, slot_bytes):
-            channel = Channel(path, n, rank, slot_bytes, timeout, ranks)
-            if int(channel._counters[_DONE, 0, 1]) != token:
-                channel = None
-    seen = [None] * n
-    collectives.all_gather_object(seen, channel is not None, group=group)  # then unlink
-    if rank == 0:
-        os.unlink(path)
-    if not all(seen):
-        if rank == 0:
-            blind = [r for r, ok in zip(ranks, seen) if not ok]
-            warnings.warn(f"no shared-memory channel: ranks {blind} do not see {path} "
-                          f"(another /dev/shm); the group stays on gloo")
-        return None
-    channel.find_peers()  # every rank wrote its pid before the all-gather above
-    _channels[group.group_name] = channel
-    return channel
-
-
 def segment_bytes(size: int, slot_bytes: int) -> int:
     """Bytes of the segment of a `size`-rank channel: the counters, then two buffers."""
     return 2 * size * _LINE * 8 + 2 * size * slot_bytes
@@ -170,6 +112,11 @@ def create_segment(path: str, nbytes: int) -> bool:
     finally:
         os.close(fd)
     return True
+
+
+def register(group, channel: "Channel") -> None:
+    """Make `channel` the one that runs `group`'s CPU collectives (`shm_setup.attach`)."""
+    _channels[group.group_name] = channel
 
 
 def channel(group) -> "Channel | None":
@@ -212,6 +159,16 @@ class Channel:
         self._others = [j for j in range(size) if j != rank]
         self._views: dict = {}
         self.seq = 0  # collectives done on this channel
+
+    @property
+    def token(self) -> int:
+        """Rank 0's set-up token (word 1 of its `done` line, unused by the protocol): a rank
+        that reads back the token rank 0 wrote maps rank 0's segment (`shm_setup.attach`)."""
+        return int(self._counters[_DONE, 0, 1])
+
+    @token.setter
+    def token(self, value: int) -> None:
+        self._counters[_DONE, 0, 1] = value
 
     def find_peers(self) -> None:
         """Read the peers' pids (after every rank wrote its own); a pid this process cannot

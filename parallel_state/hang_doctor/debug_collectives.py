@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import collectives
+from .. import collectives
 
 FINGERPRINT_BYTES = 512
 _active: "DebugCollectives | None" = None
