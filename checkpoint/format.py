@@ -20,27 +20,23 @@ whose model needs more memory than the shard files hold before anything is built
 only through `checkpoint.safe_dcp`, and compares the stored tensors with the model before any
 tensor is read.
 
-Every failure is a `CheckpointError` naming the file, what is wrong and the fix.
+Every failure is a `CheckpointError` naming the file, what is wrong and the fix. The file names,
+`CheckpointError` and the one-file check live in files.py, below keys.py and safe_dcp.py
+(which need them and which this module uses); they are imported from here as before.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
 
-LATEST = "latest_checkpointed_iteration.txt"
-METADATA = "metadata.json"
-CONFIG = "config.yaml"
-FORMAT_VERSION = 1
-DCP_METADATA = ".metadata"
-SHARD = re.compile(r"^__\d+_\d+\.distcp$")  # DCP FileSystemWriter's shard file names
+from .files import (CONFIG, DCP_METADATA, LATEST, METADATA, SHARD, CheckpointError,
+                    file_problem, sha256_file)
+from .keys import dense_tensors, tensor_problems
+from .safe_dcp import read_dcp_metadata
+
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be saved or loaded as asked; the message names the file and the fix."""
 
 
 def iter_dir_name(iteration: int) -> str:
@@ -85,14 +81,6 @@ def newest_verified(save_dir: str) -> str | None:
         if not verify_files(path, meta, checksums=False):
             return path
     return None
-
-
-def sha256_file(path: str, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def describe_files(folder: str, names: list[str]) -> list[dict]:
@@ -273,30 +261,6 @@ def model_config(path: str, meta: dict):
     return config
 
 
-def damage_fix(path: str) -> str:
-    """The fix for a damaged file of checkpoint folder `path`."""
-    return ("restore it from the --save-replica copy or the checkpoint's source, or load an "
-            f"earlier checkpoint with --load {os.path.dirname(os.path.normpath(path)) or '.'}"
-            f"/iter_XXXXXXX")
-
-
-def file_problem(path: str, entry: dict, checksums: bool = True) -> str | None:
-    """What is wrong with the file metadata.json `entry` of checkpoint `path` (missing, size,
-    with `checksums` sha256), naming it and the fix; None when it matches."""
-    fix = damage_fix(path)
-    fpath = os.path.join(path, entry["name"])
-    if not os.path.isfile(fpath):
-        return f"{fpath} is missing (metadata.json lists it); {fix}"
-    size = os.path.getsize(fpath)
-    if size != entry["bytes"]:
-        return (f"{fpath} has {size} bytes, metadata.json records {entry['bytes']} "
-                f"(truncated or partially written); {fix}")
-    if checksums and sha256_file(fpath) != entry["sha256"]:
-        return (f"{fpath}: sha256 differs from metadata.json (the file is corrupt or was "
-                f"replaced by another); {fix}")
-    return None
-
-
 def verify_files(path: str, meta: dict, *, rank: int = 0, world: int = 1,
                  checksums: bool = True, tensors=None) -> list[str]:
     """Problems with the files of checkpoint `path` (empty list: OK), each naming the file.
@@ -318,9 +282,6 @@ def verify_files(path: str, meta: dict, *, rank: int = 0, world: int = 1,
 
 def _structure_problems(path: str, meta: dict, tensors) -> list[str]:
     """Rank 0's part of `verify_files`: the model, `.metadata` and the stored tensors."""
-    from .keys import tensor_problems
-    from .safe_dcp import read_dcp_metadata
-
     if any(file_problem(path, f, checksums=False) for f in meta["files"]
            if f["name"] != DCP_METADATA):
         return []  # a missing or cut file: reported by the rank that checks it
@@ -364,8 +325,6 @@ def compare_model(meta: dict, model: dict, path: str) -> None:
 
 def summarize(path: str, checksums: bool = True) -> tuple[dict | None, list[str]]:
     """(metadata or None, problems) for `tools/checkpoint_info.py`."""
-    from .keys import dense_tensors
-
     try:
         meta = read_metadata(path, check=False)  # verify_files checks (and lists) the rest
     except CheckpointError as e:

@@ -28,7 +28,7 @@ from layers import shard_tensor
 from layers.sharding import full_shape
 from models import model_class
 
-from .format import CONFIG, CheckpointError
+from .files import CONFIG, CheckpointError
 
 EMBEDDING = "embedding.word_embeddings.weight"
 OPTIMIZER_KINDS = ("optim.exp_avg", "optim.exp_avg_sq")

@@ -38,8 +38,9 @@ from models.hf.generation import GENERATION_CONFIG, generation_config, write_gen
 from parallel_state import collectives
 
 from . import safe_dcp
-from .format import (CONFIG, FORMAT_VERSION, METADATA, CheckpointError, damage_fix,
-                     describe_files, file_problem, read_metadata, verify_files)
+from .files import (CONFIG, FORMAT_VERSION, METADATA, CheckpointError, damage_fix,
+                    file_problem)
+from .format import describe_files, read_metadata, verify_files
 from .keys import (dense_parameters, dense_tensors, entries, expected_tensors, num_parts,
                    read_plan, rebuild)
 

@@ -38,8 +38,8 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    Metadata, MetadataIndex, StorageMeta,
                                                    TensorProperties, TensorStorageMetadata)
 
-from .format import (DCP_METADATA, METADATA, SHARD, CheckpointError, damage_fix,
-                     file_problem)
+from .files import (DCP_METADATA, METADATA, SHARD, CheckpointError, damage_fix,
+                    file_problem)
 
 _META = "torch.distributed.checkpoint.metadata"
 _ALLOWED = {

@@ -71,9 +71,10 @@ from checkpoint.model_io import (TOKENIZER_DIR, TOKENIZER_MODEL, model_tensors, 
 from parallel_state import collectives
 from parallel_state.collectives import all_gather_single
 
-from checkpoint.format import (CONFIG, FORMAT_VERSION, LATEST, METADATA, CheckpointError,
-                                compare_model, complete_checkpoints, debris, describe_files,
-                                iter_dir_name, read_metadata, resolve_checkpoint, verify_files)
+from checkpoint.files import FORMAT_VERSION
+from checkpoint.format import (CONFIG, LATEST, METADATA, CheckpointError, compare_model,
+                                complete_checkpoints, debris, describe_files, iter_dir_name,
+                                read_metadata, resolve_checkpoint, verify_files)
 from .distributed_optimizer import DistributedOptimizer
 
 KINDS = ("model", "optim.exp_avg", "optim.exp_avg_sq")
