@@ -8,8 +8,8 @@ import pytest
 from models.config import ConfigError
 from training.arguments import (
     Config, TrainConfig, available_models, build_parser, load_model_config, parse_config,
-    parse_data_path,
 )
+from training.config_checks import parse_data_path
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -332,8 +332,6 @@ def test_folders_are_checked_not_created(tmp_path, monkeypatch):
     """Validation checks that --log-dir / --save could be written and creates nothing (the
     test suite used to leave empty runs/* folders in the checkout); a file in the way or an
     unwritable parent is refused by name."""
-    import os
-
     log, save = tmp_path / "a" / "log", tmp_path / "b" / "ckpt"
     parse_config(["--log-dir", str(log), "--save", str(save)]).validate(1)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

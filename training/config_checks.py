@@ -1,6 +1,8 @@
-"""Validation of the resolved run configuration: `validate(config, world_size)`.
+"""Validation of the resolved run configuration: `validate(model, train, world_size)`.
 
-Called by `training.arguments.Config.validate` before any process-group work. Each check
+Called by `training.arguments.Config.validate` before any process-group work; it checks the
+`ModelConfig` and the `TrainConfig` (training/train_config.py) and returns the derived sizes,
+which `Config` keeps, so this module never needs `Config` itself. Each check
 raises `ConfigError` naming the flag and the fix, and some resolve what was left open
 (global batch, lr decay iters, vpp from layers per virtual stage, recompute defaults,
 TensorBoard on when installed, sequence parallel off at tp 1). Flag definitions and parsing
@@ -11,7 +13,6 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-import typing
 from typing import Any
 
 import torch
@@ -19,37 +20,35 @@ import torch
 from layers.transformer import cpp_compiler_problem
 from models.config import ConfigError, ModelConfig
 from .batch_schedule import check_batch_schedule
-
-if typing.TYPE_CHECKING:
-    from .arguments import Config, TrainConfig
+from .train_config import TrainConfig
 
 
-def validate(config: "Config", world_size: int) -> None:
-    """Check `config` against `world_size` and fill its derived values (idempotent)."""
-    t = config.train
+def validate(m: ModelConfig, t: TrainConfig, world_size: int) -> tuple[int, int]:
+    """Check the run's model `m` and settings `t` against `world_size`, fill the values left
+    open in both (idempotent) and return (data_parallel_size, num_microbatches)."""
     _check_positive(t, world_size)
-    config.world_size = world_size
-    config.data_parallel_size = _check_grid(t, world_size)
-    config.model.validate(t.tensor_model_parallel_size)
-    _check_sequence_parallel(config.model, t)
-    if config.model.is_encoder_decoder:
-        _check_t5(config.model, t)
+    dp = _check_grid(t, world_size)
+    m.validate(t.tensor_model_parallel_size)
+    _check_sequence_parallel(m, t)
+    if m.is_encoder_decoder:
+        _check_t5(m, t)
     else:
         if t.pipeline_model_parallel_split_rank is not None:
             raise ConfigError("--pipeline-model-parallel-split-rank is for encoder-decoder "
                               "models (--model-type t5); drop it for a GPT model")
-        _check_pipeline(config.model, t)
-    config.num_microbatches = _check_batch(t, config.data_parallel_size)
-    check_batch_schedule(t, t.micro_batch_size * config.data_parallel_size,
+        _check_pipeline(m, t)
+    num_microbatches = _check_batch(t, dp)
+    check_batch_schedule(t, t.micro_batch_size * dp,
                          t.pipeline_model_parallel_size,
                          bool(t.virtual_pipeline_model_parallel_size and
                               t.virtual_pipeline_model_parallel_size > 1))
     _check_optimizer(t)
     _check_sharding(t)
-    _check_recompute(config.model, t)
+    _check_recompute(m, t)
     _check_data(t)
     _check_run(t)
     _check_profile(t, world_size)
+    return dp, num_microbatches
 
 
 def _check_positive(t: TrainConfig, world_size: int) -> None:

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from models.config import ConfigError
 
 from ..arguments import Config, TrainConfig
-from ..config_checks import validate
 from ..distributed import STRATEGIES
 from ..flops import GPU_PEAK_BF16_TFLOPS, forward_flops_per_token, training_flops_per_token
 from .communication import communication_per_rank, communication_seconds, step_communication
@@ -161,7 +160,7 @@ def _candidate(model, gpus, gbs, base, bf16, node_size, tp, pp, vpp, sp, mbs, st
                         f"its per-layer all-reduces would cross the inter-node network")
     config = Config(model=copy.copy(model), train=train)
     try:
-        validate(config, gpus)
+        config.validate(gpus)
     except ConfigError as e:
         return fields, str(e)
     return config, None
