@@ -7,8 +7,9 @@ Object collectives (`all_gather_object`, `broadcast_object_list`, `gather_object
 
 Consumers observe the calls: an object with `start(call)` and `end(call, error)` methods
 (see `Consumer`), registered with `add_consumer`. The collective trace of the hang doctor
-(trace.py) and `--debug-collectives` (debug_collectives.py) are consumers; call and byte
-counting can be another. With no consumer registered (the default) a function here is the
+(hang_doctor/trace.py) and `--debug-collectives` (hang_doctor/debug_collectives.py) are
+consumers; call and byte counting (comm_counter.py) is another. A CPU group with a
+shared-memory channel (transport/shm.py) runs its reductions and gathers there. With no consumer registered (the default) a function here is the
 torch call plus one truth test of a module-level list: nothing is recorded or allocated.
 
 For each observed call a `Call` says what runs: the op, the group (its torch name, a label
