@@ -1,20 +1,21 @@
-"""The pretraining loop: resolved config -> grid -> data -> model -> optimizer -> iterations.
+"""The pretraining run: resolved config -> grid -> data -> model -> optimizer -> iterations.
 
 `pretrain(config)` is what `train.py` runs; tests call it too. It returns the list of metric
-records it logged (every rank gets the same losses).
+records it logged (every rank gets the same losses). This file holds the start-up
+(`build_train_valid_data`, `setup_model_and_optimizer`, the measurements and the checkpoint
+loaded) and the close (final save, the run's closing records); the iterations between them
+are training/loop.py's `train`.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
 import parallel_state as ps
 from checkpoint.format import CheckpointError
@@ -22,95 +23,27 @@ from layers import compile_transformer_layers
 from models import GPTModel, T5Model
 from models.config import ConfigError
 from models.pipeline import build_model_chunks
-from parallel_state import collectives, debug_collectives, shm, trace
-from parallel_state.comm_counter import CommCounter
-from parallel_state.p2p import TensorSpec
+from parallel_state import collectives
+from parallel_state.hang_doctor import debug_collectives, trace
+from parallel_state.transport import shm
 
 from .arguments import Config
 from .batch_schedule import BatchSchedule, rampup_of
-from .checkpointing import (Checkpointer, completed_checkpoint, kill_hook, load_checkpoint,
-                            resume_path, signal_hook)
+from .checkpointing import Checkpointer, completed_checkpoint, load_checkpoint, resume_path
 from .batches import DataError, build_data, get_microbatches, vocab_extra_ids
-from .data import batch_digest
-from .distributed import (DistributedDataParallel, all_reduce_embedding_grads,
-                          all_reduce_sequence_parallel_grad_pieces)
+from .distributed import DistributedDataParallel
 from .distributed_optimizer import DistributedOptimizer
 from .flops import PeakFlops, training_flops_per_token
-from .fsdp import peak_gathered_bytes
-from .memory import (activation_report, measure_activation_bytes, model_state_bytes,
-                     peak_memory_bytes)
-from .nonfinite import (NonFiniteError, StepGuard, grads_outside_norm, inject_grad_for_test,
-                        inject_loss_for_test)
-from .replicas import ReplicaMismatchError, check_replicas
-from .metrics import (EvalProgress, MetricsLogger, Progress, format_duration,
-                      log_run_end, run_start_record)
-from .optimizer import build_optimizer, clip_grads, learning_rate, reconcile_schedule
-from .planner.report import log_comm, memory_prediction, run_end_summary
-from .preemption import ExitCheck
+from .loop import TrainState, pipeline_spec, print_rank_0, train
+from .memory import activation_report, measure_activation_bytes, model_state_bytes
+from .nonfinite import NonFiniteError
+from .replicas import ReplicaMismatchError
+from .metrics import MetricsLogger, log_run_end, run_start_record
+from .optimizer import build_optimizer, reconcile_schedule
+from .planner.report import memory_prediction, run_end_summary
 from .recompute import apply_recompute
-from .profiling import StepProfiler
 from .schedules import get_forward_backward_func
-from .timeline import Timeline, gather_timeline, report_bubble
-
-
-def _rank0_print(*args) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(*args, flush=True)
-
-
-def _global_sum(x: torch.Tensor, group) -> torch.Tensor:
-    x = x.clone()
-    if dist.get_world_size(group) > 1:
-        collectives.all_reduce(x, group=group)
-    return x
-
-
-def pipeline_spec(config: Config, device) -> TensorSpec:
-    """What adjacent stages exchange: hidden states `[s, b, h]` (`[s/tp, b, h]` under SP).
-
-    T5 (Megatron's encoder-and-decoder pipeline): encoder stages pass the encoder hidden
-    `[se, b, h]`; the first decoder stage receives the encoder output, and every decoder
-    stage passes `(decoder hidden [sd, b, h], encoder output [se, b, h])`."""
-    m, t = config.model, config.train
-    sp = t.tensor_model_parallel_size if t.sequence_parallel else 1
-    dtype = torch.bfloat16 if t.bf16 else torch.float32
-    b, h = t.micro_batch_size, m.hidden_size
-    enc = (m.seq_length // sp, b, h)
-    if not m.is_encoder_decoder:
-        return TensorSpec(shapes=(enc,), dtype=dtype, device=device)
-    dec = (m.decoder_seq_length // sp, b, h)
-    rank, split = ps.get_pipeline_model_parallel_rank(), t.pipeline_model_parallel_split_rank
-    received = (enc,) if split is None or rank <= split else (dec, enc)
-    sent = (enc,) if split is not None and rank < split else (dec, enc)
-    return TensorSpec(shapes=received, dtype=dtype, device=device, next_shapes=sent)
-
-
-def global_loss_sum(loss_sum: torch.Tensor) -> torch.Tensor:
-    """Sum of token losses of the global batch, on every rank (the loss lives on the last
-    pipeline stage of each DP replica)."""
-    loss_sum = _global_sum(loss_sum, ps.get_pipeline_model_parallel_group())
-    return _global_sum(loss_sum, ps.get_data_parallel_group())
-
-
-def evaluate(chunks, dataset, config: Config, device, progress=None) -> float:
-    """Mean token loss (nats) over `eval_iters` global batches of the validation split;
-    `progress(batches done)`, if given, is called after each (metrics.EvalProgress)."""
-    forward_backward = get_forward_backward_func()
-    spec = pipeline_spec(config, device)
-    for c in chunks:
-        c.eval()
-    loss_sum = torch.zeros((), device=device)
-    tokens = torch.zeros((), device=device)
-    for i in range(config.train.eval_iters):
-        mbs = get_microbatches(dataset, i * config.train.global_batch_size, config, device)
-        loss_sum += forward_backward(model=chunks, microbatches=mbs, loss_scale=1.0, spec=spec,
-                                     forward_only=True)
-        tokens += sum(mb["loss_mask"].sum() for mb in mbs)
-        if progress is not None:
-            progress(i + 1)
-    for c in chunks:
-        c.train()
-    return float(global_loss_sum(loss_sum) / _global_sum(tokens, ps.get_data_parallel_group()))
+from .timeline import report_bubble
 
 
 # ---------------------------------------------------------------------- model
@@ -139,7 +72,7 @@ def build_model(config: Config, device) -> list[GPTModel]:
     return [c.to(device) for c in chunks]
 
 
-# ---------------------------------------------------------------------- main loop
+# ---------------------------------------------------------------------- the run
 # Raised alike on every rank (before any training step, or from values all ranks share: the
 # global loss and gradient norm, the replica check's world-wide verdict), with a message naming
 # the fix: not a hang, so no trace dump.
@@ -224,12 +157,49 @@ def vocab_notice(m, tokenizer_vocab: int, sentinels: int = 0) -> str:
 
 
 def _train(config: Config, device, on_end=None, run_start: float | None = None) -> list[dict]:
-    t, m = config.train, config.model
+    """One run on the grid `pretrain` set up: start-up, the iterations, the close."""
+    t = config.train
     ps.model_parallel_seed(t.seed, ps.get_tensor_model_parallel_rank(),
                            ps.get_pipeline_model_parallel_rank(), device, t.dropout_masks)
-    _rank0_print(f"train.py: {config.world_size} process(es) on {device.type}; building the "
+    tokenizer, train_ds, valid_ds = build_train_valid_data(config, device)
+    print_rank_0("building the model and optimizer")
+    chunks, model, optimizer = setup_model_and_optimizer(config, device)
+    run = _start_run(config, device, run_start, tokenizer, train_ds, valid_ds, chunks, model,
+                     optimizer)
+    last, stop = train(run)
+    return _finish_run(run, last, stop, on_end)
+
+
+def build_train_valid_data(config: Config, device) -> tuple:
+    """(tokenizer, train dataset, validation dataset or None), with the model's vocabulary
+    settled against the tokenizer; then prints the run's summary and, on CPU, which
+    transport each group's collectives take. Raises DataError (see `settle_vocab`)."""
+    t = config.train
+    print_rank_0(f"train.py: {config.world_size} process(es) on {device.type}; building the "
                  f"data ({' '.join(t.data_path) if t.data_path else 'the embedded demo corpus'})")
     tokenizer, train_ds, valid_ds = build_data(config)
+    settle_vocab(config, tokenizer)
+    print_rank_0(config.summary())
+    if device.type == "cpu":
+        for dim, size, group in (("tp", t.tensor_model_parallel_size,
+                                  ps.get_tensor_model_parallel_group()),
+                                 ("dp", ps.get_data_parallel_world_size(),
+                                  ps.get_data_parallel_group())):
+            if size > 1:
+                print_rank_0(f"{dim} collectives over " + (
+                    f"shared memory ({shm.SHM_DIR}; {shm.ENV_SWITCH}=0 keeps gloo)"
+                    if shm.channel(group) is not None else
+                    "gloo (no shared-memory channel: ranks on several hosts, the switch off, "
+                    "or no room in /dev/shm)"))
+    return tokenizer, train_ds, valid_ds
+
+
+def settle_vocab(config: Config, tokenizer) -> None:
+    """Set the model's `vocab_size` from the tokenizer (plus T5's sentinels) where it should:
+    from scratch always (printing `vocab_notice`), on resume when the checkpoint was saved so.
+    Raises DataError when a model loaded from a checkpoint embeds fewer ids than the
+    tokenizer has."""
+    t, m = config.train, config.model
     loads_weights = bool(t.load) and resume_path(t) is not None
     needed = tokenizer.vocab_size + vocab_extra_ids(config)  # T5: sentinels on top
     if loads_weights and m.vocab_size != needed:
@@ -249,23 +219,16 @@ def _train(config: Config, device, on_end=None, run_start: float | None = None) 
     if not loads_weights and m.vocab_size != needed:
         # from scratch, the tokenizer decides the vocabulary (a model loaded from a checkpoint
         # keeps its own, which may hold unused ids, as HF models often do)
-        _rank0_print(vocab_notice(m, tokenizer.vocab_size, vocab_extra_ids(config)))
+        print_rank_0(vocab_notice(m, tokenizer.vocab_size, vocab_extra_ids(config)))
         m.vocab_size = needed
         m.validate(t.tensor_model_parallel_size)
-    _rank0_print(config.summary())
-    if device.type == "cpu":
-        for dim, size, group in (("tp", t.tensor_model_parallel_size,
-                                  ps.get_tensor_model_parallel_group()),
-                                 ("dp", ps.get_data_parallel_world_size(),
-                                  ps.get_data_parallel_group())):
-            if size > 1:
-                _rank0_print(f"{dim} collectives over " + (
-                    f"shared memory ({shm.SHM_DIR}; {shm.ENV_SWITCH}=0 keeps gloo)"
-                    if shm.channel(group) is not None else
-                    "gloo (no shared-memory channel: ranks on several hosts, the switch off, "
-                    "or no room in /dev/shm)"))
-    _rank0_print("building the model and optimizer")
 
+
+def setup_model_and_optimizer(config: Config, device) -> tuple[list, list, object]:
+    """(this rank's model chunks, their DistributedDataParallel wrappers, the optimizer):
+    the DistributedOptimizer under --use-distributed-optimizer, --bf16 or
+    --optimizer-cpu-offload, else AdamW."""
+    t = config.train
     chunks = build_model(config, device)
     model = [DistributedDataParallel(c, data_parallel_group=ps.get_data_parallel_group(),
                                      bucket_size=t.ddp_bucket_size,
@@ -283,6 +246,15 @@ def _train(config: Config, device, on_end=None, run_start: float | None = None) 
         optimizer = build_optimizer(torch.nn.ModuleList(chunks), lr=t.lr,
                                     weight_decay=t.weight_decay,
                                     betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
+    return chunks, model, optimizer
+
+
+def _start_run(config: Config, device, run_start, tokenizer, train_ds, valid_ds, chunks, model,
+               optimizer) -> TrainState:
+    """The measurements and state before the first iteration: MFU peak, memory report, the
+    checkpoint loaded (or iteration 0), the run's length, the checkpointer and the metrics
+    logger with its run_start record."""
+    t, m = config.train, config.model
     params = [p for c in chunks for p in c.parameters() if p.requires_grad]
     forward_backward = get_forward_backward_func()
     spec = pipeline_spec(config, device)
@@ -299,182 +271,53 @@ def _train(config: Config, device, on_end=None, run_start: float | None = None) 
     note = reconcile_schedule(t, (resume.meta or {}).get("opt_param_scheduler"),
                               start_iteration)
     if note:
-        _rank0_print(note)
+        print_rank_0(note)
     checkpointer = Checkpointer(config, tokenizer=tokenizer.path) if t.save else None
     is_logger = dist.get_rank() == 0
     logger = MetricsLogger(t.log_dir, enabled=is_logger, tensorboard=t.tensorboard is not False,
                            run_start=run_start_record(config, start_iteration, peak,
                                                       flops_per_token, memory))
-    _rank0_print(f"MFU: {flops_per_token / 1e6:.2f} MFLOP per token (model FLOPs: matmuls, 3x "
+    print_rank_0(f"MFU: {flops_per_token / 1e6:.2f} MFLOP per token (model FLOPs: matmuls, 3x "
                  f"forward) against a peak of {peak.describe()}")
+    return TrainState(config, device, train_ds, valid_ds, chunks, model, optimizer, params,
+                      forward_backward, spec, flops_per_token, peak, start_iteration, position,
+                      batches, checkpointer, logger, is_logger, run_start)
 
-    records, profiles = [], []
-    decay_iters = t.lr_decay_iters or t.train_iters
-    evaluating = valid_ds is not None and bool(t.eval_interval)
-    progress = Progress(t.train_iters, t.eval_interval if evaluating else 0, t.save_interval,
-                        save_at_end=checkpointer is not None)
-    if evaluating and start_iteration == 0:
-        # the starting point, so a run shows how far validation loss fell
-        records.append(_validate(model, valid_ds, config, device, logger, 0, progress))
-    for ddp in model:
-        ddp.zero_grad_buffer()  # ZeRO-3: frees what the measurements above left gathered
-    peak_gathered_bytes(reset=True)
-    _rank0_print(f"training iterations {start_iteration + 1}..{t.train_iters}; the first step "
-                 f"also does one-time set-up (allocation, warm-up)")
-    start = time.time()
-    exit_check = ExitCheck(t, run_start or start)
-    profiler = StepProfiler(t, t.log_dir, device)
-    stop = None
-    guard = StepGuard(t.check_for_nan_in_loss_and_grad, t.max_skipped_iters)
-    # --report-comm counts the second step (a steady one) when there is one, else the first
-    counted_step = start_iteration + (1 if t.train_iters > start_iteration + 1 else 0)
-    counter = CommCounter() if t.report_comm else None
-    comm = None
-    try:
-        for iteration in range(start_iteration, t.train_iters):
-            profiler.before(iteration)
-            step_start = time.perf_counter()
-            gbs = batches.size(position.consumed_samples)
-            if counter is not None and iteration == counted_step:
-                counter.begin()
-            if t.train_samples:  # the schedule counts samples, this step's included
-                lr = learning_rate(position.consumed_samples + gbs - 1, lr=t.lr, min_lr=t.min_lr,
-                                   warmup_iters=t.lr_warmup_samples,
-                                   decay_iters=t.lr_decay_samples, style=t.lr_decay_style)
-            else:
-                lr = learning_rate(iteration, lr=t.lr, min_lr=t.min_lr,
-                                   warmup_iters=t.lr_warmup_iters, decay_iters=decay_iters,
-                                   style=t.lr_decay_style)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            data_start = position.data_index
-            with record_function("shardzoo.data"):
-                microbatches = get_microbatches(train_ds, data_start, config, device, gbs)
-            signal_hook(iteration + 1)  # test hook; no-op unless its env var is set
-            num_tokens = _global_sum(sum(mb["loss_mask"].sum() for mb in microbatches),
-                                     ps.get_data_parallel_group())
-            for ddp in model:
-                ddp.zero_grad_buffer()
-            timeline = Timeline() if t.profile_pipeline and iteration > 0 else None
-            hooks = inject_grad_for_test(iteration + 1, params)  # no-op unless testing
-            loss_sum = forward_backward(model=model, microbatches=microbatches,
-                                        loss_scale=1.0 / float(num_tokens), spec=spec,
-                                        timeline=timeline)
-            for hook in hooks:
-                hook.remove()
-            for ddp in model:
-                ddp.finish_grad_sync()
-            all_reduce_sequence_parallel_grad_pieces(model)
-            all_reduce_embedding_grads(model)
-            loss_sum = inject_loss_for_test(iteration + 1, loss_sum)
-            with record_function("shardzoo.optimizer"):
-                if isinstance(optimizer, DistributedOptimizer):
-                    grad_norm = optimizer.clip_grad_norm(t.clip_grad)
-                else:
-                    grad_norm = clip_grads(params, t.clip_grad)
-                loss = float(global_loss_sum(loss_sum) / num_tokens)  # the same on every rank
-                skipped = guard.skip_reason(loss, grad_norm,
-                                            grads_outside_norm(optimizer, params), loss_sum)
-                if skipped is None:
-                    optimizer.step()
-            position.consumed_samples += gbs
-            counted = counter.stop() if counter is not None and counter.active else None
-            profile = profiler.after(iteration, logger)
-            if profile is not None:
-                records.append(profile)
-            progress.step(time.perf_counter() - step_start)
-            if timeline is not None:  # instrumentation: not the step's time or traffic
-                profiles.append(gather_timeline(timeline))
-            if counted is not None:  # after the step's timing
-                comm = log_comm(config, counted, gbs, iteration + 1, logger,
-                                first_step=iteration == start_iteration)
-                records.append(comm)
-            it = iteration + 1
-            in_a_row = guard.record(skipped)
-            if skipped is not None:
-                rec = {"iteration": it, "event": "skipped", "reason": skipped, "loss": loss,
-                       "grad_norm": grad_norm, "consecutive": in_a_row}
-                limit = f" of {t.max_skipped_iters} allowed" if t.max_skipped_iters else ""
-                logger.log(rec, f"iter {it:6d}/{t.train_iters} | step skipped: {skipped} "
-                                f"(weights and optimizer unchanged; {in_a_row} in a "
-                                f"row{limit})", prefix="skip")
-                records.append(rec)
-            guard.stop_if_needed(it, skipped, loss, grad_norm)
-            if t.check_weight_hash_across_dp_replicas_interval and \
-                    it % t.check_weight_hash_across_dp_replicas_interval == 0:
-                check_replicas(model, it)
-            if skipped is None and (it % t.log_interval == 0 or it == t.train_iters
-                                    or it == start_iteration + 1):
-                step_time = progress.window()  # training steps only: no validation or saving
-                tps = gbs * m.seq_length / step_time  # this step's batch (ramp-up)
-                tflops = flops_per_token * tps / dist.get_world_size() / 1e12
-                mfu = peak.mfu(tflops) if is_logger else None
-                eta = progress.eta(it)
-                rec = {"iteration": it, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                       "tokens_per_s": tps, "tflops": tflops, "mfu": mfu,
-                       "memory": peak_memory_bytes(device), "step_time_s": step_time,
-                       **({"gathered_params_peak_bytes": peak_gathered_bytes()}
-                          if t.data_parallel_sharding_strategy == "optim_grads_params" else {}),
-                       "elapsed_s": time.time() - start, "eta_s": eta,
-                       "consumed_samples": position.consumed_samples,
-                       "global_batch_size": gbs,
-                       "samples_digest": batch_digest(train_ds, data_start, gbs)}
-                if is_logger:
-                    peak.say_note()
-                logger.log(rec, f"iter {it:6d}/{t.train_iters} | loss {loss:.4f} | lr {lr:.3e} | "
-                                f"grad norm {grad_norm:.3f} | {tps:,.0f} tok/s | "
-                                f"{tflops:.3f} TFLOP/s/dev | mfu "
-                                f"{'n/a' if mfu is None else f'{mfu:.1%}'} | "
-                                f"mem {rec['memory'] / 2**20:,.0f} MiB | "
-                                f"elapsed {format_duration(rec['elapsed_s'])} | "
-                                f"eta {format_duration(eta)}")
-                records.append(rec)
-            if evaluating and (it % t.eval_interval == 0 or it == t.train_iters):
-                records.append(_validate(model, valid_ds, config, device, logger, it, progress))
-            if checkpointer and t.save_interval and it % t.save_interval == 0 and \
-                    skipped is None:  # a save never ends a streak of skipped steps
-                save_start = time.perf_counter()
-                checkpointer.save(it, chunks, model, optimizer, position)
-                progress.other("save", time.perf_counter() - save_start)
-            kill_hook(it)  # test hook (training/checkpointing.py); no-op unless its env var is set
-            stop = exit_check.reason(it)
-            if stop is not None:
-                break
-    except NonFiniteError:
-        if checkpointer:
-            checkpointer.wait()  # an earlier, good save still being written completes
-        raise
-    finally:
-        exit_check.close()
-    last = it if stop is not None else max(start_iteration, t.train_iters)
+
+def _finish_run(run: TrainState, last: int, stop: str | None, on_end) -> list[dict]:
+    """After the iterations: the final save (unless iteration `last` was just saved), the
+    exit record of a run stopped early, the bubble and --report-comm summaries, the run_end
+    record; then `on_end(chunks)` with the weights synced. Returns the run's records."""
+    t, records, checkpointer = run.config.train, run.records, run.checkpointer
     if checkpointer:
         if checkpointer.last_saved != last:
-            checkpointer.save(last, chunks, model, optimizer, position)
+            checkpointer.save(last, run.chunks, run.model, run.optimizer, run.position)
         checkpointer.wait()
     if stop is not None:
         saved = (f"checkpoint iter {last} is in {t.save}; the same command resumes from it"
                  if checkpointer else "no --save, so nothing was saved")
         rec = {"iteration": last, "event": "exit", "reason": stop,
-               "consumed_samples": position.consumed_samples}
-        logger.log(rec, f"{stop}: {saved}", prefix="exit")
+               "consumed_samples": run.position.consumed_samples}
+        run.logger.log(rec, f"{stop}: {saved}", prefix="exit")
         records.append(rec)
-    bubble = report_bubble(profiles, config, logger) if profiles else None
+    bubble = report_bubble(run.profiles, run.config, run.logger) if run.profiles else None
     if bubble is not None:
         records.append(bubble)
     if t.report_comm:
-        rec, line = run_end_summary(config, comm, bubble)
-        logger.log(dict(rec, iteration=last), line, prefix="planner")
+        rec, line = run_end_summary(run.config, run.comm, bubble)
+        run.logger.log(dict(rec, iteration=last), line, prefix="planner")
         records.append(rec)
-    if last > start_iteration:
-        records.append(log_run_end(config, start_iteration, last, time.time() - start,
-                                   progress, peak, flops_per_token, logger,
-                                   dist.get_world_size(), is_logger))
-    logger.close()
-    for ddp in model:
+    if last > run.start_iteration:
+        records.append(log_run_end(run.config, run.start_iteration, last,
+                                   time.time() - run.start, run.progress, run.peak,
+                                   run.flops_per_token, run.logger, dist.get_world_size(),
+                                   run.is_logger))
+    run.logger.close()
+    for ddp in run.model:
         ddp.finish_param_sync()  # weights are read outside a forward from here on
     if on_end is not None:
-        records.append({"on_end": on_end(chunks)})
-    for ddp in model:
+        records.append({"on_end": on_end(run.chunks)})
+    for ddp in run.model:
         ddp.release_params()
     return records
 
@@ -505,7 +348,7 @@ def log_memory(model, optimizer, dataset, config: Config, device) -> dict:
     host = f", host {mib(state['host_total'])}" if state["host_total"] else ""
     gathered = (f", gathered up to {mib(state['gathered_params_predicted_peak'])}"
                 if "gathered_params_predicted_peak" in state else "")
-    _rank0_print(
+    print_rank_0(
         f"memory (rank 0, MiB): model states {mib(state['total'])} (weights "
         f"{mib(state['params'])}, gradients {mib(state['grads'])}, optimizer "
         f"{mib(state['main_params'] + state['optimizer_states'])}; {state['strategy']} at dp "
@@ -516,7 +359,7 @@ def log_memory(model, optimizer, dataset, config: Config, device) -> dict:
            f"{mib(act['activation_bytes_layers_predicted'])})") +
         (f"; largest rank {largest}: {mib(totals[largest])}" if len(totals) > 1 else "") +
         "; details in metrics.jsonl")
-    _rank0_print(line)
+    print_rank_0(line)
     return {**act, **{f"model_state_{k}" + ("" if k in _STATE_COUNTS else "_bytes"): v
                       for k, v in state.items()}, "memory_bytes_per_rank": totals, **planner}
 
@@ -531,7 +374,7 @@ def log_activation_memory(chunks, dataset, config: Config, device) -> dict:
     and the layers' model-specific and Korthikanti et al. predictions (training/memory.py)."""
     t = config.train
     if config.model.is_encoder_decoder:
-        _rank0_print("note: activation memory is measured and predicted for decoder-only "
+        print_rank_0("note: activation memory is measured and predicted for decoder-only "
                      "models only; this T5 run reports none (its formulas are not written)")
         return {k: 0 for k in ("activation_bytes_per_microbatch", "activation_bytes_layers",
                                "activation_bytes_layers_predicted",
@@ -552,16 +395,3 @@ def log_activation_memory(chunks, dataset, config: Config, device) -> dict:
             "activation_bytes_layers": report["activation_bytes_layers"],
             "activation_bytes_layers_predicted": report["activation_bytes_layers_model_predicted"],
             "activation_bytes_layers_paper": report["activation_bytes_layers_paper_predicted"]}
-
-
-def _validate(model, valid_ds, config: Config, device, logger, it: int,
-              progress: Progress | None = None) -> dict:
-    began = time.perf_counter()
-    vloss = evaluate(model, valid_ds, config, device, EvalProgress(
-        f"validation at iter {it}", config.train.eval_iters, enabled=dist.get_rank() == 0))
-    if progress is not None:
-        progress.other("valid", time.perf_counter() - began)
-    rec = {"iteration": it, "valid_loss": vloss, "valid_ppl": math.exp(min(vloss, 50))}
-    logger.log(rec, f"validation at iter {it}: loss {vloss:.4f} | ppl {rec['valid_ppl']:.2f}",
-               prefix="valid")
-    return rec

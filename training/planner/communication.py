@@ -1,7 +1,7 @@
 """Predicted communication of one training step: calls and bytes per (group, op), and their
 time under the alpha-beta model.
 
-`step_communication(config)` lists what the trainer (training/trainer.py `_train`, one
+`step_communication(config)` lists what the trainer (training/loop.py `train_step`, one
 optimizer step) makes every rank send through parallel_state.collectives, summed over all
 ranks, in the quantities `parallel_state.comm_counter` counts (the payload of each rank: an
 all-gather's local shard, a reduce-scatter's full input, an all-reduce's tensor, a p2p

@@ -1,0 +1,351 @@
+"""The iterations of a run (Megatron's `train` and what it calls).
+
+`train(run)` takes the `TrainState` that training/trainer.py's start-up built and runs the
+iterations from the resumed one to --train-iters: `train_step` (one global batch: schedule,
+gradient syncs, clipping, the optimizer step or a skip), then the step's instrumentation
+(--profile, --profile-pipeline, --report-comm), the skipped-step count, the replica check,
+`training_log`, `evaluate_and_print_results`, `save_checkpoint_and_time` and the exit
+checks, in that order. The start-up, the final save and the run's closing records stay in
+training/trainer.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+import parallel_state as ps
+from parallel_state import collectives
+from parallel_state.comm_counter import CommCounter
+from parallel_state.p2p import TensorSpec
+
+from .arguments import Config
+from .batch_schedule import BatchSchedule
+from .batches import get_microbatches
+from .checkpointing import Checkpointer, DataPosition, kill_hook, signal_hook
+from .data import batch_digest
+from .distributed import all_reduce_embedding_grads, all_reduce_sequence_parallel_grad_pieces
+from .distributed_optimizer import DistributedOptimizer
+from .flops import PeakFlops
+from .fsdp import peak_gathered_bytes
+from .memory import peak_memory_bytes
+from .metrics import EvalProgress, MetricsLogger, Progress, format_duration
+from .nonfinite import (NonFiniteError, StepGuard, grads_outside_norm, inject_grad_for_test,
+                        inject_loss_for_test)
+from .optimizer import clip_grads, learning_rate
+from .planner.report import log_comm
+from .preemption import ExitCheck
+from .profiling import StepProfiler
+from .replicas import check_replicas
+from .schedules import get_forward_backward_func
+from .timeline import Timeline, gather_timeline
+
+
+def print_rank_0(*args) -> None:
+    """`print` on global rank 0 only (every rank before the process group exists)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, flush=True)
+
+
+def _global_sum(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.clone()
+    if dist.get_world_size(group) > 1:
+        collectives.all_reduce(x, group=group)
+    return x
+
+
+def pipeline_spec(config: Config, device) -> TensorSpec:
+    """What adjacent stages exchange: hidden states `[s, b, h]` (`[s/tp, b, h]` under SP).
+
+    T5 (Megatron's encoder-and-decoder pipeline): encoder stages pass the encoder hidden
+    `[se, b, h]`; the first decoder stage receives the encoder output, and every decoder
+    stage passes `(decoder hidden [sd, b, h], encoder output [se, b, h])`."""
+    m, t = config.model, config.train
+    sp = t.tensor_model_parallel_size if t.sequence_parallel else 1
+    dtype = torch.bfloat16 if t.bf16 else torch.float32
+    b, h = t.micro_batch_size, m.hidden_size
+    enc = (m.seq_length // sp, b, h)
+    if not m.is_encoder_decoder:
+        return TensorSpec(shapes=(enc,), dtype=dtype, device=device)
+    dec = (m.decoder_seq_length // sp, b, h)
+    rank, split = ps.get_pipeline_model_parallel_rank(), t.pipeline_model_parallel_split_rank
+    received = (enc,) if split is None or rank <= split else (dec, enc)
+    sent = (enc,) if split is not None and rank < split else (dec, enc)
+    return TensorSpec(shapes=received, dtype=dtype, device=device, next_shapes=sent)
+
+
+def global_loss_sum(loss_sum: torch.Tensor) -> torch.Tensor:
+    """Sum of token losses of the global batch, on every rank (the loss lives on the last
+    pipeline stage of each DP replica)."""
+    loss_sum = _global_sum(loss_sum, ps.get_pipeline_model_parallel_group())
+    return _global_sum(loss_sum, ps.get_data_parallel_group())
+
+
+def evaluate(chunks, dataset, config: Config, device, progress=None) -> float:
+    """Mean token loss (nats) over `eval_iters` global batches of the validation split;
+    `progress(batches done)`, if given, is called after each (metrics.EvalProgress)."""
+    forward_backward = get_forward_backward_func()
+    spec = pipeline_spec(config, device)
+    for c in chunks:
+        c.eval()
+    loss_sum = torch.zeros((), device=device)
+    tokens = torch.zeros((), device=device)
+    for i in range(config.train.eval_iters):
+        mbs = get_microbatches(dataset, i * config.train.global_batch_size, config, device)
+        loss_sum += forward_backward(model=chunks, microbatches=mbs, loss_scale=1.0, spec=spec,
+                                     forward_only=True)
+        tokens += sum(mb["loss_mask"].sum() for mb in mbs)
+        if progress is not None:
+            progress(i + 1)
+    for c in chunks:
+        c.train()
+    return float(global_loss_sum(loss_sum) / _global_sum(tokens, ps.get_data_parallel_group()))
+
+
+@dataclasses.dataclass
+class TrainState:
+    """What the start-up built for the iterations, and what they carry from one to the next
+    (Megatron passes the same to `train` as arguments and globals)."""
+    config: Config
+    device: torch.device
+    train_ds: object
+    valid_ds: object | None
+    chunks: list  # this rank's model chunks
+    model: list  # their DistributedDataParallel wrappers
+    optimizer: object  # AdamW or the DistributedOptimizer
+    params: list  # the parameters that train
+    forward_backward: object  # the schedule (training/schedules.py)
+    spec: TensorSpec
+    flops_per_token: float
+    peak: PeakFlops
+    start_iteration: int  # the checkpoint's iteration (0: from scratch)
+    position: DataPosition
+    batches: BatchSchedule
+    checkpointer: Checkpointer | None
+    logger: MetricsLogger
+    is_logger: bool  # global rank 0
+    run_start: float | None  # --exit-duration-in-mins counts from here
+    records: list = dataclasses.field(default_factory=list)  # what pretrain returns
+    profiles: list = dataclasses.field(default_factory=list)  # --profile-pipeline timelines
+    # set by `train` before the first iteration
+    progress: Progress | None = None
+    start: float = 0.0  # time.time() at the first iteration
+    profiler: StepProfiler | None = None
+    guard: StepGuard | None = None
+    counter: CommCounter | None = None  # --report-comm
+    counted_step: int = 0  # the iteration --report-comm counts
+    comm: dict | None = None  # --report-comm's record of the counted step
+
+
+@dataclasses.dataclass
+class StepResult:
+    """One training step, as `train_step` leaves it (Megatron's returns loss, skipped, norm)."""
+    global_batch_size: int
+    lr: float
+    data_start: int  # the data index of the batch's first sample
+    loss: float  # mean token loss of the global batch, the same on every rank
+    grad_norm: float
+    skipped: str | None  # why the StepGuard skipped the optimizer step, else None
+    timeline: Timeline | None  # --profile-pipeline
+    counted: object | None  # --report-comm's counts, on the counted step
+
+
+def train(run: TrainState) -> tuple[int, str | None]:
+    """The iterations from the resumed one up to --train-iters (Megatron's `train`): each
+    step, then its log, validation, save and the exit checks. Returns (the last iteration,
+    why the run stopped early or None). Raises NonFiniteError after --max-skipped-iters
+    skipped steps in a row (an earlier save still being written completes first) and
+    ReplicaMismatchError from the replica check."""
+    t = run.config.train
+    evaluating = run.valid_ds is not None and bool(t.eval_interval)
+    run.progress = Progress(t.train_iters, t.eval_interval if evaluating else 0,
+                            t.save_interval, save_at_end=run.checkpointer is not None)
+    if evaluating and run.start_iteration == 0:
+        # the starting point, so a run shows how far validation loss fell
+        run.records.append(evaluate_and_print_results(run, 0))
+    for ddp in run.model:
+        ddp.zero_grad_buffer()  # ZeRO-3: frees what the measurements above left gathered
+    peak_gathered_bytes(reset=True)
+    print_rank_0(f"training iterations {run.start_iteration + 1}..{t.train_iters}; the first "
+                 f"step also does one-time set-up (allocation, warm-up)")
+    run.start = time.time()
+    exit_check = ExitCheck(t, run.run_start or run.start)
+    run.profiler = StepProfiler(t, t.log_dir, run.device)
+    stop = None
+    run.guard = StepGuard(t.check_for_nan_in_loss_and_grad, t.max_skipped_iters)
+    # --report-comm counts the second step (a steady one) when there is one, else the first
+    run.counted_step = run.start_iteration + (1 if t.train_iters > run.start_iteration + 1
+                                              else 0)
+    run.counter = CommCounter() if t.report_comm else None
+    try:
+        for iteration in range(run.start_iteration, t.train_iters):
+            run.profiler.before(iteration)
+            step_start = time.perf_counter()
+            step = train_step(run, iteration)
+            _after_step(run, step, iteration, step_start)
+            it = iteration + 1
+            _handle_skipped_step(run, step, it)
+            if t.check_weight_hash_across_dp_replicas_interval and \
+                    it % t.check_weight_hash_across_dp_replicas_interval == 0:
+                check_replicas(run.model, it)
+            if step.skipped is None and (it % t.log_interval == 0 or it == t.train_iters
+                                         or it == run.start_iteration + 1):
+                training_log(run, step, it)
+            if evaluating and (it % t.eval_interval == 0 or it == t.train_iters):
+                run.records.append(evaluate_and_print_results(run, it))
+            if run.checkpointer and t.save_interval and it % t.save_interval == 0 and \
+                    step.skipped is None:  # a save never ends a streak of skipped steps
+                save_checkpoint_and_time(run, it)
+            kill_hook(it)  # test hook (training/checkpointing.py); no-op unless its env var is set
+            stop = exit_check.reason(it)
+            if stop is not None:
+                break
+    except NonFiniteError:
+        if run.checkpointer:
+            run.checkpointer.wait()  # an earlier, good save still being written completes
+        raise
+    finally:
+        exit_check.close()
+    return (it if stop is not None else max(run.start_iteration, t.train_iters)), stop
+
+
+def train_step(run: TrainState, iteration: int) -> StepResult:
+    """One global batch (Megatron's `train_step`): its microbatches forward and backward
+    through the schedule, the gradient syncs (DP buckets, SP norms, tied embedding),
+    clipping, and the optimizer step unless the StepGuard skips it; `consumed_samples`
+    moves on by the batch either way. --report-comm's counter brackets the counted step."""
+    t, position, optimizer = run.config.train, run.position, run.optimizer
+    gbs = run.batches.size(position.consumed_samples)
+    if run.counter is not None and iteration == run.counted_step:
+        run.counter.begin()
+    if t.train_samples:  # the schedule counts samples, this step's included
+        lr = learning_rate(position.consumed_samples + gbs - 1, lr=t.lr, min_lr=t.min_lr,
+                           warmup_iters=t.lr_warmup_samples,
+                           decay_iters=t.lr_decay_samples, style=t.lr_decay_style)
+    else:
+        lr = learning_rate(iteration, lr=t.lr, min_lr=t.min_lr,
+                           warmup_iters=t.lr_warmup_iters,
+                           decay_iters=t.lr_decay_iters or t.train_iters, style=t.lr_decay_style)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    data_start = position.data_index
+    with record_function("shardzoo.data"):
+        microbatches = get_microbatches(run.train_ds, data_start, run.config, run.device, gbs)
+    signal_hook(iteration + 1)  # test hook; no-op unless its env var is set
+    num_tokens = _global_sum(sum(mb["loss_mask"].sum() for mb in microbatches),
+                             ps.get_data_parallel_group())
+    for ddp in run.model:
+        ddp.zero_grad_buffer()
+    timeline = Timeline() if t.profile_pipeline and iteration > 0 else None
+    hooks = inject_grad_for_test(iteration + 1, run.params)  # no-op unless testing
+    loss_sum = run.forward_backward(model=run.model, microbatches=microbatches,
+                                    loss_scale=1.0 / float(num_tokens), spec=run.spec,
+                                    timeline=timeline)
+    for hook in hooks:
+        hook.remove()
+    for ddp in run.model:
+        ddp.finish_grad_sync()
+    all_reduce_sequence_parallel_grad_pieces(run.model)
+    all_reduce_embedding_grads(run.model)
+    loss_sum = inject_loss_for_test(iteration + 1, loss_sum)
+    with record_function("shardzoo.optimizer"):
+        if isinstance(optimizer, DistributedOptimizer):
+            grad_norm = optimizer.clip_grad_norm(t.clip_grad)
+        else:
+            grad_norm = clip_grads(run.params, t.clip_grad)
+        loss = float(global_loss_sum(loss_sum) / num_tokens)  # the same on every rank
+        skipped = run.guard.skip_reason(loss, grad_norm,
+                                        grads_outside_norm(optimizer, run.params), loss_sum)
+        if skipped is None:
+            optimizer.step()
+    position.consumed_samples += gbs
+    counted = run.counter.stop() if run.counter is not None and run.counter.active else None
+    return StepResult(gbs, lr, data_start, loss, grad_norm, skipped, timeline, counted)
+
+
+def _after_step(run: TrainState, step: StepResult, iteration: int, step_start: float) -> None:
+    """The step's instrumentation, in this order: --profile's window, the step's time,
+    then (outside it: not the step's time or traffic) --profile-pipeline's timeline gather
+    and --report-comm's counts."""
+    profile = run.profiler.after(iteration, run.logger)
+    if profile is not None:
+        run.records.append(profile)
+    run.progress.step(time.perf_counter() - step_start)
+    if step.timeline is not None:
+        run.profiles.append(gather_timeline(step.timeline))
+    if step.counted is not None:
+        run.comm = log_comm(run.config, step.counted, step.global_batch_size, iteration + 1,
+                            run.logger, first_step=iteration == run.start_iteration)
+        run.records.append(run.comm)
+
+
+def _handle_skipped_step(run: TrainState, step: StepResult, it: int) -> None:
+    """Log a skipped step and stop the run (NonFiniteError, nothing saved) after
+    --max-skipped-iters in a row."""
+    t = run.config.train
+    in_a_row = run.guard.record(step.skipped)
+    if step.skipped is not None:
+        rec = {"iteration": it, "event": "skipped", "reason": step.skipped, "loss": step.loss,
+               "grad_norm": step.grad_norm, "consecutive": in_a_row}
+        limit = f" of {t.max_skipped_iters} allowed" if t.max_skipped_iters else ""
+        run.logger.log(rec, f"iter {it:6d}/{t.train_iters} | step skipped: {step.skipped} "
+                            f"(weights and optimizer unchanged; {in_a_row} in a "
+                            f"row{limit})", prefix="skip")
+        run.records.append(rec)
+    run.guard.stop_if_needed(it, step.skipped, step.loss, step.grad_norm)
+
+
+def training_log(run: TrainState, step: StepResult, it: int) -> None:
+    """The iteration's log line and metrics record (Megatron's `training_log`): loss, LR,
+    gradient norm, tokens/s, TFLOP/s per device and MFU over the training steps since the
+    previous line, peak memory, elapsed time and ETA, and the data position."""
+    t, m, gbs, loss = run.config.train, run.config.model, step.global_batch_size, step.loss
+    step_time = run.progress.window()  # training steps only: no validation or saving
+    tps = gbs * m.seq_length / step_time  # this step's batch (ramp-up)
+    tflops = run.flops_per_token * tps / dist.get_world_size() / 1e12
+    mfu = run.peak.mfu(tflops) if run.is_logger else None
+    eta = run.progress.eta(it)
+    rec = {"iteration": it, "loss": loss, "lr": step.lr, "grad_norm": step.grad_norm,
+           "tokens_per_s": tps, "tflops": tflops, "mfu": mfu,
+           "memory": peak_memory_bytes(run.device), "step_time_s": step_time,
+           **({"gathered_params_peak_bytes": peak_gathered_bytes()}
+              if t.data_parallel_sharding_strategy == "optim_grads_params" else {}),
+           "elapsed_s": time.time() - run.start, "eta_s": eta,
+           "consumed_samples": run.position.consumed_samples,
+           "global_batch_size": gbs,
+           "samples_digest": batch_digest(run.train_ds, step.data_start, gbs)}
+    if run.is_logger:
+        run.peak.say_note()
+    run.logger.log(rec, f"iter {it:6d}/{t.train_iters} | loss {loss:.4f} | lr {step.lr:.3e} | "
+                        f"grad norm {step.grad_norm:.3f} | {tps:,.0f} tok/s | "
+                        f"{tflops:.3f} TFLOP/s/dev | mfu "
+                        f"{'n/a' if mfu is None else f'{mfu:.1%}'} | "
+                        f"mem {rec['memory'] / 2**20:,.0f} MiB | "
+                        f"elapsed {format_duration(rec['elapsed_s'])} | "
+                        f"eta {format_duration(eta)}")
+    run.records.append(rec)
+
+
+def evaluate_and_print_results(run: TrainState, it: int) -> dict:
+    """Validation at iteration `it` (Megatron's name): the loss over --eval-iters batches and
+    its perplexity, logged; returns the record. Its time counts toward the ETA, not the
+    steps."""
+    began = time.perf_counter()
+    vloss = evaluate(run.model, run.valid_ds, run.config, run.device, EvalProgress(
+        f"validation at iter {it}", run.config.train.eval_iters, enabled=dist.get_rank() == 0))
+    run.progress.other("valid", time.perf_counter() - began)
+    rec = {"iteration": it, "valid_loss": vloss, "valid_ppl": math.exp(min(vloss, 50))}
+    run.logger.log(rec, f"validation at iter {it}: loss {vloss:.4f} | ppl {rec['valid_ppl']:.2f}",
+                   prefix="valid")
+    return rec
+
+
+def save_checkpoint_and_time(run: TrainState, it: int) -> None:
+    """Save iteration `it` (Megatron's name); its time counts toward the ETA, not the steps."""
+    save_start = time.perf_counter()
+    run.checkpointer.save(it, run.chunks, run.model, run.optimizer, run.position)
+    run.progress.other("save", time.perf_counter() - save_start)
