@@ -33,36 +33,30 @@ class Limits:
 
 def build_app(fe: Frontend, limits: Limits = Limits()):
     """The FastAPI app serving `fe`."""
-    from fastapi import FastAPI, Request as HTTPRequest
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
-    from starlette.exceptions import HTTPException
-
-    class Stream(StreamingResponse):
-        """A streamed answer whose `Lifetime` is closed however the response ends (also when
-        the client is gone before the first chunk, so the generator never starts)."""
-
-        def __init__(self, life, body):
-            super().__init__(body, media_type="text/event-stream")
-            self.life = life
-
-        async def __call__(self, scope, receive, send):
-            try:
-                await super().__call__(scope, receive, send)
-            finally:
-                self.life.close()
-                fe.handlers -= 1
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
 
     app = FastAPI(title="shardzoo", redoc_url=None)
-    max_chars = protocol.max_prompt_chars(fe.tokenizer, fe.engine.max_seq_length)
 
     def err(e: protocol.APIError, headers=None) -> JSONResponse:
         if fe.metrics is not None:
             fe.metrics.error(e.code or e.kind)
         return JSONResponse(protocol.error_body(e), status_code=e.status, headers=headers)
 
+    _install_errors_and_auth(app, fe, err)
+    _status_routes(app, fe)
+    _generation_routes(app, fe, limits, err)
+    return app
+
+
+def _install_errors_and_auth(app, fe: Frontend, err) -> None:
+    """The router's own errors and unexpected exceptions as OpenAI error objects; the API key
+    on every route but `OPEN_PATHS`, compared in constant time."""
+    from fastapi import Request as HTTPRequest
+    from starlette.exceptions import HTTPException
+
     @app.exception_handler(HTTPException)
     async def http_error(req: HTTPRequest, exc: HTTPException):
-        """The router's own errors (unknown path, wrong method) as OpenAI error objects."""
         where = f"{req.method} {req.url.path}"
         allow = {k.lower(): v for k, v in (exc.headers or {}).items()}.get("allow")
         message = {404: f"no route {where}; this server has POST /v1/completions, POST "
@@ -87,6 +81,11 @@ def build_app(fe: Frontend, limits: Limits = Limits()):
                     headers={"WWW-Authenticate": "Bearer"})
         return await call_next(req)
 
+
+def _status_routes(app, fe: Frontend) -> None:
+    """GET /health, /metrics, /v1/models."""
+    from fastapi.responses import JSONResponse, Response
+
     @app.get("/health")
     async def health():
         """Liveness (503 while stopping or failed), and per data-parallel replica the work
@@ -107,20 +106,45 @@ def build_app(fe: Frontend, limits: Limits = Limits()):
                                             "created": 0, "owned_by": "shardzoo",
                                             "max_model_len": fe.engine.max_seq_length}]}
 
-    async def read_body(req: HTTPRequest) -> bytes:
-        cap = limits.max_request_bytes
-        too_big = protocol.APIError(413, f"the request body is larger than this server's "
-                                         f"--max-request-bytes ({cap} bytes); send less",
-                                    code="request_too_large")
-        length = req.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > cap):
+
+async def _read_body(req, cap: int) -> bytes:
+    """The request body, refused (413) past `cap` bytes: from Content-Length before reading,
+    else while it is read."""
+    too_big = protocol.APIError(413, f"the request body is larger than this server's "
+                                     f"--max-request-bytes ({cap} bytes); send less",
+                                code="request_too_large")
+    length = req.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > cap):
+        raise too_big
+    body = bytearray()
+    async for piece in req.stream():
+        body += piece
+        if len(body) > cap:
             raise too_big
-        body = bytearray()
-        async for piece in req.stream():
-            body += piece
-            if len(body) > cap:
-                raise too_big
-        return bytes(body)
+    return bytes(body)
+
+
+def _generation_routes(app, fe: Frontend, limits: Limits, err) -> None:
+    """POST /v1/completions and /v1/chat/completions."""
+    from fastapi import Request as HTTPRequest
+    from fastapi.responses import StreamingResponse
+
+    max_chars = protocol.max_prompt_chars(fe.tokenizer, fe.engine.max_seq_length)
+
+    class Stream(StreamingResponse):
+        """A streamed answer whose `Lifetime` is closed however the response ends (also when
+        the client is gone before the first chunk, so the generator never starts)."""
+
+        def __init__(self, life, body):
+            super().__init__(body, media_type="text/event-stream")
+            self.life = life
+
+        async def __call__(self, scope, receive, send):
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                self.life.close()
+                fe.handlers -= 1
 
     async def handle(req: HTTPRequest, chat: bool):
         why = fe.unavailable()
@@ -129,7 +153,7 @@ def build_app(fe: Frontend, limits: Limits = Limits()):
         fe.handlers += 1
         try:
             try:
-                raw = await read_body(req)
+                raw = await _read_body(req, limits.max_request_bytes)
                 parsed = await asyncio.to_thread(
                     protocol.parse, raw, chat=chat, tokenizer=fe.tokenizer,
                     model_names=[fe.model_name], check=fe.engine.check,
@@ -157,8 +181,6 @@ def build_app(fe: Frontend, limits: Limits = Limits()):
     @app.post("/v1/chat/completions")
     async def chat_completions(req: HTTPRequest):
         return await handle(req, chat=True)
-
-    return app
 
 
 async def _client_gone(req) -> None:

@@ -92,6 +92,28 @@ def parse(raw: bytes, *, chat: bool, tokenizer, model_names: list[str], check,
     `max_choices` bounds prompts x n; `max_prompt_chars` a text prompt's characters (both
     checked before tokenizing). `defaults` (`sampling_defaults`) replace OpenAI's defaults of
     temperature, top_p, top_k and max_tokens when the request leaves them out."""
+    body, model = _body(raw, model_names)
+    n = _field(body, "n", int, 1)
+    if not 1 <= n <= MAX_N:
+        raise APIError(400, f"'n' must be in [1, {MAX_N}], got {n}", "n")
+    if tokenizer is None:
+        raise APIError(400, "this server has no tokenizer; it cannot read text prompts")
+    prompts = _chat_prompt(body, tokenizer, n, max_choices, max_prompt_chars) if chat else \
+        _completion_prompts(body, tokenizer, n, max_choices, max_prompt_chars)
+    if any(not p for p in prompts):
+        raise APIError(400, "the prompt is empty; send at least one token",
+                       "messages" if chat else "prompt")
+    params, top = _sampling(body, chat, prompts, n, check, max_seq_length, seed_source,
+                            defaults or {})
+    stream = _field(body, "stream", bool, False)
+    stream_options = body.get("stream_options") or {}
+    return Parsed(chat, model, prompts, n, params, stream,
+                  bool(isinstance(stream_options, dict) and stream_options.get("include_usage")),
+                  None if top is None else LogprobsFormat(top, chat, tokenizer.token_bytes))
+
+
+def _body(raw: bytes, model_names: list[str]) -> tuple[dict, str]:
+    """The JSON object of the request and its model name; unsupported fields refused."""
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
@@ -112,65 +134,71 @@ def parse(raw: bytes, *, chat: bool, tokenizer, model_names: list[str], check,
         if body.get(name) not in (None, False, 0, "", [], {}, *off):
             raise APIError(400, f"'{name}' is not supported by this server; leave it out",
                            name)
-    n = _field(body, "n", int, 1)
-    if not 1 <= n <= MAX_N:
-        raise APIError(400, f"'n' must be in [1, {MAX_N}], got {n}", "n")
-    if tokenizer is None:
-        raise APIError(400, "this server has no tokenizer; it cannot read text prompts")
-    if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and
-                isinstance(m.get("content"), str) for m in messages):
-            raise APIError(400, "'messages' must be a non-empty list of {role, content} "
-                                "objects with string content", "messages")
-        roles = {m["role"] for m in messages} - set(ROLES)
-        if roles:
-            raise APIError(400, f"unsupported message role(s) {sorted(roles)}; use one of "
-                                f"{list(ROLES)}", "messages")
-        if n > max_choices:
-            raise APIError(400, f"n ({n}) is more than this server's "
-                                f"--max-request-choices ({max_choices})", "n")
-        _check_text("".join(m["content"] for m in messages), max_prompt_chars, "messages")
-        try:
-            prompts = [tokenizer.apply_chat_template(
-                [{"role": "system" if m["role"] == "developer" else m["role"],
-                  "content": m["content"]} for m in messages])]
-        except ValueError as e:
-            raise APIError(400, str(e), "messages") from None
-        except Exception as e:  # noqa: BLE001 - a template may reject roles in its own way
-            raise APIError(400, f"the chat template rejected the messages: {e}",
-                           "messages") from None
+    return body, model
+
+
+def _chat_prompt(body: dict, tokenizer, n: int, max_choices: int,
+                 max_prompt_chars: int | None) -> list[list[int]]:
+    """The token ids of /v1/chat/completions' messages in the chat template."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and
+            isinstance(m.get("content"), str) for m in messages):
+        raise APIError(400, "'messages' must be a non-empty list of {role, content} "
+                            "objects with string content", "messages")
+    roles = {m["role"] for m in messages} - set(ROLES)
+    if roles:
+        raise APIError(400, f"unsupported message role(s) {sorted(roles)}; use one of "
+                            f"{list(ROLES)}", "messages")
+    if n > max_choices:
+        raise APIError(400, f"n ({n}) is more than this server's "
+                            f"--max-request-choices ({max_choices})", "n")
+    _check_text("".join(m["content"] for m in messages), max_prompt_chars, "messages")
+    try:
+        return [tokenizer.apply_chat_template(
+            [{"role": "system" if m["role"] == "developer" else m["role"],
+              "content": m["content"]} for m in messages])]
+    except ValueError as e:
+        raise APIError(400, str(e), "messages") from None
+    except Exception as e:  # noqa: BLE001 - a template may reject roles in its own way
+        raise APIError(400, f"the chat template rejected the messages: {e}",
+                       "messages") from None
+
+
+def _completion_prompts(body: dict, tokenizer, n: int, max_choices: int,
+                        max_prompt_chars: int | None) -> list[list[int]]:
+    """The token ids of /v1/completions' prompt(s): text, texts, ids or lists of ids."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        items = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        items = prompt
+    elif isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        items = [prompt]
+    elif isinstance(prompt, list) and prompt and all(
+            isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt):
+        items = prompt
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            items = [prompt]
-        elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            items = prompt
-        elif isinstance(prompt, list) and prompt and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            items = [prompt]
-        elif isinstance(prompt, list) and prompt and all(
-                isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt):
-            items = prompt
-        else:
-            raise APIError(400, "'prompt' must be a string, a list of strings, or token ids",
-                           "prompt")
-        if len(items) * n > max_choices:
-            raise APIError(400, f"{len(items)} prompts x n {n} = {len(items) * n} choices, "
-                                f"more than this server's --max-request-choices "
-                                f"({max_choices}); split the request", "prompt")
-        for p in items:
-            if isinstance(p, str):
-                _check_text(p, max_prompt_chars, "prompt")
-        prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in items]
-    if any(not p for p in prompts):
-        raise APIError(400, "the prompt is empty; send at least one token",
-                       "messages" if chat else "prompt")
+        raise APIError(400, "'prompt' must be a string, a list of strings, or token ids",
+                       "prompt")
+    if len(items) * n > max_choices:
+        raise APIError(400, f"{len(items)} prompts x n {n} = {len(items) * n} choices, "
+                            f"more than this server's --max-request-choices "
+                            f"({max_choices}); split the request", "prompt")
+    for p in items:
+        if isinstance(p, str):
+            _check_text(p, max_prompt_chars, "prompt")
+    return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in items]
+
+
+def _sampling(body: dict, chat: bool, prompts: list[list[int]], n: int, check,
+              max_seq_length: int, seed_source, d: dict) -> tuple[list, int | None]:
+    """`SamplingParams` of every choice (prompt-major), each checked by the engine, and the
+    logprobs alternatives asked for (None: no logprobs)."""
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     longest = max(len(p) for p in prompts)
-    d = defaults or {}
     default_tokens = DEFAULT_COMPLETION_TOKENS if not chat else \
         max(1, min(DEFAULT_CHAT_TOKENS, max_seq_length - longest))
     if "max_tokens" in d:  # the model's max_new_tokens, within what the context leaves
@@ -179,7 +207,6 @@ def parse(raw: bytes, *, chat: bool, tokenizer, model_names: list[str], check,
     max_tokens = next((body[k] for k in ("max_completion_tokens", "max_tokens")
                        if body.get(k) is not None), default_tokens)
     seed = body.get("seed")
-    stream_options = body.get("stream_options") or {}
     ignore_eos = _field(body, "ignore_eos", bool, False)  # vLLM's extra parameter
     top = _logprobs(body, chat)
     params = []
@@ -205,10 +232,7 @@ def parse(raw: bytes, *, chat: bool, tokenizer, model_names: list[str], check,
                                "context_length_exceeded" if "context" in str(e) else None) \
                     from None
             params.append(sp)
-    stream = _field(body, "stream", bool, False)
-    return Parsed(chat, model, prompts, n, params, stream,
-                  bool(isinstance(stream_options, dict) and stream_options.get("include_usage")),
-                  None if top is None else LogprobsFormat(top, chat, tokenizer.token_bytes))
+    return params, top
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
