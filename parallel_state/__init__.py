@@ -4,10 +4,6 @@ See grid.py, random.py, mappings.py, p2p.py and collectives.py; hang_doctor/ (th
 trace, its report, --debug-collectives: consumers of collectives.py) and transport/ (the
 shared-memory channel collectives.py runs CPU groups on, and its set-up)."""
 from . import collectives  # noqa: F401
-# training/trainer.py still imports these three by their names from before they moved into
-# the sub-packages (it is being split in the same issue); remove once it imports them there.
-from .hang_doctor import debug_collectives, trace  # noqa: F401
-from .transport import shm  # noqa: F401
 from .grid import (  # noqa: F401
     Grid,
     GridError,
