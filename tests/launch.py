@@ -31,3 +31,13 @@ def read_metrics(log_dir: Path) -> list[dict]:
 
 def train_losses(log_dir: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(log_dir) if "loss" in r]
+
+
+def read_until(proc: subprocess.Popen, lines: list[str], text: str, count: int = 1) -> None:
+    """Read `proc`'s output into `lines` until `text` has appeared on `count` lines (e.g. a
+    server's "serving ... on"); AssertionError with the output's tail if it exits first."""
+    for line in proc.stdout:
+        lines.append(line)
+        if sum(text in x for x in lines) >= count:
+            return
+    raise AssertionError(f"no '{text}' in the output:\n" + "".join(lines[-60:]))

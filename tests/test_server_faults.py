@@ -15,6 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from distributed import free_port
+from launch import read_until
 from test_server_limits import _chain_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,14 +64,6 @@ def _ask(port: int, stream: bool, prompt: list[int]) -> tuple[str, object]:
     return ("error", (r.status, errors[0])) if errors else ("ok", len(events))
 
 
-def _until(proc, lines: list[str], text: str, count: int = 1) -> None:
-    for line in proc.stdout:
-        lines.append(line)
-        if sum(text in x for x in lines) >= count:
-            return
-    raise AssertionError(f"no '{text}' in the output:\n" + "".join(lines[-60:]))
-
-
 def _generating(port: int) -> bool:
     import http.client
 
@@ -94,7 +87,7 @@ def test_replica_death_then_restart_then_drain(tmp_path):
                             start_new_session=True)
     lines: list[str] = []
     try:
-        _until(proc, lines, "serving chain on")
+        read_until(proc, lines, "serving chain on")
         drain = threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout],
                                  daemon=True)
         # kill -9 of rank 1 (replica 1) while both replicas generate
@@ -110,7 +103,7 @@ def test_replica_death_then_restart_then_drain(tmp_path):
         for _, (status, error) in results:
             assert status in (200, 503) and "replica failed" in error["message"], error
         # torchrun restarts both ranks; the service answers again
-        _until(proc, lines, "serving chain on", count=2)
+        read_until(proc, lines, "serving chain on", count=2)
         assert _ask(port, False, ids[:1])[0] == "ok"
         # SIGTERM to torchrun with requests in flight: each finishes or gets an error body
         drain.start()

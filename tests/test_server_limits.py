@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from distributed import free_port
+from launch import read_until
 from test_detokenize import llama2_style_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -67,13 +68,7 @@ def server(tmp_path_factory):
            "--max-model-len", "4096", "--max-batch-size", "4"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if "serving chain on" in line:
-            break
-    else:
-        raise AssertionError("server did not start:\n" + "".join(lines[-40:]))
+    read_until(proc, [], "serving chain on")
     yield folder, port, ids
     proc.send_signal(signal.SIGTERM)
     try:
@@ -283,13 +278,7 @@ def test_real_smollm2_streamed_and_not_equal_decode():
         out = hf.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:]
         want = tok.decode(out, skip_special_tokens=True)
         del hf
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if "serving smol on" in line:
-                break
-        else:
-            raise AssertionError("server did not start:\n" + "".join(lines[-30:]))
+        read_until(proc, [], "serving smol on")
         import openai
 
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
