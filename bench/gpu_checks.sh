@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks of issue 16, ready to run unchanged on a machine with CUDA GPUs (one or more):
 #   1. bf16 MFU of llama-style-1b on one GPU (train.py's own log line: measured against the
-#      data-sheet peak on H100/H200/A100, training/flops.py), with and without --profile;
+#      data-sheet peak on H100/H200/A100, training/mfu.py), with and without --profile;
 #   2. the transformers comparison (bench/train_throughput.py) on the GPU, bf16 and fp32;
 #   3. with 2+ GPUs: NCCL tensor parallel and data parallel of the same model
 #      (tokens/s and MFU per layout, same global batch), plus the ZeRO bench.

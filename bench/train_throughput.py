@@ -12,14 +12,14 @@ Variants (`--dtypes`):
 - `fp32`: float32 weights and compute, both models.
 - `bf16`: float32 weights, compute under `torch.autocast(device, torch.bfloat16)`, both models.
 - `bf16-main`: ours as train.py --bf16 runs it (bf16 weights, float32 main weights and AdamW
-  state in `training.distributed_optimizer.DistributedOptimizer`, float32 gradient buffer of
-  `training.distributed.DistributedDataParallel`), against HF under autocast (the `bf16`
+  state in `data_parallel.distributed_optimizer.DistributedOptimizer`, float32 gradient buffer of
+  `data_parallel.ddp.DistributedDataParallel`), against HF under autocast (the `bf16`
   row's HF figure: transformers' own mixed precision).
 - `compile`: fp32 with every transformer layer compiled (`torch.compile` per layer, as
   train.py --compile does), both models.
 
-MFU = tokens/s x `training.flops.training_flops_per_token(config)` / peak FLOP/s. The peak is
-`training.flops.PeakFlops`, the trainer's: the data sheet on known GPUs, else measured once at
+MFU = tokens/s x `planner.flops.training_flops_per_token(config)` / peak FLOP/s. The peak is
+`training.mfu.PeakFlops`, the trainer's: the data sheet on known GPUs, else measured once at
 the start (on a CPU, one thread's best matmul in CPU time x the threads, so a busy machine
 does not lower it); an MFU above 100% is never printed ("n/a" and why).
 
@@ -41,13 +41,14 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from data_parallel.ddp import DistributedDataParallel  # noqa: E402
+from data_parallel.distributed_optimizer import DistributedOptimizer  # noqa: E402
 from layers import compile_transformer_layers  # noqa: E402
 from models import GPTModel, ModelConfig  # noqa: E402
 from parallel_state.host_memory import ENV_SWITCH as HOST_SWITCH  # noqa: E402
 from parallel_state.host_memory import tune_host_allocator  # noqa: E402
-from training.distributed import DistributedDataParallel  # noqa: E402
-from training.distributed_optimizer import DistributedOptimizer  # noqa: E402
-from training.flops import PeakFlops, training_flops_per_token  # noqa: E402
+from planner.flops import training_flops_per_token  # noqa: E402
+from training.mfu import PeakFlops  # noqa: E402
 
 NOISY_SPREAD = 0.25  # (max - min) / median of per-round tokens/s above which a row is flagged
 VARIANTS = ("fp32", "bf16", "bf16-main", "compile")

@@ -156,7 +156,7 @@ class SelfAttention(nn.Module):
         self.linear_proj = RowParallelLinear(
             config.query_projection_size, config.hidden_size, bias=config.add_bias_linear,
             sequence_parallel=sequence_parallel, init="scaled_normal")
-        self.checkpoint_fn = None  # selective recompute of the core attention (training/recompute.py)
+        self.checkpoint_fn = None  # selective recompute of the core attention (layers/recompute.py)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
                 kv_cache=None, attention_mask: torch.Tensor | None = None,
@@ -424,4 +424,3 @@ def _cross_core(scale, p, site):
     def run(q, k, v, mask):
         return core_attention(q, k, v, mask, None, scale, p, dropout_site=site)
     return run
-

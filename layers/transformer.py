@@ -96,7 +96,7 @@ class TransformerBlock(nn.Module):
             str(n): TransformerLayer(config, n, sequence_parallel=sp, **layer_kwargs)
             for n in layer_numbers})
         self.final_layernorm = build_norm(config, sequence_parallel=sp) if post_layer_norm else None
-        # Set by the recompute policy (training/recompute.py): `checkpoint_fn(fn, *tensors)`
+        # Set by the recompute policy (layers/recompute.py): `checkpoint_fn(fn, *tensors)`
         # runs fn keeping only its inputs for backward; `recompute_spans` are the (start,
         # stop) positions of the layer groups each checkpointed as one unit (training only).
         self.checkpoint_fn = None

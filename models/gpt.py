@@ -97,7 +97,7 @@ class GPTModel(nn.Module):
         """Submodules whose parameters ZeRO-3 gathers together, in forward order: the embedding
         (unless its weight is also this chunk's output layer's), each transformer layer, and
         the output layer when it has its own weight. The rest (final norm, a tied embedding)
-        is the chunk's root unit (training/fsdp.py)."""
+        is the chunk's root unit (data_parallel/fsdp.py)."""
         units = []
         tied_here = self.share_embeddings_and_output_weights and self.pre_process \
             and self.post_process

@@ -5,7 +5,7 @@ passes): while registered (`with CommCounter() as c:` or `start()`/`stop()`) it 
 observed call to `counts[(group, op)] = [calls, bytes]`. Off by default: nothing is counted
 and no consumer is registered, so the collectives take their fast path.
 
-What is counted, per rank (the same quantity the planner predicts, training/planner):
+What is counted, per rank (the same quantity the planner predicts, planner/):
 
 - group: the group's label (`tp`, `dp`, `pp`, `embedding`, `mp`, `world`, ...); collectives
   on the TP group that move sequence shards (`all_gather_single`, `reduce_scatter_single`)

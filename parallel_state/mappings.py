@@ -203,7 +203,7 @@ def all_reduce_sequence_parallel_grads(params) -> None:
     Under sequence parallelism each TP rank sees only its tokens, so the gradient of a
     replicated norm weight is partial; forgetting this sum is the classic SP bug.
     """
-    # `main_grad`: the float32 gradient under training.distributed (bf16 weights free `.grad`)
+    # `main_grad`: the float32 gradient under data_parallel.ddp (bf16 weights free `.grad`)
     grads = [getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None
              else p.grad for p in params if getattr(p, "sequence_parallel", False)]
     all_reduce_over_tensor_parallel([g for g in grads if g is not None])

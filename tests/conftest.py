@@ -30,7 +30,7 @@ def corpus_env(tmp_path_factory):
     """Environment for train.py subprocesses: the embedded stdlib corpus built once per test
     session in a temporary cache (about 6 s), not in the user's ~/.cache."""
     cache = tmp_path_factory.mktemp("shardzoo-cache")
-    from training.data import ensure_default_corpus
+    from data_pipeline import ensure_default_corpus
 
     ensure_default_corpus(str(cache), quiet=True)
     return {"SHARDZOO_CACHE": str(cache)}

@@ -9,7 +9,7 @@ from models.config import ConfigError
 from training.arguments import (
     Config, TrainConfig, available_models, build_parser, load_model_config, parse_config,
 )
-from training.config_checks import parse_data_path
+from data_pipeline.data_path import parse_data_path
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

@@ -9,10 +9,10 @@ import textwrap
 import numpy as np
 import pytest
 
-from training.data import (BlendedDataset, GPTDataset, IndexedDataset, IndexedDatasetBuilder,
+from data_pipeline import (BlendedDataset, GPTDataset, IndexedDataset, IndexedDatasetBuilder,
                            build_tokenizer, build_train_valid_test_datasets, train_sentencepiece)
-from training.data import default_corpus
-from training.data.default_corpus import ensure_default_corpus
+from data_pipeline import default_corpus
+from data_pipeline.default_corpus import ensure_default_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi "
@@ -416,7 +416,7 @@ def test_default_corpus_builds_once_under_concurrency(tmp_path):
     cache = tmp_path / "cache"
     script = textwrap.dedent(f"""
         import sys; sys.path.insert(0, {ROOT!r})
-        from training.data.default_corpus import ensure_default_corpus
+        from data_pipeline.default_corpus import ensure_default_corpus
         print("RESULT", ensure_default_corpus({str(cache)!r}, 400, files={files!r}))
     """)
     procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)

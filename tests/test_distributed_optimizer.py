@@ -169,9 +169,9 @@ def _state_bytes_worker(bf16: bool):
     gathered units are alive."""
     import parallel_state as ps
     from training.arguments import parse_config
-    from training.distributed import STRATEGIES, DistributedDataParallel
-    from training.distributed_optimizer import DistributedOptimizer
-    from training.fsdp import peak_gathered_bytes
+    from data_parallel.ddp import STRATEGIES, DistributedDataParallel
+    from data_parallel.distributed_optimizer import DistributedOptimizer
+    from data_parallel.fsdp import peak_gathered_bytes
     from training.memory import model_state_bytes
     from training.optimizer import build_optimizer
     from training.trainer import build_model

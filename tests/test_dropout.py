@@ -132,7 +132,7 @@ def _train(runs: list[list[str]], log_dir: str, cache: str, busy: list[bool] | N
     different number of values on each rank (a slower machine times more matmuls)."""
     import os
 
-    import training.flops as flops
+    import training.mfu as flops
     from training.arguments import parse_config
     from training.trainer import pretrain
 

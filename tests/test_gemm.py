@@ -108,7 +108,7 @@ def test_switch_keeps_torch_and_refuses_unknown_values():
 
 @needs_onednn
 def test_measured_peak_times_onednn_too(monkeypatch):
-    from training import flops
+    from training import mfu as flops
 
     calls = []
     real = gemm.linear_nt

@@ -65,7 +65,7 @@ def _digests(args: list[str], batches: list[tuple[int, int]]) -> dict:
     import torch.distributed as dist
 
     from training.arguments import parse_config
-    from training.data import batch_digest
+    from data_pipeline import batch_digest
     from training.trainer import build_data
 
     config = parse_config(args).validate(dist.get_world_size())
@@ -261,7 +261,7 @@ def test_rampup_batch_size_and_train_samples(world_runs, tmp_path, corpus_env):
     """--rampup-batch-size 4 4 16 with --global-batch-size 8 and --train-samples 48:
     Megatron's sizes, exact consumed samples, a resume mid-ramp continues it, the LR counts
     samples, and the losses at dp=2 equal one process's."""
-    from training.batch_schedule import BatchSchedule
+    from run_config.batch_schedule import BatchSchedule
     from tolerances import assert_losses_close, training_chain_terms
 
     # Megatron: start + floor(consumed / (ramp samples / increments)) * increment

@@ -22,7 +22,7 @@ def _separate_vs_packed():
     document run alone (tiny-llama, 2 layers, float32)."""
     from models import GPTModel
     from training.arguments import parse_config
-    from training.data.masks import ltor_masks_and_position_ids
+    from data_pipeline.masks import ltor_masks_and_position_ids
 
     cfg = parse_config(["--config", "configs/tiny-llama.yaml", "--num-layers", "2"]).model
     cfg.vocab_size = 512
@@ -54,7 +54,7 @@ def test_packed_sample_equals_separate_documents():
 
 
 def _short_documents(prefix: str, vocab: int, eod: int) -> None:
-    from training.data import IndexedDatasetBuilder
+    from data_pipeline import IndexedDatasetBuilder
 
     rng = np.random.RandomState(1)
     with IndexedDatasetBuilder(prefix, vocab_size=vocab) as builder:
@@ -80,7 +80,7 @@ def _train(runs: list[list[str]], log_dir: str):
 
 def test_packed_training_is_layout_equivalent(tmp_path, corpus_env):
     from models.tokenizer import build_tokenizer
-    from training.data import ensure_default_corpus
+    from data_pipeline import ensure_default_corpus
 
     _, sp = ensure_default_corpus(corpus_env["SHARDZOO_CACHE"], quiet=True)
     tok = build_tokenizer(sp)

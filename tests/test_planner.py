@@ -1,4 +1,4 @@
-"""The planner (training/planner, tools/plan.py) against measurement (issue 14).
+"""The planner (planner/, tools/plan.py) against measurement (issue 14).
 
 One spawned 4-process world trains one step of six layouts with `--report-comm`:
 
@@ -10,7 +10,7 @@ One spawned 4-process world trains one step of six layouts with `--report-comm`:
   reduce-scatters, the DP all-reduce, ZeRO-1/2 reduce-scatter + all-gather, ZeRO-3's
   per-unit gathers (a steady second step), PP p2p messages (1F1B and interleaved), the
   tied-embedding all-reduce, the gradient-norm and loss scalars;
-- ZeRO-3's gathered-parameter peak equals training/fsdp.py's own prediction;
+- ZeRO-3's gathered-parameter peak equals data_parallel/fsdp.py's own prediction;
 - predicted activation bytes per microbatch are within 10% of measured (observed: ratio 1.000
   on every layout: the planner uses the layer's term-by-term model, training/memory.py).
 
@@ -97,7 +97,7 @@ def test_model_states_and_activations_match(runs):
         assert r["planner_model_state_ratio_per_rank"] == [1.0] * 4, name
         assert all(abs(x - 1) < 0.10 for x in r["planner_activation_ratio_per_rank"]), \
             (name, r["planner_activation_ratio_per_rank"])
-        if "ZeRO-3" in name:  # the gathered units' peak, as training/fsdp.py predicts it
+        if "ZeRO-3" in name:  # the gathered units' peak, as data_parallel/fsdp.py predicts it
             assert r["planner_gathered_params_peak_bytes"] == \
                 r["model_state_gathered_params_predicted_peak_bytes"] > 0
 
@@ -143,7 +143,7 @@ def test_plan_lists_only_valid_layouts(capsys):
         assert (config.data_parallel_size, config.num_microbatches) == (p["dp"],
                                                                         p["num_microbatches"])
     assert all(r["reason"] for r in result["rejected"])
-    # fastest first (times within 0.1% tie, see training/planner/search.py)
+    # fastest first (times within 0.1% tie, see planner/search.py)
     keys = [round(math.log(p["step_seconds"]), 3) for p in result["fits"]]
     assert keys == sorted(keys)
     # the table, the paragraph and the reasons (2 nodes of 4: TP 8 would cross nodes)
@@ -176,7 +176,7 @@ def test_plan_says_what_it_does_on_a_terminal():
 
     from launch import REPO
     from training.arguments import parse_config
-    from training.planner import search
+    from planner import search
 
     master, slave = pty.openpty()
     proc = subprocess.Popen([sys.executable, "-X", "importtime", "tools/plan.py", "--model",

@@ -33,7 +33,7 @@ POLICIES = [(None, None, None), ("full", "uniform", 1), ("full", "uniform", 2),
 def _model(name, dropout, policy, sp=False, s=32, vocab=256, dtype=torch.float32):
     from models import GPTModel
     from training.arguments import load_model_config
-    from training.recompute import apply_recompute
+    from layers.recompute import apply_recompute
 
     cfg = load_model_config(name)
     cfg.hidden_dropout = cfg.attention_dropout = dropout
@@ -80,7 +80,7 @@ def test_tracker_replay_is_needed(no_grid, monkeypatch):
     """Without replaying the tracker's TP stream, attention dropout differs in recompute."""
     import contextlib
 
-    import training.recompute as recompute
+    import layers.recompute as recompute
 
     monkeypatch.setattr(recompute, "_tracker_replay_contexts",
                         lambda: (contextlib.nullcontext(), contextlib.nullcontext()))
@@ -93,7 +93,8 @@ def _measure(name, policy, sp, dropout, s=32, b=2, dtype=torch.float32, keyed=Fa
     carries sample ids: the attention takes the explicit softmax), else Megatron's streams."""
     from parallel_state import get_tensor_model_parallel_rank, model_parallel_seed
     from parallel_state import get_tensor_model_parallel_world_size as tp_size
-    from training.memory import measure_activation_bytes, model_chunk_bytes, paper_layer_bytes
+    from planner.activations import model_chunk_bytes, paper_layer_bytes
+    from training.memory import measure_activation_bytes
 
     model = _model(name, dropout, policy, sp, s=s, dtype=dtype)
     model_parallel_seed(11, get_tensor_model_parallel_rank())
@@ -202,7 +203,7 @@ def test_recompute_flags_validated():
 
 
 def test_recompute_spans():
-    from training.recompute import recompute_spans
+    from layers.recompute import recompute_spans
 
     assert recompute_spans(5, "uniform", 2) == [(0, 2), (2, 4), (4, 5)]
     assert recompute_spans(4, "uniform", 1) == [(0, 1), (1, 2), (2, 3), (3, 4)]

@@ -117,8 +117,8 @@ def test_latest_curve_supersedes_by_run_start():
 def test_one_peak_per_run_and_mfu_never_over_100_percent(monkeypatch, capsys):
     """The peak is measured once, at start-up; MFU always divides by it; a rate above it is
     'n/a' with one note, never a re-measurement or a figure over 100%."""
-    from training import flops
-    from training.flops import PeakFlops
+    from training import mfu as flops
+    from training.mfu import PeakFlops
 
     calls = []
     monkeypatch.setattr(flops, "measured_matmul_peak",
@@ -144,7 +144,7 @@ def test_cpu_peak_is_timed_in_thread_cpu_time_on_one_thread(monkeypatch):
     """A busy machine stretches wall time, not the measuring thread's CPU time: the rate
     follows `time.thread_time` (here 1 ms per matmul) whatever the wall clock does (here 50x
     slower), and the matmuls run on one thread, with the thread count restored after."""
-    from training import flops
+    from training import mfu as flops
 
     cpu, wall, threads = [0.0], [0.0], []
 
@@ -175,7 +175,7 @@ def test_cpu_peak_is_timed_in_thread_cpu_time_on_one_thread(monkeypatch):
 
 
 def test_cpu_peak_shares_the_host_among_local_ranks(monkeypatch):
-    from training.flops import cpu_threads_per_rank
+    from training.mfu import cpu_threads_per_rank
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)

@@ -154,8 +154,8 @@ def test_each_attention_path_sees_exactly_the_windows(no_grid):
     dropout), selective and full recompute; a full first layer reaches everything; a packed
     document's mask combines with the window."""
     from models import GPTModel, ModelConfig
-    from training.data.masks import ltor_masks_and_position_ids
-    from training.recompute import apply_recompute
+    from data_pipeline.masks import ltor_masks_and_position_ids
+    from layers.recompute import apply_recompute
 
     s = 16
     base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
@@ -203,7 +203,8 @@ def test_activation_memory_prediction_with_windows(no_grid):
     from test_recompute_memory import _model
 
     from parallel_state import model_parallel_seed
-    from training.memory import measure_activation_bytes, model_chunk_bytes
+    from planner.activations import model_chunk_bytes
+    from training.memory import measure_activation_bytes
 
     s, b = 32, 2
     ids = torch.randint(0, 256, (b, s), generator=torch.Generator().manual_seed(0))
@@ -237,7 +238,7 @@ def test_training_with_a_window_matches_one_process(tmp_path, corpus_env):
     from tolerances import assert_losses_close, training_chain_terms
 
     from models.tokenizer import build_tokenizer
-    from training.data import ensure_default_corpus
+    from data_pipeline import ensure_default_corpus
 
     cache = corpus_env["SHARDZOO_CACHE"]
     _, sp = ensure_default_corpus(cache, quiet=True)

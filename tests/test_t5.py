@@ -259,7 +259,7 @@ def test_infer_serves_t5_checkpoint(tmp_path, corpus_env, no_grid):
     from inference.seq2seq import SourceTokenizer
     from models.tokenizer import build_tokenizer
     from tests.test_server import _post
-    from training.data import ensure_default_corpus
+    from data_pipeline import ensure_default_corpus
 
     _, sp_path = ensure_default_corpus(corpus_env["SHARDZOO_CACHE"], quiet=True)
     sp = build_tokenizer(sp_path)
@@ -319,7 +319,7 @@ def test_infer_caps_a_t5_checkpoints_lengths(tmp_path, corpus_env, no_grid):
     from transformers import T5Config, T5ForConditionalGeneration
 
     from checkpoint.hf import import_hf
-    from training.data import ensure_default_corpus
+    from data_pipeline import ensure_default_corpus
 
     _, sp_path = ensure_default_corpus(corpus_env["SHARDZOO_CACHE"], quiet=True)
     hf = T5ForConditionalGeneration(T5Config(

@@ -15,8 +15,8 @@ VOCAB, SENTINELS, EOS = 1000, 100, 1
 
 
 def _span_dataset(tmp_path, seed=7, encoder_length=64, decoder_length=16):
-    from training.data import GPTDataset, IndexedDataset, IndexedDatasetBuilder
-    from training.data.t5_dataset import T5SpanCorruptionDataset, span_corruption_lengths
+    from data_pipeline import GPTDataset, IndexedDataset, IndexedDatasetBuilder
+    from data_pipeline.t5_dataset import T5SpanCorruptionDataset, span_corruption_lengths
 
     rng = np.random.default_rng(0)
     with IndexedDatasetBuilder(str(tmp_path / "docs"), dtype=np.uint16) as b:
@@ -33,7 +33,7 @@ def _span_dataset(tmp_path, seed=7, encoder_length=64, decoder_length=16):
 
 
 def test_span_corruption_reconstructs_text_with_sentinels_in_order(tmp_path):
-    from training.data.t5_dataset import uncorrupt
+    from data_pipeline.t5_dataset import uncorrupt
 
     windows, ds = _span_dataset(tmp_path)
     noise, raw = 0, 0
@@ -63,7 +63,7 @@ def test_span_corruption_reconstructs_text_with_sentinels_in_order(tmp_path):
 
 
 def test_span_corruption_lengths_and_errors(tmp_path):
-    from training.data.t5_dataset import span_corruption_lengths
+    from data_pipeline.t5_dataset import span_corruption_lengths
 
     assert span_corruption_lengths(512) == (568, 114)  # the T5 paper's 512 -> 114 targets
     assert span_corruption_lengths(64) == (70, 14)

@@ -7,9 +7,9 @@ do not, and why the top one wins.
         --global-batch-size 512
     python tools/plan.py --config configs/tiny-llama.yaml --gpus 4 --gpu-memory 1GB --json
 
-Layouts are validated by train.py's own checks (training/config_checks.py), so every listed
+Layouts are validated by train.py's own checks (run_config/checks.py), so every listed
 one runs as `train.py --model NAME <its flags>`. Formulas and their sources: docs/PLANNING.md
-(training/planner). Bad input prints one line (`plan.py: error: ...`) and exits 2.
+(planner/). Bad input prints one line (`plan.py: error: ...`) and exits 2.
 
 When stderr is a terminal, one status line there says what it is doing (loading torch and
 train.py's checks, then layouts checked of how many) and is erased when the plan prints.
@@ -28,9 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _search():
-    """training.planner.search, imported when first needed, after the status line: it loads
+    """planner.search, imported when first needed, after the status line: it loads
     torch and train.py's checks (seconds on a busy machine, up to minutes on a loaded one)."""
-    from training.planner import search
+    from planner import search
     return search
 
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20,

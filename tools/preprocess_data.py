@@ -32,7 +32,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from training.data.indexed_dataset import IndexedDatasetBuilder  # noqa: E402
+from data_pipeline.indexed_dataset import IndexedDatasetBuilder  # noqa: E402
 from models.tokenizer import (build_tokenizer, encode_documents,  # noqa: E402
                                      train_sentencepiece)
 

@@ -10,8 +10,8 @@ before any process-group work and resolves what was left open: global batch (mic
 decay iters (train iters), both vpp spellings, TensorBoard (on when installed), and sequence
 parallel (off at tp 1, where it is a no-op, as Megatron does).
 
-This file defines the flags and reads them into `Config`; the training fields are
-`TrainConfig` in training/train_config.py, the checks in training/config_checks.py.
+This file defines the flags and reads them into `Config` (run_config/config.py); the training
+fields are `TrainConfig` in run_config/train_config.py, the checks in run_config/checks.py.
 """
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ import difflib
 import functools
 import os
 import typing
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,108 +28,21 @@ import yaml
 
 from models.config import ConfigError, ModelConfig
 
-from .config_checks import flag, stage_layers, validate
-from .finetune_defaults import describe as describe_finetune_defaults
-from .finetune_defaults import finetune_defaults, resolve_global_batch
-from .train_config import TrainConfig
+from run_config.checks import flag
+from run_config.config import MODEL_DIR, Config, model_flag_names
+from run_config.finetune_defaults import finetune_defaults
+from run_config.train_config import TrainConfig
 
-MODEL_DIR = Path(__file__).resolve().parents[1] / "configs" / "models"
 ALIASES = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
            "vpp": "virtual_pipeline_model_parallel_size"}
 
 
-@dataclass
-class Config:
-    """The resolved run: model shape, training settings and the values derived from both.
-
-    ``data_parallel_size`` and ``num_microbatches`` are None until `validate(world_size)`.
-    """
-
-    model: ModelConfig
-    train: TrainConfig
-    world_size: int | None = None
-    data_parallel_size: int | None = None
-    num_microbatches: int | None = None
-    eod: int | None = None  # the tokenizer's end-of-document id (set when the data is built)
-    # --finetune: the settings nobody gave and the values chosen (training/finetune_defaults.py)
-    finetune_defaults: dict = dataclasses.field(default_factory=dict, compare=False)
-
-    def validate(self, world_size: int) -> "Config":
-        """Check all against ``world_size``, fill derived values, return self (idempotent).
-        Raises `ConfigError` naming the flag and the fix (training/config_checks.py)."""
-        if "global_batch_size" in self.finetune_defaults:
-            resolve_global_batch(self.train, world_size)
-        self.data_parallel_size, self.num_microbatches = validate(self.model, self.train,
-                                                                  world_size)
-        self.world_size = world_size
-        return self
-
-    def stage_num_layers(self) -> list[int]:
-        """Decoder layers held by each pipeline stage (first/last may differ; rest even)."""
-        return stage_layers(self.model.num_layers, self.train)
-
-    def to_yaml(self) -> str:
-        """A flat run file that `parse_config(["--config", path])` reads back to this config."""
-        lines = ["# shardzoo run configuration (resolved; every key is also a --flag)"]
-        if self.data_parallel_size is not None:
-            lines.append(f"# derived for world size {self.world_size}: data_parallel_size "
-                         f"{self.data_parallel_size}, num_microbatches {self.num_microbatches}")
-        name = self.model.name
-        if name and (MODEL_DIR / f"{name}.yaml").exists():
-            lines.append(yaml.safe_dump({"model": name}, sort_keys=False).rstrip())
-        lines.append("# --- model")
-        model = {k: v for k, v in self.model.to_dict().items() if k in _model_flag_names()}
-        lines.append(yaml.safe_dump(model, sort_keys=False).rstrip())
-        lines.append("# --- training")
-        lines.append(yaml.safe_dump(dataclasses.asdict(self.train), sort_keys=False).rstrip())
-        return "\n".join(lines) + "\n"
-
-    def summary(self) -> str:
-        """A short human-readable block for the start of the log."""
-        m, t, dp = self.model, self.train, self.data_parallel_size
-        pad = m.padded_vocab_size(t.tensor_model_parallel_size)
-        tp = t.tensor_model_parallel_size
-        padded = f" (padded to {pad} for tp {tp})" if pad != m.vocab_size else ""
-        layers = (f"{m.encoder_num_layers}+{m.decoder_num_layers} encoder+decoder"
-                  if m.is_encoder_decoder else f"{m.num_layers}")
-        seq = (f"{m.seq_length}/{m.decoder_seq_length}" if m.is_encoder_decoder
-               else f"{m.seq_length}")
-        return (
-            f"model   {m.name or 'custom'}: {m.num_parameters() / 1e6:.1f}M params, {layers}"
-            f" layers, hidden {m.hidden_size}, heads {m.num_attention_heads} (kv "
-            f"{m.num_query_groups}), ffn {m.ffn_hidden_size}, seq {seq}, vocab "
-            f"{m.vocab_size}{padded}, {m.position_embedding_type}/{m.normalization}/"
-            f"{m.activation}\n"
-            f"layout  world {self.world_size} = pp {t.pipeline_model_parallel_size} x dp {dp} x "
-            f"tp {t.tensor_model_parallel_size}, vpp {t.virtual_pipeline_model_parallel_size}, "
-            f"sequence parallel {t.sequence_parallel}\n"
-            f"batch   global {t.global_batch_size} = micro {t.micro_batch_size} x "
-            f"{self.num_microbatches} microbatches x dp {dp}"
-            + (f", ramp-up {' '.join(map(str, t.rampup_batch_size))} (start increment samples)"
-               if t.rampup_batch_size else "") + "\n"
-            f"optim   lr {t.lr:g} -> {t.min_lr:g} {t.lr_decay_style}, warmup {t.lr_warmup_iters}"
-            f", decay {t.lr_decay_iters}, wd {t.weight_decay:g}, clip {t.clip_grad:g}, "
-            f"bf16 {t.bf16}, dp sharding {t.data_parallel_sharding_strategy}"
-            + (f", optimizer offload {t.optimizer_offload_fraction:g}" if t.optimizer_cpu_offload
-               else "") + "\n"
-            f"run     {t.train_iters} iters"
-            + (f" (--train-samples {t.train_samples})" if t.train_samples else "")
-            + f", eval every {t.eval_interval} ({t.eval_iters} iters),"
-            f" log every {t.log_interval} -> {t.log_dir}"
-            + ("\n" + describe_finetune_defaults(self.finetune_defaults, t)
-               if self.finetune_defaults else ""))
-
-
 # ---------------------------------------------------------------------------- parsing
-def _model_flag_names() -> list[str]:
-    return [f.name for f in dataclasses.fields(ModelConfig) if f.name not in ("name", "extra")]
-
-
 @functools.cache
 def _field_types() -> dict[str, tuple[type, bool]]:
     """field name -> (base type, may be None) for every flag-backed field."""
     out = {}
-    for cls, names in ((ModelConfig, _model_flag_names()),
+    for cls, names in ((ModelConfig, model_flag_names()),
                        (TrainConfig, [f.name for f in dataclasses.fields(TrainConfig)])):
         hints = typing.get_type_hints(cls)
         for name in names:
@@ -442,7 +354,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
     run = _read_run_file(flags.pop("config")) if "config" in flags else {}
     run.update(flags)  # flags win over the run file
     model_name = run.pop("model", None)
-    model_fields = set(_model_flag_names())
+    model_fields = set(model_flag_names())
     checkpoint = _checkpoint_defaults(run.get("load"))
     if checkpoint and "tokenizer_model" not in run and checkpoint[1]:
         run["tokenizer_model"] = checkpoint[1]

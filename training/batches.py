@@ -11,7 +11,7 @@ import parallel_state as ps
 from parallel_state import collectives
 
 from .arguments import Config
-from .data.masks import ltor_masks_and_position_ids
+from data_pipeline.masks import ltor_masks_and_position_ids
 
 
 class DataError(ValueError):
@@ -35,7 +35,7 @@ def check_token_ids(prefixes: list[str], vocab_size: int, limit: int = 1_000_000
     """Every token id of each dataset must be < vocab_size, or the data was tokenized with
     another tokenizer (ids beyond the vocab would silently embed as zeros at TP > 1).
     Datasets over `limit` tokens are checked on their first `limit` tokens."""
-    from .data import IndexedDataset
+    from data_pipeline import IndexedDataset
 
     for prefix in prefixes:
         ds = IndexedDataset(prefix)
@@ -53,8 +53,8 @@ def check_token_ids(prefixes: list[str], vocab_size: int, limit: int = 1_000_000
 def _build_data(config: Config):
     from checkpoint.model_io import verify_stored_tokenizer
 
-    from .config_checks import parse_data_path
-    from .data import build_tokenizer, build_train_valid_test_datasets, ensure_default_corpus
+    from data_pipeline.data_path import parse_data_path
+    from data_pipeline import build_tokenizer, build_train_valid_test_datasets, ensure_default_corpus
 
     t = config.train
     data_path, tokenizer_path = t.data_path, t.tokenizer_model
@@ -91,8 +91,8 @@ def vocab_extra_ids(config: Config) -> int:
 
 def _t5_datasets(config: Config, tokenizer, data_path, num_samples):
     """Span-corrupted (train, valid) over GPT windows of the raw length the encoder fits."""
-    from .data import build_train_valid_test_datasets
-    from .data.t5_dataset import T5SpanCorruptionDataset, span_corruption_lengths
+    from data_pipeline import build_train_valid_test_datasets
+    from data_pipeline.t5_dataset import T5SpanCorruptionDataset, span_corruption_lengths
 
     t, m = config.train, config.model
     raw, _ = span_corruption_lengths(m.seq_length, t.noise_density, t.mean_noise_span_length)

@@ -75,7 +75,7 @@ from checkpoint.files import FORMAT_VERSION
 from checkpoint.format import (CONFIG, LATEST, METADATA, CheckpointError, compare_model,
                                 complete_checkpoints, debris, describe_files, iter_dir_name,
                                 read_metadata, resolve_checkpoint, verify_files)
-from .distributed_optimizer import DistributedOptimizer
+from data_parallel.distributed_optimizer import DistributedOptimizer
 
 KINDS = ("model", "optim.exp_avg", "optim.exp_avg_sq")
 

@@ -19,25 +19,26 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 import parallel_state as ps
+from data_pipeline import batch_digest
+from data_parallel.ddp import all_reduce_embedding_grads, all_reduce_sequence_parallel_grad_pieces
+from data_parallel.distributed_optimizer import DistributedOptimizer
+from data_parallel.fsdp import peak_gathered_bytes
+from data_parallel.grad_norm import clip_grads
 from parallel_state import collectives
 from parallel_state.comm_counter import CommCounter
 from parallel_state.p2p import TensorSpec
+from planner.report import log_comm
+from run_config.batch_schedule import BatchSchedule
 
 from .arguments import Config
-from .batch_schedule import BatchSchedule
 from .batches import get_microbatches
 from .checkpointing import Checkpointer, DataPosition, kill_hook, signal_hook
-from .data import batch_digest
-from .distributed import all_reduce_embedding_grads, all_reduce_sequence_parallel_grad_pieces
-from .distributed_optimizer import DistributedOptimizer
-from .flops import PeakFlops
-from .fsdp import peak_gathered_bytes
 from .memory import peak_memory_bytes
 from .metrics import EvalProgress, MetricsLogger, Progress, format_duration
+from .mfu import PeakFlops
 from .nonfinite import (NonFiniteError, StepGuard, grads_outside_norm, inject_grad_for_test,
                         inject_loss_for_test)
-from .optimizer import clip_grads, learning_rate
-from .planner.report import log_comm
+from .optimizer import learning_rate
 from .preemption import ExitCheck
 from .profiling import StepProfiler
 from .replicas import check_replicas

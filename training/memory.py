@@ -3,8 +3,8 @@ its formula.
 
 Model states (`model_state_bytes`): the bytes of the tensors that live for the whole run,
 read off the tensors themselves, beside ZeRO's formulas (Rajbhandari et al. 2020, sec. 3.1 and
-5) for the sharding strategy of training/distributed.py, and the gathered-parameter peak of
-ZeRO-3 (training/fsdp.py).
+5) for the sharding strategy of data_parallel/ddp.py, and the gathered-parameter peak of
+ZeRO-3 (data_parallel/fsdp.py).
 
 Activations, measured: the bytes autograd keeps for backward during one microbatch's forward,
 counted with `torch.autograd.graph.saved_tensors_hooks` over unique storages (a view, or a
@@ -14,26 +14,8 @@ Parameter storages are not activations and are skipped. Inside a recomputed regi
 `torch.utils.checkpoint` installs its own hook, so only what it really keeps (the region's
 inputs) is seen, which is the point.
 
-Predicted, per transformer layer, `s` sequence, `b` micro batch, `h` hidden, `a` heads, `t` TP:
-
-- `paper_layer_bytes`: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-  Transformer Models", sec. 4 and Table 2: `sbh(34 + 5as/h)` bytes without parallelism,
-  `sbh(10 + 24/t + 5as/(ht))` with TP, `sbh(34/t + 5as/(ht))` with TP + SP, without the `5as/h`
-  term under selective recompute, and `2sbh` (the layer input; `/t` under SP) under full
-  recompute. The paper assumes 2-byte activations and 1-byte dropout masks; with
-  `bytes_per_value=4` (float32) every activation doubles and masks stay 1 byte, e.g.
-  `sbh(66 + 9as/h)` without parallelism. Its GPT has GeLU, LayerNorm, biases, MHA and a
-  materialized `s x s` softmax.
-- `model_layer_bytes`: what *our* layer saves, term by term (read off the saved tensors of
-  layers/transformer.py on CPU): SwiGLU or GeLU, GQA, RMSNorm or LayerNorm, SDPA (flash on
-  CPU without dropout: q, k, v, output and log-sum-exp, no `s x s`; with dropout keyed by
-  sample, the default, the explicit softmax: the float32 probabilities, the mask and the
-  dropped probabilities; with Megatron's stream dropout SDPA's math kernel: scaled q and k,
-  softmax, float mask and dropped probabilities), dropout masks of the activation dtype
-  (`input * mask` with a float mask, as CPU `F.dropout` keeps), and under SP
-  the column-parallel linears keep only the sequence shard of their input and all-gather it
-  again in backward (as Megatron). Change it with the layer code; the tests compare it to
-  the measurement at several shapes.
+The formulas these are compared with live in planner/activations.py (activations) and
+planner/parameters.py (`zero_formula_bytes`).
 """
 from __future__ import annotations
 
@@ -44,8 +26,11 @@ import torch
 
 import parallel_state as ps
 
-from .distributed import STRATEGIES  # ZeRO stages 0-3, in order
-from .recompute import recompute_spans
+from data_parallel.ddp import STRATEGIES  # ZeRO stages 0-3, in order
+from data_parallel.distributed_optimizer import DistributedOptimizer
+from layers.recompute import recompute_spans
+from planner.activations import model_chunk_bytes, paper_layer_bytes
+from planner.parameters import zero_formula_bytes
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -159,131 +144,6 @@ def measure_activation_bytes(chunks, batch: dict, hidden_shape, dtype=torch.floa
             "layer_numbers": [int(n) for m in modules for n in m.decoder.layers]}
 
 
-# ---------------------------------------------------------------------- formulas
-def paper_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
-                      recompute: str | None = None, bytes_per_value: int = 2,
-                      mask_bytes: int = 1) -> float:
-    """Korthikanti et al. 2022, Table 2, per layer, in bytes (see the module docstring).
-
-    With 2-byte values: replicated `10sbh` (two norm inputs, QKV and fc1 inputs: 4sbh values;
-    two hidden dropout masks: 2sbh), TP-sharded `24sbh/t` (Q, K, V, projection input, GeLU
-    input, fc2 input: 12sbh values), core attention `5as^2b/t` (softmax and dropout output:
-    2as^2b values; the mask: as^2b). SP divides the replicated part by t as well.
-    """
-    e, sbh = bytes_per_value, s * b * h
-    if recompute == "full":
-        return e * sbh / (t if sp else 1)
-    replicated = (4 * e + 2 * mask_bytes) * sbh
-    sharded = 12 * e * sbh
-    core = 0 if recompute == "selective" else (2 * e + mask_bytes) * a * s * s * b
-    return replicated / (t if sp else 1) + (sharded + core) / t
-
-
-def norm_bytes(config, tokens: int, bytes_per_value: int) -> int:
-    """What one norm saves for backward over `tokens` rows of `config.hidden_size`, in bytes.
-
-    RMSNorm: its float32 input copy and rstd (layers/norm.py computes in float32; in float32
-    F.rms_norm keeps the same two) and the normalized input in the activation dtype, which the
-    weight's product keeps. LayerNorm (F.layer_norm on CPU): the input, and mean and rstd in
-    the activation dtype.
-    """
-    h, e = config.hidden_size, bytes_per_value
-    if config.normalization == "RMSNorm":
-        return tokens * (4 * h + 4 + e * h)
-    return e * tokens * (h + 2)
-
-
-def model_layer_bytes(config, s: int, b: int, t: int = 1, sp: bool = False,
-                      recompute: str | None = None, bytes_per_value: int = 4,
-                      dropout: bool | None = None, keyed_dropout: bool = True,
-                      sliding: bool = False) -> dict:
-    """What one of our transformer layers saves for backward, term by term, in bytes (see the
-    module docstring). `dropout`: whether dropout is active (default: from the config);
-    `keyed_dropout`: masks keyed by sample (`--dropout-masks sample`: the attention takes the
-    explicit softmax) rather than drawn from streams (SDPA's math kernel); `sliding`: the
-    layer has a sliding window (its mask is the chunk's shared one: `model_chunk_bytes`).
-    Returns `{term: bytes}`; `sum(...values())` is the layer's total.
-    """
-    e, h, d = bytes_per_value, config.hidden_size, config.kv_channels
-    an, gn, f = config.num_attention_heads // t, config.num_query_groups // t, \
-        config.ffn_hidden_size // t
-    sl = s // t if sp else s  # sequence length of norms and dropout (a shard under SP)
-    if recompute == "full":
-        return {"layer input": e * sl * b * h}
-    hid_drop = config.hidden_dropout > 0 if dropout is None else dropout
-    att_drop = config.attention_dropout > 0 if dropout is None else dropout
-    out = {"norms": 2 * norm_bytes(config, sl * b, e),
-           "qkv and fc1 inputs": 2 * e * sl * b * h}  # the sequence shard under SP
-    mixed = e * s * b * (an + 2 * gn) * d  # fused QKV output: v (and q, k without RoPE) view it
-    rope = config.position_embedding_type == "rope"
-    q, kv_heads = e * s * b * an * d, e * s * b * gn * d
-    if recompute == "selective" or not att_drop:
-        # flash kernel (or the inputs kept by the checkpoint): q, k, v and the output, which
-        # the projection reads without a copy (selective: the projection input).
-        out["attention q, k, v"] = mixed + (q + kv_heads if rope else 0)
-        out["attention output"] = q
-        if recompute != "selective":
-            out["attention log-sum-exp"] = 4 * b * an * s
-    elif keyed_dropout:  # the explicit softmax (layers/attention.py `core_attention`): q
-        # reshaped for grouped heads (a copy under GQA, else a view of RoPE's q copy or of
-        # the fused output), k and v viewed in place (the fused output, or RoPE's k copy);
-        # the float32 softmax output, the mask and the dropped probabilities (activation
-        # dtype) and the causal mask's complement (bool s x s; a sliding layer adds its
-        # additive mask, which keeps nothing); the projection reads a copy of the output
-        own_q = rope or an != gn
-        out["attention q, k, v"] = mixed + (q if own_q else 0) + (kv_heads if rope else 0)
-        out["attention s^2 (softmax, mask, dropped)"] = (4 + 2 * e) * b * an * s * s + \
-            (0 if sliding else s * s)
-        out["projection input"] = q
-    else:  # math kernel with dropout, which on CPU computes in float32 (a bf16 input is
-        # upcast): scaled q and k copies; v viewing the fused output in float32, else its
-        # float32 copy (expanded to the query heads under GQA); the s x s softmax, float mask
-        # and dropped probabilities; the projection reads a copy of the output
-        q32 = 4 * s * b * an * d
-        out["attention q, k, v"] = 2 * q32 + (mixed if e == 4 and an == gn else q32)
-        out["attention s^2 (softmax, mask, dropped)"] = 3 * 4 * b * an * s * s
-        out["projection input"] = q
-    out["mlp"] = e * s * b * (4 * f if config.activation == "swiglu" else 2 * f)
-    if hid_drop:
-        out["hidden dropout masks"] = 2 * e * sl * b * h
-    return out
-
-
-def model_chunk_bytes(config, num_layers: int, s: int, b: int, t: int = 1, sp: bool = False,
-                      granularity: str | None = None, method: str | None = None,
-                      recompute_num_layers: int | None = None, bytes_per_value: int = 4,
-                      dropout: bool | None = None, keyed_dropout: bool = True,
-                      layer_numbers: list[int] | None = None) -> int:
-    """Predicted bytes of a chunk's decoder layers (the "layers" region of the meter): per-layer
-    terms under the recompute policy, plus the RoPE cos/sin tables shared by all layers, plus
-    the sliding-window mask (`[1, 1, s, s]`, activation dtype, made once per forward by
-    GPTModel) when a sliding layer outside a fully recomputed span keeps it: the flash kernel
-    and selective recompute's checkpoint keep one shared copy; the explicit and math softmaxes
-    keep none. `layer_numbers`: the chunk's global layers (default 0..num_layers-1), which
-    say which layers slide (`ModelConfig.layer_window_size`)."""
-    kw = dict(s=s, b=b, t=t, sp=sp, bytes_per_value=bytes_per_value, dropout=dropout,
-              keyed_dropout=keyed_dropout)
-    numbers = range(num_layers) if layer_numbers is None else layer_numbers
-    sliding = [config.layer_window_size(n) is not None for n in numbers]
-    if granularity == "full":
-        spans = recompute_spans(num_layers, method or "uniform", recompute_num_layers or 1)
-        inside = {i for start, stop in spans for i in range(start, stop)}
-        kept = [slides for i, slides in enumerate(sliding) if i not in inside]
-        total = len(spans) * sum(model_layer_bytes(config, recompute="full", **kw).values())
-    else:
-        kept = sliding
-        total = 0
-    total += sum(sum(model_layer_bytes(config, recompute=granularity if granularity != "full"
-                                       else None, sliding=slides, **kw).values())
-                 for slides in kept)
-    att_drop = config.attention_dropout > 0 if dropout is None else dropout
-    if any(kept) and (granularity == "selective" or not att_drop):
-        total += bytes_per_value * s * s
-    if config.position_embedding_type == "rope" and num_layers:
-        total += 2 * 4 * s * config.kv_channels  # float32 cos, sin [s, 1, 1, d]
-    return total
-
-
 def activation_report(config, measured: dict, *, micro_batch_size: int, tp: int, sp: bool,
                       granularity, method, recompute_num_layers, dtype=torch.float32,
                       dropout: bool | None = None, keyed_dropout: bool = True) -> dict:
@@ -324,14 +184,12 @@ def model_state_bytes(model, optimizer) -> dict:
     Formulas: `predicted_total` / `predicted_host_total` = `zero_formula_bytes` with the padded
     parameter count (must equal the measurement exactly); `paper_total` with the unpadded one
     (the paper's, e.g. `(W + G + K) psi / N_d` for stage 3). Under ZeRO-3 also
-    `gathered_params_predicted_peak` (training/fsdp.py).
+    `gathered_params_predicted_peak` (data_parallel/fsdp.py).
 
     `model`: the DistributedDataParallel wrappers of this rank's chunks; `optimizer`: a
     `DistributedOptimizer`, or a torch AdamW (no_shard in float32) whose lazily created moments
     are counted as AdamW will allocate them.
     """
-    from .distributed_optimizer import DistributedOptimizer
-
     def size(t):
         return 0 if t is None else t.numel() * t.element_size()
 
@@ -369,27 +227,3 @@ def model_state_bytes(model, optimizer) -> dict:
     if model and model[0].units is not None:
         out["gathered_params_predicted_peak"] = sum(d.units.predicted_peak_bytes() for d in model)
     return out
-
-
-def zero_formula_bytes(psi: int, *, strategy: str, dp: int, weight_bytes: int,
-                       main_copy: bool, host_elements: int = 0) -> tuple[int, int]:
-    """(device, host) model-state bytes per rank for `psi` parameters on this rank (ZeRO,
-    Rajbhandari et al. 2020, sec. 5, with our byte counts): weights W = 2 (bf16) or 4 (fp32),
-    gradients G = 4 (accumulated in fp32), optimizer K = 8 (two Adam moments) plus 4 for a
-    separate fp32 main copy (`main_copy`: bf16 weights, or no flat parameter store), so K = 12
-    in bf16 as in the paper. Per strategy, with N_d = dp:
-
-    - no_shard (stage 0): `(W + G + K) psi`
-    - optim (stage 1): `(W + G) psi + K psi / N_d`
-    - optim_grads (stage 2): `W psi + (G + K) psi / N_d`
-    - optim_grads_params (stage 3): `(W + G + K) psi / N_d`
-
-    With offload, `host_elements` of the optimizer's `psi / N_d` (`psi` unsharded) elements
-    move to host memory with 16 bytes each (fp32 main copy, two moments, gradient copy).
-    """
-    n_opt = psi // dp if strategy != "no_shard" else psi
-    w = weight_bytes * (psi // dp if strategy == "optim_grads_params" else psi)
-    g = 4 * (psi // dp if strategy in ("optim_grads", "optim_grads_params") else psi)
-    k = (8 + 4 * main_copy) * (n_opt - host_elements)
-    return w + g + k, 16 * host_elements
-

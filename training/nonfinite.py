@@ -34,7 +34,7 @@ import torch.distributed as dist
 import parallel_state as ps
 from parallel_state import collectives
 
-from .optimizer import counts_toward_norm
+from data_parallel.grad_norm import counts_toward_norm
 
 TEST_ENV = "SHARDZOO_TEST_NONFINITE"
 

@@ -134,7 +134,7 @@ def suggest_split(compute: list[float], layers: list[int], vpp: int = 1,
 
     from models.config import ConfigError
 
-    from .config_checks import stage_layers
+    from run_config.checks import stage_layers
 
     pp, total = len(layers), sum(layers)
     if pp < 2 or min(layers) < 1 or min(compute) <= 0:

@@ -19,29 +19,30 @@ import torch.distributed as dist
 
 import parallel_state as ps
 from checkpoint.format import CheckpointError
+from data_parallel.ddp import DistributedDataParallel
+from data_parallel.distributed_optimizer import DistributedOptimizer
 from layers import compile_transformer_layers
+from layers.recompute import apply_recompute
 from models import GPTModel, T5Model
 from models.config import ConfigError
 from models.pipeline import build_model_chunks
 from parallel_state import collectives
 from parallel_state.hang_doctor import debug_collectives, trace
 from parallel_state.transport import shm
+from planner.flops import training_flops_per_token
+from planner.report import memory_prediction, run_end_summary
+from run_config.batch_schedule import BatchSchedule, rampup_of
 
 from .arguments import Config
-from .batch_schedule import BatchSchedule, rampup_of
 from .checkpointing import Checkpointer, completed_checkpoint, load_checkpoint, resume_path
 from .batches import DataError, build_data, get_microbatches, vocab_extra_ids
-from .distributed import DistributedDataParallel
-from .distributed_optimizer import DistributedOptimizer
-from .flops import PeakFlops, training_flops_per_token
 from .loop import TrainState, pipeline_spec, print_rank_0, train
 from .memory import activation_report, measure_activation_bytes, model_state_bytes
 from .nonfinite import NonFiniteError
 from .replicas import ReplicaMismatchError
 from .metrics import MetricsLogger, log_run_end, run_start_record
+from .mfu import PeakFlops
 from .optimizer import build_optimizer, reconcile_schedule
-from .planner.report import memory_prediction, run_end_summary
-from .recompute import apply_recompute
 from .schedules import get_forward_backward_func
 from .timeline import report_bubble
 
@@ -51,7 +52,7 @@ def build_model(config: Config, device) -> list[GPTModel]:
     """This rank's model chunks (one unless virtual pipelining), initialized from the seed."""
     t = config.train
     if config.model.is_encoder_decoder:
-        from .config_checks import t5_stage_layers
+        from run_config.checks import t5_stage_layers
 
         enc, dec = t5_stage_layers(config.model, t)[ps.get_pipeline_model_parallel_rank()]
         chunks = [T5Model(config.model, encoder_layer_numbers=enc, decoder_layer_numbers=dec,

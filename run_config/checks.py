@@ -1,7 +1,7 @@
 """Validation of the resolved run configuration: `validate(model, train, world_size)`.
 
-Called by `training.arguments.Config.validate` before any process-group work; it checks the
-`ModelConfig` and the `TrainConfig` (training/train_config.py) and returns the derived sizes,
+Called by `run_config.config.Config.validate` before any process-group work; it checks the
+`ModelConfig` and the `TrainConfig` (run_config/train_config.py) and returns the derived sizes,
 which `Config` keeps, so this module never needs `Config` itself. Each check
 raises `ConfigError` naming the flag and the fix, and some resolve what was left open
 (global batch, lr decay iters, vpp from layers per virtual stage, recompute defaults,
@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from data_pipeline.data_path import parse_data_path
 from layers.transformer import cpp_compiler_problem
 from models.config import ConfigError, ModelConfig
 from .batch_schedule import check_batch_schedule
@@ -259,7 +260,7 @@ def _check_sharding(t: TrainConfig) -> None:
     """Resolve --data-parallel-sharding-strategy (Megatron-FSDP's names; --use-distributed-
     optimizer is the alias of `optim`, and every sharded strategy implies it) and the offload
     fraction (Megatron's default 1.0)."""
-    from .distributed import resolve_strategy
+    from data_parallel.ddp import resolve_strategy
 
     try:
         strategy = resolve_strategy(t.data_parallel_sharding_strategy,
@@ -306,36 +307,6 @@ def _check_recompute(m: ModelConfig, t: TrainConfig) -> None:
         raise ConfigError(f"--recompute-num-layers {t.recompute_num_layers} must be in [1, "
                           f"{chunk}] (the layers of a model chunk: --num-layers {m.num_layers} "
                           f"over pp x vpp); pick a value in that range")
-
-
-def parse_data_path(data_path: list[str]) -> list[tuple[float, str]]:
-    """``[prefix]`` or ``[w1, prefix1, w2, prefix2, ...]`` -> ``[(weight, prefix), ...]``.
-
-    Weights are returned as given (not normalised). Raises `ConfigError` (a ValueError) naming
-    --data-path.
-    """
-    data_path = [str(x) for x in data_path]
-    if not data_path:
-        raise ConfigError("--data-path is empty; pass a prefix or pairs 'w1 prefix1 w2 prefix2'")
-    if len(data_path) == 1:
-        return [(1.0, data_path[0])]
-    if len(data_path) % 2:
-        raise ConfigError(f"--data-path with several entries must be weight/prefix pairs "
-                          f"(w1 prefix1 w2 prefix2 ...), got {len(data_path)} items: {data_path}")
-    blend = []
-    for w, prefix in zip(data_path[::2], data_path[1::2]):
-        try:
-            blend.append((float(w), prefix))
-        except ValueError:
-            raise ConfigError(f"--data-path weight {w!r} (before {prefix!r}) is not a number; "
-                              f"write pairs like: --data-path 0.7 data/a_text 0.3 data/b_text")
-    if not all(math.isfinite(w) for w, _ in blend):
-        raise ConfigError(f"--data-path weights {[w for w, _ in blend]} must be finite numbers")
-    if min(w for w, _ in blend) < 0:
-        raise ConfigError(f"--data-path weights {[w for w, _ in blend]} must be >= 0")
-    if not sum(w for w, _ in blend) > 0:
-        raise ConfigError(f"--data-path weights {[w for w, _ in blend]} must not all be zero")
-    return blend
 
 
 def _check_data(t: TrainConfig) -> None:

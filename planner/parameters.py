@@ -1,5 +1,5 @@
 """The parameters each rank holds, without building a model: shapes, flags and the flat bucket
-layout of training/distributed.py, and from them the exact model-state bytes per rank.
+layout of data_parallel/ddp.py, and from them the exact model-state bytes per rank.
 
 `chunk_parameters` lists a model chunk's trainable parameters in registration order (the
 order `module.parameters()` yields them in models/gpt.py and layers/), with the local (TP
@@ -7,7 +7,7 @@ shard) element count and the flags the data-parallel wrapper reads (`shared_embe
 `sequence_parallel`). `chunk_layout` feeds them to the wrapper's own bucket layout
 (`DistributedDataParallel._layout`, so padding to multiples of dp and the tied embedding's own
 bucket are exactly the trainer's) and `model_state_prediction` turns that into bytes with
-`training.memory.zero_formula_bytes`. Change `chunk_parameters` with the layer code; the
+`planner.parameters.zero_formula_bytes`. Change `chunk_parameters` with the layer code; the
 tests compare it with the measured tensors of real runs.
 """
 from __future__ import annotations
@@ -16,8 +16,7 @@ from dataclasses import dataclass
 
 from models.pipeline import rank_chunk_layers
 
-from ..distributed import DistributedDataParallel
-from ..memory import zero_formula_bytes
+from data_parallel.ddp import DistributedDataParallel
 
 
 @dataclass(eq=False)  # identity, as torch parameters: the layout keys them by id()
@@ -111,7 +110,7 @@ def _cached(key, make):
 
 def rank_chunks(config, pp_rank: int) -> list[list[ParamShape]]:
     """The parameters of each model chunk of pipeline rank `pp_rank` (a validated
-    training.arguments.Config). Cached by the model and the layout: treat as read-only."""
+    run_config.config.Config). Cached by the model and the layout: treat as read-only."""
     t = config.train
     pp, v = t.pipeline_model_parallel_size, t.virtual_pipeline_model_parallel_size or 1
     key = ("chunks", repr(config.model), t.tensor_model_parallel_size, pp, v,
@@ -130,7 +129,7 @@ def rank_chunks(config, pp_rank: int) -> list[list[ParamShape]]:
 
 
 def _unit_groups(params: list[ParamShape]) -> list[list[ParamShape]]:
-    """ZeRO-3's parameter groups (training/fsdp.py `param_groups`): one per unit in backward
+    """ZeRO-3's parameter groups (data_parallel/fsdp.py `param_groups`): one per unit in backward
     order, the root unit (final norm, a tied embedding) last."""
     order: dict[str, list[ParamShape]] = {}
     for p in params:
@@ -177,3 +176,26 @@ def model_state_prediction(config, pp_rank: int = 0) -> dict:
         main_copy=main_copy(strategy, t.bf16, uses_dist_opt), host_elements=host)
     return {"total": device, "host_total": host_bytes, "psi": psi, "psi_padded": padded,
             "strategy": strategy, "dp": dp}
+
+
+def zero_formula_bytes(psi: int, *, strategy: str, dp: int, weight_bytes: int,
+                       main_copy: bool, host_elements: int = 0) -> tuple[int, int]:
+    """(device, host) model-state bytes per rank for `psi` parameters on this rank (ZeRO,
+    Rajbhandari et al. 2020, sec. 5, with our byte counts): weights W = 2 (bf16) or 4 (fp32),
+    gradients G = 4 (accumulated in fp32), optimizer K = 8 (two Adam moments) plus 4 for a
+    separate fp32 main copy (`main_copy`: bf16 weights, or no flat parameter store), so K = 12
+    in bf16 as in the paper. Per strategy, with N_d = dp:
+
+    - no_shard (stage 0): `(W + G + K) psi`
+    - optim (stage 1): `(W + G) psi + K psi / N_d`
+    - optim_grads (stage 2): `W psi + (G + K) psi / N_d`
+    - optim_grads_params (stage 3): `(W + G + K) psi / N_d`
+
+    With offload, `host_elements` of the optimizer's `psi / N_d` (`psi` unsharded) elements
+    move to host memory with 16 bytes each (fp32 main copy, two moments, gradient copy).
+    """
+    n_opt = psi // dp if strategy != "no_shard" else psi
+    w = weight_bytes * (psi // dp if strategy == "optim_grads_params" else psi)
+    g = 4 * (psi // dp if strategy in ("optim_grads", "optim_grads_params") else psi)
+    k = (8 + 4 * main_copy) * (n_opt - host_elements)
+    return w + g + k, 16 * host_elements

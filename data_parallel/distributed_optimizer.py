@@ -3,7 +3,7 @@ optimizer, `--data-parallel-sharding-strategy`), the fp32 main weights of --bf16
 ZeRO-Offload (`--optimizer-cpu-offload`).
 
 Sharded (Rajbhandari et al. 2020, sec. 5.1, "P_os"): the gradients of
-`training.distributed.DistributedDataParallel` are reduce-scattered over DP, bucket by bucket,
+`data_parallel.ddp.DistributedDataParallel` are reduce-scattered over DP, bucket by bucket,
 during backward; DP rank r owns shard r of every bucket (`ddp.shard_range`). For that shard only
 it keeps float32 main parameters and the AdamW moments (exp_avg, exp_avg_sq), updates them, and
 writes the result into its shard of the parameters (`ddp.param_view`: the contiguous parameter
@@ -49,8 +49,8 @@ from torch import nn
 import parallel_state as ps
 from parallel_state import collectives
 
-from .distributed import DistributedDataParallel
-from .optimizer import counts_toward_norm
+from .ddp import DistributedDataParallel
+from .grad_norm import counts_toward_norm
 
 
 @dataclass(eq=False)

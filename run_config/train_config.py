@@ -2,7 +2,7 @@
 logging), one field per flag with Megatron's names and defaults.
 
 Plain data, below both training/arguments.py (which makes every field a flag and reads them
-into a `Config` beside the `ModelConfig`) and training/config_checks.py (which validates the
+into a `Config` beside the `ModelConfig`) and run_config/checks.py (which validates the
 fields), so neither needs the other to name the type.
 """
 from __future__ import annotations

@@ -1,23 +1,7 @@
-"""Model FLOPs of a decoder-only transformer, for tokens/s -> TFLOP/s and MFU.
+"""The peak TFLOP/s that MFU divides by, measured or read from the data sheet, once per run.
 
-Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
-Megatron-LM" (SC21), sec. 5.1 and appendix: only matrix multiplications are counted (a
-`[m, k] x [k, n]` product is `2mkn` FLOPs), and training costs 3x the forward pass (backward
-computes the gradients with respect to both the inputs and the weights, 2x forward). Activation
-recomputation is *not* counted: these are model FLOPs, so MFU is comparable across
-recompute policies (Chowdhery et al. 2022, PaLM, appendix B).
-
-Generalised from the paper's GPT formula to grouped-query attention, SwiGLU and untied sizes.
-Per layer and per sequence of `s` tokens, forward:
-
-    2 s (h (q + 2 kv) + q h + h fc1_out + ffn h)      QKV, output projection, fc1, fc2
-  + 2 * 2 s^2 q                                       Q K^T and (softmax) V
-
-with `q = heads * d`, `kv = query_groups * d`, `fc1_out = 2 ffn` for SwiGLU (gate and up) and
-`ffn` for GeLU; plus the logits `2 s h V` once. The attention term is counted over the full
-`s x s` score matrix, as in the paper (no discount for the causal mask). Embedding lookups,
-norms, activations, softmax and the loss are not matmuls and are not counted. T5 (encoder-
-decoder) is counted per encoder token by the same rules (`_t5_flops_per_encoder_token`).
+Model FLOPs per token (the numerator) are planner/flops.py's formulas (Narayanan et al. 2021,
+sec. 5.1); this module only fixes the denominator (`PeakFlops`).
 """
 from __future__ import annotations
 
@@ -27,62 +11,7 @@ import time
 import torch
 
 from layers import gemm
-
-# Dense (no sparsity) bf16 tensor-core peak of one GPU from NVIDIA's data sheets, TFLOP/s,
-# keyed by a part of torch.cuda.get_device_name(); the more specific names come first
-# ("NVIDIA H100 PCIe" before the SXM part, "NVIDIA H100 80GB HBM3").
-GPU_PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H800": 989.0,
-                        "H200": 989.0, "A100": 312.0, "L40S": 362.0, "B200": 2250.0}
-
-
-def forward_flops_per_token(config, seq_length: int | None = None,
-                            vocab_size: int | None = None) -> float:
-    """Forward matmul FLOPs per token of `config` (a models.ModelConfig) at `seq_length`.
-
-    Args:
-        config: the model shape (`hidden_size`, `num_layers`, `num_attention_heads`,
-            `num_query_groups`, `kv_channels`, `ffn_hidden_size`, `activation`).
-        seq_length: tokens per sequence (default `config.seq_length`); sets the attention term.
-        vocab_size: columns of the output layer (default the real `config.vocab_size`; pass
-            the padded size to count padding work as well).
-    Returns:
-        FLOPs per token (a float; multiply by tokens/s for FLOP/s).
-    """
-    s = seq_length or config.seq_length
-    v = vocab_size or config.vocab_size
-    h, ffn = config.hidden_size, config.ffn_hidden_size
-    q, kv = config.query_projection_size, config.kv_projection_size
-    fc1_out = 2 * ffn if config.activation in ("swiglu", "geglu") else ffn
-    dense = 2 * (h * (q + 2 * kv) + q * h + h * fc1_out + ffn * h)
-    attention = 2 * 2 * s * q  # per token: one row of QK^T and of AV, each 2 s q
-    if getattr(config, "is_encoder_decoder", False):
-        return _t5_flops_per_encoder_token(config, s, dense, v)
-    return float(config.num_layers * (dense + attention) + 2 * h * v)
-
-
-def _t5_flops_per_encoder_token(config, se: int, dense: float, v: int) -> float:
-    """T5 forward FLOPs of one sample (`se` encoder, `sd` decoder tokens) per encoder token
-    (the unit of tokens/s): the same terms per layer as above, with the decoder's
-    cross-attention adding its query and output projections (`2 * 2 h q` per decoder
-    token), the K/V projections of the encoder output (`2 * 2 h kv` per encoder token and
-    decoder layer) and `4 se q` of scores and weighted values per decoder token."""
-    sd, h, q = config.decoder_seq_length, config.hidden_size, config.query_projection_size
-    kv = config.kv_projection_size
-    encoder = se * config.encoder_num_layers * (dense + 4 * se * q)
-    cross_kv = se * config.decoder_num_layers * 4 * h * kv
-    decoder = sd * (config.decoder_num_layers * (dense + 4 * h * q + 4 * sd * q + 4 * se * q)
-                    + 2 * h * v)
-    return float(encoder + cross_kv + decoder) / se
-
-
-def training_flops_per_token(config, seq_length: int | None = None,
-                             vocab_size: int | None = None) -> float:
-    """Training (forward + backward) model FLOPs per token: 3x `forward_flops_per_token`.
-
-    Narayanan et al. 2021 (SC21), sec. 5.1: backward costs twice the forward. Arguments as
-    `forward_flops_per_token`.
-    """
-    return 3.0 * forward_flops_per_token(config, seq_length, vocab_size)
+from planner.flops import GPU_PEAK_BF16_TFLOPS
 
 
 def measured_matmul_peak(dtype: torch.dtype, device: torch.device, n: int = 2048,

@@ -2,11 +2,11 @@
 (memory, communication, bubble, step time, MFU) and ranked.
 
 A layout is (tp, pp, vpp, dp, micro batch, sharding strategy, recompute, sequence parallel);
-`enumerate_layouts` builds each one as a `training.arguments.Config` and runs train.py's own
+`enumerate_layouts` builds each one as a `run_config.config.Config` and runs train.py's own
 `validate` on it, so a layout this module lists is one train.py accepts; a rejected one keeps
 the validation's message (or the planner's reason: TP across nodes, memory) as its reason.
 
-Step time (seconds), from the FLOP count of training/flops.py (Narayanan et al. 2021,
+Step time (seconds), from the FLOP count of planner/flops.py (Narayanan et al. 2021,
 sec. 5.1) at `peak x matmul_efficiency` per GPU:
 
     t_mb    = max over stages of (training FLOPs of the stage's layers, + logits on the last,
@@ -29,9 +29,11 @@ from dataclasses import dataclass
 
 from models.config import ConfigError
 
-from ..arguments import Config, TrainConfig
-from ..distributed import STRATEGIES
-from ..flops import GPU_PEAK_BF16_TFLOPS, forward_flops_per_token, training_flops_per_token
+from data_parallel.ddp import STRATEGIES
+from run_config.config import Config
+from run_config.train_config import TrainConfig
+
+from .flops import GPU_PEAK_BF16_TFLOPS, forward_flops_per_token, training_flops_per_token
 from .communication import communication_per_rank, communication_seconds, step_communication
 from .memory import peak_memory
 

@@ -25,7 +25,7 @@ import sysconfig
 import time
 from contextlib import contextmanager
 
-from training.data.indexed_dataset import IndexedDatasetBuilder
+from data_pipeline.indexed_dataset import IndexedDatasetBuilder
 from models.tokenizer import build_tokenizer, encode_documents, train_sentencepiece
 
 FORMAT_VERSION = 1

@@ -1,10 +1,10 @@
-"""Predicted memory per rank: model states (exact, training/planner/parameters.py), the
+"""Predicted memory per rank: model states (exact, planner/parameters.py), the
 activations one microbatch saves for backward on each stage, the microbatches in flight under
 the pipeline schedule, and the transient buffers of the sharding strategies.
 
 Activations per microbatch, for a stage's chunks:
 
-- decoder layers: `training.memory.model_chunk_bytes`, our layer term by term (Korthikanti et
+- decoder layers: `planner.activations.model_chunk_bytes`, our layer term by term (Korthikanti et
   al. 2022, sec. 4, adapted to SwiGLU/GQA/RMSNorm/SDPA as that module documents), under the
   run's recompute policy and sequence parallelism;
 - the first stage: the embedding keeps the token ids (int64 `[b, s]`), the position ids of
@@ -23,7 +23,7 @@ gathered units (`gathered_peak_bytes`).
 """
 from __future__ import annotations
 
-from ..memory import model_chunk_bytes, norm_bytes
+from .activations import model_chunk_bytes, norm_bytes
 from .parameters import chunk_layout, model_state_prediction, rank_chunks
 
 
@@ -53,7 +53,7 @@ def chunk_activation_bytes(config, params, pre_process: bool, post_process: bool
 
 
 def gathered_peak_bytes(config, chunks) -> int:
-    """ZeRO-3's gathered parameters at the busiest moment (training/fsdp.py
+    """ZeRO-3's gathered parameters at the busiest moment (data_parallel/fsdp.py
     `predicted_peak_bytes`, summed over chunks): the root unit plus the two largest adjacent
     units (one in use, the next prefetched), each unit its buckets' padded size in the weight
     dtype."""

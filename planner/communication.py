@@ -20,7 +20,7 @@ message). Per microbatch and layer, with `e` bytes per activation value, `A = s 
   inputs: 4; recompute adds 2 and 2 (less 1 reduce-scatter per span); embedding 1 + 1,
   output layer 2 all-gathers + 1 reduce-scatter. After backward, one all-reduce over tp of
   the sequence-parallel weights' float32 gradients (norms, row biases).
-- dp: per bucket (training/distributed.py) an all-reduce of its float32 gradient (no_shard),
+- dp: per bucket (data_parallel/ddp.py) an all-reduce of its float32 gradient (no_shard),
   or a reduce-scatter of it (optim: once per step; optim_grads: every microbatch) and an
   all-gather of the updated weight shard (weight dtype); ZeRO-3 (optim_grads_params) gathers
   each unit before forward and backward instead (`_zero3_gathers`). Scalars: the token
@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 
 from .parameters import chunk_layout, rank_chunks
-from ..recompute import recompute_spans
+from layers.recompute import recompute_spans
 
 
 def _add(out: dict, key: tuple[str, str], calls: int, nbytes: int) -> None:
@@ -67,7 +67,7 @@ def _owned(bucket, lo: int, hi: int, dp: int, rank: int, shard: bool) -> int:
 
 def _zero3_gathers(chunks, layouts, pp_rank: int, pp: int, v: int, mb: int,
                    first_step: bool) -> tuple[int, int]:
-    """(all-gather calls, gathered elements) of one ZeRO-3 step on one rank (training/fsdp.py):
+    """(all-gather calls, gathered elements) of one ZeRO-3 step on one rank (data_parallel/fsdp.py):
     every unit is gathered for each microbatch's forward and again for its backward (or for
     the recompute inside it), except the root and the last unit, which stay gathered while
     microbatches are pending: once per step on a stage that runs warm-up forwards, once per
@@ -94,7 +94,7 @@ def _zero3_gathers(chunks, layouts, pp_rank: int, pp: int, v: int, mb: int,
 
 def step_communication(config, first_step: bool = False) -> dict[tuple[str, str], tuple[int, int]]:
     """`{(group, op): (calls, bytes)}` of one training step, summed over all ranks (a
-    validated training.arguments.Config). Groups: tp, sp, dp, pp, embedding, mp.
+    validated run_config.config.Config). Groups: tp, sp, dp, pp, embedding, mp.
     `first_step`: the first step of a run (ZeRO-3 gathers one unit more, see `_zero3_gathers`);
     otherwise a steady-state step."""
     m, t = config.model, config.train

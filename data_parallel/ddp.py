@@ -24,7 +24,7 @@ N_d data-parallel ranks, W/G bytes per weight/gradient, K optimizer bytes per pa
   shard (`grad_shards`), after which the temporary buffer is freed (at most two buckets in
   flight, as Megatron-FSDP's sliding drain). `W psi + (G + K) psi / N_d`.
 - `optim_grads_params` (stage 3, FSDP): as `optim_grads`, and between uses each rank keeps
-  only its shard of the parameters (`param_shards`); `training.fsdp.ParameterUnits`
+  only its shard of the parameters (`param_shards`); `data_parallel.fsdp.ParameterUnits`
   all-gathers them per unit (a transformer layer, the embedding, the output layer) just
   before its forward and again before its backward, frees them right after, and prefetches the
   next unit's gather so it overlaps compute. `(W + G + K) psi / N_d` plus the gathered units.
@@ -69,7 +69,7 @@ class _Bucket:
     handle: object | None = None  # in-flight gradient all-reduce / reduce-scatter
     gather: object | None = None  # in-flight parameter all-gather (optim, optim_grads)
     grad_full: torch.Tensor | None = None  # sharded grads: gradient being accumulated
-    unit: object | None = None  # optim_grads_params: the training.fsdp unit holding it
+    unit: object | None = None  # optim_grads_params: the data_parallel.fsdp unit holding it
 
 
 @dataclass

@@ -88,7 +88,7 @@ def log_comm(config, counts: dict, global_batch_size: int, iteration: int, logge
     rec, lines = comm_report(step_config(config, global_batch_size), gather_counts(counts),
                              iteration, first_step)
     logger.log(rec, f"communication of step {iteration} (calls and payload bytes summed over "
-                    f"all {config.world_size} ranks; planner = training/planner):\n  "
+                    f"all {config.world_size} ranks; planner: planner/communication.py):\n  "
                     + "\n  ".join(lines), prefix="comm")
     return rec
 

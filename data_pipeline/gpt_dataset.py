@@ -30,8 +30,8 @@ from typing import Sequence
 
 import numpy as np
 
-from training.config_checks import parse_data_path
-from training.data.indexed_dataset import IndexedDataset
+from data_pipeline.data_path import parse_data_path
+from data_pipeline.indexed_dataset import IndexedDataset
 
 _CACHED_EPOCHS = 2  # epoch indices kept in memory (a run reads one epoch at a time)
 

@@ -1,8 +1,8 @@
 """Data pipeline: tokenizers, memory-mapped indexed datasets, GPT samples/blends, demo corpus."""
-from training.data.default_corpus import ensure_default_corpus
-from training.data.gpt_dataset import (BlendedDataset, GPTDataset, batch_digest,
+from data_pipeline.default_corpus import ensure_default_corpus
+from data_pipeline.gpt_dataset import (BlendedDataset, GPTDataset, batch_digest,
                                        build_train_valid_test_datasets)
-from training.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from data_pipeline.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from models.tokenizer import Tokenizer, build_tokenizer, train_sentencepiece
 
 __all__ = [
