@@ -1,8 +1,9 @@
-"""The process grid (pp x dp x tp on one DeviceMesh), its getters, the TP-aware RNG tracker,
-the collectives with autograd, pipeline p2p and the one layer every collective passes through.
-See grid.py, random.py, mappings.py, p2p.py and collectives.py; hang_doctor/ (the collective
-trace, its report, --debug-collectives: consumers of collectives.py) and transport/ (the
-shared-memory channel collectives.py runs CPU groups on, and its set-up)."""
+"""The process grid (pp x dp x tp on one DeviceMesh, and the expert layers' etp x ep x edp
+over the same ranks), its getters, the TP-aware RNG tracker, the collectives with autograd,
+pipeline p2p and the one layer every collective passes through. See grid.py, random.py,
+mappings.py, p2p.py and collectives.py; hang_doctor/ (the collective trace, its report,
+--debug-collectives: consumers of collectives.py) and transport/ (the shared-memory channel
+collectives.py runs CPU groups on, and its set-up)."""
 from . import collectives  # noqa: F401
 from .grid import (  # noqa: F401
     Grid,
@@ -14,6 +15,18 @@ from .grid import (  # noqa: F401
     get_data_parallel_world_size,
     get_device,
     get_embedding_group,
+    get_expert_data_parallel_group,
+    get_expert_data_parallel_rank,
+    get_expert_data_parallel_world_size,
+    get_expert_model_parallel_group,
+    get_expert_model_parallel_rank,
+    get_expert_model_parallel_world_size,
+    get_expert_tensor_and_model_parallel_group,
+    get_expert_tensor_and_model_parallel_rank,
+    get_expert_tensor_and_model_parallel_world_size,
+    get_expert_tensor_parallel_group,
+    get_expert_tensor_parallel_rank,
+    get_expert_tensor_parallel_world_size,
     get_stage_group,
     get_grid,
     get_model_parallel_group,
@@ -37,6 +50,7 @@ from .grid import (  # noqa: F401
 )
 from .mappings import (  # noqa: F401
     all_reduce_sequence_parallel_grads,
+    all_to_all,
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,

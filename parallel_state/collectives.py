@@ -150,11 +150,14 @@ class Call:
 
     def key(self) -> tuple:
         """What `signature()` formats, cheap to take and holding no tensor: (op, reduce op,
-        src, is p2p, ((dtype, shape), ...) or ((kind, peer, tag, seq, dtype, shape), ...))."""
+        src, is p2p, ((dtype, shape), ...) or ((kind, peer, tag, seq, dtype, shape), ...)).
+        For an op in `UNEVEN_OPS` dim 0 of the shape is "*": it differs between ranks."""
         if self.messages is None:
             ts = self.tensors
             payload = ((ts[0].dtype, ts[0].shape),) if len(ts) == 1 else \
                 tuple((t.dtype, t.shape) for t in ts)
+            if self.op in UNEVEN_OPS:
+                payload = tuple((dtype, ("*", *shape[1:])) for dtype, shape in payload)
             return (self.op, self.reduce_op, self.src, False, payload)
         return (self.op, self.reduce_op, self.src, True,
                 tuple((m.kind, m.peer, m.tag, m.seq, m.tensor.dtype, m.tensor.shape)
@@ -164,6 +167,11 @@ class Call:
         """What every rank of the group must agree on: op, reduce op / root, dtype, shapes
         (for a p2p batch: each message), e.g. `all_reduce SUM float32[4, 8]`."""
         return format_signature(self.key())
+
+
+# Collectives whose input's dim 0 is per-rank (all_to_all_single's split sizes): signatures
+# (what --debug-collectives and the trace report compare across ranks) leave it out.
+UNEVEN_OPS = frozenset({"all_to_all_single"})
 
 
 def format_signature(key: tuple) -> str:
@@ -191,7 +199,7 @@ def _desc(dtype, shape) -> str:
     name = _dtype_names.get(dtype)
     if name is None:
         name = _dtype_names[dtype] = str(dtype).removeprefix("torch.")
-    return f"{name}{list(shape)}"
+    return f"{name}[{', '.join(map(str, shape))}]"
 
 
 def tensor_desc(t: torch.Tensor) -> str:
@@ -383,9 +391,10 @@ def _channel(group, tensor, op=None):
 def _collective(name, group, payload, async_op, torch_fn, shm_fn, reduce_op=None):
     """Run collective `name` on `payload`: `shm_fn(channel)` when the group has a
     shared-memory channel for it (synchronous; an async call returns a finished Work), else
-    `torch_fn()`; observed by the consumers, if any (a shared-memory call as the blocking
-    call it is, so that profiles count its time as communication)."""
-    ch = _channel(group, payload, reduce_op)
+    `torch_fn()` (always when `shm_fn` is None: an op the channel does not run); observed by
+    the consumers, if any (a shared-memory call as the blocking call it is, so that profiles
+    count its time as communication)."""
+    ch = None if shm_fn is None else _channel(group, payload, reduce_op)
     if ch is not None:
         if _consumers:
             _run(Call(name, _group(group), (payload,), reduce_op=reduce_op, async_op=False),
@@ -428,6 +437,20 @@ def reduce_scatter_single(output, input, op=ReduceOp.SUM, group=None, async_op=F
                        lambda: _reduce_scatter_single(output, input, op=op, group=group,
                                                       async_op=async_op),
                        lambda ch: ch.reduce_scatter_single(output, input, op), reduce_op=op)
+
+
+def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
+                      group=None, async_op=False):
+    """`torch.distributed.all_to_all_single`, observed: rows `input_split_sizes[j]` of `input`
+    (dim 0, in order) go to rank j of `group`, and `output` receives `output_split_sizes[j]`
+    rows from rank j (None: equal splits). Splits may differ per rank and be zero (gloo and
+    NCCL both take uneven splits). Observed with `input` as payload (the bytes this rank
+    sends, its own split included) and dim 0 out of the signature (`UNEVEN_OPS`). Always on
+    torch's backend: the shared-memory channel does not run all-to-all."""
+    return _collective("all_to_all_single", group, input, async_op,
+                       lambda: dist.all_to_all_single(output, input, output_split_sizes,
+                                                      input_split_sizes, group=group,
+                                                      async_op=async_op), None)
 
 
 # Newer torch names the flat collectives *_single and deprecates the *_tensor spellings;

@@ -7,14 +7,15 @@ and no consumer is registered, so the collectives take their fast path.
 
 What is counted, per rank (the same quantity the planner predicts, planner/):
 
-- group: the group's label (`tp`, `dp`, `pp`, `embedding`, `mp`, `world`, ...); collectives
-  on the TP group that move sequence shards (`all_gather_single`, `reduce_scatter_single`)
-  are labelled `sp`, the all-reduces stay `tp`.
+- group: the group's label (`tp`, `dp`, `pp`, `embedding`, `mp`, `ep`, `edp`, `world`, ...);
+  collectives on the TP group that move sequence shards (`all_gather_single`,
+  `reduce_scatter_single`) are labelled `sp`, the all-reduces stay `tp`.
 - op: the collective's name; a `batch_isend_irecv` counts each message as one `send` or
   `recv` call.
 - bytes: the payload of this rank, `Call.nbytes`: the input tensor(s), i.e. the local shard
   for an all-gather, the full input for a reduce-scatter, the tensor for an all-reduce, the
-  message for a send or receive. Object collectives (pickled) count 0 bytes.
+  input for an all-to-all (every row this rank sends, its own split included), the message
+  for a send or receive. Object collectives (pickled) count 0 bytes.
 
 `gather_counts(counts)` sums them over all ranks (one all_gather_object on the world; call
 it on every rank, after `stop()`).

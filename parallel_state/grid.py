@@ -4,11 +4,19 @@ Rank order is Megatron's: tensor-parallel ranks are adjacent (fastest varying), 
 parallel, then pipeline, so global rank = (pp_rank * dp + dp_rank) * tp + tp_rank and a TP
 group sits inside one node.
 
+The expert layers of a mixture of experts see the same ranks of each pipeline stage as
+etp x ep x edp (Megatron-Core's expert RankGenerator, order tp-ep-dp-pp): expert-tensor-
+parallel ranks adjacent, then expert-parallel, then expert-data-parallel, so global rank =
+(pp_rank * edp + edp_rank) * ep * etp + ep_rank * etp + etp_rank and dp * tp == edp * ep * etp.
+The expert-parallel ranks are thus carved out of the data-parallel (and, when etp < tp, the
+tensor-parallel) ranks of a stage.
+
 The grid is one object (`Grid`); the module keeps the current one so layers can ask for their
 groups without threading it through every constructor, and the getters below read it.
 """
 from __future__ import annotations
 
+import math
 import os
 import socket
 from datetime import timedelta
@@ -49,6 +57,17 @@ class Grid:
     pp_rank: int = 0
     pp_ranks: list[int] = field(default_factory=list)  # global ranks of this pipeline, by stage
     virtual_pipeline_rank: int = 0  # the model chunk currently running (set by schedules)
+    # expert layers (see the module docstring): sizes, this rank's coordinates, its groups
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int = 1
+    expert_data_parallel_size: int = 1
+    ep_rank: int = 0
+    etp_rank: int = 0
+    edp_rank: int = 0
+    ep_group: dist.ProcessGroup | None = None
+    etp_group: dist.ProcessGroup | None = None
+    edp_group: dist.ProcessGroup | None = None  # expert gradients reduce over it
+    etp_ep_group: dist.ProcessGroup | None = None  # etp x ep ranks of one expert replica
 
 
 _GRID: Grid | None = None
@@ -151,6 +170,8 @@ def initialize_model_parallel(
     device: torch.device | str | None = None,
     embedding_stages: list[int] | None = None,
     stage_groups: dict[str, list[int]] | None = None,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
 ) -> Grid:
     """Build the (pp, dp, tp) grid over the running world and make it current.
 
@@ -158,10 +179,14 @@ def initialize_model_parallel(
     first and the last; T5 also the first decoder stage, Megatron's split rank).
     `stage_groups`: `{name: stages}` of other parameters replicated over stages; each gets a
     group per (dp, tp) coordinate (`get_stage_group(name)`), like the embedding group.
+    `expert_model_parallel_size` (ep) and `expert_tensor_parallel_size` (etp, None: tp) lay
+    out the expert layers over each stage's dp * tp ranks as etp x ep x edp (module
+    docstring); edp = dp * tp / (ep * etp).
 
-    Raises `GridError` when the world size is not divisible by tp * pp, when a size is not
-    positive, when the default process group is not started, or when a grid already exists
-    (call `destroy_model_parallel()` first).
+    Raises `GridError` when the world size is not divisible by tp * pp, when etp does not
+    divide dp * tp or ep does not divide dp * tp / etp, when a size is not positive, when the
+    default process group is not started, or when a grid already exists (call
+    `destroy_model_parallel()` first). Sizes are checked before any group is made.
     """
     global _GRID
     if _GRID is not None:
@@ -181,6 +206,9 @@ def initialize_model_parallel(
             f"pipeline-model-parallel-size ({pp}); launch a multiple of {tp * pp} processes "
             f"or change --tp/--pp")
     dp = world // (tp * pp)
+    ep = expert_model_parallel_size
+    etp = tp if expert_tensor_parallel_size is None else expert_tensor_parallel_size
+    edp = _expert_data_parallel_size(world, tp, dp, pp, ep, etp)
     device = torch.device(device) if device is not None else default_device()
     mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
     for dim in ("pp", "dp", "tp"):
@@ -223,6 +251,8 @@ def initialize_model_parallel(
             raise GridError(f"stage group {name!r}: stages {stages} outside 0..{pp - 1}")
         if len(stages) > 1:
             groups[name] = stage_group(stages, name)
+    expert = _expert_groups(tp, dp, pp, ep, etp, rank, mesh.get_group("tp"),
+                            mesh.get_group("dp"), device)
     _GRID = Grid(
         mesh=mesh,
         tensor_model_parallel_size=tp,
@@ -240,8 +270,78 @@ def initialize_model_parallel(
         dp_rank=dp_rank,
         pp_rank=pp_rank,
         pp_ranks=pp_ranks,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        expert_data_parallel_size=edp,
+        **expert,
     )
     return _GRID
+
+
+def _expert_data_parallel_size(world: int, tp: int, dp: int, pp: int, ep: int, etp: int) -> int:
+    """edp of the expert layout etp x ep x edp over a stage's dp * tp ranks; raises GridError
+    naming the flag to change when the sizes do not fit."""
+    if ep < 1 or etp < 1:
+        raise GridError(f"expert parallel sizes must be >= 1, got --expert-model-parallel-size "
+                        f"{ep} --expert-tensor-parallel-size {etp}; 1 turns either off")
+    stage = dp * tp
+    if stage % etp:
+        raise GridError(
+            f"--expert-tensor-parallel-size {etp} must divide the {stage} ranks of a pipeline "
+            f"stage (data-parallel size {dp} x tensor-model-parallel-size {tp}); use a "
+            f"divisor of {stage}, e.g. {tp} (the default: the same as --tp)")
+    if (stage // etp) % ep:
+        n = stage // etp
+        where = f"the data-parallel size ({dp} = world {world} / (tp {tp} x pp {pp}))"
+        if etp != tp:
+            where += f" x tensor-model-parallel-size {tp} / expert-tensor-parallel-size {etp} = {n}"
+        fits = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+        raise GridError(
+            f"--expert-model-parallel-size {ep} must divide {where}: the expert-parallel "
+            f"ranks are carved out of the data-parallel ranks of each pipeline stage; use one "
+            f"of {fits}, or launch a multiple of {math.lcm(tp, etp * ep) * pp} processes")
+    return stage // (etp * ep)
+
+
+def _expert_groups(tp: int, dp: int, pp: int, ep: int, etp: int, rank: int, tp_group,
+                   dp_group, device: torch.device) -> dict:
+    """This rank's coordinates and groups in the expert layout (module docstring), as `Grid`
+    fields. Every rank makes every group, in the same order. An expert group with the ranks of
+    another is that group (etp == tp: the tp group; ep * etp == tp: the dp group; etp x ep:
+    the etp group when ep == 1, the ep group when etp == 1), with its label and shared-memory
+    channel; the others are labelled "ep", "etp", "edp", "etp-ep". On CPU, new etp and edp
+    groups (reductions) get a shared-memory channel; the ep group's all-to-all is not one the
+    channel runs, so it stays on gloo."""
+    stage, edp = dp * tp, dp * tp // (ep * etp)
+    pp_rank, rest = divmod(rank, stage)
+    edp_rank, rest = divmod(rest, ep * etp)
+    ep_rank, etp_rank = divmod(rest, etp)
+
+    def build(label, lists):
+        mine = None
+        for ranks in lists:
+            g = collectives.new_group(ranks, label=label)
+            if rank in ranks:
+                mine = g
+        return mine
+
+    def at(p, d, e, t):
+        return p * stage + (d * ep + e) * etp + t
+
+    P, D, E, T = range(pp), range(edp), range(ep), range(etp)
+    etp_group = tp_group if etp == tp else build(
+        "etp", [[at(p, d, e, t) for t in T] for p in P for d in D for e in E])
+    ep_group = build("ep", [[at(p, d, e, t) for e in E] for p in P for d in D for t in T])
+    edp_group = dp_group if ep * etp == tp else build(
+        "edp", [[at(p, d, e, t) for d in D] for p in P for e in E for t in T])
+    etp_ep_group = etp_group if ep == 1 else ep_group if etp == 1 else build(
+        "etp-ep", [[at(p, d, e, t) for e in E for t in T] for p in P for d in D])
+    if device.type == "cpu":
+        for g, size, dense in ((etp_group, etp, tp_group), (edp_group, edp, dp_group)):
+            if size > 1 and g is not dense:
+                shm_setup.attach(g, collectives.get_timeout())
+    return dict(ep_rank=ep_rank, etp_rank=etp_rank, edp_rank=edp_rank, ep_group=ep_group,
+                etp_group=etp_group, edp_group=edp_group, etp_ep_group=etp_ep_group)
 
 
 def destroy_model_parallel(destroy_world: bool = False) -> None:
@@ -298,6 +398,59 @@ def get_stage_group(name: str):
     """This rank's group of the stages replicating parameter group `name` (see
     `initialize_model_parallel`), or None when this stage holds no copy or there is one."""
     return get_grid().stage_groups.get(name)
+
+
+def get_expert_model_parallel_group():
+    """The ep group: ranks holding different experts of an MoE layer (the token all-to-all)."""
+    return get_grid().ep_group
+
+
+def get_expert_tensor_parallel_group():
+    """The etp group: ranks holding shards of the same experts (the tp group when etp == tp)."""
+    return get_grid().etp_group
+
+
+def get_expert_data_parallel_group():
+    """The edp group: replicas of the same expert shards; expert gradients reduce over it."""
+    return get_grid().edp_group
+
+
+def get_expert_tensor_and_model_parallel_group():
+    """The etp x ep ranks of one expert replica (Megatron's tp-ep group)."""
+    return get_grid().etp_ep_group
+
+
+def get_expert_model_parallel_world_size() -> int:
+    return _GRID.expert_model_parallel_size if _GRID else 1
+
+
+def get_expert_model_parallel_rank() -> int:
+    return _GRID.ep_rank if _GRID else 0
+
+
+def get_expert_tensor_parallel_world_size() -> int:
+    return _GRID.expert_tensor_parallel_size if _GRID else 1
+
+
+def get_expert_tensor_parallel_rank() -> int:
+    return _GRID.etp_rank if _GRID else 0
+
+
+def get_expert_data_parallel_world_size() -> int:
+    return _GRID.expert_data_parallel_size if _GRID else 1
+
+
+def get_expert_data_parallel_rank() -> int:
+    return _GRID.edp_rank if _GRID else 0
+
+
+def get_expert_tensor_and_model_parallel_world_size() -> int:
+    return get_expert_model_parallel_world_size() * get_expert_tensor_parallel_world_size()
+
+
+def get_expert_tensor_and_model_parallel_rank() -> int:
+    return get_expert_model_parallel_rank() * get_expert_tensor_parallel_world_size() + \
+        get_expert_tensor_parallel_rank()
 
 
 def get_tensor_model_parallel_world_size() -> int:

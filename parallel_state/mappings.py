@@ -12,13 +12,18 @@ and the sequence-parallel paper (Korthikanti et al. 2022, sec. 4.2.2, `g` and `g
 | scatter_to_sequence_parallel_region        | split dim 0        | all-gather dim 0    |
 | gather_from_sequence_parallel_region       | all-gather dim 0   | reduce-scatter dim 0|
 | reduce_scatter_to_sequence_parallel_region | reduce-scatter dim0| all-gather dim 0    |
+| all_to_all (any group, e.g. ep)            | all-to-all dim 0   | same, splits swapped|
 
-All act on the current grid's tensor-parallel group and are identities on one TP rank.
-Sequence-parallel tensors are `[s, b, h]` with the sequence (dim 0) split across TP ranks.
+All but all_to_all act on the current grid's tensor-parallel group and are identities on one
+TP rank. Sequence-parallel tensors are `[s, b, h]` with the sequence (dim 0) split across TP
+ranks.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+import torch.distributed as dist
 
 from . import collectives, grid
 from .collectives import all_gather_single, reduce_scatter_single
@@ -195,6 +200,74 @@ def gather_from_sequence_parallel_region(x: torch.Tensor,
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor) -> torch.Tensor:
     """`g-bar`: sum partial `[s, b, h]` over TP and keep `[s/tp, b, h]`; backward all-gathers."""
     return _ReduceScatterToSP.apply(x)
+
+
+def _all_to_all(x: torch.Tensor, output_split_sizes, input_split_sizes, group) -> torch.Tensor:
+    """The exchange of `all_to_all`, splits already checked (`_splits`)."""
+    if dist.get_world_size(group) == 1:
+        return x
+    x = x.contiguous()
+    rows = x.shape[0] if output_split_sizes is None else sum(output_split_sizes)
+    out = x.new_empty((rows, *x.shape[1:]))
+    collectives.all_to_all_single(out, x, output_split_sizes, input_split_sizes, group=group)
+    return out
+
+
+def _splits(name: str, splits, size: int, rows: int | None = None) -> list[int] | None:
+    """`splits` as a list of ints, checked: one non-negative int per rank, summing to `rows`
+    (the input's dim 0) when given."""
+    if splits is None:
+        if rows is not None and rows % size:
+            raise ValueError(f"all_to_all without split sizes needs dim 0 ({rows}) divisible "
+                             f"by the group size {size}; pass input_split_sizes")
+        return None
+    if len(splits) != size or any(int(n) != n or n < 0 for n in splits):
+        raise ValueError(f"{name} must be {size} non-negative ints (one per rank of the "
+                         f"group), got {list(splits)}")
+    splits = [int(n) for n in splits]
+    if rows is not None and sum(splits) != rows:
+        raise ValueError(f"{name} {splits} sum to {sum(splits)}, but the input has {rows} "
+                         f"rows (dim 0)")
+    return splits
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, output_split_sizes, input_split_sizes, group):
+        ctx.group, ctx.splits = group, (output_split_sizes, input_split_sizes)
+        return _all_to_all(x, output_split_sizes, input_split_sizes, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        output_split_sizes, input_split_sizes = ctx.splits
+        return _all_to_all(g, input_split_sizes, output_split_sizes, ctx.group), None, None, None
+
+
+def all_to_all(x: torch.Tensor, output_split_sizes: Sequence[int] | None,
+               input_split_sizes: Sequence[int] | None, group) -> torch.Tensor:
+    """Exchange rows of `x [tokens, ...]` (e.g. `[tokens, h]`) over `group`: rows
+    `input_split_sizes[j]` (in order along dim 0) go to rank j, and the result
+    `[sum(output_split_sizes), ...]` holds `output_split_sizes[j]` rows from rank j, in rank
+    order. Backward is the same exchange of the gradient with the splits swapped. None
+    splits: equal parts of dim 0. Any split may be 0 (a rank that sends or receives no
+    tokens). The identity on a group of one rank. The token dispatch of a mixture of experts
+    (GShard, Lepikhin et al. 2020; Megatron-Core's `tensor_parallel/mappings.py` all_to_all).
+
+    Every rank of `group` calls it, and `output_split_sizes[j]` here must equal rank j's
+    `input_split_sizes[this rank]` (exchange the counts first, e.g. with an all-to-all of the
+    per-rank counts): torch's backend does not check that.
+
+    Raises:
+        ValueError: a split list without one non-negative int per rank of `group`,
+            `input_split_sizes` not summing to dim 0 of `x`, or (None splits) dim 0 not
+            divisible by the group size.
+    """
+    size = dist.get_world_size(group)
+    input_split_sizes = _splits("input_split_sizes", input_split_sizes, size, x.shape[0])
+    output_split_sizes = _splits("output_split_sizes", output_split_sizes, size)
+    if not torch.is_grad_enabled():
+        return _all_to_all(x, output_split_sizes, input_split_sizes, group)
+    return _AllToAll.apply(x, output_split_sizes, input_split_sizes, group)
 
 
 def all_reduce_sequence_parallel_grads(params) -> None:
