@@ -1,5 +1,5 @@
 """Parallel building blocks: column/row linear, vocab embedding, vocab-parallel cross entropy,
-norms, attention, MLP, transformer layer and block."""
+norms, attention, MLP, mixture-of-experts MLP (moe/), transformer layer and block."""
 from .attention import (  # noqa: F401
     CrossAttention,
     RelativePositionBias,
@@ -12,6 +12,7 @@ from .cross_entropy import vocab_parallel_cross_entropy  # noqa: F401
 from .embedding import LanguageModelEmbedding, VocabParallelEmbedding  # noqa: F401
 from .linear import ColumnParallelLinear, RowParallelLinear  # noqa: F401
 from .mlp import MLP  # noqa: F401
+from .moe import MoELayer  # noqa: F401
 from .norm import LayerNorm, RMSNorm, build_norm  # noqa: F401
 from .sharding import (  # noqa: F401
     full_shape,

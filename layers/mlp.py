@@ -60,33 +60,39 @@ def geglu(fused: torch.Tensor) -> torch.Tensor:
 GATED = ("swiglu", "geglu")  # activations whose fc1 is the fused [gate; up]
 
 
+def activate(y: torch.Tensor, activation: str) -> torch.Tensor:
+    """fc1's output `[..., f]` (`[..., 2f]` fused `[gate; up]` for GATED) through
+    `activation` ("gelu": tanh approximation, "relu", "swiglu", "geglu") -> `[..., f]`."""
+    if activation == "swiglu":
+        return swiglu(y)
+    if activation == "geglu":
+        return geglu(y)
+    if activation == "relu":
+        return F.relu(y)
+    return F.gelu(y, approximate="tanh")
+
+
 class MLP(nn.Module):
     """`[s, b, h] -> [s, b, h]` (sequence shards `[s/tp, b, h]` under SP).
 
     `config.activation`: "gelu" (tanh approximation, GPT-2), "relu" (T5 v1.0), or the gated
-    "swiglu" (Llama) / "geglu" (T5 v1.1), whose fc1 holds `[gate; up]`.
+    "swiglu" (Llama) / "geglu" (T5 v1.1), whose fc1 holds `[gate; up]`. `ffn_hidden_size`
+    overrides `config.ffn_hidden_size` (an MoE layer's shared experts).
     """
 
-    def __init__(self, config, sequence_parallel: bool = False):
+    def __init__(self, config, sequence_parallel: bool = False,
+                 ffn_hidden_size: int | None = None):
         super().__init__()
         self.activation = config.activation
         gated = self.activation in GATED
-        fc1_out = config.ffn_hidden_size * (2 if gated else 1)
+        ffn = ffn_hidden_size or config.ffn_hidden_size
+        fc1_out = ffn * (2 if gated else 1)
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size, fc1_out, bias=config.add_bias_linear,
             sequence_parallel=sequence_parallel, num_fused_parts=2 if gated else 1)
         self.linear_fc2 = RowParallelLinear(
-            config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear,
+            ffn, config.hidden_size, bias=config.add_bias_linear,
             sequence_parallel=sequence_parallel, init="scaled_normal")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.linear_fc1(x)
-        if self.activation == "swiglu":
-            y = swiglu(y)
-        elif self.activation == "geglu":
-            y = geglu(y)
-        elif self.activation == "relu":
-            y = F.relu(y)
-        else:
-            y = F.gelu(y, approximate="tanh")
-        return self.linear_fc2(y)
+        return self.linear_fc2(activate(self.linear_fc1(x), self.activation))

@@ -31,11 +31,13 @@ from .dropout import (
     sub_site,
 )
 from .mlp import MLP
+from .moe import MoELayer
 from .norm import build_norm
 
 
 class TransformerLayer(nn.Module):
-    """One pre-norm layer. `causal=False`: bidirectional self-attention (an encoder);
+    """One pre-norm layer; its MLP is a MoELayer where `config.is_moe_layer(layer_number)`.
+    `causal=False`: bidirectional self-attention (an encoder);
     `cross_attention`: a decoder layer of an encoder-decoder model; `softmax_scale`: see
     SelfAttention (T5: 1.0)."""
 
@@ -58,7 +60,8 @@ class TransformerLayer(nn.Module):
         else:
             self.cross_attention = None
         self.pre_mlp_layernorm = build_norm(config, sequence_parallel=sp)
-        self.mlp = MLP(config, sequence_parallel=sp)
+        self.mlp = MoELayer(config, layer_number, sequence_parallel=sp) \
+            if config.is_moe_layer(layer_number) else MLP(config, sequence_parallel=sp)
 
     def _residual(self, x, y, site: int):
         return x + hidden_dropout(y, self.hidden_dropout, self.training,

@@ -22,6 +22,10 @@ _MODEL_TYPES = ("gpt", "t5")
 _ROPE_SCALING = (None, "linear", "llama3")
 
 
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 @dataclass
 class ModelConfig:
     """Shape and numerics of a decoder-only model (GPT-2 / Llama families) or, with
@@ -76,6 +80,25 @@ class ModelConfig:
     decoder_seq_length: int | None = None
     relative_attention_num_buckets: int = 32
     relative_attention_max_distance: int = 128
+    # Mixture of experts (Megatron-Core's fields; layers/moe/). `num_moe_experts` None: dense.
+    # `moe_layer_freq`: which layers are MoE, N (0-based layers 0, N, 2N, ...) or one 0/1 per
+    # layer (1 = MoE), see `is_moe_layer`. `moe_ffn_hidden_size` None: ffn_hidden_size.
+    num_moe_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_router_score_function: str = "softmax"  # "softmax" or "sigmoid"
+    moe_router_pre_softmax: bool = False  # softmax over all experts before top-k
+    moe_router_topk_scaling_factor: float | None = None  # routing weights x this
+    moe_ffn_hidden_size: int | None = None
+    moe_shared_expert_intermediate_size: int | None = None  # None: no shared experts
+    moe_shared_expert_gate: bool = False  # Qwen2-MoE's sigmoid gate on the shared output
+    moe_layer_freq: int | list[int] = 1
+    moe_aux_loss_coeff: float = 0.0  # Switch/GShard load-balancing loss, per microbatch
+    moe_z_loss_coeff: float | None = None  # ST-MoE router z-loss
+    moe_router_enable_expert_bias: bool = False  # DeepSeek-V3 aux-loss-free balancing
+    moe_router_bias_update_rate: float = 1e-3
+    moe_expert_capacity_factor: float | None = None  # None: dropless
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_token_dispatcher_type: str = "alltoall"
     name: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -91,6 +114,8 @@ class ModelConfig:
                 self.ffn_hidden_size = 4 * self.hidden_size
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
+        if self.num_moe_experts is not None and self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
         if self.add_qkv_bias is None:
             self.add_qkv_bias = self.add_bias_linear
         if isinstance(self.window_size, list):  # YAML and JSON have no tuples
@@ -142,20 +167,19 @@ class ModelConfig:
         h, f, L = self.hidden_size, self.ffn_hidden_size, self.num_layers
         qkv_out = self.query_projection_size + 2 * self.kv_projection_size
         norm = 2 * h if self.normalization == "LayerNorm" else h
-        fc1_out = 2 * f if self.activation in ("swiglu", "geglu") else f
         attn = h * qkv_out + self.query_projection_size * h
-        mlp = h * fc1_out + f * h
+        mlp = self._mlp_parameters(f)
         if self.add_qkv_bias:
             attn += qkv_out
         if self.add_bias_linear:
             attn += h
-            mlp += fc1_out + h
         if self.is_encoder_decoder:  # cross-attention: same projections; 3 norms a layer
             total = self.encoder_num_layers * (attn + mlp + 2 * norm) + \
                 self.decoder_num_layers * (2 * attn + mlp + 3 * norm) + 2 * norm
             total += 2 * self.relative_attention_num_buckets * self.num_attention_heads
         else:
             total = L * (attn + mlp + 2 * norm) + norm
+            total += sum(self._moe_parameters() - mlp for n in range(L) if self.is_moe_layer(n))
         if include_embedding:
             total += self.vocab_size * h
             if self.untie_embeddings_and_output_weights:
@@ -163,6 +187,30 @@ class ModelConfig:
             if self.position_embedding_type == "learned_absolute":
                 total += self.max_position_embeddings * h
         return total
+
+    def _mlp_parameters(self, ffn: int) -> int:
+        """Parameters of one dense MLP of width `ffn` (fused [gate; up] for gated units)."""
+        fc1_out = 2 * ffn if self.activation in ("swiglu", "geglu") else ffn
+        n = self.hidden_size * fc1_out + ffn * self.hidden_size
+        return n + fc1_out + self.hidden_size if self.add_bias_linear else n
+
+    def _moe_parameters(self) -> int:
+        """Parameters of one MoE MLP, all experts counted: router `[E, h]`, E experts of
+        width moe_ffn_hidden_size (no biases), the shared experts and their gate `[1, h]`."""
+        h, e = self.hidden_size, self.num_moe_experts
+        n = e * h + e * self._mlp_parameters(self.moe_ffn_hidden_size)
+        if self.moe_shared_expert_intermediate_size:
+            n += self._mlp_parameters(self.moe_shared_expert_intermediate_size)
+            n += h if self.moe_shared_expert_gate else 0
+        return n
+
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Whether the 0-based global layer `layer_number` has an MoE MLP (Megatron-Core's
+        `moe_layer_freq`: N makes layers 0, N, 2N, ... MoE; a list gives one 0/1 per layer)."""
+        if self.num_moe_experts is None:
+            return False
+        freq = self.moe_layer_freq
+        return bool(freq[layer_number]) if isinstance(freq, list) else layer_number % freq == 0
 
     def layer_window_size(self, layer_number: int) -> tuple[int, int] | None:
         """`window_size` for the 0-based global layer `layer_number` when that layer slides,
@@ -255,6 +303,7 @@ class ModelConfig:
                               f"{self.rope_low_freq_factor} < --rope-high-freq-factor "
                               f"{self.rope_high_freq_factor}")
         self._validate_window()
+        self._validate_moe(tp)
         if self.position_embedding_type == "rope" and self.kv_channels % 2:
             raise ConfigError(f"RoPE needs an even head dim, got --kv-channels {self.kv_channels}")
         if self.max_position_embeddings < self.seq_length and \
@@ -302,13 +351,100 @@ class ModelConfig:
                     f"--window-attn-skip-freq {freq}: every {freq}th layer keeps full attention, "
                     f"so give N >= 2 (N = 1 is no sliding layer at all: drop --window-size)")
             return
+        self._check_layer_list("--window-attn-skip-freq", freq, 2, "sliding window",
+                               "full attention")
+
+    def _check_layer_list(self, flag: str, freq, smallest: int, one: str, zero: str) -> None:
+        """`freq`, given as a list, must hold one 0/1 per layer; the ConfigError names `flag`,
+        its integer form N >= `smallest`, and what 1 (`one`) and 0 (`zero`) mean."""
         if type(freq) is not list or len(freq) != self.num_layers or \
                 any(type(v) is not int or v not in (0, 1) for v in freq):
             shown = repr(freq) if len(repr(freq)) < 200 else repr(freq)[:200] + "..."
             raise ConfigError(
-                f"--window-attn-skip-freq must be an integer N >= 2 or a list of "
-                f"--num-layers {self.num_layers} entries, each 1 (sliding window) or 0 (full "
-                f"attention); got {shown}")
+                f"{flag} must be an integer N >= {smallest} or a list of --num-layers "
+                f"{self.num_layers} entries, each 1 ({one}) or 0 ({zero}); got {shown}")
+
+    def _validate_moe(self, tp: int) -> None:
+        """The MoE fields (they may come from untrusted metadata: exact types and bounds)."""
+        e = self.num_moe_experts
+        if e is None:
+            defaults = {f.name: f.default for f in dataclasses.fields(self)}
+            stray = [n for n in defaults if n.startswith("moe_") and getattr(self, n) != defaults[n]]
+            if stray:
+                raise ConfigError(f"{', '.join('--' + n.replace('_', '-') for n in stray)} "
+                                  f"configure mixture-of-experts layers, but --num-experts is "
+                                  f"not set; set it (e.g. --num-experts 8) or drop them")
+            return
+        if type(e) is not int or e < 1:
+            raise ConfigError(f"--num-experts must be a positive integer, got {e!r}")
+        k = self.moe_router_topk
+        if type(k) is not int or not 1 <= k <= e:
+            raise ConfigError(f"--moe-router-topk must be an integer in [1, --num-experts {e}] "
+                              f"(experts per token), got {k!r}")
+        if self.moe_router_score_function not in ("softmax", "sigmoid"):
+            raise ConfigError(f"--moe-router-score-function must be softmax or sigmoid, got "
+                              f"{self.moe_router_score_function!r}")
+        sigmoid = self.moe_router_score_function == "sigmoid"
+        if self.moe_router_pre_softmax and sigmoid:
+            raise ConfigError("--moe-router-pre-softmax is for --moe-router-score-function "
+                              "softmax (sigmoid scores each expert on its own); drop one")
+        if k == 1 and not sigmoid and not self.moe_router_pre_softmax:
+            raise ConfigError(
+                "--moe-router-topk 1 with softmax after the top-k gives every token the weight "
+                "1.0, so the router never learns; add --moe-router-pre-softmax (Switch "
+                "Transformer's routing) or use --moe-router-score-function sigmoid")
+        for name in ("moe_router_topk_scaling_factor", "moe_expert_capacity_factor"):
+            v = getattr(self, name)
+            if v is not None and not (_is_number(v) and math.isfinite(v) and v > 0):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a positive finite number "
+                                  f"(or unset), got {v!r}")
+        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+            v = getattr(self, name)
+            if v is not None and not (_is_number(v) and math.isfinite(v) and v >= 0):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a finite number >= 0, "
+                                  f"got {v!r}")
+        for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+            v = getattr(self, name)
+            if v is None and name == "moe_shared_expert_intermediate_size":
+                continue
+            if type(v) is not int or v < 1 or v % tp:
+                raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer "
+                                  f"divisible by --tensor-model-parallel-size {tp}, got {v!r}")
+        if self.moe_shared_expert_gate and self.moe_shared_expert_intermediate_size is None:
+            raise ConfigError("--moe-shared-expert-gate gates the shared experts, but there are "
+                              "none; set --moe-shared-expert-intermediate-size or drop it")
+        if self.moe_router_enable_expert_bias:
+            if not sigmoid:
+                raise ConfigError("--moe-router-enable-expert-bias (DeepSeek-V3's aux-loss-free "
+                                  "balancing) biases sigmoid scores; add "
+                                  "--moe-router-score-function sigmoid")
+            r = self.moe_router_bias_update_rate
+            if not (_is_number(r) and math.isfinite(r) and r > 0):
+                raise ConfigError(f"--moe-router-bias-update-rate must be a positive finite "
+                                  f"number, got {r!r}")
+        if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
+            raise ConfigError("--moe-pad-expert-input-to-capacity pads to the capacity of "
+                              "--moe-expert-capacity-factor, which is not set; set it or drop "
+                              "the padding")
+        if self.moe_token_dispatcher_type != "alltoall":
+            raise ConfigError(f"--moe-token-dispatcher-type {self.moe_token_dispatcher_type!r} "
+                              f"is not built; use alltoall")
+        if self.add_bias_linear:
+            raise ConfigError("--num-experts: the routed experts have no bias terms; add "
+                              "--disable-bias-linear (--add-qkv-bias keeps attention's QKV "
+                              "bias, as in Qwen2-MoE)")
+        if self.is_encoder_decoder:
+            raise ConfigError("--num-experts is for decoder-only models (--model-type gpt)")
+        self._validate_moe_layer_freq()
+
+    def _validate_moe_layer_freq(self) -> None:
+        freq = self.moe_layer_freq
+        if type(freq) is int:
+            if freq < 1:
+                raise ConfigError(f"--moe-layer-freq {freq}: give N >= 1 (layers 0, N, 2N, ... "
+                                  f"are MoE) or one 0/1 per layer")
+            return
+        self._check_layer_list("--moe-layer-freq", freq, 1, "MoE", "dense MLP")
 
     def _validate_t5(self) -> None:
         for name in ("encoder_num_layers", "decoder_num_layers", "decoder_seq_length",
