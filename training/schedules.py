@@ -150,13 +150,166 @@ def forward_backward_pipelining_without_interleaving(
     return run.total
 
 
+class _InterleavedSchedule:
+    """One rank's interleaved 1F1B run, in Megatron-Core's terms.
+
+    The rank's forward work is `total_num_microbatches = m * vpp` virtual microbatches
+    k = 0, 1, ...; groups of `pp` consecutive k run on one model chunk, cycling through the
+    chunks (`get_model_chunk_id`); backward visits the chunks in reverse order. Per chunk,
+    FIFO queues hold the inputs received (`input_tensors`), the outputs kept for backward
+    (`output_tensors`) and the gradients received for them (`output_tensor_grads`).
+    Every step ends in one `p2p.communicate` that sends this step's results and receives
+    the next step's inputs, which is why each phase works out which chunk they belong to.
+    """
+
+    def __init__(self, run: _Runner, spec, pp: int, vpp: int):
+        self.run, self.spec, self.pp, self.vpp = run, spec, pp, vpp
+        self.total_num_microbatches = len(run.microbatches) * vpp
+        self.input_tensors = [[] for _ in range(vpp)]
+        self.output_tensors = [[] for _ in range(vpp)]
+        self.output_tensor_grads = [[] for _ in range(vpp)]
+
+    def get_model_chunk_id(self, k: int, forward: bool) -> int:
+        """Model chunk of virtual microbatch `k`: (k mod pp*vpp) // pp, reversed backward."""
+        chunk = (k % (self.pp * self.vpp)) // self.pp
+        return chunk if forward else self.vpp - 1 - chunk
+
+    def get_microbatch_id_in_model_chunk(self, k: int) -> int:
+        """Microbatch that virtual microbatch `k` runs: (k // (pp*vpp)) * pp + k mod pp."""
+        return (k // (self.pp * self.vpp)) * self.pp + k % self.pp
+
+    def forward_step_helper(self, k: int):
+        """Forward virtual microbatch `k` on the input last received for its chunk (None on
+        the embedding chunk); returns its outputs (kept for backward unless forward-only)."""
+        c = self.get_model_chunk_id(k, forward=True)
+        ps.set_virtual_pipeline_model_parallel_rank(c)
+        inputs, outputs_kept = self.input_tensors[c], self.output_tensors[c]
+        if ps.is_pipeline_first_stage() and len(inputs) == len(outputs_kept):
+            inputs.append(None)  # the embedding chunk reads tokens, not a received tensor
+        outputs = self.run.forward(c, self.get_microbatch_id_in_model_chunk(k), inputs[-1])
+        outputs_kept.append(outputs)
+        if self.run.forward_only:  # nothing to keep for backward
+            inputs.pop()
+            outputs_kept.pop()
+        return outputs
+
+    def backward_step_helper(self, k: int):
+        """Backward the oldest kept forward of virtual microbatch `k`'s chunk; returns the
+        gradients of its inputs."""
+        c = self.get_model_chunk_id(k, forward=False)
+        ps.set_virtual_pipeline_model_parallel_rank(c)
+        if ps.is_pipeline_last_stage() and not self.output_tensor_grads[c]:
+            self.output_tensor_grads[c].append(None)  # the loss chunk has no incoming gradient
+        return self.run.backward(c, self.get_microbatch_id_in_model_chunk(k),
+                                 self.input_tensors[c].pop(0), self.output_tensors[c].pop(0),
+                                 self.output_tensor_grads[c].pop(0))
+
+    def _activation_to_send(self, k: int, outputs):
+        """`outputs` of forward `k`, or None on the last virtual stage (nothing downstream)."""
+        ps.set_virtual_pipeline_model_parallel_rank(self.get_model_chunk_id(k, forward=True))
+        return None if ps.is_pipeline_last_stage() else outputs
+
+    def _grad_to_send(self, k: int, input_grads):
+        """`input_grads` of backward `k`, or None on the first virtual stage (nothing upstream)."""
+        ps.set_virtual_pipeline_model_parallel_rank(self.get_model_chunk_id(k, forward=False))
+        return None if ps.is_pipeline_first_stage() else input_grads
+
+    def run_warmup(self, num_warmup_microbatches: int, recv_first_grads: bool) -> None:
+        """Warmup: forwards 0 .. num_warmup_microbatches - 1, each sending its activations and
+        receiving the input of forward k + 1; with `recv_first_grads` the last one also
+        receives the gradient for the steady state's first backward (on the last chunk)."""
+        ps.set_virtual_pipeline_model_parallel_rank(0)
+        self.input_tensors[0].append(p2p.recv_forward(self.spec))
+        for k in range(num_warmup_microbatches):
+            outputs = self.forward_step_helper(k)
+            next_forward_model_chunk_id = self.get_model_chunk_id(k + 1, forward=True)
+            # the first stage's chunk 0 reads tokens; after the last forward nothing follows
+            recv_prev = (not (ps.is_pipeline_first_stage(ignore_virtual=True)
+                              and next_forward_model_chunk_id == 0)
+                         and k != self.total_num_microbatches - 1)
+            outputs = self._activation_to_send(k, outputs)
+            if k == num_warmup_microbatches - 1 and recv_first_grads:
+                recv_next = not ps.is_pipeline_last_stage(ignore_virtual=True)
+                from_prev, from_next = p2p.communicate(self.spec, send_next=outputs,
+                                                       recv_prev=recv_prev, recv_next=recv_next)
+                self.output_tensor_grads[self.vpp - 1].append(from_next)
+            else:
+                from_prev, _ = p2p.communicate(self.spec, send_next=outputs, recv_prev=recv_prev)
+            if recv_prev:
+                self.input_tensors[next_forward_model_chunk_id].append(from_prev)
+
+    def _steady_recv_prev(self, forward_k: int) -> tuple[bool, int]:
+        """(receive from the previous stage?, chunk it is for) after steady-state forward
+        `forward_k`. The first stage is pp - 1 virtual microbatches ahead of the last stage
+        that sends to it, and receives nothing when that stage's chunk was the last one."""
+        if ps.is_pipeline_first_stage(ignore_virtual=True):
+            sender_chunk = self.get_model_chunk_id(forward_k - (self.pp - 1), forward=True)
+            return sender_chunk != self.vpp - 1, sender_chunk + 1
+        return True, self.get_model_chunk_id(forward_k + 1, forward=True)
+
+    def _steady_recv_next(self, backward_k: int) -> tuple[bool, int]:
+        """(receive from the next stage?, chunk it is for) after steady-state backward
+        `backward_k`; the mirror of `_steady_recv_prev` (the last stage is pp - 1 backward
+        microbatches ahead of the first)."""
+        if ps.is_pipeline_last_stage(ignore_virtual=True):
+            sender_chunk = self.get_model_chunk_id(backward_k - (self.pp - 1), forward=False)
+            return sender_chunk != 0, sender_chunk - 1
+        return True, self.get_model_chunk_id(backward_k + 1, forward=False)
+
+    def run_steady_1f1b(self, num_warmup_microbatches: int) -> None:
+        """Steady 1F1B: forward num_warmup_microbatches + i, backward i, then one exchange
+        that sends both results and receives the next forward's input and backward's grads."""
+        num_microbatches_remaining = self.total_num_microbatches - num_warmup_microbatches
+        for backward_k in range(num_microbatches_remaining):
+            forward_k = num_warmup_microbatches + backward_k
+            outputs = self.forward_step_helper(forward_k)
+            input_grads = self.backward_step_helper(backward_k)
+            outputs = self._activation_to_send(forward_k, outputs)
+            input_grads = self._grad_to_send(backward_k, input_grads)
+            recv_prev, next_forward_model_chunk_id = self._steady_recv_prev(forward_k)
+            recv_next, next_backward_model_chunk_id = self._steady_recv_next(backward_k)
+            if backward_k == num_microbatches_remaining - 1:
+                recv_prev = False  # no forward follows; cooldown is backward only
+            from_prev, from_next = p2p.communicate(self.spec, send_next=outputs,
+                                                   send_prev=input_grads, recv_prev=recv_prev,
+                                                   recv_next=recv_next)
+            if recv_prev:
+                self.input_tensors[next_forward_model_chunk_id].append(from_prev)
+            if recv_next:
+                self.output_tensor_grads[next_backward_model_chunk_id].append(from_next)
+
+    def run_cooldown(self, num_microbatches_remaining: int, recv_first_grads: bool) -> None:
+        """Cooldown: the backwards num_microbatches_remaining .. total - 1, each sending its
+        input gradients and receiving those of backward k + 1. `recv_first_grads` (all
+        forwards ran in warmup) first receives the gradient of the last chunk's output."""
+        if recv_first_grads:
+            ps.set_virtual_pipeline_model_parallel_rank(self.vpp - 1)
+            self.output_tensor_grads[self.vpp - 1].append(p2p.recv_backward(self.spec))
+        for k in range(num_microbatches_remaining, self.total_num_microbatches):
+            input_grads = self.backward_step_helper(k)
+            next_backward_model_chunk_id = self.get_model_chunk_id(k + 1, forward=False)
+            # the last stage's last chunk holds the loss; after the last backward nothing follows
+            recv_next = (not (ps.is_pipeline_last_stage(ignore_virtual=True)
+                              and next_backward_model_chunk_id == self.vpp - 1)
+                         and k != self.total_num_microbatches - 1)
+            input_grads = self._grad_to_send(k, input_grads)
+            _, from_next = p2p.communicate(self.spec, send_prev=input_grads, recv_next=recv_next)
+            if recv_next:
+                self.output_tensor_grads[next_backward_model_chunk_id].append(from_next)
+
+
 def forward_backward_pipelining_with_interleaving(
         *, model, microbatches, loss_scale, spec, forward_only=False,
         timeline=None) -> torch.Tensor:
     """Interleaved 1F1B over `vpp = len(model)` chunks per rank (Megatron's schedule).
 
     Step k of the forward order runs chunk (k mod pp*vpp) // pp on microbatch
-    (k // (pp*vpp)) * pp + k mod pp; backward visits chunks in reverse.
+    (k // (pp*vpp)) * pp + k mod pp; backward visits chunks in reverse. Warmup runs
+    (pp - rank - 1) * 2 + (vpp - 1) * pp forwards (all m * vpp when forward-only or when
+    m == pp), then steady 1F1B, then cooldown backwards (`_InterleavedSchedule`).
+
+    Raises:
+        ValueError: num_microbatches is not a multiple of pipeline-model-parallel-size.
     """
     run = _Runner(model, microbatches, loss_scale, forward_only, timeline)
     vpp, m = len(model), len(microbatches)
@@ -164,115 +317,17 @@ def forward_backward_pipelining_with_interleaving(
     if m % pp:
         raise ValueError(f"the interleaved schedule needs num_microbatches ({m}) divisible by "
                          f"pipeline-model-parallel-size ({pp})")
-    total = m * vpp
-    all_warmup = forward_only or m == pp
-    num_warmup = total if all_warmup else min((pp - rank - 1) * 2 + (vpp - 1) * pp, total)
-    num_remaining = total - num_warmup
-
-    def chunk_id(k: int, forward: bool) -> int:
-        c = (k % (pp * vpp)) // pp
-        return c if forward else vpp - 1 - c
-
-    def microbatch_id(k: int) -> int:
-        return (k // (pp * vpp)) * pp + k % pp
-
-    inputs_q = [[] for _ in range(vpp)]
-    outputs_q = [[] for _ in range(vpp)]
-    grads_q = [[] for _ in range(vpp)]
-
-    def set_chunk(c: int) -> None:
-        ps.set_virtual_pipeline_model_parallel_rank(c)
-
-    def forward_k(k: int):
-        c = chunk_id(k, True)
-        set_chunk(c)
-        if ps.is_pipeline_first_stage() and len(inputs_q[c]) == len(outputs_q[c]):
-            inputs_q[c].append(None)
-        outputs = run.forward(c, microbatch_id(k), inputs_q[c][-1])
-        outputs_q[c].append(outputs)
-        if forward_only:  # nothing to keep for backward
-            inputs_q[c].pop()
-            outputs_q[c].pop()
-        return outputs
-
-    def backward_k(k: int):
-        c = chunk_id(k, False)
-        set_chunk(c)
-        if ps.is_pipeline_last_stage() and not grads_q[c]:
-            grads_q[c].append(None)
-        return run.backward(c, microbatch_id(k), inputs_q[c].pop(0), outputs_q[c].pop(0),
-                            grads_q[c].pop(0))
-
-    set_chunk(0)
-    inputs_q[0].append(p2p.recv_forward(spec))
-    for k in range(num_warmup):
-        outputs = forward_k(k)
-        next_chunk = chunk_id(k + 1, True)
-        recv_prev = not (ps.is_pipeline_first_stage(ignore_virtual=True) and next_chunk == 0)
-        if k == total - 1:
-            recv_prev = False
-        set_chunk(chunk_id(k, True))
-        if ps.is_pipeline_last_stage():
-            outputs = None
-        if k == num_warmup - 1 and not all_warmup:
-            recv_next = not ps.is_pipeline_last_stage(ignore_virtual=True)
-            from_prev, from_next = p2p.communicate(spec, send_next=outputs, recv_prev=recv_prev,
-                                                   recv_next=recv_next)
-            grads_q[vpp - 1].append(from_next)
-        else:
-            from_prev, _ = p2p.communicate(spec, send_next=outputs, recv_prev=recv_prev)
-        if recv_prev:
-            inputs_q[next_chunk].append(from_prev)
-
-    for i in range(num_remaining):
-        fk, bk = num_warmup + i, i
-        outputs = forward_k(fk)
-        input_grads = backward_k(bk)
-        set_chunk(chunk_id(fk, True))
-        if ps.is_pipeline_last_stage():
-            outputs = None
-        set_chunk(chunk_id(bk, False))
-        if ps.is_pipeline_first_stage():
-            input_grads = None
-        recv_prev, recv_next = True, True
-        if ps.is_pipeline_first_stage(ignore_virtual=True):
-            next_f = chunk_id(fk - (pp - 1), True)
-            recv_prev = next_f != vpp - 1
-            next_f += 1
-        else:
-            next_f = chunk_id(fk + 1, True)
-        if ps.is_pipeline_last_stage(ignore_virtual=True):
-            next_b = chunk_id(bk - (pp - 1), False)
-            recv_next = next_b != 0
-            next_b -= 1
-        else:
-            next_b = chunk_id(bk + 1, False)
-        if i == num_remaining - 1:
-            recv_prev = False
-        from_prev, from_next = p2p.communicate(spec, send_next=outputs, send_prev=input_grads,
-                                               recv_prev=recv_prev, recv_next=recv_next)
-        if recv_prev:
-            inputs_q[next_f].append(from_prev)
-        if recv_next:
-            grads_q[next_b].append(from_next)
-
+    schedule = _InterleavedSchedule(run, spec, pp, vpp)
+    total = schedule.total_num_microbatches
+    all_warmup_microbatches = forward_only or m == pp
+    num_warmup_microbatches = (total if all_warmup_microbatches
+                               else min((pp - rank - 1) * 2 + (vpp - 1) * pp, total))
+    schedule.run_warmup(num_warmup_microbatches, recv_first_grads=not all_warmup_microbatches)
+    schedule.run_steady_1f1b(num_warmup_microbatches)
     if not forward_only:
-        if all_warmup:
-            set_chunk(vpp - 1)
-            grads_q[vpp - 1].append(p2p.recv_backward(spec))
-        for k in range(num_remaining, total):
-            input_grads = backward_k(k)
-            next_b = chunk_id(k + 1, False)
-            recv_next = not (ps.is_pipeline_last_stage(ignore_virtual=True) and next_b == vpp - 1)
-            if k == total - 1:
-                recv_next = False
-            set_chunk(chunk_id(k, False))
-            if ps.is_pipeline_first_stage():
-                input_grads = None
-            _, from_next = p2p.communicate(spec, send_prev=input_grads, recv_next=recv_next)
-            if recv_next:
-                grads_q[next_b].append(from_next)
-    set_chunk(0)
+        schedule.run_cooldown(total - num_warmup_microbatches,
+                              recv_first_grads=all_warmup_microbatches)
+    ps.set_virtual_pipeline_model_parallel_rank(0)
     return run.total
 
 
