@@ -37,6 +37,7 @@ message). Per microbatch and layer, with `e` bytes per activation value, `A = s 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 from .parameters import chunk_layout, rank_chunks
 from layers.recompute import recompute_spans
@@ -92,96 +93,165 @@ def _zero3_gathers(chunks, layouts, pp_rank: int, pp: int, v: int, mb: int,
     return calls, elements
 
 
-def step_communication(config, first_step: bool = False) -> dict[tuple[str, str], tuple[int, int]]:
-    """`{(group, op): (calls, bytes)}` of one training step, summed over all ranks (a
-    validated run_config.config.Config). Groups: tp, sp, dp, pp, embedding, mp.
-    `first_step`: the first step of a run (ZeRO-3 gathers one unit more, see `_zero3_gathers`);
-    otherwise a steady-state step."""
-    m, t = config.model, config.train
-    tp, pp, dp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size, \
-        config.data_parallel_size
-    v, mb = t.virtual_pipeline_model_parallel_size or 1, config.num_microbatches
-    s, b, h = m.seq_length, t.micro_batch_size, m.hidden_size
-    e = 2 if t.bf16 else 4
-    act, sp = s * b * h * e, t.sequence_parallel
-    strategy = t.data_parallel_sharding_strategy
-    shard_grads = strategy in ("optim_grads", "optim_grads_params")
-    out: dict = {}
-    replicas = tp * dp  # ranks of each pipeline stage
+@dataclass(frozen=True)
+class _StepShape:
+    """The layout and sizes every count of one step reads (from a validated Config)."""
 
-    for r in range(pp):
-        chunks = rank_chunks(config, r)
-        layouts = [chunk_layout(c, dp, strategy, t.ddp_bucket_size) for c in chunks]
-        # --- activations over TP, per microbatch on each TP rank of the stage
-        if tp > 1:
-            for c, params in enumerate(chunks):
-                n = len({p.unit for p in params if p.unit.startswith("layer")})
-                # full recompute runs each span's forward again in backward, but
-                # torch.utils.checkpoint stops once the saved tensors are rebuilt: the span's
-                # last reduction (fc2's output is not saved) is not repeated
-                rec_layers, spans = _recomputed(n, t)
-                ag, red = 2 * rec_layers, 2 * rec_layers - spans
-                pre = r == 0 and c == 0
-                post = r == pp - 1 and c == v - 1
-                k = replicas * mb
-                if sp:
-                    calls = 6 * n + ag + pre + 2 * post
-                    _add(out, ("sp", "all_gather_single"), k * calls, k * calls * act // tp)
-                    calls = 4 * n + red + pre + post
-                    _add(out, ("sp", "reduce_scatter_single"), k * calls, k * calls * act)
-                else:
-                    calls = 4 * n + red + pre + post
-                    _add(out, ("tp", "all_reduce"), k * calls, k * calls * act)
-                if post:
-                    _add(out, ("tp", "all_reduce"), 3 * k, 3 * k * 4 * b * s)
-        # --- per step, per DP rank of the stage (ownership of shards differs by DP rank)
-        wanted = [(bucket, offsets[id(p)], p) for buckets, offsets in layouts
-                  for bucket in buckets for p in bucket.params
-                  if (sp and p.sequence_parallel) or (p.shared_embedding and pp > 1)]
-        for d in range(dp if shard_grads else 1):
-            sp_bytes = emb_calls = emb_bytes = 0
-            for bucket, lo, p in wanted:
-                n_own = _owned(bucket, lo, lo + p.count, dp, d, shard_grads)
-                if sp and p.sequence_parallel:
-                    sp_bytes += 4 * n_own
-                if p.shared_embedding and pp > 1 and n_own:
-                    emb_calls, emb_bytes = emb_calls + 1, emb_bytes + 4 * n_own
-            k = tp * (1 if shard_grads else dp)  # ranks alike
-            if sp and sp_bytes:
-                _add(out, ("tp", "all_reduce"), k, k * sp_bytes)
-            _add(out, ("embedding", "all_reduce"), k * emb_calls, k * emb_bytes)
-        if dp > 1:
-            w = e  # weights are stored in the activation dtype (bf16 or fp32)
-            sizes = [b.end - b.start for buckets, _ in layouts for b in buckets]
-            n, k = sum(sizes), len(sizes) * replicas  # elements, and calls of one kind
-            if strategy == "no_shard":
-                _add(out, ("dp", "all_reduce"), k, replicas * 4 * n)
-            elif strategy in ("optim", "optim_grads"):
-                times = mb if strategy == "optim_grads" else 1
-                _add(out, ("dp", "reduce_scatter_single"), k * times, times * replicas * 4 * n)
-                _add(out, ("dp", "all_gather_single"), k, replicas * w * n // dp)
-            else:  # optim_grads_params
-                _add(out, ("dp", "reduce_scatter_single"), k * mb, mb * replicas * 4 * n)
-                calls, elements = _zero3_gathers(chunks, layouts, r, pp, v, mb, first_step)
-                _add(out, ("dp", "all_gather_single"), replicas * calls,
-                     replicas * w * elements // dp)
-    world = tp * pp * dp
-    if dp > 1:  # token count and loss sum; the sharded optimizer's squared norm
+    tp: int
+    pp: int
+    dp: int
+    v: int  # model chunks per pipeline rank (1 without interleaving)
+    mb: int  # microbatches per step
+    s: int
+    b: int
+    e: int  # bytes per activation value, and per stored weight (2 under bf16, else 4)
+    act: int  # `A = s b h e`: bytes of one [s, b, h] activation
+    sp: bool
+    strategy: str  # data_parallel_sharding_strategy
+
+    @classmethod
+    def of(cls, config) -> _StepShape:
+        m, t = config.model, config.train
+        e = 2 if t.bf16 else 4
+        return cls(tp=t.tensor_model_parallel_size, pp=t.pipeline_model_parallel_size,
+                   dp=config.data_parallel_size, v=t.virtual_pipeline_model_parallel_size or 1,
+                   mb=config.num_microbatches, s=m.seq_length, b=t.micro_batch_size, e=e,
+                   act=m.seq_length * t.micro_batch_size * m.hidden_size * e,
+                   sp=t.sequence_parallel, strategy=t.data_parallel_sharding_strategy)
+
+    @property
+    def shard_grads(self) -> bool:
+        """Each DP rank keeps only its shard of the gradient (ZeRO-2 and ZeRO-3)."""
+        return self.strategy in ("optim_grads", "optim_grads_params")
+
+    @property
+    def replicas(self) -> int:
+        """Ranks of each pipeline stage: tp x dp."""
+        return self.tp * self.dp
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+def _tp_activation_collectives(out: dict, st: _StepShape, t, r: int, chunks) -> None:
+    """Add the TP (or SP) collectives of the activations on pipeline stage `r`, all
+    microbatches, all ranks of the stage: per layer 4 all-reduces of `A` (SP: 6 all-gathers of
+    `A / t`, 4 reduce-scatters of `A`), recompute's extra ones, the embedding's and output
+    layer's, and vocab-parallel cross entropy's 3 float32 `[b, s]` all-reduces (module)."""
+    for c, params in enumerate(chunks):
+        n = len({p.unit for p in params if p.unit.startswith("layer")})
+        # full recompute runs each span's forward again in backward, but
+        # torch.utils.checkpoint stops once the saved tensors are rebuilt: the span's
+        # last reduction (fc2's output is not saved) is not repeated
+        rec_layers, spans = _recomputed(n, t)
+        ag, red = 2 * rec_layers, 2 * rec_layers - spans
+        pre = r == 0 and c == 0
+        post = r == st.pp - 1 and c == st.v - 1
+        k = st.replicas * st.mb
+        if st.sp:
+            calls = 6 * n + ag + pre + 2 * post
+            _add(out, ("sp", "all_gather_single"), k * calls, k * calls * st.act // st.tp)
+            calls = 4 * n + red + pre + post
+            _add(out, ("sp", "reduce_scatter_single"), k * calls, k * calls * st.act)
+        else:
+            calls = 4 * n + red + pre + post
+            _add(out, ("tp", "all_reduce"), k * calls, k * calls * st.act)
+        if post:
+            _add(out, ("tp", "all_reduce"), 3 * k, 3 * k * 4 * st.b * st.s)
+
+
+def _sp_and_embedding_grad_all_reduces(out: dict, st: _StepShape, layouts) -> None:
+    """Add, for one pipeline stage (`layouts`: its chunks' bucket layouts), the all-reduce over
+    tp of the sequence-parallel weights' float32 gradients and the tied word embedding's
+    between the first and last stage (pp > 1). Counted per DP rank when gradients are
+    sharded: each rank reduces only the part of those weights its shard owns."""
+    wanted = [(bucket, offsets[id(p)], p) for buckets, offsets in layouts
+              for bucket in buckets for p in bucket.params
+              if (st.sp and p.sequence_parallel) or (p.shared_embedding and st.pp > 1)]
+    for d in range(st.dp if st.shard_grads else 1):
+        sp_bytes = emb_calls = emb_bytes = 0
+        for bucket, lo, p in wanted:
+            n_own = _owned(bucket, lo, lo + p.count, st.dp, d, st.shard_grads)
+            if st.sp and p.sequence_parallel:
+                sp_bytes += 4 * n_own
+            if p.shared_embedding and st.pp > 1 and n_own:
+                emb_calls, emb_bytes = emb_calls + 1, emb_bytes + 4 * n_own
+        k = st.tp * (1 if st.shard_grads else st.dp)  # ranks alike
+        if st.sp and sp_bytes:
+            _add(out, ("tp", "all_reduce"), k, k * sp_bytes)
+        _add(out, ("embedding", "all_reduce"), k * emb_calls, k * emb_bytes)
+
+
+def _dp_bucket_collectives(out: dict, st: _StepShape, r: int, chunks, layouts,
+                           first_step: bool) -> None:
+    """Add the DP gradient and weight traffic of pipeline stage `r`'s buckets (dp > 1): an
+    all-reduce of each float32 bucket (no_shard); a reduce-scatter (optim: once a step,
+    optim_grads: every microbatch) and an all-gather of the updated weight shard; ZeRO-3's
+    reduce-scatter every microbatch and per-unit gathers (`_zero3_gathers`)."""
+    w = st.e  # weights are stored in the activation dtype (bf16 or fp32)
+    sizes = [b.end - b.start for buckets, _ in layouts for b in buckets]
+    n, k = sum(sizes), len(sizes) * st.replicas  # elements, and calls of one kind
+    if st.strategy == "no_shard":
+        _add(out, ("dp", "all_reduce"), k, st.replicas * 4 * n)
+    elif st.strategy in ("optim", "optim_grads"):
+        times = st.mb if st.strategy == "optim_grads" else 1
+        _add(out, ("dp", "reduce_scatter_single"), k * times, times * st.replicas * 4 * n)
+        _add(out, ("dp", "all_gather_single"), k, st.replicas * w * n // st.dp)
+    else:  # optim_grads_params
+        _add(out, ("dp", "reduce_scatter_single"), k * st.mb, st.mb * st.replicas * 4 * n)
+        calls, elements = _zero3_gathers(chunks, layouts, r, st.pp, st.v, st.mb, first_step)
+        _add(out, ("dp", "all_gather_single"), st.replicas * calls,
+             st.replicas * w * elements // st.dp)
+
+
+def _pipeline_p2p(out: dict, st: _StepShape) -> None:
+    """Add the stage tensors sent between pipeline stages (pp > 1): `2 (v p - 1)` messages per
+    microbatch per replica, each `A` (`A / t` under SP), and their matching receives."""
+    msgs = st.dp * st.tp * st.mb * 2 * (st.v * st.pp - 1)
+    stage = st.act // st.tp if st.sp else st.act
+    _add(out, ("pp", "send"), msgs, msgs * stage)
+    _add(out, ("pp", "recv"), msgs, msgs * stage)
+
+
+def _scalar_all_reduces(out: dict, st: _StepShape, t) -> None:
+    """Add the float32 scalars every rank all-reduces once a step: the token count and loss
+    sum over dp (and the sharded optimizer's squared norm), the loss sum over pp, the squared
+    gradient norm over tp x pp, and the non-finite verdict (2 flags) over the world."""
+    world = st.world
+    if st.dp > 1:  # token count and loss sum; the sharded optimizer's squared norm
         distributed_opt = t.use_distributed_optimizer or t.bf16 or t.optimizer_cpu_offload
         k = 2 + (distributed_opt and t.use_distributed_optimizer)
         _add(out, ("dp", "all_reduce"), k * world, k * world * 4)
-    if pp > 1:
+    if st.pp > 1:
         _add(out, ("pp", "all_reduce"), world, world * 4)
-        msgs = dp * tp * mb * 2 * (v * pp - 1)
-        stage = act // tp if sp else act
-        _add(out, ("pp", "send"), msgs, msgs * stage)
-        _add(out, ("pp", "recv"), msgs, msgs * stage)
-    if tp * pp > 1:
+    if st.tp * st.pp > 1:
         _add(out, ("mp", "all_reduce"), world, world * 4)
     if t.check_for_nan_in_loss_and_grad and world > 1:
-        spanning = [name for name, size in (("tp", tp), ("dp", dp), ("pp", pp)) if size > 1]
+        spanning = [name for name, size in (("tp", st.tp), ("dp", st.dp), ("pp", st.pp))
+                    if size > 1]
         label = spanning[0] if len(spanning) == 1 else "world"
         _add(out, (label, "all_reduce"), world, world * 2 * world * 4)
+
+
+def step_communication(config, first_step: bool = False) -> dict[tuple[str, str], tuple[int, int]]:
+    """`{(group, op): (calls, bytes)}` of one training step, summed over all ranks (a
+    validated run_config.config.Config). Groups: tp, sp, dp, pp, embedding, mp, world.
+    `first_step`: the first step of a run (ZeRO-3 gathers one unit more, see `_zero3_gathers`);
+    otherwise a steady-state step."""
+    st, t = _StepShape.of(config), config.train
+    out: dict = {}
+    for r in range(st.pp):
+        chunks = rank_chunks(config, r)
+        layouts = [chunk_layout(c, st.dp, st.strategy, t.ddp_bucket_size) for c in chunks]
+        if st.tp > 1:  # per microbatch, on each TP rank of the stage
+            _tp_activation_collectives(out, st, t, r, chunks)
+        _sp_and_embedding_grad_all_reduces(out, st, layouts)  # per step, per DP rank
+        if st.dp > 1:
+            _dp_bucket_collectives(out, st, r, chunks, layouts, first_step)
+    if st.pp > 1:
+        _pipeline_p2p(out, st)
+    _scalar_all_reduces(out, st, t)
     return dict(sorted(out.items()))
 
 
