@@ -12,13 +12,16 @@ Every parameter of a parallel layer carries a few attributes that say how it is 
   output projections), "zeros" or "ones";
 - `full_rows` (int, optional): rows of the real tensor before vocab padding (padding rows are 0);
 - `init_key` (str, optional): the name that seeds its init (tied copies share one key).
+- `expert_parallel` (bool): dim 0 indexes an MoE layer's experts and is split over the
+  expert-model-parallel ranks in contiguous blocks (EP rank r holds experts
+  `[r E/ep, (r+1) E/ep)`); the other dims are split over TP as above (expert TP = TP).
 - `kv_replicas` (int, optional) and `qkv_layout` `(groups, heads_per_group, head_dim)`: a fused
   QKV weight/bias whose KV heads are replicated over TP (tp = groups * kv_replicas, inference
   only): rank r holds `[q heads of group r // kv_replicas, share r % kv_replicas; k; v]`.
 
 `initialize_parameters(model, seed, ...)` makes, for every parameter, the full tensor from a
 generator seeded by (seed, global name) and keeps this rank's shard. Parameter names use
-global layer numbers, so the same seed gives the same full weights at any TP/PP/VPP/DP.
+global layer numbers, so the same seed gives the same full weights at any TP/PP/VPP/DP/EP.
 """
 from __future__ import annotations
 
@@ -28,7 +31,12 @@ import zlib
 import torch
 from torch import nn
 
-from parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from parallel_state import (
+    get_expert_model_parallel_rank,
+    get_expert_model_parallel_world_size,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
 
 
 def set_tensor_parallel_attributes(param: nn.Parameter, *, partition_dim: int | None,
@@ -54,12 +62,18 @@ def full_shape(param: torch.Tensor, tp: int | None = None) -> tuple[int, ...]:
         shape[0] = groups * (per_group + 2) * d
     elif getattr(param, "tensor_model_parallel", False):
         shape[param.partition_dim] *= tp
+    if getattr(param, "expert_parallel", False):
+        shape[0] *= get_expert_model_parallel_world_size()
     return tuple(shape)
 
 
 def shard_tensor(full: torch.Tensor, param: torch.Tensor, rank: int | None = None,
                  size: int | None = None) -> torch.Tensor:
-    """This rank's shard of the dense tensor `full`, following `param`'s attributes."""
+    """This rank's shard of the dense tensor `full`, following `param`'s attributes (`rank`,
+    `size`: TP's; an expert-parallel tensor's EP block is this rank's)."""
+    if getattr(param, "expert_parallel", False):
+        ep = get_expert_model_parallel_world_size()
+        full = full.chunk(ep, dim=0)[get_expert_model_parallel_rank()] if ep > 1 else full
     size = size or get_tensor_model_parallel_world_size()
     rank = get_tensor_model_parallel_rank() if rank is None else rank
     if not getattr(param, "tensor_model_parallel", False) or size == 1:
@@ -75,7 +89,8 @@ def shard_tensor(full: torch.Tensor, param: torch.Tensor, rank: int | None = Non
 
 
 def unshard_tensors(shards: list[torch.Tensor], param: torch.Tensor) -> torch.Tensor:
-    """Inverse of `shard_tensor`: the dense tensor from the shards of ranks 0..tp-1."""
+    """Inverse of `shard_tensor` over TP: the dense tensor from the shards of ranks 0..tp-1
+    (an expert-parallel tensor's EP blocks are then concatenated along dim 0)."""
     if not getattr(param, "tensor_model_parallel", False) or len(shards) == 1:
         return shards[0]
     if getattr(param, "kv_replicas", 1) > 1:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from layers import initialize_parameters
 from layers.moe import MoELayer, collect_expert_load, set_aux_loss_scale, update_expert_bias
 from models import ModelConfig
+from distributed import run_distributed
 from models.config import ConfigError
 from tolerances import fp32_mismatch
 
@@ -339,3 +340,175 @@ def test_config_errors_at_tp():
     with pytest.raises(ConfigError, match="decoder-only"):
         ModelConfig(model_type="t5", position_embedding_type="relative", add_bias_linear=False,
                     num_moe_experts=4).validate()
+
+
+# ----------------------------------------------------------------------------- expert parallelism
+
+# (name, tp, ep, sequence parallel, config overrides, starve expert 3, preset expert bias)
+EP_CASES = [
+    ("ep2", 1, 2, False, dict(moe_aux_loss_coeff=0.3, moe_z_loss_coeff=0.1,
+                              moe_shared_expert_intermediate_size=8, moe_shared_expert_gate=True),
+     False, None),
+    ("ep4-expert3-starved-bias", 1, 4, False,
+     dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True), True,
+     [0.0, 0.3, 0.0, 0.0]),
+    ("ep2-capacity", 1, 2, False, dict(moe_expert_capacity_factor=0.5), False, None),
+    ("ep4-capacity-pad", 1, 4, False,
+     dict(moe_expert_capacity_factor=0.5, moe_pad_expert_input_to_capacity=True), False, None),
+    ("ep2xtp2-sp", 2, 2, True,
+     dict(moe_aux_loss_coeff=0.3, moe_z_loss_coeff=0.1, moe_shared_expert_intermediate_size=8,
+          moe_router_pre_softmax=True, moe_router_topk=1), False, None),
+    ("ep2xtp2-capacity-pad", 2, 2, False,
+     dict(moe_expert_capacity_factor=0.75, moe_pad_expert_input_to_capacity=True,
+          moe_aux_loss_coeff=0.2, activation="gelu"), False, None),
+    ("tp2-sp", 2, 1, True, dict(moe_shared_expert_intermediate_size=8,
+                                moe_shared_expert_gate=True, moe_z_loss_coeff=0.1), True, None),
+]
+
+
+def _microbatch(d: int, starve: bool):
+    """Data-parallel rank d's microbatch and output probe (x0 >= 1 where expert 3 starves)."""
+    gen = torch.Generator().manual_seed(100 + d)
+    x, probe = torch.randn(S, B, H, generator=gen), torch.randn(S, B, H, generator=gen)
+    if starve:
+        x[..., 0] = x[..., 0].abs() + 1.0
+    return x, probe
+
+
+def _prepare(layer, starve, bias):
+    with torch.no_grad():
+        if starve:  # logit of expert 3 = -50 x0: no token chooses it
+            layer.router.weight[3] = 0.0
+            layer.router.weight[3, 0] = -50.0
+        if bias is not None:
+            layer.router.expert_bias.copy_(torch.tensor(bias))
+
+
+def _full_grad(p):
+    """The dense gradient of parameter `p` after the step's reductions: dense parameters
+    summed over DP, expert parameters over expert-DP, then TP shards and EP blocks joined."""
+    import parallel_state as ps
+    from layers import unshard_tensors
+
+    g = p.grad.detach().clone()
+    expert = getattr(p, "expert_parallel", False)
+    group = ps.get_expert_data_parallel_group() if expert else ps.get_data_parallel_group()
+    if torch.distributed.get_world_size(group) > 1:
+        torch.distributed.all_reduce(g, group=group)
+    if getattr(p, "tensor_model_parallel", False) and ps.get_tensor_model_parallel_world_size() > 1:
+        parts = [torch.empty_like(g) for _ in range(ps.get_tensor_model_parallel_world_size())]
+        torch.distributed.all_gather(parts, g, group=ps.get_tensor_model_parallel_group())
+        g = unshard_tensors(parts, p)
+    if expert and ps.get_expert_model_parallel_world_size() > 1:
+        blocks = [torch.empty_like(g) for _ in range(ps.get_expert_model_parallel_world_size())]
+        torch.distributed.all_gather(blocks, g, group=ps.get_expert_model_parallel_group())
+        g = torch.cat(blocks)
+    return g
+
+
+def _ep_case(name, tp, ep, sp, overrides, starve, bias):
+    import parallel_state as ps
+    from parallel_state.mappings import all_reduce_sequence_parallel_grads
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tp, device="cpu", expert_model_parallel_size=ep)
+    config = moe_config(**overrides)
+    config.validate(tp)
+    layer = MoELayer(config, 0, sequence_parallel=sp)
+    initialize_parameters(layer, 3, config.init_method_std, config.num_layers)
+    _prepare(layer, starve, bias)
+    x, probe = _microbatch(ps.get_data_parallel_rank(), starve)
+    if sp:
+        x, probe = (t.chunk(tp)[ps.get_tensor_model_parallel_rank()] for t in (x, probe))
+    x.requires_grad_()
+    y = layer(x)
+    (y * probe).sum().backward()
+    missing = [n for n, p in layer.named_parameters() if p.grad is None]
+    all_reduce_sequence_parallel_grads(list(layer.parameters()))
+    grads = {n: _full_grad(p) for n, p in layer.named_parameters()}
+    (load,) = collect_expert_load(layer)
+    update_expert_bias(layer, [load])
+    return dict(y=y.detach(), x_grad=x.grad, missing=missing,
+                grads=grads if torch.distributed.get_rank() == 0 else None,
+                load=(load.tokens_per_expert, load.dropped_per_expert, load.aux_loss, load.z_loss),
+                bias=layer.router.expert_bias, local_experts=layer.experts.num_local_experts)
+
+
+def _ep_errors():
+    import parallel_state as ps
+
+    errors = []
+    for tp, ep, etp, experts in ((2, 1, 1, 4), (1, 4, None, 6)):
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(tp, device="cpu", expert_model_parallel_size=ep,
+                                     expert_tensor_parallel_size=etp)
+        try:
+            MoELayer(moe_config(num_moe_experts=experts), 0)
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+def _ep_worker(cases):
+    return {"cases": {case[0]: _ep_case(*case) for case in cases}, "errors": _ep_errors()}
+
+
+def test_expert_parallel_layouts_match_one_process(no_grid):
+    """One world of 4 ranks, each layout built in turn: EP 2 and 4, EP 2 x TP 2 (with and
+    without sequence parallelism), TP 2 alone; dropless, capacity dropping (with and without
+    padding), aux + z losses, expert bias; an expert no rank sends a token to (EP 4: its rank
+    receives nothing at all). Each DP rank's microbatch through the layer equals one process
+    running that microbatch (outputs, input gradients); the parameter gradients summed over the
+    microbatches equal one process's; the step's load counts and losses, and the updated
+    bias, are the same numbers."""
+    results = run_distributed(_ep_worker, 4, EP_CASES, timeout=600)
+    for name, tp, ep, sp, overrides, starve, bias in EP_CASES:
+        config = moe_config(**overrides)
+        layer = build(config)
+        _prepare(layer, starve, bias)
+        dp = 4 // tp
+        ref = []
+        for d in range(dp):
+            x, probe = _microbatch(d, starve)
+            x.requires_grad_()
+            y = layer(x)
+            (y * probe).sum().backward()
+            ref.append((y.detach(), x.grad))
+        (load,) = collect_expert_load(layer)
+        update_expert_bias(layer, [load])
+        k = _terms(config, S * B * dp)
+        bad = []
+        for rank, result in enumerate(r["cases"][name] for r in results):
+            d, t = divmod(rank, tp)
+            y, x_grad = ref[d]
+            if sp:
+                y, x_grad = y.chunk(tp)[t], x_grad.chunk(tp)[t]
+            for what, a, e in (("output", result["y"], y), ("input grad", result["x_grad"], x_grad)):
+                problem = fp32_mismatch(a, e, k)
+                if problem:
+                    bad.append(f"{name} rank {rank} {what}: {problem}")
+            if result["missing"]:
+                bad.append(f"{name} rank {rank}: no gradient for {result['missing']}")
+            tokens, dropped, aux, z = result["load"]
+            if not (torch.equal(tokens, load.tokens_per_expert) and
+                    torch.equal(dropped, load.dropped_per_expert)):
+                bad.append(f"{name} rank {rank} load {tokens} {dropped} != {load}")
+            for got, want in ((aux, load.aux_loss), (z, load.z_loss)):
+                if (got is None) != (want is None) or (want is not None and
+                                                       not math.isclose(got, want, rel_tol=1e-5)):
+                    bad.append(f"{name} rank {rank} losses {aux} {z} != {load}")
+            if bias is not None and not torch.equal(result["bias"], layer.router.expert_bias):
+                bad.append(f"{name} rank {rank} bias {result['bias']} != {layer.router.expert_bias}")
+            assert result["local_experts"] == 4 // ep
+        for n, p in layer.named_parameters():
+            problem = fp32_mismatch(results[0]["cases"][name]["grads"][n], p.grad, k)
+            if problem:
+                bad.append(f"{name} grad {n}: {problem}")
+        if starve:
+            assert load.tokens_per_expert[3] == 0, load
+        if "capacity" in name:
+            assert load.dropped_per_expert.sum() > 0, load
+        assert not bad, bad
+    errors = results[0]["errors"]
+    assert "--expert-tensor-parallel-size 1 with --tensor-model-parallel-size 2" in errors[0]
+    assert "--num-experts 6 is not divisible by --expert-model-parallel-size 4" in errors[1]

@@ -68,7 +68,11 @@ class MoELayer(nn.Module):
     (dense shapes; a rank holds its EP slice of dim 0 and its TP slice), `shared_experts`
     (a dense MLP) and `shared_expert_gate.weight [1, h]`.
 
-    Raises ValueError when num_moe_experts is not divisible by the expert-parallel size.
+    Expert parallelism (the grid's ep group: ranks of one TP rank, carved out of DP) splits
+    the experts into contiguous blocks; each rank dispatches its own microbatch.
+
+    Raises ValueError when num_moe_experts is not divisible by the expert-parallel size, or
+    when the expert-tensor-parallel size is not the TP size.
     """
 
     def __init__(self, config, layer_number: int = 0, sequence_parallel: bool = False):
@@ -79,8 +83,17 @@ class MoELayer(nn.Module):
         self.num_experts, self.topk = config.num_moe_experts, config.moe_router_topk
         self.capacity_factor = config.moe_expert_capacity_factor
         self.pad_to_capacity = config.moe_pad_expert_input_to_capacity
+        etp = ps.get_expert_tensor_parallel_world_size()
+        if etp != tp:
+            raise ValueError(
+                f"--expert-tensor-parallel-size {etp} with --tensor-model-parallel-size {tp} is "
+                f"not built: the MoE layer gathers the microbatch over TP and splits its experts "
+                f"like the dense MLP, so expert TP must equal TP (leave "
+                f"--expert-tensor-parallel-size unset)")
         self.router = TopKRouter(config, sequence_parallel=self.sequence_parallel)
-        self.dispatcher = AllToAllDispatcher(self.num_experts)
+        ep = ps.get_expert_model_parallel_world_size()
+        self.dispatcher = AllToAllDispatcher(
+            self.num_experts, ep, ps.get_expert_model_parallel_group() if ep > 1 else None)
         self.experts = Experts(config, self.dispatcher.num_local_experts)
         shared = config.moe_shared_expert_intermediate_size
         self.shared_experts = MLP(config, sequence_parallel=self.sequence_parallel,

@@ -29,6 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
+from parallel_state import collectives
+from parallel_state.mappings import all_to_all
+
 
 def capacity_keep(indices: torch.Tensor, probs: torch.Tensor, num_experts: int,
                   capacity_factor: float) -> tuple[torch.Tensor, int]:
@@ -117,9 +120,6 @@ class AllToAllDispatcher:
         return self._exchange(rows, counts, plan)
 
     def _exchange(self, rows, counts, plan):
-        from parallel_state import collectives
-        from parallel_state.mappings import all_to_all
-
         send = counts.view(self.ep_size, self.num_local_experts)
         recv = torch.empty_like(send)
         collectives.all_to_all_single(recv, send.contiguous(), None, None, group=self.group)
@@ -135,8 +135,6 @@ class AllToAllDispatcher:
         token's sum of its kept copies weighted by their probabilities (float32 sums, cast
         back to `y`'s dtype); a token with no kept copy gets zeros."""
         if self.ep_size > 1:
-            from parallel_state.mappings import all_to_all
-
             if plan.local_order is not None:
                 y = y.index_select(0, torch.argsort(plan.local_order))
             y = all_to_all(y, plan.send_splits, plan.recv_splits, self.group)
