@@ -384,16 +384,17 @@ def _prepare(layer, starve, bias):
             layer.router.expert_bias.copy_(torch.tensor(bias))
 
 
-def _full_grad(p):
-    """The dense gradient of parameter `p` after the step's reductions: dense parameters
-    summed over DP, expert parameters over expert-DP, then TP shards and EP blocks joined."""
+def _dense(p, g, reduce: bool):
+    """The dense tensor of `g` (parameter `p` or its gradient): TP shards and EP blocks
+    joined; with `reduce` (a gradient) first summed over DP (dense parameters) or expert DP
+    (expert parameters), as the step's reductions do."""
     import parallel_state as ps
     from layers import unshard_tensors
 
-    g = p.grad.detach().clone()
+    g = g.detach().clone()
     expert = getattr(p, "expert_parallel", False)
     group = ps.get_expert_data_parallel_group() if expert else ps.get_data_parallel_group()
-    if torch.distributed.get_world_size(group) > 1:
+    if reduce and torch.distributed.get_world_size(group) > 1:
         torch.distributed.all_reduce(g, group=group)
     if getattr(p, "tensor_model_parallel", False) and ps.get_tensor_model_parallel_world_size() > 1:
         parts = [torch.empty_like(g) for _ in range(ps.get_tensor_model_parallel_world_size())]
@@ -425,11 +426,13 @@ def _ep_case(name, tp, ep, sp, overrides, starve, bias):
     (y * probe).sum().backward()
     missing = [n for n, p in layer.named_parameters() if p.grad is None]
     all_reduce_sequence_parallel_grads(list(layer.parameters()))
-    grads = {n: _full_grad(p) for n, p in layer.named_parameters()}
+    grads = {n: _dense(p, p.grad, True) for n, p in layer.named_parameters()}
+    weights = {n: _dense(p, p, False) for n, p in layer.named_parameters()}
     (load,) = collect_expert_load(layer)
     update_expert_bias(layer, [load])
     return dict(y=y.detach(), x_grad=x.grad, missing=missing,
                 grads=grads if torch.distributed.get_rank() == 0 else None,
+                weights=weights if torch.distributed.get_rank() == 0 else None,
                 load=(load.tokens_per_expert, load.dropped_per_expert, load.aux_loss, load.z_loss),
                 bias=layer.router.expert_bias, local_experts=layer.experts.num_local_experts)
 
@@ -459,8 +462,8 @@ def test_expert_parallel_layouts_match_one_process(no_grid):
     padding), aux + z losses, expert bias; an expert no rank sends a token to (EP 4: its rank
     receives nothing at all). Each DP rank's microbatch through the layer equals one process
     running that microbatch (outputs, input gradients); the parameter gradients summed over the
-    microbatches equal one process's; the step's load counts and losses, and the updated
-    bias, are the same numbers."""
+    microbatches equal one process's; the initialized full weights are bitwise the same; the
+    step's load counts and losses, and the updated bias, are the same numbers."""
     results = run_distributed(_ep_worker, 4, EP_CASES, timeout=600)
     for name, tp, ep, sp, overrides, starve, bias in EP_CASES:
         config = moe_config(**overrides)
@@ -501,6 +504,8 @@ def test_expert_parallel_layouts_match_one_process(no_grid):
                 bad.append(f"{name} rank {rank} bias {result['bias']} != {layer.router.expert_bias}")
             assert result["local_experts"] == 4 // ep
         for n, p in layer.named_parameters():
+            if not torch.equal(results[0]["cases"][name]["weights"][n], p.detach()):
+                bad.append(f"{name} {n}: layout-free init differs")
             problem = fp32_mismatch(results[0]["cases"][name]["grads"][n], p.grad, k)
             if problem:
                 bad.append(f"{name} grad {n}: {problem}")
