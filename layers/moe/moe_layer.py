@@ -80,7 +80,7 @@ class MoELayer(nn.Module):
         tp = ps.get_tensor_model_parallel_world_size()
         self.layer_number = layer_number
         self.sequence_parallel = sequence_parallel and tp > 1
-        self.num_experts, self.topk = config.num_moe_experts, config.moe_router_topk
+        self.num_experts = config.num_moe_experts
         self.capacity_factor = config.moe_expert_capacity_factor
         self.pad_to_capacity = config.moe_pad_expert_input_to_capacity
         etp = ps.get_expert_tensor_parallel_world_size()
