@@ -78,24 +78,15 @@ def _checked(name: str, fn: Callable[[], torch.Tensor], shape: tuple) -> Callabl
     return run
 
 
-def write_weights_checkpoint(out: str, config: ModelConfig,
-                             tensors: dict[str, Callable[[], torch.Tensor]], *,
-                             tokenizer: Callable[[str], None] | None = None,
-                             generation_config: dict | None = None,
-                             source: dict | None = None) -> str:
-    """Write checkpoint folder `out` holding `config`'s weights and return its path.
+def _lazy_state_dict(config: ModelConfig, tensors: dict[str, Callable[[], torch.Tensor]]
+                     ) -> tuple[dict, dict[str, Callable[[], torch.Tensor]]]:
+    """`(state dict, {key: function})` to save `config`'s dense weights lazily: float32 meta
+    tensors under the checkpoint's keys (`model.<name>`, or `model.<name>.part<i>` for a
+    fused parameter split along its partition dim), each key's function returning the
+    shape-checked tensor, plus the zero training counters. Vocab tensors are stored
+    unpadded (`full_rows` rows); every layout re-pads on load.
 
-    `tensors` maps every dense parameter name (tp = 1, global layer numbers; vocab tensors
-    unpadded, `[vocab_size, h]`) to a function returning it. `tokenizer(folder)`, if given,
-    saves the tokenizer into `folder`; a non-empty `generation_config` (checked fields,
-    models/hf/generation.py) is stored as generation_config.json. The folder is built as
-    `out.tmp-*` and renamed when complete; an existing `out` is never touched.
-
-    Raises `CheckpointError` if `out` exists, a parameter is missing or has the wrong shape.
-    """
-    if os.path.exists(out):
-        raise CheckpointError(f"{out} already exists; pass a new --out folder (nothing was "
-                              f"written, and nothing there was changed)")
+    Raises `CheckpointError` if `tensors` lacks a parameter of the model."""
     params = dense_parameters(config)
     missing = sorted(set(params) - set(tensors))
     if missing:
@@ -120,41 +111,85 @@ def write_weights_checkpoint(out: str, config: ModelConfig,
             lazy[key] = f
     sd.update({"iteration": torch.tensor(0), "consumed_samples": torch.tensor(0),
                "optim.step": torch.tensor(0)})
+    return sd, lazy
+
+
+def _save_lazily(sd: dict, lazy: dict[str, Callable[[], torch.Tensor]], folder: str) -> None:
+    """`dcp.save` of `sd` into `folder` by one process, each tensor produced by its `lazy`
+    function just before it is written. Re-raises what a tensor function raised (DCP wraps
+    it in a CheckpointException)."""
+    try:
+        with _single_process():
+            dcp.save(sd, storage_writer=dcp.FileSystemWriter(folder),
+                     planner=_LazySavePlanner(lazy), no_dist=True)
+    except CheckpointException as e:  # DCP wraps what the tensor functions raised
+        cause = next(iter(e.failures.values()), None)
+        cause = cause[0] if isinstance(cause, tuple) else cause  # (exception, traceback)
+        raise (cause if isinstance(cause, BaseException) else e) from None
+
+
+def _write_model_files(folder: str, config: ModelConfig,
+                       tokenizer: Callable[[str], None] | None,
+                       generation_config: dict | None) -> None:
+    """Write config.yaml (the model's flags), the tokenizer and generation_config.json (when
+    given) into checkpoint folder `folder`."""
+    model_flags = {k: v for k, v in config.to_dict().items() if k not in ("name", "extra")}
+    with open(os.path.join(folder, CONFIG), "w") as f:
+        f.write("# model of this checkpoint (usable as --config; every key is a --flag)\n")
+        f.write(yaml.safe_dump(model_flags, sort_keys=False))
+    if tokenizer is not None:
+        tokenizer(os.path.join(folder, TOKENIZER_DIR))
+    if generation_config:
+        write_generation_config(folder, generation_config)
+
+
+def _write_metadata(folder: str, config: ModelConfig, source: dict | None) -> None:
+    """Write metadata.json for the files now in `folder` (a one-process, tp = pp = dp = 1
+    layout at iteration 0, with every file's size and sha256), then verify the folder
+    against it. Raises `CheckpointError` listing every problem found."""
+    names = [os.path.relpath(os.path.join(d, f), folder)
+             for d, _, fs in os.walk(folder) for f in fs]
+    meta = {"format_version": FORMAT_VERSION, "iteration": 0, "consumed_samples": 0,
+            "layout": {"tp": 1, "pp": 1, "vpp": None, "dp": 1, "world_size": 1,
+                       "distributed_optimizer": False, "bf16": False},
+            "model": config.to_dict(), "torch_version": torch.__version__,
+            "optimizer_state": False, "source": source or {},
+            "files": describe_files(folder, names)}
+    with open(os.path.join(folder, METADATA), "w") as f:
+        json.dump(meta, f, indent=1)
+    problems = verify_files(folder, meta, tensors=dense_tensors)
+    if problems:
+        raise CheckpointError("the written checkpoint failed verification: " +
+                              "; ".join(problems))
+
+
+def write_weights_checkpoint(out: str, config: ModelConfig,
+                             tensors: dict[str, Callable[[], torch.Tensor]], *,
+                             tokenizer: Callable[[str], None] | None = None,
+                             generation_config: dict | None = None,
+                             source: dict | None = None) -> str:
+    """Write checkpoint folder `out` holding `config`'s weights and return its path.
+
+    `tensors` maps every dense parameter name (tp = 1, global layer numbers; vocab tensors
+    unpadded, `[vocab_size, h]`) to a function returning it. `tokenizer(folder)`, if given,
+    saves the tokenizer into `folder`; a non-empty `generation_config` (checked fields,
+    models/hf/generation.py) is stored as generation_config.json. The folder is built as
+    `out.tmp-*` and renamed when complete; an existing `out` is never touched.
+
+    Raises `CheckpointError` if `out` exists, a parameter is missing or has the wrong shape.
+    """
+    if os.path.exists(out):
+        raise CheckpointError(f"{out} already exists; pass a new --out folder (nothing was "
+                              f"written, and nothing there was changed)")
+    sd, lazy = _lazy_state_dict(config, tensors)
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
     tmp = f"{os.path.abspath(out)}.tmp-{secrets.token_hex(4)}"
     os.makedirs(tmp)
     try:
-        try:
-            with _single_process():
-                dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp),
-                         planner=_LazySavePlanner(lazy), no_dist=True)
-        except CheckpointException as e:  # DCP wraps what the tensor functions raised
-            cause = next(iter(e.failures.values()), None)
-            cause = cause[0] if isinstance(cause, tuple) else cause  # (exception, traceback)
-            raise (cause if isinstance(cause, BaseException) else e) from None
-        model_flags = {k: v for k, v in config.to_dict().items() if k not in ("name", "extra")}
-        with open(os.path.join(tmp, CONFIG), "w") as f:
-            f.write("# model of this checkpoint (usable as --config; every key is a --flag)\n")
-            f.write(yaml.safe_dump(model_flags, sort_keys=False))
-        if tokenizer is not None:
-            tokenizer(os.path.join(tmp, TOKENIZER_DIR))
-        if generation_config:
-            write_generation_config(tmp, generation_config)
-        names = [os.path.relpath(os.path.join(d, f), tmp)
-                 for d, _, fs in os.walk(tmp) for f in fs]
-        meta = {"format_version": FORMAT_VERSION, "iteration": 0, "consumed_samples": 0,
-                "layout": {"tp": 1, "pp": 1, "vpp": None, "dp": 1, "world_size": 1,
-                           "distributed_optimizer": False, "bf16": False},
-                "model": config.to_dict(), "torch_version": torch.__version__,
-                "optimizer_state": False, "source": source or {},
-                "files": describe_files(tmp, names)}
-        with open(os.path.join(tmp, METADATA), "w") as f:
-            json.dump(meta, f, indent=1)
-        problems = verify_files(tmp, meta, tensors=dense_tensors)
-        if problems:
-            raise CheckpointError("the written checkpoint failed verification: " +
-                                  "; ".join(problems))
+        _save_lazily(sd, lazy, tmp)
+        _write_model_files(tmp, config, tokenizer, generation_config)
+        _write_metadata(tmp, config, source)
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
