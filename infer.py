@@ -18,9 +18,8 @@ import sys
 import time
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """--load / --hf (exactly one), --tokenizer, --dtype."""
     src = p.add_argument_group("model")
     src.add_argument("--load", help="native checkpoint folder (or its parent with `latest`)")
     src.add_argument("--hf", help="Hugging Face model folder, .gguf file, or an installed "
@@ -28,11 +27,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     src.add_argument("--tokenizer", help="tokenizer (HF folder or SentencePiece .model); "
                                          "default: the model's own")
     src.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+
+
+def _add_parallelism_args(p: argparse.ArgumentParser) -> None:
+    """--tp, --pp, --dp under Megatron's long names."""
     par = p.add_argument_group("parallelism")
     par.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=1)
     par.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int, default=1)
     par.add_argument("--data-parallel-size", "--dp", dest="dp", type=int, default=None,
                      help="replicas (default: world size / (tp * pp))")
+
+
+def _add_generation_args(p: argparse.ArgumentParser) -> None:
+    """Prompts, sampling flags and the engine's batch / length limits."""
     gen = p.add_argument_group("generation")
     gen.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     gen.add_argument("--prompt-file", help="prompts, one per line, or jsonl objects with "
@@ -56,6 +63,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                           "min(max_position_embeddings, 2048) (T5: decoder tokens, default "
                           "min(decoder_seq_length, 2048) or --max-new-tokens; prompts up to "
                           "min(seq_length, 2048) tokens)")
+
+
+def _add_server_args(p: argparse.ArgumentParser) -> None:
+    """--serve and the OpenAI-compatible server's address, key, defaults and limits."""
     srv = p.add_argument_group("server")
     srv.add_argument("--serve", action="store_true", help="OpenAI-compatible HTTP server")
     srv.add_argument("--host", default="127.0.0.1")
@@ -76,11 +87,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="largest request body in bytes (413 above it, before reading it)")
     srv.add_argument("--max-request-choices", type=int, default=256,
                      help="prompts x n of one request, at most (400 above it)")
-    args = p.parse_args(argv)
-    if (args.load is None) == (args.hf is None):
-        p.error("pass exactly one of --load CKPT and --hf PATH")
-    if not args.serve and not args.prompt and not args.prompt_file:
-        p.error("nothing to do: pass --prompt TEXT, --prompt-file FILE or --serve")
+
+
+def _check_sizes(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Counts and limits in range, and tp x pp (x dp) fitting $WORLD_SIZE; exits 2 if not."""
     for name in ("tp", "pp", "max_batch_size", "max_new_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -99,19 +109,30 @@ def parse_args(argv=None) -> argparse.Namespace:
                 f"start tp * pp * dp processes")
     if args.dp is not None and args.dp * args.tp * args.pp != world:
         p.error(f"--dp {args.dp} x --tp {args.tp} x --pp {args.pp} != world size {world}")
+
+
+def _check_prompts(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Read the prompts into `args.prompts` (not with --serve); exits 2 on a missing,
+    malformed or empty --prompt-file."""
     if args.prompt_file and not os.path.isfile(args.prompt_file):
         p.error(f"--prompt-file {args.prompt_file} does not exist")
-    if not args.serve:
-        try:
-            args.prompts = read_prompts(args)
-        except ValueError as e:
-            p.error(str(e))
-        if not args.prompts:
-            p.error(f"--prompt-file {args.prompt_file} holds no prompt (blank lines are skipped)")
+    if args.serve:
+        return
+    try:
+        args.prompts = read_prompts(args)
+    except ValueError as e:
+        p.error(str(e))
+    if not args.prompts:
+        p.error(f"--prompt-file {args.prompt_file} holds no prompt (blank lines are skipped)")
+
+
+def _check_sampling(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Validate the sampling flags with the first and the last prompt's seed (prompt i
+    samples with seed + i), before minutes of loading; exits 2 naming the flag."""
     from inference.sampling import SamplingError, SamplingParams
 
     last = args.seed + max(len(getattr(args, "prompts", ())) - 1, 0)
-    try:  # the sampling flags (prompt i samples with seed + i), before minutes of loading
+    try:
         for seed in (args.seed, last):
             SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                            top_k=args.top_k, top_p=args.top_p, seed=seed, stop=args.stop,
@@ -120,6 +141,23 @@ def parse_args(argv=None) -> argparse.Namespace:
         flag = {"max_tokens": "max-new-tokens", "top_k": "top-k", "top_p": "top-p"}.get(
             e.param, e.param)
         p.error(f"--{flag}: {e}")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Parse and check infer.py's flags; a usage error exits 2 with one line, before any model
+    is read. Without --serve, `args.prompts` holds the prompts (strings or message lists)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    for add in (_add_model_args, _add_parallelism_args, _add_generation_args, _add_server_args):
+        add(p)
+    args = p.parse_args(argv)
+    if (args.load is None) == (args.hf is None):
+        p.error("pass exactly one of --load CKPT and --hf PATH")
+    if not args.serve and not args.prompt and not args.prompt_file:
+        p.error("nothing to do: pass --prompt TEXT, --prompt-file FILE or --serve")
+    _check_sizes(p, args)
+    _check_prompts(p, args)
+    _check_sampling(p, args)
     return args
 
 
@@ -187,17 +225,105 @@ def summary(done: list[tuple], seconds: float) -> str:
     return line
 
 
+def context_lengths(args, cfg) -> tuple[int, int | None]:
+    """(max_seq_length, max_source_length) of the engine: tokens per request, and for T5 the
+    encoder's prompt limit (None for a decoder-only model).
+
+    A decoder defaults to min(max_position_embeddings, 2048). T5's relative positions set no
+    hard limit, so its configured lengths are capped at 2048 the same way (a checkpoint's
+    metadata.json must not size the cache unbounded).
+
+    Raises:
+        ValueError: --max-seq-length exceeds a decoder's max_position_embeddings.
+    """
+    if cfg.is_encoder_decoder:  # T5: prompts are encoder inputs, ended by EOS
+        return (args.max_seq_length or max(min(cfg.decoder_seq_length, 2048),
+                                           args.max_new_tokens),
+                min(cfg.seq_length, 2048))
+    limit = cfg.max_position_embeddings
+    if args.max_seq_length and args.max_seq_length > limit:
+        raise ValueError(f"--max-seq-length {args.max_seq_length} exceeds the model's "
+                         f"max_position_embeddings ({limit}); pass at most {limit}")
+    return args.max_seq_length or min(limit, 2048), None
+
+
+def run_server(args, engine, tokenizer, name: str, generation_config: dict, rank: int) -> int:
+    """Serve the OpenAI-compatible API until shut down; returns the exit code (1 when a rank
+    died, so that torchrun restarts the group)."""
+    from inference.server import serve
+
+    defaults = server_defaults(args, generation_config, rank)
+    try:
+        serve(engine, tokenizer, args.served_model_name or name, args.host, args.port,
+              args.api_key, shutdown_timeout=args.shutdown_timeout,
+              max_request_bytes=args.max_request_bytes,
+              max_request_choices=args.max_request_choices,
+              sampling_defaults=defaults)
+    except RuntimeError as e:  # a rank died: exit non-zero so torchrun restarts us
+        print(f"infer.py: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def make_requests(args, prompts: list, tokenizer, is_encoder_decoder: bool,
+                  max_len: int) -> list:
+    """This data-parallel replica's share of the prompts (prompt i goes to replica i mod dp)
+    as engine Requests with id str(i) and seed --seed + i; max_new_tokens is cut so that
+    prompt + output fit in `max_len` tokens (T5: the output alone)."""
+    import parallel_state as ps
+    from inference.engine import Request
+    from inference.sampling import SamplingParams
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    requests = []
+    for i, prompt in enumerate(prompts):
+        if i % dp != dp_rank:
+            continue
+        params = SamplingParams(max_new_tokens=args.max_new_tokens,
+                                temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, seed=args.seed + i, stop=args.stop,
+                                ignore_eos=args.ignore_eos)
+        ids = encode(tokenizer, prompt, args.chat)
+        if is_encoder_decoder:
+            params.max_new_tokens = min(params.max_new_tokens, max_len)
+        elif len(ids) + params.max_new_tokens > max_len:
+            params.max_new_tokens = max_len - len(ids)  # generate up to the context
+        requests.append(Request(str(i), ids, params))
+    return requests
+
+
+def generate_and_print(engine, requests: list, prompts: list, tokenizer, rank: int) -> None:
+    """Generate `requests`, gather every replica's completions to rank 0 and print them there
+    in prompt order (stdout), then the `summary` line (stderr)."""
+    import parallel_state as ps
+    from inference.comm import gather_to_rank0
+
+    start = time.perf_counter()
+    engine.generate(requests)
+    mine = [(int(r.id), r.text if tokenizer else r.output, r.finish_reason,
+             len(r.output), r.ttft_s) for r in requests]
+    gathered = gather_to_rank0(mine if ps.get_tensor_model_parallel_rank() == 0 and
+                               ps.is_pipeline_first_stage() else None)
+    if rank == 0:
+        done = sorted(x for part in gathered if part for x in part)
+        for i, text, _, _, _ in done:
+            shown = prompts[i] if isinstance(prompts[i], str) else json.dumps(prompts[i])
+            print(f"### prompt {i}: {shown}", flush=True)
+            print(text, flush=True)
+        print(summary(done, time.perf_counter() - start), file=sys.stderr, flush=True)
+
+
 def main(argv=None) -> int:
+    """infer.py: load the model on the grid, then serve (--serve) or generate the prompts.
+    Returns the exit code: 0, 1 (the server lost a rank), 2 (bad flags, files or model)."""
     args = parse_args(argv)
     prompts = [] if args.serve else args.prompts
 
     import parallel_state as ps
     from checkpoint.format import CheckpointError
     from parallel_state.host_memory import tune_host_allocator
-    from inference.comm import gather_to_rank0
-    from inference.engine import Engine, Request
+    from inference.engine import Engine
     from inference.loading import load
-    from inference.sampling import SamplingParams
     from models.config import ConfigError
     from models.hf.generation import eos_token_ids
     from models.hf import HFConversionError
@@ -213,69 +339,20 @@ def main(argv=None) -> int:
     try:
         model, tokenizer, name = load(args.load, args.hf, args.tokenizer, args.dtype)
         cfg = model.config
-        source_len = None
         if cfg.is_encoder_decoder:  # T5: prompts are encoder inputs, ended by EOS
             from inference.seq2seq import SourceTokenizer
 
             tokenizer = SourceTokenizer(tokenizer, cfg.vocab_size) if tokenizer else None
-            # relative positions: no hard limit, so the config's lengths are capped as a GPT's
-            # default is (a checkpoint's metadata.json must not size the cache unbounded)
-            source_len = min(cfg.seq_length, 2048)
-            max_len = args.max_seq_length or max(min(cfg.decoder_seq_length, 2048),
-                                                 args.max_new_tokens)
-        else:
-            limit = cfg.max_position_embeddings
-            if args.max_seq_length and args.max_seq_length > limit:
-                raise ValueError(f"--max-seq-length {args.max_seq_length} exceeds the model's "
-                                 f"max_position_embeddings ({limit}); pass at most {limit}")
-            max_len = args.max_seq_length or min(limit, 2048)
+        max_len, source_len = context_lengths(args, cfg)
         engine = Engine(model, eos_token_ids=eos_token_ids(model.generation_config, tokenizer),
                         decode=tokenizer.decode if tokenizer else None,
                         max_batch_size=args.max_batch_size, max_seq_length=max_len,
                         num_micro_batches=args.inference_micro_batches,
                         max_source_length=source_len)
         if args.serve:
-            from inference.server import serve
-
-            defaults = server_defaults(args, model.generation_config, rank)
-            try:
-                serve(engine, tokenizer, args.served_model_name or name, args.host, args.port,
-                      args.api_key, shutdown_timeout=args.shutdown_timeout,
-                      max_request_bytes=args.max_request_bytes,
-                      max_request_choices=args.max_request_choices,
-                      sampling_defaults=defaults)
-            except RuntimeError as e:  # a rank died: exit non-zero so torchrun restarts us
-                print(f"infer.py: error: {e}", file=sys.stderr, flush=True)
-                return 1
-            return 0
-        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        requests = []
-        for i, prompt in enumerate(prompts):
-            if i % dp != dp_rank:
-                continue
-            params = SamplingParams(max_new_tokens=args.max_new_tokens,
-                                    temperature=args.temperature, top_k=args.top_k,
-                                    top_p=args.top_p, seed=args.seed + i, stop=args.stop,
-                                    ignore_eos=args.ignore_eos)
-            ids = encode(tokenizer, prompt, args.chat)
-            if cfg.is_encoder_decoder:
-                params.max_new_tokens = min(params.max_new_tokens, max_len)
-            elif len(ids) + params.max_new_tokens > max_len:
-                params.max_new_tokens = max_len - len(ids)  # generate up to the context
-            requests.append(Request(str(i), ids, params))
-        start = time.perf_counter()
-        engine.generate(requests)
-        mine = [(int(r.id), r.text if tokenizer else r.output, r.finish_reason,
-                 len(r.output), r.ttft_s) for r in requests]
-        gathered = gather_to_rank0(mine if ps.get_tensor_model_parallel_rank() == 0 and
-                                   ps.is_pipeline_first_stage() else None)
-        if rank == 0:
-            done = sorted(x for part in gathered if part for x in part)
-            for i, text, _, _, _ in done:
-                shown = prompts[i] if isinstance(prompts[i], str) else json.dumps(prompts[i])
-                print(f"### prompt {i}: {shown}", flush=True)
-                print(text, flush=True)
-            print(summary(done, time.perf_counter() - start), file=sys.stderr, flush=True)
+            return run_server(args, engine, tokenizer, name, model.generation_config, rank)
+        requests = make_requests(args, prompts, tokenizer, cfg.is_encoder_decoder, max_len)
+        generate_and_print(engine, requests, prompts, tokenizer, rank)
         return 0
     except (ValueError, FileNotFoundError, ConfigError, CheckpointError,
             HFConversionError) as e:
