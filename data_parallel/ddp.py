@@ -43,6 +43,16 @@ freed.
 
 Gradients are SUMMED over data-parallel ranks: the training loss is already divided by the
 number of tokens of the whole global batch, so the sum is the exact global mean.
+
+Expert parallelism (mixture of experts, as Megatron-Core's separate expert buffers): a routed
+expert's weight (tagged `expert_parallel`) holds this rank's block of the layer's experts,
+which only the expert-data-parallel (edp) ranks share, so with `expert_data_parallel_group`
+the expert parameters get buckets of their own, reduced over that group, while the others
+reduce over the data-parallel group. Every strategy shards each set over its own group: an
+expert bucket is padded to a multiple of edp and split into edp shards. A bucket records its
+group (`_Comm`) and where its shard sits in `grad_shards` / `param_shards` (`shard_start`),
+so one flat index space holds both sets. When the two groups are the same (ep 1) nothing is
+split.
 """
 from __future__ import annotations
 
@@ -60,11 +70,30 @@ STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 _MAX_REDUCTIONS_IN_FLIGHT = 2  # sharded gradients: temporary full buckets alive at once
 
 
+@dataclass(frozen=True)
+class _Comm:
+    """The group a bucket reduces over (dense: data-parallel; experts: expert-data-parallel),
+    its size and this rank's place in it."""
+
+    group: object
+    size: int
+    rank: int
+    expert: bool = False
+
+    @staticmethod
+    def of(group, expert: bool = False) -> "_Comm":
+        if not dist.is_initialized():
+            return _Comm(group, 1, 0, expert)
+        return _Comm(group, dist.get_world_size(group), dist.get_rank(group), expert)
+
+
 @dataclass
 class _Bucket:
     start: int
-    end: int  # padded end (end - start is a multiple of dp when sharding)
+    end: int  # padded end (end - start is a multiple of comm.size when sharding)
     params: list[nn.Parameter]
+    comm: _Comm
+    shard_start: int = 0  # sharding: first element of its shard in grad_shards / param_shards
     ready: int = 0
     handle: object | None = None  # in-flight gradient all-reduce / reduce-scatter
     gather: object | None = None  # in-flight parameter all-gather (optim, optim_grads)
@@ -118,6 +147,8 @@ class DistributedDataParallel(nn.Module):
             forward order (default: `module.sharding_units()` when it has that method, else
             none); parameters outside them form the root unit, gathered for a whole
             forward-backward.
+        expert_data_parallel_group: the group the `expert_parallel` parameters reduce over
+            (module docstring); None or the data-parallel group: they are dense ones.
     Attributes:
         offsets: `{id(param): start}` of each parameter in the flat index space.
         numel_padded: size of the flat index space (all buckets, padding included).
@@ -130,18 +161,26 @@ class DistributedDataParallel(nn.Module):
                  bucket_size: int = 40_000_000, overlap_grad_reduce: bool = True,
                  use_distributed_optimizer: bool = False,
                  data_parallel_sharding_strategy: str | None = None,
-                 fsdp_unit_modules: list[nn.Module] | None = None):
+                 fsdp_unit_modules: list[nn.Module] | None = None,
+                 expert_data_parallel_group=None):
         super().__init__()
         self.module = module
         self.group = data_parallel_group
-        self.dp_size = dist.get_world_size(data_parallel_group) if dist.is_initialized() else 1
-        self.dp_rank = dist.get_rank(data_parallel_group) if dist.is_initialized() else 0
+        dense = _Comm.of(data_parallel_group)
+        self.dp_size, self.dp_rank = dense.size, dense.rank
+        split = expert_data_parallel_group not in (None, data_parallel_group)
+        if not split and _experts_split_over_ranks(module):
+            raise ValueError("expert-parallel parameters (ep > 1) must reduce over the expert-"
+                             "data-parallel group, not the data-parallel one: pass "
+                             "expert_data_parallel_group=get_expert_data_parallel_group()")
+        self.expert_comm = _Comm.of(expert_data_parallel_group, expert=True) if split else dense
         self.strategy = resolve_strategy(data_parallel_sharding_strategy,
                                          use_distributed_optimizer)
         self.use_distributed_optimizer = self.strategy != "no_shard"
         self.shard_grads = self.strategy in ("optim_grads", "optim_grads_params")
         self.shard_params = self.strategy == "optim_grads_params"
-        self.overlap_grad_reduce = overlap_grad_reduce and self.dp_size > 1
+        self.overlap_grad_reduce = overlap_grad_reduce and \
+            max(self.dp_size, self.expert_comm.size) > 1
         self.sync_enabled = True
         params = [p for p in module.parameters() if p.requires_grad]
         if len({p.dtype for p in params}) > 1:
@@ -161,11 +200,16 @@ class DistributedDataParallel(nn.Module):
             groups = self.units.param_groups()
         else:
             groups = [params]
-        pad = self.dp_size if self.use_distributed_optimizer else 1
-        buckets, self.offsets = self._layout(groups, bucket_size, pad)
+        sets = [(g, dense) for g in groups] if not split else \
+            [(s, c) for g in groups for s, c in (
+                ([p for p in g if not getattr(p, "expert_parallel", False)], dense),
+                ([p for p in g if getattr(p, "expert_parallel", False)], self.expert_comm))]
+        buckets, self.offsets = self._layout_sets(sets, bucket_size,
+                                                  self.use_distributed_optimizer)
         self.numel_padded = buckets[-1].end if buckets else 0
         self._bucket_of = {id(p): b for b in buckets for p in b.params}
-        total, shard_total = self.numel_padded, self.numel_padded // pad
+        total = self.numel_padded
+        shard_total = buckets[-1].shard_start + self._shard_size(buckets[-1]) if buckets else 0
         self.buffer = GradBuffer(None if self.shard_grads else torch.zeros(
             total, dtype=torch.float32, device=self.device), buckets)
         self.grad_shards = torch.zeros(shard_total, dtype=torch.float32, device=self.device) \
@@ -188,7 +232,7 @@ class DistributedDataParallel(nn.Module):
             p.main_grad = None if self.shard_grads else self._view(self.buffer.data, p)
             p.grad = p.main_grad if p.dtype == torch.float32 else None
             p.register_post_accumulate_grad_hook(_weak_hook(self))
-        if self.param_buffer is not None and self.dp_size > 1:
+        if self.param_buffer is not None and any(b.comm.size > 1 for b in buckets):
             for m in module.modules():
                 own = [p for p in m._parameters.values() if p is not None and id(p) in self.offsets]
                 if own:
@@ -196,22 +240,34 @@ class DistributedDataParallel(nn.Module):
 
     @staticmethod
     def _layout(groups, bucket_size: int, pad: int):
-        """Buckets over `groups` (lists of parameters; a bucket never spans two groups), each
-        in reverse registration order; a shared (tied) embedding alone in its own bucket when
-        sharding; each bucket padded to a multiple of `pad` elements."""
-        buckets, offsets, offset, start, current = [], {}, 0, 0, []
+        """`_layout_sets` of one set, `groups` (lists of parameters), padded to multiples of
+        `pad` (the planner's view: planner/parameters.py `chunk_layout`)."""
+        comm = _Comm(None, pad, 0)
+        return DistributedDataParallel._layout_sets([(g, comm) for g in groups], bucket_size,
+                                                    shard=True)
+
+    @staticmethod
+    def _layout_sets(sets, bucket_size: int, shard: bool):
+        """Buckets over `sets` (`(parameters, _Comm)` pairs; a bucket never spans two sets),
+        each in reverse registration order; a shared (tied) embedding alone in its own bucket
+        when sharding; each bucket padded to a multiple of its group's size when sharding
+        (`shard`), its shard placed after the previous bucket's."""
+        buckets, offsets, offset, start, current, shards = [], {}, 0, 0, [], 0
 
         def close():
-            nonlocal offset, start, current
+            nonlocal offset, start, current, shards
             if current:
+                pad = comm.size if shard else 1
                 offset = start + -(-(offset - start) // pad) * pad
-                buckets.append(_Bucket(start, offset, current))
+                buckets.append(_Bucket(start, offset, current, comm, shards))
+                shards += (offset - start) // pad
             start, current = offset, []
 
-        for params in groups:
+        for params, comm in sets:
             for p in reversed(params):
-                alone = pad > 1 and (getattr(p, "shared_embedding", False) or
-                                     getattr(p, "stage_group", None) is not None)
+                alone = shard and comm.size > 1 and (
+                    getattr(p, "shared_embedding", False) or
+                    getattr(p, "stage_group", None) is not None)
                 if alone:
                     close()
                 offsets[id(p)] = offset
@@ -226,18 +282,27 @@ class DistributedDataParallel(nn.Module):
         start = self.offsets[id(p)] - base
         return flat[start: start + p.numel()].view_as(p)
 
+    def _shard_size(self, bucket: _Bucket) -> int:
+        return (bucket.end - bucket.start) // (bucket.comm.size if self.use_distributed_optimizer
+                                               else 1)
+
     def shard_range(self, bucket: _Bucket) -> tuple[int, int]:
-        """[lo, hi) of the flat index space this DP rank owns in `bucket` (all of it unless
-        sharding)."""
+        """[lo, hi) of the flat index space this rank owns in `bucket` (its shard over the
+        bucket's group; all of it unless sharding)."""
         if not self.use_distributed_optimizer:
             return bucket.start, bucket.end
-        size = (bucket.end - bucket.start) // self.dp_size
-        lo = bucket.start + self.dp_rank * size
+        size = self._shard_size(bucket)
+        lo = bucket.start + bucket.comm.rank * size
         return lo, lo + size
+
+    @staticmethod
+    def bucket_group(bucket: _Bucket):
+        """The process group `bucket` is reduced (and, sharded, gathered) over."""
+        return bucket.comm.group
 
     def _shard_pos(self, bucket: _Bucket, index: int) -> int:
         """Position of flat `index` (owned by this rank) in `grad_shards` / `param_shards`."""
-        return index - self.shard_range(bucket)[0] + bucket.start // self.dp_size
+        return index - self.shard_range(bucket)[0] + bucket.shard_start
 
     def grad_view(self, bucket: _Bucket, lo: int, hi: int) -> torch.Tensor:
         """Float32 gradient of owned flat range [lo, hi) of `bucket` (DP-reduced after
@@ -309,9 +374,9 @@ class DistributedDataParallel(nn.Module):
         lo, hi = self.shard_range(bucket)
         full, bucket.grad_full, bucket.ready = bucket.grad_full, None, 0
         handle = None
-        if self.dp_size > 1:
+        if bucket.comm.size > 1:
             handle = reduce_scatter_single(full[lo - bucket.start: hi - bucket.start], full,
-                                           group=self.group, async_op=True)
+                                           group=bucket.comm.group, async_op=True)
         self._reductions.append((bucket, full, handle))
         while len(self._reductions) > _MAX_REDUCTIONS_IN_FLIGHT:
             self._drain()
@@ -339,15 +404,15 @@ class DistributedDataParallel(nn.Module):
             self.units.end_of_backward()
 
     def _launch(self, bucket: _Bucket) -> None:
-        if bucket.handle is not None or self.dp_size == 1:
+        if bucket.handle is not None or bucket.comm.size == 1:
             return
         data = self.buffer.data[bucket.start: bucket.end]
         if self.use_distributed_optimizer:
             lo, hi = self.shard_range(bucket)
             bucket.handle = reduce_scatter_single(self.buffer.data[lo:hi], data,
-                                                  group=self.group, async_op=True)
+                                                  group=bucket.comm.group, async_op=True)
         else:
-            bucket.handle = collectives.all_reduce(data, group=self.group, async_op=True)
+            bucket.handle = collectives.all_reduce(data, group=bucket.comm.group, async_op=True)
 
     def finish_grad_sync(self) -> None:
         """Launch reductions not yet launched and wait for all; grads are then DP-summed (only
@@ -409,12 +474,14 @@ class DistributedDataParallel(nn.Module):
         if self.units is not None:
             self.units.invalidate(prefetch=True)
             return
-        if self.param_buffer is None or self.dp_size == 1:
+        if self.param_buffer is None:
             return
         for bucket in reversed(self.buffer.buckets):
+            if bucket.comm.size == 1:
+                continue
             lo, hi = self.shard_range(bucket)
             bucket.gather = all_gather_single(self.param_buffer[bucket.start: bucket.end],
-                                              self.param_buffer[lo:hi], group=self.group,
+                                              self.param_buffer[lo:hi], group=bucket.comm.group,
                                               async_op=self.overlap_grad_reduce)
 
     def _make_param_wait(self, params):
@@ -460,6 +527,14 @@ class DistributedDataParallel(nn.Module):
             if p is param:
                 shard[at: at + n].copy_(flat[p_start: p_start + n])
         self.units.invalidate(prefetch=False)
+
+
+def _experts_split_over_ranks(module: nn.Module) -> bool:
+    """`module` holds routed-expert weights whose experts are split over ep > 1 ranks."""
+    import parallel_state as ps
+
+    return ps.get_expert_model_parallel_world_size() > 1 and \
+        any(getattr(p, "expert_parallel", False) for p in module.parameters())
 
 
 def _weak_hook(ddp: DistributedDataParallel):

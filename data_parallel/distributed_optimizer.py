@@ -36,21 +36,22 @@ parameters (biases, norm weights) get no weight decay: their views sit in a grou
 Gradient norm (Megatron's clip_grad_norm_fp32): the squared norm is summed over each rank's
 owned element ranges, counting a range only if its parameter counts (`counts_toward_norm`:
 replicated-over-TP parameters on TP rank 0, the tied embedding's last-stage copy never), then
-all-reduced over DP (the shards are disjoint) and over the model-parallel group.
+all-reduced over DP (the shards are disjoint) and over the model-parallel group; an expert
+bucket's squares (expert parallelism: its own buckets, sharded over the expert-data-parallel
+group) are kept apart and also summed over the expert-parallel ranks
+(data_parallel/grad_norm.py `global_norm`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import parallel_state as ps
-from parallel_state import collectives
 
 from .ddp import DistributedDataParallel
-from .grad_norm import counts_toward_norm
+from .grad_norm import counts_toward_norm, global_norm, squares
 
 
 @dataclass(eq=False)
@@ -177,16 +178,10 @@ class DistributedOptimizer:
         """Global L2 norm of the (DP-reduced) gradient, each element counted once; scales
         the owned gradients so the norm is at most `max_norm` (0 disables). Returns the norm
         before clipping."""
-        parts = [s.grad[a:b].pow(2).sum() for s in self.shards for a, b in s.norm]
         device = self.model[0].device if self.model else ps.get_device()
-        sq = torch.stack(parts).sum() if parts else torch.zeros((), device=device)
-        sq = sq.to(torch.float32)
-        if self.sharded and ps.get_data_parallel_world_size() > 1:
-            collectives.all_reduce(sq, group=ps.get_data_parallel_group())
-        if ps.model_parallel_is_initialized() and \
-                dist.get_world_size(ps.get_model_parallel_group()) > 1:
-            collectives.all_reduce(sq, group=ps.get_model_parallel_group())
-        norm = float(sq.sqrt())
+        dense, expert = (squares([s.grad[a:b] for s in self.shards for a, b in s.norm
+                                  if s.bucket.comm.expert == e], device) for e in (False, True))
+        norm = global_norm(dense, expert, self.sharded)
         if max_norm > 0 and norm > max_norm:
             scale = max_norm / (norm + 1e-6)
             for s in self.shards:

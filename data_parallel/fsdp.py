@@ -98,7 +98,7 @@ class ParameterUnits:
     """The units of one `DistributedDataParallel(..., optim_grads_params)` wrapper.
 
     Args:
-        ddp: the wrapper (its `params`, `group`, `shard_range`, `param_view`).
+        ddp: the wrapper (its `params`, `shard_range`, `param_view`; each bucket's group).
         unit_modules: submodules, each gathered as one unit, in forward order.
     """
 
@@ -160,9 +160,9 @@ class ParameterUnits:
         for b in u.buckets:
             lo, hi = ddp.shard_range(b)
             out = u.full[b.start - u.start: b.end - u.start]
-            if ddp.dp_size > 1:
+            if b.comm.size > 1:  # over the bucket's group: dp, or edp for experts
                 u.handles.append(all_gather_single(out, ddp.param_view(b, lo, hi),
-                                                   group=ddp.group, async_op=async_op))
+                                                   group=b.comm.group, async_op=async_op))
             else:
                 out.copy_(ddp.param_view(b, lo, hi))
 

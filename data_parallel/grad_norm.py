@@ -6,6 +6,15 @@ TP rank 0 only, a sharded one on every rank (each holds a disjoint slice), and t
 embedding's second copy on the last pipeline stage not at all; the squares are summed over the
 tensor x pipeline ranks of one model replica. Data-parallel replicas hold identical, already
 reduced gradients, so they are not summed again.
+
+Expert parallelism (Megatron-Core's separate expert norm): at ep > 1 a routed expert's weight
+(`expert_parallel`) holds this rank's block of the layer's experts, identical on the
+expert-data-parallel replicas only, so its squares are summed separately: over the ep ranks
+(disjoint blocks), then with the dense squares over tensor x pipeline (each TP rank holds a
+disjoint slice of every expert: expert TP is TP). Counted once per (tp, pp, ep) coordinate.
+With ZeRO (disjoint owned shards) the squares are first summed over the shard groups: the
+dense ones over dp, the expert ones over edp and then ep, which together are the dp ranks of
+one TP rank (dp = edp x ep), so one all-reduce over dp does both (`global_norm`).
 """
 from __future__ import annotations
 
@@ -28,17 +37,48 @@ def counts_toward_norm(param: nn.Parameter) -> bool:
     return getattr(param, "tensor_model_parallel", False) or ps.get_tensor_model_parallel_rank() == 0
 
 
+def is_expert_parallel(param: nn.Parameter) -> bool:
+    """True for a routed expert's weight split over ep > 1 ranks (module docstring); at ep 1
+    the experts are counted as dense parameters."""
+    return getattr(param, "expert_parallel", False) and \
+        ps.get_expert_model_parallel_world_size() > 1
+
+
+def global_norm(dense_sq: torch.Tensor, expert_sq: torch.Tensor, sharded: bool) -> float:
+    """The global L2 norm from this rank's float32 sums of squares of the dense and of the
+    expert-parallel gradients it counts (`counts_toward_norm`); `sharded`: they are sums over
+    disjoint ZeRO shards (owned ranges), else over whole replicated gradients. Collective
+    over dp (sharded) or ep (experts, unsharded) and the model-parallel group."""
+    dense, expert = dense_sq.float(), expert_sq.float().to(dense_sq.device)
+    if not ps.model_parallel_is_initialized():
+        return float((dense + expert).sqrt())
+    if sharded and ps.get_data_parallel_world_size() > 1:  # dense over dp, experts edp x ep
+        both = torch.stack([dense, expert])
+        collectives.all_reduce(both, group=ps.get_data_parallel_group())
+        dense, expert = both
+    elif ps.get_expert_model_parallel_world_size() > 1:  # the experts' blocks over ep
+        expert = expert.clone()
+        collectives.all_reduce(expert, group=ps.get_expert_model_parallel_group())
+    total = dense + expert
+    if dist.get_world_size(ps.get_model_parallel_group()) > 1:
+        collectives.all_reduce(total, group=ps.get_model_parallel_group())
+    return float(total.sqrt())
+
+
 def global_grad_norm(params: list[nn.Parameter]) -> float:
     """L2 norm of the full model's gradient, each parameter counted exactly once."""
-    owned = [p.grad for p in params if p.grad is not None and counts_toward_norm(p)]
-    device = owned[0].device if owned else ps.get_device()
-    sq = torch.zeros((), dtype=torch.float32, device=device)
-    if owned:
-        sq = torch.stack([g.float().pow(2).sum() for g in owned]).sum()
-    if ps.model_parallel_is_initialized() and \
-            dist.get_world_size(ps.get_model_parallel_group()) > 1:
-        collectives.all_reduce(sq, group=ps.get_model_parallel_group())
-    return float(sq.sqrt())
+    owned = [p for p in params if p.grad is not None and counts_toward_norm(p)]
+    device = owned[0].grad.device if owned else ps.get_device()
+    dense, expert = (squares([p.grad for p in owned if is_expert_parallel(p) == e], device)
+                     for e in (False, True))
+    return global_norm(dense, expert, sharded=False)
+
+
+def squares(grads: list[torch.Tensor], device) -> torch.Tensor:
+    """Float32 sum of the squares of `grads` (0 when there are none)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.stack([g.float().pow(2).sum() for g in grads]).sum()
 
 
 def clip_grads(params: list[nn.Parameter], max_norm: float) -> float:

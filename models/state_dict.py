@@ -1,9 +1,11 @@
 """The dense (unsharded) state of a model distributed over TP and PP ranks.
 
 Parameter names already use global layer numbers, so gathering is: all-gather each tensor's
-shards over TP and undo the sharding (layers.sharding.unshard_tensors), then merge the
+shards over TP and undo the sharding (layers.sharding.unshard_tensors), join a routed expert
+weight's blocks of experts over the expert-parallel ranks (dim 0), then merge the
 name->tensor maps of the pipeline stages. Vocab padding rows are cut off, so the result is the
-same at any layout. Collective: every rank of the model-parallel group must call it.
+same at any layout. Collective: every rank of the model-parallel group (and, with experts
+split over ranks, of the expert-parallel group) must call it.
 """
 from __future__ import annotations
 
@@ -33,6 +35,11 @@ def gather_full_state_dict(chunks) -> dict[str, torch.Tensor]:
                 parts = [torch.empty_like(t) for _ in range(tp)]
                 collectives.all_gather(parts, t, group=ps.get_tensor_model_parallel_group())
                 t = unshard_tensors(parts, p)
+            ep = ps.get_expert_model_parallel_world_size()
+            if getattr(p, "expert_parallel", False) and ep > 1:  # blocks of experts, in order
+                blocks = [torch.empty_like(t) for _ in range(ep)]
+                collectives.all_gather(blocks, t, group=ps.get_expert_model_parallel_group())
+                t = torch.cat(blocks)
             rows = getattr(p, "full_rows", None)
             if rows is not None:
                 t = t[:rows]

@@ -30,6 +30,7 @@ def validate(m: ModelConfig, t: TrainConfig, world_size: int) -> tuple[int, int]
     _check_positive(t, world_size)
     dp = _check_grid(t, world_size)
     m.validate(t.tensor_model_parallel_size)
+    expert_layout(m, t, dp)
     _check_sequence_parallel(m, t)
     if m.is_encoder_decoder:
         _check_t5(m, t)
@@ -60,7 +61,7 @@ def _check_positive(t: TrainConfig, world_size: int) -> None:
                  "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
                  "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
                  "global_batch_size", "lr_decay_iters", "save_interval", "keep_last",
-                 "exit_interval"):
+                 "exit_interval", "expert_model_parallel_size", "expert_tensor_parallel_size"):
         if getattr(t, name) is not None and getattr(t, name) < 1:  # None: unset, resolved later
             raise ConfigError(f"{flag(name)} must be a positive integer, got {getattr(t, name)}")
 
@@ -73,6 +74,48 @@ def _check_grid(t: TrainConfig, world_size: int) -> int:
             f"--pipeline-model-parallel-size {pp} = {tp * pp}; launch a multiple of {tp * pp} "
             f"processes or change --tp/--pp")
     return world_size // (tp * pp)
+
+
+def expert_layout(m: ModelConfig, t: TrainConfig, dp: int) -> tuple[int, int, int]:
+    """`(ep, etp, edp)` of the run's experts (parallel_state/grid.py: each stage's dp x tp
+    ranks are etp x ep x edp for the expert layers, so edp = dp tp / (ep etp) = dp / ep), after
+    checking that they can be built. Raises `ConfigError` naming the flag and the fix when
+    --expert-model-parallel-size > 1 on a model without MoE layers, when
+    --expert-tensor-parallel-size is not the TP size (not built: layers/moe/ gathers each
+    microbatch over TP and splits every expert over the TP ranks like the dense MLP), when
+    --num-experts is not divisible by ep, or when ep does not divide the data-parallel size."""
+    tp, ep = t.tensor_model_parallel_size, t.expert_model_parallel_size
+    etp = tp if t.expert_tensor_parallel_size is None else t.expert_tensor_parallel_size
+    experts = m.num_moe_experts
+    if ep > 1 and (experts is None or not any(m.is_moe_layer(n) for n in range(m.num_layers))):
+        why, fix = (("--num-experts is not set (the model is dense)",
+                     f"add --num-experts N (a multiple of {ep})") if experts is None else
+                    ("--moe-layer-freq makes no layer an MoE layer",
+                     "put a 1 in --moe-layer-freq"))
+        raise ConfigError(f"--expert-model-parallel-size {ep} splits the experts of MoE layers "
+                          f"over ranks, but {why}; {fix} or drop --expert-model-parallel-size")
+    if etp != tp:
+        raise ConfigError(
+            f"--expert-tensor-parallel-size {etp} with --tensor-model-parallel-size {tp} is not "
+            f"built: the MoE layer gathers each microbatch over the TP ranks and splits every "
+            f"expert over them like the dense MLP, so the experts' TP size is the TP size; "
+            f"leave --expert-tensor-parallel-size unset")
+    if experts is not None and experts % ep:
+        fits = [d for d in range(1, dp + 1) if dp % d == 0 and experts % d == 0]
+        raise ConfigError(f"--num-experts {experts} is not divisible by "
+                          f"--expert-model-parallel-size {ep}: every EP rank holds the same "
+                          f"number of experts; use --ep one of {fits} (at data-parallel size "
+                          f"{dp}) or a multiple of {ep} experts")
+    if dp % ep:
+        fits = [d for d in range(1, dp + 1) if dp % d == 0 and (experts or 1) % d == 0]
+        raise ConfigError(
+            f"--expert-model-parallel-size {ep} must divide the data-parallel size {dp} (= dp x "
+            f"tp / expert-tensor-parallel-size, with tp {tp} = etp): the expert-parallel ranks "
+            f"are carved out of the data-parallel ranks of each pipeline stage; use --ep one "
+            f"of {fits}, or launch a multiple of {ep} x tp {tp} x pp "
+            f"{t.pipeline_model_parallel_size} = {ep * tp * t.pipeline_model_parallel_size} "
+            f"processes")
+    return ep, etp, dp // ep
 
 
 def _check_sequence_parallel(m: ModelConfig, t: TrainConfig) -> None:

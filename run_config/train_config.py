@@ -26,6 +26,8 @@ class TrainConfig:
     decoder_last_pipeline_num_layers: int | None = None
     pipeline_model_parallel_split_rank: int | None = None  # T5: first decoder stage
     sequence_parallel: bool = False
+    expert_model_parallel_size: int = 1  # EP: each MoE layer's experts split over DP ranks
+    expert_tensor_parallel_size: int | None = None  # None: the TP size (the only one built)
     use_distributed_optimizer: bool = False  # ZeRO-1: Adam states/main weights sharded over DP
     data_parallel_sharding_strategy: str | None = None  # None: optim if the above, else no_shard
     optimizer_cpu_offload: bool = False  # main weights + Adam moments in host memory

@@ -34,7 +34,8 @@ from run_config.finetune_defaults import finetune_defaults
 from run_config.train_config import TrainConfig
 
 ALIASES = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
-           "vpp": "virtual_pipeline_model_parallel_size"}
+           "vpp": "virtual_pipeline_model_parallel_size", "ep": "expert_model_parallel_size",
+           "num_experts": "num_moe_experts"}  # the last: Megatron's flag for the field
 
 
 # ---------------------------------------------------------------------------- parsing
@@ -128,6 +129,25 @@ FLAG_HELP = {
     "untie_embeddings_and_output_weights": "separate output layer weight",
     "hidden_dropout": "dropout on residual branches", "attention_dropout": "dropout on scores",
     "init_method_std": "std of the normal init (output projections / sqrt(2 L))",
+    # mixture of experts (layers/moe/)
+    "num_moe_experts": "routed experts per MoE layer (alias --num-experts); unset: dense",
+    "moe_router_topk": "experts each token is routed to",
+    "moe_router_score_function": "softmax | sigmoid",
+    "moe_router_pre_softmax": "softmax over all experts before the top-k (Switch)",
+    "moe_router_topk_scaling_factor": "multiplies the routing weights (DeepSeek-V3)",
+    "moe_ffn_hidden_size": "width of each routed expert (default: ffn-hidden-size)",
+    "moe_shared_expert_intermediate_size": "width of the shared experts (unset: none)",
+    "moe_shared_expert_gate": "sigmoid gate on the shared experts' output (Qwen2-MoE)",
+    "moe_layer_freq": "N: layers 0, N, 2N, ... are MoE, or one 0/1 per layer (1 = MoE)",
+    "moe_aux_loss_coeff": "weight of the Switch/GShard load-balancing loss (per microbatch)",
+    "moe_z_loss_coeff": "weight of the ST-MoE router z-loss",
+    "moe_router_enable_expert_bias": "DeepSeek-V3 aux-loss-free balancing: a per-expert "
+    "bias on the sigmoid scores for the choice, moved after each applied step",
+    "moe_router_bias_update_rate": "the expert bias's step per optimizer step",
+    "moe_expert_capacity_factor": "per microbatch an expert keeps at most factor x k T / E "
+    "routed tokens, dropping those of lowest probability (unset: dropless)",
+    "moe_pad_expert_input_to_capacity": "pad every expert's input to exactly its capacity",
+    "moe_token_dispatcher_type": "alltoall (the only one built)",
     # layout
     "tensor_model_parallel_size": "TP ranks per layer (adjacent ranks)",
     "pipeline_model_parallel_size": "pipeline stages",
@@ -138,6 +158,10 @@ FLAG_HELP = {
     "pipeline_model_parallel_split_rank": "T5: stages before it hold the encoder, the rest "
     "the decoder",
     "sequence_parallel": "norms/dropout on sequence shards (needs tp > 1)",
+    "expert_model_parallel_size": "EP: ranks each MoE layer's experts are split over, carved "
+    "out of the data-parallel ranks (alias --ep; needs --num-experts)",
+    "expert_tensor_parallel_size": "TP of the routed experts (default, and the only value "
+    "built: --tensor-model-parallel-size)",
     "use_distributed_optimizer": "ZeRO-1: shard main weights and Adam states over DP",
     "data_parallel_sharding_strategy": "no_shard | optim (ZeRO-1) | optim_grads (ZeRO-2) | "
     "optim_grads_params (ZeRO-3/FSDP)",
@@ -238,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
             if f.name not in _field_types():
                 continue
             base, flags = _field_types()[f.name][0], [flag(f.name)] + \
-                [f"--{a}" for a, n in ALIASES.items() if n == f.name]
+                [flag(a) for a, n in ALIASES.items() if n == f.name]
             kw = dict(action=argparse.BooleanOptionalAction) if base is bool else \
                 dict(type=str, nargs="+", metavar="STR") if base is list else \
                 dict(type=_argtype(f.name), metavar="INT[,INT...]" if base is tuple else

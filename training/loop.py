@@ -2,7 +2,8 @@
 
 `train(run)` takes the `TrainState` that training/trainer.py's start-up built and runs the
 iterations from the resumed one to --train-iters: `train_step` (one global batch: schedule,
-gradient syncs, clipping, the optimizer step or a skip), then the step's instrumentation
+gradient syncs, clipping, the optimizer step or a skip, then an MoE model's expert load and
+bias update: training/expert_load.py), then the step's instrumentation
 (--profile, --profile-pipeline, --report-comm), the skipped-step count, the replica check,
 `training_log`, `evaluate_and_print_results`, `save_checkpoint_and_time` and the exit
 checks, in that order. The start-up, the final save and the run's closing records stay in
@@ -33,6 +34,7 @@ from run_config.batch_schedule import BatchSchedule
 from .arguments import Config
 from .batches import get_microbatches
 from .checkpointing import Checkpointer, DataPosition, kill_hook, signal_hook
+from .expert_load import ExpertLoadLog
 from .memory import peak_memory_bytes
 from .metrics import EvalProgress, MetricsLogger, Progress, format_duration
 from .mfu import PeakFlops
@@ -140,6 +142,7 @@ class TrainState:
     counter: CommCounter | None = None  # --report-comm
     counted_step: int = 0  # the iteration --report-comm counts
     comm: dict | None = None  # --report-comm's record of the counted step
+    moe: ExpertLoadLog | None = None  # the MoE layers' load and aux-loss weight
 
 
 @dataclasses.dataclass
@@ -171,6 +174,7 @@ def train(run: TrainState) -> tuple[int, str | None]:
     for ddp in run.model:
         ddp.zero_grad_buffer()  # ZeRO-3: frees what the measurements above left gathered
     peak_gathered_bytes(reset=True)
+    run.moe = ExpertLoadLog(run.chunks, run.config.model)  # forgets the measurements' routing
     print_rank_0(f"training iterations {run.start_iteration + 1}..{t.train_iters}; the first "
                  f"step also does one-time set-up (allocation, warm-up)")
     run.start = time.time()
@@ -241,6 +245,7 @@ def train_step(run: TrainState, iteration: int) -> StepResult:
                              ps.get_data_parallel_group())
     for ddp in run.model:
         ddp.zero_grad_buffer()
+    run.moe.before_step(gbs, t.micro_batch_size)
     timeline = Timeline() if t.profile_pipeline and iteration > 0 else None
     hooks = inject_grad_for_test(iteration + 1, run.params)  # no-op unless testing
     loss_sum = run.forward_backward(model=run.model, microbatches=microbatches,
@@ -263,6 +268,7 @@ def train_step(run: TrainState, iteration: int) -> StepResult:
                                         grads_outside_norm(optimizer, run.params), loss_sum)
         if skipped is None:
             optimizer.step()
+    run.moe.after_step(applied=skipped is None)
     position.consumed_samples += gbs
     counted = run.counter.stop() if run.counter is not None and run.counter.active else None
     return StepResult(gbs, lr, data_start, loss, grad_norm, skipped, timeline, counted)
@@ -303,7 +309,8 @@ def _handle_skipped_step(run: TrainState, step: StepResult, it: int) -> None:
 def training_log(run: TrainState, step: StepResult, it: int) -> None:
     """The iteration's log line and metrics record (Megatron's `training_log`): loss, LR,
     gradient norm, tokens/s, TFLOP/s per device and MFU over the training steps since the
-    previous line, peak memory, elapsed time and ETA, and the data position."""
+    previous line, peak memory, elapsed time and ETA, the data position, and an MoE model's
+    expert load since the previous line (training/expert_load.py)."""
     t, m, gbs, loss = run.config.train, run.config.model, step.global_batch_size, step.loss
     step_time = run.progress.window()  # training steps only: no validation or saving
     tps = gbs * m.seq_length / step_time  # this step's batch (ramp-up)
@@ -319,6 +326,8 @@ def training_log(run: TrainState, step: StepResult, it: int) -> None:
            "consumed_samples": run.position.consumed_samples,
            "global_batch_size": gbs,
            "samples_digest": batch_digest(run.train_ds, step.data_start, gbs)}
+    moe, moe_line = run.moe.report()  # collective over the pipeline stages
+    rec.update(moe)
     if run.is_logger:
         run.peak.say_note()
     run.logger.log(rec, f"iter {it:6d}/{t.train_iters} | loss {loss:.4f} | lr {step.lr:.3e} | "
@@ -327,7 +336,7 @@ def training_log(run: TrainState, step: StepResult, it: int) -> None:
                         f"{'n/a' if mfu is None else f'{mfu:.1%}'} | "
                         f"mem {rec['memory'] / 2**20:,.0f} MiB | "
                         f"elapsed {format_duration(rec['elapsed_s'])} | "
-                        f"eta {format_duration(eta)}")
+                        f"eta {format_duration(eta)}" + (f" | {moe_line}" if moe_line else ""))
     run.records.append(rec)
 
 

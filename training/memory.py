@@ -183,7 +183,9 @@ def model_state_bytes(model, optimizer) -> dict:
 
     Formulas: `predicted_total` / `predicted_host_total` = `zero_formula_bytes` with the padded
     parameter count (must equal the measurement exactly); `paper_total` with the unpadded one
-    (the paper's, e.g. `(W + G + K) psi / N_d` for stage 3). Under ZeRO-3 also
+    (the paper's, e.g. `(W + G + K) psi / N_d` for stage 3). Expert-parallel weights, sharded
+    over the expert-data-parallel group, count with N_d = edp: the formula is summed over the
+    wrappers' bucket groups (`dp` and `edp` report both sizes). Under ZeRO-3 also
     `gathered_params_predicted_peak` (data_parallel/fsdp.py).
 
     `model`: the DistributedDataParallel wrappers of this rank's chunks; `optimizer`: a
@@ -214,15 +216,26 @@ def model_state_bytes(model, optimizer) -> dict:
     # a separate fp32 main copy: bf16 weights, or mixed precision without a parameter store
     main_copy = weight != 4 or (strategy == "no_shard" and isinstance(optimizer,
                                                                      DistributedOptimizer))
-    psi, padded = sum(p.numel() for p in params), sum(d.numel_padded for d in model)
-    kw = dict(strategy=strategy, dp=dp, weight_bytes=weight, main_copy=main_copy,
-              host_elements=n_host)
-    out["predicted_total"], out["predicted_host_total"] = zero_formula_bytes(padded, **kw)
-    out["paper_total"] = zero_formula_bytes(psi, **kw)[0]
-    out.update(psi=psi, psi_padded=padded, dp=dp, strategy=strategy)
+    psi, padded = {}, {}  # elements by the size of the group their bucket reduces over
+    for d in model:
+        for b in d.buffer.buckets:
+            n = b.comm.size
+            psi[n] = psi.get(n, 0) + sum(p.numel() for p in b.params)
+            padded[n] = padded.get(n, 0) + b.end - b.start
+
+    def formula(counts: dict, host: int = 0, **kw) -> tuple[int, int]:
+        sums = [zero_formula_bytes(c, dp=n, host_elements=host if i == 0 else 0, **kw)
+                for i, (n, c) in enumerate(sorted(counts.items()))]  # linear in the host part
+        return sum(x for x, _ in sums), sum(y for _, y in sums)
+
+    kw = dict(strategy=strategy, weight_bytes=weight, main_copy=main_copy)
+    out["predicted_total"], out["predicted_host_total"] = formula(padded, n_host, **kw)
+    out["paper_total"] = formula(psi, n_host, **kw)[0]
+    out.update(psi=sum(psi.values()), psi_padded=sum(padded.values()), dp=dp,
+               edp=model[0].expert_comm.size if model else 1, strategy=strategy)
     for name in STRATEGIES:  # what each strategy would hold for this rank's parameters
-        out[f"paper_total_{name}"] = zero_formula_bytes(
-            psi, strategy=name, dp=dp, weight_bytes=weight,
+        out[f"paper_total_{name}"] = formula(
+            psi, strategy=name, weight_bytes=weight,
             main_copy=weight != 4 or (name == "no_shard" and main_copy))[0]
     if model and model[0].units is not None:
         out["gathered_params_predicted_peak"] = sum(d.units.predicted_peak_bytes() for d in model)

@@ -72,9 +72,8 @@ class MetricsLogger:
         self.jsonl.write(json.dumps(record) + "\n")
         if self.writer is not None:
             step = record.get("iteration", 0)
-            for k, v in record.items():
-                if k != "iteration" and isinstance(v, (int, float)) and v is not None:
-                    self.writer.add_scalar(f"{prefix}/{k}", v, step)
+            for tag, v in _scalars(record, prefix):
+                self.writer.add_scalar(tag, v, step)
             self.writer.flush()  # like the jsonl: a killed run keeps what it logged
 
     def close(self) -> None:
@@ -82,6 +81,17 @@ class MetricsLogger:
             self.jsonl.close()
         if self.writer is not None:
             self.writer.close()
+
+
+def _scalars(record: dict, prefix: str):
+    """`(tag, number)` of a record's numbers for TensorBoard: `prefix/key`, and numbers in
+    nested dicts as `prefix/key/subkey` (e.g. `train/moe/layer_2/imbalance`); lists and
+    strings are left to metrics.jsonl."""
+    for k, v in record.items():
+        if isinstance(v, dict):
+            yield from _scalars(v, f"{prefix}/{k}")
+        elif k != "iteration" and isinstance(v, (int, float)):
+            yield f"{prefix}/{k}", v
 
 
 def read_records(path: str) -> list[dict]:

@@ -8,7 +8,9 @@ compares the hashes
 - across its data-parallel group: every parameter (each DP replica holds the whole of its
   stage and TP shard; under ZeRO-3 the DP ranks hold different shards, so the check gathers
   the parameters first and compares the gathered copies: nothing to find there, but the TP
-  check below still runs);
+  check below still runs). A routed expert's weight at expert parallelism > 1 holds another
+  block of experts on each EP rank, so it is compared across the expert-data-parallel group
+  only (the ranks holding the same experts);
 - across its tensor-parallel group: the parameters TP does not shard (norms, the biases of
   row-parallel layers, learned positions), which every TP rank holds whole. Their gradients
   are equal by construction (replicated inputs) or all-reduced (sequence parallelism), so a
@@ -25,6 +27,7 @@ import hashlib
 import torch
 
 import parallel_state as ps
+from data_parallel.grad_norm import is_expert_parallel
 from parallel_state import collectives
 
 
@@ -72,7 +75,11 @@ def check_replicas(model: list, iteration: int) -> None:
     named = [(name, p) for chunk in model
              for name, p in getattr(chunk, "module", chunk).named_parameters()
              if p.numel() > 0]
-    problems = _compare(named, ps.get_data_parallel_group(), "data-parallel replicas")
+    dense = [(n, p) for n, p in named if not is_expert_parallel(p)]
+    problems = _compare(dense, ps.get_data_parallel_group(), "data-parallel replicas")
+    problems += _compare([(n, p) for n, p in named if is_expert_parallel(p)],
+                         ps.get_expert_data_parallel_group(),
+                         "expert-data-parallel replicas (the ranks holding these experts)")
     replicated = [(n, p) for n, p in named if not getattr(p, "tensor_model_parallel", False)
                   and getattr(p, "kv_replicas", 1) == 1]
     problems += _compare(replicated, ps.get_tensor_model_parallel_group(),

@@ -110,6 +110,9 @@ def pretrain(config: Config, on_end=None) -> list[dict]:
             ps.initialize_model_parallel(t.tensor_model_parallel_size,
                                          t.pipeline_model_parallel_size,
                                          t.virtual_pipeline_model_parallel_size, device=device,
+                                         expert_model_parallel_size=t.expert_model_parallel_size,
+                                         expert_tensor_parallel_size=(
+                                             t.expert_tensor_parallel_size),
                                          **pipeline_copies(config))
             records = _train(config, device, on_end, run_start)
             collectives.barrier()  # every rank got here, so nothing is left hanging
@@ -231,7 +234,11 @@ def setup_model_and_optimizer(config: Config, device) -> tuple[list, list, objec
     --optimizer-cpu-offload, else AdamW."""
     t = config.train
     chunks = build_model(config, device)
+    # routed experts reduce (and shard) over the expert-data-parallel group (the dp group at
+    # ep 1, where nothing is split): data_parallel/ddp.py
     model = [DistributedDataParallel(c, data_parallel_group=ps.get_data_parallel_group(),
+                                     expert_data_parallel_group=(
+                                         ps.get_expert_data_parallel_group()),
                                      bucket_size=t.ddp_bucket_size,
                                      overlap_grad_reduce=t.overlap_grad_reduce,
                                      data_parallel_sharding_strategy=(
@@ -349,11 +356,12 @@ def log_memory(model, optimizer, dataset, config: Config, device) -> dict:
     host = f", host {mib(state['host_total'])}" if state["host_total"] else ""
     gathered = (f", gathered up to {mib(state['gathered_params_predicted_peak'])}"
                 if "gathered_params_predicted_peak" in state else "")
+    experts = f" (experts at edp {state['edp']})" if state["edp"] != state["dp"] else ""
     print_rank_0(
         f"memory (rank 0, MiB): model states {mib(state['total'])} (weights "
         f"{mib(state['params'])}, gradients {mib(state['grads'])}, optimizer "
         f"{mib(state['main_params'] + state['optimizer_states'])}; {state['strategy']} at dp "
-        f"{state['dp']}, ZeRO formula {mib(state['predicted_total'])}{host}{gathered}) + "
+        f"{state['dp']}{experts}, ZeRO formula {mib(state['predicted_total'])}{host}{gathered}) + "
         + ("activations not measured (T5)" if config.model.is_encoder_decoder else
            f"activations {mib(act['activation_bytes_per_microbatch'])} per microbatch (the "
            f"decoder layers' {mib(act['activation_bytes_layers'])}, predicted "
@@ -365,7 +373,7 @@ def log_memory(model, optimizer, dataset, config: Config, device) -> dict:
                       for k, v in state.items()}, "memory_bytes_per_rank": totals, **planner}
 
 
-_STATE_COUNTS = ("psi", "psi_padded", "dp", "strategy")  # model-state fields not in bytes
+_STATE_COUNTS = ("psi", "psi_padded", "dp", "edp", "strategy")  # model-state fields not in bytes
 
 
 def log_activation_memory(chunks, dataset, config: Config, device) -> dict:
