@@ -197,60 +197,19 @@ def initialize_model_parallel(
                         "parallel_state.initialize_distributed() first (or run under torchrun)")
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
     vpp = virtual_pipeline_model_parallel_size
-    if tp < 1 or pp < 1 or (vpp is not None and vpp < 1):
-        raise GridError(f"parallel sizes must be >= 1, got tp={tp} pp={pp} vpp={vpp}")
     world = dist.get_world_size()
-    if world % (tp * pp):
-        raise GridError(
-            f"world size {world} is not divisible by tensor-model-parallel-size ({tp}) x "
-            f"pipeline-model-parallel-size ({pp}); launch a multiple of {tp * pp} processes "
-            f"or change --tp/--pp")
-    dp = world // (tp * pp)
+    dp = _data_parallel_size(world, tp, pp, vpp)
     ep = expert_model_parallel_size
     etp = tp if expert_tensor_parallel_size is None else expert_tensor_parallel_size
     edp = _expert_data_parallel_size(world, tp, dp, pp, ep, etp)
     device = torch.device(device) if device is not None else default_device()
-    mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
-    for dim in ("pp", "dp", "tp"):
-        collectives.apply_timeout(mesh.get_group(dim))
-        collectives.name_group(mesh.get_group(dim), dim)
-    if device.type == "cpu":  # TP's many small collectives, DP's large ones: transport/shm.py
-        for dim, size in (("tp", tp), ("dp", dp)):
-            if size > 1:
-                shm_setup.attach(mesh.get_group(dim), collectives.get_timeout())
+    mesh = _device_mesh(device, pp, dp, tp)
     rank = dist.get_rank()
     pp_rank, rest = divmod(rank, dp * tp)
     dp_rank, tp_rank = divmod(rest, tp)
-    # Groups spanning two mesh dims and the embedding group: every rank takes part in
-    # every new_group call, in the same order (a torch.distributed requirement).
-    model_parallel_group = None
-    for d in range(dp):
-        ranks = [(p * dp + d) * tp + t for p in range(pp) for t in range(tp)]
-        g = collectives.new_group(ranks, label="mp")
-        if d == dp_rank:
-            model_parallel_group = g
-    embedding_group = None
+    model_parallel_group, embedding_group, groups = _cross_stage_groups(
+        tp, dp, pp, rank, embedding_stages, stage_groups)
     pp_ranks = [(p * dp + dp_rank) * tp + tp_rank for p in range(pp)]
-
-    def stage_group(stages, label):
-        mine = None
-        for d in range(dp):
-            for t in range(tp):
-                ranks = [(p * dp + d) * tp + t for p in stages]
-                g = collectives.new_group(ranks, label=label)
-                if rank in ranks:
-                    mine = g
-        return mine
-
-    if pp > 1:
-        embedding_group = stage_group(sorted(set(embedding_stages or [0, pp - 1])), "embedding")
-    groups = {}
-    for name, stages in sorted((stage_groups or {}).items()):
-        stages = sorted(set(stages))
-        if any(not 0 <= p < pp for p in stages):
-            raise GridError(f"stage group {name!r}: stages {stages} outside 0..{pp - 1}")
-        if len(stages) > 1:
-            groups[name] = stage_group(stages, name)
     expert = _expert_groups(tp, dp, pp, ep, etp, rank, mesh.get_group("tp"),
                             mesh.get_group("dp"), device)
     _GRID = Grid(
@@ -276,6 +235,69 @@ def initialize_model_parallel(
         **expert,
     )
     return _GRID
+
+
+def _data_parallel_size(world: int, tp: int, pp: int, vpp: int | None) -> int:
+    """dp = world / (tp * pp); raises GridError for a size below 1 or a world that tp * pp
+    does not divide, naming the flags to change."""
+    if tp < 1 or pp < 1 or (vpp is not None and vpp < 1):
+        raise GridError(f"parallel sizes must be >= 1, got tp={tp} pp={pp} vpp={vpp}")
+    if world % (tp * pp):
+        raise GridError(
+            f"world size {world} is not divisible by tensor-model-parallel-size ({tp}) x "
+            f"pipeline-model-parallel-size ({pp}); launch a multiple of {tp * pp} processes "
+            f"or change --tp/--pp")
+    return world // (tp * pp)
+
+
+def _device_mesh(device: torch.device, pp: int, dp: int, tp: int):
+    """The (pp, dp, tp) DeviceMesh, its groups named and given the timeout; on CPU the tp and
+    dp groups get a shared-memory channel (TP's many small collectives, DP's large ones:
+    transport/shm.py)."""
+    mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    for dim in ("pp", "dp", "tp"):
+        collectives.apply_timeout(mesh.get_group(dim))
+        collectives.name_group(mesh.get_group(dim), dim)
+    if device.type == "cpu":
+        for dim, size in (("tp", tp), ("dp", dp)):
+            if size > 1:
+                shm_setup.attach(mesh.get_group(dim), collectives.get_timeout())
+    return mesh
+
+
+def _cross_stage_groups(tp: int, dp: int, pp: int, rank: int, embedding_stages, stage_groups):
+    """(model-parallel group, embedding group or None, {name: stage group}) of this rank: the
+    groups spanning two mesh dims. Every rank takes part in every new_group call, in the same
+    order (a torch.distributed requirement)."""
+    dp_rank = rank // tp % dp
+    model_parallel_group = None
+    for d in range(dp):
+        ranks = [(p * dp + d) * tp + t for p in range(pp) for t in range(tp)]
+        g = collectives.new_group(ranks, label="mp")
+        if d == dp_rank:
+            model_parallel_group = g
+
+    def stage_group(stages, label):
+        mine = None
+        for d in range(dp):
+            for t in range(tp):
+                ranks = [(p * dp + d) * tp + t for p in stages]
+                g = collectives.new_group(ranks, label=label)
+                if rank in ranks:
+                    mine = g
+        return mine
+
+    embedding_group = None
+    if pp > 1:
+        embedding_group = stage_group(sorted(set(embedding_stages or [0, pp - 1])), "embedding")
+    groups = {}
+    for name, stages in sorted((stage_groups or {}).items()):
+        stages = sorted(set(stages))
+        if any(not 0 <= p < pp for p in stages):
+            raise GridError(f"stage group {name!r}: stages {stages} outside 0..{pp - 1}")
+        if len(stages) > 1:
+            groups[name] = stage_group(stages, name)
+    return model_parallel_group, embedding_group, groups
 
 
 def _expert_data_parallel_size(world: int, tp: int, dp: int, pp: int, ep: int, etp: int) -> int:
