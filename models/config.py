@@ -260,6 +260,29 @@ class ModelConfig:
         if self.activation not in _ACTIVATIONS:
             raise ConfigError(f"--activation must be one of {_ACTIVATIONS}, "
                               f"got {self.activation!r}")
+        self._validate_heads(tp, kv_replication)
+        if self.ffn_hidden_size % tp:
+            raise ConfigError(
+                f"--ffn-hidden-size {self.ffn_hidden_size} is not divisible by "
+                f"--tensor-model-parallel-size {tp}")
+        self._validate_rope_scaling()
+        self._validate_window()
+        self._validate_moe(tp)
+        if self.position_embedding_type == "rope" and self.kv_channels % 2:
+            raise ConfigError(f"RoPE needs an even head dim, got --kv-channels {self.kv_channels}")
+        if self.max_position_embeddings < self.seq_length and \
+                self.position_embedding_type == "learned_absolute":
+            raise ConfigError(
+                f"--seq-length {self.seq_length} exceeds --max-position-embeddings "
+                f"{self.max_position_embeddings}; raise max-position-embeddings or shorten "
+                f"the sequence")
+        for name in ("hidden_dropout", "attention_dropout"):
+            p = getattr(self, name)
+            if not 0.0 <= p < 1.0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1), got {p}")
+
+    def _validate_heads(self, tp: int, kv_replication: bool) -> None:
+        """Heads, KV groups and head dim against each other and against tp (`validate`)."""
         if self.kv_channels * self.num_attention_heads != self.hidden_size and \
                 self.kv_channels == self.hidden_size // self.num_attention_heads:
             raise ConfigError(
@@ -287,10 +310,9 @@ class ModelConfig:
                 f"--tensor-model-parallel-size {tp}; use a tp that divides the number of "
                 f"KV heads (or fewer, larger groups); replicating KV heads over TP is for inference "
                 f"only (infer.py)")
-        if self.ffn_hidden_size % tp:
-            raise ConfigError(
-                f"--ffn-hidden-size {self.ffn_hidden_size} is not divisible by "
-                f"--tensor-model-parallel-size {tp}")
+
+    def _validate_rope_scaling(self) -> None:
+        """`rope_scaling_type` and its factors (linear, llama3)."""
         if self.rope_scaling_type not in _ROPE_SCALING:
             raise ConfigError(f"--rope-scaling-type must be one of linear, llama3 (or none), "
                               f"got {self.rope_scaling_type!r}")
@@ -302,20 +324,6 @@ class ModelConfig:
             raise ConfigError(f"llama3 RoPE scaling needs 0 < --rope-low-freq-factor "
                               f"{self.rope_low_freq_factor} < --rope-high-freq-factor "
                               f"{self.rope_high_freq_factor}")
-        self._validate_window()
-        self._validate_moe(tp)
-        if self.position_embedding_type == "rope" and self.kv_channels % 2:
-            raise ConfigError(f"RoPE needs an even head dim, got --kv-channels {self.kv_channels}")
-        if self.max_position_embeddings < self.seq_length and \
-                self.position_embedding_type == "learned_absolute":
-            raise ConfigError(
-                f"--seq-length {self.seq_length} exceeds --max-position-embeddings "
-                f"{self.max_position_embeddings}; raise max-position-embeddings or shorten "
-                f"the sequence")
-        for name in ("hidden_dropout", "attention_dropout"):
-            p = getattr(self, name)
-            if not 0.0 <= p < 1.0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1), got {p}")
 
     def _validate_window(self) -> None:
         """`window_size` and `window_attn_skip_freq` (they may come from untrusted metadata:
