@@ -6,6 +6,8 @@ docs/PLANNING.md for the formulas and tools/plan.py for the command line.
 parameters.py: the parameters and buckets of each rank, exact model-state bytes.
 memory.py: activations, microbatches in flight, transient buffers, per-rank peak.
 communication.py: calls and bytes per group and op of one step; alpha-beta time.
-search.py: every valid layout for a GPU count, ranked by predicted step time.
+moe.py: mixture of experts: total vs active parameters, FLOPs of the active experts, the
+    expert-parallel layout, an MoE layer's activations and its all-to-alls.
+search.py: every valid layout for a GPU count (ep too), ranked by predicted step time.
 report.py: what the trainer logs beside its measurements.
 """

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from layers.recompute import recompute_spans
 
+from .moe import moe_layer_bytes
+
 
 def paper_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
                       recompute: str | None = None, bytes_per_value: int = 2,
@@ -63,12 +65,14 @@ def norm_bytes(config, tokens: int, bytes_per_value: int) -> int:
 def model_layer_bytes(config, s: int, b: int, t: int = 1, sp: bool = False,
                       recompute: str | None = None, bytes_per_value: int = 4,
                       dropout: bool | None = None, keyed_dropout: bool = True,
-                      sliding: bool = False) -> dict:
+                      sliding: bool = False, moe: bool = False, ep: int = 1) -> dict:
     """What one of our transformer layers saves for backward, term by term, in bytes (see the
     module docstring). `dropout`: whether dropout is active (default: from the config);
     `keyed_dropout`: masks keyed by sample (`--dropout-masks sample`: the attention takes the
     explicit softmax) rather than drawn from streams (SDPA's math kernel); `sliding`: the
-    layer has a sliding window (its mask is the chunk's shared one: `model_chunk_bytes`).
+    layer has a sliding window (its mask is the chunk's shared one: `model_chunk_bytes`);
+    `moe`: its MLP is a mixture of experts (`planner.moe.moe_layer_bytes` replaces the MLP's
+    terms; `ep` the expert-parallel size).
     Returns `{term: bytes}`; `sum(...values())` is the layer's total.
     """
     e, h, d = bytes_per_value, config.hidden_size, config.kv_channels
@@ -110,7 +114,11 @@ def model_layer_bytes(config, s: int, b: int, t: int = 1, sp: bool = False,
         out["attention q, k, v"] = 2 * q32 + (mixed if e == 4 and an == gn else q32)
         out["attention s^2 (softmax, mask, dropped)"] = 3 * 4 * b * an * s * s
         out["projection input"] = q
-    out["mlp"] = e * s * b * (4 * f if config.activation == "swiglu" else 2 * f)
+    if moe:  # the MoE MLP's own terms; the pre-MLP norm's output is the router's input
+        out["qkv and fc1 inputs"] //= 2
+        out.update(moe_layer_bytes(config, s, b, t, sp, e, ep))
+    else:
+        out["mlp"] = e * s * b * (4 * f if config.activation == "swiglu" else 2 * f)
     if hid_drop:
         out["hidden dropout masks"] = 2 * e * sl * b * h
     return out
@@ -120,31 +128,33 @@ def model_chunk_bytes(config, num_layers: int, s: int, b: int, t: int = 1, sp: b
                       granularity: str | None = None, method: str | None = None,
                       recompute_num_layers: int | None = None, bytes_per_value: int = 4,
                       dropout: bool | None = None, keyed_dropout: bool = True,
-                      layer_numbers: list[int] | None = None) -> int:
+                      layer_numbers: list[int] | None = None, ep: int = 1) -> int:
     """Predicted bytes of a chunk's decoder layers (the "layers" region of the meter): per-layer
     terms under the recompute policy, plus the RoPE cos/sin tables shared by all layers, plus
     the sliding-window mask (`[1, 1, s, s]`, activation dtype, made once per forward by
     GPTModel) when a sliding layer outside a fully recomputed span keeps it: the flash kernel
     and selective recompute's checkpoint keep one shared copy; the explicit and math softmaxes
     keep none. `layer_numbers`: the chunk's global layers (default 0..num_layers-1), which
-    say which layers slide (`ModelConfig.layer_window_size`)."""
+    say which layers slide (`ModelConfig.layer_window_size`) and which are MoE; `ep` the
+    expert-parallel size."""
     kw = dict(s=s, b=b, t=t, sp=sp, bytes_per_value=bytes_per_value, dropout=dropout,
-              keyed_dropout=keyed_dropout)
+              keyed_dropout=keyed_dropout, ep=ep)
     numbers = range(num_layers) if layer_numbers is None else layer_numbers
-    sliding = [config.layer_window_size(n) is not None for n in numbers]
+    kinds = [(config.layer_window_size(n) is not None, config.is_moe_layer(n))
+             for n in numbers]  # (slides, moe)
     if granularity == "full":
         spans = recompute_spans(num_layers, method or "uniform", recompute_num_layers or 1)
         inside = {i for start, stop in spans for i in range(start, stop)}
-        kept = [slides for i, slides in enumerate(sliding) if i not in inside]
+        kept = [kind for i, kind in enumerate(kinds) if i not in inside]
         total = len(spans) * sum(model_layer_bytes(config, recompute="full", **kw).values())
     else:
-        kept = sliding
+        kept = kinds
         total = 0
     total += sum(sum(model_layer_bytes(config, recompute=granularity if granularity != "full"
-                                       else None, sliding=slides, **kw).values())
-                 for slides in kept)
+                                       else None, sliding=slides, moe=moe, **kw).values())
+                 for slides, moe in kept)
     att_drop = config.attention_dropout > 0 if dropout is None else dropout
-    if any(kept) and (granularity == "selective" or not att_drop):
+    if any(slides for slides, _ in kept) and (granularity == "selective" or not att_drop):
         total += bytes_per_value * s * s
     if config.position_embedding_type == "rope" and num_layers:
         total += 2 * 4 * s * config.kv_channels  # float32 cos, sin [s, 1, 1, d]

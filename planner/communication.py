@@ -39,7 +39,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from .parameters import chunk_layout, rank_chunks
+from . import moe
+from .parameters import chunk_layout, chunk_sets, rank_chunks
 from layers.recompute import recompute_spans
 
 
@@ -55,6 +56,14 @@ def _recomputed(n: int, t) -> tuple[int, int]:
         return 0, 0
     spans = recompute_spans(n, t.recompute_method or "uniform", t.recompute_num_layers or 1)
     return sum(b - a for a, b in spans), len(spans)
+
+
+def _recomputed_layers(n: int, t) -> set[int]:
+    """Indices (within the chunk) of the layers inside checkpointed spans."""
+    if t.recompute_granularity != "full" or not n:
+        return set()
+    spans = recompute_spans(n, t.recompute_method or "uniform", t.recompute_num_layers or 1)
+    return {i for a, b in spans for i in range(a, b)}
 
 
 def _owned(bucket, lo: int, hi: int, dp: int, rank: int, shard: bool) -> int:
@@ -184,25 +193,48 @@ def _sp_and_embedding_grad_all_reduces(out: dict, st: _StepShape, layouts) -> No
 
 
 def _dp_bucket_collectives(out: dict, st: _StepShape, r: int, chunks, layouts,
-                           first_step: bool) -> None:
-    """Add the DP gradient and weight traffic of pipeline stage `r`'s buckets (dp > 1): an
-    all-reduce of each float32 bucket (no_shard); a reduce-scatter (optim: once a step,
-    optim_grads: every microbatch) and an all-gather of the updated weight shard; ZeRO-3's
-    reduce-scatter every microbatch and per-unit gathers (`_zero3_gathers`)."""
+                           first_step: bool, dp: int, label: str = "dp") -> None:
+    """Add the DP gradient and weight traffic of pipeline stage `r`'s buckets over a group of
+    `dp` > 1 ranks labelled `label` (the dense buckets over dp; an MoE model's expert
+    buckets over edp): an all-reduce of each float32 bucket (no_shard); a reduce-scatter
+    (optim: once a step, optim_grads: every microbatch) and an all-gather of the updated
+    weight shard; ZeRO-3's reduce-scatter every microbatch and per-unit gathers
+    (`_zero3_gathers`)."""
     w = st.e  # weights are stored in the activation dtype (bf16 or fp32)
     sizes = [b.end - b.start for buckets, _ in layouts for b in buckets]
     n, k = sum(sizes), len(sizes) * st.replicas  # elements, and calls of one kind
     if st.strategy == "no_shard":
-        _add(out, ("dp", "all_reduce"), k, st.replicas * 4 * n)
+        _add(out, (label, "all_reduce"), k, st.replicas * 4 * n)
     elif st.strategy in ("optim", "optim_grads"):
         times = st.mb if st.strategy == "optim_grads" else 1
-        _add(out, ("dp", "reduce_scatter_single"), k * times, times * st.replicas * 4 * n)
-        _add(out, ("dp", "all_gather_single"), k, st.replicas * w * n // st.dp)
+        _add(out, (label, "reduce_scatter_single"), k * times, times * st.replicas * 4 * n)
+        _add(out, (label, "all_gather_single"), k, st.replicas * w * n // dp)
     else:  # optim_grads_params
-        _add(out, ("dp", "reduce_scatter_single"), k * st.mb, st.mb * st.replicas * 4 * n)
+        _add(out, (label, "reduce_scatter_single"), k * st.mb, st.mb * st.replicas * 4 * n)
         calls, elements = _zero3_gathers(chunks, layouts, r, st.pp, st.v, st.mb, first_step)
-        _add(out, ("dp", "all_gather_single"), st.replicas * calls,
-             st.replicas * w * elements // st.dp)
+        _add(out, (label, "all_gather_single"), st.replicas * calls,
+             st.replicas * w * elements // dp)
+
+
+def _moe_collectives(out: dict, st: _StepShape, config, r: int, chunks, ep: int) -> None:
+    """Add what the MoE layers of pipeline stage `r` exchange (planner/moe.py
+    `layer_collectives` per layer and microbatch, `step_collectives` once a step), on every
+    rank of the stage."""
+    m, t = config.model, config.train
+    layers = 0
+    for params in chunks:
+        numbers = list(dict.fromkeys(int(p.unit.split()[1]) for p in params
+                                     if p.unit.startswith("layer ")))
+        inside = _recomputed_layers(len(numbers), t)
+        for i, n in enumerate(numbers):
+            if not m.is_moe_layer(n):
+                continue
+            layers += 1
+            per_mb = moe.layer_collectives(m, st.s, st.b, st.tp, st.sp, st.e, ep, i in inside)
+            for key, (calls, nbytes) in per_mb.items():
+                _add(out, key, calls * st.replicas * st.mb, nbytes * st.replicas * st.mb)
+    for key, (calls, nbytes) in moe.step_collectives(m, layers, st.dp, st.tp, st.sp).items():
+        _add(out, key, calls * st.replicas, nbytes * st.replicas)
 
 
 def _pipeline_p2p(out: dict, st: _StepShape) -> None:
@@ -214,15 +246,20 @@ def _pipeline_p2p(out: dict, st: _StepShape) -> None:
     _add(out, ("pp", "recv"), msgs, msgs * stage)
 
 
-def _scalar_all_reduces(out: dict, st: _StepShape, t) -> None:
+def _scalar_all_reduces(out: dict, st: _StepShape, t, ep: int = 1) -> None:
     """Add the float32 scalars every rank all-reduces once a step: the token count and loss
-    sum over dp (and the sharded optimizer's squared norm), the loss sum over pp, the squared
-    gradient norm over tp x pp, and the non-finite verdict (2 flags) over the world."""
+    sum over dp (and the sharded optimizer's squared norms, dense and expert: 2 floats,
+    data_parallel/grad_norm.py `global_norm`), unsharded at ep > 1 the experts' squared norm
+    over ep, the loss sum over pp, the squared gradient norm over tp x pp, and the
+    non-finite verdict (2 flags) over the world."""
     world = st.world
-    if st.dp > 1:  # token count and loss sum; the sharded optimizer's squared norm
-        distributed_opt = t.use_distributed_optimizer or t.bf16 or t.optimizer_cpu_offload
-        k = 2 + (distributed_opt and t.use_distributed_optimizer)
-        _add(out, ("dp", "all_reduce"), k * world, k * world * 4)
+    distributed_opt = t.use_distributed_optimizer or t.bf16 or t.optimizer_cpu_offload
+    sharded_norm = distributed_opt and t.use_distributed_optimizer and st.dp > 1
+    if st.dp > 1:  # token count and loss sum; the sharded optimizer's squared norms
+        _add(out, ("dp", "all_reduce"), (2 + sharded_norm) * world,
+             (2 + 2 * sharded_norm) * world * 4)
+    if ep > 1 and not sharded_norm:
+        _add(out, ("ep", "all_reduce"), world, world * 4)
     if st.pp > 1:
         _add(out, ("pp", "all_reduce"), world, world * 4)
     if st.tp * st.pp > 1:
@@ -236,39 +273,57 @@ def _scalar_all_reduces(out: dict, st: _StepShape, t) -> None:
 
 def step_communication(config, first_step: bool = False) -> dict[tuple[str, str], tuple[int, int]]:
     """`{(group, op): (calls, bytes)}` of one training step, summed over all ranks (a
-    validated run_config.config.Config). Groups: tp, sp, dp, pp, embedding, mp, world.
+    validated run_config.config.Config). Groups: tp, sp, dp, pp, embedding, mp, world, and
+    in an MoE model ep and edp (planner/moe.py).
     `first_step`: the first step of a run (ZeRO-3 gathers one unit more, see `_zero3_gathers`);
     otherwise a steady-state step."""
     st, t = _StepShape.of(config), config.train
+    ep, etp, edp = moe.expert_layout(config)
     out: dict = {}
     for r in range(st.pp):
         chunks = rank_chunks(config, r)
-        layouts = [chunk_layout(c, st.dp, st.strategy, t.ddp_bucket_size) for c in chunks]
+        sets = chunk_sets(config, r)  # at ep > 1: the experts' buckets apart, over edp
+        dense = [chunk[0][0] for chunk in sets]
+        experts = [chunk[1][0] for chunk in sets if len(chunk) > 1]
+        layouts = [chunk_layout(c, st.dp, st.strategy, t.ddp_bucket_size) for c in dense]
         if st.tp > 1:  # per microbatch, on each TP rank of the stage
             _tp_activation_collectives(out, st, t, r, chunks)
+        if moe.is_moe(config.model):
+            _moe_collectives(out, st, config, r, chunks, ep)
         _sp_and_embedding_grad_all_reduces(out, st, layouts)  # per step, per DP rank
         if st.dp > 1:
-            _dp_bucket_collectives(out, st, r, chunks, layouts, first_step)
+            _dp_bucket_collectives(out, st, r, dense, layouts, first_step, st.dp)
+        if edp > 1 and experts:
+            _dp_bucket_collectives(out, st, r, experts, [
+                chunk_layout(c, edp, st.strategy, t.ddp_bucket_size) for c in experts],
+                first_step, edp, moe.edp_label(st.tp, ep, etp))
     if st.pp > 1:
         _pipeline_p2p(out, st)
-    _scalar_all_reduces(out, st, t)
+    _scalar_all_reduces(out, st, t, ep)
     return dict(sorted(out.items()))
 
 
 # ---------------------------------------------------------------------- alpha-beta time
-def group_size(group: str, tp: int, dp: int, pp: int) -> int:
+def group_size(group: str, tp: int, dp: int, pp: int, ep: int = 1) -> int:
     return {"tp": tp, "sp": tp, "dp": dp, "pp": pp, "embedding": 2, "mp": tp * pp,
-            "world": tp * dp * pp}[group]
+            "world": tp * dp * pp, "ep": ep, "edp": dp // ep}[group]
 
 
-def group_ranks(group: str, tp: int, dp: int, pp: int) -> list[list[int]]:
-    """Global ranks of every group of a kind (tp fastest, then dp, then pp: parallel_state)."""
+def group_ranks(group: str, tp: int, dp: int, pp: int, ep: int = 1) -> list[list[int]]:
+    """Global ranks of every group of a kind (tp fastest, then dp, then pp: parallel_state;
+    the expert groups with etp = tp: ep takes `ep` consecutive DP ranks, edp every `ep`th)."""
     def rank(p, d, t):
         return (p * dp + d) * tp + t
     if group in ("tp", "sp"):
         return [[rank(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp)]
     if group == "dp":
         return [[rank(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)]
+    if group == "ep":
+        return [[rank(p, d + e, t) for e in range(ep)] for p in range(pp)
+                for d in range(0, dp, ep) for t in range(tp)]
+    if group == "edp":
+        return [[rank(p, d, t) for d in range(e, dp, ep)] for p in range(pp)
+                for e in range(ep) for t in range(tp)]
     if group == "pp":  # a p2p link: adjacent stages
         return [[rank(p, d, t), rank(p + 1, d, t)] for p in range(pp - 1) for d in range(dp)
                 for t in range(tp)]
@@ -280,10 +335,10 @@ def group_ranks(group: str, tp: int, dp: int, pp: int) -> list[list[int]]:
 
 
 @functools.lru_cache(maxsize=4096)
-def crosses_nodes(group: str, tp: int, dp: int, pp: int, node_size: int) -> bool:
+def crosses_nodes(group: str, tp: int, dp: int, pp: int, node_size: int, ep: int = 1) -> bool:
     """True when some group of this kind has ranks on two nodes (`node_size` GPUs each)."""
     return any(len({r // node_size for r in ranks}) > 1
-               for ranks in group_ranks(group, tp, dp, pp))
+               for ranks in group_ranks(group, tp, dp, pp, ep))
 
 
 def ring_traffic(op: str, payload_bytes: float, n: int) -> tuple[int, float]:
@@ -294,6 +349,8 @@ def ring_traffic(op: str, payload_bytes: float, n: int) -> tuple[int, float]:
     - reduce-scatter of a full input B: `n - 1` steps, `(n - 1) B / n` bytes
     - all-gather of a local shard B: `n - 1` steps, `(n - 1) B` bytes
     - send: 1 step, B bytes; recv: nothing (its time is the matching send's)
+    - all-to-all of B (every row a rank sends, its own included): pairwise exchange, `n - 1`
+      steps, `(n - 1) B / n` bytes when the rows are spread evenly (balanced routing)
     """
     if op == "send":
         return 1, payload_bytes
@@ -301,7 +358,7 @@ def ring_traffic(op: str, payload_bytes: float, n: int) -> tuple[int, float]:
         return 0, 0.0
     if op == "all_reduce":
         return 2 * (n - 1), 2 * (n - 1) * payload_bytes / n
-    if op == "reduce_scatter_single":
+    if op in ("reduce_scatter_single", "all_to_all_single"):
         return n - 1, (n - 1) * payload_bytes / n
     if op == "all_gather_single":
         return n - 1, (n - 1) * payload_bytes
@@ -322,15 +379,17 @@ def participants(group: str, tp: int, dp: int, pp: int) -> int:
     return 2 * tp * dp if group == "embedding" else world
 
 
-def communication_per_rank(comm: dict, tp: int, dp: int, pp: int, network) -> dict[str, dict]:
+def communication_per_rank(comm: dict, tp: int, dp: int, pp: int, network,
+                           ep: int = 1) -> dict[str, dict]:
     """Per group kind, the mean over the ranks that take part of: calls, payload bytes, bytes
     sent on the wire (ring algorithms) and seconds per step: `{group: {"calls", "payload_bytes",
-    "sent_bytes", "seconds"}}`. `network`: `.node_size`, `.bandwidth(inter)`, `.latency(inter)`."""
+    "sent_bytes", "seconds"}}`. `network`: `.node_size`, `.bandwidth(inter)`, `.latency(inter)`
+    (a group with ranks on two nodes moves all its bytes at the inter-node figures)."""
     out: dict[str, dict] = {}
     for (group, op), (calls, nbytes) in comm.items():
         ranks = participants(group, tp, dp, pp)
-        n = group_size(group, tp, dp, pp)
-        inter = crosses_nodes(group, tp, dp, pp, network.node_size)
+        n = group_size(group, tp, dp, pp, ep)
+        inter = crosses_nodes(group, tp, dp, pp, network.node_size, ep)
         steps, sent = ring_traffic(op, nbytes / calls, n)
         g = out.setdefault(group, {"calls": 0.0, "payload_bytes": 0.0, "sent_bytes": 0.0,
                                    "seconds": 0.0})
@@ -342,6 +401,8 @@ def communication_per_rank(comm: dict, tp: int, dp: int, pp: int, network) -> di
     return out
 
 
-def communication_seconds(comm: dict, tp: int, dp: int, pp: int, network) -> dict[str, float]:
+def communication_seconds(comm: dict, tp: int, dp: int, pp: int, network,
+                          ep: int = 1) -> dict[str, float]:
     """Seconds per step each rank spends in each group kind (`communication_per_rank`)."""
-    return {g: v["seconds"] for g, v in communication_per_rank(comm, tp, dp, pp, network).items()}
+    return {g: v["seconds"]
+            for g, v in communication_per_rank(comm, tp, dp, pp, network, ep).items()}

@@ -14,12 +14,17 @@ Per layer and per sequence of `s` tokens, forward:
   + 2 * 2 s^2 q                                       Q K^T and (softmax) V
 
 with `q = heads * d`, `kv = query_groups * d`, `fc1_out = 2 ffn` for SwiGLU (gate and up) and
-`ffn` for GeLU; plus the logits `2 s h V` once. The attention term is counted over the full
+`ffn` for GeLU; plus the logits `2 s h V` once. An MoE layer (planner/moe.py
+`mlp_forward_flops`) counts only what a token uses, as Megatron-LM's
+`num_floating_point_operations` (megatron/training/training.py) does: its `k` routed experts
+of width `moe_ffn_hidden_size` and the shared experts, plus the router `2 h E`. The attention term is counted over the full
 `s x s` score matrix, as in the paper (no discount for the causal mask). Embedding lookups,
 norms, activations, softmax and the loss are not matmuls and are not counted. T5 (encoder-
 decoder) is counted per encoder token by the same rules (`_t5_flops_per_encoder_token`).
 """
 from __future__ import annotations
+
+from .moe import mlp_forward_flops
 
 
 # Dense (no sparsity) bf16 tensor-core peak of one GPU from NVIDIA's data sheets, TFLOP/s,
@@ -45,13 +50,25 @@ def forward_flops_per_token(config, seq_length: int | None = None,
     s = seq_length or config.seq_length
     v = vocab_size or config.vocab_size
     h, ffn = config.hidden_size, config.ffn_hidden_size
-    q, kv = config.query_projection_size, config.kv_projection_size
-    fc1_out = 2 * ffn if config.activation in ("swiglu", "geglu") else ffn
-    dense = 2 * (h * (q + 2 * kv) + q * h + h * fc1_out + ffn * h)
-    attention = 2 * 2 * s * q  # per token: one row of QK^T and of AV, each 2 s q
     if getattr(config, "is_encoder_decoder", False):
+        q, kv = config.query_projection_size, config.kv_projection_size
+        fc1_out = 2 * ffn if config.activation in ("swiglu", "geglu") else ffn
+        dense = 2 * (h * (q + 2 * kv) + q * h + h * fc1_out + ffn * h)
         return _t5_flops_per_encoder_token(config, s, dense, v)
-    return float(config.num_layers * (dense + attention) + 2 * h * v)
+    return float(sum(layer_forward_flops(config, n, s) for n in range(config.num_layers))
+                 + 2 * h * v)
+
+
+def layer_forward_flops(config, layer_number: int, seq_length: int | None = None) -> float:
+    """Forward matmul FLOPs per token of decoder layer `layer_number` (0-based): QKV and output
+    projections `2 h (q + 2 kv) + 2 q h`, attention `4 s q`, and the MLP
+    (`planner.moe.mlp_forward_flops`: the dense MLP, or an MoE MLP's active experts, router
+    and shared experts)."""
+    s = seq_length or config.seq_length
+    h = config.hidden_size
+    q, kv = config.query_projection_size, config.kv_projection_size
+    attention = 2 * (h * (q + 2 * kv) + q * h) + 2 * 2 * s * q  # QK^T and AV: 2 s q each
+    return float(attention + mlp_forward_flops(config, layer_number))
 
 
 def _t5_flops_per_encoder_token(config, se: int, dense: float, v: int) -> float:

@@ -24,7 +24,8 @@ gathered units (`gathered_peak_bytes`).
 from __future__ import annotations
 
 from .activations import model_chunk_bytes, norm_bytes
-from .parameters import chunk_layout, model_state_prediction, rank_chunks
+from .moe import expert_layout
+from .parameters import chunk_layout, chunk_sets, model_state_prediction, rank_chunks
 
 
 def chunk_activation_bytes(config, params, pre_process: bool, post_process: bool) -> dict:
@@ -38,7 +39,7 @@ def chunk_activation_bytes(config, params, pre_process: bool, post_process: bool
     layers = model_chunk_bytes(m, n, s, b, tp, sp, t.recompute_granularity, t.recompute_method,
                                t.recompute_num_layers, e,
                                keyed_dropout=t.dropout_masks == "sample",
-                               layer_numbers=numbers) if n else 0
+                               layer_numbers=numbers, ep=expert_layout(config)[0]) if n else 0
     s_local = s // tp if sp else s
     other = 0
     if pre_process:  # the token ids, learned positions' ids, the embedding dropout's mask
@@ -56,17 +57,19 @@ def gathered_peak_bytes(config, chunks) -> int:
     """ZeRO-3's gathered parameters at the busiest moment (data_parallel/fsdp.py
     `predicted_peak_bytes`, summed over chunks): the root unit plus the two largest adjacent
     units (one in use, the next prefetched), each unit its buckets' padded size in the weight
-    dtype."""
+    dtype. `chunks`: `planner.parameters.chunk_sets`; a unit of an MoE layer is its dense and
+    its expert buckets together."""
     t = config.train
     w, total = 2 if t.bf16 else 4, 0
-    for params in chunks:
-        buckets, _ = chunk_layout(params, config.data_parallel_size,
-                                  "optim_grads_params", t.ddp_bucket_size)
+    for sets in chunks:
         size: dict[str, int] = {}
-        for b in buckets:
-            unit = b.params[0].unit
-            size[unit] = size.get(unit, 0) + b.end - b.start
-        order = [u for u in dict.fromkeys(p.unit for p in params) if u != "root"]
+        for params, n in sets:
+            buckets, _ = chunk_layout(params, n, "optim_grads_params", t.ddp_bucket_size)
+            for b in buckets:
+                unit = b.params[0].unit
+                size[unit] = size.get(unit, 0) + b.end - b.start
+        order = [u for u in dict.fromkeys(q.unit for params, _ in sets for q in params)
+                 if u != "root"]
         pairs = [size[a] + size[b] for a, b in zip(order, order[1:])]
         total += w * (size.get("root", 0) + max(pairs or [size[u] for u in order] or [0]))
     return total
@@ -87,6 +90,7 @@ def rank_memory(config, pp_rank: int) -> dict:
     pp, v = t.pipeline_model_parallel_size, t.virtual_pipeline_model_parallel_size or 1
     states = model_state_prediction(config, pp_rank)
     chunks = rank_chunks(config, pp_rank)
+    sets = chunk_sets(config, pp_rank)
     per_chunk = [chunk_activation_bytes(config, params, pp_rank == 0 and c == 0,
                                         pp_rank == pp - 1 and c == v - 1)["total"]
                  for c, params in enumerate(chunks)]
@@ -95,12 +99,12 @@ def rank_memory(config, pp_rank: int) -> dict:
     activations = per_mb * held / v
     transient = 0
     strategy = t.data_parallel_sharding_strategy
-    dp = config.data_parallel_size
-    if strategy in ("optim_grads", "optim_grads_params") and dp > 1:
-        sizes = sorted((b.end - b.start for params in chunks for b in chunk_layout(
-            params, dp, strategy, t.ddp_bucket_size)[0]), reverse=True)
+    if strategy in ("optim_grads", "optim_grads_params"):
+        sizes = sorted((b.end - b.start for chunk in sets for params, n in chunk if n > 1
+                        for b in chunk_layout(params, n, strategy, t.ddp_bucket_size)[0]),
+                       reverse=True)
         transient += 4 * sum(sizes[:2])  # two float32 buckets being reduced (distributed.py)
-    gathered = gathered_peak_bytes(config, chunks) if strategy == "optim_grads_params" else 0
+    gathered = gathered_peak_bytes(config, sets) if strategy == "optim_grads_params" else 0
     transient += gathered
     total = states["total"] + activations + transient
     return {"model_states": states["total"], "activations_per_microbatch": per_mb,

@@ -8,7 +8,9 @@ shard) element count and the flags the data-parallel wrapper reads (`shared_embe
 (`DistributedDataParallel._layout`, so padding to multiples of dp and the tied embedding's own
 bucket are exactly the trainer's) and `model_state_prediction` turns that into bytes with
 `planner.parameters.zero_formula_bytes`. Change `chunk_parameters` with the layer code; the
-tests compare it with the measured tensors of real runs.
+tests compare it with the measured tensors of real runs. In an MoE model a rank holds `E/ep`
+routed experts of each MoE layer split over etp, and their bucket set is sharded over the
+expert-data-parallel group at ep > 1 (`chunk_sets`, planner/moe.py).
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from dataclasses import dataclass
 from models.pipeline import rank_chunk_layers
 
 from data_parallel.ddp import DistributedDataParallel
+
+from .moe import expert_layout
 
 
 @dataclass(eq=False)  # identity, as torch parameters: the layout keys them by id()
@@ -29,6 +33,7 @@ class ParamShape:
     shared_embedding: bool = False
     sequence_parallel: bool = False
     tensor_model_parallel: bool = False
+    expert_parallel: bool = False  # a routed expert's weight: reduced over edp, not dp
 
     def numel(self) -> int:
         return self.count
@@ -52,12 +57,41 @@ def _linear(prefix: str, out_local: int, in_local: int, unit: str, *, bias: bool
     return out
 
 
+def _moe_mlp(p: str, m, unit: str, tp: int, sp: bool, ep: int, etp: int) -> list[ParamShape]:
+    """An MoE MLP's parameters (layers/moe/moe_layer.py, registration order): the router
+    `[E, h]` (replicated over TP, SP-tagged), the stacked experts of this EP rank
+    `[E/ep, fc1_out/etp, h]` and `[E/ep, h, f/etp]` (tagged `expert_parallel`), the shared
+    experts (a dense MLP) and their gate `[1, h]`."""
+    h, local = m.hidden_size, m.num_moe_experts // ep
+    f = m.moe_ffn_hidden_size // etp
+    fc1 = 2 * f if m.activation in ("swiglu", "geglu") else f
+    out = [ParamShape(f"{p}.mlp.router.weight", m.num_moe_experts * h, unit,
+                      sequence_parallel=sp),
+           ParamShape(f"{p}.mlp.experts.linear_fc1.weight", local * fc1 * h, unit,
+                      tensor_model_parallel=True, expert_parallel=True),
+           ParamShape(f"{p}.mlp.experts.linear_fc2.weight", local * h * f, unit,
+                      tensor_model_parallel=True, expert_parallel=True)]
+    shared = m.moe_shared_expert_intermediate_size
+    if shared:
+        fs = shared // tp
+        out += _linear(f"{p}.mlp.shared_experts.linear_fc1", 2 * fs if m.activation in (
+            "swiglu", "geglu") else fs, h, unit, bias=False, row=False, sp=sp)
+        out += _linear(f"{p}.mlp.shared_experts.linear_fc2", h, fs, unit, bias=False, row=True,
+                       sp=sp)
+        if m.moe_shared_expert_gate:
+            out.append(ParamShape(f"{p}.mlp.shared_expert_gate.weight", h, unit,
+                                  sequence_parallel=sp))
+    return out
+
+
 def chunk_parameters(m, tp: int, layer_numbers: list[int], pre_process: bool,
-                     post_process: bool, sequence_parallel: bool) -> list[ParamShape]:
+                     post_process: bool, sequence_parallel: bool, ep: int = 1,
+                     etp: int | None = None) -> list[ParamShape]:
     """Trainable parameters of one GPTModel chunk on one TP rank, in registration order.
 
     `m`: a models.ModelConfig. Element counts are local (`[V/tp, h]` embedding, `[(q + 2kv)/tp,
-    h]` fused QKV, ...), as layers/ allocates them.
+    h]` fused QKV, ...), as layers/ allocates them; an MoE layer's routed experts are this
+    rank's `E/ep` experts split over `etp` (default tp).
     """
     sp = sequence_parallel and tp > 1
     h, vocab = m.hidden_size, m.padded_vocab_size(tp) // tp
@@ -83,6 +117,9 @@ def chunk_parameters(m, tp: int, layer_numbers: list[int], pre_process: bool,
         out += _linear(f"{p}.self_attention.linear_proj", h, q, unit,
                        bias=m.add_bias_linear, row=True, sp=sp)
         out += _norm(f"{p}.pre_mlp_layernorm", m, unit, sp)
+        if m.is_moe_layer(n):
+            out += _moe_mlp(p, m, unit, tp, sp, ep, tp if etp is None else etp)
+            continue
         out += _linear(f"{p}.mlp.linear_fc1", fc1, h, unit, bias=m.add_bias_linear, row=False,
                        sp=sp)
         out += _linear(f"{p}.mlp.linear_fc2", h, f, unit, bias=m.add_bias_linear, row=True,
@@ -113,9 +150,10 @@ def rank_chunks(config, pp_rank: int) -> list[list[ParamShape]]:
     run_config.config.Config). Cached by the model and the layout: treat as read-only."""
     t = config.train
     pp, v = t.pipeline_model_parallel_size, t.virtual_pipeline_model_parallel_size or 1
+    ep, etp, _ = expert_layout(config)
     key = ("chunks", repr(config.model), t.tensor_model_parallel_size, pp, v,
            t.sequence_parallel, t.decoder_first_pipeline_num_layers,
-           t.decoder_last_pipeline_num_layers, pp_rank)
+           t.decoder_last_pipeline_num_layers, pp_rank, ep, etp)
 
     def make():
         chunks = rank_chunk_layers(config.stage_num_layers(), pp_rank,
@@ -123,9 +161,39 @@ def rank_chunks(config, pp_rank: int) -> list[list[ParamShape]]:
         return [chunk_parameters(config.model, t.tensor_model_parallel_size, layers,
                                  pre_process=pp_rank == 0 and c == 0,
                                  post_process=pp_rank == pp - 1 and c == v - 1,
-                                 sequence_parallel=t.sequence_parallel)
+                                 sequence_parallel=t.sequence_parallel, ep=ep, etp=etp)
                 for c, layers in enumerate(chunks)]
     return _cached(key, make)
+
+
+_NO_EXPERTS: list[ParamShape] = []  # shared, so that layouts of it are cached once
+
+
+def split_experts(params: list[ParamShape]) -> tuple[list[ParamShape], list[ParamShape]]:
+    """(dense, expert) parameters of a chunk: the dense ones reduce over dp, the routed
+    experts' (`expert_parallel`) over the expert-data-parallel group. A chunk without
+    experts returns itself as the dense list. Cached: treat as read-only."""
+    if not any(p.expert_parallel for p in params):
+        return params, _NO_EXPERTS
+
+    def make():
+        return params, [p for p in params if not p.expert_parallel], \
+            [p for p in params if p.expert_parallel]
+    return _cached(("split", id(params)), make)[1:]
+
+
+def chunk_sets(config, pp_rank: int) -> list[list[tuple[list[ParamShape], int]]]:
+    """Per model chunk of pipeline rank `pp_rank`, its bucket sets as (parameters,
+    data-parallel size): at ep > 1 the dense parameters over dp, then the routed experts
+    over edp (data_parallel/ddp.py gives them buckets of their own, padded to edp, laid out
+    as the dense ones); at ep 1 all parameters over dp, in one set, as the wrapper does."""
+    ep, _, edp = expert_layout(config)
+    out = []
+    for params in rank_chunks(config, pp_rank):
+        dense, experts = split_experts(params) if ep > 1 else (params, _NO_EXPERTS)
+        out.append([(dense, config.data_parallel_size)] + ([(experts, edp)] if experts else []))
+    return out
+
 
 
 def _unit_groups(params: list[ParamShape]) -> list[list[ParamShape]]:
@@ -159,23 +227,31 @@ def main_copy(strategy: str, bf16: bool, distributed_optimizer: bool) -> bool:
 def model_state_prediction(config, pp_rank: int = 0) -> dict:
     """Predicted model-state bytes of a rank of pipeline stage `pp_rank` (every TP and DP rank
     of a stage holds the same amount, padding included): `{"total", "host_total", "psi",
-    "psi_padded", "strategy", "dp"}`, the quantities `training.memory.model_state_bytes`
-    measures (`predicted_total` there uses the same formula on the real tensors)."""
+    "psi_padded", "strategy", "dp", "edp"}`, the quantities `training.memory.model_state_bytes`
+    measures (`predicted_total` there uses the same formula on the real tensors). In an MoE
+    model the routed experts' bytes follow the same ZeRO formula with N_d = edp
+    (`chunk_sets`): `zero(dense psi, dp) + zero(expert psi, edp)`."""
     t, dp = config.train, config.data_parallel_size
     strategy = t.data_parallel_sharding_strategy
     uses_dist_opt = t.use_distributed_optimizer or t.bf16 or t.optimizer_cpu_offload
-    psi = padded = 0
-    for params in rank_chunks(config, pp_rank):
-        buckets, _ = chunk_layout(params, dp, strategy, t.ddp_bucket_size)
-        psi += sum(p.count for p in params)
-        padded += buckets[-1].end if buckets else 0
-    n_opt = padded // dp if strategy != "no_shard" else padded
-    host = int(n_opt * (t.optimizer_offload_fraction or 0.0)) if t.optimizer_cpu_offload else 0
-    device, host_bytes = zero_formula_bytes(
-        padded, strategy=strategy, dp=dp, weight_bytes=2 if t.bf16 else 4,
-        main_copy=main_copy(strategy, t.bf16, uses_dist_opt), host_elements=host)
-    return {"total": device, "host_total": host_bytes, "psi": psi, "psi_padded": padded,
-            "strategy": strategy, "dp": dp}
+    psi, padded = {}, {}  # by bucket set: 0 dense (over dp), 1 experts at ep > 1 (over edp)
+    for chunk in chunk_sets(config, pp_rank):
+        for key, (params, n) in enumerate(chunk):
+            buckets, _ = chunk_layout(params, n, strategy, t.ddp_bucket_size)
+            psi[key, n] = psi.get((key, n), 0) + sum(p.count for p in params)
+            padded[key, n] = padded.get((key, n), 0) + (buckets[-1].end if buckets else 0)
+    device = host_bytes = 0
+    for (_, n), count in padded.items():
+        n_opt = count // n if strategy != "no_shard" else count
+        host = int(n_opt * (t.optimizer_offload_fraction or 0.0)) \
+            if t.optimizer_cpu_offload else 0
+        d, hb = zero_formula_bytes(
+            count, strategy=strategy, dp=n, weight_bytes=2 if t.bf16 else 4,
+            main_copy=main_copy(strategy, t.bf16, uses_dist_opt), host_elements=host)
+        device, host_bytes = device + d, host_bytes + hb
+    _, _, edp = expert_layout(config)
+    return {"total": device, "host_total": host_bytes, "psi": sum(psi.values()),
+            "psi_padded": sum(padded.values()), "strategy": strategy, "dp": dp, "edp": edp}
 
 
 def zero_formula_bytes(psi: int, *, strategy: str, dp: int, weight_bytes: int,

@@ -8,6 +8,7 @@ import dataclasses
 
 from parallel_state.comm_counter import gather_counts
 
+from . import moe
 from .communication import step_communication
 from .memory import rank_memory
 
@@ -41,6 +42,12 @@ def memory_prediction(config, pp_rank: int, measured: dict) -> tuple[dict, str]:
             + (f" (chunk-microbatches over {config.train.virtual_pipeline_model_parallel_size} "
                f"chunks)" if (config.train.virtual_pipeline_model_parallel_size or 1) > 1 else "")
             + f", predicted peak {_mib(pred['total'])} MiB")
+    if moe.is_moe(config.model):  # total vs active (planner/moe.py `parameter_counts`)
+        counts = moe.parameter_counts(config.model)
+        ep, _, edp = moe.expert_layout(config)
+        rec.update(num_parameters=counts["total"], num_active_parameters=counts["active"])
+        line += (f"; {moe.describe_parameters(config.model)}; experts over ep {ep}, their "
+                 f"gradients over edp {edp}")
     return rec, line
 
 
@@ -74,6 +81,10 @@ def comm_report(config, counted: dict, iteration: int,
     total_p = sum(b for _, b in predicted.values())
     if not lines:
         lines.append("no collectives (a world of one process)")
+    if any(key[0] == "ep" for key in set(counted) | set(predicted)):
+        lines.append("ep: the token all-to-alls depend on the routing; summed over ranks the "
+                     "dropless count equals the prediction, with capacity dropping the "
+                     "prediction assumes a balanced load (compare the ratio, planner/moe.py)")
     rec = {"iteration": iteration, "event": "comm", "first_step": first_step, "comm": rows,
            "comm_bytes": total_c,
            "comm_bytes_predicted": total_p, "comm_ratio": _ratio(total_c, total_p)}

@@ -1,22 +1,25 @@
 """Every layout of a model on a GPU count: validated as train.py validates it, predicted
 (memory, communication, bubble, step time, MFU) and ranked.
 
-A layout is (tp, pp, vpp, dp, micro batch, sharding strategy, recompute, sequence parallel);
-`enumerate_layouts` builds each one as a `run_config.config.Config` and runs train.py's own
-`validate` on it, so a layout this module lists is one train.py accepts; a rejected one keeps
-the validation's message (or the planner's reason: TP across nodes, memory) as its reason.
+A layout is (tp, pp, vpp, dp, micro batch, sharding strategy, recompute, sequence parallel,
+and for an MoE model the expert-parallel size ep: every divisor of num_moe_experts that
+divides dp, expert TP = TP); `enumerate_layouts` builds each one as a
+`run_config.config.Config` and runs train.py's own `validate` on it, so a layout this module
+lists is one train.py accepts; a rejected one keeps the validation's message (or the
+planner's reason: TP across nodes, memory).
 
 Step time (seconds), from the FLOP count of planner/flops.py (Narayanan et al. 2021,
 sec. 5.1) at `peak x matmul_efficiency` per GPU:
 
     t_mb    = max over stages of (training FLOPs of the stage's layers, + logits on the last,
               + recompute: a forward of the recomputed layers, or of the attention core under
-              selective) x tokens per microbatch / tp / rate, + the TP/SP collectives of one
-              microbatch (on the critical path: they sit between the matmuls)
+              selective) x tokens per microbatch / tp / rate, + the TP/SP collectives and
+              MoE all-to-alls of one microbatch (on the critical path: they sit between the
+              matmuls; an EP group spanning two nodes moves at the inter-node bandwidth)
     t_pipe  = (m + (p - 1) / v) t_mb                (the bubble: (p - 1) / (v m) of m t_mb)
     t_step  = t_pipe + p2p + exposed DP + embedding and norm all-reduces
 
-DP gradient reductions overlap the last microbatch's backward (2/3 of t_mb; ZeRO-2/3: every
+DP gradient reductions (and the expert gradients' over edp) overlap the last microbatch's backward (2/3 of t_mb; ZeRO-2/3: every
 microbatch's), the ZeRO-1/2 parameter all-gather the next forward (1/3 of t_mb); what does not
 fit is exposed. MFU = model FLOPs of the step / (t_step x GPUs x peak).
 """
@@ -28,12 +31,14 @@ import math
 from dataclasses import dataclass
 
 from models.config import ConfigError
+from models.pipeline import rank_chunk_layers
 
 from data_parallel.ddp import STRATEGIES
 from run_config.config import Config
 from run_config.train_config import TrainConfig
 
-from .flops import GPU_PEAK_BF16_TFLOPS, forward_flops_per_token, training_flops_per_token
+from . import moe
+from .flops import GPU_PEAK_BF16_TFLOPS, layer_forward_flops, training_flops_per_token
 from .communication import communication_per_rank, communication_seconds, step_communication
 from .memory import peak_memory
 
@@ -86,6 +91,7 @@ def layout_fields(config: Config) -> dict:
     """The layout of a validated config, as the planner reports it."""
     t = config.train
     return {"tp": t.tensor_model_parallel_size, "pp": t.pipeline_model_parallel_size,
+            "ep": t.expert_model_parallel_size,
             "vpp": t.virtual_pipeline_model_parallel_size or 1, "dp": config.data_parallel_size,
             "micro_batch_size": t.micro_batch_size, "num_microbatches": config.num_microbatches,
             "sequence_parallel": t.sequence_parallel,
@@ -99,6 +105,8 @@ def flags(layout: dict) -> str:
     out = [f"--tp {layout['tp']}", f"--pp {layout['pp']}"]
     if layout["vpp"] > 1:
         out.append(f"--vpp {layout['vpp']}")
+    if layout.get("ep", 1) > 1:
+        out.append(f"--expert-model-parallel-size {layout['ep']}")
     out.append(f"--micro-batch-size {layout['micro_batch_size']}")
     if layout["sequence_parallel"]:
         out.append("--sequence-parallel")
@@ -110,51 +118,66 @@ def flags(layout: dict) -> str:
 
 
 def enumerate_layouts(model, gpus: int, global_batch_size: int, *, bf16: bool = True,
-                      node_size: int | None = None, base: TrainConfig | None = None):
+                      node_size: int | None = None, base: TrainConfig | None = None,
+                      ep: int | None = None):
     """Yield `(config, None)` for each layout train.py accepts and `(fields, reason)` for each
     it (or the planner: TP across nodes) rejects. `model`: a models.ModelConfig (not
-    modified); `base`: the TrainConfig the layouts start from (default: train.py's defaults)."""
+    modified); `base`: the TrainConfig the layouts start from (default: train.py's defaults);
+    `ep`: only this expert-parallel size (default: every one, `_parallel_sizes`)."""
     base = base or TrainConfig()
-    for tp, pp, vpp, sp in _parallel_sizes(model, gpus):
+    for tp, pp, vpp, sp, e in _parallel_sizes(model, gpus, ep):
         for mbs in MICRO_BATCH_SIZES:
             for strategy in STRATEGIES:
                 for recompute in _RECOMPUTE:
                     yield _candidate(model, gpus, global_batch_size, base, bf16, node_size,
-                                     tp, pp, vpp, sp, mbs, strategy, recompute)
+                                     tp, pp, vpp, sp, mbs, strategy, recompute, e)
 
 
 _RECOMPUTE = (None, "selective", "full")
 
 
-def _parallel_sizes(model, gpus: int) -> list[tuple]:
-    """Every (tp, pp, vpp, sequence parallel) the search tries for `gpus`."""
+def expert_parallel_sizes(model, dp: int) -> list[int]:
+    """The ep sizes the search tries at data-parallel size `dp`: 1 for a dense model; for an
+    MoE model every divisor of num_moe_experts that divides dp (expert TP = TP, so ep must
+    divide dp * tp / etp = dp: run_config/checks.py `expert_layout`)."""
+    if not moe.is_moe(model):
+        return [1]
+    return [e for e in _divisors(model.num_moe_experts) if dp % e == 0]
+
+
+def _parallel_sizes(model, gpus: int, ep: int | None = None) -> list[tuple]:
+    """Every (tp, pp, vpp, sequence parallel, ep) the search tries for `gpus` (`ep`: only
+    that expert-parallel size)."""
     out = []
     for tp in _divisors(gpus):
         for pp in _divisors(gpus // tp):
             per_stage = model.num_layers // pp if model.num_layers % pp == 0 else 0
             vpps = [None] + [v for v in _divisors(per_stage) if 1 < v <= MAX_VPP] \
                 if pp > 1 and per_stage else [None]
-            out += [(tp, pp, vpp, sp) for vpp in vpps
-                    for sp in ((False, True) if tp > 1 else (False,))]
+            eps = [e for e in expert_parallel_sizes(model, gpus // (tp * pp))
+                   if ep is None or e == ep]
+            out += [(tp, pp, vpp, sp, e) for vpp in vpps
+                    for sp in ((False, True) if tp > 1 else (False,)) for e in eps]
     return out
 
 
-def layout_count(model, gpus: int) -> int:
+def layout_count(model, gpus: int, ep: int | None = None) -> int:
     """How many layouts `enumerate_layouts` yields (valid or not): the search's length."""
-    return len(_parallel_sizes(model, gpus)) * len(MICRO_BATCH_SIZES) * len(STRATEGIES) \
+    return len(_parallel_sizes(model, gpus, ep)) * len(MICRO_BATCH_SIZES) * len(STRATEGIES) \
         * len(_RECOMPUTE)
 
 
 def _candidate(model, gpus, gbs, base, bf16, node_size, tp, pp, vpp, sp, mbs, strategy,
-               recompute):
+               recompute, ep=1):
     train = dataclasses.replace(
         base, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp, num_layers_per_virtual_pipeline_stage=None,
         sequence_parallel=sp, micro_batch_size=mbs, global_batch_size=gbs,
         data_parallel_sharding_strategy=strategy, use_distributed_optimizer=False,
         recompute_granularity=recompute, recompute_method=None, recompute_num_layers=None,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=None,
         bf16=bf16, log_dir="", save=None, save_replica=None, tensorboard=False)
-    fields = {"tp": tp, "pp": pp, "vpp": vpp or 1, "dp": gpus // (tp * pp),
+    fields = {"tp": tp, "pp": pp, "ep": ep, "vpp": vpp or 1, "dp": gpus // (tp * pp),
               "micro_batch_size": mbs, "sequence_parallel": sp, "sharding": strategy,
               "zero_stage": ZERO_STAGE[strategy], "recompute": recompute or "none"}
     if node_size and tp > node_size:
@@ -168,40 +191,57 @@ def _candidate(model, gpus, gbs, base, bf16, node_size, tp, pp, vpp, sp, mbs, st
     return config, None
 
 
+def _compute_seconds_per_microbatch(config: Config, hw: Hardware) -> float:
+    """The slowest stage's matmul time for one microbatch (module docstring): training FLOPs
+    of its layers (planner/flops.py `layer_forward_flops`: an MoE layer's active experts; with
+    expert parallelism a rank runs its experts on the rows it receives, as many as it sends
+    under balanced routing, so the per-rank work is the same) and the logits on the last, plus
+    recompute's extra forward, over tp."""
+    m, t = config.model, config.train
+    tp, pp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size
+    rate = hw.peak_tflops * 1e12 * hw.matmul_efficiency
+    logits = 2.0 * m.hidden_size * m.padded_vocab_size(tp)
+    attention_core = 2 * 2 * m.seq_length * m.query_projection_size
+    tokens = t.micro_batch_size * m.seq_length
+    stages = config.stage_num_layers()
+    t_mb = 0.0
+    for r in range(pp):
+        numbers = [n for chunk in rank_chunk_layers(stages, r,
+                                                    t.virtual_pipeline_model_parallel_size)
+                   for n in chunk]
+        layers = sum(layer_forward_flops(m, n) for n in numbers)
+        flops = 3 * (layers + (logits if r == pp - 1 else 0))
+        if t.recompute_granularity == "full":
+            flops += layers
+        elif t.recompute_granularity == "selective":
+            flops += len(numbers) * attention_core
+        t_mb = max(t_mb, flops * tokens / tp / rate)
+    return t_mb
+
+
 def predict(config: Config, hw: Hardware) -> dict:
     """Memory, communication, bubble, step time and MFU of a validated layout (see module)."""
     m, t = config.model, config.train
     tp, pp, dp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size, \
         config.data_parallel_size
     v, mb = t.virtual_pipeline_model_parallel_size or 1, config.num_microbatches
+    ep = moe.expert_layout(config)[0]
     memory = peak_memory(config)
     comm = step_communication(config)
-    per_group = communication_per_rank(comm, tp, dp, pp, hw.network)
+    per_group = communication_per_rank(comm, tp, dp, pp, hw.network, ep)
     seconds = {group: row["seconds"] for group, row in per_group.items()}
-    rate = hw.peak_tflops * 1e12 * hw.matmul_efficiency
-    vocab = m.padded_vocab_size(tp)
-    logits = 2.0 * m.hidden_size * vocab
-    layer = (forward_flops_per_token(m, vocab_size=vocab) - logits) / m.num_layers
-    attention_core = 2 * 2 * m.seq_length * m.query_projection_size
-    tokens = t.micro_batch_size * m.seq_length
-    stages = config.stage_num_layers()
-    t_mb = 0.0
-    for r, n in enumerate(stages):
-        flops = 3 * (n * layer + (logits if r == pp - 1 else 0))
-        if t.recompute_granularity == "full":
-            flops += n * layer
-        elif t.recompute_granularity == "selective":
-            flops += n * attention_core
-        t_mb = max(t_mb, flops * tokens / tp / rate)
-    t_tp = (seconds.get("tp", 0.0) + seconds.get("sp", 0.0)) / mb
-    t_stage = t_mb + t_tp
+    t_mb = _compute_seconds_per_microbatch(config, hw)
+    # TP/SP collectives and the MoE all-to-alls sit between dependent matmuls
+    t_stage = t_mb + (seconds.get("tp", 0.0) + seconds.get("sp", 0.0)
+                      + seconds.get("ep", 0.0)) / mb
     bubble = (pp - 1) / (v * mb)
     t_pipe = (mb + (pp - 1) / v) * t_stage
     grad_keys = [k for k in comm
-                 if k[0] == "dp" and k[1] in ("all_reduce", "reduce_scatter_single")]
-    t_grad = communication_seconds({k: comm[k] for k in grad_keys}, tp, dp, pp, hw.network) \
-        .get("dp", 0.0)
-    t_gather = seconds.get("dp", 0.0) - t_grad
+                 if k[0] in ("dp", "edp") and k[1] in ("all_reduce", "reduce_scatter_single")]
+    grad_seconds = communication_seconds({k: comm[k] for k in grad_keys}, tp, dp, pp,
+                                         hw.network, ep)
+    t_grad = grad_seconds.get("dp", 0.0) + grad_seconds.get("edp", 0.0)
+    t_gather = seconds.get("dp", 0.0) + seconds.get("edp", 0.0) - t_grad
     strategy = t.data_parallel_sharding_strategy
     if strategy in ("optim_grads", "optim_grads_params"):  # every microbatch's backward
         exposed = mb * max(0.0, t_grad / mb - 2 / 3 * t_mb)
@@ -222,14 +262,15 @@ def predict(config: Config, hw: Hardware) -> dict:
 
 
 def plan(model, hw: Hardware, global_batch_size: int, *, bf16: bool = True,
-         base: TrainConfig | None = None, progress=None) -> dict:
+         base: TrainConfig | None = None, progress=None, ep: int | None = None) -> dict:
     """`{"fits": [predictions, fastest first], "rejected": [{layout fields, "reason"}]}`.
 
     `progress(checked, fitting)`, if given, is called before each layout with the counts so
-    far (tools/plan.py shows them against `layout_count`)."""
+    far (tools/plan.py shows them against `layout_count`); `ep`: only layouts of that
+    expert-parallel size (default: every one)."""
     fits, rejected = [], []
     for item, reason in enumerate_layouts(model, hw.gpus, global_batch_size, bf16=bf16,
-                                          node_size=hw.network.node_size, base=base):
+                                          node_size=hw.network.node_size, base=base, ep=ep):
         if progress is not None:
             progress(len(fits) + len(rejected), len(fits))
         if reason is not None:
@@ -279,15 +320,16 @@ def smallest_fit(model, hw: Hardware, global_batch_size: int, *, bf16: bool = Tr
 
 def _any_fits(model, hw: Hardware, gbs: int, bf16: bool) -> bool:
     """Cheap check: only the most memory-frugal settings (ZeRO-3, full recompute, micro
-    batch 1) of each (tp, pp)."""
+    batch 1, the largest expert-parallel size) of each (tp, pp)."""
     for tp in _divisors(hw.gpus):
         if tp > hw.network.node_size:
             continue
         for pp in _divisors(hw.gpus // tp):
+            ep = max(expert_parallel_sizes(model, hw.gpus // (tp * pp)))
             for sp in ((True,) if tp > 1 else (False,)):
                 item, reason = _candidate(model, hw.gpus, gbs, TrainConfig(), bf16,
                                           hw.network.node_size, tp, pp, None, sp, 1,
-                                          "optim_grads_params", "full")
+                                          "optim_grads_params", "full", ep)
                 if reason is None and peak_memory(item)["total"] <= hw.usable_memory:
                     return True
     return False

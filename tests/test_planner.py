@@ -14,8 +14,19 @@ One spawned 4-process world trains one step of six layouts with `--report-comm`:
 - predicted activation bytes per microbatch are within 10% of measured (observed: ratio 1.000
   on every layout: the planner uses the layer's term-by-term model, training/memory.py).
 
+The same world trains tiny-moe (8 experts top-2) at expert-parallel layouts: ep 2 x tp 2 with
+SP, shared experts, full recompute and MoE in every second layer; ep 2 x dp 4 (edp 2) under
+ZeRO-1 in bf16 with the auxiliary and z losses. Their model states, activations and every
+group's calls and bytes (the all-to-alls over ep, the expert gradients over edp, the routing
+weights over tp/sp) are held to the same standard: dropless, the copies sent are the copies
+routed, so the all-to-all bytes summed over the ranks are exact whatever the routing. With
+capacity dropping (ep 2 x dp 4, ZeRO-2, factor 1.0) only the all-to-all bytes depend on the
+routing: the planner assumes a balanced load, so their ratio is reported (<= 1: a dropped copy
+is not sent), the calls and everything else still match.
+
 In the parent: every layout `tools/plan.py` lists for a small GPT on 8 GPUs passes train.py's
-validation, every rejected one has a reason, and bad input gets one clear line.
+validation, every rejected one has a reason, and bad input gets one clear line
+(tests/test_planner_moe.py: the MoE accounting in one process, and plan.py's ep search).
 """
 from __future__ import annotations
 
@@ -33,6 +44,7 @@ COMMON = ["--train-iters", "1", "--eval-interval", "0", "--no-tensorboard", "--p
           "--global-batch-size", "8", "--num-layers", "4"]
 GPT = ["--config", "configs/tiny-gpt.yaml"]  # tied embeddings, LayerNorm, biases, GeLU
 LLAMA = ["--config", "configs/tiny-llama.yaml"]  # untied, RMSNorm, SwiGLU, GQA
+MOE = ["--model", "tiny-moe", "--seq-length", "64"]  # tiny-llama's attention, 8 experts top-2
 STRATEGY = "--data-parallel-sharding-strategy"
 LAYOUTS = {
     "tp2 dp2 (TP all-reduces, DP all-reduce)": LLAMA + ["--tp", "2"],
@@ -49,7 +61,13 @@ LAYOUTS = {
     "tp2 sp pp2 ZeRO-1 tied, dropout": GPT + ["--tp", "2", "--pp", "2", "--sequence-parallel",
                                               "--use-distributed-optimizer", "--hidden-dropout",
                                               "0.1", "--attention-dropout", "0.1"],
+    "MoE ep2 tp2 sp, shared experts, every 2nd layer, full recompute": MOE + [
+        "--ep", "2", "--tp", "2", "--sequence-parallel", "--recompute-granularity", "full",
+        "--moe-shared-expert-intermediate-size", "64", "--moe-layer-freq", "2"],
+    "MoE ep2 dp4 (edp 2) ZeRO-1 bf16, aux and z losses": MOE + [
+        "--ep", "2", "--bf16", "--use-distributed-optimizer", "--moe-z-loss-coeff", "0.001"],
 }
+MOE_DROPPING = MOE + ["--ep", "2", STRATEGY, "optim_grads", "--moe-expert-capacity-factor", "1.0"]
 
 
 def _worker(runs: list[list[str]], log_dir: str, cache: str):
@@ -81,11 +99,17 @@ def _worker(runs: list[list[str]], log_dir: str, cache: str):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, corpus_env):
+def all_runs(tmp_path_factory, corpus_env):
     tmp = tmp_path_factory.mktemp("planner")
-    results = run_distributed(_worker, 4, [COMMON + a for a in LAYOUTS.values()], str(tmp),
-                              corpus_env["SHARDZOO_CACHE"], timeout=600)
-    return dict(zip(LAYOUTS, results[0]))
+    results = run_distributed(_worker, 4, [COMMON + a for a in LAYOUTS.values()] +
+                              [COMMON + MOE_DROPPING], str(tmp),
+                              corpus_env["SHARDZOO_CACHE"], timeout=900)
+    return results[0]
+
+
+@pytest.fixture(scope="module")
+def runs(all_runs):
+    return dict(zip(LAYOUTS, all_runs))
 
 
 def test_model_states_and_activations_match(runs):
@@ -112,8 +136,25 @@ def test_communication_matches_counted(runs):
     for key in [("tp", "all_reduce"), ("sp", "all_gather_single"),
                 ("sp", "reduce_scatter_single"), ("dp", "all_reduce"),
                 ("dp", "reduce_scatter_single"), ("dp", "all_gather_single"), ("pp", "send"),
-                ("pp", "recv"), ("embedding", "all_reduce"), ("mp", "all_reduce")]:
+                ("pp", "recv"), ("embedding", "all_reduce"), ("mp", "all_reduce"),
+                ("ep", "all_to_all_single"), ("ep", "all_reduce"),
+                ("edp", "reduce_scatter_single"), ("edp", "all_gather_single")]:
         assert key in seen, key
+
+
+def test_moe_capacity_dropping_reports_the_all_to_all_ratio(all_runs):
+    """Capacity factor 1.0 drops some routed copies: the all-to-alls carry fewer rows than
+    the balanced prediction (ratio below 1, and not far below: most copies fit); their calls
+    and every other group's traffic, and the model states, still match exactly."""
+    r = all_runs[len(LAYOUTS)]
+    assert r["planner_model_state_ratio_per_rank"] == [1.0] * 4
+    for row in r["comm"]:
+        if (row["group"], row["op"]) == ("ep", "all_to_all_single"):
+            assert row["calls"] == row["predicted_calls"]
+            assert 0.5 < row["ratio"] < 1, row
+        else:
+            assert (row["calls"], row["bytes"]) == (row["predicted_calls"],
+                                                    row["predicted_bytes"]), row
 
 
 # ---------------------------------------------------------------------- tools/plan.py

@@ -1,11 +1,12 @@
 """Plan a training layout: every valid (tp, pp, vpp, dp, micro batch, ZeRO stage, recompute,
-sequence parallel) for a model on a GPU count, with predicted per-rank memory, communication,
-pipeline bubble, step time and MFU; the layouts that fit, fastest first, the reasons the others
-do not, and why the top one wins.
+sequence parallel, and for a mixture of experts the expert-parallel size) for a model on a GPU
+count, with predicted per-rank memory, communication, pipeline bubble, step time and MFU; the
+layouts that fit, fastest first, the reasons the others do not, and why the top one wins.
 
     python tools/plan.py --model llama-70b --gpus 64 --gpu-memory 80GB --seq-length 4096 \
         --global-batch-size 512
     python tools/plan.py --config configs/tiny-llama.yaml --gpus 4 --gpu-memory 1GB --json
+    python tools/plan.py --model mixtral-8x7b --gpus 64 --gpu-memory 80GB --top 5
 
 Layouts are validated by train.py's own checks (run_config/checks.py), so every listed
 one runs as `train.py --model NAME <its flags>`. Formulas and their sources: docs/PLANNING.md
@@ -125,6 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequences per step (default: 8 per GPU, at least 64)")
     p.add_argument("--fp32", action="store_true", help="plan float32 training (default bf16; "
                    "with --config, the run file's --bf16 setting)")
+    p.add_argument("--expert-model-parallel-size", type=int, metavar="EP",
+                   help="an MoE model: only layouts with this expert-parallel size (a divisor "
+                   "of --num-experts that divides the data-parallel size; default: search "
+                   "every one)")
     p.add_argument("--top", type=int, default=10, help="layouts to print (default 10)")
     p.add_argument("--json", action="store_true", help="print the whole plan as JSON")
     return p
@@ -155,6 +160,9 @@ def _inputs(args):
             raise PlanError(f"--seq-length must be positive, got {args.seq_length}")
         model.seq_length = args.seq_length
     model.validate(1)
+    if args.expert_model_parallel_size is not None:
+        from planner.moe import check_expert_count
+        check_expert_count(model, args.expert_model_parallel_size)
     gbs = args.global_batch_size or _search().global_batch_default(args.gpus)
     if gbs < 1:
         raise PlanError(f"--global-batch-size must be positive, got {gbs}")
@@ -179,14 +187,19 @@ def _s(x: float) -> str:
 
 
 def table(fits: list[dict], top: int) -> str:
-    head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'vpp':>3} {'dp':>4} {'mbs':>3} {'m':>5} {'sp':>3} "
+    """The top layouts, one row each; an `ep` column when some layout has expert parallelism
+    to choose (an MoE model)."""
+    moe = any(p.get("ep", 1) > 1 for p in fits)
+    head = (f"{'#':>3} {'tp':>3} {'pp':>3} " + (f"{'ep':>3} " if moe else "") +
+            f"{'vpp':>3} {'dp':>4} {'mbs':>3} {'m':>5} {'sp':>3} "
             f"{'zero':>4} {'recompute':>9} {'mem GB':>7} {'states':>7} {'activ':>7} "
             f"{'bubble':>6} {'sent GB':>8} {'step s':>8} {'tok/s':>9} {'MFU':>6}")
     rows = [head]
     for i, p in enumerate(fits[:top], 1):
         mem = p["memory"]
         comm = sum(g["sent_bytes"] for g in p["comm"].values())
-        rows.append(f"{i:>3} {p['tp']:>3} {p['pp']:>3} {p['vpp']:>3} {p['dp']:>4} "
+        rows.append(f"{i:>3} {p['tp']:>3} {p['pp']:>3} " + (f"{p['ep']:>3} " if moe else "") +
+                    f"{p['vpp']:>3} {p['dp']:>4} "
                     f"{p['micro_batch_size']:>3} {p['num_microbatches']:>5} "
                     f"{'on' if p['sequence_parallel'] else '-':>3} {p['zero_stage']:>4} "
                     f"{p['recompute']:>9} {_gb(mem['total']):>7} {_gb(mem['model_states']):>7} "
@@ -205,9 +218,10 @@ def explain(best: dict, runner: dict | None, hw, model_name: str) -> str:
     def secs(group):
         return comm.get(group, {}).get("seconds", 0.0)
     tp_where = "inside a node" if best["tp"] <= net.node_size else "across nodes"
+    ep = best.get("ep", 1)
     parts = [f"Top choice for {model_name} on {hw.gpus} GPUs: tp {best['tp']} x pp {best['pp']}"
-             f" x dp {best['dp']}" + (f" with {best['vpp']} virtual stages" if best["vpp"] > 1
-                                      else "") +
+             f" x dp {best['dp']}" + (f" (expert parallel {ep} within dp)" if ep > 1 else "")
+             + (f" with {best['vpp']} virtual stages" if best["vpp"] > 1 else "") +
              f", micro batch {best['micro_batch_size']} ({best['num_microbatches']} microbatches"
              f" per step), sequence parallel {'on' if best['sequence_parallel'] else 'off'}, "
              f"ZeRO-{best['zero_stage']}, recompute {best['recompute']}."]
@@ -219,6 +233,13 @@ def explain(best: dict, runner: dict | None, hw, model_name: str) -> str:
         parts.append(f"TP {best['tp']} stays {tp_where}, so its per-layer collectives cost "
                      f"{_s(secs('tp') + secs('sp'))} per step at "
                      f"{net.bandwidth(best['tp'] > net.node_size) / 1e9:g} GB/s.")
+    if ep > 1:
+        from planner.communication import crosses_nodes
+        inter = crosses_nodes("ep", best["tp"], best["dp"], best["pp"], net.node_size, ep)
+        parts.append(f"Each rank holds 1/{ep} of every MoE layer's experts; the token "
+                     f"all-to-alls over EP {ep} ({'across' if inter else 'inside a'} node"
+                     f"{'s' if inter else ''}) cost {_s(secs('ep'))} per step at "
+                     f"{net.bandwidth(inter) / 1e9:g} GB/s (balanced routing assumed).")
     if best["pp"] > 1:
         parts.append(f"The pipeline bubble is (p-1)/(v m) = {best['bubble']:.3f} of the compute;"
                      f" stage-to-stage messages add {_s(secs('pp'))}.")
@@ -271,13 +292,18 @@ def main(argv=None) -> int:
                             f"planner's formulas are for decoder-only models; T5 is not "
                             f"modelled")
         bf16 = not args.fp32 and (base.bf16 if args.config else True)
-        total = search.layout_count(model, hw.gpus)
+        ep = args.expert_model_parallel_size
+        total = search.layout_count(model, hw.gpus, ep)
+        if not total:
+            raise PlanError(f"--expert-model-parallel-size {ep} must divide the data-parallel "
+                            f"size, and no split of {hw.gpus} GPUs into tp x pp x dp has a dp "
+                            f"divisible by {ep}: use more GPUs or a smaller EP size")
         status.say(f"plan.py: checking {total:,} layouts ...")
 
         def progress(checked: int, fitting: int) -> None:
             status.tick(lambda: f"plan.py: {checked:,} of {total:,} layouts checked, "
                                 f"{fitting:,} fit ...")
-        result = search.plan(model, hw, gbs, bf16=bf16, base=base, progress=progress)
+        result = search.plan(model, hw, gbs, bf16=bf16, base=base, progress=progress, ep=ep)
         if not result["fits"]:
             status.say("plan.py: nothing fits; looking for the GPU count that would ...")
             raise PlanError(f"no layout of {model.name or 'the model'} fits {hw.gpus} GPUs of "
@@ -298,9 +324,8 @@ def main(argv=None) -> int:
                                        for r in result["rejected"]]}))
         return 0
     fits = result["fits"]
-    n = model.num_parameters()
-    size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
-    print(f"{name}: {size} parameters, seq {model.seq_length}, "
+    from planner.moe import describe_parameters
+    print(f"{name}: {describe_parameters(model)}, seq {model.seq_length}, "
           f"global batch {gbs}, {'bf16' if bf16 else 'fp32'}; {hw.gpus} GPUs of "
           f"{hw.gpu_memory / 1e9:g} GB ({hw.network.node_size} per node); {len(fits)} layouts "
           f"fit, the fastest {min(args.top, len(fits))}:")
