@@ -121,10 +121,12 @@ def _flat_states(model, optimizer):
         for ddp in model:
             for bucket in ddp.buffer.buckets:
                 lo, hi = ddp.shard_range(bucket)
+                if hi - lo == bucket.end - bucket.start:  # a group of one (experts at edp 1)
+                    continue
                 for kind in KINDS:
                     flat = flats[id(ddp)][kind]
                     all_gather_single(flat[bucket.start: bucket.end], flat[lo:hi].clone(),
-                           group=ps.get_data_parallel_group())
+                                      group=ddp.bucket_group(bucket))  # dp, or edp: experts
     return flats
 
 
