@@ -306,7 +306,11 @@ SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_g
                 "ffn_hidden_size", "kv_channels", "vocab_size", "activation", "normalization",
                 "position_embedding_type", "add_bias_linear", "add_qkv_bias",
                 "untie_embeddings_and_output_weights", "model_type", "encoder_num_layers",
-                "decoder_num_layers", "relative_attention_num_buckets")
+                "decoder_num_layers", "relative_attention_num_buckets",
+                # mixture of experts: which layers, how many experts, their stored tensors
+                "num_moe_experts", "moe_ffn_hidden_size", "moe_layer_freq",
+                "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+                "moe_router_enable_expert_bias")
 
 
 def compare_model(meta: dict, model: dict, path: str) -> None:

@@ -9,6 +9,14 @@
   and re-pads it (`read_plan` / `rebuild`).
 - The tied embedding's last-stage copy (`output_layer.weight` tagged `shared_embedding`) is
   never stored; it reads `embedding.word_embeddings.weight`.
+- An MoE layer's stacked expert weights (`expert_parallel`: `experts.linear_fc1.weight
+  [E_local, fc1_out/tp, h]`, dim 0 this EP rank's contiguous block of experts) are stored one
+  key per expert under its global index: `...mlp.experts.<e>.linear_fc1.weight` `[fc1_out, h]`
+  (`.part0/.part1` when fused), each TP-sharded like the dense MLP's weight. A reader at
+  another expert-parallel size asks for the experts it holds (Megatron's
+  `singleton_local_shards` keys; Hugging Face's one tensor per expert).
+- Persistent buffers (the router's `expert_bias`, DeepSeek-V3's balancing state) are model
+  state: `model.<name>`, plain float32, replicated, without optimizer moments.
 
 Training (`training/checkpointing.py`), inference and `tools/` all go through these helpers,
 so there is one definition of the format; `expected_tensors` / `tensor_problems` compare a
@@ -19,6 +27,7 @@ from __future__ import annotations
 
 import os
 import re
+from typing import NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
@@ -34,39 +43,62 @@ EMBEDDING = "embedding.word_embeddings.weight"
 OPTIMIZER_KINDS = ("optim.exp_avg", "optim.exp_avg_sq")
 
 
+class Expected(NamedTuple):
+    """One stored tensor a model reads: its dense `shape`, the real vocab `rows` of a
+    vocab-padded tensor (else None), and whether optimizer `moments` are stored beside it
+    (a parameter; False for a buffer)."""
+
+    shape: tuple[int, ...]
+    rows: int | None = None
+    moments: bool = True
+
+
 def _dense_model(config):
     """`config`'s whole model on the meta device, at the current grid's tp (1 without one)."""
     with torch.device("meta"):
         return model_class(config)(config)
 
 
-def dense_parameters(config) -> dict[str, torch.nn.Parameter]:
-    """`{name: meta-device parameter}` of the whole model at tp = 1 (shapes with the padded
-    vocab, and the sharding attributes: `num_fused_parts`, `full_rows`). Without a grid."""
-    return dict(_dense_model(config).named_parameters())
-
-
-def dense_tensors(config) -> dict[str, tuple[tuple[int, ...], int | None]]:
+def dense_tensors(config) -> dict[str, Expected]:
     """`expected_tensors` of `config`'s whole model (one process without a grid: tools)."""
-    return expected_tensors(entries([_dense_model(config)]))
+    return expected_tensors([_dense_model(config)])
 
 
-def expected_tensors(items) -> dict[str, tuple[tuple[int, ...], int | None]]:
-    """`{model.* DCP key: (dense shape, real vocab rows or None)}` that the parameters `items`
-    (`entries(chunks)`) read; a tied copy reads the embedding's key, left to its owner."""
+def dense_logical_tensors(config) -> dict[str, tuple[torch.Tensor, int | None]]:
+    """`{tensor name: (meta parameter or buffer, expert index or None)}` of `config`'s whole
+    model at tp = 1, without a grid: one name per parameter, per expert of a stacked expert
+    weight (`...experts.<e>.linear_fc1.weight`, the tensor `param[e]`) and per persistent
+    buffer. The names a weights-only checkpoint is written from and read into
+    (checkpoint/model_io.py); the model keys are `model.<name>` (+ `.part<i>`)."""
+    model = _dense_model(config)
     out = {}
-    for _, p, key_name, tied_copy in items:
+    for name, p in model.named_parameters():
+        for tname, j in logical_names(name, p):
+            out[tname] = (p, j)
+    for name, b in buffer_entries([model]):
+        out[name] = (b, None)
+    return out
+
+
+def expected_tensors(chunks) -> dict[str, Expected]:
+    """`{model.* DCP key: Expected}` that this rank's model `chunks` read (parameters, one key
+    per expert and fused part, and persistent buffers); a tied copy reads the embedding's
+    key, left to its owner."""
+    out = {}
+    for _, p, key_name, tied_copy in entries(chunks):
         if not tied_copy:
             for key, _, want in _parts(p, "model", key_name, "meta"):
-                out[key] = (tuple(want), getattr(p, "full_rows", None))
+                out[key] = Expected(tuple(want), getattr(p, "full_rows", None))
+    for name, b in buffer_entries(chunks):
+        out[f"model.{name}"] = Expected(tuple(b.shape), None, False)
     return out
 
 
 def _parts(p, kind: str, key_name: str, device: str) -> list[tuple[str, torch.Tensor, torch.Size]]:
-    """`[(DCP key, empty TP-local part, dense shape)]` of parameter `p`'s stored tensors."""
-    locals_ = split_parts(torch.empty_like(p, dtype=torch.float32, device=device), p)
-    return [(key, local, global_shape(local, p))
-            for key, local in zip(part_keys(kind, key_name, p), locals_)]
+    """`[(DCP key, empty TP-local piece, dense shape)]` of parameter `p`'s stored tensors."""
+    local = torch.empty_like(p, dtype=torch.float32, device=device)
+    return [(key, piece, global_shape(piece, p))
+            for key, piece in stored_pieces(kind, key_name, p, local)]
 
 
 def _fits(have: tuple, want: tuple, rows: int | None) -> bool:
@@ -80,26 +112,31 @@ def tensor_problems(expected: dict, stored: dict[str, tuple[int, ...]]) -> list[
     """How a checkpoint's tensors (`stored`: DCP key -> shape) differ from the `model.*`
     tensors a model reads (`expected`, see `expected_tensors`): keys missing or extra (a
     layer count that is not the checkpoint's), shapes, and optimizer moments that are not one
-    per stored model tensor. Empty when they match."""
+    per stored model parameter tensor (buffers have none). Empty when they match."""
     model = {k: v for k, v in stored.items() if k.startswith("model.")}
     problems = [f"{len(keys)} {what} tensor(s) ({_few(keys)})" for what, keys in (
         ("missing", sorted(set(expected) - set(model))),
         ("extra", sorted(set(model) - set(expected)))) if keys]
-    problems += [f"{key} has shape {model[key]}, the model's is {shape}"
-                 for key, (shape, rows) in expected.items()
-                 if key in model and not _fits(model[key], shape, rows)]
+    problems += [f"{key} has shape {model[key]}, the model's is {want.shape}"
+                 for key, want in expected.items()
+                 if key in model and not _fits(model[key], want.shape, want.rows)]
+    params = {k: v for k, v in model.items() if k not in expected or expected[k].moments}
     for kind in OPTIMIZER_KINDS:
         moments = {"model" + k[len(kind):]: v for k, v in stored.items()
                    if k.startswith(kind + ".")}
-        if moments and moments != model:
+        if moments and moments != params:
             problems.append(f"the {kind} tensors are not one per model tensor of the same shape")
     return problems
 
 
 def _few(keys: list[str], n: int = 3) -> str:
-    """The first `n` of `keys` and the layer numbers they all span."""
-    layers = sorted({int(m.group(1)) for k in keys if (m := re.search(r"\.layers\.(\d+)\.", k))})
-    return ((f"layers {', '.join(map(str, layers))}: " if layers else "") + ", ".join(keys[:n])
+    """The first `n` of `keys` and the layer (and expert) numbers they all span."""
+    spans = []
+    for what, pattern in (("layers", r"\.layers\.(\d+)\."), ("experts", r"\.experts\.(\d+)\.")):
+        found = sorted({int(m.group(1)) for k in keys if (m := re.search(pattern, k))})
+        if found:
+            spans.append(f"{what} {', '.join(map(str, found))}")
+    return ((", ".join(spans) + ": " if spans else "") + ", ".join(keys[:n])
             + (f", ... (+{len(keys) - n} more)" if len(keys) > n else ""))
 
 
@@ -114,6 +151,33 @@ def entries(chunks) -> list[tuple[str, torch.nn.Parameter, str, bool]]:
     return out
 
 
+def buffer_entries(chunks) -> list[tuple[str, torch.Tensor]]:
+    """`[(name, buffer)]` of the persistent buffers of this rank's chunks (model state saved
+    beside the parameters, e.g. the router's `expert_bias`; non-persistent counters are not)."""
+    out = []
+    for chunk in chunks:
+        for prefix, module in chunk.named_modules():
+            for name, b in module._buffers.items():
+                if b is not None and name not in module._non_persistent_buffers_set:
+                    out.append((f"{prefix}.{name}" if prefix else name, b))
+    return out
+
+
+def logical_names(name: str, param) -> list[tuple[str, int | None]]:
+    """`[(tensor name, expert index or None)]` that parameter `name` is stored as: itself, or
+    for a stacked expert weight (`expert_parallel`) one name per expert it holds, under the
+    global expert number (this EP rank's block starts at ep_rank x local experts):
+    `a.experts.linear_fc1.weight` -> `a.experts.<e>.linear_fc1.weight`, the tensor `param[j]`."""
+    if not getattr(param, "expert_parallel", False):
+        return [(name, None)]
+    head, sep, tail = name.rpartition(".experts.")
+    if not sep:
+        raise ValueError(f"expert-parallel parameter {name} has no '.experts.' in its name, "
+                         f"so its experts have no checkpoint keys")
+    first = ps.get_expert_model_parallel_rank() * param.shape[0]
+    return [(f"{head}.experts.{first + j}.{tail}", j) for j in range(param.shape[0])]
+
+
 def num_parts(param) -> int:
     """Fused blocks stored as separate keys (1 unless a TP-sharded fused weight)."""
     if not getattr(param, "tensor_model_parallel", False):
@@ -121,24 +185,61 @@ def num_parts(param) -> int:
     return getattr(param, "num_fused_parts", 1)
 
 
+def piece_dim(param) -> int | None:
+    """The TP-split dim of one stored tensor of `param` (`partition_dim`, less the expert
+    dim of a stacked expert weight); None when not TP-sharded."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return None
+    return param.partition_dim - (1 if getattr(param, "expert_parallel", False) else 0)
+
+
 def part_keys(kind: str, name: str, param) -> list[str]:
-    """The DCP keys of one tensor: `[kind.name]` or `[kind.name.part0, ...]`."""
+    """The DCP keys of one logical tensor `name` of `param` (see `logical_names`):
+    `[kind.name]` or `[kind.name.part0, ...]`."""
     n = num_parts(param)
     return [f"{kind}.{name}"] if n == 1 else [f"{kind}.{name}.part{i}" for i in range(n)]
 
 
+def split_parts(local: torch.Tensor, param) -> list[torch.Tensor]:
+    """One logical tensor's TP-local `local` cut into its stored parts (see `part_keys`)."""
+    n = num_parts(param)
+    return [local] if n == 1 else [c.contiguous() for c in local.chunk(n, piece_dim(param))]
+
+
+def stored_pieces(kind: str, key_name: str, param,
+                  local: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """`[(DCP key, TP-local piece)]` of `local` (this rank's value of `param`, or its moment,
+    `kind` "model" / "optim.exp_avg" / ...): per logical tensor (`logical_names`), per fused
+    part. Pieces are views of `local` where they can be; `join_pieces` is the inverse."""
+    out = []
+    for tname, j in logical_names(key_name, param):
+        t = local if j is None else local[j]
+        out += zip(part_keys(kind, tname, param), split_parts(t, param))
+    return out
+
+
+def join_pieces(pieces: list[torch.Tensor], param) -> torch.Tensor:
+    """This rank's value of `param` from its `stored_pieces` in order (fused parts joined
+    along their TP dim, experts stacked)."""
+    n = num_parts(param)
+    whole = [pieces[i] if n == 1 else torch.cat(pieces[i:i + n], piece_dim(param))
+             for i in range(0, len(pieces), n)]
+    return torch.stack(whole) if getattr(param, "expert_parallel", False) else whole[0]
+
+
 def global_shape(local: torch.Tensor, param) -> torch.Size:
-    """Dense shape (padded vocab included) of the tensor whose TP shard is `local`."""
+    """Dense shape (padded vocab included) of the stored tensor whose TP shard is the piece
+    `local` (see `stored_pieces`)."""
     if getattr(param, "kv_replicas", 1) > 1:  # KV heads replicated over TP (inference)
         return torch.Size(full_shape(param))
     shape = list(local.shape)
     if getattr(param, "tensor_model_parallel", False):
-        shape[param.partition_dim] *= ps.get_tensor_model_parallel_world_size()
+        shape[piece_dim(param)] *= ps.get_tensor_model_parallel_world_size()
     return torch.Size(shape)
 
 
 def as_saved(local: torch.Tensor, param) -> torch.Tensor:
-    """This rank's piece of one logical tensor as DCP sees it (DTensor or plain)."""
+    """This rank's piece of one stored tensor as DCP sees it (DTensor or plain)."""
     if not getattr(param, "tensor_model_parallel", False) or \
             not ps.model_parallel_is_initialized():  # no grid: one process, dense tensors
         return local
@@ -147,26 +248,31 @@ def as_saved(local: torch.Tensor, param) -> torch.Tensor:
                               "cannot be saved; save from a tp that divides the KV heads")
     shape = global_shape(local, param)
     stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(local, ps.get_grid().mesh["tp"], [Shard(param.partition_dim)],
+    return DTensor.from_local(local, ps.get_grid().mesh["tp"], [Shard(piece_dim(param))],
                               run_check=False, shape=shape, stride=stride)
 
 
-def split_parts(local: torch.Tensor, param) -> list[torch.Tensor]:
-    """`local` cut into its stored parts (see `part_keys`)."""
-    n = num_parts(param)
-    return [local] if n == 1 else [c.contiguous() for c in local.chunk(n, param.partition_dim)]
-
-
-def read_plan(path: str, saved: dict, items, kinds: tuple[str, ...]):
+def read_plan(path: str, saved: dict, items, kinds: tuple[str, ...], buffers=()):
     """The DCP state dict to load and how to rebuild each value afterwards.
 
-    `items` are `entries(chunks)`; `saved` is the checkpoint's `state_dict_metadata`. Returns
-    `(sd, plan)`; after `dcp.load(sd, ...)`, `rebuild(sd, plan)` gives
-    `{id(param): {kind: float32 TP-local tensor}}`.
+    `items` are `entries(chunks)`, `buffers` `buffer_entries(chunks)` (read with the "model"
+    kind); `saved` is the checkpoint's `state_dict_metadata`. Returns `(sd, plan)`; after
+    `dcp.load(sd, ...)`, `rebuild(sd, plan)` gives `{id(param or buffer): {kind: float32
+    TP-local tensor}}` (`load_buffers` copies the buffers' values in).
 
     Raises `CheckpointError` naming the key for a missing tensor or a shape that does not fit.
     """
     sd, plan = {}, []
+    for name, b in buffers if "model" in kinds else ():
+        key = f"model.{name}"
+        if key not in saved or tuple(saved[key].size) != tuple(b.shape):
+            found = f"shape {tuple(saved[key].size)}" if key in saved else "no such tensor"
+            raise CheckpointError(
+                f"{path}: the checkpoint's tensor {key!r} (this model's buffer {name}, shape "
+                f"{tuple(b.shape)}) has {found}; it was saved from another model; compare "
+                f"{os.path.join(path, CONFIG)} with this run's flags")
+        sd[key] = torch.empty(tuple(b.shape), dtype=torch.float32)
+        plan.append((b, "model", [key], False))
     for name, p, key_name, _ in items:
         for kind in kinds:
             parts = _parts(p, kind, key_name, "cpu")
@@ -194,7 +300,8 @@ def read_plan(path: str, saved: dict, items, kinds: tuple[str, ...]):
 
 
 def rebuild(sd: dict, plan) -> dict:
-    """`{id(param): {kind: float32 TP-local tensor}}` from a loaded `read_plan` state dict."""
+    """`{id(param or buffer): {kind: float32 TP-local tensor}}` from a loaded `read_plan`
+    state dict."""
     values: dict = {}
     for p, kind, keys, dense in plan:
         pieces = [sd[k].to_local() if isinstance(sd[k], DTensor) else sd[k] for k in keys]
@@ -206,6 +313,14 @@ def rebuild(sd: dict, plan) -> dict:
                 full[:rows] = pieces[0][:rows]
             local = shard_tensor(full, p)
         else:
-            local = pieces[0] if len(pieces) == 1 else torch.cat(pieces, p.partition_dim)
+            local = join_pieces(pieces, p)
         values.setdefault(id(p), {})[kind] = local
     return values
+
+
+@torch.no_grad()
+def load_buffers(values: dict, chunks) -> None:
+    """Copy the loaded values (`rebuild`'s, read with `buffer_entries(chunks)`) into the
+    persistent buffers of `chunks`, keeping each buffer's dtype and device."""
+    for _, b in buffer_entries(chunks):
+        b.copy_(values[id(b)]["model"])

@@ -5,10 +5,10 @@
   given as zero-argument functions, written by one process. DCP asks for each tensor only
   when it writes it, so peak memory is about one tensor (streaming conversion).
 - `read_dense_weights(path)`: `(config, {name: function})` reading each dense float32
-  parameter of a checkpoint (any saving layout, with or without optimizer state) on demand,
-  vocab padding trimmed, fused parts joined.
+  tensor of a checkpoint (any saving layout, with or without optimizer state) on demand,
+  vocab padding trimmed, fused parts joined; an MoE layer's experts one tensor each.
 - `load_model_weights(path, chunks)`: load a checkpoint's weights into this rank's sharded
-  model chunks at any tp/pp/vpp (collective over the world, like `dcp.load`).
+  model chunks at any tp/pp/vpp/ep (collective over the world, like `dcp.load`).
 
 Both readers (and training's `load_checkpoint`) treat the folder as untrusted input: before
 any tensor is read, `verify_checkpoint` checks every file's size and sha256 (split over the
@@ -41,8 +41,8 @@ from . import safe_dcp
 from .files import (CONFIG, FORMAT_VERSION, METADATA, CheckpointError, damage_fix,
                     file_problem)
 from .format import describe_files, read_metadata, verify_files
-from .keys import (dense_parameters, dense_tensors, entries, expected_tensors, num_parts,
-                   read_plan, rebuild)
+from .keys import (buffer_entries, dense_logical_tensors, dense_tensors, entries,
+                   expected_tensors, load_buffers, part_keys, piece_dim, read_plan, rebuild)
 
 TOKENIZER_DIR = "tokenizer"  # an HF tokenizer folder inside a checkpoint
 TOKENIZER_MODEL = "tokenizer.model"  # or a SentencePiece model file
@@ -82,33 +82,30 @@ def _lazy_state_dict(config: ModelConfig, tensors: dict[str, Callable[[], torch.
                      ) -> tuple[dict, dict[str, Callable[[], torch.Tensor]]]:
     """`(state dict, {key: function})` to save `config`'s dense weights lazily: float32 meta
     tensors under the checkpoint's keys (`model.<name>`, or `model.<name>.part<i>` for a
-    fused parameter split along its partition dim), each key's function returning the
-    shape-checked tensor, plus the zero training counters. Vocab tensors are stored
-    unpadded (`full_rows` rows); every layout re-pads on load.
+    fused parameter split along its partition dim; `name` as `keys.dense_logical_tensors`),
+    each key's function returning the shape-checked tensor, plus the zero training counters.
+    Vocab tensors are stored unpadded (`full_rows` rows); every layout re-pads on load.
 
-    Raises `CheckpointError` if `tensors` lacks a parameter of the model."""
-    params = dense_parameters(config)
-    missing = sorted(set(params) - set(tensors))
+    Raises `CheckpointError` if `tensors` lacks a tensor of the model."""
+    logical = dense_logical_tensors(config)
+    missing = sorted(set(logical) - set(tensors))
     if missing:
-        raise CheckpointError(f"no weights for parameter(s) {missing[:3]} of this model")
+        raise CheckpointError(f"no weights for tensor(s) {missing[:3]} of this model")
     sd, lazy = {}, {}
-    for name, p in params.items():
-        shape = list(p.shape)
+    for name, (p, j) in logical.items():
+        shape = list(p.shape if j is None else p.shape[1:])
         if getattr(p, "full_rows", None):
             shape[0] = p.full_rows  # stored unpadded; every layout re-pads on load
         fn = _checked(name, tensors[name], tuple(shape))
-        n = num_parts(p)
-        if n == 1:
-            keys_fns = [(f"model.{name}", fn, shape)]
-        else:
-            part = list(shape)
-            part[p.partition_dim] //= n
-            keys_fns = [(f"model.{name}.part{i}",
-                         (lambda fn=fn, i=i, n=n, d=p.partition_dim: fn().chunk(n, d)[i].contiguous()),
-                         part) for i in range(n)]
-        for key, f, s in keys_fns:
-            sd[key] = torch.empty(s, dtype=torch.float32, device="meta")
-            lazy[key] = f
+        keys = part_keys("model", name, p)
+        n, d = len(keys), piece_dim(p)
+        part = list(shape)
+        if n > 1:
+            part[d] //= n
+        for i, key in enumerate(keys):
+            sd[key] = torch.empty(part, dtype=torch.float32, device="meta")
+            lazy[key] = fn if n == 1 else \
+                (lambda fn=fn, i=i, n=n, d=d: fn().chunk(n, d)[i].contiguous())
     sd.update({"iteration": torch.tensor(0), "consumed_samples": torch.tensor(0),
                "optim.step": torch.tensor(0)})
     return sd, lazy
@@ -170,8 +167,10 @@ def write_weights_checkpoint(out: str, config: ModelConfig,
                              source: dict | None = None) -> str:
     """Write checkpoint folder `out` holding `config`'s weights and return its path.
 
-    `tensors` maps every dense parameter name (tp = 1, global layer numbers; vocab tensors
-    unpadded, `[vocab_size, h]`) to a function returning it. `tokenizer(folder)`, if given,
+    `tensors` maps every dense tensor name (`keys.dense_logical_tensors`: tp = 1, global
+    layer numbers; vocab tensors unpadded, `[vocab_size, h]`; an MoE layer's experts one name
+    each, `...experts.<e>.linear_fc1.weight` `[fc1_out, h]`; persistent buffers such as the
+    router's `expert_bias`) to a function returning it. `tokenizer(folder)`, if given,
     saves the tokenizer into `folder`; a non-empty `generation_config` (checked fields,
     models/hf/generation.py) is stored as generation_config.json. The folder is built as
     `out.tmp-*` and renamed when complete; an existing `out` is never touched.
@@ -216,7 +215,7 @@ def verify_checkpoint(path: str, meta: dict, tensors=None) -> None:
 def model_tensors(chunks) -> dict:
     """`keys.expected_tensors` of the model whose chunks the ranks of the world hold (each
     rank passes its own; gathered, so collective when there is a process group)."""
-    mine = expected_tensors(entries(chunks))
+    mine = expected_tensors(chunks)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return mine
     everyone = [None] * dist.get_world_size()
@@ -235,16 +234,17 @@ def open_checkpoint(path: str, tensors) -> tuple[dict, "safe_dcp.Metadata"]:
 
 def read_dense_weights(path: str) -> tuple[ModelConfig, dict[str, Callable[[], torch.Tensor]]]:
     """`(model config, {name: function -> dense float32 tensor})` of checkpoint folder `path`
-    (one process, no process group), verified first (`open_checkpoint`). Vocab padding rows
-    are cut off and fused parts joined, so the tensors are the same whatever layout saved
-    them. Raises `CheckpointError`."""
+    (one process, no process group), verified first (`open_checkpoint`). The names are
+    `keys.dense_logical_tensors`': a parameter's, one per expert of an MoE layer
+    (`...experts.<e>.linear_fc1.weight` `[fc1_out, h]`), a persistent buffer's. Vocab
+    padding rows are cut off and fused parts joined, so the tensors are the same whatever
+    layout saved them. Raises `CheckpointError`."""
     meta, md = open_checkpoint(path, dense_tensors)
     config = ModelConfig.from_dict(meta["model"])
     saved = md.state_dict_metadata
     out = {}
-    for name, p in dense_parameters(config).items():
-        keys = [f"model.{name}"] if num_parts(p) == 1 else \
-            [f"model.{name}.part{i}" for i in range(num_parts(p))]
+    for name, (p, _) in dense_logical_tensors(config).items():
+        keys = part_keys("model", name, p)
         absent = [k for k in keys if k not in saved]
         if absent:
             raise CheckpointError(f"{path}: the checkpoint has no tensor {absent[0]!r}; it is "
@@ -255,7 +255,7 @@ def read_dense_weights(path: str) -> tuple[ModelConfig, dict[str, Callable[[], t
             with _single_process():
                 safe_dcp.load(sd, path, md, no_dist=True)
             t = sd[keys[0]] if len(keys) == 1 else torch.cat([sd[k] for k in keys],
-                                                             p.partition_dim)
+                                                             piece_dim(p))
             rows = getattr(p, "full_rows", None)
             return t[:rows].contiguous() if rows else t
         out[name] = read
@@ -264,18 +264,20 @@ def read_dense_weights(path: str) -> tuple[ModelConfig, dict[str, Callable[[], t
 
 @torch.no_grad()
 def load_model_weights(path: str, chunks) -> dict:
-    """Load checkpoint folder `path`'s weights into this rank's model `chunks` (any layout),
-    verified first (`open_checkpoint`); returns its metadata. Collective: every rank of the
-    world calls it (the verification's gather, DCP's load)."""
+    """Load checkpoint folder `path`'s weights (and persistent buffers) into this rank's
+    model `chunks` (any tp/pp/ep layout), verified first (`open_checkpoint`); returns its
+    metadata. Collective: every rank of the world calls it (the verification's gather,
+    DCP's load)."""
     expected = model_tensors(chunks)
     meta, md = open_checkpoint(path, lambda config: expected)
     items = entries(chunks)
-    sd, plan = read_plan(path, md.state_dict_metadata, items, ("model",))
+    sd, plan = read_plan(path, md.state_dict_metadata, items, ("model",), buffer_entries(chunks))
     with _single_process():
         safe_dcp.load(sd, path, md, no_dist=not dist.is_initialized())
     values = rebuild(sd, plan)
     for _, p, _, _ in items:
         p.copy_(values[id(p)]["model"].to(p.device, p.dtype))
+    load_buffers(values, chunks)
     return meta
 
 

@@ -23,6 +23,29 @@ from checkpoint.format import (CONFIG, LATEST, CheckpointError,  # noqa: E402
                                         summarize)
 
 
+def moe_line(m: dict) -> str:
+    """The `experts:` line of metadata.json's model `m` (an MoE model): experts per MoE
+    layer and which layers, routing, widths, and how they are stored. `m` is untrusted: a
+    field of the wrong type or size is shown as written (the status lines say what is wrong)."""
+    from models.config import ModelConfig
+
+    layers = f"moe_layer_freq {m.get('moe_layer_freq')!r}"
+    try:
+        config = ModelConfig.from_dict(m)
+        if config.num_layers <= 1000:
+            layers = "layers " + ", ".join(str(n) for n in range(config.num_layers)
+                                           if config.is_moe_layer(n))
+    except Exception:  # noqa: BLE001 - any field of the wrong type or size
+        pass
+    shared = m.get("moe_shared_expert_intermediate_size")
+    return (f"experts: {m.get('num_moe_experts')} per MoE layer ({layers}), "
+            f"top-{m.get('moe_router_topk')} {m.get('moe_router_score_function')}, "
+            f"expert ffn {m.get('moe_ffn_hidden_size')}"
+            + (f", shared experts ffn {shared}" if shared else "")
+            + (", expert bias" if m.get("moe_router_enable_expert_bias") else "")
+            + "; stored one tensor per expert (any --expert-model-parallel-size loads it)")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("path", help="a --save folder or one iter_XXXXXXX checkpoint folder")
@@ -51,6 +74,8 @@ def main(argv=None) -> int:
               f"{m.get('num_query_groups')}), ffn {m.get('ffn_hidden_size')}, vocab "
               f"{m.get('vocab_size')}, {m.get('position_embedding_type')}/"
               f"{m.get('normalization')}/{m.get('activation')}")
+        if m.get("num_moe_experts"):
+            print(moe_line(m))
         print(f"files: {len(meta['files'])}, {total:,} bytes; torch {meta.get('torch_version')}")
         if os.path.basename(os.path.normpath(path)) in others:  # one of a --save folder's
             print(f"checkpoints in {root}: {' '.join(others)}")

@@ -13,6 +13,10 @@ gathered to rank 0. Keys do not depend on the parallel layout, so a checkpoint s
 - Vocab-padded tensors (`full_rows`: embedding, output layer) are saved at the saving layout's
   padded size; a layout with another padded size loads the dense tensor and re-pads it.
 - The tied embedding's last-stage copy is not saved; it loads from the embedding.
+- MoE expert weights (stacked `[E_local, ...]`, this EP rank's block of experts) are saved
+  one key per global expert (`...mlp.experts.<e>.linear_fc1.weight`), TP-sharded like the
+  dense MLP, so a checkpoint loads at any expert-parallel size; persistent buffers (the
+  router's `expert_bias`) are saved as `model.<name>`, without moments (checkpoint/keys.py).
 - `optim.exp_avg.<name>`, `optim.exp_avg_sq.<name>` (same keys/sharding as the parameter),
   `optim.step`, `iteration`, `consumed_samples` (the data position, summed per step). The LR
   schedule is a pure function of the iteration (training/optimizer.py `learning_rate`); its
@@ -64,7 +68,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import parallel_state as ps
-from checkpoint.keys import as_saved, entries, part_keys, read_plan, rebuild, split_parts
+from checkpoint.keys import (as_saved, buffer_entries, entries, load_buffers, read_plan, rebuild,
+                             stored_pieces)
 from checkpoint import safe_dcp
 from checkpoint.model_io import (TOKENIZER_DIR, TOKENIZER_MODEL, model_tensors, read_tokenizer,
                                  verify_checkpoint, write_tokenizer)
@@ -174,18 +179,26 @@ def _set_rng_state(loaded: dict[str, torch.Tensor]) -> None:
 
 
 def _describe_layout(layout: dict) -> str:
-    """`tp=2 pp=1 vpp=None dp=2` of a `_layout` dict (a checkpoint's, or this run's)."""
-    return " ".join(f"{k}={layout.get(k)}" for k in ("tp", "pp", "vpp", "dp"))
+    """`tp=2 pp=1 vpp=None dp=2` (+ `ep=2` for an MoE model) of a `_layout` dict (a
+    checkpoint's, or this run's)."""
+    return " ".join(f"{k}={layout.get(k)}" for k in ("tp", "pp", "vpp", "dp", "ep")
+                    if k != "ep" or k in layout)
 
 
 def _layout(config) -> dict:
+    """The layout metadata.json records; an MoE model's adds the grid's expert-model- and
+    expert-tensor-parallel sizes (`ep`, `etp`)."""
     t = config.train
-    return {"tp": t.tensor_model_parallel_size, "pp": t.pipeline_model_parallel_size,
-            "vpp": t.virtual_pipeline_model_parallel_size, "dp": config.data_parallel_size,
-            "world_size": config.world_size,
-            "distributed_optimizer": t.use_distributed_optimizer,
-            "data_parallel_sharding_strategy": t.data_parallel_sharding_strategy,
-            "optimizer_cpu_offload": t.optimizer_cpu_offload, "bf16": t.bf16}
+    layout = {"tp": t.tensor_model_parallel_size, "pp": t.pipeline_model_parallel_size,
+              "vpp": t.virtual_pipeline_model_parallel_size, "dp": config.data_parallel_size,
+              "world_size": config.world_size,
+              "distributed_optimizer": t.use_distributed_optimizer,
+              "data_parallel_sharding_strategy": t.data_parallel_sharding_strategy,
+              "optimizer_cpu_offload": t.optimizer_cpu_offload, "bf16": t.bf16}
+    if config.model.num_moe_experts:
+        layout.update(ep=ps.get_expert_model_parallel_world_size(),
+                      etp=ps.get_expert_tensor_parallel_world_size())
+    return layout
 
 
 def state_to_save(config, chunks, model, optimizer, iteration: int, copy: bool,
@@ -198,9 +211,10 @@ def state_to_save(config, chunks, model, optimizer, iteration: int, copy: bool,
         if tied_copy:
             continue
         for kind in KINDS:
-            local = values[id(p)][kind]
-            for key, part in zip(part_keys(kind, name, p), split_parts(local, p)):
-                sd[key] = as_saved(part.detach().clone() if copy else part, p)
+            for key, part in stored_pieces(kind, name, p, values[id(p)][kind]):
+                sd[key] = as_saved(part.detach().clone() if copy else part.detach(), p)
+    for name, b in buffer_entries(chunks):  # model state without moments (expert_bias)
+        sd[f"model.{name}"] = b.detach().to(torch.float32, copy=copy)
     if consumed_samples is None:
         consumed_samples = iteration * config.train.global_batch_size
     sd.update({"iteration": torch.tensor(iteration), "consumed_samples":
@@ -504,7 +518,8 @@ def load_checkpoint(config, chunks, model, optimizer) -> ResumeState:
                 f"RNG start fresh")
         return ResumeState()
     same_layout = meta["layout"]["world_size"] == config.world_size and all(
-        meta["layout"][k] == v for k, v in _layout(config).items() if k in ("tp", "pp", "vpp"))
+        meta["layout"].get(k, 1 if k == "ep" else None) == v for k, v in _layout(config).items()
+        if k in ("tp", "pp", "vpp", "ep"))
     iteration, consumed = _load_states(path, md, config, chunks, model, optimizer,
                                        load_rng=same_layout and t.load_rng)
     if not same_layout and t.load_rng:
@@ -570,7 +585,7 @@ def _load_states(path: str, md, config, chunks, model, optimizer, load_rng: bool
     saved = md.state_dict_metadata
     with_optim = config.train.load_optim and not weights_only
     kinds = KINDS if with_optim else KINDS[:1]
-    sd, plan = read_plan(path, saved, entries(chunks), kinds)
+    sd, plan = read_plan(path, saved, entries(chunks), kinds, buffer_entries(chunks))
     scalars = ("iteration", "optim.step", "consumed_samples")
     sd.update({k: torch.tensor(0) for k in scalars})
     if load_rng:
@@ -585,7 +600,9 @@ def _load_states(path: str, md, config, chunks, model, optimizer, load_rng: bool
 
 @torch.no_grad()
 def _apply(values: dict, step: int, chunks, model, optimizer, with_optim: bool) -> None:
-    """Copy loaded float32 TP-local tensors into parameters, main weights and moments."""
+    """Copy loaded float32 TP-local tensors into parameters, buffers, main weights and
+    moments."""
+    load_buffers(values, chunks)
     params = [p for _, p, _, _ in entries(chunks)]
     wrapper = {id(p): ddp for ddp in model for p in ddp.params}
     for p in params:  # ZeRO-3: into the owned part of the parameter shards
