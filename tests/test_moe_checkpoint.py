@@ -343,9 +343,11 @@ def test_hostile_moe_checkpoints_are_refused_naming_the_key(moe_checkpoints, no_
     """A checkpoint without one expert's tensor, with an expert of the wrong shape, or whose
     metadata.json says 8 or 2 experts where 4 are stored, is refused by checkpoint_info,
     infer.py's loader and the dense reader before any tensor is read, naming the keys; a run
-    with another --num-experts is told the checkpoint's."""
+    with another --num-experts is told the checkpoint's; HF export says it is not built."""
     from checkpoint.format import CheckpointError, compare_model
+    from checkpoint.hf import export_hf
     from checkpoint.model_io import read_dense_weights
+    from models.hf import HFConversionError
     from inference.loading import load
     from tools import checkpoint_info
 
@@ -374,6 +376,10 @@ def test_hostile_moe_checkpoints_are_refused_naming_the_key(moe_checkpoints, no_
             with pytest.raises(CheckpointError) as e:
                 read()
             assert all(n in str(e.value) for n in needles), (folder, str(e.value))
+    with pytest.raises(HFConversionError, match="mixture-of-experts model .4 experts. has no "
+                                                "Hugging Face conversion yet"):
+        export_hf(str(good), str(tmp_path / "hf"))
+    assert not (tmp_path / "hf").exists()
     meta = json.loads((good / "metadata.json").read_text())
     with pytest.raises(CheckpointError, match="num_moe_experts: checkpoint 4, this run 8.*"
                                               "--num-moe-experts 4"):
