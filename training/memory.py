@@ -151,7 +151,8 @@ def activation_report(config, measured: dict, *, micro_batch_size: int, tp: int,
     s, b, n = config.seq_length, micro_batch_size, measured["num_layers"]
     e = torch.tensor([], dtype=dtype).element_size()
     model = model_chunk_bytes(config, n, s, b, tp, sp, granularity, method, recompute_num_layers,
-                              e, dropout, keyed_dropout, measured.get("layer_numbers"))
+                              e, dropout, keyed_dropout, measured.get("layer_numbers"),
+                              ep=ps.get_expert_model_parallel_world_size())
     per_layer = paper_layer_bytes(s, b, config.hidden_size, config.num_attention_heads, tp, sp,
                                   granularity, bytes_per_value=e)
     if granularity == "full":
