@@ -22,6 +22,7 @@ from parallel_state import get_rng_tracker, get_tensor_model_parallel_world_size
 from .dropout import add_dropout_site, attention_dropout, sample_keyed
 
 from .linear import ColumnParallelLinear, RowParallelLinear
+from .norm import ProjectionRMSNorm, build_norm
 from .sharding import set_tensor_parallel_attributes
 
 
@@ -157,6 +158,28 @@ class SelfAttention(nn.Module):
             config.query_projection_size, config.hidden_size, bias=config.add_bias_linear,
             sequence_parallel=sequence_parallel, init="scaled_normal")
         self.checkpoint_fn = None  # selective recompute of the core attention (layers/recompute.py)
+        self.q_layernorm = self.k_layernorm = None
+        if config.qk_layernorm and config.qk_norm_over_heads:  # OLMo 2: the whole projection
+            self.q_layernorm = ProjectionRMSNorm(config.query_projection_size,
+                                                 config.layernorm_epsilon)
+            self.k_layernorm = ProjectionRMSNorm(config.kv_projection_size,
+                                                 config.layernorm_epsilon)
+        elif config.qk_layernorm:  # Qwen3: per head over d, one weight shared by all heads,
+            # so each TP rank's gradient is partial: summed over TP like SP norms' (the tag)
+            self.q_layernorm, self.k_layernorm = (
+                build_norm(config, sequence_parallel=tp > 1, hidden_size=d) for _ in range(2))
+
+    def _norm_qk(self, qk: torch.Tensor) -> torch.Tensor:
+        """q/k norms (`qk_layernorm`) on `qk [s, b, g, hpg + 1, d]` (the q heads of each
+        group, then its k head), before RoPE as in Qwen3 and OLMo 2."""
+        q, k = qk.split([self.heads_per_group, 1], dim=3)
+        if isinstance(self.q_layernorm, ProjectionRMSNorm):  # heads in order: g, then hpg
+            s, b = qk.shape[:2]
+            q = self.q_layernorm(q.reshape(s, b, -1)).view(q.shape)
+            k = self.k_layernorm(k.reshape(s, b, -1)).view(k.shape)
+        else:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        return torch.cat([q, k], dim=3)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
                 kv_cache=None, attention_mask: torch.Tensor | None = None,
@@ -165,6 +188,8 @@ class SelfAttention(nn.Module):
         s, b = mixed.shape[:2]
         mixed = mixed.view(s, b, self.num_groups, self.heads_per_group + 2, self.head_dim)
         qk, v = mixed.split([self.heads_per_group + 1, 1], dim=3)
+        if self.q_layernorm is not None:
+            qk = self._norm_qk(qk)
         if rotary is not None:  # q and k heads rotated in one pass: [s, b, g, hpg + 1, d]
             cos, sin = rotary
             qk = apply_rotary_pos_emb(qk, cos.unsqueeze(-2), sin.unsqueeze(-2))

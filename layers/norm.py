@@ -10,6 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from parallel_state import get_tensor_model_parallel_world_size
+from parallel_state.mappings import sum_over_tensor_model_parallel_region
+
 from .sharding import set_tensor_parallel_attributes
 
 
@@ -49,6 +52,33 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def build_norm(config, sequence_parallel: bool = False) -> nn.Module:
+class ProjectionRMSNorm(nn.Module):
+    """RMSNorm over a whole projection split over TP (OLMo 2's q/k norm: transformers'
+    `Olmo2RMSNorm` on `q_proj(x)` / `k_proj(x)`): `x [..., size / tp]`, this rank's
+    contiguous columns, -> same shape, `y = x / sqrt(sum(x^2 over all ranks) / size + eps) *
+    weight`, computed in float32 and cast to x's dtype once (as Olmo2RMSNorm). The weight
+    `[size]` is split over TP as the projection is (partition dim 0). The sum of squares is
+    all-reduced over TP forward and backward (each rank's gradient of it is partial), so the
+    output and every gradient equal one process's.
+    """
+
+    def __init__(self, size: int, eps: float = 1e-5):
+        super().__init__()
+        self.size, self.eps = size, eps
+        self.weight = nn.Parameter(torch.empty(size // get_tensor_model_parallel_world_size()))
+        set_tensor_parallel_attributes(self.weight, partition_dim=0, init="ones")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype, x = x.dtype, x.float()
+        squares = sum_over_tensor_model_parallel_region(x.pow(2).sum(-1, keepdim=True))
+        x = x * torch.rsqrt(squares / self.size + self.eps)
+        return (self.weight.float() * x).to(dtype)
+
+
+def build_norm(config, sequence_parallel: bool = False, hidden_size: int | None = None
+               ) -> nn.Module:
+    """`config.normalization` over `hidden_size` (default `config.hidden_size`; a head's
+    `kv_channels` for q/k norms)."""
     cls = RMSNorm if config.normalization == "RMSNorm" else LayerNorm
-    return cls(config.hidden_size, config.layernorm_epsilon, sequence_parallel=sequence_parallel)
+    return cls(hidden_size or config.hidden_size, config.layernorm_epsilon,
+               sequence_parallel=sequence_parallel)

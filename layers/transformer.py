@@ -50,7 +50,9 @@ class TransformerLayer(nn.Module):
         self.hidden_dropout = config.hidden_dropout
         add_dropout_site(self)  # set from the module's name (layers/dropout.py)
         self.sequence_parallel = sp
-        self.input_layernorm = build_norm(config, sequence_parallel=sp)
+        # no pre-norms (`pre_layernorm` False, OLMo 2): identities, the forward unchanged
+        self.input_layernorm = build_norm(config, sequence_parallel=sp) \
+            if config.pre_layernorm else nn.Identity()
         self.self_attention = SelfAttention(config, layer_number, sequence_parallel=sp,
                                             causal=causal, softmax_scale=softmax_scale)
         if cross_attention:
@@ -59,7 +61,8 @@ class TransformerLayer(nn.Module):
                                                   softmax_scale=softmax_scale)
         else:
             self.cross_attention = None
-        self.pre_mlp_layernorm = build_norm(config, sequence_parallel=sp)
+        self.pre_mlp_layernorm = build_norm(config, sequence_parallel=sp) \
+            if config.pre_layernorm else nn.Identity()
         self.mlp = MoELayer(config, layer_number, sequence_parallel=sp) \
             if config.is_moe_layer(layer_number) else MLP(config, sequence_parallel=sp)
 

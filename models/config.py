@@ -69,6 +69,13 @@ class ModelConfig:
     activation: str = "gelu"  # "gelu" (tanh approximation, as GPT-2) or "swiglu"
     add_bias_linear: bool = True
     add_qkv_bias: bool | None = None  # None: same as add_bias_linear
+    # Norms on the queries and keys before RoPE (Megatron's qk_layernorm): per head over
+    # kv_channels (Qwen3), or with `qk_norm_over_heads` an RMSNorm over the whole q and the
+    # whole k projection (OLMo 2; its squares summed over TP ranks)
+    qk_layernorm: bool = False
+    qk_norm_over_heads: bool = False
+    # False: no norm before attention and MLP (OLMo 2 normalizes their outputs instead)
+    pre_layernorm: bool = True
     untie_embeddings_and_output_weights: bool = False
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
@@ -180,6 +187,8 @@ class ModelConfig:
         else:
             total = L * (attn + mlp + 2 * norm) + norm
             total += sum(self._moe_parameters() - mlp for n in range(L) if self.is_moe_layer(n))
+        if not self.is_encoder_decoder:
+            total += L * self._qk_norm_parameters() - (0 if self.pre_layernorm else 2 * L * norm)
         if include_embedding:
             total += self.vocab_size * h
             if self.untie_embeddings_and_output_weights:
@@ -187,6 +196,14 @@ class ModelConfig:
             if self.position_embedding_type == "learned_absolute":
                 total += self.max_position_embeddings * h
         return total
+
+    def _qk_norm_parameters(self) -> int:
+        """Parameters of one layer's q and k norms (`qk_layernorm`)."""
+        if not self.qk_layernorm:
+            return 0
+        if self.qk_norm_over_heads:
+            return self.query_projection_size + self.kv_projection_size
+        return (2 if self.normalization == "RMSNorm" else 4) * self.kv_channels
 
     def _mlp_parameters(self, ffn: int) -> int:
         """Parameters of one dense MLP of width `ffn` (fused [gate; up] for gated units)."""
@@ -267,6 +284,7 @@ class ModelConfig:
                 f"--tensor-model-parallel-size {tp}")
         self._validate_rope_scaling()
         self._validate_window()
+        self._validate_layer_norms(tp, kv_replication)
         self._validate_moe(tp)
         if self.position_embedding_type == "rope" and self.kv_channels % 2:
             raise ConfigError(f"RoPE needs an even head dim, got --kv-channels {self.kv_channels}")
@@ -361,6 +379,29 @@ class ModelConfig:
             return
         self._check_layer_list("--window-attn-skip-freq", freq, 2, "sliding window",
                                "full attention")
+
+    def _validate_layer_norms(self, tp: int, kv_replication: bool) -> None:
+        """qk_layernorm / qk_norm_over_heads / pre_layernorm (exact types: they may come from
+        untrusted metadata) and what they combine with."""
+        for name in ("qk_layernorm", "qk_norm_over_heads", "pre_layernorm"):
+            if type(getattr(self, name)) is not bool:
+                raise ConfigError(f"--{name.replace('_', '-')} must be true or false, got "
+                                  f"{getattr(self, name)!r}")
+        if self.qk_norm_over_heads and not self.qk_layernorm:
+            raise ConfigError("--qk-norm-over-heads says how the q/k norms span the heads, but "
+                              "--qk-layernorm is not set; set it or drop the flag")
+        if self.qk_norm_over_heads and self.normalization != "RMSNorm":
+            raise ConfigError("--qk-norm-over-heads is an RMSNorm over the whole q and k "
+                              "projections (OLMo 2); add --normalization RMSNorm")
+        if self.qk_norm_over_heads and self.num_query_groups % tp:
+            raise ConfigError(
+                f"--qk-norm-over-heads with --num-query-groups {self.num_query_groups} at "
+                f"--tensor-model-parallel-size {tp}: the k norm's weight is split over TP with "
+                f"the KV heads, which cannot be replicated here; use a tp that divides the KV "
+                f"heads")
+        if self.is_encoder_decoder and (self.qk_layernorm or not self.pre_layernorm):
+            raise ConfigError("--qk-layernorm and --no-pre-layernorm are for decoder-only models "
+                              "(T5's layers have neither); drop them or use --model-type gpt")
 
     def _check_layer_list(self, flag: str, freq, smallest: int, one: str, zero: str) -> None:
         """`freq`, given as a list, must hold one 0/1 per layer; the ConfigError names `flag`,

@@ -174,6 +174,15 @@ def reduce_from_tensor_model_parallel_region(x: torch.Tensor) -> torch.Tensor:
     return _ReduceFromTP.apply(x)
 
 
+def sum_over_tensor_model_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    """All-reduce over TP forward and backward: a sum of partial terms (each rank's from its
+    own shard, e.g. the sum of squares of a norm over a TP-split projection) that every rank
+    then uses on its own shard, so each rank's gradient of the sum is partial too."""
+    if not torch.is_grad_enabled():
+        return _all_reduce(x)
+    return _ReduceFromTP.apply(_CopyToTP.apply(x))  # all-reduce forward, then backward
+
+
 def scatter_to_tensor_model_parallel_region(x: torch.Tensor) -> torch.Tensor:
     """Keep this rank's slice of the last dim; backward all-gathers it."""
     return _ScatterToTP.apply(x)

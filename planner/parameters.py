@@ -46,6 +46,24 @@ def _norm(prefix: str, m, unit: str, sp: bool) -> list[ParamShape]:
     return out
 
 
+def _qk_norms(prefix: str, m, unit: str, tp: int) -> list[ParamShape]:
+    """`qk_layernorm`'s q and k norms: per head (`[d]`, replicated; gradients summed over TP,
+    the `sequence_parallel` tag) or over the whole projections (split over TP)."""
+    if not m.qk_layernorm:
+        return []
+    if m.qk_norm_over_heads:
+        return [ParamShape(f"{prefix}.q_layernorm.weight", m.query_projection_size // tp, unit,
+                           tensor_model_parallel=True),
+                ParamShape(f"{prefix}.k_layernorm.weight", m.kv_projection_size // tp, unit,
+                           tensor_model_parallel=True)]
+    out = []
+    for which in ("q", "k"):
+        names = ("weight", "bias") if m.normalization == "LayerNorm" else ("weight",)
+        out += [ParamShape(f"{prefix}.{which}_layernorm.{n}", m.kv_channels, unit,
+                           sequence_parallel=tp > 1) for n in names]
+    return out
+
+
 def _linear(prefix: str, out_local: int, in_local: int, unit: str, *, bias: bool,
             row: bool, sp: bool) -> list[ParamShape]:
     """Column (`row=False`: output dim split, bias split) or row linear (input dim split,
@@ -111,12 +129,15 @@ def chunk_parameters(m, tp: int, layer_numbers: list[int], pre_process: bool,
     fc1 = 2 * f if m.activation == "swiglu" else f
     for n in layer_numbers:
         p, unit = f"decoder.layers.{n}", f"layer {n}"
-        out += _norm(f"{p}.input_layernorm", m, unit, sp)
+        if m.pre_layernorm:
+            out += _norm(f"{p}.input_layernorm", m, unit, sp)
         out += _linear(f"{p}.self_attention.linear_qkv", q + 2 * kv, h, unit,
                        bias=m.add_qkv_bias, row=False, sp=sp)
         out += _linear(f"{p}.self_attention.linear_proj", h, q, unit,
                        bias=m.add_bias_linear, row=True, sp=sp)
-        out += _norm(f"{p}.pre_mlp_layernorm", m, unit, sp)
+        out += _qk_norms(f"{p}.self_attention", m, unit, tp)
+        if m.pre_layernorm:
+            out += _norm(f"{p}.pre_mlp_layernorm", m, unit, sp)
         if m.is_moe_layer(n):
             out += _moe_mlp(p, m, unit, tp, sp, ep, tp if etp is None else etp)
             continue

@@ -1,11 +1,14 @@
-"""Llama family: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM <-> GPTModel.
+"""Llama family: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM <->
+GPTModel.
 
-All three are pre-norm RMSNorm decoders with rotate-half RoPE (the layout our RotaryEmbedding
+All four are pre-norm RMSNorm decoders with rotate-half RoPE (the layout our RotaryEmbedding
 uses, so q/k need no permutation), SwiGLU MLPs and grouped-query attention. They differ in:
 Qwen2 has q/k/v biases only; Mistral may have a sliding window on every layer, Qwen2 on the
 layers from `max_window_layers` on (or those its `layer_types` call "sliding_attention"); Llama
 may have biases on all attention projections (`attention_bias`) and MLP (`mlp_bias`), and
-llama3/linear RoPE scaling.
+llama3/linear RoPE scaling. Qwen3 is Qwen2 without biases and with an RMSNorm on each query
+and key head before RoPE (`q_norm` / `k_norm`, one `[head_dim]` weight each: our
+`qk_layernorm`); its head_dim defaults to 128, not hidden / heads.
 
 Sliding windows: HF's `sliding_window` W (a query sees itself and the W - 1 keys before it) is
 our `window_size` (W - 1, 0); which layers slide is `window_attn_skip_freq` (None: all of
@@ -18,9 +21,10 @@ from models.config import ModelConfig
 
 from .rules import HFConversionError, Rule, concat, qkv, same
 
-MODEL_TYPES = ("llama", "mistral", "qwen2")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_QWEN = ("qwen2", "qwen3")  # sliding windows from use_sliding_window and layer_types
 # tensors some HF files carry that are buffers, not weights
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -42,7 +46,7 @@ def config_from_hf(d: dict) -> ModelConfig:
     heads = d["num_attention_heads"]
     hidden = d["hidden_size"]
     kv_heads = d.get("num_key_value_heads") or heads
-    head_dim = d.get("head_dim") or hidden // heads
+    head_dim = d.get("head_dim") or (128 if mt == "qwen3" else hidden // heads)
     if d.get("hidden_act", "silu") not in ("silu", "swish"):
         raise HFConversionError(f"config.json hidden_act {d['hidden_act']!r} is not supported "
                                 f"for {mt} (only silu, i.e. SwiGLU)")
@@ -65,6 +69,10 @@ def config_from_hf(d: dict) -> ModelConfig:
     qkv_bias, linear_bias = False, False
     if mt == "qwen2":
         qkv_bias = True
+    elif mt == "qwen3" and d.get("attention_bias", False) is not False:
+        raise HFConversionError(
+            f"config.json attention_bias={d['attention_bias']!r} is not supported for qwen3 "
+            f"(biases on q/k/v and o_proj but not the MLP); convert a model without them")
     elif mt == "llama":
         attn, mlp = bool(d.get("attention_bias", False)), bool(d.get("mlp_bias", False))
         if attn != mlp:
@@ -82,7 +90,8 @@ def config_from_hf(d: dict) -> ModelConfig:
         layernorm_epsilon=float(d.get("rms_norm_eps", 1e-6)), activation="swiglu",
         add_bias_linear=linear_bias, add_qkv_bias=qkv_bias,
         untie_embeddings_and_output_weights=not d.get("tie_word_embeddings", False),
-        init_method_std=float(d.get("initializer_range", 0.02)), **rope,
+        init_method_std=float(d.get("initializer_range", 0.02)), qk_layernorm=mt == "qwen3",
+        **rope,
         **_window_from_hf(d, mt, d["num_hidden_layers"]))
 
 
@@ -92,9 +101,9 @@ def _window_from_hf(d: dict, mt: str, num_layers: int) -> dict:
     `use_sliding_window`, the layers its `layer_types` name "sliding_attention" (by default
     those from `max_window_layers` on). Llama has no window."""
     w, use = d.get("sliding_window"), d.get("use_sliding_window", False)
-    if mt == "qwen2" and type(use) is not bool:
+    if mt in _QWEN and type(use) is not bool:
         raise HFConversionError(f"config.json use_sliding_window {use!r} must be true or false")
-    if mt == "llama" or w is None or (mt == "qwen2" and not use):
+    if mt == "llama" or w is None or (mt in _QWEN and not use):
         return {}
     if type(w) is not int or w < 1:
         raise HFConversionError(f"config.json sliding_window {w!r} must be a positive integer "
@@ -129,6 +138,8 @@ def normalize(name: str) -> str:
 
 def model_type_for(c: ModelConfig) -> str:
     """The HF architecture that represents `c` exactly."""
+    if c.qk_layernorm:
+        return "qwen3"
     if c.add_qkv_bias and not c.add_bias_linear:
         return "qwen2"
     if c.window_size is not None:
@@ -160,6 +171,8 @@ def config_to_hf(c: ModelConfig) -> dict:
     elif mt == "mistral":
         d["sliding_window"] = c.window_size[0] + 1
     else:
+        if mt == "qwen3":
+            d["attention_bias"] = False  # conditions(): Qwen3 exports have no biases
         slides = _sliding_layers(c)
         d.update(use_sliding_window=c.window_size is not None, sliding_window=None,
                  layer_types=[LAYER_TYPES[x] for x in slides])
@@ -177,6 +190,11 @@ def conditions(c: ModelConfig) -> list[str]:
            if getattr(c, k) != v]
     if c.add_bias_linear and not c.add_qkv_bias:
         out.append("add_bias_linear without add_qkv_bias (no Llama-family model has that)")
+    if c.qk_layernorm and (c.add_qkv_bias or c.qk_norm_over_heads):
+        out.append("qk_layernorm with biases or over whole projections (Qwen3 has per-head q/k "
+                   "norms and no biases)")
+    if not c.pre_layernorm:
+        out.append("pre_layernorm=False (the Llama family normalizes each sublayer's input)")
     if c.window_size is not None and c.add_bias_linear:
         out.append("window_size with biases on every linear layer (Llama has biases but no "
                    "sliding window)")
@@ -203,6 +221,9 @@ def rules(c: ModelConfig) -> list[Rule]:
                 concat(ours + "mlp.linear_fc1.weight",
                        (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")),
                 same(ours + "mlp.linear_fc2.weight", hf + "mlp.down_proj.weight")]
+        if c.qk_layernorm:
+            out += [same(ours + "self_attention.q_layernorm.weight", attn + "q_norm.weight"),
+                    same(ours + "self_attention.k_layernorm.weight", attn + "k_norm.weight")]
         if c.add_qkv_bias:
             out.append(qkv(ours + "self_attention.linear_qkv.bias",
                            (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"),
