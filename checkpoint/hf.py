@@ -176,18 +176,35 @@ def _save_tokenizer(tokenizer: str | None, folder: str, log) -> dict:
 def load_hf_weights(src, config, chunks) -> None:
     """Copy the weights of an opened HF model (`models.hf.files.open_hf`) straight into this
     rank's sharded model `chunks` (any tp/pp; no checkpoint folder is written). Each rank
-    reads the dense tensors it needs one at a time and keeps its shard. Raises
-    `HFConversionError` for missing or unused tensors, before any weight is copied."""
+    reads the dense tensors it needs one at a time and keeps its shard; for an MoE layer only
+    the experts of its expert-parallel block (one HF tensor per expert, stacked, then split
+    over TP). Raises `HFConversionError` for missing or unused tensors, before any weight is
+    copied."""
     from layers import shard_tensor
     from layers.sharding import full_shape
 
-    from .keys import entries
+    from .keys import entries, logical_names
 
     tensors = hfmap.to_native(config, src.config["model_type"], src.get, src.names)
     for _, p, key, _ in entries(chunks):
+        if getattr(p, "expert_parallel", False):
+            block = torch.stack([tensors[name]().to(torch.float32)
+                                 for name, _ in logical_names(key, p)])
+            p.copy_(shard_tensor(block, _WithoutExperts(p)).to(p.device, p.dtype))
+            continue
         full = tensors[key]().to(torch.float32)
         if getattr(p, "full_rows", None):  # pad the vocabulary rows with zeros
             padded = torch.zeros(full_shape(p), dtype=torch.float32)
             padded[:full.shape[0]] = full
             full = padded
         p.copy_(shard_tensor(full, p).to(p.device, p.dtype))
+
+
+class _WithoutExperts:
+    """The TP sharding attributes of stacked expert weight `p` without its expert-parallel
+    tag: `shard_tensor` of this rank's block of experts splits it over TP only."""
+
+    def __init__(self, p):
+        self.tensor_model_parallel = p.tensor_model_parallel
+        self.partition_dim = p.partition_dim
+        self.num_fused_parts = getattr(p, "num_fused_parts", 1)

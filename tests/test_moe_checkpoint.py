@@ -343,7 +343,7 @@ def test_hostile_moe_checkpoints_are_refused_naming_the_key(moe_checkpoints, no_
     """A checkpoint without one expert's tensor, with an expert of the wrong shape, or whose
     metadata.json says 8 or 2 experts where 4 are stored, is refused by checkpoint_info,
     infer.py's loader and the dense reader before any tensor is read, naming the keys; a run
-    with another --num-experts is told the checkpoint's; HF export says it is not built."""
+    with another --num-experts is told the checkpoint's; HF export names what no HF family has."""
     from checkpoint.format import CheckpointError, compare_model
     from checkpoint.hf import export_hf
     from checkpoint.model_io import read_dense_weights
@@ -376,8 +376,9 @@ def test_hostile_moe_checkpoints_are_refused_naming_the_key(moe_checkpoints, no_
             with pytest.raises(CheckpointError) as e:
                 read()
             assert all(n in str(e.value) for n in needles), (folder, str(e.value))
-    with pytest.raises(HFConversionError, match="mixture-of-experts model .4 experts. has no "
-                                                "Hugging Face conversion yet"):
+    with pytest.raises(HFConversionError, match="mixture-of-experts model has no Hugging Face "
+                                                "equivalent .Mixtral, Qwen2-MoE.: "
+                                                "moe_router_score_function='sigmoid'"):
         export_hf(str(good), str(tmp_path / "hf"))
     assert not (tmp_path / "hf").exists()
     meta = json.loads((good / "metadata.json").read_text())

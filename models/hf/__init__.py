@@ -14,7 +14,8 @@ architecture, both directions, beside our model families (`GPTModel`, `T5Model`)
   parameter at a time through the architecture's `Rule` table (models/hf/rules.py).
 
 Supported: GPT2LMHeadModel (gpt2), LlamaForCausalLM (llama), MistralForCausalLM (mistral),
-Qwen2ForCausalLM (qwen2), T5ForConditionalGeneration (t5, v1.0 and v1.1). File formats
+Qwen2ForCausalLM (qwen2), T5ForConditionalGeneration (t5, v1.0 and v1.1), and the mixture-of-
+experts MixtralForCausalLM (mixtral) and Qwen2MoeForCausalLM (qwen2_moe). File formats
 (safetensors, .bin, GGUF) are in models/hf/files.py.
 """
 from __future__ import annotations
@@ -28,11 +29,11 @@ import torch
 
 from models.config import ConfigError, ModelConfig
 
-from . import gpt2, llama, t5
+from . import gpt2, llama, moe, t5
 from .rules import HFConversionError, Rule  # noqa: F401
 
-FAMILIES = {mt: fam for fam in (gpt2, llama, t5) for mt in fam.MODEL_TYPES}
-# config.json fields that mean mixture-of-experts (not supported)
+FAMILIES = {mt: fam for fam in (gpt2, llama, t5, moe) for mt in fam.MODEL_TYPES}
+# config.json fields that mean mixture-of-experts (refused for the dense families' types)
 _MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
 
 # Every config.json field a family reads, by JSON type; `null` counts as absent. Counts are
@@ -41,20 +42,26 @@ _COUNTS = ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions", "n_inner"
            "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
            "head_dim", "intermediate_size", "max_position_embeddings", "d_model", "d_kv", "d_ff",
            "num_layers", "num_decoder_layers", "num_heads", "relative_attention_num_buckets",
-           "relative_attention_max_distance", "original_max_position_embeddings")
+           "relative_attention_max_distance", "original_max_position_embeddings",
+           "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+           "shared_expert_intermediate_size", "decoder_sparse_step")
 _LAYER_COUNTS = ("n_layer", "num_hidden_layers", "num_layers", "num_decoder_layers")
 _NUMBERS = ("layer_norm_epsilon", "rms_norm_eps", "initializer_range", "initializer_factor",
             "rope_theta", "dropout_rate", "attention_dropout", "resid_pdrop", "embd_pdrop",
-            "attn_pdrop", "factor", "low_freq_factor", "high_freq_factor")
+            "attn_pdrop", "factor", "low_freq_factor", "high_freq_factor",
+            "router_jitter_noise", "router_aux_loss_coef")
 _FLAGS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "scale_attn_weights",
-          "scale_attn_by_inverse_layer_idx", "add_cross_attention", "scale_decoder_outputs")
+          "scale_attn_by_inverse_layer_idx", "add_cross_attention", "scale_decoder_outputs",
+          "norm_topk_prob", "output_router_logits", "qkv_bias")
 _NAMES = ("model_type", "hidden_act", "activation_function", "feed_forward_proj")
 _ROPE_DICTS = ("rope_scaling", "rope_parameters")
 # fields without a default (transformers' would not describe the weights: refuse instead)
 _REQUIRED = {gpt2: ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions"),
              llama: ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                      "intermediate_size"),
-             t5: ()}
+             t5: (),
+             moe: ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                   "intermediate_size")}
 
 
 def _value_problem(key: str, v) -> str | None:
@@ -123,7 +130,7 @@ def config_from_hf(d: dict, tensor_count: int | None = None) -> ModelConfig:
     if bad:
         raise HFConversionError(f"config.json architectures {bad} is not supported for "
                                 f"model_type {mt!r} (supported: {sorted(known)})")
-    for field in _MOE_FIELDS:
+    for field in _MOE_FIELDS if FAMILIES[mt] is not moe else ():
         if d.get(field):
             raise HFConversionError(f"config.json {field}={d[field]}: mixture-of-experts models "
                                     f"are not supported")
@@ -187,6 +194,11 @@ def hf_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
         shape = list(full_shape(p))
         if getattr(p, "full_rows", None):  # the real vocabulary, not the padded one
             shape[0] = p.full_rows
+        if getattr(p, "expert_parallel", False):  # one tensor per expert (checkpoint/keys.py)
+            head, _, tail = name.rpartition(".experts.")
+            for e in range(shape[0]):
+                dense[f"{head}.experts.{e}.{tail}"] = torch.empty(shape[1:], device="meta")
+            continue
         dense[name] = torch.empty(shape, device="meta")
     return {n: tuple(t.shape) for n, t in to_hf(c, dense.__getitem__)}
 
@@ -220,13 +232,14 @@ def check_weights(c: ModelConfig, src) -> None:
 
 
 def family_for(c: ModelConfig):
-    """The family module that can represent `c` in HF form; `HFConversionError` if none
-    (mixture-of-experts models: not yet, the HF MoE families are issue 30's follow-up)."""
+    """The family module that can represent `c` in HF form; `HFConversionError` if none."""
     if c.num_moe_experts:
-        raise HFConversionError(
-            f"this mixture-of-experts model ({c.num_moe_experts} experts) has no Hugging Face "
-            f"conversion yet (Mixtral / Qwen3-MoE / OLMoE tables are not built); its checkpoint "
-            f"loads in train.py and infer.py at any layout")
+        why = moe.conditions(c)
+        if why:
+            raise HFConversionError(
+                f"this mixture-of-experts model has no Hugging Face equivalent (Mixtral, "
+                f"Qwen2-MoE): {'; '.join(why)}")
+        return moe
     reasons = {}
     for fam in (gpt2, llama, t5):
         why = fam.conditions(c)
