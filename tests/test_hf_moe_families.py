@@ -1,5 +1,5 @@
 """Mixture-of-experts Hugging Face families (models/hf/moe.py) against transformers' own
-tiny random Mixtral and Qwen2-MoE models:
+tiny random Mixtral, Qwen2-MoE and Qwen3-MoE models:
 
 - logits on a [2, 16] batch equal transformers' at tp 1, tp 2 (infer.py's loader reading the
   HF folder), tp 2 x pp 2 (the imported checkpoint), ep 2 and ep 2 x tp 2 (a training-style
@@ -32,7 +32,7 @@ PROMPT = [5, 17, 99, 3, 42, 8, 61, 2, 11, 150, 7, 30]
 
 
 def _hf_configs() -> dict:
-    from transformers import MixtralConfig, Qwen2MoeConfig
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     common = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=128, initializer_range=0.2, bos_token_id=None,
@@ -53,6 +53,12 @@ def _hf_configs() -> dict:
                                          num_experts_per_tok=3, norm_topk_prob=True,
                                          decoder_sparse_step=2, qkv_bias=False,
                                          tie_word_embeddings=False, **common),
+        # per-head q/k norms, renormalised top-2, layer 0 dense, every layer sliding (6 < S)
+        "qwen3_moe": Qwen3MoeConfig(intermediate_size=96, moe_intermediate_size=32,
+                                    num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
+                                    norm_topk_prob=True, mlp_only_layers=[0],
+                                    use_sliding_window=True, sliding_window=6,
+                                    tie_word_embeddings=False, **common),
     }
 
 
@@ -103,13 +109,15 @@ def test_configs_and_logits_at_tp1(models):
 
     want = {"mixtral": (4, 2, False, 1, None, (5, 0)),
             "qwen2_moe": (4, 2, True, [1, 0, 1, 1], 80, None),
-            "qwen2_moe_norm": (6, 3, False, [0, 1, 0, 1], 48, None)}
+            "qwen2_moe_norm": (6, 3, False, [0, 1, 0, 1], 48, None),
+            "qwen3_moe": (4, 2, False, [0, 1], None, (5, 0))}
     for name, (hf_dir, ckpt) in models.items():
         c = _config(ckpt)
         assert (c.num_moe_experts, c.moe_router_topk, c.moe_router_pre_softmax, c.moe_layer_freq,
                 c.moe_shared_expert_intermediate_size, c.window_size) == want[name], name
         assert c.moe_shared_expert_gate == name.startswith("qwen2")
         assert c.add_qkv_bias == (name == "qwen2_moe")
+        assert c.qk_layernorm == (name == "qwen3_moe") and c.kv_channels == 16
         model = GPTModel(c).eval()
         load_model_weights(ckpt, [model])
         with torch.no_grad():
@@ -268,17 +276,21 @@ def test_round_trip_is_bitwise_and_transformers_loads_it(models, tmp_path):
         _assert_loads_cleanly(out)
         cfg_in = json.load(open(os.path.join(hf_dir, "config.json")))
         cfg_out = json.load(open(os.path.join(out, "config.json")))
-        for key in ("model_type", "num_local_experts", "num_experts", "num_experts_per_tok",
+        experts = [cfg.get("num_experts") or cfg.get("num_local_experts")
+                   for cfg in (cfg_in, cfg_out)]  # transformers may write either spelling
+        assert experts[0] == experts[1] == _config(ckpt).num_moe_experts, (name, experts)
+        for key in ("model_type", "num_experts_per_tok",
                     "moe_intermediate_size", "shared_expert_intermediate_size", "sliding_window",
                     "norm_topk_prob", "qkv_bias", "intermediate_size", "rms_norm_eps",
                     "tie_word_embeddings"):
-            if key in cfg_in and (key != "sliding_window" or name == "mixtral"):
+            if key in cfg_in and (key != "sliding_window" or name in ("mixtral", "qwen3_moe")):
                 assert cfg_out.get(key) == cfg_in[key], (name, key, cfg_out.get(key))
-        if name.startswith("qwen2"):  # the same layers are sparse, whatever the spelling
+        if name.startswith("qwen"):  # the same layers are sparse, whatever the spelling
             dense, step = cfg_in["mlp_only_layers"] or [], cfg_in["decoder_sparse_step"]
-            layers = [int(i not in dense and (i + 1) % step == 0) for i in range(4)]
+            n = cfg_in["num_hidden_layers"]
+            layers = [int(i not in dense and (i + 1) % step == 0) for i in range(n)]
             assert cfg_out["decoder_sparse_step"] == 1
-            assert [int(i not in cfg_out["mlp_only_layers"]) for i in range(4)] == layers
+            assert [int(i not in cfg_out["mlp_only_layers"]) for i in range(n)] == layers
     assert len([f for f in os.listdir(tmp_path / "mixtral") if f.endswith(".safetensors")]) > 1
 
 
@@ -325,9 +337,11 @@ def test_unsupported_moe_configs_are_refused(models, tmp_path):
 
     mixtral = json.load(open(os.path.join(models["mixtral"][0], "config.json")))
     qwen = json.load(open(os.path.join(models["qwen2_moe"][0], "config.json")))
+    qwen3 = json.load(open(os.path.join(models["qwen3_moe"][0], "config.json")))
     cases = [
         (dict(mixtral, router_jitter_noise=0.1), "router_jitter_noise=0.1"),
         (dict(mixtral, num_local_experts=None), "has no num_local_experts"),
+        (dict(mixtral, num_experts=8), "num_experts=8 and num_local_experts=4 disagree"),
         (dict(mixtral, num_local_experts=0), "num_local_experts is 0"),
         (dict(qwen, num_experts=None), "has no num_experts"),
         (dict(qwen, mlp_only_layers=[7]), "mlp_only_layers"),
@@ -339,6 +353,8 @@ def test_unsupported_moe_configs_are_refused(models, tmp_path):
         (dict(qwen, model_type="deepseek_v3", architectures=None), "'deepseek_v3'"),
         (dict(qwen, model_type="gpt_oss", architectures=None), "'gpt_oss'"),
         (dict(mixtral, architectures=["Qwen2MoeForCausalLM"]), "architectures"),
+        (dict(qwen3, attention_bias=True), "attention_bias=True"),
+        (dict(qwen3, moe_intermediate_size=None), "has no moe_intermediate_size"),
     ]
     for d, expected in cases:
         with pytest.raises(HFConversionError) as e:
@@ -354,3 +370,9 @@ def test_unsupported_moe_configs_are_refused(models, tmp_path):
         with pytest.raises(HFConversionError, match="no Hugging Face equivalent") as e:
             config_to_hf(dataclasses.replace(c, **change))
         assert expected in str(e.value), (change, str(e.value))
+    c3 = config_from_hf(qwen3)
+    with pytest.raises(HFConversionError, match="Qwen3-MoE slides every layer or none"):
+        config_to_hf(dataclasses.replace(c3, window_attn_skip_freq=[1, 0]))
+    with pytest.raises(HFConversionError, match="qk_layernorm with biases"):
+        config_to_hf(dataclasses.replace(c, qk_layernorm=True, moe_shared_expert_gate=True,
+                                         moe_shared_expert_intermediate_size=8))

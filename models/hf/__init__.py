@@ -15,7 +15,8 @@ architecture, both directions, beside our model families (`GPTModel`, `T5Model`)
 
 Supported: GPT2LMHeadModel (gpt2), LlamaForCausalLM (llama), MistralForCausalLM (mistral),
 Qwen2ForCausalLM (qwen2), T5ForConditionalGeneration (t5, v1.0 and v1.1), and the mixture-of-
-experts MixtralForCausalLM (mixtral) and Qwen2MoeForCausalLM (qwen2_moe). File formats
+experts MixtralForCausalLM (mixtral), Qwen2MoeForCausalLM (qwen2_moe) and Qwen3MoeForCausalLM
+(qwen3_moe). File formats
 (safetensors, .bin, GGUF) are in models/hf/files.py.
 """
 from __future__ import annotations
@@ -238,7 +239,7 @@ def family_for(c: ModelConfig):
         if why:
             raise HFConversionError(
                 f"this mixture-of-experts model has no Hugging Face equivalent (Mixtral, "
-                f"Qwen2-MoE): {'; '.join(why)}")
+                f"Qwen2-MoE, Qwen3-MoE): {'; '.join(why)}")
         return moe
     reasons = {}
     for fam in (gpt2, llama, t5):

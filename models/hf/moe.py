@@ -1,14 +1,14 @@
-"""Mixture-of-experts families: MixtralForCausalLM, Qwen2MoeForCausalLM <-> GPTModel with
-MoE layers (layers/moe/).
+"""Mixture-of-experts families: MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+<-> GPTModel with MoE layers (layers/moe/).
 
 Attention, norms, embeddings and any dense MLP are the Llama family's (models/hf/llama.py:
-Mixtral's attention is Mistral's, Qwen2-MoE's Qwen2's); this module replaces the MLP of each
-MoE layer:
+Mixtral's attention is Mistral's, Qwen2-MoE's Qwen2's, Qwen3-MoE's Qwen3's with its per-head
+q/k norms, `qk_layernorm`); this module replaces the MLP of each MoE layer:
 
 - router: HF `gate.weight [E, h]` is our `router.weight`. Mixtral softmaxes over all experts,
   keeps the top k and renormalises them to sum 1, which equals the softmax of the top-k
-  logits (our default, `moe_router_pre_softmax` False). Qwen2-MoE does the same when
-  `norm_topk_prob` is true; when it is false (its default) the top-k probabilities of the
+  logits (our default, `moe_router_pre_softmax` False). Qwen2-MoE and Qwen3-MoE do the same
+  when `norm_topk_prob` is true; when it is false (its default) the top-k probabilities of the
   softmax over all experts are kept as they are: `moe_router_pre_softmax` True.
 - experts: HF files hold one `[f, h]` gate (w1 / gate_proj), up (w3 / up_proj) and `[h, f]`
   down (w2 / down_proj) tensor per expert; ours are one logical tensor per expert
@@ -19,7 +19,10 @@ MoE layer:
   `shared_experts`, its `shared_expert_gate.weight [1, h]` our gate of the same name (output
   x sigmoid(gate . x)); which layers are MoE: HF's layer i is sparse when it is not in
   `mlp_only_layers` and `(i + 1) % decoder_sparse_step == 0`, our `moe_layer_freq` as one
-  0/1 per layer (our integer N counts from layer 0, HF's step from layer step - 1).
+  0/1 per layer (our integer N counts from layer 0, HF's step from layer step - 1); the same
+  for Qwen3-MoE, which has no shared expert.
+- sliding windows: Mixtral's and Qwen3-MoE's (`use_sliding_window`) slide every layer,
+  Qwen2-MoE's the layers its `layer_types` / `max_window_layers` say (as Qwen2).
 
 Refused: Mixtral's `router_jitter_noise` other than 0 (multiplicative noise on the MoE input
 in training, not built). Training's load-balancing loss: transformers adds
@@ -36,15 +39,30 @@ from models.config import ModelConfig
 from . import llama
 from .rules import HFConversionError, Rule, concat, same
 
-MODEL_TYPES = ("mixtral", "qwen2_moe")
-ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
 IGNORED_SUFFIXES = llama.IGNORED_SUFFIXES
 # the Llama-family model whose attention each one has
-_ATTENTION = {"mixtral": "mistral", "qwen2_moe": "qwen2"}
+_ATTENTION = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
 # config.json fields without a default that describes the weights
-REQUIRED = {"mixtral": ("num_local_experts",),
-            "qwen2_moe": ("num_experts", "moe_intermediate_size",
-                          "shared_expert_intermediate_size")}
+REQUIRED = {"mixtral": (), "qwen2_moe": ("moe_intermediate_size", "shared_expert_intermediate_size"),
+            "qwen3_moe": ("moe_intermediate_size",)}
+# the expert count's spelling each writes (transformers maps the other one onto it; its own
+# save_pretrained may write either)
+EXPERTS = {"mixtral": "num_local_experts", "qwen2_moe": "num_experts", "qwen3_moe": "num_experts"}
+
+
+def _num_experts(d: dict, mt: str) -> int:
+    """The expert count of config dict `d`, spelled num_experts or num_local_experts."""
+    given = {k: d[k] for k in ("num_experts", "num_local_experts") if d.get(k) is not None}
+    if not given:
+        raise HFConversionError(f"config.json has no {EXPERTS[mt]}, which a {mt} model needs")
+    if len(set(given.values())) > 1:
+        raise HFConversionError(f"config.json num_experts={given['num_experts']} and "
+                                f"num_local_experts={given['num_local_experts']} disagree; "
+                                f"keep one")
+    return next(iter(given.values()))
 
 
 def _moe_layers(d: dict, mt: str, num_layers: int) -> list[int]:
@@ -80,11 +98,18 @@ def config_from_hf(d: dict) -> ModelConfig:
     qkv_bias = d.get("qkv_bias", True)
     if type(qkv_bias) is not bool:
         raise HFConversionError(f"config.json qkv_bias {qkv_bias!r} must be true or false")
-    base = llama.config_from_hf(dict(d, model_type=_ATTENTION[mt]))
+    attention = dict(d, model_type=_ATTENTION[mt])
+    if mt == "qwen3_moe":  # head_dim defaults to hidden / heads (Qwen3's to 128); every
+        # layer slides when use_sliding_window (Qwen3's Qwen2-like layer_types do not apply)
+        attention.update(head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+                         use_sliding_window=False)
+    base = llama.config_from_hf(attention)
     if mt == "qwen2_moe" and not qkv_bias:
         base = dataclasses.replace(base, add_qkv_bias=False)
+    if mt == "qwen3_moe" and d.get("use_sliding_window"):
+        base = dataclasses.replace(base, **llama._window_from_hf(d, "mistral", base.num_layers))
     layers = _moe_layers(d, mt, base.num_layers)
-    experts = d["num_local_experts"] if mt == "mixtral" else d["num_experts"]
+    experts = _num_experts(d, mt)
     moe = dict(num_moe_experts=experts, moe_router_topk=d.get("num_experts_per_tok", 2),
                moe_layer_freq=1 if all(layers) else layers,
                moe_aux_loss_coeff=float(d.get("router_aux_loss_coef", 0.0))
@@ -93,15 +118,18 @@ def config_from_hf(d: dict) -> ModelConfig:
         moe["moe_ffn_hidden_size"] = d["intermediate_size"]
     else:
         moe.update(moe_ffn_hidden_size=d["moe_intermediate_size"],
-                   moe_shared_expert_intermediate_size=d["shared_expert_intermediate_size"],
-                   moe_shared_expert_gate=True,
                    moe_router_pre_softmax=not d.get("norm_topk_prob", False))
+    if mt == "qwen2_moe":
+        moe.update(moe_shared_expert_intermediate_size=d["shared_expert_intermediate_size"],
+                   moe_shared_expert_gate=True)
     return dataclasses.replace(base, **moe)
 
 
 def model_type_for(c: ModelConfig) -> str:
-    """Qwen2-MoE when `c` has shared experts, else Mixtral."""
-    return "qwen2_moe" if c.moe_shared_expert_intermediate_size else "mixtral"
+    """Qwen2-MoE when `c` has shared experts, else Qwen3-MoE with q/k norms, else Mixtral."""
+    if c.moe_shared_expert_intermediate_size:
+        return "qwen2_moe"
+    return "qwen3_moe" if c.qk_layernorm else "mixtral"
 
 
 def _moe_flags(c: ModelConfig) -> list[int]:
@@ -109,22 +137,23 @@ def _moe_flags(c: ModelConfig) -> list[int]:
 
 
 def conditions(c: ModelConfig) -> list[str]:
-    """Why `c` cannot be exported as Mixtral or Qwen2-MoE (empty: it can)."""
+    """Why `c` cannot be exported as Mixtral, Qwen2-MoE or Qwen3-MoE (empty: it can)."""
     mt = model_type_for(c)
     # Qwen2-MoE's attention is Qwen2's (per-layer windows) with or without its q/k/v biases
     out = llama.conditions(dataclasses.replace(
         c, num_moe_experts=None, add_qkv_bias=c.add_qkv_bias or mt == "qwen2_moe"))
     if c.moe_router_score_function != "softmax":
-        out.append(f"moe_router_score_function={c.moe_router_score_function!r} (Mixtral and "
-                   f"Qwen2-MoE route by softmax)")
+        out.append(f"moe_router_score_function={c.moe_router_score_function!r} (the HF MoE "
+                   f"families built route by softmax)")
     for field in ("moe_router_topk_scaling_factor", "moe_router_enable_expert_bias",
                   "moe_expert_capacity_factor", "moe_z_loss_coeff"):
         if getattr(c, field):
-            out.append(f"{field}={getattr(c, field)!r} (Mixtral and Qwen2-MoE have none)")
+            out.append(f"{field}={getattr(c, field)!r} (Mixtral, Qwen2-MoE and Qwen3-MoE have "
+                       f"none)")
     if mt == "mixtral":
         if c.moe_router_pre_softmax:
-            out.append("moe_router_pre_softmax without shared experts (Mixtral renormalises "
-                       "the top-k; Qwen2-MoE, which does not, has a shared expert)")
+            out.append("moe_router_pre_softmax without q/k norms or shared experts (Mixtral "
+                       "renormalises the top-k)")
         if c.add_qkv_bias or c.add_bias_linear:
             out.append("biases (Mixtral has none)")
         if not all(_moe_flags(c)):
@@ -132,43 +161,52 @@ def conditions(c: ModelConfig) -> list[str]:
         if c.moe_ffn_hidden_size != c.ffn_hidden_size:
             out.append(f"moe_ffn_hidden_size {c.moe_ffn_hidden_size} != ffn_hidden_size "
                        f"{c.ffn_hidden_size} (Mixtral has one intermediate_size)")
-    else:
+    elif mt == "qwen2_moe":
         if not c.moe_shared_expert_gate:
             out.append("shared experts without moe_shared_expert_gate (Qwen2-MoE gates them)")
         if c.add_bias_linear:
             out.append("biases on every linear layer (Qwen2-MoE has q/k/v biases at most)")
+    elif c.window_size is not None and not all(llama._sliding_layers(c)):
+        out.append(f"window_attn_skip_freq={c.window_attn_skip_freq!r} (Qwen3-MoE slides every "
+                   f"layer or none)")
     return out
 
 
 def config_to_hf(c: ModelConfig) -> dict:
     """transformers config kwargs (model_type included) for `c`."""
     mt = model_type_for(c)
-    dense = dataclasses.replace(c, num_moe_experts=None)
-    d = llama.config_to_hf(dense)
+    d = llama.config_to_hf(dataclasses.replace(c, num_moe_experts=None))
     d.update(model_type=mt, architectures=[ARCHITECTURES[mt]],
              num_experts_per_tok=c.moe_router_topk,
              output_router_logits=c.moe_aux_loss_coeff > 0,
              router_aux_loss_coef=c.moe_aux_loss_coeff if c.moe_aux_loss_coeff > 0 else 0.001)
     for key in ("attention_bias", "mlp_bias"):
         d.pop(key, None)
-    if mt == "mixtral":
-        d.update(num_local_experts=c.num_moe_experts, router_jitter_noise=0.0)
+    if mt != "qwen2_moe":  # every layer slides, or none
         for key in ("use_sliding_window", "layer_types", "max_window_layers"):
             d.pop(key, None)
-        if c.window_size is None:
-            d["sliding_window"] = None
+        window = None if c.window_size is None else c.window_size[0] + 1
+        d.update(sliding_window=window)
+        if mt == "qwen3_moe":
+            d["use_sliding_window"] = window is not None
+    if mt == "mixtral":
+        d.update(num_local_experts=c.num_moe_experts, router_jitter_noise=0.0)
         return d
-    if "use_sliding_window" not in d:  # llama's or mistral's form: Qwen2's window fields
+    if mt == "qwen3_moe":
+        d["attention_bias"] = False
+    elif "use_sliding_window" not in d:  # llama's or mistral's form: Qwen2's window fields
         d.update(use_sliding_window=c.window_size is not None, layer_types=[
             LAYER_TYPES[x] for x in llama._sliding_layers(c)])
         d.pop("sliding_window", None)
         if c.window_size is not None:
             d.update(sliding_window=c.window_size[0] + 1, max_window_layers=0)
+    if mt == "qwen2_moe":
+        d.update(shared_expert_intermediate_size=c.moe_shared_expert_intermediate_size,
+                 qkv_bias=c.add_qkv_bias)
     flags = _moe_flags(c)
     d.update(num_experts=c.num_moe_experts, moe_intermediate_size=c.moe_ffn_hidden_size,
-             shared_expert_intermediate_size=c.moe_shared_expert_intermediate_size,
-             norm_topk_prob=not c.moe_router_pre_softmax, qkv_bias=c.add_qkv_bias,
-             decoder_sparse_step=1, mlp_only_layers=[i for i, x in enumerate(flags) if not x])
+             norm_topk_prob=not c.moe_router_pre_softmax, decoder_sparse_step=1,
+             mlp_only_layers=[i for i, x in enumerate(flags) if not x])
     return d
 
 
@@ -212,6 +250,8 @@ def rules(c: ModelConfig) -> list[Rule]:
         out.append(same(ours + "router.weight", hf + "gate.weight"))
         out += _expert_rules(ours, hf, c.num_moe_experts, ("gate_proj.weight", "up_proj.weight",
                                                             "down_proj.weight"))
+        if mt == "qwen3_moe":
+            continue
         out += [concat(ours + "shared_experts.linear_fc1.weight",
                        (hf + "shared_expert.gate_proj.weight", hf + "shared_expert.up_proj.weight")),
                 same(ours + "shared_experts.linear_fc2.weight", hf + "shared_expert.down_proj.weight"),
