@@ -105,6 +105,8 @@ class SelfAttention(nn.Module):
 
     `forward(x [s, b, h] (or [s/tp, b, h] with SP), rotary=(cos, sin) | None, kv_cache=None,
     attention_mask=None, attention_bias=None)` -> `[s, b, h]` (or `[s/tp, b, h]`).
+    `rotary` may hold two pairs `(cos, sin, cos_local, sin_local)`: sliding-window layers
+    take the second (Gemma 3's `rope_local_base_freq`), the others the first.
     `attention_bias` `[1 or b, n/tp, sq, sk]` float is added to the scores of this rank's heads
     (T5's relative position bias); `softmax_scale` replaces 1/sqrt(d) (T5: 1, no scaling). `kv_cache`, when given, is an
     object with `update(layer_number, k, v) -> (k_all, v_all)` taking and returning
@@ -132,7 +134,10 @@ class SelfAttention(nn.Module):
         self.causal = causal  # False: bidirectional (an encoder)
         # (left, right) when this layer slides (causal only), None: every earlier key
         self.window_size = config.layer_window_size(layer_number) if causal else None
-        self.softmax_scale = softmax_scale  # None: 1/sqrt(d); T5 uses 1.0
+        # None: 1/sqrt(d); T5 uses 1.0; Gemma query_pre_attn_scalar^-0.5 (config.softmax_scale)
+        self.softmax_scale = softmax_scale if softmax_scale is not None else \
+            getattr(config, "softmax_scale", None)
+        self.softcap = getattr(config, "attn_logit_softcapping", None)  # Gemma 2
         self.head_dim = d = config.kv_channels
         groups = config.num_query_groups
         self.num_heads = config.num_attention_heads // tp
@@ -184,6 +189,8 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
                 kv_cache=None, attention_mask: torch.Tensor | None = None,
                 attention_bias: torch.Tensor | None = None) -> torch.Tensor:
+        if rotary is not None and len(rotary) == 4:  # (global pair, sliding layers' pair)
+            rotary = rotary[2:] if self.window_size is not None else rotary[:2]
         mixed = self.linear_qkv(x)  # [s, b, groups * (heads_per_group + 2) * d]
         s, b = mixed.shape[:2]
         mixed = mixed.view(s, b, self.num_groups, self.heads_per_group + 2, self.head_dim)
@@ -238,7 +245,7 @@ class SelfAttention(nn.Module):
             mask = band if mask is None else _restrict(mask, band)
         return core_attention(q, k, v, mask, attention_bias, self.softmax_scale,
                               self.attention_dropout if self.training else 0.0, causal=causal,
-                              dropout_site=self.dropout_site)
+                              dropout_site=self.dropout_site, softcap=self.softcap)
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")  # HF's names, indexed by "slides"
@@ -286,8 +293,10 @@ def causal_window_mask(query_positions: torch.Tensor, num_keys: int,
 
 
 def core_attention(q, k, v, mask, bias, scale, dropout_p, causal=False,
-                   dropout_site: int = 0) -> torch.Tensor:
-    """`softmax(q k^T * scale + bias, masked) v` -> `[b, n, sq, d]`.
+                   dropout_site: int = 0, softcap: float | None = None) -> torch.Tensor:
+    """`softmax(q k^T * scale + bias, masked) v` -> `[b, n, sq, d]`; with `softcap` (Gemma 2's
+    attn_logit_softcapping) the scaled scores become `softcap * tanh(scores / softcap)`
+    before bias and mask (transformers' eager Gemma attention), in the explicit softmax.
 
     q `[b, n, sq, d]`; k, v `[b, g, sk, d]` with n a multiple of g (grouped-query heads);
     `mask` broadcastable to `[b, n, sq, sk]`, bool (True = may attend) or float added to the
@@ -300,7 +309,7 @@ def core_attention(q, k, v, mask, bias, scale, dropout_p, causal=False,
     probabilities, so they go through the explicit softmax too (as SDPA's CPU math kernel
     does whenever it has dropout).
     """
-    if bias is None and not (dropout_p > 0 and sample_keyed()):
+    if bias is None and softcap is None and not (dropout_p > 0 and sample_keyed()):
         kwargs = dict(enable_gqa=q.shape[1] != k.shape[1], scale=scale)
         if causal:
             kwargs["is_causal"] = True
@@ -320,6 +329,8 @@ def core_attention(q, k, v, mask, bias, scale, dropout_p, causal=False,
     scores = scores.view(b, n, sq, sk).float()
     if scale != 1.0:
         scores = scores * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if bias is not None:
         scores = scores + bias.float()
     if mask is not None and mask.dtype == torch.bool:

@@ -7,6 +7,8 @@ Padding rows are zero and are masked out of the softmax, so the loss is the same
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -80,6 +82,10 @@ class LanguageModelEmbedding(nn.Module):
                                            init="normal",
                                            sequence_parallel=self.sequence_parallel)
         self.hidden_dropout = config.hidden_dropout
+        # Gemma: x sqrt(hidden), rounded to float32 then to the embedding's dtype (as HF's
+        # Gemma3TextScaledWordEmbedding), so bf16 models scale by bf16(sqrt(h)) as it does
+        self.embedding_scale = math.sqrt(config.hidden_size) \
+            if getattr(config, "apply_embedding_scaling", False) else None
         add_dropout_site(self)  # set from the module's name (layers/dropout.py)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
@@ -87,6 +93,8 @@ class LanguageModelEmbedding(nn.Module):
         """`dropout_sub_site`: which of a model's embedding dropouts this is (T5 embeds the
         encoder and the decoder input with one module)."""
         x = self.word_embeddings(input_ids.t())  # [s, b, h] or [s/tp, b, h]
+        if self.embedding_scale is not None:
+            x = x * torch.tensor(self.embedding_scale, dtype=torch.float32).to(x.dtype)
         if self.learned_positions:
             if position_ids is None:
                 position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)

@@ -17,33 +17,49 @@ from .sharding import set_tensor_parallel_attributes
 
 
 class LayerNorm(nn.Module):
-    """`y = (x - mean) / sqrt(var + eps) * weight + bias` over the last dim (Ba et al. 2016)."""
+    """`y = (x - mean) / sqrt(var + eps) * weight + bias` over the last dim (Ba et al. 2016);
+    `zero_centered_gamma`: `* (1 + weight)`, the weight initialized to 0 (Megatron's
+    `layernorm_zero_centered_gamma`)."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5, sequence_parallel: bool = False):
+    def __init__(self, hidden_size: int, eps: float = 1e-5, sequence_parallel: bool = False,
+                 zero_centered_gamma: bool = False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.zero_centered_gamma = eps, zero_centered_gamma
         self.weight = nn.Parameter(torch.empty(hidden_size))
         self.bias = nn.Parameter(torch.empty(hidden_size))
-        set_tensor_parallel_attributes(self.weight, partition_dim=None, init="ones",
+        set_tensor_parallel_attributes(self.weight, partition_dim=None,
+                                       init="zeros" if zero_centered_gamma else "ones",
                                        sequence_parallel=sequence_parallel)
         set_tensor_parallel_attributes(self.bias, partition_dim=None, init="zeros",
                                        sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+        weight = self.weight + 1 if self.zero_centered_gamma else self.weight
+        return F.layer_norm(x, x.shape[-1:], weight, self.bias, self.eps)
 
 
 class RMSNorm(nn.Module):
-    """`y = x / sqrt(mean(x^2) + eps) * weight` (Zhang & Sennrich 2019), computed in float32."""
+    """`y = x / sqrt(mean(x^2) + eps) * weight` (Zhang & Sennrich 2019), computed in float32.
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5, sequence_parallel: bool = False):
+    `zero_centered_gamma` (Gemma; Megatron's `layernorm_zero_centered_gamma`): `* (1 +
+    weight)`, the weight initialized to 0; as transformers' GemmaRMSNorm, the normalized x
+    and `1 + weight` are multiplied in float32 and the product cast to x's dtype once.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, sequence_parallel: bool = False,
+                 zero_centered_gamma: bool = False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.zero_centered_gamma = eps, zero_centered_gamma
         self.weight = nn.Parameter(torch.empty(hidden_size))
-        set_tensor_parallel_attributes(self.weight, partition_dim=None, init="ones",
+        set_tensor_parallel_attributes(self.weight, partition_dim=None,
+                                       init="zeros" if zero_centered_gamma else "ones",
                                        sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.zero_centered_gamma:
+            y = x.float()
+            y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (y * (1.0 + self.weight.float())).to(x.dtype)
         if x.dtype == torch.float32:
             return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
         dtype = x.dtype
@@ -78,7 +94,8 @@ class ProjectionRMSNorm(nn.Module):
 def build_norm(config, sequence_parallel: bool = False, hidden_size: int | None = None
                ) -> nn.Module:
     """`config.normalization` over `hidden_size` (default `config.hidden_size`; a head's
-    `kv_channels` for q/k norms)."""
+    `kv_channels` for q/k norms), zero-centred per `config.layernorm_zero_centered_gamma`."""
     cls = RMSNorm if config.normalization == "RMSNorm" else LayerNorm
     return cls(hidden_size or config.hidden_size, config.layernorm_epsilon,
-               sequence_parallel=sequence_parallel)
+               sequence_parallel=sequence_parallel,
+               zero_centered_gamma=getattr(config, "layernorm_zero_centered_gamma", False))

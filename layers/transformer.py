@@ -1,7 +1,9 @@
 """Pre-norm transformer layer and block, built from the parallel pieces.
 
 Layer: `x = x + dropout(attn(norm1(x)))`, `x = x + dropout(mlp(norm2(x)))` (GPT-2 / Llama
-pre-normalization, Radford et al. 2019 sec. 2.3). Activations are `[s, b, h]`, or sequence
+pre-normalization, Radford et al. 2019 sec. 2.3); with `post_self_attn_layernorm` /
+`post_mlp_layernorm` the sublayer's output is normalized before the add (Gemma 2/3's
+"sandwich": `x + dropout(norm(attn(norm1(x))))`). Activations are `[s, b, h]`, or sequence
 shards `[s/tp, b, h]` under sequence parallelism, where norms and dropout run on the shard.
 
 An encoder-decoder model builds its encoder from bidirectional layers (`causal=False`) and its
@@ -65,6 +67,11 @@ class TransformerLayer(nn.Module):
             if config.pre_layernorm else nn.Identity()
         self.mlp = MoELayer(config, layer_number, sequence_parallel=sp) \
             if config.is_moe_layer(layer_number) else MLP(config, sequence_parallel=sp)
+        # Gemma's sandwich norms: on the attention / MLP output, before the residual add
+        self.post_self_attn_layernorm = build_norm(config, sequence_parallel=sp) \
+            if config.post_self_attn_layernorm else None
+        self.post_mlp_layernorm = build_norm(config, sequence_parallel=sp) \
+            if config.post_mlp_layernorm else None
 
     def _residual(self, x, y, site: int):
         return x + hidden_dropout(y, self.hidden_dropout, self.training,
@@ -76,9 +83,11 @@ class TransformerLayer(nn.Module):
         """`x [s, b, h]` (or `[s/tp, b, h]`) -> same shape (masks and bias: see SelfAttention
         and CrossAttention; `encoder_output [se, b, h]` (SP: `[se/tp, b, h]`) for a decoder
         layer with cross-attention)."""
-        x = self._residual(x, self.self_attention(
-            self.input_layernorm(x), rotary=rotary, kv_cache=kv_cache,
-            attention_mask=attention_mask, attention_bias=attention_bias), SITE_ATTENTION_RESIDUAL)
+        y = self.self_attention(self.input_layernorm(x), rotary=rotary, kv_cache=kv_cache,
+                                attention_mask=attention_mask, attention_bias=attention_bias)
+        if self.post_self_attn_layernorm is not None:
+            y = self.post_self_attn_layernorm(y)
+        x = self._residual(x, y, SITE_ATTENTION_RESIDUAL)
         if self.cross_attention is not None:
             if encoder_output is None and kv_cache is None:
                 raise ValueError("a decoder layer with cross-attention needs encoder_output")
@@ -86,7 +95,10 @@ class TransformerLayer(nn.Module):
                 self.pre_cross_attn_layernorm(x), encoder_output,
                 attention_mask=cross_attention_mask, kv_cache=kv_cache),
                 SITE_CROSS_ATTENTION_RESIDUAL)
-        return self._residual(x, self.mlp(self.pre_mlp_layernorm(x)), SITE_MLP_RESIDUAL)
+        y = self.mlp(self.pre_mlp_layernorm(x))
+        if self.post_mlp_layernorm is not None:
+            y = self.post_mlp_layernorm(y)
+        return self._residual(x, y, SITE_MLP_RESIDUAL)
 
 
 class TransformerBlock(nn.Module):

@@ -64,8 +64,24 @@ class ModelConfig:
     # layer (1 = sliding, 0 = full). See `layer_window_size`.
     window_size: tuple[int, int] | None = None
     window_attn_skip_freq: int | list[int] | None = None
+    # RoPE base of the sliding-window layers when it differs from `rotary_base` (Gemma 3's
+    # rope_local_base_freq: local layers 10^4, global ones 10^6); None: rotary_base everywhere
+    rope_local_base_freq: float | None = None
     normalization: str = "LayerNorm"
     layernorm_epsilon: float = 1e-5
+    # Gemma: norms scale by (1 + weight), the weight stored zero-centred (Megatron's name)
+    layernorm_zero_centered_gamma: bool = False
+    # Gemma's sandwich norms: a norm on the attention / MLP output before the residual add
+    post_self_attn_layernorm: bool = False
+    post_mlp_layernorm: bool = False
+    # Gemma: word embeddings multiplied by sqrt(hidden_size) (in the embedding's dtype)
+    apply_embedding_scaling: bool = False
+    # attention scores scale (Megatron's softmax_scale; Gemma: query_pre_attn_scalar^-0.5);
+    # None: 1/sqrt(kv_channels)
+    softmax_scale: float | None = None
+    # Gemma 2: scores and final logits soft-capped, cap * tanh(x / cap); None: no cap
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
     activation: str = "gelu"  # "gelu" (tanh approximation, as GPT-2) or "swiglu"
     add_bias_linear: bool = True
     add_qkv_bias: bool | None = None  # None: same as add_bias_linear
@@ -185,7 +201,8 @@ class ModelConfig:
                 self.decoder_num_layers * (2 * attn + mlp + 3 * norm) + 2 * norm
             total += 2 * self.relative_attention_num_buckets * self.num_attention_heads
         else:
-            total = L * (attn + mlp + 2 * norm) + norm
+            norms = 2 + self.post_self_attn_layernorm + self.post_mlp_layernorm
+            total = L * (attn + mlp + norms * norm) + norm
             total += sum(self._moe_parameters() - mlp for n in range(L) if self.is_moe_layer(n))
         if not self.is_encoder_decoder:
             total += L * self._qk_norm_parameters() - (0 if self.pre_layernorm else 2 * L * norm)
@@ -285,6 +302,7 @@ class ModelConfig:
         self._validate_rope_scaling()
         self._validate_window()
         self._validate_layer_norms(tp, kv_replication)
+        self._validate_gemma()
         self._validate_moe(tp)
         if self.position_embedding_type == "rope" and self.kv_channels % 2:
             raise ConfigError(f"RoPE needs an even head dim, got --kv-channels {self.kv_channels}")
@@ -379,6 +397,23 @@ class ModelConfig:
             return
         self._check_layer_list("--window-attn-skip-freq", freq, 2, "sliding window",
                                "full attention")
+
+    def _validate_gemma(self) -> None:
+        """The Gemma fields (they may come from untrusted metadata: exact types, bounds)."""
+        for name in ("rope_local_base_freq", "softmax_scale", "attn_logit_softcapping",
+                     "final_logit_softcapping"):
+            v = getattr(self, name)
+            if v is not None and not (_is_number(v) and math.isfinite(v) and v > 0):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a positive finite number "
+                                  f"(or unset), got {v!r}")
+        for name in ("layernorm_zero_centered_gamma", "post_self_attn_layernorm",
+                     "post_mlp_layernorm", "apply_embedding_scaling"):
+            if type(getattr(self, name)) is not bool:
+                raise ConfigError(f"--{name.replace('_', '-')} must be true or false, got "
+                                  f"{getattr(self, name)!r}")
+        if self.rope_local_base_freq is not None and self.window_size is None:
+            raise ConfigError("--rope-local-base-freq is the RoPE base of the sliding-window "
+                              "layers, but --window-size is not set; set it or drop the flag")
 
     def _validate_layer_norms(self, tp: int, kv_replication: bool) -> None:
         """qk_layernorm / qk_norm_over_heads / pre_layernorm (exact types: they may come from

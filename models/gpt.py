@@ -71,6 +71,10 @@ class GPTModel(nn.Module):
         self.rotary = (RotaryEmbedding(config.kv_channels, config.rotary_base,
                                        rope_scaling(config))
                        if config.position_embedding_type == "rope" else None)
+        # Gemma 3: the sliding-window layers' own RoPE base (layers/attention.py SelfAttention)
+        self.rotary_local = (RotaryEmbedding(config.kv_channels, config.rope_local_base_freq)
+                             if self.rotary is not None and config.rope_local_base_freq
+                             is not None else None)
         self.decoder = TransformerBlock(config, self.layer_numbers, post_layer_norm=post_process,
                                         sequence_parallel=self.sequence_parallel)
         if post_process:
@@ -155,6 +159,9 @@ class GPTModel(nn.Module):
                                     if self.sequence_parallel else 1)
             rotary = self.rotary(seq_len, position_offset, device=x.device,
                                  position_ids=position_ids)
+            if self.rotary_local is not None:
+                rotary = rotary + self.rotary_local(seq_len, position_offset, device=x.device,
+                                                    position_ids=position_ids)
         if self.config.window_size is not None and kv_cache is None and \
                 not isinstance(attention_mask, dict):  # one sliding mask for all layers
             seq_len = x.shape[0] * (get_tensor_model_parallel_world_size()
@@ -170,6 +177,9 @@ class GPTModel(nn.Module):
                                  "parallelism")
             x = x[output_positions, torch.arange(x.shape[1], device=x.device)][None]  # [1, b, h]
         logits = self.output_layer(x, weight=self.output_weight())  # [s, b, v/tp]
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # Gemma 2: cap * tanh(logits / cap), elementwise on the shard
+            logits = torch.tanh(logits / cap) * cap
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         loss = vocab_parallel_cross_entropy(logits, labels.t(), vocab_size=self.config.vocab_size,

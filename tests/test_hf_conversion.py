@@ -164,7 +164,6 @@ def test_logits_match_transformers_parallel(converted, tp, pp):
 def test_round_trip_is_bitwise(converted, tmp_path):
     from safetensors.torch import load_file
     from checkpoint.hf import export_hf
-    from transformers import AutoModelForCausalLM
 
     for name, (hf_dir, ckpt) in converted.items():
         out = str(tmp_path / name)
@@ -185,19 +184,27 @@ def test_round_trip_is_bitwise(converted, tmp_path):
         if name == "gpt2":
             assert len(files) > 1 and os.path.exists(
                 os.path.join(out, "model.safetensors.index.json"))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
-        assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), \
-            (name, info)
-        cfg_in = json.load(open(os.path.join(hf_dir, "config.json")))
-        cfg_out = json.load(open(os.path.join(out, "config.json")))
-        for key in ("rms_norm_eps", "layer_norm_epsilon", "rope_theta", "rope_parameters",
-                    "rope_scaling", "vocab_size", "sliding_window", "head_dim",
-                    "tie_word_embeddings"):
-            if key in cfg_in and cfg_in[key] is not None:
-                assert cfg_out.get(key) == cfg_in[key], f"{name}: {key} {cfg_out.get(key)} " \
-                                                        f"!= {cfg_in[key]}"
+        check_export_loads(name, hf_dir, out, (
+            "rms_norm_eps", "layer_norm_epsilon", "rope_theta", "rope_parameters",
+            "rope_scaling", "vocab_size", "sliding_window", "head_dim", "tie_word_embeddings"))
+
+
+def check_export_loads(name: str, hf_dir: str, out: str, keys) -> None:
+    """transformers loads the exported folder `out` with no missing, unexpected or mismatched
+    tensor, and its config.json keeps each of `keys` that the original `hf_dir`'s sets."""
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), \
+        (name, info)
+    cfg_in = json.load(open(os.path.join(hf_dir, "config.json")))
+    cfg_out = json.load(open(os.path.join(out, "config.json")))
+    for key in keys:
+        if key in cfg_in and cfg_in[key] is not None:
+            assert cfg_out.get(key) == cfg_in[key], f"{name}: {key} {cfg_out.get(key)} " \
+                                                    f"!= {cfg_in[key]}"
 
 
 def test_unsupported_and_broken_inputs(converted, tmp_path):

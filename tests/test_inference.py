@@ -39,9 +39,10 @@ def _hf_configs() -> dict:
     }
 
 
-def random_hf_models(root, configs: dict, seed: int) -> dict:
+def random_hf_models(root, configs: dict, seed: int, adjust=None) -> dict:
     """name -> (hf folder, native checkpoint folder) of a random transformers model per
-    config (torch seed `seed + i`), saved under `root` and imported."""
+    config (torch seed `seed + i`), changed by `adjust(model)` (under no_grad) when given,
+    saved under `root` and imported."""
     from checkpoint.hf import import_hf
     from transformers import AutoModelForCausalLM
 
@@ -49,6 +50,9 @@ def random_hf_models(root, configs: dict, seed: int) -> dict:
     for i, (name, cfg) in enumerate(configs.items()):
         torch.manual_seed(seed + i)
         model = AutoModelForCausalLM.from_config(cfg)
+        if adjust is not None:
+            with torch.no_grad():
+                adjust(model)
         hf_dir, ckpt = str(root / name), str(root / f"{name}-ckpt")
         model.save_pretrained(hf_dir)
         import_hf(hf_dir, ckpt, log=lambda *a: None)

@@ -51,21 +51,7 @@ def config_from_hf(d: dict) -> ModelConfig:
         raise HFConversionError(f"config.json hidden_act {d['hidden_act']!r} is not supported "
                                 f"for {mt} (only silu, i.e. SwiGLU)")
     theta, scaling = _rope(d)
-    rope = {}
-    if scaling is not None:
-        kind = scaling["rope_type"]
-        if kind == "linear":
-            rope = dict(rope_scaling_type="linear", rope_scaling_factor=float(scaling["factor"]))
-        elif kind == "llama3":
-            rope = dict(rope_scaling_type="llama3", rope_scaling_factor=float(scaling["factor"]),
-                        rope_low_freq_factor=float(scaling["low_freq_factor"]),
-                        rope_high_freq_factor=float(scaling["high_freq_factor"]),
-                        rope_original_max_position_embeddings=int(
-                            scaling["original_max_position_embeddings"]))
-        else:
-            raise HFConversionError(
-                f"config.json rope_scaling type {kind!r} is not supported (supported: linear, "
-                f"llama3); convert a model without it or with one of those")
+    rope = rope_scaling_fields(scaling)
     qkv_bias, linear_bias = False, False
     if mt == "qwen2":
         qkv_bias = True
@@ -158,14 +144,8 @@ def config_to_hf(c: ModelConfig) -> dict:
              rope_theta=c.rotary_base, initializer_range=c.init_method_std,
              tie_word_embeddings=not c.untie_embeddings_and_output_weights,
              attention_dropout=c.attention_dropout)
-    if c.rope_scaling_type == "linear":
-        d["rope_scaling"] = {"rope_type": "linear", "factor": c.rope_scaling_factor}
-    elif c.rope_scaling_type == "llama3":
-        d["rope_scaling"] = {"rope_type": "llama3", "factor": c.rope_scaling_factor,
-                             "low_freq_factor": c.rope_low_freq_factor,
-                             "high_freq_factor": c.rope_high_freq_factor,
-                             "original_max_position_embeddings":
-                                 c.rope_original_max_position_embeddings}
+    if c.rope_scaling_type is not None:
+        d["rope_scaling"] = rope_scaling_to_hf(c)
     if mt == "llama":
         d.update(attention_bias=c.add_bias_linear, mlp_bias=c.add_bias_linear)
     elif mt == "mistral":
@@ -205,6 +185,48 @@ def conditions(c: ModelConfig) -> list[str]:
     return out
 
 
+def rope_scaling_fields(scaling: dict | None) -> dict:
+    """ModelConfig's rope_scaling_* fields of an HF RoPE scaling dict (`rope_type` linear or
+    llama3; None: none); `HFConversionError` for another type."""
+    if scaling is None:
+        return {}
+    kind = scaling["rope_type"]
+    if kind == "linear":
+        return dict(rope_scaling_type="linear", rope_scaling_factor=float(scaling["factor"]))
+    if kind == "llama3":
+        return dict(rope_scaling_type="llama3", rope_scaling_factor=float(scaling["factor"]),
+                    rope_low_freq_factor=float(scaling["low_freq_factor"]),
+                    rope_high_freq_factor=float(scaling["high_freq_factor"]),
+                    rope_original_max_position_embeddings=int(
+                        scaling["original_max_position_embeddings"]))
+    raise HFConversionError(
+        f"config.json rope_scaling type {kind!r} is not supported (supported: linear, "
+        f"llama3); convert a model without it or with one of those")
+
+
+def rope_scaling_to_hf(c: ModelConfig) -> dict:
+    """The HF RoPE scaling dict (`rope_type`, `factor`, ...) of `c`'s rope_scaling_type."""
+    if c.rope_scaling_type == "linear":
+        return {"rope_type": "linear", "factor": c.rope_scaling_factor}
+    return {"rope_type": "llama3", "factor": c.rope_scaling_factor,
+            "low_freq_factor": c.rope_low_freq_factor,
+            "high_freq_factor": c.rope_high_freq_factor,
+            "original_max_position_embeddings": c.rope_original_max_position_embeddings}
+
+
+def attention_rules(c: ModelConfig, ours: str, attn: str) -> list[Rule]:
+    """q/k/v <-> our fused QKV, o_proj, and the per-head q/k norms (`qk_layernorm`) of one
+    layer: `ours` our layer prefix, `attn` HF's `model.layers.<i>.self_attn.`."""
+    out = [qkv(ours + "self_attention.linear_qkv.weight",
+               (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
+               c.num_query_groups, c.query_projection_size, c.kv_projection_size),
+           same(ours + "self_attention.linear_proj.weight", attn + "o_proj.weight")]
+    if c.qk_layernorm:
+        out += [same(ours + "self_attention.q_layernorm.weight", attn + "q_norm.weight"),
+                same(ours + "self_attention.k_layernorm.weight", attn + "k_norm.weight")]
+    return out
+
+
 def rules(c: ModelConfig) -> list[Rule]:
     """The conversion table of `c` (see models/hf/rules.py)."""
     out = [same("embedding.word_embeddings.weight", "model.embed_tokens.weight")]
@@ -213,17 +235,11 @@ def rules(c: ModelConfig) -> list[Rule]:
         ours, hf = f"decoder.layers.{i}.", f"model.layers.{i}."
         attn = hf + "self_attn."
         out += [same(ours + "input_layernorm.weight", hf + "input_layernorm.weight"),
-                qkv(ours + "self_attention.linear_qkv.weight",
-                    (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
-                    c.num_query_groups, q_rows, kv_rows),
-                same(ours + "self_attention.linear_proj.weight", attn + "o_proj.weight"),
+                *attention_rules(c, ours, attn),
                 same(ours + "pre_mlp_layernorm.weight", hf + "post_attention_layernorm.weight"),
                 concat(ours + "mlp.linear_fc1.weight",
                        (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")),
                 same(ours + "mlp.linear_fc2.weight", hf + "mlp.down_proj.weight")]
-        if c.qk_layernorm:
-            out += [same(ours + "self_attention.q_layernorm.weight", attn + "q_norm.weight"),
-                    same(ours + "self_attention.k_layernorm.weight", attn + "k_norm.weight")]
         if c.add_qkv_bias:
             out.append(qkv(ours + "self_attention.linear_qkv.bias",
                            (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"),
