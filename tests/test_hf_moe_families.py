@@ -1,5 +1,5 @@
 """Mixture-of-experts Hugging Face families (models/hf/moe.py) against transformers' own
-tiny random Mixtral, Qwen2-MoE and Qwen3-MoE models:
+tiny random Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE models:
 
 - logits on a [2, 16] batch equal transformers' at tp 1, tp 2 (infer.py's loader reading the
   HF folder), tp 2 x pp 2 (the imported checkpoint), ep 2 and ep 2 x tp 2 (a training-style
@@ -32,7 +32,7 @@ PROMPT = [5, 17, 99, 3, 42, 8, 61, 2, 11, 150, 7, 30]
 
 
 def _hf_configs() -> dict:
-    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     common = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=128, initializer_range=0.2, bos_token_id=None,
@@ -59,6 +59,10 @@ def _hf_configs() -> dict:
                                     norm_topk_prob=True, mlp_only_layers=[0],
                                     use_sliding_window=True, sliding_window=6,
                                     tie_word_embeddings=False, **common),
+        # q/k norms over the whole projections (all-reduced over TP), top-2 not renormalised
+        "olmoe": OlmoeConfig(intermediate_size=48, num_hidden_layers=2, num_experts=4,
+                             num_experts_per_tok=2, tie_word_embeddings=False,
+                             pad_token_id=None, **common),
     }
 
 
@@ -110,14 +114,16 @@ def test_configs_and_logits_at_tp1(models):
     want = {"mixtral": (4, 2, False, 1, None, (5, 0)),
             "qwen2_moe": (4, 2, True, [1, 0, 1, 1], 80, None),
             "qwen2_moe_norm": (6, 3, False, [0, 1, 0, 1], 48, None),
-            "qwen3_moe": (4, 2, False, [0, 1], None, (5, 0))}
+            "qwen3_moe": (4, 2, False, [0, 1], None, (5, 0)),
+            "olmoe": (4, 2, True, 1, None, None)}
     for name, (hf_dir, ckpt) in models.items():
         c = _config(ckpt)
         assert (c.num_moe_experts, c.moe_router_topk, c.moe_router_pre_softmax, c.moe_layer_freq,
                 c.moe_shared_expert_intermediate_size, c.window_size) == want[name], name
         assert c.moe_shared_expert_gate == name.startswith("qwen2")
         assert c.add_qkv_bias == (name == "qwen2_moe")
-        assert c.qk_layernorm == (name == "qwen3_moe") and c.kv_channels == 16
+        assert c.qk_layernorm == (name in ("qwen3_moe", "olmoe")) and c.kv_channels == 16
+        assert c.qk_norm_over_heads == (name == "olmoe")
         model = GPTModel(c).eval()
         load_model_weights(ckpt, [model])
         with torch.no_grad():
@@ -338,6 +344,7 @@ def test_unsupported_moe_configs_are_refused(models, tmp_path):
     mixtral = json.load(open(os.path.join(models["mixtral"][0], "config.json")))
     qwen = json.load(open(os.path.join(models["qwen2_moe"][0], "config.json")))
     qwen3 = json.load(open(os.path.join(models["qwen3_moe"][0], "config.json")))
+    olmoe = json.load(open(os.path.join(models["olmoe"][0], "config.json")))
     cases = [
         (dict(mixtral, router_jitter_noise=0.1), "router_jitter_noise=0.1"),
         (dict(mixtral, num_local_experts=None), "has no num_local_experts"),
@@ -355,6 +362,8 @@ def test_unsupported_moe_configs_are_refused(models, tmp_path):
         (dict(mixtral, architectures=["Qwen2MoeForCausalLM"]), "architectures"),
         (dict(qwen3, attention_bias=True), "attention_bias=True"),
         (dict(qwen3, moe_intermediate_size=None), "has no moe_intermediate_size"),
+        (dict(olmoe, clip_qkv=8.0), "clip_qkv=8.0"),
+        (dict(olmoe, attention_bias=True), "attention_bias=True"),
     ]
     for d, expected in cases:
         with pytest.raises(HFConversionError) as e:
@@ -373,6 +382,8 @@ def test_unsupported_moe_configs_are_refused(models, tmp_path):
     c3 = config_from_hf(qwen3)
     with pytest.raises(HFConversionError, match="Qwen3-MoE slides every layer or none"):
         config_to_hf(dataclasses.replace(c3, window_attn_skip_freq=[1, 0]))
+    with pytest.raises(HFConversionError, match="OLMoE has no sliding window"):
+        config_to_hf(dataclasses.replace(config_from_hf(olmoe), window_size=(5, 0)))
     with pytest.raises(HFConversionError, match="qk_layernorm with biases"):
         config_to_hf(dataclasses.replace(c, qk_layernorm=True, moe_shared_expert_gate=True,
                                          moe_shared_expert_intermediate_size=8))

@@ -377,7 +377,7 @@ def test_hostile_moe_checkpoints_are_refused_naming_the_key(moe_checkpoints, no_
                 read()
             assert all(n in str(e.value) for n in needles), (folder, str(e.value))
     with pytest.raises(HFConversionError, match="mixture-of-experts model has no Hugging Face "
-                                                "equivalent .Mixtral, Qwen2-MoE, Qwen3-MoE.: "
+                                                "equivalent .Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE.: "
                                                 "moe_router_score_function='sigmoid'"):
         export_hf(str(good), str(tmp_path / "hf"))
     assert not (tmp_path / "hf").exists()

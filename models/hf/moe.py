@@ -1,14 +1,16 @@
-"""Mixture-of-experts families: MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
-<-> GPTModel with MoE layers (layers/moe/).
+"""Mixture-of-experts families: MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM,
+OlmoeForCausalLM <-> GPTModel with MoE layers (layers/moe/).
 
 Attention, norms, embeddings and any dense MLP are the Llama family's (models/hf/llama.py:
 Mixtral's attention is Mistral's, Qwen2-MoE's Qwen2's, Qwen3-MoE's Qwen3's with its per-head
-q/k norms, `qk_layernorm`); this module replaces the MLP of each MoE layer:
+q/k norms, `qk_layernorm`; OLMoE's Llama's with RMSNorms over the whole q and k projections,
+`qk_layernorm` + `qk_norm_over_heads`, whose sum of squares is all-reduced over TP:
+layers/norm.py ProjectionRMSNorm); this module replaces the MLP of each MoE layer:
 
 - router: HF `gate.weight [E, h]` is our `router.weight`. Mixtral softmaxes over all experts,
   keeps the top k and renormalises them to sum 1, which equals the softmax of the top-k
-  logits (our default, `moe_router_pre_softmax` False). Qwen2-MoE and Qwen3-MoE do the same
-  when `norm_topk_prob` is true; when it is false (its default) the top-k probabilities of the
+  logits (our default, `moe_router_pre_softmax` False). Qwen2-MoE, Qwen3-MoE and OLMoE do
+  the same when `norm_topk_prob` is true; when it is false (its default) the top-k probabilities of the
   softmax over all experts are kept as they are: `moe_router_pre_softmax` True.
 - experts: HF files hold one `[f, h]` gate (w1 / gate_proj), up (w3 / up_proj) and `[h, f]`
   down (w2 / down_proj) tensor per expert; ours are one logical tensor per expert
@@ -25,7 +27,7 @@ q/k norms, `qk_layernorm`); this module replaces the MLP of each MoE layer:
   Qwen2-MoE's the layers its `layer_types` / `max_window_layers` say (as Qwen2).
 
 Refused: Mixtral's `router_jitter_noise` other than 0 (multiplicative noise on the MoE input
-in training, not built). Training's load-balancing loss: transformers adds
+in training, not built); OLMoE's `clip_qkv` (clamping q, k, v) and `attention_bias`. Training's load-balancing loss: transformers adds
 `router_aux_loss_coef` x its auxiliary loss only with `output_router_logits`; we set
 `moe_aux_loss_coeff` the same way (our loss is Switch's, per microbatch: layers/moe/router.py).
 """
@@ -39,18 +41,19 @@ from models.config import ModelConfig
 from . import llama
 from .rules import HFConversionError, Rule, concat, same
 
-MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
 IGNORED_SUFFIXES = llama.IGNORED_SUFFIXES
 # the Llama-family model whose attention each one has
-_ATTENTION = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
+_ATTENTION = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3", "olmoe": "llama"}
 # config.json fields without a default that describes the weights
 REQUIRED = {"mixtral": (), "qwen2_moe": ("moe_intermediate_size", "shared_expert_intermediate_size"),
-            "qwen3_moe": ("moe_intermediate_size",)}
+            "qwen3_moe": ("moe_intermediate_size",), "olmoe": ()}
 # the expert count's spelling each writes (transformers maps the other one onto it; its own
 # save_pretrained may write either)
-EXPERTS = {"mixtral": "num_local_experts", "qwen2_moe": "num_experts", "qwen3_moe": "num_experts"}
+EXPERTS = {"mixtral": "num_local_experts", "qwen2_moe": "num_experts", "qwen3_moe": "num_experts",
+           "olmoe": "num_experts"}
 
 
 def _num_experts(d: dict, mt: str) -> int:
@@ -67,7 +70,7 @@ def _num_experts(d: dict, mt: str) -> int:
 
 def _moe_layers(d: dict, mt: str, num_layers: int) -> list[int]:
     """One 1 (MoE) or 0 (dense MLP) per layer, as transformers builds them."""
-    if mt == "mixtral":
+    if mt in ("mixtral", "olmoe"):
         return [1] * num_layers
     step, dense = d.get("decoder_sparse_step", 1), d.get("mlp_only_layers") or []
     if type(step) is not int or step < 1:
@@ -91,6 +94,10 @@ def config_from_hf(d: dict) -> ModelConfig:
     if other:
         raise HFConversionError(f"config.json architectures {other} is not {mt}'s "
                                 f"{ARCHITECTURES[mt]}; use the model's own config.json")
+    for key in ("clip_qkv", "attention_bias") if mt == "olmoe" else ():
+        if d.get(key):
+            raise HFConversionError(f"config.json {key}={d[key]!r} is not supported for olmoe "
+                                    f"(not built); convert a model without it")
     jitter = d.get("router_jitter_noise", 0.0)
     if jitter:
         raise HFConversionError(f"config.json router_jitter_noise={jitter} is not supported "
@@ -106,6 +113,8 @@ def config_from_hf(d: dict) -> ModelConfig:
     base = llama.config_from_hf(attention)
     if mt == "qwen2_moe" and not qkv_bias:
         base = dataclasses.replace(base, add_qkv_bias=False)
+    if mt == "olmoe":  # its q_norm / k_norm span the whole q / k projections
+        base = dataclasses.replace(base, qk_layernorm=True, qk_norm_over_heads=True)
     if mt == "qwen3_moe" and d.get("use_sliding_window"):
         base = dataclasses.replace(base, **llama._window_from_hf(d, "mistral", base.num_layers))
     layers = _moe_layers(d, mt, base.num_layers)
@@ -114,8 +123,9 @@ def config_from_hf(d: dict) -> ModelConfig:
                moe_layer_freq=1 if all(layers) else layers,
                moe_aux_loss_coeff=float(d.get("router_aux_loss_coef", 0.0))
                if d.get("output_router_logits") else 0.0)
-    if mt == "mixtral":
-        moe["moe_ffn_hidden_size"] = d["intermediate_size"]
+    if mt in ("mixtral", "olmoe"):  # every layer MoE, experts of intermediate_size
+        moe.update(moe_ffn_hidden_size=d["intermediate_size"],
+                   moe_router_pre_softmax=mt == "olmoe" and not d.get("norm_topk_prob", False))
     else:
         moe.update(moe_ffn_hidden_size=d["moe_intermediate_size"],
                    moe_router_pre_softmax=not d.get("norm_topk_prob", False))
@@ -126,10 +136,13 @@ def config_from_hf(d: dict) -> ModelConfig:
 
 
 def model_type_for(c: ModelConfig) -> str:
-    """Qwen2-MoE when `c` has shared experts, else Qwen3-MoE with q/k norms, else Mixtral."""
+    """Qwen2-MoE when `c` has shared experts, else OLMoE with q/k norms over the whole
+    projections, Qwen3-MoE with per-head ones, else Mixtral."""
     if c.moe_shared_expert_intermediate_size:
         return "qwen2_moe"
-    return "qwen3_moe" if c.qk_layernorm else "mixtral"
+    if c.qk_layernorm:
+        return "olmoe" if c.qk_norm_over_heads else "qwen3_moe"
+    return "mixtral"
 
 
 def _moe_flags(c: ModelConfig) -> list[int]:
@@ -137,30 +150,39 @@ def _moe_flags(c: ModelConfig) -> list[int]:
 
 
 def conditions(c: ModelConfig) -> list[str]:
-    """Why `c` cannot be exported as Mixtral, Qwen2-MoE or Qwen3-MoE (empty: it can)."""
+    """Why `c` cannot be exported as Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE (empty: it can)."""
     mt = model_type_for(c)
-    # Qwen2-MoE's attention is Qwen2's (per-layer windows) with or without its q/k/v biases
+    # Qwen2-MoE's attention is Qwen2's (per-layer windows) with or without its q/k/v biases;
+    # OLMoE's is Llama's with q/k norms over the whole projections (checked below)
     out = llama.conditions(dataclasses.replace(
-        c, num_moe_experts=None, add_qkv_bias=c.add_qkv_bias or mt == "qwen2_moe"))
+        c, num_moe_experts=None, add_qkv_bias=c.add_qkv_bias or mt == "qwen2_moe",
+        qk_layernorm=c.qk_layernorm and mt != "olmoe"))
     if c.moe_router_score_function != "softmax":
         out.append(f"moe_router_score_function={c.moe_router_score_function!r} (the HF MoE "
                    f"families built route by softmax)")
     for field in ("moe_router_topk_scaling_factor", "moe_router_enable_expert_bias",
                   "moe_expert_capacity_factor", "moe_z_loss_coeff"):
         if getattr(c, field):
-            out.append(f"{field}={getattr(c, field)!r} (Mixtral, Qwen2-MoE and Qwen3-MoE have "
-                       f"none)")
-    if mt == "mixtral":
-        if c.moe_router_pre_softmax:
-            out.append("moe_router_pre_softmax without q/k norms or shared experts (Mixtral "
-                       "renormalises the top-k)")
+            out.append(f"{field}={getattr(c, field)!r} (Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE "
+                       f"have none)")
+    name = {"mixtral": "Mixtral", "olmoe": "OLMoE"}.get(mt)
+    if mt == "mixtral" and c.moe_router_pre_softmax:
+        out.append("moe_router_pre_softmax without q/k norms or shared experts (Mixtral "
+                   "renormalises the top-k)")
+    if mt == "olmoe":
+        if c.window_size is not None:
+            out.append(f"window_size={c.window_size} (OLMoE has no sliding window)")
+        if c.kv_channels * c.num_attention_heads != c.hidden_size:
+            out.append(f"kv_channels {c.kv_channels} x {c.num_attention_heads} heads != hidden "
+                       f"{c.hidden_size} (OLMoE has no head_dim)")
+    if name:
         if c.add_qkv_bias or c.add_bias_linear:
-            out.append("biases (Mixtral has none)")
+            out.append(f"biases ({name} has none)")
         if not all(_moe_flags(c)):
-            out.append("dense-MLP layers (every Mixtral layer is MoE)")
+            out.append(f"dense-MLP layers (every {name} layer is MoE)")
         if c.moe_ffn_hidden_size != c.ffn_hidden_size:
             out.append(f"moe_ffn_hidden_size {c.moe_ffn_hidden_size} != ffn_hidden_size "
-                       f"{c.ffn_hidden_size} (Mixtral has one intermediate_size)")
+                       f"{c.ffn_hidden_size} ({name} has one intermediate_size)")
     elif mt == "qwen2_moe":
         if not c.moe_shared_expert_gate:
             out.append("shared experts without moe_shared_expert_gate (Qwen2-MoE gates them)")
@@ -191,6 +213,14 @@ def config_to_hf(c: ModelConfig) -> dict:
             d["use_sliding_window"] = window is not None
     if mt == "mixtral":
         d.update(num_local_experts=c.num_moe_experts, router_jitter_noise=0.0)
+        return d
+    if mt == "olmoe":
+        for key in ("head_dim", "sliding_window"):
+            d.pop(key)
+        # OlmoeConfig's own pad / eos ids (1, 50279) are its real tokenizer's; the exported
+        # tokenizer's ids replace these (checkpoint/hf.py export_hf)
+        d.update(num_experts=c.num_moe_experts, norm_topk_prob=not c.moe_router_pre_softmax,
+                 attention_bias=False, clip_qkv=None, pad_token_id=None, eos_token_id=None)
         return d
     if mt == "qwen3_moe":
         d["attention_bias"] = False
@@ -250,7 +280,7 @@ def rules(c: ModelConfig) -> list[Rule]:
         out.append(same(ours + "router.weight", hf + "gate.weight"))
         out += _expert_rules(ours, hf, c.num_moe_experts, ("gate_proj.weight", "up_proj.weight",
                                                             "down_proj.weight"))
-        if mt == "qwen3_moe":
+        if mt != "qwen2_moe":
             continue
         out += [concat(ours + "shared_experts.linear_fc1.weight",
                        (hf + "shared_expert.gate_proj.weight", hf + "shared_expert.up_proj.weight")),
