@@ -14,9 +14,10 @@ architecture, both directions, beside our model families (`GPTModel`, `T5Model`)
   parameter at a time through the architecture's `Rule` table (models/hf/rules.py).
 
 Supported: GPT2LMHeadModel (gpt2), LlamaForCausalLM (llama), MistralForCausalLM (mistral),
-Qwen2ForCausalLM (qwen2), T5ForConditionalGeneration (t5, v1.0 and v1.1), and the mixture-of-
-experts MixtralForCausalLM (mixtral), Qwen2MoeForCausalLM (qwen2_moe), Qwen3MoeForCausalLM
-(qwen3_moe) and OlmoeForCausalLM (olmoe). File formats
+Qwen2ForCausalLM (qwen2), T5ForConditionalGeneration (t5, v1.0 and v1.1), Gemma3ForCausalLM
+(gemma3_text), Gemma2ForCausalLM (gemma2), and the mixture-of-experts MixtralForCausalLM
+(mixtral), Qwen2MoeForCausalLM (qwen2_moe), Qwen3MoeForCausalLM (qwen3_moe) and
+OlmoeForCausalLM (olmoe). File formats
 (safetensors, .bin, GGUF) are in models/hf/files.py.
 """
 from __future__ import annotations
@@ -30,10 +31,10 @@ import torch
 
 from models.config import ConfigError, ModelConfig
 
-from . import gpt2, llama, moe, t5
+from . import gemma, gpt2, llama, moe, t5
 from .rules import HFConversionError, Rule  # noqa: F401
 
-FAMILIES = {mt: fam for fam in (gpt2, llama, t5, moe) for mt in fam.MODEL_TYPES}
+FAMILIES = {mt: fam for fam in (gpt2, llama, t5, moe, gemma) for mt in fam.MODEL_TYPES}
 # config.json fields that mean mixture-of-experts (refused for the dense families' types)
 _MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
 
@@ -45,22 +46,26 @@ _COUNTS = ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions", "n_inner"
            "num_layers", "num_decoder_layers", "num_heads", "relative_attention_num_buckets",
            "relative_attention_max_distance", "original_max_position_embeddings",
            "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-           "shared_expert_intermediate_size", "decoder_sparse_step")
+           "shared_expert_intermediate_size", "decoder_sparse_step", "sliding_window_pattern")
 _LAYER_COUNTS = ("n_layer", "num_hidden_layers", "num_layers", "num_decoder_layers")
 _NUMBERS = ("layer_norm_epsilon", "rms_norm_eps", "initializer_range", "initializer_factor",
             "rope_theta", "dropout_rate", "attention_dropout", "resid_pdrop", "embd_pdrop",
             "attn_pdrop", "factor", "low_freq_factor", "high_freq_factor",
-            "router_jitter_noise", "router_aux_loss_coef")
+            "router_jitter_noise", "router_aux_loss_coef", "query_pre_attn_scalar",
+            "rope_local_base_freq", "attn_logit_softcapping", "final_logit_softcapping")
 _FLAGS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "scale_attn_weights",
           "scale_attn_by_inverse_layer_idx", "add_cross_attention", "scale_decoder_outputs",
-          "norm_topk_prob", "output_router_logits", "qkv_bias")
-_NAMES = ("model_type", "hidden_act", "activation_function", "feed_forward_proj")
+          "norm_topk_prob", "output_router_logits", "qkv_bias", "use_bidirectional_attention")
+_NAMES = ("model_type", "hidden_act", "activation_function", "feed_forward_proj",
+          "hidden_activation")
 _ROPE_DICTS = ("rope_scaling", "rope_parameters")
 # fields without a default (transformers' would not describe the weights: refuse instead)
 _REQUIRED = {gpt2: ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions"),
              llama: ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                      "intermediate_size"),
              t5: (),
+             gemma: ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "intermediate_size"),
              moe: ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                    "intermediate_size")}
 
@@ -242,7 +247,7 @@ def family_for(c: ModelConfig):
                 f"Qwen2-MoE, Qwen3-MoE, OLMoE): {'; '.join(why)}")
         return moe
     reasons = {}
-    for fam in (gpt2, llama, t5):
+    for fam in (gpt2, llama, t5, gemma):
         why = fam.conditions(c)
         if not why:
             return fam
