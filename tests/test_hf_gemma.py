@@ -10,20 +10,26 @@ against transformers' own models (tiny random ones built here; nothing is downlo
 - greedy generation of 24 tokens through the Engine at tp 2 (prefill, then decode with the
   KV cache far past the window, 3 requests in 2 slots) equals transformers' `generate`;
 - import -> export is bitwise and transformers loads it with no missing, unexpected or
-  mismatched tensor, the config fields kept; refusals name the field and write nothing.
+  mismatched tensor, the config fields kept; refusals name the field and write nothing;
+- a train.py --finetune step at tp 2 from an imported Gemma 3 changes every tensor and exports
+  back to a model whose transformers logits equal the trained checkpoint's.
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from distributed import run_distributed
+from launch import REPO, read_metrics, run_train
 from tolerances import assert_fp32_close, forward_chain_terms, fp32_mismatch
 
-B, S, W = 2, 16, 8  # batch, tokens, HF sliding_window
+B, S, W, VOCAB = 2, 16, 8, 400  # batch, tokens, HF sliding_window; test_finetune's tokenizer
 NEW = 24  # greedy tokens generated
 PROMPTS = [[5, 17, 99, 3, 42, 8], [7, 1, 2], [200, 100, 9, 11]]
 
@@ -31,7 +37,7 @@ PROMPTS = [[5, 17, 99, 3, 42, 8], [7, 1, 2], [200, 100, 9, 11]]
 def _hf_configs() -> dict:
     from transformers import Gemma2Config, Gemma3TextConfig
 
-    common = dict(vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=W,
                   max_position_embeddings=128, initializer_range=0.2, query_pre_attn_scalar=24,
                   bos_token_id=None, eos_token_id=None, pad_token_id=0)
@@ -287,3 +293,53 @@ def test_refusals(models, tmp_path):
         config_to_hf(c)
     assert config_to_hf(config_from_hf({**cfg, "final_logit_softcapping": 30.0}))[
         "final_logit_softcapping"] == 30.0
+
+
+def test_finetune_step_at_tp2_exports_back(models, tmp_path):
+    """One --finetune step at tp 2 (lr 1e-2) from the imported Gemma 3: every weight moves
+    (norms, q/k norms and post norms get gradients), and the export's logits in transformers
+    equal the trained checkpoint's in GPTModel."""
+    from test_finetune import _tokenizer
+
+    from checkpoint.format import read_metadata, resolve_checkpoint
+    from checkpoint.hf import export_hf, import_hf
+    from checkpoint.model_io import load_model_weights
+    from models import GPTModel, ModelConfig
+    from test_hf_conversion import check_export_loads
+    from test_hf_moe_families import _tensors
+
+    hf_dir, _ = models["gemma3"]
+    text = open(os.path.join(os.path.dirname(os.__file__), "textwrap.py")).read()
+    (tmp_path / "corpus.txt").write_text(text)
+    hf, ckpt, save = (str(tmp_path / n) for n in ("hf", "ckpt", "save"))
+    shutil.copytree(hf_dir, hf)
+    _tokenizer(hf, text)
+    import_hf(hf, ckpt, log=lambda *a: None)
+    subprocess.run([sys.executable, "tools/preprocess_data.py", "--input",
+                    str(tmp_path / "corpus.txt"), "--output-prefix", str(tmp_path / "data"),
+                    "--tokenizer-dir", os.path.join(ckpt, "tokenizer"), "--text-unit", "line"],
+                   cwd=REPO, check=True, capture_output=True)
+    run_train(2, ["--load", ckpt, "--finetune", "--tp", "2", "--train-iters", "1",
+                  "--lr", "1e-2", "--min-lr", "1e-2", "--seq-length", "32",
+                  "--micro-batch-size", "2", "--global-batch-size", "4", "--eval-interval", "0",
+                  "--log-interval", "1", "--data-path", str(tmp_path / "data_text_document"),
+                  "--save", save], tmp_path / "log")
+    losses = [r["loss"] for r in read_metrics(tmp_path / "log") if "loss" in r]
+    print(f"gemma3 finetune step at tp 2: loss {losses}")
+    assert len(losses) == 1 and torch.isfinite(torch.tensor(losses)).all()
+    out = str(tmp_path / "back")
+    export_hf(save, out, log=lambda *a: None)
+    original, back = _tensors(hf_dir), _tensors(out)
+    assert set(back) == set(original)
+    unchanged = [k for k, t in back.items() if torch.equal(t, original[k])]
+    assert not unchanged, f"not trained: {unchanged}"
+    check_export_loads("gemma3", hf, out, ("layer_types", "rope_parameters"))
+    trained = resolve_checkpoint(save)
+    config = ModelConfig.from_dict(read_metadata(trained)["model"])
+    model = GPTModel(config).eval()
+    load_model_weights(trained, [model])
+    ids = _ids(config.vocab_size)
+    with torch.no_grad():
+        ours = model(ids)[..., :config.vocab_size]
+    assert_fp32_close(ours, _hf(out)(ids).logits, _terms(config), "gemma3 after a step")
+
