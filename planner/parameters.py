@@ -140,11 +140,14 @@ def chunk_parameters(m, tp: int, layer_numbers: list[int], pre_process: bool,
             out += _norm(f"{p}.pre_mlp_layernorm", m, unit, sp)
         if m.is_moe_layer(n):
             out += _moe_mlp(p, m, unit, tp, sp, ep, tp if etp is None else etp)
-            continue
-        out += _linear(f"{p}.mlp.linear_fc1", fc1, h, unit, bias=m.add_bias_linear, row=False,
-                       sp=sp)
-        out += _linear(f"{p}.mlp.linear_fc2", h, f, unit, bias=m.add_bias_linear, row=True,
-                       sp=sp)
+        else:
+            out += _linear(f"{p}.mlp.linear_fc1", fc1, h, unit, bias=m.add_bias_linear,
+                           row=False, sp=sp)
+            out += _linear(f"{p}.mlp.linear_fc2", h, f, unit, bias=m.add_bias_linear, row=True,
+                           sp=sp)
+        for name in ("post_self_attn_layernorm", "post_mlp_layernorm"):  # after the MLP
+            if getattr(m, name):
+                out += _norm(f"{p}.{name}", m, unit, sp)
     if post_process:
         out += _norm("decoder.final_layernorm", m, "root", sp)
         if not tied_here:

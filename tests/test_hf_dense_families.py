@@ -1,4 +1,4 @@
-"""Hugging Face dense families of issue 31 (Qwen3 ...) against transformers' own models, tiny
+"""Hugging Face dense families of issue 31 (Qwen3, OLMo 2, Phi-3) against transformers' own models, tiny
 random ones built here (nothing downloads):
 
 - logits equal transformers' on a [2, 16] batch at tp 1, tp 2 and tp 2 x pp 2, to the
@@ -6,20 +6,28 @@ random ones built here (nothing downloads):
 - greedy generation of 24 tokens through the Engine at tp 2 equals transformers' `generate`;
 - import -> export is bitwise, and transformers loads the export with no missing, unexpected
   or mismatched tensor;
-- q/k norms (Qwen3's per head): layer-level gradients at tp 2 equal one process's;
+- q/k norms (Qwen3's per head, OLMo 2's over the whole projection: its squares summed over
+  TP) and OLMo 2's post-only norms: a layer's output and gradients at tp 2 equal one
+  process's;
+- `train.py --finetune` of each import at tp 2 (one step, lr > 0) exported back: transformers
+  loads it cleanly and its logits equal ours from the trained checkpoint, every weight moved
+  (the q/k norms' too);
 - the variants we do not build are refused with one line naming the field, nothing written.
 """
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import warnings
 
 import pytest
 import torch
 
 from distributed import run_distributed
-from test_hf_conversion import _batch, _hf_logits, _logit_diffs
+from launch import REPO, run_train
+from test_hf_conversion import _batch, _hf_logits, pipeline_logits
 from test_hf_conversion import test_round_trip_is_bitwise as _round_trip
 from tolerances import assert_fp32_close, forward_chain_terms
 
@@ -30,27 +38,43 @@ PROMPT = [5, 17, 99, 3, 42, 8, 61, 2, 11]
 def _tiny_models() -> dict:
     """name -> transformers config of a tiny random model of each family here; a large init
     std, so greedy outputs do not collapse into one repeated id."""
-    from transformers import Qwen3Config
+    from transformers import Olmo2Config, Phi3Config, Qwen3Config
 
     common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   max_position_embeddings=128, initializer_range=0.2, bos_token_id=None,
                   eos_token_id=None)  # generate runs to max_new_tokens
     return {
         # head_dim 32 != hidden / heads 16, GQA 4:2, untied
-        "qwen3": Qwen3Config(vocab_size=301, num_attention_heads=4, num_key_value_heads=2,
+        "qwen3": Qwen3Config(vocab_size=451, num_attention_heads=4, num_key_value_heads=2,
                              head_dim=32, tie_word_embeddings=False, rms_norm_eps=1e-6,
                              **common),
+        # 4:4 heads: at tp 2 each rank's k norm covers 2 of the 4 KV heads; llama3 RoPE
+        "olmo2": Olmo2Config(vocab_size=421, num_attention_heads=4, num_key_value_heads=4,
+                             tie_word_embeddings=True, rms_norm_eps=1e-6,
+                             rope_parameters={"rope_type": "llama3", "factor": 8.0,
+                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                              "original_max_position_embeddings": 32,
+                                              "rope_theta": 5e5}, **common),
+        # fused qkv_proj (GQA 8:2) and gate_up_proj; a sliding window of 6 on every layer,
+        # shorter than the [2, 16] batch and the 24 generated tokens
+        "phi3": Phi3Config(vocab_size=433, num_attention_heads=8, num_key_value_heads=2,
+                           tie_word_embeddings=False, sliding_window=6, pad_token_id=None,
+                           **common),
     }
 
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """name -> (hf folder, native checkpoint folder) for every tiny model; 1-d weights (norms)
-    random around 1, so a swapped or missing norm shows."""
+    random around 1, so a swapped or missing norm shows; a 400-token BPE tokenizer (carried
+    by the import)."""
     from checkpoint.hf import import_hf
+    from test_finetune import _tokenizer
     from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("dense")
+    _tokenizer(str(root / "tokenizer"), open(os.path.join(os.path.dirname(os.__file__),
+                                                           "textwrap.py")).read())
     out = {}
     for i, (name, cfg) in enumerate(_tiny_models().items()):
         torch.manual_seed(100 + i)
@@ -61,6 +85,8 @@ def converted(tmp_path_factory):
                     p.normal_(1.0, 0.3)
         hf_dir, ckpt = str(root / name), str(root / f"{name}-ckpt")
         model.save_pretrained(hf_dir)
+        for f in os.listdir(root / "tokenizer"):
+            os.link(root / "tokenizer" / f, os.path.join(hf_dir, f))
         import_hf(hf_dir, ckpt, log=lambda *a: None)
         out[name] = (hf_dir, ckpt)
     return out
@@ -104,9 +130,40 @@ def _greedy(converted: dict) -> dict:
     return out
 
 
+def _logits(converted: dict, pp: int) -> dict:
+    """In a worker: {name: logits [2, S, vocab] of the checkpoint} on a last pipeline stage,
+    {} elsewhere (the layers split evenly over pp)."""
+    import parallel_state as ps
+    from checkpoint.model_io import load_model_weights
+    from models import GPTModel
+    from models.pipeline import build_model_chunks
+
+    out = {}
+    for name, (_, ckpt) in converted.items():
+        config = _config(ckpt)
+        chunks = build_model_chunks(GPTModel, config, [config.num_layers // pp] * pp,
+                                    ps.get_pipeline_model_parallel_rank(), None)
+        load_model_weights(ckpt, chunks)
+        logits = pipeline_logits(chunks[0], _batch(config.vocab_size))
+        if logits is not None:
+            out[name] = logits
+    return out
+
+
 def _tp2_world(converted: dict):
-    """In a world of 2 at tp 2: (logit mismatches, greedy ids) (see `_logit_diffs`)."""
-    return _logit_diffs(converted, 1), _greedy(converted)
+    """In a world of 2 at tp 2: (logits, greedy ids)."""
+    return _logits(converted, 1), _greedy(converted)
+
+
+def _check_logits(converted: dict, got: dict, where: str) -> None:
+    assert set(got) == set(converted)
+    for name, (hf_dir, ckpt) in converted.items():
+        config = _config(ckpt)
+        ref = _hf_logits(hf_dir, _batch(config.vocab_size))
+        print(f"{name} {where}: max |logit - transformers| "
+              f"{float((got[name] - ref).abs().max()):.2e}")
+        assert_fp32_close(got[name], ref, forward_chain_terms(config, S, "logits"),
+                          f"{name} at {where}")
 
 
 def _hf_greedy(hf_dir: str) -> list[int]:
@@ -120,10 +177,9 @@ def _hf_greedy(hf_dir: str) -> list[int]:
 
 
 def test_logits_and_generate_match_transformers_tp2(converted):
-    diffs, greedy = run_distributed(_tp2_world, 2, converted, tp=2, timeout=300)[0]
-    assert set(diffs) == set(converted) == set(greedy)
+    logits, greedy = run_distributed(_tp2_world, 2, converted, tp=2, timeout=300)[0]
+    _check_logits(converted, logits, "tp=2")
     for name, (hf_dir, _) in converted.items():
-        assert diffs[name] is None, f"{name} at tp=2: {diffs[name]}"
         expected = _hf_greedy(hf_dir)
         assert len(set(expected)) > 5, expected  # not one repeated id
         assert greedy[name] == expected, f"{name} tp=2: greedy ids differ from transformers'"
@@ -131,11 +187,9 @@ def test_logits_and_generate_match_transformers_tp2(converted):
 
 def test_logits_match_transformers_tp2_pp2(converted):
     merged = {}
-    for r in run_distributed(_logit_diffs, 4, converted, 2, tp=2, pp=2, timeout=300):
+    for r in run_distributed(_logits, 4, converted, 2, tp=2, pp=2, timeout=300):
         merged.update(r)
-    assert set(merged) == set(converted)
-    for name, problem in merged.items():
-        assert problem is None, f"{name} at tp=2 pp=2: {problem}"
+    _check_logits(converted, merged, "tp=2 pp=2")
 
 
 def test_round_trip_is_bitwise(converted, tmp_path):
@@ -158,17 +212,18 @@ def _qk_norm_layer_grads(config_kw: dict) -> dict:
     the tagged (`sequence_parallel`) gradients over TP."""
     import parallel_state as ps
     from layers.attention import RotaryEmbedding
-    from layers.sharding import initialize_parameters, unshard_tensors
+    from layers.sharding import full_shape, initialize_parameters, shard_tensor, unshard_tensors
     from layers.transformer import TransformerLayer
     from models.config import ModelConfig
 
     config = ModelConfig(**config_kw)
     layer = TransformerLayer(config, 0)
     initialize_parameters(layer, seed=5, std=0.3, num_layers=1)
-    with torch.no_grad():  # norms away from 1
+    with torch.no_grad():  # norms away from 1, the same full weights at any tp
         for name, p in layer.named_parameters():
             if "layernorm" in name:
-                p.add_(torch.arange(p.numel(), dtype=p.dtype).reshape(p.shape) / p.numel())
+                n = full_shape(p)[0]
+                p.add_(shard_tensor(torch.arange(n, dtype=p.dtype) / n, p))
     x = torch.randn(8, 2, config.hidden_size, generator=torch.Generator().manual_seed(1),
                     requires_grad=True)
     y = layer(x, rotary=RotaryEmbedding(config.kv_channels)(8))
@@ -183,21 +238,32 @@ def _qk_norm_layer_grads(config_kw: dict) -> dict:
     return out
 
 
+def _layers_grads(kws: list) -> list:
+    return [_qk_norm_layer_grads(kw) for kw in kws]
+
+
 def test_qk_norm_gradients_at_tp2_equal_one_process():
     """Qwen3's per-head q/k norm (one weight shared by all heads: each TP rank's gradient is
-    partial and summed, as SP norms' are) at tp 2: output, input gradient and every
-    parameter gradient equal one process's."""
+    partial and summed, as SP norms' are) and OLMo 2's layer (q/k norms over the whole
+    projections, split over TP with their sum of squares all-reduced forward and backward;
+    post-only norms) at tp 2: output, input gradient and every parameter gradient equal one
+    process's."""
     kw = dict(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
               kv_channels=16, ffn_hidden_size=48, normalization="RMSNorm",
               activation="swiglu", add_bias_linear=False, position_embedding_type="rope",
               qk_layernorm=True)
-    one = run_distributed(_qk_norm_layer_grads, 1, kw, timeout=120)[0]
-    two = run_distributed(_qk_norm_layer_grads, 2, kw, tp=2, timeout=120)[0]
-    assert set(one) == set(two) and "self_attention.q_layernorm.weight" in one
-    for key in one:
-        scale = float(one[key].abs().max())
-        assert torch.allclose(one[key], two[key], rtol=1e-5, atol=1e-5 * scale), \
-            (key, float((one[key] - two[key]).abs().max()))
+    olmo2 = dict(kw, qk_norm_over_heads=True, pre_layernorm=False,
+                 post_self_attn_layernorm=True, post_mlp_layernorm=True)
+    ones = run_distributed(_layers_grads, 1, [kw, olmo2], timeout=120)[0]
+    twos = run_distributed(_layers_grads, 2, [kw, olmo2], tp=2, timeout=120)[0]
+    for name, one, two in zip(("qwen3", "olmo2"), ones, twos):
+        assert set(one) == set(two) and "self_attention.q_layernorm.weight" in one
+        assert ("input_layernorm.weight" in one) == (name == "qwen3")
+        assert ("post_mlp_layernorm.weight" in one) == (name == "olmo2")
+        for key in one:
+            scale = float(one[key].abs().max())
+            assert torch.allclose(one[key], two[key], rtol=1e-5, atol=1e-5 * scale), \
+                (name, key, float((one[key] - two[key]).abs().max()))
 
 
 # ---------------------------------------------------------------------------- refusals
@@ -228,3 +294,80 @@ def test_refusals(converted, tmp_path):
     # no head_dim: transformers' Qwen3 default 128 (not hidden / heads), as we read it
     _refused(tmp_path, qwen3, "'model.layers.0.self_attn.q_proj.weight' has shape [128, 64] in "
              "the weight files, config.json needs [512, 64]", {"head_dim": None})
+    olmo2, _ = converted["olmo2"]
+    _refused(tmp_path, olmo2, "attention_bias=True is not supported for olmo2",
+             {"attention_bias": True})
+    _refused(tmp_path, olmo2, "hidden_act 'gelu' is not supported",
+             {"hidden_act": "gelu"})
+    phi3, _ = converted["phi3"]
+    longrope = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 4,
+                "long_factor": [2.0] * 4, "original_max_position_embeddings": 32}
+    _refused(tmp_path, phi3, "rope_scaling type 'longrope' (Phi-3's long-context LongRoPE",
+             {"rope_parameters": longrope})
+    _refused(tmp_path, phi3, "rope_scaling type 'su' (Phi-3's long-context LongRoPE",
+             {"rope_parameters": None, "rope_scaling": {
+                 **{k: v for k, v in longrope.items() if k != "rope_type"}, "type": "su"}})
+    _refused(tmp_path, phi3, "partial_rotary_factor 0.5 is not supported",
+             {"partial_rotary_factor": 0.5})
+    # a Qwen3 file called OLMo 2: its per-head q/k norm weights do not fit
+    _refused(tmp_path, qwen3, "'model.layers.0.post_feedforward_layernorm.weight', which this "
+             "olmo2 config needs", {"model_type": "olmo2", "architectures": ["Olmo2ForCausalLM"]})
+
+
+# ---------------------------------------------------------------------------- fine-tune
+@torch.no_grad()
+def _native_logits(ckpt: str, ids: torch.Tensor) -> torch.Tensor:
+    from checkpoint.model_io import load_model_weights
+    from models import GPTModel
+
+    config = _config(ckpt)
+    model = GPTModel(config).eval()
+    load_model_weights(ckpt, [model])
+    return model(ids)[..., :config.vocab_size]
+
+
+def test_finetune_at_tp2_and_export(converted, tmp_path):
+    """One `train.py --finetune` step at tp 2 (lr 1e-2) from each import, exported back:
+    transformers loads it with no missing, unexpected or mismatched tensor, every HF weight
+    moved (q/k norms, OLMo 2's post norms too: their gradients reached them), and its logits
+    equal ours from the trained checkpoint."""
+    from safetensors.torch import load_file
+    from checkpoint.hf import export_hf
+    from transformers import AutoModelForCausalLM
+
+    text = open(os.path.join(os.path.dirname(os.__file__), "textwrap.py")).read()
+    (tmp_path / "corpus.txt").write_text(text)
+    first_ckpt = next(iter(converted.values()))[1]
+    subprocess.run([sys.executable, "tools/preprocess_data.py", "--input",
+                    str(tmp_path / "corpus.txt"), "--output-prefix", str(tmp_path / "data"),
+                    "--tokenizer-dir", os.path.join(first_ckpt, "tokenizer"), "--text-unit",
+                    "line"], cwd=REPO, check=True, capture_output=True)
+    for name, (hf_dir, ckpt) in converted.items():
+        save, out = str(tmp_path / f"{name}-save"), str(tmp_path / f"{name}-hf")
+        run_train(2, ["--load", ckpt, "--finetune", "--tp", "2", "--train-iters", "1",
+                      "--lr", "1e-2", "--min-lr", "1e-2", "--lr-warmup-iters", "0",
+                      "--seq-length", "32", "--micro-batch-size", "2",
+                      "--global-batch-size", "2", "--eval-interval", "0",
+                      "--data-path", str(tmp_path / "data_text_document"), "--save", save],
+                  tmp_path / f"{name}-log")
+        export_hf(save, out, log=lambda *a: None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            hf, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                            output_loading_info=True)
+        assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), \
+            (name, info)
+        arch = [json.load(open(os.path.join(d, "config.json")))["architectures"]
+                for d in (hf_dir, out)]
+        assert arch[0] == arch[1], (name, arch)  # Phi-3 stays Phi-3 through train.py
+        before = load_file(os.path.join(hf_dir, "model.safetensors"))
+        after = load_file(os.path.join(out, "model.safetensors"))
+        assert set(before) == set(after), name
+        unmoved = [k for k in before if torch.equal(before[k], after[k])]
+        assert not unmoved, f"{name}: the fine-tune step left {unmoved[:4]} unchanged"
+        config = _config(ckpt)
+        ids = _batch(config.vocab_size)
+        with torch.no_grad():
+            ref = hf.eval()(ids).logits
+        assert_fp32_close(_native_logits(os.path.join(save, "iter_0000001"), ids), ref, forward_chain_terms(config, S, "logits"),
+                          f"{name} fine-tuned at tp=2, exported")

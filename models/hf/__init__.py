@@ -14,7 +14,8 @@ architecture, both directions, beside our model families (`GPTModel`, `T5Model`)
   parameter at a time through the architecture's `Rule` table (models/hf/rules.py).
 
 Supported: GPT2LMHeadModel (gpt2), LlamaForCausalLM (llama), MistralForCausalLM (mistral),
-Qwen2ForCausalLM (qwen2), T5ForConditionalGeneration (t5, v1.0 and v1.1), Gemma3ForCausalLM
+Qwen2ForCausalLM (qwen2), Qwen3ForCausalLM (qwen3), Olmo2ForCausalLM (olmo2),
+Phi3ForCausalLM (phi3), T5ForConditionalGeneration (t5, v1.0 and v1.1), Gemma3ForCausalLM
 (gemma3_text), Gemma2ForCausalLM (gemma2), and the mixture-of-experts MixtralForCausalLM
 (mixtral), Qwen2MoeForCausalLM (qwen2_moe), Qwen3MoeForCausalLM (qwen3_moe) and
 OlmoeForCausalLM (olmoe). File formats
@@ -31,10 +32,11 @@ import torch
 
 from models.config import ConfigError, ModelConfig
 
-from . import gemma, gpt2, llama, moe, t5
+from . import gemma, gpt2, llama, moe, olmo2, phi3, t5
 from .rules import HFConversionError, Rule  # noqa: F401
 
 FAMILIES = {mt: fam for fam in (gpt2, llama, t5, moe, gemma) for mt in fam.MODEL_TYPES}
+FAMILIES.update({mt: fam for fam in (olmo2, phi3) for mt in fam.MODEL_TYPES})
 # config.json fields that mean mixture-of-experts (refused for the dense families' types)
 _MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
 
@@ -68,6 +70,8 @@ _REQUIRED = {gpt2: ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions"),
                      "intermediate_size"),
              moe: ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                    "intermediate_size")}
+_REQUIRED[olmo2] = _REQUIRED[llama]
+_REQUIRED[phi3] = _REQUIRED[llama]
 
 
 def _value_problem(key: str, v) -> str | None:
@@ -246,8 +250,13 @@ def family_for(c: ModelConfig):
                 f"this mixture-of-experts model has no Hugging Face equivalent (Mixtral, "
                 f"Qwen2-MoE, Qwen3-MoE, OLMoE): {'; '.join(why)}")
         return moe
+    # the family the model was imported from, when another could also represent it (a
+    # Phi-3 is a Llama with fused files: models/hf/phi3.py)
+    hinted = FAMILIES.get(c.extra.get("hf_model_type")) if type(c.extra) is dict else None
+    if hinted is not None and not hinted.conditions(c):
+        return hinted
     reasons = {}
-    for fam in (gpt2, llama, t5, gemma):
+    for fam in (gpt2, llama, phi3, olmo2, t5, gemma):
         why = fam.conditions(c)
         if not why:
             return fam

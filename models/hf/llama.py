@@ -175,6 +175,12 @@ def conditions(c: ModelConfig) -> list[str]:
                    "norms and no biases)")
     if not c.pre_layernorm:
         out.append("pre_layernorm=False (the Llama family normalizes each sublayer's input)")
+    out += [f"{k}=True (not in the Llama family)" for k in (
+        "post_self_attn_layernorm", "post_mlp_layernorm", "layernorm_zero_centered_gamma",
+        "apply_embedding_scaling") if getattr(c, k)]
+    out += [f"{k}={getattr(c, k)!r} (not in the Llama family)" for k in (
+        "softmax_scale", "attn_logit_softcapping", "final_logit_softcapping",
+        "rope_local_base_freq") if getattr(c, k) is not None]
     if c.window_size is not None and c.add_bias_linear:
         out.append("window_size with biases on every linear layer (Llama has biases but no "
                    "sliding window)")

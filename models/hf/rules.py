@@ -64,3 +64,11 @@ def qkv(native: str, hf: tuple[str, str, str], groups: int, q_rows: int, kv_rows
     """Separate q/k/v projections (Llama family) <-> our fused QKV."""
     return Rule(native, hf, lambda ts: fuse_qkv(*ts, groups),
                 lambda t: list(split_qkv(t, groups, q_rows, kv_rows)))
+
+
+def fused_qkv(native: str, hf: str, groups: int, q_rows: int, kv_rows: int) -> Rule:
+    """One HF `[q; k; v]` projection (Phi-3's `qkv_proj`: all query heads, then all K heads,
+    then all V heads) <-> our fused QKV (per KV group)."""
+    return Rule(native, (hf,),
+                lambda ts: fuse_qkv(*ts[0].split([q_rows, kv_rows, kv_rows]), groups),
+                lambda t: [torch.cat(split_qkv(t, groups, q_rows, kv_rows))])
