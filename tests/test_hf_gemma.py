@@ -119,6 +119,30 @@ def test_norm_and_embedding_scale_are_transformers_bitwise(no_grid):
         assert torch.equal(emb(ids).transpose(0, 1), ref(ids)), dtype
 
 
+def test_gemma_fields_are_validated():
+    """The Gemma fields may come from untrusted checkpoint metadata: exact types and bounds,
+    a ConfigError naming the flag; a local RoPE base needs sliding layers."""
+    from models import ModelConfig
+    from models.config import ConfigError
+
+    base = dict(position_embedding_type="rope", normalization="RMSNorm", activation="geglu")
+    for field, value, words in (
+            ("softmax_scale", float("nan"), "--softmax-scale must be a positive finite"),
+            ("final_logit_softcapping", 0.0, "--final-logit-softcapping must be a positive"),
+            ("attn_logit_softcapping", True, "--attn-logit-softcapping must be a positive"),
+            ("post_mlp_layernorm", 1, "--post-mlp-layernorm must be true or false"),
+            ("layernorm_zero_centered_gamma", "yes", "--layernorm-zero-centered-gamma must be"),
+            ("rope_local_base_freq", 1e4, "--rope-local-base-freq is the RoPE base of the "
+                                          "sliding-window layers, but --window-size is not set")):
+        with pytest.raises(ConfigError, match=words):
+            ModelConfig(**base, **{field: value}).validate()
+    ok = ModelConfig(**base, window_size=(7, 0), rope_local_base_freq=1e4, softmax_scale=0.2,
+                     post_self_attn_layernorm=True, post_mlp_layernorm=True)
+    ok.validate()
+    plain = ModelConfig(**base)
+    assert ok.num_parameters() - plain.num_parameters() == 2 * ok.num_layers * ok.hidden_size
+
+
 def test_logits_match_transformers_tp1(models, no_grid):
     from checkpoint.format import read_metadata
     from checkpoint.model_io import load_model_weights
@@ -296,9 +320,10 @@ def test_refusals(models, tmp_path):
 
 
 def test_finetune_step_at_tp2_exports_back(models, tmp_path):
-    """One --finetune step at tp 2 (lr 1e-2) from the imported Gemma 3: every weight moves
-    (norms, q/k norms and post norms get gradients), and the export's logits in transformers
-    equal the trained checkpoint's in GPTModel."""
+    """One --finetune step (lr 1e-2) from the imported Gemma 3 at tp 2 with sequence
+    parallelism equals one process (loss and every exported weight, Adam eps 1e-4 as
+    tests/tolerances.py asks); every weight moves (norms, q/k and post norms get gradients);
+    the export's logits in transformers equal the trained checkpoint's in GPTModel."""
     from test_finetune import _tokenizer
 
     from checkpoint.format import read_metadata, resolve_checkpoint
@@ -307,11 +332,12 @@ def test_finetune_step_at_tp2_exports_back(models, tmp_path):
     from models import GPTModel, ModelConfig
     from test_hf_conversion import check_export_loads
     from test_hf_moe_families import _tensors
+    from tolerances import assert_losses_close, training_chain_terms, weights_mismatch
 
     hf_dir, _ = models["gemma3"]
     text = open(os.path.join(os.path.dirname(os.__file__), "textwrap.py")).read()
     (tmp_path / "corpus.txt").write_text(text)
-    hf, ckpt, save = (str(tmp_path / n) for n in ("hf", "ckpt", "save"))
+    hf, ckpt = str(tmp_path / "hf"), str(tmp_path / "ckpt")
     shutil.copytree(hf_dir, hf)
     _tokenizer(hf, text)
     import_hf(hf, ckpt, log=lambda *a: None)
@@ -319,27 +345,32 @@ def test_finetune_step_at_tp2_exports_back(models, tmp_path):
                     str(tmp_path / "corpus.txt"), "--output-prefix", str(tmp_path / "data"),
                     "--tokenizer-dir", os.path.join(ckpt, "tokenizer"), "--text-unit", "line"],
                    cwd=REPO, check=True, capture_output=True)
-    run_train(2, ["--load", ckpt, "--finetune", "--tp", "2", "--train-iters", "1",
-                  "--lr", "1e-2", "--min-lr", "1e-2", "--seq-length", "32",
-                  "--micro-batch-size", "2", "--global-batch-size", "4", "--eval-interval", "0",
-                  "--log-interval", "1", "--data-path", str(tmp_path / "data_text_document"),
-                  "--save", save], tmp_path / "log")
-    losses = [r["loss"] for r in read_metrics(tmp_path / "log") if "loss" in r]
-    print(f"gemma3 finetune step at tp 2: loss {losses}")
-    assert len(losses) == 1 and torch.isfinite(torch.tensor(losses)).all()
-    out = str(tmp_path / "back")
-    export_hf(save, out, log=lambda *a: None)
-    original, back = _tensors(hf_dir), _tensors(out)
-    assert set(back) == set(original)
-    unchanged = [k for k, t in back.items() if torch.equal(t, original[k])]
+    args = ["--load", ckpt, "--finetune", "--train-iters", "1", "--lr", "1e-2", "--min-lr",
+            "1e-2", "--adam-eps", "1e-4", "--seq-length", "32", "--micro-batch-size", "2",
+            "--global-batch-size", "4", "--eval-interval", "0", "--log-interval", "1",
+            "--data-path", str(tmp_path / "data_text_document")]
+    back, losses = {}, {}
+    for tp in (1, 2):
+        save, log = str(tmp_path / f"save{tp}"), tmp_path / f"log{tp}"
+        extra = ["--tp", "2", "--sequence-parallel"] if tp == 2 else []
+        run_train(tp, args + extra + ["--save", save], log)
+        losses[tp] = [r["loss"] for r in read_metrics(log) if "loss" in r]
+        back[tp] = str(tmp_path / f"back{tp}")
+        export_hf(save, back[tp], log=lambda *a: None)
+    print(f"gemma3 finetune step: loss {losses[1]} (tp 1), {losses[2]} (tp 2, SP)")
+    k = training_chain_terms(args)
+    assert_losses_close(losses[2], losses[1], k, "tp 2 + SP against one process")
+    original, one, two = _tensors(hf_dir), _tensors(back[1]), _tensors(back[2])
+    assert set(one) == set(two) == set(original)
+    assert not weights_mismatch(two, one, k), weights_mismatch(two, one, k)[:3]
+    unchanged = [name for name, t in two.items() if torch.equal(t, original[name])]
     assert not unchanged, f"not trained: {unchanged}"
-    check_export_loads("gemma3", hf, out, ("layer_types", "rope_parameters"))
-    trained = resolve_checkpoint(save)
+    check_export_loads("gemma3", hf, back[2], ("layer_types", "rope_parameters"))
+    trained = resolve_checkpoint(str(tmp_path / "save2"))
     config = ModelConfig.from_dict(read_metadata(trained)["model"])
     model = GPTModel(config).eval()
     load_model_weights(trained, [model])
     ids = _ids(config.vocab_size)
     with torch.no_grad():
         ours = model(ids)[..., :config.vocab_size]
-    assert_fp32_close(ours, _hf(out)(ids).logits, _terms(config), "gemma3 after a step")
-
+    assert_fp32_close(ours, _hf(back[2])(ids).logits, _terms(config), "gemma3 after a step")
