@@ -231,7 +231,7 @@ def test_keep_last_removes_debris_and_missing_marker_falls_back(tmp_path, capsys
     import torch.distributed.checkpoint as dcp
 
     from checkpoint.format import CheckpointError, debris, describe_files, resolve_checkpoint
-    from training.checkpointing import _prune
+    from training.checkpoint_publish import prune
 
     root = tmp_path / "save"
     for it in (2, 4, 6):  # small real DCP checkpoints with their metadata.json
@@ -251,7 +251,7 @@ def test_keep_last_removes_debris_and_missing_marker_falls_back(tmp_path, capsys
     assert [os.path.basename(p) for p in debris(str(root))] == [
         "iter_0000004.old-00ff00ff", "iter_0000008.tmp-1a2b3c4d"]
     (root / "latest_checkpointed_iteration.txt").write_text("6\n")
-    _prune(str(root), keep_last=2)
+    prune(str(root), keep_last=2)
     assert "removed 2 leftover(s) of interrupted saves (--keep-last)" in capsys.readouterr().out
     assert sorted(os.listdir(root)) == ["iter_0000004", "iter_0000006",
                                         "latest_checkpointed_iteration.txt"]

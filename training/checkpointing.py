@@ -54,7 +54,6 @@ only on the first torchrun attempt (TORCHELASTIC_RESTART_COUNT 0);
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -78,9 +77,11 @@ from parallel_state.collectives import all_gather_single
 
 from checkpoint.files import FORMAT_VERSION
 from checkpoint.format import (CONFIG, LATEST, METADATA, CheckpointError, compare_model,
-                                complete_checkpoints, debris, describe_files, iter_dir_name,
-                                read_metadata, resolve_checkpoint, verify_files)
+                                describe_files, iter_dir_name, read_metadata, resolve_checkpoint,
+                                verify_files)
 from data_parallel.distributed_optimizer import DistributedOptimizer
+
+from .checkpoint_publish import prune, publish_folder, remove_debris, write_synced
 
 KINDS = ("model", "optim.exp_avg", "optim.exp_avg_sq")
 
@@ -371,85 +372,21 @@ class Checkpointer:
                 "layout": _layout(self.config), "model": self.config.model.to_dict(),
                 "torch_version": torch.__version__,
                 "files": sorted(files, key=lambda f: f["name"])}
-        _write_synced(os.path.join(tmp, METADATA), json.dumps(meta, indent=1))
+        write_synced(os.path.join(tmp, METADATA), json.dumps(meta, indent=1))
         problems = verify_files(tmp, meta, checksums=False)
         if problems:
             raise CheckpointError(f"checkpoint {tmp} failed verification after writing; "
                                   f"the previous checkpoint stays current: " + "; ".join(problems))
-        final = _publish_folder(tmp, self.save_dir, iteration)
+        final = publish_folder(tmp, self.save_dir, iteration)
         if self.config.train.save_replica:
             replica = self.config.train.save_replica
             os.makedirs(replica, exist_ok=True)
             rtmp = os.path.join(replica, f"{iter_dir_name(iteration)}.tmp-{secrets.token_hex(4)}")
             shutil.copytree(final, rtmp)
-            _publish_folder(rtmp, replica, iteration)
-            _prune(replica, self.config.train.keep_last)
-        _prune(self.save_dir, self.config.train.keep_last)
+            publish_folder(rtmp, replica, iteration)
+            prune(replica, self.config.train.keep_last)
+        prune(self.save_dir, self.config.train.keep_last)
         return final
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_synced(path: str, text: str) -> None:
-    """Write `path` atomically: temp file, fsync, os.replace, fsync the folder."""
-    tmp = f"{path}.tmp-{secrets.token_hex(4)}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
-
-
-def _publish_folder(tmp: str, root: str, iteration: int) -> str:
-    """Rename the verified `tmp` to `root/iter_XXXXXXX` and point `latest` at it. An existing
-    folder of the same iteration (a save that completed after the marker was last written) is
-    moved aside first and removed only once the new one is in place."""
-    final = os.path.join(root, iter_dir_name(iteration))
-    old = None
-    if os.path.exists(final):
-        old = f"{final}.old-{secrets.token_hex(4)}"
-        os.rename(final, old)
-    os.rename(tmp, final)
-    _fsync_dir(root)
-    _write_synced(os.path.join(root, LATEST), f"{iteration}\n")
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def remove_debris(root: str, when: str) -> list[str]:
-    """Delete what interrupted saves left in `root` (`checkpoint.format.debris`), with one
-    log line; returns the paths removed."""
-    found = debris(root)
-    for path in found:
-        if os.path.isdir(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(path)
-    if found:
-        print(f"removed {len(found)} leftover(s) of interrupted saves {when}: "
-              f"{', '.join(os.path.basename(p) for p in found)} (in {root})", flush=True)
-    return found
-
-
-def _prune(root: str, keep_last: int | None) -> None:
-    """Keep the newest `keep_last` complete checkpoints (the one `latest` names always) and
-    remove debris of interrupted saves (the save just published was the only live one)."""
-    if not keep_last:
-        return
-    remove_debris(root, "(--keep-last)")
-    latest = open(os.path.join(root, LATEST)).read().strip()
-    for it, path in complete_checkpoints(root)[:-keep_last]:
-        if str(it) != latest:
-            shutil.rmtree(path, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------- load
