@@ -3,13 +3,14 @@ random ones built here (nothing downloads):
 
 - logits equal transformers' on a [2, 16] batch at tp 1, tp 2 and tp 2 x pp 2, to the
   project's float32 tolerance (tests/tolerances.py);
-- greedy generation of 24 tokens through the Engine at tp 2 equals transformers' `generate`;
+- greedy generation of 24 tokens through the Engine at tp 2 (from the imported checkpoint) and
+  tp 2 x pp 2 (from the HF folder, as `infer.py --hf`) equals transformers' `generate`;
 - import -> export is bitwise, and transformers loads the export with no missing, unexpected
   or mismatched tensor;
 - q/k norms (Qwen3's per head, OLMo 2's over the whole projection: its squares summed over
   TP) and OLMo 2's post-only norms: a layer's output and gradients at tp 2 equal one
   process's;
-- `train.py --finetune` of each import at tp 2 (one step, lr > 0) exported back: transformers
+- `train.py --finetune` of each import at tp 2 with SP (one step, lr > 0) exported back: transformers
   loads it cleanly and its logits equal ours from the trained checkpoint, every weight moved
   (the q/k norms' too);
 - the variants we do not build are refused with one line naming the field, nothing written.
@@ -115,15 +116,16 @@ def test_logits_match_transformers_tp1(converted):
         assert_fp32_close(ours, ref, forward_chain_terms(config, S, "logits"), f"{name} tp=1")
 
 
-def _greedy(converted: dict) -> dict:
-    """In a worker: {name: the Engine's greedy ids for PROMPT} of each checkpoint."""
+def _greedy(converted: dict, hf: bool = False) -> dict:
+    """In a worker: {name: the Engine's greedy ids for PROMPT} of each checkpoint (`hf`: of
+    each HF folder, read directly as `infer.py --hf` does)."""
     from inference.engine import Engine, Request
     from inference.loading import load
     from inference.sampling import SamplingParams
 
     out = {}
-    for name, (_, ckpt) in converted.items():
-        model, _, _ = load(load=ckpt)
+    for name, (hf_dir, ckpt) in converted.items():
+        model, _, _ = load(hf=hf_dir) if hf else load(load=ckpt)
         req = Request("0", PROMPT, SamplingParams(max_new_tokens=MAX_NEW))
         Engine(model, max_batch_size=1, max_seq_length=64).generate([req])
         out[name] = req.output
@@ -150,9 +152,10 @@ def _logits(converted: dict, pp: int) -> dict:
     return out
 
 
-def _tp2_world(converted: dict):
-    """In a world of 2 at tp 2: (logits, greedy ids)."""
-    return _logits(converted, 1), _greedy(converted)
+def _world(converted: dict, pp: int):
+    """In a world at tp 2 x `pp`: (logits of the checkpoint or {} off the last stage, greedy
+    ids from the checkpoint at pp 1, from the HF folder at pp 2)."""
+    return _logits(converted, pp), _greedy(converted, hf=pp > 1)
 
 
 def _check_logits(converted: dict, got: dict, where: str) -> None:
@@ -176,20 +179,20 @@ def _hf_greedy(hf_dir: str) -> list[int]:
     return gen[0, len(PROMPT):].tolist()
 
 
-def test_logits_and_generate_match_transformers_tp2(converted):
-    logits, greedy = run_distributed(_tp2_world, 2, converted, tp=2, timeout=300)[0]
-    _check_logits(converted, logits, "tp=2")
+@pytest.mark.parametrize("pp", [1, 2])
+def test_logits_and_generate_match_transformers_tp2(converted, pp):
+    """tp 2 (greedy ids from the imported checkpoint) and tp 2 x pp 2 (from the HF folder)."""
+    results = run_distributed(_world, 2 * pp, converted, pp, tp=2, pp=pp, timeout=300)
+    logits = {}
+    for r, _ in results:
+        logits.update(r)
+    _check_logits(converted, logits, f"tp=2 pp={pp}")
     for name, (hf_dir, _) in converted.items():
         expected = _hf_greedy(hf_dir)
         assert len(set(expected)) > 5, expected  # not one repeated id
-        assert greedy[name] == expected, f"{name} tp=2: greedy ids differ from transformers'"
-
-
-def test_logits_match_transformers_tp2_pp2(converted):
-    merged = {}
-    for r in run_distributed(_logits, 4, converted, 2, tp=2, pp=2, timeout=300):
-        merged.update(r)
-    _check_logits(converted, merged, "tp=2 pp=2")
+        for rank, (_, greedy) in enumerate(results):
+            assert greedy[name] == expected, \
+                f"{name} tp=2 pp={pp} rank {rank}: greedy ids differ from transformers'"
 
 
 def test_round_trip_is_bitwise(converted, tmp_path):
@@ -327,7 +330,7 @@ def _native_logits(ckpt: str, ids: torch.Tensor) -> torch.Tensor:
 
 
 def test_finetune_at_tp2_and_export(converted, tmp_path):
-    """One `train.py --finetune` step at tp 2 (lr 1e-2) from each import, exported back:
+    """One `train.py --finetune` step at tp 2 with SP (lr 1e-2) from each import, exported back:
     transformers loads it with no missing, unexpected or mismatched tensor, every HF weight
     moved (q/k norms, OLMo 2's post norms too: their gradients reached them), and its logits
     equal ours from the trained checkpoint."""
@@ -348,6 +351,7 @@ def test_finetune_at_tp2_and_export(converted, tmp_path):
                       "--lr", "1e-2", "--min-lr", "1e-2", "--lr-warmup-iters", "0",
                       "--seq-length", "32", "--micro-batch-size", "2",
                       "--global-batch-size", "2", "--eval-interval", "0",
+                      "--sequence-parallel",
                       "--data-path", str(tmp_path / "data_text_document"), "--save", save],
                   tmp_path / f"{name}-log")
         export_hf(save, out, log=lambda *a: None)
