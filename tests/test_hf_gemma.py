@@ -7,8 +7,9 @@ against transformers' own models (tiny random ones built here; nothing is downlo
   positions past it; local and global layers interleaved, Gemma 3's two RoPE bases with
   linear scaling on the global one, Gemma 2's attention and final soft-capping) at tp 1, tp 2
   and tp 2 x pp 2 (global and sliding layers on both stages);
-- greedy generation of 24 tokens through the Engine at tp 2 (prefill, then decode with the
-  KV cache far past the window, 3 requests in 2 slots) equals transformers' `generate`;
+- greedy generation of 24 tokens through the Engine at tp 2 and tp 2 x pp 2 (prefill, then
+  decode with the KV cache far past the window, 3 requests in 2 slots) equals transformers'
+  `generate`;
 - import -> export is bitwise and transformers loads it with no missing, unexpected or
   mismatched tensor, the config fields kept; refusals name the field and write nothing;
 - a train.py --finetune step at tp 2 from an imported Gemma 3 changes every tensor and exports
@@ -177,7 +178,7 @@ def test_logits_match_transformers_tp1(models, no_grid):
 
 def _parallel(models: dict) -> dict:
     """In a world of 4: {(tp, pp): {name: logits mismatch or None}} at tp 2 x pp 2 and tp 2
-    (dp 2), and at tp 2 {name: greedy outputs of PROMPTS} from the Engine (2 slots)."""
+    (dp 2), and {(name, "generate"): greedy outputs of PROMPTS} from the Engine (2 slots)."""
     import torch.distributed as dist
 
     import parallel_state as ps
@@ -202,11 +203,11 @@ def _parallel(models: dict) -> dict:
                 ref = _hf(hf_dir)(ids).logits
                 mine[name] = fp32_mismatch(logits, ref, _terms(config))
                 mine[name, "max_diff"] = float((logits - ref).abs().max())
-            if pp == 1:
-                engine = Engine(model, max_batch_size=2, max_seq_length=40)
-                reqs = [Request(str(i), p, SamplingParams(max_new_tokens=NEW))
-                        for i, p in enumerate(PROMPTS)]
-                engine.generate(reqs)
+            engine = Engine(model, max_batch_size=2, max_seq_length=40)
+            reqs = [Request(str(i), p, SamplingParams(max_new_tokens=NEW))
+                    for i, p in enumerate(PROMPTS)]
+            engine.generate(reqs)
+            if ps.is_pipeline_last_stage():
                 mine[name, "generate"] = [r.output for r in reqs]
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
@@ -230,8 +231,9 @@ def test_parallel_logits_and_generate_match_transformers(models):
                               do_sample=False, pad_token_id=0)
             expected.append(out[0, len(prompt):].tolist())
         assert all(len(e) == NEW and len(set(e)) > 4 for e in expected), expected
-        assert results[2, 1][name, "generate"] == expected, \
-            f"{name} at tp=2: greedy ids differ from transformers' generate"
+        for (tp, pp), got in results.items():
+            assert got[name, "generate"] == expected, \
+                f"{name} at tp={tp} pp={pp}: greedy ids differ from transformers' generate"
 
 
 def test_round_trip_is_bitwise(models, tmp_path):
