@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -375,3 +376,33 @@ def test_finetune_at_tp2_and_export(converted, tmp_path):
             ref = hf.eval()(ids).logits
         assert_fp32_close(_native_logits(os.path.join(save, "iter_0000001"), ids), ref, forward_chain_terms(config, S, "logits"),
                           f"{name} fine-tuned at tp=2, exported")
+
+
+def test_norm_fields_validation():
+    """The q/k-norm and pre-norm fields, as untrusted checkpoint metadata may give them: each
+    bad combination is a ConfigError naming the flag and the fix."""
+    from models.config import ConfigError, ModelConfig
+
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                normalization="RMSNorm", activation="swiglu", add_bias_linear=False,
+                position_embedding_type="rope")
+    cases = [
+        (dict(qk_layernorm="yes"), {}, "--qk-layernorm must be true or false, got 'yes'"),
+        (dict(pre_layernorm=0), {}, "--pre-layernorm must be true or false, got 0"),
+        (dict(qk_norm_over_heads=True), {}, "--qk-norm-over-heads says how the q/k norms span "
+                                            "the heads, but --qk-layernorm is not set"),
+        (dict(qk_layernorm=True, qk_norm_over_heads=True, normalization="LayerNorm"), {},
+         "add --normalization RMSNorm"),
+        # tp 4 > 2 KV heads: replicas would count the k squares twice
+        (dict(qk_layernorm=True, qk_norm_over_heads=True), dict(
+            tensor_model_parallel_size=4, kv_replication=True),
+         "--qk-norm-over-heads with --num-query-groups 2 at --tensor-model-parallel-size 4"),
+    ]
+    for fields, args, expected in cases:
+        with pytest.raises(ConfigError, match=re.escape(expected)):
+            ModelConfig(**{**base, **fields}).validate(**args)
+    # per-head norms replicate with their KV heads at inference (each rank normalizes its own)
+    ModelConfig(**base, qk_layernorm=True).validate(4, kv_replication=True)
+    with pytest.raises(ConfigError, match="for decoder-only models"):
+        ModelConfig(model_type="t5", position_embedding_type="relative",
+                    qk_layernorm=True).validate()
