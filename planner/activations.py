@@ -62,6 +62,21 @@ def norm_bytes(config, tokens: int, bytes_per_value: int) -> int:
     return e * tokens * (h + 2)
 
 
+def qk_norm_bytes(config, tokens: int, heads: int, groups: int, d: int, e: int) -> int:
+    """What a layer's q/k norms (`qk_layernorm`, layers/attention.py) save beyond the layer
+    without them, for `tokens` rows and this rank's `heads` query and `groups` KV heads of
+    width `d`, `e` bytes a value: the normed q and k joined (RoPE's input), the float32 rstd
+    of each row normalized, a float32 copy of the input in a lower precision; over the whole
+    projection (ProjectionRMSNorm) also the float32 normalized values and, in a lower
+    precision, the float32 weights. Measured with training.memory.SavedTensorMeter
+    (tests/test_hf_dense_families.py)."""
+    values = tokens * (heads + groups) * d
+    low = e != 4
+    if config.qk_norm_over_heads:
+        return 8 * values + 4 * 2 * tokens + (4 * (heads + groups) * d if low else 0)
+    return 4 * values + 4 * tokens * (heads + groups) + (e * values if low else 0)
+
+
 def model_layer_bytes(config, s: int, b: int, t: int = 1, sp: bool = False,
                       recompute: str | None = None, bytes_per_value: int = 4,
                       dropout: bool | None = None, keyed_dropout: bool = True,
@@ -83,7 +98,8 @@ def model_layer_bytes(config, s: int, b: int, t: int = 1, sp: bool = False,
         return {"layer input": e * sl * b * h}
     hid_drop = config.hidden_dropout > 0 if dropout is None else dropout
     att_drop = config.attention_dropout > 0 if dropout is None else dropout
-    out = {"norms": 2 * norm_bytes(config, sl * b, e),
+    norms = 2 * config.pre_layernorm + config.post_self_attn_layernorm + config.post_mlp_layernorm
+    out = {"norms": norms * norm_bytes(config, sl * b, e),
            "qkv and fc1 inputs": 2 * e * sl * b * h}  # the sequence shard under SP
     mixed = e * s * b * (an + 2 * gn) * d  # fused QKV output: v (and q, k without RoPE) view it
     rope = config.position_embedding_type == "rope"
@@ -114,6 +130,8 @@ def model_layer_bytes(config, s: int, b: int, t: int = 1, sp: bool = False,
         out["attention q, k, v"] = 2 * q32 + (mixed if e == 4 and an == gn else q32)
         out["attention s^2 (softmax, mask, dropped)"] = 3 * 4 * b * an * s * s
         out["projection input"] = q
+    if config.qk_layernorm:
+        out["q/k norms"] = qk_norm_bytes(config, s * b, an, gn, d, e)
     if moe:  # the MoE MLP's own terms; the pre-MLP norm's output is the router's input
         out["qkv and fc1 inputs"] //= 2
         out.update(moe_layer_bytes(config, s, b, t, sp, e, ep))

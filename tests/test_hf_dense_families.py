@@ -1,5 +1,5 @@
-"""Hugging Face dense families of issue 31 (Qwen3, OLMo 2, Phi-3) against transformers' own models, tiny
-random ones built here (nothing downloads):
+"""Hugging Face dense families of issue 31 (Qwen3, OLMo 2, Phi-3) against transformers' own
+models, tiny random ones built here (nothing downloads):
 
 - logits equal transformers' on a [2, 16] batch at tp 1, tp 2 and tp 2 x pp 2, to the
   project's float32 tolerance (tests/tolerances.py);
@@ -10,9 +10,10 @@ random ones built here (nothing downloads):
 - q/k norms (Qwen3's per head, OLMo 2's over the whole projection: its squares summed over
   TP) and OLMo 2's post-only norms: a layer's output and gradients at tp 2 equal one
   process's;
-- `train.py --finetune` of each import at tp 2 with SP (one step, lr > 0) exported back: transformers
-  loads it cleanly and its logits equal ours from the trained checkpoint, every weight moved
-  (the q/k norms' too);
+- `train.py --finetune` of each import at tp 2 with SP (one step, lr > 0) exported back:
+  transformers loads it cleanly and its logits equal ours from the trained checkpoint, every
+  weight moved (the q/k norms' too);
+- the planner's activation bytes equal what the q/k and post norms save (float32, bf16);
 - the variants we do not build are refused with one line naming the field, nothing written.
 """
 from __future__ import annotations
@@ -236,7 +237,8 @@ def _qk_norm_layer_grads(config_kw: dict) -> dict:
     tp_group = ps.get_tensor_model_parallel_group()
     out = {"y": y.detach(), "x.grad": x.grad}
     for name, p in layer.named_parameters():
-        shards = [torch.empty_like(p.grad) for _ in range(ps.get_tensor_model_parallel_world_size())]
+        tp = ps.get_tensor_model_parallel_world_size()
+        shards = [torch.empty_like(p.grad) for _ in range(tp)]
         torch.distributed.all_gather(shards, p.grad.contiguous(), group=tp_group)
         out[name] = unshard_tensors(shards, p)
     return out
@@ -374,7 +376,8 @@ def test_finetune_at_tp2_and_export(converted, tmp_path):
         ids = _batch(config.vocab_size)
         with torch.no_grad():
             ref = hf.eval()(ids).logits
-        assert_fp32_close(_native_logits(os.path.join(save, "iter_0000001"), ids), ref, forward_chain_terms(config, S, "logits"),
+        ours = _native_logits(os.path.join(save, "iter_0000001"), ids)
+        assert_fp32_close(ours, ref, forward_chain_terms(config, S, "logits"),
                           f"{name} fine-tuned at tp=2, exported")
 
 
@@ -406,3 +409,29 @@ def test_norm_fields_validation():
     with pytest.raises(ConfigError, match="for decoder-only models"):
         ModelConfig(model_type="t5", position_embedding_type="relative",
                     qk_layernorm=True).validate()
+
+
+def test_planner_counts_what_the_norms_save(no_grid):
+    """The planner's activation bytes (planner/activations.py `qk_norm_bytes`, the norm count)
+    equal what Qwen3's and OLMo 2's layers save for backward (training.memory's meter), in
+    float32 and bfloat16, at two head layouts."""
+    from models import GPTModel, ModelConfig
+    from planner.activations import model_chunk_bytes
+    from training.memory import SavedTensorMeter
+
+    for heads, groups, d, s, b in ((4, 2, 16, 32, 2), (8, 2, 8, 16, 3)):
+        base = dict(num_layers=2, hidden_size=64, num_attention_heads=heads,
+                    num_query_groups=groups, kv_channels=d, seq_length=s, ffn_hidden_size=96,
+                    normalization="RMSNorm", activation="swiglu", add_bias_linear=False,
+                    position_embedding_type="rope", vocab_size=256, qk_layernorm=True)
+        olmo2 = dict(base, qk_norm_over_heads=True, pre_layernorm=False,
+                     post_self_attn_layernorm=True, post_mlp_layernorm=True)
+        for dtype, e in ((torch.float32, 4), (torch.bfloat16, 2)):
+            for kw in (base, olmo2):
+                config = ModelConfig(**kw)
+                model = GPTModel(config).to(dtype)
+                meter = SavedTensorMeter([model])
+                with meter:
+                    model(torch.randint(0, 256, (b, s)))
+                assert meter.bytes("layers") == model_chunk_bytes(config, 2, s, b,
+                                                                  bytes_per_value=e), (kw, e)
