@@ -409,6 +409,15 @@ def test_norm_fields_validation():
     with pytest.raises(ConfigError, match="for decoder-only models"):
         ModelConfig(model_type="t5", position_embedding_type="relative",
                     qk_layernorm=True).validate()
+    # the export's family hint (a Phi-3 import's extra) from untrusted metadata: used only
+    # when it names a family that can represent the model
+    from models.hf import config_to_hf
+
+    for extra, arch in (({"hf_model_type": "phi3"}, "Phi3ForCausalLM"),
+                        ({"hf_model_type": ["phi3"]}, "LlamaForCausalLM"),
+                        ({"hf_model_type": "gpt2"}, "LlamaForCausalLM"),
+                        ("phi3", "LlamaForCausalLM")):
+        assert config_to_hf(ModelConfig(**base, extra=extra))["architectures"] == [arch], extra
 
 
 def test_planner_counts_what_the_norms_save(no_grid):

@@ -252,7 +252,8 @@ def family_for(c: ModelConfig):
         return moe
     # the family the model was imported from, when another could also represent it (a
     # Phi-3 is a Llama with fused files: models/hf/phi3.py)
-    hinted = FAMILIES.get(c.extra.get("hf_model_type")) if type(c.extra) is dict else None
+    hint = c.extra.get("hf_model_type") if type(c.extra) is dict else None  # untrusted
+    hinted = FAMILIES.get(hint) if type(hint) is str else None
     if hinted is not None and not hinted.conditions(c):
         return hinted
     reasons = {}
