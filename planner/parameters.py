@@ -126,7 +126,7 @@ def chunk_parameters(m, tp: int, layer_numbers: list[int], pre_process: bool,
                                   m.max_position_embeddings * h, emb_unit, sequence_parallel=sp))
     q, kv = m.query_projection_size // tp, m.kv_projection_size // tp
     f = m.ffn_hidden_size // tp
-    fc1 = 2 * f if m.activation == "swiglu" else f
+    fc1 = 2 * f if m.activation in ("swiglu", "geglu") else f
     for n in layer_numbers:
         p, unit = f"decoder.layers.{n}", f"layer {n}"
         if m.pre_layernorm:

@@ -248,3 +248,23 @@ def test_plan_says_what_it_does_on_a_terminal():
     result = search.plan(model, hw, 16, progress=lambda n, fit: seen.append((n, fit)))
     assert search.layout_count(model, 4) == 432 == len(result["fits"]) + len(result["rejected"])
     assert [n for n, _ in seen] == list(range(432)) and seen[-1][1] <= len(result["fits"])
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu", "geglu", "relu"])
+def test_parameter_list_matches_the_built_model(activation):
+    """The planner's per-rank parameter list (names and counts) equals the model's own, for
+    every activation (GeGLU's fc1 is fused [gate; up] like SwiGLU's)."""
+    import torch
+
+    from models import GPTModel
+    from models.config import ModelConfig
+    from planner.parameters import chunk_parameters
+
+    m = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96,
+                    seq_length=16, max_position_embeddings=16, vocab_size=128,
+                    activation=activation, add_bias_linear=False)
+    with torch.device("meta"):
+        model = GPTModel(m)
+    built = {name: p.numel() for name, p in model.named_parameters()}
+    predicted = {s.name: s.count for s in chunk_parameters(m, 1, [0, 1], True, True, False)}
+    assert predicted == built
