@@ -24,8 +24,14 @@ drift on a shared machine; a layout's figure is the median over its rounds.
 Targets (issue 16, idle 2-core CPU): scaling >= 1.8x at dp2, >= 1.4x at pp2 (the 1F1B ideal
 with 4 microbatches is 1.6x), >= 1.5x at tp2 and at tp2 x pp2; printed as MET / NOT MET.
 
-Run: `python bench/parallel_throughput.py [--repeats 3] [--iters 12]` (about 10 minutes on 2
-CPU cores with the defaults). Flags after `--` go to every run.
+Mixture of experts (`--moe`, issue 30): tiny-moe (configs/models/tiny-moe.yaml, 8 experts top-2,
+dropless) at seq 256, micro batch 2, global batch 8, on 1 process (ep 1), at ep 2 (the experts
+split over the 2 ranks, tokens exchanged by all-to-all) and at dp 2 with ep 1 (every rank holds
+every expert: the same 2 processes without the all-to-all), beside the 2-process ceiling. No
+targets: the figures say what expert parallelism costs or saves on this machine.
+
+Run: `python bench/parallel_throughput.py [--repeats 3] [--iters 12] [--moe]` (about 10
+minutes on 2 CPU cores with the defaults). Flags after `--` go to every run.
 """
 from __future__ import annotations
 
@@ -54,6 +60,10 @@ LAYOUTS = [("1 process", 1, []), ("tp2", 2, ["--tp", "2"]), ("pp2", 2, ["--pp", 
            ("dp2", 2, []), ("tp2 x pp2", 4, ["--tp", "2", "--pp", "2"]),
            (INDEPENDENT, 2, [])]
 TARGETS = {"dp2": 1.8, "pp2": 1.4, "pp2 3|1": 1.4, "tp2": 1.5, "tp2 x pp2": 1.5}
+MOE_MODEL = ["--model", "tiny-moe", "--seq-length", str(SEQ), "--max-position-embeddings",
+             str(SEQ), "--micro-batch-size", "2", "--global-batch-size", "8"]
+MOE_LAYOUTS = [("1 process", 1, []), ("ep2", 2, ["--expert-model-parallel-size", "2"]),
+               ("dp2 ep1", 2, []), (INDEPENDENT, 2, [])]
 
 
 def run_layout(nproc: int, flags: list[str], iters: int, log_dir: str,
@@ -108,25 +118,29 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--iters", type=int, default=12, help="iterations per run (>= 5)")
+    p.add_argument("--moe", action="store_true",
+                   help="tiny-moe at 1 process, ep 2 and dp 2 (ep 1) instead of the dense layouts")
     p.add_argument("extra", nargs="*", help="after --: flags for every run")
     args = p.parse_args(argv)
     if args.iters < 5:
         p.error("--iters must be >= 5 (steps 2..iters-2 are timed, the last two profiled)")
-    results = {name: [] for name, _, _ in LAYOUTS}
+    model, layouts = (MOE_MODEL, MOE_LAYOUTS) if args.moe else (MODEL, LAYOUTS)
+    results = {name: [] for name, _, _ in layouts}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.repeats):
-            for name, nproc, flags in LAYOUTS:
-                out = run_layout(nproc, MODEL + flags + args.extra, args.iters,
+            for name, nproc, flags in layouts:
+                out = run_layout(nproc, model + flags + args.extra, args.iters,
                                  os.path.join(tmp, f"{r}-{re.sub(r'[^a-z0-9]', '', name)}"),
                                  copies=nproc if name == INDEPENDENT else 1)
                 results[name].append(out)
                 print(f"round {r + 1}: {name:<10} {out['tokens_per_s']:8.0f} tok/s", flush=True)
     base = statistics.median(o["tokens_per_s"] for o in results["1 process"])
-    print(f"\npicotron's tiny Llama (vocab 8192), float32, OMP 1 per rank, {os.cpu_count()} "
+    what = "tiny-moe (8 experts, top-2)" if args.moe else "picotron's tiny Llama"
+    print(f"\n{what} (vocab 8192), float32, OMP 1 per rank, {os.cpu_count()} "
           f"cores, median of {args.repeats} rounds (steps 2-{args.iters - 2} each)")
     print(f"{'layout':<11} {'procs':>5} {'tok/s':>8} {'scaling':>8} {'target':>14} "
           f"{'comm share':>11} {'spread':>7}")
-    for name, nproc, _ in LAYOUTS:
+    for name, nproc, _ in layouts:
         tps = [o["tokens_per_s"] for o in results[name]]
         med = statistics.median(tps)
         scaling = med / base
@@ -141,8 +155,9 @@ def main(argv=None) -> int:
           "profiled steps), mean over ranks; spread: (max - min) / median over rounds")
     ceiling = statistics.median(o["tokens_per_s"] for o in results[INDEPENDENT]) / base
     print(f"'{INDEPENDENT}': two independent runs at once (no communication), tokens/s summed: "
-          f"this machine lets no 2-rank layout pass {ceiling:.2f}x; each target as a share of "
-          f"that ceiling: " + ", ".join(f"{n} {t / ceiling:.0%}" for n, t in TARGETS.items()))
+          f"this machine lets no 2-rank layout pass {ceiling:.2f}x"
+          + ("" if args.moe else "; each target as a share of that ceiling: "
+             + ", ".join(f"{n} {t / ceiling:.0%}" for n, t in TARGETS.items())))
     return 0
 
 
