@@ -1,4 +1,4 @@
-"""The process grid (pp x dp x tp on one DeviceMesh, and the expert layers' etp x ep x edp
+"""The process grid (pp x dp x cp x tp on one DeviceMesh, and the expert layers' etp x ep x edp
 over the same ranks), its getters, the TP-aware RNG tracker, the collectives with autograd,
 pipeline p2p and the one layer every collective passes through. See grid.py, random.py,
 mappings.py, p2p.py and collectives.py; hang_doctor/ (the collective trace, its report,
@@ -9,6 +9,10 @@ from .grid import (  # noqa: F401
     Grid,
     GridError,
     default_device,
+    get_context_parallel_global_ranks,
+    get_context_parallel_group,
+    get_context_parallel_rank,
+    get_context_parallel_world_size,
     destroy_model_parallel,
     get_data_parallel_group,
     get_data_parallel_rank,

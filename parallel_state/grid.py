@@ -1,15 +1,20 @@
-"""The process grid: one DeviceMesh with dims ("pp", "dp", "tp") and Megatron-style getters.
+"""The process grid: one DeviceMesh with dims ("pp", "dp", "cp", "tp") and Megatron-style
+getters.
 
-Rank order is Megatron's: tensor-parallel ranks are adjacent (fastest varying), then data
-parallel, then pipeline, so global rank = (pp_rank * dp + dp_rank) * tp + tp_rank and a TP
-group sits inside one node.
+Rank order is Megatron's (tp-cp-dp-pp): tensor-parallel ranks are adjacent (fastest varying),
+then context parallel, then data parallel, then pipeline, so global rank =
+((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank and a TP group sits inside one node.
+Context-parallel ranks (cp) hold different parts of the same sequences and the same weights,
+so weight gradients reduce, and ZeRO shards, over the dp x cp ranks of a stage
+(`get_data_parallel_group(with_context_parallel=True)`, Megatron's name); the data loader's
+replicas are the dp ranks alone. At cp 1 the grid is the (pp, dp, tp) grid it always was.
 
 The expert layers of a mixture of experts see the same ranks of each pipeline stage as
-etp x ep x edp (Megatron-Core's expert RankGenerator, order tp-ep-dp-pp): expert-tensor-
-parallel ranks adjacent, then expert-parallel, then expert-data-parallel, so global rank =
-(pp_rank * edp + edp_rank) * ep * etp + ep_rank * etp + etp_rank and dp * tp == edp * ep * etp.
-The expert-parallel ranks are thus carved out of the data-parallel (and, when etp < tp, the
-tensor-parallel) ranks of a stage.
+etp x ep x edp (Megatron-Core's expert RankGenerator, order tp-ep-dp-pp, which leaves cp out):
+expert-tensor-parallel ranks adjacent, then expert-parallel, then expert-data-parallel, so
+global rank = (pp_rank * edp + edp_rank) * ep * etp + ep_rank * etp + etp_rank and
+dp * cp * tp == edp * ep * etp. The expert-parallel ranks are thus carved out of the
+data-parallel x context-parallel (and, when etp < tp, the tensor-parallel) ranks of a stage.
 
 The grid is one object (`Grid`); the module keeps the current one so layers can ask for their
 groups without threading it through every constructor, and the getters below read it.
@@ -36,7 +41,7 @@ class GridError(RuntimeError):
 
 @dataclass
 class Grid:
-    """Sizes, this process's coordinates and the process groups of the (pp, dp, tp) grid."""
+    """Sizes, this process's coordinates and the process groups of the (pp, dp, cp, tp) grid."""
 
     mesh: DeviceMesh
     tensor_model_parallel_size: int
@@ -57,6 +62,11 @@ class Grid:
     pp_rank: int = 0
     pp_ranks: list[int] = field(default_factory=list)  # global ranks of this pipeline, by stage
     virtual_pipeline_rank: int = 0  # the model chunk currently running (set by schedules)
+    # context parallel (see the module docstring): size, this rank's coordinate, its groups
+    context_parallel_size: int = 1
+    cp_rank: int = 0
+    cp_group: dist.ProcessGroup | None = None
+    dp_cp_group: dist.ProcessGroup | None = None  # dp x cp ranks: weight gradients, ZeRO
     # expert layers (see the module docstring): sizes, this rank's coordinates, its groups
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int = 1
@@ -172,19 +182,21 @@ def initialize_model_parallel(
     stage_groups: dict[str, list[int]] | None = None,
     expert_model_parallel_size: int = 1,
     expert_tensor_parallel_size: int | None = None,
+    context_parallel_size: int = 1,
 ) -> Grid:
-    """Build the (pp, dp, tp) grid over the running world and make it current.
+    """Build the (pp, dp, cp, tp) grid over the running world and make it current.
 
     `embedding_stages`: the pipeline stages holding a copy of the word embedding (default the
     first and the last; T5 also the first decoder stage, Megatron's split rank).
     `stage_groups`: `{name: stages}` of other parameters replicated over stages; each gets a
     group per (dp, tp) coordinate (`get_stage_group(name)`), like the embedding group.
     `expert_model_parallel_size` (ep) and `expert_tensor_parallel_size` (etp, None: tp) lay
-    out the expert layers over each stage's dp * tp ranks as etp x ep x edp (module
-    docstring); edp = dp * tp / (ep * etp).
+    out the expert layers over each stage's dp * cp * tp ranks as etp x ep x edp (module
+    docstring); edp = dp * cp * tp / (ep * etp). `context_parallel_size` (cp): ranks splitting
+    each sequence (Megatron's --context-parallel-size); dp = world / (tp * cp * pp).
 
-    Raises `GridError` when the world size is not divisible by tp * pp, when etp does not
-    divide dp * tp or ep does not divide dp * tp / etp, when a size is not positive, when the
+    Raises `GridError` when the world size is not divisible by tp * cp * pp, when etp does not
+    divide dp * cp * tp or ep does not divide dp * cp * tp / etp, when a size is not positive, when the
     default process group is not started, or when a grid already exists (call
     `destroy_model_parallel()` first). Sizes are checked before any group is made.
     """
@@ -198,20 +210,25 @@ def initialize_model_parallel(
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
     vpp = virtual_pipeline_model_parallel_size
     world = dist.get_world_size()
-    dp = _data_parallel_size(world, tp, pp, vpp)
+    cp = context_parallel_size
+    dp = _data_parallel_size(world, tp, pp, vpp, cp)
+    dpc = dp * cp  # the ranks of a stage holding the same shards: cp ranks beside dp ones
     ep = expert_model_parallel_size
     etp = tp if expert_tensor_parallel_size is None else expert_tensor_parallel_size
-    edp = _expert_data_parallel_size(world, tp, dp, pp, ep, etp)
+    edp = _expert_data_parallel_size(world, tp, dp, pp, ep, etp, cp)
     device = torch.device(device) if device is not None else default_device()
-    mesh = _device_mesh(device, pp, dp, tp)
+    mesh = _device_mesh(device, pp, dp, cp, tp)
     rank = dist.get_rank()
-    pp_rank, rest = divmod(rank, dp * tp)
-    dp_rank, tp_rank = divmod(rest, tp)
+    pp_rank, rest = divmod(rank, dpc * tp)
+    dpc_rank, tp_rank = divmod(rest, tp)
+    dp_rank, cp_rank = divmod(dpc_rank, cp)
+    # groups spanning stages, like the expert layout, see dp x cp as one dimension of dpc
     model_parallel_group, embedding_group, groups = _cross_stage_groups(
-        tp, dp, pp, rank, embedding_stages, stage_groups)
-    pp_ranks = [(p * dp + dp_rank) * tp + tp_rank for p in range(pp)]
-    expert = _expert_groups(tp, dp, pp, ep, etp, rank, mesh.get_group("tp"),
-                            mesh.get_group("dp"), device)
+        tp, dpc, pp, rank, embedding_stages, stage_groups)
+    pp_ranks = [(p * dpc + dpc_rank) * tp + tp_rank for p in range(pp)]
+    dp_cp_group = _dp_cp_group(mesh, tp, dp, cp, pp, rank, device)
+    expert = _expert_groups(tp, dpc, pp, ep, etp, rank, mesh.get_group("tp"),
+                            dp_cp_group, device)
     _GRID = Grid(
         mesh=mesh,
         tensor_model_parallel_size=tp,
@@ -229,6 +246,10 @@ def initialize_model_parallel(
         dp_rank=dp_rank,
         pp_rank=pp_rank,
         pp_ranks=pp_ranks,
+        context_parallel_size=cp,
+        cp_rank=cp_rank,
+        cp_group=mesh.get_group("cp"),
+        dp_cp_group=dp_cp_group,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
         expert_data_parallel_size=edp,
@@ -237,32 +258,55 @@ def initialize_model_parallel(
     return _GRID
 
 
-def _data_parallel_size(world: int, tp: int, pp: int, vpp: int | None) -> int:
-    """dp = world / (tp * pp); raises GridError for a size below 1 or a world that tp * pp
-    does not divide, naming the flags to change."""
-    if tp < 1 or pp < 1 or (vpp is not None and vpp < 1):
-        raise GridError(f"parallel sizes must be >= 1, got tp={tp} pp={pp} vpp={vpp}")
-    if world % (tp * pp):
+def _data_parallel_size(world: int, tp: int, pp: int, vpp: int | None, cp: int = 1) -> int:
+    """dp = world / (tp * cp * pp); raises GridError for a size below 1 or a world that
+    tp * cp * pp does not divide, naming the flags to change."""
+    if tp < 1 or pp < 1 or cp < 1 or (vpp is not None and vpp < 1):
+        raise GridError(f"parallel sizes must be >= 1, got tp={tp} cp={cp} pp={pp} vpp={vpp}")
+    if world % (tp * cp * pp):
+        cp_part = f"context-parallel-size ({cp}) x " if cp > 1 else ""
         raise GridError(
             f"world size {world} is not divisible by tensor-model-parallel-size ({tp}) x "
-            f"pipeline-model-parallel-size ({pp}); launch a multiple of {tp * pp} processes "
-            f"or change --tp/--pp")
-    return world // (tp * pp)
+            f"{cp_part}pipeline-model-parallel-size ({pp}); launch a multiple of "
+            f"{tp * cp * pp} processes or change --tp/{'--context-parallel-size/' if cp > 1 else ''}--pp")
+    return world // (tp * cp * pp)
 
 
-def _device_mesh(device: torch.device, pp: int, dp: int, tp: int):
-    """The (pp, dp, tp) DeviceMesh, its groups named and given the timeout; on CPU the tp and
-    dp groups get a shared-memory channel (TP's many small collectives, DP's large ones:
-    transport/shm.py)."""
-    mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
-    for dim in ("pp", "dp", "tp"):
+def _device_mesh(device: torch.device, pp: int, dp: int, cp: int, tp: int):
+    """The (pp, dp, cp, tp) DeviceMesh, its groups named and given the timeout; on CPU the tp,
+    cp and dp groups get a shared-memory channel (TP's many small collectives, DP's large
+    ones, CP's all-gathers: transport/shm.py)."""
+    dims = ("pp", "dp", "cp", "tp")
+    mesh = init_device_mesh(device.type, (pp, dp, cp, tp), mesh_dim_names=dims)
+    for dim in dims:
         collectives.apply_timeout(mesh.get_group(dim))
         collectives.name_group(mesh.get_group(dim), dim)
     if device.type == "cpu":
-        for dim, size in (("tp", tp), ("dp", dp)):
+        for dim, size in (("tp", tp), ("dp", dp), ("cp", cp)):
             if size > 1:
                 shm_setup.attach(mesh.get_group(dim), collectives.get_timeout())
     return mesh
+
+
+def _dp_cp_group(mesh, tp: int, dp: int, cp: int, pp: int, rank: int, device: torch.device):
+    """The dp x cp ranks of this rank's stage and TP coordinate (Megatron's data-parallel group
+    with context parallel): the dp group at cp 1, the cp group at dp 1, else a group of its
+    own labelled "dp-cp" (every rank makes every one, in the same order), with a shared-memory
+    channel on CPU (the gradient reductions and ZeRO's gathers)."""
+    if cp == 1:
+        return mesh.get_group("dp")
+    if dp == 1:
+        return mesh.get_group("cp")
+    mine = None
+    for p in range(pp):
+        for t in range(tp):
+            ranks = [(p * dp * cp + c) * tp + t for c in range(dp * cp)]
+            g = collectives.new_group(ranks, label="dp-cp")
+            if rank in ranks:
+                mine = g
+    if device.type == "cpu":
+        shm_setup.attach(mine, collectives.get_timeout())
+    return mine
 
 
 def _cross_stage_groups(tp: int, dp: int, pp: int, rank: int, embedding_stages, stage_groups):
@@ -300,36 +344,45 @@ def _cross_stage_groups(tp: int, dp: int, pp: int, rank: int, embedding_stages, 
     return model_parallel_group, embedding_group, groups
 
 
-def _expert_data_parallel_size(world: int, tp: int, dp: int, pp: int, ep: int, etp: int) -> int:
-    """edp of the expert layout etp x ep x edp over a stage's dp * tp ranks; raises GridError
-    naming the flag to change when the sizes do not fit."""
+def _expert_data_parallel_size(world: int, tp: int, dp: int, pp: int, ep: int, etp: int,
+                               cp: int = 1) -> int:
+    """edp of the expert layout etp x ep x edp over a stage's dp * cp * tp ranks; raises
+    GridError naming the flag to change when the sizes do not fit."""
     if ep < 1 or etp < 1:
         raise GridError(f"expert parallel sizes must be >= 1, got --expert-model-parallel-size "
                         f"{ep} --expert-tensor-parallel-size {etp}; 1 turns either off")
-    stage = dp * tp
+    stage = dp * cp * tp
+    ranks = (f"data-parallel size {dp} x context-parallel-size {cp} x "
+             f"tensor-model-parallel-size {tp}" if cp > 1 else
+             f"data-parallel size {dp} x tensor-model-parallel-size {tp}")
     if stage % etp:
         raise GridError(
             f"--expert-tensor-parallel-size {etp} must divide the {stage} ranks of a pipeline "
-            f"stage (data-parallel size {dp} x tensor-model-parallel-size {tp}); use a "
-            f"divisor of {stage}, e.g. {tp} (the default: the same as --tp)")
+            f"stage ({ranks}); use a divisor of {stage}, e.g. {tp} (the default: the same as "
+            f"--tp)")
     if (stage // etp) % ep:
         n = stage // etp
-        where = f"the data-parallel size ({dp} = world {world} / (tp {tp} x pp {pp}))"
+        dpc = f"the data-parallel size ({dp} = world {world} / (tp {tp} x pp {pp}))" \
+            if cp == 1 else (f"data-parallel size x context-parallel-size ({dp * cp} = world "
+                             f"{world} / (tp {tp} x pp {pp}))")
+        where = dpc
         if etp != tp:
             where += f" x tensor-model-parallel-size {tp} / expert-tensor-parallel-size {etp} = {n}"
         fits = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
         raise GridError(
             f"--expert-model-parallel-size {ep} must divide {where}: the expert-parallel "
-            f"ranks are carved out of the data-parallel ranks of each pipeline stage; use one "
-            f"of {fits}, or launch a multiple of {math.lcm(tp, etp * ep) * pp} processes")
+            f"ranks are carved out of the data-parallel{' x context-parallel' if cp > 1 else ''} "
+            f"ranks of each pipeline stage; use one of {fits}, or launch a multiple of "
+            f"{math.lcm(tp * cp, etp * ep) * pp} processes")
     return stage // (etp * ep)
 
 
 def _expert_groups(tp: int, dp: int, pp: int, ep: int, etp: int, rank: int, tp_group,
                    dp_group, device: torch.device) -> dict:
     """This rank's coordinates and groups in the expert layout (module docstring), as `Grid`
-    fields. Every rank makes every group, in the same order. An expert group with the ranks of
-    another is that group (etp == tp: the tp group; ep * etp == tp: the dp group; etp x ep:
+    fields; `dp` is a stage's dp x cp ranks and `dp_group` their group (the dp-cp group).
+    Every rank makes every group, in the same order. An expert group with the ranks of
+    another is that group (etp == tp: the tp group; ep * etp == tp: the dp(-cp) group; etp x ep:
     the etp group when ep == 1, the ep group when etp == 1), with its label and shared-memory
     channel; the others are labelled "ep", "etp", "edp", "etp-ep". On CPU, new etp and edp
     groups (reductions) get a shared-memory channel; the ep group's all-to-all is not one the
@@ -400,8 +453,33 @@ def get_tensor_model_parallel_group():
     return get_grid().tp_group
 
 
-def get_data_parallel_group():
-    return get_grid().dp_group
+def get_data_parallel_group(with_context_parallel: bool = False):
+    """The dp group (the data loader's replicas); `with_context_parallel`: the dp x cp ranks
+    holding the same weights, over which weight gradients reduce and ZeRO shards (Megatron's
+    argument; the dp group itself at cp 1)."""
+    g = get_grid()
+    return g.dp_cp_group if with_context_parallel else g.dp_group
+
+
+def get_context_parallel_group():
+    """The cp group: the ranks holding the parts of the same sequences (ring attention)."""
+    return get_grid().cp_group
+
+
+def get_context_parallel_world_size() -> int:
+    return _GRID.context_parallel_size if _GRID else 1
+
+
+def get_context_parallel_rank() -> int:
+    return _GRID.cp_rank if _GRID else 0
+
+
+def get_context_parallel_global_ranks() -> list[int]:
+    """Global ranks of this rank's cp group, by cp rank (Megatron's getter)."""
+    g = get_grid()
+    first = g.tp_rank + ((g.pp_rank * g.data_parallel_size + g.dp_rank) *
+                         g.context_parallel_size) * g.tensor_model_parallel_size
+    return [first + c * g.tensor_model_parallel_size for c in range(g.context_parallel_size)]
 
 
 def get_pipeline_model_parallel_group():
@@ -483,12 +561,19 @@ def get_tensor_model_parallel_rank() -> int:
     return _GRID.tp_rank if _GRID else 0
 
 
-def get_data_parallel_world_size() -> int:
-    return _GRID.data_parallel_size if _GRID else 1
+def get_data_parallel_world_size(with_context_parallel: bool = False) -> int:
+    if _GRID is None:
+        return 1
+    cp = _GRID.context_parallel_size if with_context_parallel else 1
+    return _GRID.data_parallel_size * cp
 
 
-def get_data_parallel_rank() -> int:
-    return _GRID.dp_rank if _GRID else 0
+def get_data_parallel_rank(with_context_parallel: bool = False) -> int:
+    if _GRID is None:
+        return 0
+    if with_context_parallel:
+        return _GRID.dp_rank * _GRID.context_parallel_size + _GRID.cp_rank
+    return _GRID.dp_rank
 
 
 def get_pipeline_model_parallel_world_size() -> int:

@@ -165,8 +165,58 @@ def _shm_collectives() -> dict:
     return out
 
 
+def _describe_cp() -> dict:
+    """The context-parallel view of the grid: sizes, ranks, groups and their labels."""
+    from parallel_state import collectives
+
+    cp_group, dp_cp = ps.get_context_parallel_group(), ps.get_data_parallel_group(True)
+    return dict(
+        _describe(),
+        cp=(ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()),
+        dp_cp=(ps.get_data_parallel_rank(with_context_parallel=True),
+               ps.get_data_parallel_world_size(with_context_parallel=True)),
+        cp_group=_ranks(cp_group), dp_cp_group=_ranks(dp_cp),
+        cp_global_ranks=ps.get_context_parallel_global_ranks(),
+        labels=(collectives.group_label(cp_group), collectives.group_label(dp_cp)),
+        ep_group=_ranks(ps.get_expert_model_parallel_group()),
+        edp_group=_ranks(ps.get_expert_data_parallel_group()),
+        edp_is_dp_cp=ps.get_expert_data_parallel_group() is dp_cp,
+        cp_sum=_cp_sum(cp_group, dp_cp),
+    )
+
+
+def _cp_sum(cp_group, dp_cp) -> list[float]:
+    """All-reduces of the global rank over the cp and the dp-cp group (their channels)."""
+    out = []
+    for group in (cp_group, dp_cp):
+        x = torch.tensor([float(dist.get_rank())])
+        from parallel_state import collectives
+        collectives.all_reduce(x, group=group)
+        out.append(float(x))
+    return out
+
+
+def _cp_grid_cases(out: dict) -> None:
+    """Context-parallel layouts of the 8-rank world (and their errors)."""
+    ps.destroy_model_parallel()
+    out["cp_errors"] = [_raised(ps.initialize_model_parallel, 2, 1, context_parallel_size=3),
+                        _raised(ps.initialize_model_parallel, 1, 1, context_parallel_size=0)]
+    ps.initialize_model_parallel(2, 1, device="cpu", context_parallel_size=2)
+    out["tp2cp2"] = _describe_cp()
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(1, 2, device="cpu", context_parallel_size=2,
+                                 expert_model_parallel_size=2)
+    out["cp2pp2ep2"] = _describe_cp()
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(1, 1, device="cpu", context_parallel_size=8)
+    out["cp8"] = _describe_cp()
+    ps.destroy_model_parallel()
+
+
 def _grid_suite() -> dict:
     out = {"tp2pp2": _describe()}
+    out["tp2pp2_cp"] = (ps.get_context_parallel_world_size(), ps.get_context_parallel_rank(),
+                        _ranks(ps.get_data_parallel_group(with_context_parallel=True)))
     out["twice"] = _error(ps.initialize_model_parallel, 2, 2)
     ps.destroy_model_parallel()  # the grid only; the world stays up
     out["no_grid_getter"] = _error(ps.get_tensor_model_parallel_group)
@@ -188,6 +238,7 @@ def _grid_suite() -> dict:
                     ps.is_pipeline_first_stage(ignore_virtual=True),
                     ps.is_pipeline_last_stage(ignore_virtual=True)))
     out["vpp"] = vpp
+    _cp_grid_cases(out)
     return out
 
 
@@ -331,6 +382,60 @@ def test_shared_memory_switch(monkeypatch):
     assert not shm.available()
     monkeypatch.setenv(shm.ENV_SWITCH, "1")
     assert shm.available() == (os.path.isdir("/dev/shm") and os.uname().machine == "x86_64")
+
+
+def test_context_parallel_groups_follow_megatron_order(grid8):
+    """tp-cp-dp-pp (Megatron's order): rank = ((pp * dp + dp_rank) * cp + cp_rank) * tp +
+    tp_rank; the dp-cp group (weight gradients, ZeRO) is dp x cp of one stage and tp rank;
+    the expert layout carves ep out of dp x cp; labels "cp" and "dp-cp" for traces and
+    --report-comm. Hand-written group lists for world 8."""
+    tp2cp2 = dict(tp_group=[[0, 1], [2, 3], [4, 5], [6, 7]], cp_group=[[0, 2], [1, 3], [4, 6], [5, 7]],
+                  dp_group=[[0, 4], [1, 5], [2, 6], [3, 7]], dp_cp_group=[[0, 2, 4, 6], [1, 3, 5, 7]],
+                  mp_group=[[0, 1], [2, 3], [4, 5], [6, 7]], pp_group=[[r] for r in range(8)])
+    cp2pp2 = dict(tp_group=[[r] for r in range(8)], cp_group=[[0, 1], [2, 3], [4, 5], [6, 7]],
+                  dp_group=[[0, 2], [1, 3], [4, 6], [5, 7]], dp_cp_group=[[0, 1, 2, 3], [4, 5, 6, 7]],
+                  mp_group=[[0, 4], [1, 5], [2, 6], [3, 7]], pp_group=[[0, 4], [1, 5], [2, 6], [3, 7]],
+                  # ep 2 over each stage's dp x cp = 4 ranks: etp 1, ep 2, edp 2
+                  ep_group=[[0, 1], [2, 3], [4, 5], [6, 7]], edp_group=[[0, 2], [1, 3], [4, 6], [5, 7]])
+    for rank in range(8):
+        assert grid8[rank]["tp2pp2_cp"] == (1, 0, grid8[rank]["tp2pp2"]["dp_group"]), rank
+        for name, want, (tp, cp, dp, pp) in (("tp2cp2", tp2cp2, (2, 2, 2, 1)),
+                                             ("cp2pp2ep2", cp2pp2, (1, 2, 2, 2))):
+            r = grid8[rank][name]
+            pp_rank, rest = divmod(rank, dp * cp * tp)
+            (dp_rank, cp_rank), tp_rank = divmod(rest // tp, cp), rest % tp
+            assert (r["tp"], r["cp"], r["dp"], r["pp"]) == (
+                (tp_rank, tp), (cp_rank, cp), (dp_rank, dp), (pp_rank, pp)), (name, rank)
+            assert r["dp_cp"] == (dp_rank * cp + cp_rank, dp * cp), (name, rank)
+            for group, lists in want.items():
+                assert r[group] in lists and rank in r[group], (name, rank, group, r[group])
+            assert r["cp_global_ranks"] == r["cp_group"], (name, rank)
+            assert r["labels"] == ("cp", "dp-cp"), (name, rank, r["labels"])
+            assert r["cp_sum"] == [float(sum(r["cp_group"])), float(sum(r["dp_cp_group"]))]
+        assert not grid8[rank]["cp2pp2ep2"]["edp_is_dp_cp"], rank  # ep 2: a group of its own
+        assert grid8[rank]["tp2cp2"]["edp_is_dp_cp"], rank  # ep 1: the experts' edp is dp x cp
+        r = grid8[rank]["cp8"]  # dp 1: the dp-cp group is the cp group, labelled so
+        assert r["cp"] == (rank, 8) and r["dp_group"] == [rank] and r["dp_cp_group"] == list(range(8))
+        assert r["labels"] == ("world/cp", "world/cp"), r["labels"]
+    errors = grid8[0]["cp_errors"]
+    assert "context-parallel-size (3)" in errors[0] and "multiple of 6" in errors[0], errors
+    assert "cp=0" in errors[1], errors
+
+
+def test_context_parallel_grid_arithmetic():
+    """The size checks, without processes: dp = world / (tp cp pp), the expert layout over
+    dp x cp x tp, and the errors naming the flag."""
+    from parallel_state.grid import _data_parallel_size, _expert_data_parallel_size
+
+    assert _data_parallel_size(16, 2, 2, None, cp=2) == 2
+    # a stage's dp 2 x cp 2 x tp 2 ranks over ep x etp 2
+    assert [_expert_data_parallel_size(16, 2, 2, 2, ep, 2, cp=2) for ep in (1, 2, 4)] == [4, 2, 1]
+    with pytest.raises(ps.GridError, match=r"context-parallel-size \(4\) x pipeline.*multiple "
+                                            r"of 8 processes or change --tp/--context-parallel"):
+        _data_parallel_size(12, 1, 2, None, cp=4)
+    with pytest.raises(ps.GridError, match=r"--expert-model-parallel-size 3 must divide data-"
+                                            r"parallel size x context-parallel-size \(4"):
+        _expert_data_parallel_size(8, 2, 2, 1, 3, 2, cp=2)
 
 
 def test_tp4_pp1_groups(grid8):
