@@ -30,12 +30,16 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_parallelism_args(p: argparse.ArgumentParser) -> None:
-    """--tp, --pp, --dp under Megatron's long names."""
+    """--tp, --pp, --dp under Megatron's long names; vLLM's --enable-expert-parallel."""
     par = p.add_argument_group("parallelism")
     par.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=1)
     par.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int, default=1)
     par.add_argument("--data-parallel-size", "--dp", dest="dp", type=int, default=None,
                      help="replicas (default: world size / (tp * pp))")
+    par.add_argument("--enable-expert-parallel", action="store_true",
+                     help="MoE models: whole experts spread over the --tp ranks (expert "
+                          "parallel size = tp, vLLM's flag) instead of every expert split "
+                          "over them; attention stays tensor-parallel")
 
 
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
@@ -323,7 +327,7 @@ def main(argv=None) -> int:
     from checkpoint.format import CheckpointError
     from parallel_state.host_memory import tune_host_allocator
     from inference.engine import Engine
-    from inference.loading import load
+    from inference.loading import initialize_serving_grid, load
     from models.config import ConfigError
     from models.hf.generation import eos_token_ids
     from models.hf import HFConversionError
@@ -334,7 +338,7 @@ def main(argv=None) -> int:
         print(f"infer.py: error: {e}", file=sys.stderr)
         return 2
     ps.initialize_distributed()
-    ps.initialize_model_parallel(args.tp, args.pp)
+    initialize_serving_grid(args.tp, args.pp, args.enable_expert_parallel)
     rank = int(os.environ.get("RANK", "0"))
     try:
         model, tokenizer, name = load(args.load, args.hf, args.tokenizer, args.dtype)

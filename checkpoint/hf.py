@@ -181,7 +181,7 @@ def load_hf_weights(src, config, chunks) -> None:
     over TP). Raises `HFConversionError` for missing or unused tensors, before any weight is
     copied."""
     from layers import shard_tensor
-    from layers.sharding import full_shape
+    from layers.sharding import full_shape, tensor_parallel_rank_of, tensor_parallel_size_of
 
     from .keys import entries, logical_names
 
@@ -190,7 +190,8 @@ def load_hf_weights(src, config, chunks) -> None:
         if getattr(p, "expert_parallel", False):
             block = torch.stack([tensors[name]().to(torch.float32)
                                  for name, _ in logical_names(key, p)])
-            p.copy_(shard_tensor(block, _WithoutExperts(p)).to(p.device, p.dtype))
+            p.copy_(shard_tensor(block, _WithoutExperts(p), tensor_parallel_rank_of(p),
+                                 tensor_parallel_size_of(p)).to(p.device, p.dtype))
             continue
         full = tensors[key]().to(torch.float32)
         if getattr(p, "full_rows", None):  # pad the vocabulary rows with zeros
@@ -202,7 +203,7 @@ def load_hf_weights(src, config, chunks) -> None:
 
 class _WithoutExperts:
     """The TP sharding attributes of stacked expert weight `p` without its expert-parallel
-    tag: `shard_tensor` of this rank's block of experts splits it over TP only."""
+    tag: `shard_tensor` of this rank's block of experts splits it over expert TP only."""
 
     def __init__(self, p):
         self.tensor_model_parallel = p.tensor_model_parallel

@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import parallel_state as ps
 from layers import shard_tensor
-from layers.sharding import full_shape
+from layers.sharding import full_shape, tensor_parallel_size_of
 from models import model_class
 
 from .files import CONFIG, CheckpointError
@@ -234,7 +234,7 @@ def global_shape(local: torch.Tensor, param) -> torch.Size:
         return torch.Size(full_shape(param))
     shape = list(local.shape)
     if getattr(param, "tensor_model_parallel", False):
-        shape[piece_dim(param)] *= ps.get_tensor_model_parallel_world_size()
+        shape[piece_dim(param)] *= tensor_parallel_size_of(param)
     return torch.Size(shape)
 
 
@@ -243,6 +243,8 @@ def as_saved(local: torch.Tensor, param) -> torch.Tensor:
     if not getattr(param, "tensor_model_parallel", False) or \
             not ps.model_parallel_is_initialized():  # no grid: one process, dense tensors
         return local
+    if tensor_parallel_size_of(param) == 1 < ps.get_tensor_model_parallel_world_size():
+        return local  # whole experts spread over the TP ranks (expert TP 1): distinct keys
     if getattr(param, "kv_replicas", 1) > 1:
         raise CheckpointError("a model with KV heads replicated over TP (inference layout) "
                               "cannot be saved; save from a tp that divides the KV heads")

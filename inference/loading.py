@@ -79,6 +79,28 @@ def available_memory(device: torch.device) -> tuple[int, str]:
         f"shared by its {ranks} rank(s)"
 
 
+def initialize_serving_grid(tp: int, pp: int, enable_expert_parallel: bool = False) -> None:
+    """The grid of infer.py: tp x pp ranks per replica, replicas over the rest of the world.
+    `enable_expert_parallel` (vLLM's flag): an MoE layer's experts are spread whole over the
+    tp ranks of a replica (expert parallel size tp, expert TP 1; layers/moe/moe_layer.py)
+    rather than each expert split over them. Raises `parallel_state.GridError`."""
+    ps.initialize_model_parallel(
+        tp, pp, expert_model_parallel_size=tp if enable_expert_parallel else 1,
+        expert_tensor_parallel_size=1 if enable_expert_parallel else None)
+
+
+def _check_experts(config: ModelConfig, ep: int) -> None:
+    """Refuse (`ConfigError`) --enable-expert-parallel when the model's experts do not
+    spread evenly over the `ep` (= tp) ranks."""
+    experts = config.num_moe_experts
+    if ep > 1 and experts and experts % ep:
+        fits = [t for t in range(2, experts + 1) if experts % t == 0]
+        raise ConfigError(f"--enable-expert-parallel spreads the model's {experts} experts "
+                          f"over the --tp {ep} ranks, but {experts} is not divisible by {ep}; "
+                          f"use a --tp in {fits} or drop --enable-expert-parallel (each expert "
+                          f"is then split over the tp ranks)")
+
+
 def _check_memory(config: ModelConfig, tp: int, pp: int) -> None:
     """Refuse (`ConfigError`) a model whose float32 weights on this rank (its 1 / (tp x pp)
     share of `num_parameters`) exceed the memory it may allocate (`available_memory`), before
@@ -97,8 +119,10 @@ def build_model(config: ModelConfig) -> GPTModel:
     """This rank's `GPTModel` stage on the current grid (KV heads replicated when tp >
     num_query_groups), or a `T5Model` stage (`t5_stage_layers`), weights uninitialized.
     Raises `models.config.ConfigError` (a tp the heads do not split over names the ones they
-    do; float32 weights larger than the memory this rank has, `_check_memory`)."""
+    do; experts that do not spread over the expert-parallel ranks; float32 weights larger
+    than the memory this rank has, `_check_memory`)."""
     _check_tp(config, ps.get_tensor_model_parallel_world_size())
+    _check_experts(config, ps.get_expert_model_parallel_world_size())
     pp = ps.get_pipeline_model_parallel_world_size()
     _check_memory(config, ps.get_tensor_model_parallel_world_size(), pp)
     if config.is_encoder_decoder:  # T5: the encoder on the first pp // 2 stages

@@ -14,7 +14,8 @@ Every parameter of a parallel layer carries a few attributes that say how it is 
 - `init_key` (str, optional): the name that seeds its init (tied copies share one key).
 - `expert_parallel` (bool): dim 0 indexes an MoE layer's experts and is split over the
   expert-model-parallel ranks in contiguous blocks (EP rank r holds experts
-  `[r E/ep, (r+1) E/ep)`); the other dims are split over TP as above (expert TP = TP).
+  `[r E/ep, (r+1) E/ep)`); the other dims are split as above over the expert-tensor-parallel
+  ranks (the TP ranks, or none with expert TP 1: `tensor_parallel_size_of`).
 - `kv_replicas` (int, optional) and `qkv_layout` `(groups, heads_per_group, head_dim)`: a fused
   QKV weight/bias whose KV heads are replicated over TP (tp = groups * kv_replicas, inference
   only): rank r holds `[q heads of group r // kv_replicas, share r % kv_replicas; k; v]`.
@@ -34,6 +35,8 @@ from torch import nn
 from parallel_state import (
     get_expert_model_parallel_rank,
     get_expert_model_parallel_world_size,
+    get_expert_tensor_parallel_rank,
+    get_expert_tensor_parallel_world_size,
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
 )
@@ -53,9 +56,24 @@ def set_tensor_parallel_attributes(param: nn.Parameter, *, partition_dim: int | 
     return param
 
 
+def tensor_parallel_size_of(param: torch.Tensor) -> int:
+    """The number of ranks `param`'s `partition_dim` is split over: the expert-tensor-parallel
+    size for a routed expert's weight (`expert_parallel`), the TP size otherwise."""
+    if getattr(param, "expert_parallel", False):
+        return get_expert_tensor_parallel_world_size()
+    return get_tensor_model_parallel_world_size()
+
+
+def tensor_parallel_rank_of(param: torch.Tensor) -> int:
+    """This rank's place among the `tensor_parallel_size_of(param)` ranks."""
+    if getattr(param, "expert_parallel", False):
+        return get_expert_tensor_parallel_rank()
+    return get_tensor_model_parallel_rank()
+
+
 def full_shape(param: torch.Tensor, tp: int | None = None) -> tuple[int, ...]:
     """Shape of the dense tensor this shard belongs to (padded vocab included)."""
-    tp = tp or get_tensor_model_parallel_world_size()
+    tp = tp or tensor_parallel_size_of(param)
     shape = list(param.shape)
     if getattr(param, "kv_replicas", 1) > 1:
         groups, per_group, d = param.qkv_layout
@@ -70,12 +88,13 @@ def full_shape(param: torch.Tensor, tp: int | None = None) -> tuple[int, ...]:
 def shard_tensor(full: torch.Tensor, param: torch.Tensor, rank: int | None = None,
                  size: int | None = None) -> torch.Tensor:
     """This rank's shard of the dense tensor `full`, following `param`'s attributes (`rank`,
-    `size`: TP's; an expert-parallel tensor's EP block is this rank's)."""
+    `size`: TP's, or expert TP's for an expert weight; an expert-parallel tensor's EP block
+    is this rank's)."""
     if getattr(param, "expert_parallel", False):
         ep = get_expert_model_parallel_world_size()
         full = full.chunk(ep, dim=0)[get_expert_model_parallel_rank()] if ep > 1 else full
-    size = size or get_tensor_model_parallel_world_size()
-    rank = get_tensor_model_parallel_rank() if rank is None else rank
+    size = size or tensor_parallel_size_of(param)
+    rank = tensor_parallel_rank_of(param) if rank is None else rank
     if not getattr(param, "tensor_model_parallel", False) or size == 1:
         return full
     if getattr(param, "kv_replicas", 1) > 1:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import parallel_state as ps
 from parallel_state import collectives
 from layers import unshard_tensors
+from layers.sharding import tensor_parallel_size_of
 
 
 @torch.no_grad()
@@ -31,9 +32,12 @@ def gather_full_state_dict(chunks) -> dict[str, torch.Tensor]:
             if getattr(p, "shared_embedding", False) and name.startswith("output_layer"):
                 continue
             t = p.detach().float().contiguous()
-            if getattr(p, "tensor_model_parallel", False) and tp > 1:
-                parts = [torch.empty_like(t) for _ in range(tp)]
-                collectives.all_gather(parts, t, group=ps.get_tensor_model_parallel_group())
+            split = tensor_parallel_size_of(p)  # tp, or expert TP for an expert weight
+            if getattr(p, "tensor_model_parallel", False) and split > 1:
+                parts = [torch.empty_like(t) for _ in range(split)]
+                group = ps.get_expert_tensor_parallel_group() if split != tp else \
+                    ps.get_tensor_model_parallel_group()
+                collectives.all_gather(parts, t, group=group)
                 t = unshard_tensors(parts, p)
             ep = ps.get_expert_model_parallel_world_size()
             if getattr(p, "expert_parallel", False) and ep > 1:  # blocks of experts, in order

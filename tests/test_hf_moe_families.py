@@ -3,8 +3,10 @@ tiny random Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE models:
 
 - logits on a [2, 16] batch equal transformers' at tp 1, tp 2 (infer.py's loader reading the
   HF folder), tp 2 x pp 2 (the imported checkpoint), ep 2 and ep 2 x tp 2 (a training-style
-  model on an expert-parallel grid, loaded both from the HF folder and from the checkpoint:
-  the inference engine has no expert parallelism), Mixtral past its sliding window;
+  model on an expert-parallel grid, loaded both from the HF folder and from the checkpoint),
+  Mixtral past its sliding window;
+- infer.py's loader at --tp 2 --enable-expert-parallel (whole experts spread over the two TP
+  ranks), from the HF folder and from the checkpoint: logits, and the Engine's greedy ids;
 - greedy generation of 24 tokens through the Engine at tp 2 equals transformers' generate;
 - import (from sharded safetensors too) -> export is bitwise, and transformers loads the
   export with no missing, unexpected or mismatched tensor;
@@ -167,22 +169,37 @@ def _world(models: dict, refs: dict) -> dict:
     from checkpoint.hf import load_hf_weights
     from checkpoint.model_io import load_model_weights
     from inference.engine import Engine, Request
-    from inference.loading import load
+    from inference.loading import initialize_serving_grid, load
     from inference.sampling import SamplingParams
     from models import GPTModel
     from models.hf import open_checked
     from models.pipeline import build_model_chunks
     import parallel_state as ps
 
-    out = {"tp2": {}, "tp2pp2": {}, "ep2": {}, "ep2tp2": {}, "generate": {}}
+    out = {"tp2": {}, "tp2pp2": {}, "ep2": {}, "ep2tp2": {}, "tp2_expert_parallel": {},
+           "generate": {}, "generate_expert_parallel": {}}
+
+    def generate(model):
+        engine = Engine(model, max_batch_size=2, max_seq_length=64)
+        req = Request("0", PROMPT, SamplingParams(max_new_tokens=NEW))
+        engine.generate([req])
+        return req.output
+
     _grid(2)  # infer.py's loader on the HF folder (dp 2)
     for name, (hf_dir, ckpt) in models.items():
         model, _, _ = load(hf=hf_dir)
         out["tp2"][name] = _mismatch(_gathered_logits(model, _ids()), refs[name], model.config)
-        engine = Engine(model, max_batch_size=2, max_seq_length=64)
-        req = Request("0", PROMPT, SamplingParams(max_new_tokens=NEW))
-        engine.generate([req])
-        out["generate"][name] = req.output
+        out["generate"][name] = generate(model)
+    ps.destroy_model_parallel()  # infer.py --tp 2 --enable-expert-parallel: experts over TP
+    initialize_serving_grid(2, 1, enable_expert_parallel=True)
+    for name, (hf_dir, ckpt) in models.items():
+        model, _, _ = load(hf=hf_dir)
+        from_ckpt, _, _ = load(load=ckpt)
+        same = all(torch.equal(a, b) for a, b in zip(model.parameters(), from_ckpt.parameters()))
+        out["tp2_expert_parallel"][name] = (
+            *_mismatch(_gathered_logits(model, _ids()), refs[name], model.config), same,
+            _local_experts(model))
+        out["generate_expert_parallel"][name] = generate(model)
     _grid(2, 2)  # the imported checkpoint at tp 2 x pp 2
     for name, (hf_dir, ckpt) in models.items():
         c = _config(ckpt)
@@ -201,11 +218,15 @@ def _world(models: dict, refs: dict) -> dict:
             load_model_weights(ckpt, [from_ckpt])
             same = all(torch.equal(a, b) for a, b in zip(from_hf.parameters(),
                                                           from_ckpt.parameters()))
-            experts = next(p.shape[0] for n, p in from_hf.named_parameters()
-                           if n.endswith("experts.linear_fc1.weight"))
             out[layout][name] = (*_mismatch(_gathered_logits(from_hf, _ids()), refs[name], c),
-                                 same, experts)
+                                 same, _local_experts(from_hf))
     return out
+
+
+def _local_experts(model) -> tuple[int, int]:
+    """(experts, fc1 rows of one expert) that this rank holds of the first MoE layer."""
+    return next(tuple(p.shape[:2]) for n, p in model.named_parameters()
+                if n.endswith("experts.linear_fc1.weight"))
 
 
 @pytest.fixture(scope="module")
@@ -227,25 +248,29 @@ def world(models):
     return merged, generated
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2pp2", "ep2", "ep2tp2"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2pp2", "ep2", "ep2tp2", "tp2_expert_parallel"])
 def test_logits_match_transformers_at_layouts(models, world, layout):
     merged, _ = world
     assert set(merged[layout]) == set(models)
     for name, got in merged[layout].items():
         problem, diff = got[:2]
         print(f"{name} {layout}: max |logit - transformers| {diff:.2e}")
-        if layout.startswith("ep"):
-            same, experts = got[2:]
+        if len(got) > 2:  # expert-parallel layouts: half the experts, each whole or TP-split
+            same, (experts, rows) = got[2:]
+            c = _config(models[name][1])
             assert same, f"{name} at {layout}: HF and checkpoint loads differ"
-            assert experts == _config(models[name][1]).num_moe_experts // 2, (name, experts)
+            split = 2 if layout == "ep2tp2" else 1
+            assert (experts, rows) == (c.num_moe_experts // 2,
+                                       2 * c.moe_ffn_hidden_size // split), (name, layout)
         assert problem is None, f"{name} at {layout}: {problem}"
 
 
-def test_greedy_generate_matches_transformers_at_tp2(world):
+@pytest.mark.parametrize("layout", ["generate", "generate_expert_parallel"])
+def test_greedy_generate_matches_transformers_at_tp2(world, layout):
     merged, generated = world
     for name, ids in generated.items():
         assert len(set(ids)) > 3, (name, ids)  # not one repeated id
-        assert merged["generate"][name] == ids, f"{name}: greedy ids differ from transformers'"
+        assert merged[layout][name] == ids, f"{name} ({layout}): greedy ids differ from HF's"
 
 
 # ------------------------------------------------------------------ export, round trip

@@ -344,24 +344,30 @@ def test_config_errors_at_tp():
 
 # ----------------------------------------------------------------------------- expert parallelism
 
-# (name, tp, ep, sequence parallel, config overrides, starve expert 3, preset expert bias)
+# (name, tp, ep, expert tp (None: tp), sequence parallel, config overrides, starve expert 3,
+#  preset expert bias)
 EP_CASES = [
-    ("ep2", 1, 2, False, dict(moe_aux_loss_coeff=0.3, moe_z_loss_coeff=0.1,
+    ("ep2", 1, 2, None, False, dict(moe_aux_loss_coeff=0.3, moe_z_loss_coeff=0.1,
                               moe_shared_expert_intermediate_size=8, moe_shared_expert_gate=True),
      False, None),
-    ("ep4-expert3-starved-bias", 1, 4, False,
+    ("ep4-expert3-starved-bias", 1, 4, None, False,
      dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True), True,
      [0.0, 0.3, 0.0, 0.0]),
-    ("ep2-capacity", 1, 2, False, dict(moe_expert_capacity_factor=0.5), False, None),
-    ("ep4-capacity-pad", 1, 4, False,
+    ("ep2-capacity", 1, 2, None, False, dict(moe_expert_capacity_factor=0.5), False, None),
+    ("ep4-capacity-pad", 1, 4, None, False,
      dict(moe_expert_capacity_factor=0.5, moe_pad_expert_input_to_capacity=True), False, None),
-    ("ep2xtp2-sp", 2, 2, True,
+    ("ep2xtp2-sp", 2, 2, None, True,
      dict(moe_aux_loss_coeff=0.3, moe_z_loss_coeff=0.1, moe_shared_expert_intermediate_size=8,
           moe_router_pre_softmax=True, moe_router_topk=1), False, None),
-    ("ep2xtp2-capacity-pad", 2, 2, False,
+    ("ep2xtp2-capacity-pad", 2, 2, None, False,
      dict(moe_expert_capacity_factor=0.75, moe_pad_expert_input_to_capacity=True,
           moe_aux_loss_coeff=0.2, activation="gelu"), False, None),
-    ("tp2-sp", 2, 1, True, dict(moe_shared_expert_intermediate_size=8,
+    # whole experts spread over the TP ranks (expert TP 1, ep = tp: infer.py
+    # --enable-expert-parallel), with a shared expert and capacity padding
+    ("tp2-experts-over-tp", 2, 2, 1, False,
+     dict(moe_expert_capacity_factor=0.75, moe_pad_expert_input_to_capacity=True,
+          moe_shared_expert_intermediate_size=8, moe_aux_loss_coeff=0.2), False, None),
+    ("tp2-sp", 2, 1, None, True, dict(moe_shared_expert_intermediate_size=8,
                                 moe_shared_expert_gate=True, moe_z_loss_coeff=0.1), True, None),
 ]
 
@@ -390,15 +396,18 @@ def _dense(p, g, reduce: bool):
     (expert parameters), as the step's reductions do."""
     import parallel_state as ps
     from layers import unshard_tensors
+    from layers.sharding import tensor_parallel_size_of
 
     g = g.detach().clone()
     expert = getattr(p, "expert_parallel", False)
     group = ps.get_expert_data_parallel_group() if expert else ps.get_data_parallel_group()
     if reduce and torch.distributed.get_world_size(group) > 1:
         torch.distributed.all_reduce(g, group=group)
-    if getattr(p, "tensor_model_parallel", False) and ps.get_tensor_model_parallel_world_size() > 1:
-        parts = [torch.empty_like(g) for _ in range(ps.get_tensor_model_parallel_world_size())]
-        torch.distributed.all_gather(parts, g, group=ps.get_tensor_model_parallel_group())
+    split = tensor_parallel_size_of(p)  # expert weights: expert TP (1: whole experts)
+    if getattr(p, "tensor_model_parallel", False) and split > 1:
+        parts = [torch.empty_like(g) for _ in range(split)]
+        torch.distributed.all_gather(parts, g, group=ps.get_expert_tensor_parallel_group()
+                                     if expert else ps.get_tensor_model_parallel_group())
         g = unshard_tensors(parts, p)
     if expert and ps.get_expert_model_parallel_world_size() > 1:
         blocks = [torch.empty_like(g) for _ in range(ps.get_expert_model_parallel_world_size())]
@@ -407,12 +416,13 @@ def _dense(p, g, reduce: bool):
     return g
 
 
-def _ep_case(name, tp, ep, sp, overrides, starve, bias):
+def _ep_case(name, tp, ep, etp, sp, overrides, starve, bias):
     import parallel_state as ps
     from parallel_state.mappings import all_reduce_sequence_parallel_grads
 
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tp, device="cpu", expert_model_parallel_size=ep)
+    ps.initialize_model_parallel(tp, device="cpu", expert_model_parallel_size=ep,
+                                 expert_tensor_parallel_size=etp)
     config = moe_config(**overrides)
     config.validate(tp)
     layer = MoELayer(config, 0, sequence_parallel=sp)
@@ -465,7 +475,7 @@ def test_expert_parallel_layouts_match_one_process(no_grid):
     microbatches equal one process's; the initialized full weights are bitwise the same; the
     step's load counts and losses, and the updated bias, are the same numbers."""
     results = run_distributed(_ep_worker, 4, EP_CASES, timeout=600)
-    for name, tp, ep, sp, overrides, starve, bias in EP_CASES:
+    for name, tp, ep, _, sp, overrides, starve, bias in EP_CASES:
         config = moe_config(**overrides)
         layer = build(config)
         _prepare(layer, starve, bias)

@@ -3,8 +3,10 @@ tensors, each run on its contiguous slice of the permuted tokens.
 
 An expert is the dense MLP (layers/mlp.py: GeLU, ReLU, or SwiGLU / GeGLU with `[gate; up]`
 fused in fc1) without biases. Its fc1 is split by output columns and its fc2 by input rows
-over the tensor-parallel ranks, as in the dense MLP, so a TP rank computes a partial sum of
-every expert output and the MoE layer reduces once, after combining (layers/moe/moe_layer.py).
+over the expert-tensor-parallel ranks (the TP ranks, or none: expert TP 1 keeps each expert
+whole), as in the dense MLP, so a TP rank computes a partial sum of every expert output (or
+whole outputs of its own experts) and the MoE layer reduces once, after combining
+(layers/moe/moe_layer.py).
 
 `GroupedLinear` loops over the experts (never over tokens): one GEMM per expert forward and
 two backward, the weight gradient of all experts written into one stacked tensor (autograd
@@ -19,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from parallel_state import get_tensor_model_parallel_world_size
+from parallel_state import get_expert_tensor_parallel_world_size
 
 from .. import gemm
 from ..mlp import GATED, activate
@@ -77,19 +79,19 @@ def _grouped_forward(x, weight, counts):
 class GroupedLinear(nn.Module):
     """`num_local_experts` bias-free linear maps, weight `[experts, out, in]` (per expert
     nn.Linear's `[out, in]`); `forward(x [N, in], counts)` with `counts[e]` consecutive rows
-    for expert e (sum N) -> `[N, out]`. `partition_dim` 1 splits `out` over TP (fc1, with
-    `num_fused_parts` blocks split separately), 2 splits `in` (fc2). Tagged
+    for expert e (sum N) -> `[N, out]`. `partition_dim` 1 splits `out` over expert TP (fc1,
+    with `num_fused_parts` blocks split separately), 2 splits `in` (fc2). Tagged
     `expert_parallel`: dim 0 holds this rank's slice of the layer's experts."""
 
     def __init__(self, num_local_experts: int, input_size: int, output_size: int, *,
                  partition_dim: int, init: str, num_fused_parts: int = 1):
         super().__init__()
-        tp = get_tensor_model_parallel_world_size()
+        etp = get_expert_tensor_parallel_world_size()
         shape = [num_local_experts, output_size, input_size]
-        if shape[partition_dim] % tp:
+        if shape[partition_dim] % etp:
             raise ValueError(f"expert size {shape[partition_dim]} is not divisible by "
-                             f"tensor-model-parallel-size {tp}")
-        shape[partition_dim] //= tp
+                             f"expert-tensor-parallel-size {etp}")
+        shape[partition_dim] //= etp
         self.weight = nn.Parameter(torch.empty(shape))
         set_tensor_parallel_attributes(self.weight, partition_dim=partition_dim, init=init,
                                        num_fused_parts=num_fused_parts)

@@ -69,10 +69,14 @@ class MoELayer(nn.Module):
     (a dense MLP) and `shared_expert_gate.weight [1, h]`.
 
     Expert parallelism (the grid's ep group: ranks of one TP rank, carved out of DP) splits
-    the experts into contiguous blocks; each rank dispatches its own microbatch.
+    the experts into contiguous blocks; each rank dispatches its own microbatch. With expert
+    TP 1 and ep equal to TP (the ep group is the TP group: serving's
+    `--enable-expert-parallel`), the TP ranks hold whole experts of different blocks; each
+    runs its own experts on the microbatch it already has, and the reduce over TP that sums
+    the partial outputs of split experts sums the blocks' outputs instead: no all-to-all.
 
     Raises ValueError when num_moe_experts is not divisible by the expert-parallel size, or
-    when the expert-tensor-parallel size is not the TP size.
+    when the expert-tensor-parallel size is neither the TP size nor 1 with ep == TP.
     """
 
     def __init__(self, config, layer_number: int = 0, sequence_parallel: bool = False):
@@ -84,16 +88,20 @@ class MoELayer(nn.Module):
         self.capacity_factor = config.moe_expert_capacity_factor
         self.pad_to_capacity = config.moe_pad_expert_input_to_capacity
         etp = ps.get_expert_tensor_parallel_world_size()
-        if etp != tp:
-            raise ValueError(
-                f"--expert-tensor-parallel-size {etp} with --tensor-model-parallel-size {tp} is "
-                f"not built: the MoE layer gathers the microbatch over TP and splits its experts "
-                f"like the dense MLP, so expert TP must equal TP (leave "
-                f"--expert-tensor-parallel-size unset)")
-        self.router = TopKRouter(config, sequence_parallel=self.sequence_parallel)
         ep = ps.get_expert_model_parallel_world_size()
+        # experts over the TP ranks (etp 1, ep == tp: the ep group is the tp group)
+        over_tp = tp > 1 and etp == 1 and ep == tp
+        if etp != tp and not over_tp:
+            raise ValueError(
+                f"--expert-tensor-parallel-size {etp} with --tensor-model-parallel-size {tp} and "
+                f"--expert-model-parallel-size {ep} is not built: the MoE layer gathers the "
+                f"microbatch over TP and either splits its experts like the dense MLP (expert TP "
+                f"= TP: leave --expert-tensor-parallel-size unset) or, with expert TP 1, spreads "
+                f"whole experts over the TP ranks (expert-model-parallel-size = TP)")
+        self.router = TopKRouter(config, sequence_parallel=self.sequence_parallel)
         self.dispatcher = AllToAllDispatcher(
-            self.num_experts, ep, ps.get_expert_model_parallel_group() if ep > 1 else None)
+            self.num_experts, ep, ps.get_expert_model_parallel_group() if ep > 1 else None,
+            replicated=over_tp, ep_rank=ps.get_expert_model_parallel_rank())
         self.experts = Experts(config, self.dispatcher.num_local_experts)
         shared = config.moe_shared_expert_intermediate_size
         self.shared_experts = MLP(config, sequence_parallel=self.sequence_parallel,

@@ -21,6 +21,12 @@ decided per microbatch over all its T tokens (gathered over TP first), so they a
 at every layout for the same routing; Megatron decides per EP-local batch, which changes with
 the layout. `moe_pad_expert_input_to_capacity` pads every expert's block with zero rows to
 exactly `capacity`, so the exchanged sizes no longer depend on the routing.
+
+Replicated tokens (`replicated=True`: experts split over the TP ranks, expert TP 1, as vLLM's
+`--enable-expert-parallel` lays out serving): every EP rank already holds every token and the
+same routing, so nothing is exchanged. A rank keeps only the copies routed to its own experts;
+`combine` returns its partial sum (zeros for tokens none of whose experts it holds), and the
+caller's reduce over the group adds the ranks' parts.
 """
 from __future__ import annotations
 
@@ -81,16 +87,22 @@ class DispatchPlan:
 
 class AllToAllDispatcher:
     """Dispatch and combine over the expert-parallel group `group` of `ep_size` ranks
-    (None, 1: one rank holds every expert). Stateless between calls: `dispatch` returns
-    the plan that `combine` takes, so microbatches may interleave (pipeline schedules)."""
+    (None, 1: one rank holds every expert); `replicated`: every rank of the group holds the
+    same tokens (module docstring) and `ep_rank` says which block of experts is its own.
+    Stateless between calls: `dispatch` returns the plan that `combine` takes, so
+    microbatches may interleave (pipeline schedules)."""
 
-    def __init__(self, num_experts: int, ep_size: int = 1, group=None):
+    def __init__(self, num_experts: int, ep_size: int = 1, group=None,
+                 replicated: bool = False, ep_rank: int = 0):
         if num_experts % ep_size:
             raise ValueError(f"--num-experts {num_experts} is not divisible by "
                              f"--expert-model-parallel-size {ep_size}; each EP rank holds "
                              f"the same number of experts")
         self.num_experts, self.ep_size, self.group = num_experts, ep_size, group
         self.num_local_experts = num_experts // ep_size
+        # replicated tokens (module docstring): this rank's experts are [lo, lo + local)
+        self.replicated = replicated and ep_size > 1
+        self.first_local_expert = ep_rank * self.num_local_experts if self.replicated else 0
 
     def dispatch(self, x: torch.Tensor, indices: torch.Tensor, probs: torch.Tensor,
                  keep: torch.Tensor | None = None, pad_to: int | None = None
@@ -100,6 +112,10 @@ class AllToAllDispatcher:
         block to that many rows (the capacity)."""
         t, k = indices.shape
         experts = indices.reshape(-1)
+        if self.replicated:  # only the copies routed to this rank's experts
+            lo = self.first_local_expert
+            mine = (indices >= lo) & (indices < lo + self.num_local_experts)
+            keep = mine if keep is None else keep & mine
         kept = None if keep is None else keep.reshape(-1).nonzero().squeeze(1)
         chosen = experts if kept is None else experts[kept]
         sort = torch.argsort(chosen, stable=True)
@@ -107,15 +123,18 @@ class AllToAllDispatcher:
         counts = torch.bincount(chosen, minlength=self.num_experts)
         plan = DispatchPlan(order // k, probs.reshape(-1).index_select(0, order), t)
         rows = x.index_select(0, plan.token_index)
+        if self.replicated:  # experts [lo, lo + local) only, numbered from 0
+            lo = self.first_local_expert
+            chosen, counts = chosen - lo, counts[lo:lo + self.num_local_experts]
         if pad_to is not None:
             by_expert = chosen[sort]
             starts = counts.cumsum(0) - counts
             plan.pad_rows = by_expert * pad_to + \
                 torch.arange(by_expert.numel(), device=x.device) - starts[by_expert]
-            rows = rows.new_zeros(self.num_experts * pad_to, x.shape[1]).index_copy(
+            rows = rows.new_zeros(counts.numel() * pad_to, x.shape[1]).index_copy(
                 0, plan.pad_rows, rows)
             counts = torch.full_like(counts, pad_to)
-        if self.ep_size == 1:
+        if self.ep_size == 1 or self.replicated:
             return rows, counts.tolist(), plan
         return self._exchange(rows, counts, plan)
 
@@ -134,7 +153,7 @@ class AllToAllDispatcher:
         """Expert outputs `[M, h]` (as `dispatch` returned the rows) -> `[T, h]`: each
         token's sum of its kept copies weighted by their probabilities (float32 sums, cast
         back to `y`'s dtype); a token with no kept copy gets zeros."""
-        if self.ep_size > 1:
+        if self.ep_size > 1 and not self.replicated:
             if plan.local_order is not None:
                 y = y.index_select(0, torch.argsort(plan.local_order))
             y = all_to_all(y, plan.send_splits, plan.recv_splits, self.group)
