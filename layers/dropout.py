@@ -99,11 +99,19 @@ def _row_keys(sample_ids: torch.Tensor, site: torch.Tensor | int) -> torch.Tenso
     return mix32(keys.bitwise_xor_((ids >> 32) & MASK32))
 
 
-def _apply(x: torch.Tensor, hashes: torch.Tensor, p: float) -> torch.Tensor:
-    """`x` where kept, scaled by 1 / (1 - p) in the op's float32 arithmetic (a bf16 scale
+def _keep(hashes: torch.Tensor, p: float) -> torch.Tensor:
+    """The keep test of the module docstring: bool, True where `hashes >= round(p * 2^32)`."""
+    return hashes >= round(p * 2.0 ** 32)
+
+
+def apply_keep(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
+    """`x` where `keep`, scaled by 1 / (1 - p) in the op's float32 arithmetic (a bf16 scale
     would be 1.109375 for p = 0.1, 0.16% low); backward keeps the 0/1 mask."""
-    keep = hashes >= round(p * 2.0 ** 32)
     return (x * keep.to(x.dtype)).mul_(1.0 / (1.0 - p))
+
+
+def _apply(x: torch.Tensor, hashes: torch.Tensor, p: float) -> torch.Tensor:
+    return apply_keep(x, _keep(hashes, p), p)
 
 
 def _counters(rows: torch.Tensor, cols: int, device) -> torch.Tensor:
@@ -131,17 +139,57 @@ def hidden_dropout(x: torch.Tensor, p: float, training: bool, site: torch.Tensor
     return _apply(x, mix32(counters[:, None, :] ^ keys[None, :, None]), p)
 
 
-def attention_dropout(probs: torch.Tensor, p: float, site: torch.Tensor | int) -> torch.Tensor:
+def attention_dropout(probs: torch.Tensor, p: float, site: torch.Tensor | int,
+                      query_positions: torch.Tensor | None = None,
+                      key_positions: torch.Tensor | None = None,
+                      num_keys: int | None = None) -> torch.Tensor:
     """Dropout on attention probabilities `[b, n/tp, sq, sk]` of this TP rank's query heads
-    (global heads `rank * n/tp ...`), after the softmax. `p > 0`, training only."""
+    (global heads `rank * n/tp ...`), after the softmax. `p > 0`, training only.
+
+    Element `(q, k)` is keyed as element `(query_positions[q], key_positions[k])` of a score
+    matrix `num_keys` keys wide: `query_positions [sq]`, `key_positions [sk]` int64 global
+    positions, e.g. a context-parallel rank's part of the sequence, whose masks then equal
+    those one process draws for the whole sequence. Default (None): positions 0..sq-1 and
+    0..sk-1, `num_keys = sk`. Positions need sample-keyed masks (raises ValueError without
+    sample ids: stream masks cannot be addressed by position).
+    """
+    keys = attention_dropout_keys(probs.shape[1], site, probs.device)
+    if keys is None:
+        if query_positions is not None or key_positions is not None:
+            raise ValueError("attention dropout at given positions needs layout-free masks "
+                             "(--dropout-masks sample, inside the training schedules' "
+                             "dropout_sample_ids)")
+        return _stream_dropout(probs, p, sharded=True)  # heads are sharded over TP
+    if keys.shape[0] != probs.shape[0]:
+        raise ValueError(f"dropout: {keys.shape[0]} sample ids for a batch of {probs.shape[0]}")
+    sq, sk = probs.shape[2:]
+    q = torch.arange(sq) if query_positions is None else query_positions
+    k = torch.arange(sk) if key_positions is None else key_positions
+    return apply_keep(probs, attention_keep_mask(keys, p, q, k, num_keys or sk), p)
+
+
+def attention_dropout_keys(n: int, site: torch.Tensor | int, device=None) -> torch.Tensor | None:
+    """`[b, n]` int64 keys of (seed, site, sample, global query head) for this TP rank's `n`
+    query heads, from the current sample ids (None without them: stream dropout). Computed
+    once, they let a later call (a backward pass outside `dropout_sample_ids`) draw the same
+    masks with `attention_keep_mask`."""
     ids = ps.get_dropout_sample_ids()
     if ids is None:
-        return _stream_dropout(probs, p, sharded=True)  # heads are sharded over TP
-    b, n, sq, sk = probs.shape
-    heads = torch.arange(n, device=probs.device) + n * ps.get_tensor_model_parallel_rank()
-    keys = _row_keys(ids.to(probs.device), site)[:, None] ^ mix32(heads + 0x9E3779B9)  # [b, n]
-    counters = _counters(torch.arange(sq), sk, probs.device)  # [sq, sk]
-    return _apply(probs, mix32(counters[None, None] ^ mix32(keys)[:, :, None, None]), p)
+        return None
+    heads = torch.arange(n, device=device) + n * ps.get_tensor_model_parallel_rank()
+    keys = _row_keys(ids.to(device), site)[:, None] ^ mix32(heads + 0x9E3779B9)  # [b, n]
+    return mix32(keys)
+
+
+def attention_keep_mask(keys: torch.Tensor, p: float, query_positions: torch.Tensor,
+                        key_positions: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """Bool keep mask `[b, n, sq, sk]` of attention dropout: `keys [b, n]` from
+    `attention_dropout_keys`, `query_positions [sq]` and `key_positions [sk]` int64 global
+    positions in a score matrix `num_keys` wide (see `attention_dropout`)."""
+    device = keys.device
+    rows = query_positions.to(device=device, dtype=torch.int64)[:, None] * num_keys
+    counters = mix32(rows.add(key_positions.to(device)).bitwise_and_(MASK32))  # [sq, sk]
+    return _keep(mix32(counters[None, None] ^ keys[:, :, None, None]), p)
 
 
 def sample_keyed() -> bool:

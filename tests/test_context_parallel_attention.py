@@ -2,14 +2,38 @@
 
 - layout: the 2*cp-chunk split and its global positions are a partition of the sequence
   whose inverse restores it, at cp 1, 2, 4; the errors for a length not divisible by 2*cp
-  and a rank outside the group name the flag.
+  and a rank outside the group name the flag;
+- the block plan: every visible (query, key) pair computed exactly once, no block whose
+  pairs are all masked, the documented halves of the causal ring steps;
+- one 4-rank gloo world: outputs and the gradients of q, k, v at cp 2 (two groups of 2 with
+  their own inputs and samples) and cp 4, ring ("p2p") and "all_gather", equal to one
+  process's core_attention on the whole sequence to the float32 tolerance: MHA, GQA (g 2)
+  and MQA (g 1), attention dropout 0.1 keyed by sample (the backward outside the sample ids'
+  scope), a sliding window inside a chunk and one spanning chunks, soft-capping, a scale;
+- the argument errors, before any communication.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from layers.context_parallel import local_positions, split_for_context_parallel
+import parallel_state as ps
+from distributed import run_distributed
+from layers.context_parallel import (context_parallel_attention, local_positions,
+                                     split_for_context_parallel)
+from layers.context_parallel.blocks import plan_blocks, visible
+from layers.context_parallel.layout import chunk_ranges
+from tolerances import fp32_mismatch
+
+B, N, S, D = 2, 4, 32, 8  # chunks of 8 tokens at cp 2, of 4 at cp 4
+CASES = {  # name -> (KV heads g, keyword arguments)
+    "mha": (4, {}),
+    "gqa-dropout": (2, dict(dropout_p=0.1, dropout_site=12345)),
+    "mqa-window-in-chunk": (1, dict(window_size=(2, 0))),
+    "gqa-window-spans-chunks-softcap": (2, dict(window_size=(11, 0), softcap=3.0)),
+    "mha-all": (4, dict(window_size=(5, 0), softcap=2.0, dropout_p=0.1, scale=0.5)),
+}
+SAMPLES = (torch.tensor([5, 9]), torch.tensor([11, 2]))  # the two cp-2 groups' batches
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
@@ -41,3 +65,129 @@ def test_layout_errors_name_the_flag():
         local_positions(8, 2, 2)
     with pytest.raises(ValueError, match=">= 1"):
         local_positions(8, 0, 0)
+
+
+@pytest.mark.parametrize("window", [None, 2, 11, 40])
+def test_block_plan_covers_visible_pairs_once(window):
+    for cp in (1, 2, 4):
+        for r in range(cp):
+            qpos = local_positions(S, cp, r)
+            ring = [(local_positions(S, cp, j), chunk_ranges(S, cp, j)) for j in range(cp)]
+            gathered = [(torch.arange(S), [range(S)])]  # all_gather's keys, global order
+            for holders in (ring, gathered):
+                covered = torch.zeros(S // cp, S, dtype=torch.int64)
+                for kpos, chunks in holders:
+                    for block in plan_blocks(chunk_ranges(S, cp, r), chunks, window):
+                        vis = visible(qpos[block.rows], kpos[block.cols], window)
+                        assert vis.any(), (cp, r, block)  # no fully masked block
+                        assert not block.full or vis.all(), (cp, r, block)
+                        covered[block.rows, kpos[block.cols]] += vis.long()
+                assert torch.equal(covered, visible(qpos, torch.arange(S), window).long())
+    # the halves of the causal ring steps (blocks.plan_blocks' docstring), cp 4, rank 2
+    L, mine = S // 8, chunk_ranges(S, 4, 2)
+    early, late = plan_blocks(mine, chunk_ranges(S, 4, 0), None), \
+        plan_blocks(mine, chunk_ranges(S, 4, 3), None)
+    assert [(b.rows, b.cols, b.full) for b in early] == [(slice(0, 2 * L), slice(0, L), True)]
+    assert [(b.rows, b.cols, b.full) for b in late] == [(slice(L, 2 * L), slice(0, 2 * L), True)]
+    diagonal = plan_blocks(mine, mine, None)
+    assert [(b.rows, b.cols, b.full) for b in diagonal] == [
+        (slice(0, L), slice(0, L), False), (slice(L, 2 * L), slice(0, 2 * L), False)]
+
+
+def test_argument_errors_before_communication(no_grid):
+    q, kv = torch.zeros(2, 4, 8, 8), torch.zeros(2, 2, 8, 8)
+    cases = [
+        (dict(comm_type="ulysses"), "--cp-comm-type must be one of"),
+        (dict(window_size=(4, 1)), "window_size must be"),
+        (dict(dropout_p=1.0), r"\[0, 1\)"),
+        (dict(softcap=0.0), "softcap must be positive"),
+        (dict(dropout_p=0.1), "--dropout-masks sample"),  # no sample ids set
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            context_parallel_attention(q, kv, kv, group=None, **kwargs)
+    with pytest.raises(ValueError, match="do not fit"):
+        context_parallel_attention(torch.zeros(2, 3, 8, 8), kv, kv, group=None)
+    with pytest.raises(ValueError, match="two equal chunks"):
+        context_parallel_attention(torch.zeros(2, 4, 7, 8), torch.zeros(2, 2, 7, 8),
+                                   torch.zeros(2, 2, 7, 8), group=None)
+    with pytest.raises(ValueError, match="one shape"):
+        context_parallel_attention(q, kv, torch.zeros(2, 2, 8, 4), group=None)
+    with ps.dropout_sample_ids(torch.tensor([1, 2, 3])), \
+            pytest.raises(ValueError, match="3 sample ids for a batch of 2"):
+        context_parallel_attention(q, kv, kv, group=None, dropout_p=0.1)
+
+
+def _inputs(g: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    q = 1.5 * torch.randn(B, N, S, D, generator=gen)
+    k, v = (1.5 * torch.randn(B, g, S, D, generator=gen) for _ in range(2))
+    return q, k, v, torch.randn(B, N, S, D, generator=gen)  # last: dL/dout
+
+
+def _dense(q, k, v, w, kwargs, ids):
+    """One process: core_attention on the whole sequence, and the gradients of q, k, v."""
+    from layers.attention import causal_window_mask, core_attention
+
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    window = kwargs.get("window_size")
+    mask = causal_window_mask(torch.arange(S), S, window) if window else None
+    with ps.dropout_sample_ids(ids):
+        out = core_attention(q, k, v, mask, None, kwargs.get("scale"),
+                             kwargs.get("dropout_p", 0.0), causal=mask is None,
+                             dropout_site=kwargs.get("dropout_site", 0),
+                             softcap=kwargs.get("softcap"))
+    out.backward(w)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _context_parallel_cases():
+    """This rank's {case: (max |diff| per tensor, tolerance problems)}, every case at cp 2
+    (groups [0, 1], [2, 3]) and cp 4, both comm types."""
+    import torch.distributed as dist
+    from parallel_state import collectives
+
+    rank = dist.get_rank()
+    pairs = [collectives.new_group([0, 1]), collectives.new_group([2, 3])]
+    world = collectives.new_group([0, 1, 2, 3])
+    results = {}
+    for cp, group, cp_rank, half in ((2, pairs[rank // 2], rank % 2, rank // 2),
+                                     (4, world, rank, 0)):
+        ids = SAMPLES[half]
+        for name, (g, kwargs) in CASES.items():
+            q, k, v, w = _inputs(g, seed=100 * half + len(name))
+            expected = _dense(q, k, v, w, kwargs, ids)
+            part = [split_for_context_parallel(t, 2, cp, cp_rank) for t in (q, k, v, w)]
+            for comm in ("p2p", "all_gather"):
+                ql, kl, vl = (t.clone().requires_grad_() for t in part[:3])
+                with ps.dropout_sample_ids(ids):
+                    out = context_parallel_attention(ql, kl, vl, group=group, comm_type=comm,
+                                                     **kwargs)
+                out.backward(part[3])  # outside the ids' scope: the saved keys redraw masks
+                k_forward = D + 2 * S  # scores over d, softmax and AV over s
+                k_grad = 2 * k_forward + N // g * S  # + dK/dV sum over the group's queries
+                diffs, problems = {}, []
+                for what, actual, full, terms in zip(
+                        ("out", "dq", "dk", "dv"), (out, ql.grad, kl.grad, vl.grad), expected,
+                        (k_forward, k_grad, k_grad, k_grad)):
+                    ref = split_for_context_parallel(full, 2, cp, cp_rank)
+                    diffs[what] = float((actual.detach() - ref).abs().max())
+                    problem = fp32_mismatch(actual, ref, terms)
+                    if problem:
+                        problems.append(f"{what}: {problem}")
+                results[f"cp{cp} {comm} {name}"] = (diffs, problems)
+    return results
+
+
+def test_context_parallel_attention_equals_one_process(capsys):
+    per_rank = run_distributed(_context_parallel_cases, 4)
+    failures = [f"rank {r} {case}: {p}" for r, res in enumerate(per_rank)
+                for case, (_, problems) in res.items() for p in problems]
+    with capsys.disabled():  # the measured differences, for the report
+        for case in per_rank[0]:
+            worst = {w: max(res[case][0][w] for res in per_rank)
+                     for w in ("out", "dq", "dk", "dv")}
+            print(f"\n{case}: " + " ".join(f"{w} {d:.2e}" for w, d in worst.items()), end="")
+        print()
+    assert not failures, "\n".join(failures)
+    assert len(per_rank[0]) == 2 * 2 * len(CASES)
