@@ -33,10 +33,11 @@ TAG_KV, TAG_KV_BACKWARD, TAG_DKV = 320, 321, 322
 
 
 class _Pending:
-    """A posted exchange: `wait()` -> the received tensor."""
+    """A posted exchange: `wait()` -> the received tensor. Holds the sent tensor too, so its
+    memory is not reused while the transfer runs."""
 
-    def __init__(self, requests, received):
-        self.requests, self.received = requests, received
+    def __init__(self, requests, sent, received):
+        self.requests, self.sent, self.received = requests, sent, received
 
     def wait(self) -> torch.Tensor:
         for req in self.requests:
@@ -48,13 +49,13 @@ def _exchange(send: torch.Tensor, group, tag: int) -> _Pending:
     """Post: `send` to the next rank of `group`, a tensor like it from the previous one."""
     cp, r = dist.get_world_size(group), dist.get_rank(group)
     if cp == 1:
-        return _Pending([], send)
+        return _Pending([], send, send)
     received = torch.empty_like(send)
     nxt = dist.get_global_rank(group, (r + 1) % cp)
     prv = dist.get_global_rank(group, (r - 1) % cp)
     ops = [dist.P2POp(dist.isend, send, nxt, group=group, tag=tag),
            dist.P2POp(dist.irecv, received, prv, group=group, tag=tag)]
-    return _Pending(collectives.batch_isend_irecv(ops), received)
+    return _Pending(collectives.batch_isend_irecv(ops), send, received)
 
 
 def _layout(q, group):
