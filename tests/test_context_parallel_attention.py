@@ -3,6 +3,7 @@
 - layout: the 2*cp-chunk split and its global positions are a partition of the sequence
   whose inverse restores it, at cp 1, 2, 4; the errors for a length not divisible by 2*cp
   and a rank outside the group name the flag;
+- attention dropout at global positions: a block draws the whole matrix's masks there;
 - the block plan: every visible (query, key) pair computed exactly once, no block whose
   pairs are all masked, the documented halves of the causal ring steps;
 - one 4-rank gloo world: outputs and the gradients of q, k, v at cp 2 (two groups of 2 with
@@ -67,7 +68,7 @@ def test_layout_errors_name_the_flag():
         local_positions(8, 0, 0)
 
 
-@pytest.mark.parametrize("window", [None, 2, 11, 40])
+@pytest.mark.parametrize("window", [None, 0, 2, 11, 40])
 def test_block_plan_covers_visible_pairs_once(window):
     for cp in (1, 2, 4):
         for r in range(cp):
@@ -92,6 +93,21 @@ def test_block_plan_covers_visible_pairs_once(window):
     diagonal = plan_blocks(mine, mine, None)
     assert [(b.rows, b.cols, b.full) for b in diagonal] == [
         (slice(0, L), slice(0, L), False), (slice(L, 2 * L), slice(0, 2 * L), False)]
+
+
+def test_attention_dropout_at_global_positions(no_grid):
+    """A block of scores at given global positions draws the full matrix's masks there."""
+    from layers.dropout import attention_dropout
+
+    full = torch.rand(2, 3, S, S)
+    qpos, kpos = local_positions(S, 4, 1), torch.tensor([0, 5, 6, 30, 31])
+    with ps.dropout_sample_ids(torch.tensor([7, 2 ** 40 + 1])):
+        whole = attention_dropout(full, 0.3, 99)
+        part = attention_dropout(full[:, :, qpos][:, :, :, kpos], 0.3, 99, qpos, kpos, S)
+        assert torch.equal(part, whole[:, :, qpos][:, :, :, kpos])
+        assert not torch.equal(part, attention_dropout(full[:, :, qpos][:, :, :, kpos], 0.3, 99))
+    with pytest.raises(ValueError, match="--dropout-masks sample"):
+        attention_dropout(full, 0.3, 99, qpos, kpos, S)  # no sample ids: stream masks
 
 
 def test_argument_errors_before_communication(no_grid):
