@@ -260,37 +260,79 @@ def _read(handle, kind: str, name: str) -> torch.Tensor:
 
 
 def _open_gguf(path: str) -> HFSource:
+    """An `HFSource` over transformers' reading of GGUF file `path`: its header checked first
+    (models/hf/gguf_header.py: an architecture transformers does not read, or would read as
+    another model, refused), the config fields transformers' reader drops set from the
+    header, and the whole model loaded on first use of `names` (after `check_weights` held
+    the config against the file's size) with any tensor transformers leaves missing or
+    mismatched refused."""
     try:
         import gguf  # noqa: F401 - transformers needs it for gguf_file=
     except ImportError:
         raise HFConversionError(f"reading {path} needs the gguf package: pip install gguf "
                                 f"accelerate") from None
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
+    from .gguf_header import check_architecture, dropped_fields, read_header
+
+    meta, tensor_names = read_header(path)
+    check_architecture(path, meta, tensor_names)
     folder, name = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
     try:
         # parsed once: each AutoConfig.from_pretrained(gguf_file=) reads the whole metadata
         # (tokenizer included; ~7 s for SmolLM2-135M on 2 cores), so it is passed on below
         hf_config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        for key, value in dropped_fields(meta, hf_config.to_dict()).items():
+            setattr(hf_config, key, value)
         config = hf_config.to_dict()
+    except HFConversionError as e:
+        raise HFConversionError(f"{path}: {e}") from None
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds here
         raise HFConversionError(f"transformers cannot read {path} as GGUF "
                                 f"({type(e).__name__}: {str(e)[:300]})") from None
     state: dict[str, torch.Tensor] = {}
 
-    def get(n: str) -> torch.Tensor:
+    def load() -> dict[str, torch.Tensor]:
         if not state:
-            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
-                                                         config=copy.deepcopy(hf_config),
-                                                         dtype=torch.float32)
-            state.update(model.state_dict())
-        return state[n]
+            state.update(_load_gguf(path, folder, name, hf_config))
+        return state
 
-    def names() -> list[str]:
-        # from the architecture, built on the meta device (no weights read); on first use,
-        # after the config was checked (a hostile block count would take minutes here)
-        from accelerate import init_empty_weights
+    return HFSource(path, config, "gguf", lambda: list(load()), lambda n: load()[n],
+                    gguf_file=name)
 
-        with init_empty_weights():
-            return list(AutoModelForCausalLM.from_config(copy.deepcopy(hf_config)).state_dict())
-    return HFSource(path, config, "gguf", names, get, gguf_file=name)
+
+def _load_gguf(path: str, folder: str, name: str, hf_config) -> dict[str, torch.Tensor]:
+    """The float32 state dict transformers builds from GGUF file `path` with `hf_config`;
+    `HFConversionError` when it cannot, or leaves a tensor missing (it would be random)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    level = logging.get_verbosity()
+    try:
+        logging.set_verbosity_error()  # its load report: ours below
+        model, info = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=name, config=copy.deepcopy(hf_config), dtype=torch.float32,
+            output_loading_info=True)
+    except Exception as e:  # noqa: BLE001 - shape mismatches are RuntimeErrors, ...
+        raise HFConversionError(f"transformers cannot load the tensors of {path} "
+                                f"({type(e).__name__}: {str(e)[:300]}); the file's tensors do "
+                                f"not match its metadata") from None
+    finally:
+        logging.set_verbosity(level)
+    bad = {k: sorted(info.get(k) or ()) for k in ("missing_keys", "mismatched_keys")}
+    for kind, keys in bad.items():
+        if keys:
+            raise HFConversionError(
+                f"{path}: transformers' GGUF reader leaves {len(keys)} tensor(s) "
+                f"{kind.split('_')[0]}, e.g. {keys[:3]} (they would be random); the file's "
+                f"tensors do not match its metadata")
+    try:  # transformers 5 holds some tensors fused in memory (a MoE layer's experts as one
+        # [experts, 2 * ffn, h] gate_up_proj); the families map the files' layout, which
+        # save_pretrained writes back with this
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4: the memory layout is the files'
+        return model.state_dict()
+    # a GGUF load records no conversions ([]: its tensors came fused); None makes the revert
+    # use the architecture's own, as for a model built from its config
+    model._weight_conversions = None
+    return dict(revert_weight_conversion(model, model.state_dict()))

@@ -1,0 +1,206 @@
+"""What a `.gguf` file's header says, read before transformers' GGUF loader builds anything.
+
+transformers' `gguf_file=` reader (transformers/modeling_gguf_pytorch_utils.py and
+integrations/ggml.py) turns a GGUF file into an HF config and HF-layout tensors; models/hf/
+files.py imports through it. It reads only some architectures, and of those it drops some
+hyperparameters that llama.cpp's converter writes, taking the config class's default instead
+(which describes some real model, not this one). This module reads the header itself (scalar
+metadata and tensor names; the format of ggml's docs/gguf.md) and
+
+- `check_architecture` refuses, with one line naming the architecture and the fix, what
+  transformers does not read (OLMo 2, OLMoE: import the safetensors folder), a Mixtral
+  (llama.cpp writes it as architecture "llama" with experts, which transformers would read
+  as a dense Llama without them), and tensors transformers would drop (`rope_freqs`, Phi-3's
+  `rope_factors_long` / `_short`: RoPE scaling kept as tensors);
+- `dropped_fields` gives the HF config fields transformers leaves at a default although the
+  file has them (`_DROPPED`): Qwen3's head_dim, the MoE expert widths, Phi-3's sliding
+  window, Gemma 2's soft-caps, Gemma 3's linear RoPE scaling; and the special token ids the
+  file does not give (None, not another model's default).
+
+The file is untrusted: every length and count is checked against the file's size before it
+is used, and only scalars are kept (arrays are skipped; a string of at most 64 KiB).
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+
+from .rules import HFConversionError
+
+# GGUF value types (ggml's gguf.h): struct format of the fixed-size ones
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
+            12: "d"}
+_STRING, _ARRAY = 8, 9
+MAX_STRING = 64 * 2**10  # a kept string value (names, types); longer ones are skipped
+# llama.cpp architecture -> the HF model type it holds, for those transformers' reader
+# does not know by that name (models/hf families; transformers renames these too)
+_HF_TYPE = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}
+# architectures of our families that transformers' GGUF reader does not read
+_NOT_READ = {"olmo2": "OLMo 2", "olmoe": "OLMoE"}
+# tensors transformers' reader drops: what they hold
+_DROPPED_TENSORS = {"rope_freqs.weight": "llama3-style RoPE frequency factors",
+                    "rope_factors_long.weight": "Phi-3 longrope factors",
+                    "rope_factors_short.weight": "Phi-3 longrope factors"}
+# llama.cpp architecture -> (metadata key after "<arch>.", HF config field) that transformers'
+# reader does not map (integrations/ggml.py GGUF_CONFIG_MAPPING, transformers 5.x)
+_DROPPED = {
+    "qwen3": (("attention.key_length", "head_dim"),),
+    "qwen2moe": (("expert_feed_forward_length", "moe_intermediate_size"),
+                 ("expert_shared_feed_forward_length", "shared_expert_intermediate_size")),
+    "qwen3moe": (("expert_feed_forward_length", "moe_intermediate_size"),),
+    "phi3": (("attention.sliding_window", "sliding_window"),),
+    "gemma2": (("attn_logit_softcapping", "attn_logit_softcapping"),
+               ("final_logit_softcapping", "final_logit_softcapping")),
+}
+_TOKEN_IDS = {"bos_token_id": "tokenizer.ggml.bos_token_id",
+              "eos_token_id": "tokenizer.ggml.eos_token_id",
+              "pad_token_id": "tokenizer.ggml.padding_token_id",
+              "unk_token_id": "tokenizer.ggml.unknown_token_id"}
+_SAFETENSORS_FIX = ("import the model's Hugging Face safetensors folder (config.json + "
+                    "model.safetensors) instead")
+
+
+class _Reader:
+    """Little-endian reads from `buf`, each bounded by its size (`HFConversionError`)."""
+
+    def __init__(self, buf, path: str):
+        self.buf, self.path, self.pos = buf, path, 0
+
+    def take(self, n: int) -> int:
+        if n < 0 or self.pos + n > len(self.buf):
+            raise HFConversionError(f"{self.path}: the GGUF header runs past the end of the "
+                                    f"file ({len(self.buf):,} bytes); the file is truncated or "
+                                    f"not GGUF, download it again")
+        at, self.pos = self.pos, self.pos + n
+        return at
+
+    def scalar(self, fmt: str):
+        size = struct.calcsize("<" + fmt)
+        return struct.unpack_from("<" + fmt, self.buf, self.take(size))[0]
+
+    def string(self, keep: bool = True) -> str | None:
+        n = self.scalar("Q")
+        at = self.take(n)
+        if not keep or n > MAX_STRING:
+            return None
+        return bytes(self.buf[at:at + n]).decode("utf-8", errors="replace")
+
+    def value(self, kind: int):
+        if kind in _SCALARS:
+            return self.scalar(_SCALARS[kind])
+        if kind == _STRING:
+            return self.string()
+        if kind == _ARRAY:  # skipped: only its element count is checked against the file
+            item, count = self.scalar("I"), self.scalar("Q")
+            if item in _SCALARS:
+                self.take(count * struct.calcsize("<" + _SCALARS[item]))
+            elif item == _STRING:
+                if count > len(self.buf):
+                    self.take(count)  # raises: past the end
+                for _ in range(count):
+                    self.string(keep=False)
+            else:
+                raise HFConversionError(f"{self.path}: GGUF array of value type {item} (not "
+                                        f"one ggml defines); the file is corrupt")
+            return None
+        raise HFConversionError(f"{self.path}: GGUF value type {kind} is not one ggml "
+                                f"defines; the file is corrupt or from a newer format")
+
+
+def read_header(path: str) -> tuple[dict, list[str]]:
+    """`({metadata key: scalar value}, [tensor names])` of GGUF file `path` (array values are
+    left out). Raises `HFConversionError` naming the file for what is not GGUF v2/v3."""
+    with open(path, "rb") as f:
+        if os.path.getsize(path) < 24:
+            raise HFConversionError(f"{path} is too short to be a GGUF file")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            r = _Reader(buf, path)
+            if bytes(buf[:4]) != b"GGUF":
+                raise HFConversionError(f"{path} does not start with the GGUF magic bytes; it "
+                                        f"is not a GGUF file")
+            r.take(4)
+            version = r.scalar("I")
+            if version not in (2, 3):
+                raise HFConversionError(f"{path}: GGUF version {version} (big-endian or other "
+                                        f"than 2 and 3) is not supported; convert it again "
+                                        f"with a current llama.cpp")
+            tensors, kvs = r.scalar("Q"), r.scalar("Q")
+            if tensors > len(buf) or kvs > len(buf):
+                r.take(len(buf))  # raises: more entries than bytes
+            meta = {}
+            for _ in range(kvs):
+                key = r.string()
+                meta[key] = r.value(r.scalar("I"))
+            names = []
+            for _ in range(tensors):
+                names.append(r.string())
+                dims = r.scalar("I")
+                r.take(8 * dims + 4 + 8)  # dims, ggml type, offset
+    return {k: v for k, v in meta.items() if v is not None}, names
+
+
+def hf_model_type(arch: str) -> str:
+    """The HF model_type transformers gives GGUF architecture `arch`."""
+    return _HF_TYPE.get(arch, arch)
+
+
+def check_architecture(path: str, meta: dict, names: list[str]) -> None:
+    """Refuse (`HFConversionError`, one line naming the architecture or tensor and the fix)
+    a GGUF file transformers' reader would not read, or would read as another model."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    arch = meta.get("general.architecture")
+    if type(arch) is not str:
+        raise HFConversionError(f"{path} has no general.architecture; it is not a model GGUF "
+                                f"file")
+    if arch in _NOT_READ:
+        raise HFConversionError(
+            f"{path}: GGUF architecture {arch!r} ({_NOT_READ[arch]}) is not one transformers' "
+            f"GGUF reader reads, and --hf reads .gguf files through it; {_SAFETENSORS_FIX}")
+    if arch == "llama" and meta.get("llama.expert_count"):
+        raise HFConversionError(
+            f"{path}: GGUF architecture 'llama' with llama.expert_count "
+            f"{meta['llama.expert_count']} is a mixture of experts (Mixtral): transformers' "
+            f"GGUF reader reads it as a dense Llama and drops the experts; {_SAFETENSORS_FIX}")
+    readable = sorted(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ("general",
+                                                                            "tokenizer"))
+    if arch not in readable and hf_model_type(arch) not in readable:
+        raise HFConversionError(f"{path}: GGUF architecture {arch!r} is not one transformers' "
+                                f"GGUF reader reads (it reads {', '.join(readable)}); "
+                                f"{_SAFETENSORS_FIX}")
+    dropped = next((n for n in names if n in _DROPPED_TENSORS), None)
+    if dropped:
+        raise HFConversionError(f"{path}: tensor {dropped!r} ({_DROPPED_TENSORS[dropped]}) is "
+                                f"dropped by transformers' GGUF reader, so the model would "
+                                f"differ; {_SAFETENSORS_FIX}")
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    if kind not in (None, "none") and not (arch == "gemma3" and kind == "linear"):
+        raise HFConversionError(f"{path}: {arch}.rope.scaling.type {kind!r} is dropped by "
+                                f"transformers' GGUF reader, so the model would differ; "
+                                f"{_SAFETENSORS_FIX}")
+
+
+def dropped_fields(meta: dict, config: dict) -> dict:
+    """`{HF config field: value}` to set on transformers' config dict `config` of a GGUF file
+    whose header is `meta`: what transformers' reader left at its default although the file
+    has it (`_DROPPED`; Gemma 3's linear RoPE scaling on the global layers), and the special
+    token ids the file does not give (None)."""
+    arch = meta["general.architecture"]
+    out = {}
+    for key, field in _DROPPED.get(arch, ()):
+        if f"{arch}.{key}" in meta:
+            out[field] = meta[f"{arch}.{key}"]
+    if arch == "gemma3" and meta.get("gemma3.rope.scaling.type") == "linear":
+        rope = dict(config.get("rope_parameters") or {})
+        full = dict(rope.get("full_attention") or {})
+        factor = meta.get("gemma3.rope.scaling.factor")
+        if type(factor) is not float:
+            raise HFConversionError(f"gemma3.rope.scaling.type is linear but "
+                                    f"gemma3.rope.scaling.factor is {factor!r}, not a number")
+        full.update(rope_type="linear", factor=factor)
+        out["rope_parameters"] = {**rope, "full_attention": full}
+    for field, key in _TOKEN_IDS.items():
+        if key not in meta:
+            out[field] = None
+    return out
