@@ -82,9 +82,10 @@ def serve(engine, tokenizer, model_name: str, host: str = "127.0.0.1", port: int
                 raise RuntimeError(f"the HTTP server could not start on {host}:{port} (is the "
                                    f"port in use? pass another --port)")
             time.sleep(0.05)
+        ep = grid.expert_model_parallel_size  # --enable-expert-parallel: experts over tp
         log(f"serving {model_name} on http://{host}:{port}/v1 (dp={dp}, "
-            f"tp={grid.tensor_model_parallel_size}, pp={grid.pipeline_model_parallel_size})",
-            flush=True)
+            f"tp={grid.tensor_model_parallel_size}, pp={grid.pipeline_model_parallel_size}"
+            f"{f', ep={ep}' if ep > 1 else ''})", flush=True)
     try:
         _loop(engine, fe, my_replica, leader)
     except Exception as e:  # a collective failed: a rank of some replica is gone

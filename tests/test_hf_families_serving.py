@@ -105,8 +105,9 @@ def served(request, tmp_path_factory):
     try:
         lines = []
         read_until(proc, lines, f"serving {name} on")
-        layout = f"(dp=1, tp=2, pp={flags[flags.index('--pp') + 1] if '--pp' in flags else 1})"
-        assert layout in lines[-1], lines[-1]  # the grid asked for
+        pp = flags[flags.index('--pp') + 1] if '--pp' in flags else 1
+        ep = ", ep=2" if "--enable-expert-parallel" in flags else ""
+        assert f"(dp=1, tp=2, pp={pp}{ep})" in lines[-1], lines[-1]  # the grid asked for
         yield name, folder, port
     finally:
         proc.send_signal(signal.SIGTERM)  # torchrun forwards it to the workers
