@@ -8,6 +8,8 @@ tiny random Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE models:
 - infer.py's loader at --tp 2 --enable-expert-parallel (whole experts spread over the two TP
   ranks), from the HF folder and from the checkpoint: logits, and the Engine's greedy ids;
 - greedy generation of 24 tokens through the Engine at tp 2 equals transformers' generate;
+- a Qwen3-MoE GGUF file (tests/gguf_files.py) imported at tp 2 (infer.py's loader) and
+  ep 2 x tp 2 gives its original's logits;
 - import (from sharded safetensors too) -> export is bitwise, and transformers loads the
   export with no missing, unexpected or mismatched tensor;
 - one train.py --finetune step at tp 2 from an import of Mixtral, Qwen2-MoE, Qwen3-MoE and
@@ -17,6 +19,7 @@ tiny random Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE models:
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -160,10 +163,11 @@ def _grid(tp: int, pp: int = 1, ep: int = 1) -> None:
     ps.initialize_model_parallel(tp, pp, device="cpu", expert_model_parallel_size=ep)
 
 
-def _world(models: dict, refs: dict) -> dict:
+def _world(models: dict, refs: dict, gguf: tuple | None) -> dict:
     """Every layout's {name: `_mismatch` against `refs` (ep layouts: also whether the HF and
     checkpoint loads are equal, and the experts a rank holds)} and the tp 2 Engine's greedy
-    ids; a last stage's view per layout."""
+    ids; a last stage's view per layout. `gguf`: (a GGUF file, its original's logits), whose
+    import at tp 2 and ep 2 x tp 2 lands in "gguf"."""
     from test_hf_conversion import pipeline_logits
 
     from checkpoint.hf import load_hf_weights
@@ -177,7 +181,7 @@ def _world(models: dict, refs: dict) -> dict:
     import parallel_state as ps
 
     out = {"tp2": {}, "tp2pp2": {}, "ep2": {}, "ep2tp2": {}, "tp2_expert_parallel": {},
-           "generate": {}, "generate_expert_parallel": {}}
+           "generate": {}, "generate_expert_parallel": {}, "gguf": {}}
 
     def generate(model):
         engine = Engine(model, max_batch_size=2, max_seq_length=64)
@@ -220,6 +224,15 @@ def _world(models: dict, refs: dict) -> dict:
                                                           from_ckpt.parameters()))
             out[layout][name] = (*_mismatch(_gathered_logits(from_hf, _ids()), refs[name], c),
                                  same, _local_experts(from_hf))
+        if gguf is not None and layout == "ep2tp2":  # a Qwen3-MoE GGUF file on this grid
+            src, c = open_checked(gguf[0])
+            model = GPTModel(c)
+            load_hf_weights(src, c, [model])
+            out["gguf"][layout] = _mismatch(_gathered_logits(model, _ids()), gguf[1], c)
+    if gguf is not None:  # and through infer.py's loader (--hf x.gguf) at tp 2
+        _grid(2)
+        model, _, _ = load(hf=gguf[0])
+        out["gguf"]["tp2"] = _mismatch(_gathered_logits(model, _ids()), gguf[1], model.config)
     return out
 
 
@@ -230,8 +243,14 @@ def _local_experts(model) -> tuple[int, int]:
 
 
 @pytest.fixture(scope="module")
-def world(models):
-    refs, generated = {}, {}
+def world(models, tmp_path_factory):
+    refs, generated, gguf = {}, {}, None
+    if importlib.util.find_spec("gguf") is not None:  # Qwen3-MoE from GGUF (issue 31 item 4)
+        from gguf_files import tiny_gguf
+
+        _, path, original = tiny_gguf("qwen3_moe", tmp_path_factory.mktemp("moe-gguf"))
+        with torch.no_grad():
+            gguf = (path, original(_ids()).logits)
     for name, (hf_dir, _) in models.items():
         hf = _hf(hf_dir)
         with torch.no_grad():
@@ -240,7 +259,7 @@ def world(models):
         gen = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW,
                           do_sample=False, pad_token_id=0)
         generated[name] = gen[0, len(PROMPT):].tolist()
-    results = run_distributed(_world, 4, models, refs, timeout=400)
+    results = run_distributed(_world, 4, models, refs, gguf, timeout=400)
     merged = {k: {} for k in results[0]}
     for r in results:
         for k, v in r.items():
@@ -263,6 +282,18 @@ def test_logits_match_transformers_at_layouts(models, world, layout):
             assert (experts, rows) == (c.num_moe_experts // 2,
                                        2 * c.moe_ffn_hidden_size // split), (name, layout)
         assert problem is None, f"{name} at {layout}: {problem}"
+
+
+def test_qwen3_moe_from_gguf_at_tp2_and_ep2(world):
+    """A Qwen3-MoE GGUF file (tests/gguf_files.py, as llama.cpp writes it: stacked experts)
+    through infer.py's loader at tp 2 and into a model at ep 2 x tp 2: the original's logits."""
+    merged, _ = world
+    if not merged["gguf"]:
+        pytest.skip("GGUF files need the gguf package: pip install gguf")
+    assert set(merged["gguf"]) == {"tp2", "ep2tp2"}
+    for layout, (problem, diff) in merged["gguf"].items():
+        print(f"qwen3_moe from GGUF at {layout}: max |logit - original| {diff:.2e}")
+        assert problem is None, f"qwen3_moe from GGUF at {layout}: {problem}"
 
 
 @pytest.mark.parametrize("layout", ["generate", "generate_expert_parallel"])
