@@ -52,9 +52,9 @@ def global_norm(dense_sq: torch.Tensor, expert_sq: torch.Tensor, sharded: bool) 
     dense, expert = dense_sq.float(), expert_sq.float().to(dense_sq.device)
     if not ps.model_parallel_is_initialized():
         return float((dense + expert).sqrt())
-    if sharded and ps.get_data_parallel_world_size() > 1:  # dense over dp, experts edp x ep
-        both = torch.stack([dense, expert])
-        collectives.all_reduce(both, group=ps.get_data_parallel_group())
+    if sharded and ps.get_data_parallel_world_size(True) > 1:  # dense over dp x cp, experts
+        both = torch.stack([dense, expert])  # over edp x ep
+        collectives.all_reduce(both, group=ps.get_data_parallel_group(with_context_parallel=True))
         dense, expert = both
     elif ps.get_expert_model_parallel_world_size() > 1:  # the experts' blocks over ep
         expert = expert.clone()

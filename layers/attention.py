@@ -19,6 +19,7 @@ from torch import nn
 
 from parallel_state import get_rng_tracker, get_tensor_model_parallel_world_size
 
+from .context_parallel import context_parallel_attention
 from .dropout import add_dropout_site, attention_dropout, sample_keyed
 
 from .linear import ColumnParallelLinear, RowParallelLinear
@@ -123,12 +124,26 @@ class SelfAttention(nn.Module):
     `{"full_attention": mask, "sliding_attention": mask}` (HF's layer types; the engine's
     masks for rows at their own positions) gives each kind of layer its complete mask.
 
+    Context parallelism (`cp_group`, a process group of cp > 1 ranks; Megatron's
+    --context-parallel-size): `x` holds this CP rank's load-balanced part of each sequence
+    (`layers.context_parallel`: chunks r and 2cp-1-r, `[s/cp, b, h]`), `rotary` the angles
+    of those tokens' global positions, and the core attention is
+    `layers.context_parallel.context_parallel_attention` over the CP group (`cp_comm_type`
+    "p2p": ring; "all_gather"), causal over the whole sequence, with the sliding window,
+    soft-cap and attention dropout of the layer. No `attention_mask`, `attention_bias` or
+    `kv_cache` then (ValueError: training only, no packed-document masks).
+
     Raises `ValueError` when tp neither divides num_query_groups nor is a multiple of it.
     """
 
     def __init__(self, config, layer_number: int, sequence_parallel: bool = False,
-                 causal: bool = True, softmax_scale: float | None = None):
+                 causal: bool = True, softmax_scale: float | None = None,
+                 cp_group=None, cp_comm_type: str = "p2p"):
         super().__init__()
+        self.cp_group, self.cp_comm_type = cp_group, cp_comm_type
+        if cp_group is not None and not causal:
+            raise ValueError("context parallelism splits causal self-attention only; an "
+                             "encoder (causal=False) runs at --context-parallel-size 1")
         tp = get_tensor_model_parallel_world_size()
         self.layer_number = layer_number
         self.causal = causal  # False: bidirectional (an encoder)
@@ -210,6 +225,11 @@ class SelfAttention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_number, k, v)
         window = self.window_size
+        if self.cp_group is not None and (kv_cache is not None or attention_bias is not None
+                                          or attention_mask is not None):
+            raise ValueError("context-parallel attention is causal over the whole sequence: "
+                             "no kv_cache, attention_mask (--reset-attention-mask) or "
+                             "attention_bias; run at --context-parallel-size 1 for those")
         if isinstance(attention_mask, dict):  # complete masks per layer kind: no band to add
             attention_mask = attention_mask[LAYER_TYPES[window is not None]]
             window = None
@@ -233,8 +253,15 @@ class SelfAttention(nn.Module):
         float), when given, is used instead of the causal mask. `window` `(left, right)` or
         None: keys before i - left are masked too (combined with `attention_mask`).
         `attention_bias` `[1 or b, n, sq, sk]` is added to the scores. Attention dropout:
-        layers/dropout.py.
+        layers/dropout.py. Under context parallelism q, k, v are this CP rank's parts and
+        the ring (or all-gather) attention of layers/context_parallel runs instead.
         """
+        if self.cp_group is not None:
+            return context_parallel_attention(
+                q, k, v, group=self.cp_group, comm_type=self.cp_comm_type,
+                scale=self.softmax_scale,
+                dropout_p=self.attention_dropout if self.training else 0.0,
+                dropout_site=self.dropout_site, window_size=window, softcap=self.softcap)
         sq, sk = q.shape[2], k.shape[2]
         mask = attention_mask
         # square, unbiased, full: the fused kernel's is_causal, no [sq, sk] mask to build

@@ -121,10 +121,14 @@ def _counters(rows: torch.Tensor, cols: int, device) -> torch.Tensor:
 
 
 def hidden_dropout(x: torch.Tensor, p: float, training: bool, site: torch.Tensor | int,
-                   sequence_parallel: bool = False) -> torch.Tensor:
+                   sequence_parallel: bool = False,
+                   positions: torch.Tensor | None = None) -> torch.Tensor:
     """Dropout on hidden states `x [s, b, h]`, or on the sequence shard `[s/tp, b, h]` of TP
-    rank r (`sequence_parallel`: positions r*s/tp ...). Returns `x` itself when `p == 0` or not
-    `training`; masks as in the module docstring."""
+    rank r (`sequence_parallel`: rows r*s/tp ... of the sequence). `positions` `[s * tp]` (or
+    `[s]` without SP) int64: the global position of each row of the unsharded sequence, e.g.
+    a context-parallel rank's load-balanced part (`layers.context_parallel.local_positions`),
+    so its masks are those one process draws at those positions; default 0, 1, ... Returns
+    `x` itself when `p == 0` or not `training`; masks as in the module docstring."""
     if p == 0.0 or not training:
         return x
     ids = ps.get_dropout_sample_ids()
@@ -134,7 +138,12 @@ def hidden_dropout(x: torch.Tensor, p: float, training: bool, site: torch.Tensor
     if ids.numel() != b:
         raise ValueError(f"dropout: {ids.numel()} sample ids for a batch of {b}")
     start = s * ps.get_tensor_model_parallel_rank() if sequence_parallel else 0
-    counters = _counters(torch.arange(start, start + s), h, x.device)  # [s, h]
+    rows = torch.arange(start, start + s) if positions is None else \
+        positions.to(torch.int64)[start: start + s]
+    if rows.numel() != s:
+        raise ValueError(f"dropout: {positions.numel()} positions do not cover the {s} rows "
+                         f"of this {'sequence shard' if sequence_parallel else 'sequence'}")
+    counters = _counters(rows, h, x.device)  # [s, h]
     keys = _row_keys(ids.to(x.device), site)
     return _apply(x, mix32(counters[:, None, :] ^ keys[None, :, None]), p)
 

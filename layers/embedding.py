@@ -89,9 +89,12 @@ class LanguageModelEmbedding(nn.Module):
         add_dropout_site(self)  # set from the module's name (layers/dropout.py)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                dropout_sub_site: int = 0) -> torch.Tensor:
+                dropout_sub_site: int = 0,
+                dropout_positions: torch.Tensor | None = None) -> torch.Tensor:
         """`dropout_sub_site`: which of a model's embedding dropouts this is (T5 embeds the
-        encoder and the decoder input with one module)."""
+        encoder and the decoder input with one module). `dropout_positions` `[s]`: the global
+        sequence position of each token, which keys the dropout mask (context parallelism:
+        a rank's part of the sequence; default 0..s-1; see layers.dropout.hidden_dropout)."""
         x = self.word_embeddings(input_ids.t())  # [s, b, h] or [s/tp, b, h]
         if self.embedding_scale is not None:
             x = x * torch.tensor(self.embedding_scale, dtype=torch.float32).to(x.dtype)
@@ -107,4 +110,4 @@ class LanguageModelEmbedding(nn.Module):
             x = x + pos
         return hidden_dropout(x, self.hidden_dropout, self.training,
                               sub_site(self.dropout_site, dropout_sub_site),
-                              self.sequence_parallel)
+                              self.sequence_parallel, positions=dropout_positions)

@@ -19,11 +19,13 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from parallel_state import get_tensor_model_parallel_world_size
 
 from .attention import CrossAttention, SelfAttention
+from .context_parallel import local_positions
 from .dropout import (
     SITE_ATTENTION_RESIDUAL,
     add_dropout_site,
@@ -41,13 +43,17 @@ class TransformerLayer(nn.Module):
     """One pre-norm layer; its MLP is a MoELayer where `config.is_moe_layer(layer_number)`.
     `causal=False`: bidirectional self-attention (an encoder);
     `cross_attention`: a decoder layer of an encoder-decoder model; `softmax_scale`: see
-    SelfAttention (T5: 1.0)."""
+    SelfAttention (T5: 1.0). `cp_group` / `cp_comm_type`: context parallelism (see
+    SelfAttention): `x` is this CP rank's part of each sequence, and the residual dropouts
+    are keyed by its tokens' global positions."""
 
     def __init__(self, config, layer_number: int, sequence_parallel: bool = False,
                  causal: bool = True, cross_attention: bool = False,
-                 softmax_scale: float | None = None):
+                 softmax_scale: float | None = None, cp_group=None,
+                 cp_comm_type: str = "p2p"):
         super().__init__()
         sp = sequence_parallel and get_tensor_model_parallel_world_size() > 1
+        self.cp_group = cp_group
         self.layer_number = layer_number
         self.hidden_dropout = config.hidden_dropout
         add_dropout_site(self)  # set from the module's name (layers/dropout.py)
@@ -56,7 +62,8 @@ class TransformerLayer(nn.Module):
         self.input_layernorm = build_norm(config, sequence_parallel=sp) \
             if config.pre_layernorm else nn.Identity()
         self.self_attention = SelfAttention(config, layer_number, sequence_parallel=sp,
-                                            causal=causal, softmax_scale=softmax_scale)
+                                            causal=causal, softmax_scale=softmax_scale,
+                                            cp_group=cp_group, cp_comm_type=cp_comm_type)
         if cross_attention:
             self.pre_cross_attn_layernorm = build_norm(config, sequence_parallel=sp)
             self.cross_attention = CrossAttention(config, layer_number, sequence_parallel=sp,
@@ -74,8 +81,14 @@ class TransformerLayer(nn.Module):
             if config.post_mlp_layernorm else None
 
     def _residual(self, x, y, site: int):
+        positions = None
+        if self.cp_group is not None and self.hidden_dropout > 0 and self.training:
+            rows = y.shape[0] * (get_tensor_model_parallel_world_size()
+                                 if self.sequence_parallel else 1)
+            positions = context_parallel_positions(rows, self.cp_group)
         return x + hidden_dropout(y, self.hidden_dropout, self.training,
-                                  sub_site(self.dropout_site, site), self.sequence_parallel)
+                                  sub_site(self.dropout_site, site), self.sequence_parallel,
+                                  positions=positions)
 
     def forward(self, x: torch.Tensor, rotary=None, kv_cache=None, attention_mask=None,
                 attention_bias=None, encoder_output=None,
@@ -101,10 +114,17 @@ class TransformerLayer(nn.Module):
         return self._residual(x, y, SITE_MLP_RESIDUAL)
 
 
+def context_parallel_positions(rows: int, cp_group) -> torch.Tensor:
+    """Global positions `[rows]` of a CP rank's `rows` tokens of each sequence (its
+    load-balanced part of a sequence `rows * cp` long: layers/context_parallel)."""
+    cp = dist.get_world_size(cp_group)
+    return local_positions(rows * cp, cp, dist.get_rank(cp_group))
+
+
 class TransformerBlock(nn.Module):
     """The layers `layer_numbers` (global, 0-based) of the model, plus the final norm when
     `post_layer_norm` (the last pipeline stage). `layer_kwargs` go to every TransformerLayer
-    (`causal`, `cross_attention`, `softmax_scale`)."""
+    (`causal`, `cross_attention`, `softmax_scale`, `cp_group`, `cp_comm_type`)."""
 
     def __init__(self, config, layer_numbers: list[int], post_layer_norm: bool = True,
                  sequence_parallel: bool = False, **layer_kwargs):

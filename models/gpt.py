@@ -20,7 +20,9 @@ from layers import (
 )
 from layers.attention import window_attention_masks
 from layers.dropout import assign_dropout_sites
-from parallel_state import get_tensor_model_parallel_world_size
+from layers.transformer import context_parallel_positions
+from parallel_state import (get_context_parallel_group, get_context_parallel_world_size,
+                            get_tensor_model_parallel_world_size)
 
 from .config import ModelConfig
 
@@ -48,13 +50,20 @@ class GPTModel(nn.Module):
         sequence_parallel: run norms/dropout on `[s/tp, b, h]` sequence shards.
         kv_replication: accept tp > num_query_groups by replicating KV heads (inference only;
             see layers/attention.py).
+        cp_comm_type: context parallelism's attention exchange, "p2p" (ring) or "all_gather",
+            used when the grid has a context-parallel size > 1 (Megatron's --cp-comm-type):
+            each rank then runs its load-balanced part `[s/cp]` of every sequence
+            (layers/context_parallel), with RoPE, learned positions and dropout at the global
+            positions of those tokens.
     """
 
     def __init__(self, config: ModelConfig, *, pre_process: bool = True, post_process: bool = True,
                  layer_numbers: list[int] | None = None, sequence_parallel: bool = False,
-                 kv_replication: bool = False):
+                 kv_replication: bool = False, cp_comm_type: str = "p2p"):
         super().__init__()
         tp = get_tensor_model_parallel_world_size()
+        self.cp_group = get_context_parallel_group() \
+            if get_context_parallel_world_size() > 1 else None
         config.validate(tp, kv_replication=kv_replication)
         self.config = config
         self.pre_process, self.post_process = pre_process, post_process
@@ -76,7 +85,8 @@ class GPTModel(nn.Module):
                              if self.rotary is not None and config.rope_local_base_freq
                              is not None else None)
         self.decoder = TransformerBlock(config, self.layer_numbers, post_layer_norm=post_process,
-                                        sequence_parallel=self.sequence_parallel)
+                                        sequence_parallel=self.sequence_parallel,
+                                        cp_group=self.cp_group, cp_comm_type=cp_comm_type)
         if post_process:
             tied_here = self.share_embeddings_and_output_weights and pre_process
             self.output_layer = ColumnParallelLinear(
@@ -141,14 +151,26 @@ class GPTModel(nn.Module):
             output_positions: `[b]` int64 (last stage, no labels): only token
                 output_positions[i] of row i goes through the output layer (inference: the
                 logits that are sampled; HF's `logits_to_keep`). Not with sequence parallel.
+            Under context parallelism every `[b, s]` argument and result holds this CP rank's
+            part `[b, s/cp]` of each sequence (hidden states `[s/cp, b, h]`); position_ids
+            default to those tokens' global positions.
         Returns:
             last stage with labels: per-token loss `[b, s]` float32 (nats);
             last stage without labels: vocab-parallel logits `[b, s, v_padded/tp]`
                 (`[b, 1, v_padded/tp]` with output_positions);
             other stages: hidden states `[s, b, h]` (or `[s/tp, b, h]`).
         """
+        dropout_positions = None
+        if self.cp_group is not None:  # this CP rank's tokens: their global positions
+            if input_ids is None:
+                raise ValueError("under context parallelism every stage needs input_ids "
+                                 "(this rank's part of the tokens: its positions)")
+            dropout_positions = context_parallel_positions(input_ids.shape[1], self.cp_group)
+            if position_ids is None:
+                position_ids = dropout_positions.to(input_ids.device)[None].expand(
+                    input_ids.shape[0], -1)
         if self.pre_process:
-            x = self.embedding(input_ids, position_ids)
+            x = self.embedding(input_ids, position_ids, dropout_positions=dropout_positions)
         else:
             if hidden_states is None:
                 raise ValueError("a stage without the embedding needs hidden_states")
@@ -163,6 +185,7 @@ class GPTModel(nn.Module):
                 rotary = rotary + self.rotary_local(seq_len, position_offset, device=x.device,
                                                     position_ids=position_ids)
         if self.config.window_size is not None and kv_cache is None and \
+                self.cp_group is None and \
                 not isinstance(attention_mask, dict):  # one sliding mask for all layers
             seq_len = x.shape[0] * (get_tensor_model_parallel_world_size()
                                     if self.sequence_parallel else 1)

@@ -80,14 +80,18 @@ def qk_norm_bytes(config, tokens: int, heads: int, groups: int, d: int, e: int) 
 def model_layer_bytes(config, s: int, b: int, t: int = 1, sp: bool = False,
                       recompute: str | None = None, bytes_per_value: int = 4,
                       dropout: bool | None = None, keyed_dropout: bool = True,
-                      sliding: bool = False, moe: bool = False, ep: int = 1) -> dict:
+                      sliding: bool = False, moe: bool = False, ep: int = 1,
+                      context_parallel: bool = False) -> dict:
     """What one of our transformer layers saves for backward, term by term, in bytes (see the
     module docstring). `dropout`: whether dropout is active (default: from the config);
     `keyed_dropout`: masks keyed by sample (`--dropout-masks sample`: the attention takes the
     explicit softmax) rather than drawn from streams (SDPA's math kernel); `sliding`: the
     layer has a sliding window (its mask is the chunk's shared one: `model_chunk_bytes`);
     `moe`: its MLP is a mixture of experts (`planner.moe.moe_layer_bytes` replaces the MLP's
-    terms; `ep` the expert-parallel size).
+    terms; `ep` the expert-parallel size); `context_parallel`: `s` is a CP rank's part of
+    the sequence and the core attention is layers/context_parallel's, which saves q, k, v,
+    its output and the float32 log-sum-exp (no `s x s` term, with or without dropout: its
+    masks are redrawn in backward), and the projection reads a copy of the output.
     Returns `{term: bytes}`; `sum(...values())` is the layer's total.
     """
     e, h, d = bytes_per_value, config.hidden_size, config.kv_channels
@@ -104,7 +108,13 @@ def model_layer_bytes(config, s: int, b: int, t: int = 1, sp: bool = False,
     mixed = e * s * b * (an + 2 * gn) * d  # fused QKV output: v (and q, k without RoPE) view it
     rope = config.position_embedding_type == "rope"
     q, kv_heads = e * s * b * an * d, e * s * b * gn * d
-    if recompute == "selective" or not att_drop:
+    if context_parallel:  # selective: the checkpoint keeps q, k, v and returns the output
+        out["attention q, k, v"] = mixed + (q + kv_heads if rope else 0)
+        if recompute != "selective":
+            out["attention output"] = q
+            out["attention log-sum-exp"] = 4 * b * an * s
+        out["projection input"] = q
+    elif recompute == "selective" or not att_drop:
         # flash kernel (or the inputs kept by the checkpoint): q, k, v and the output, which
         # the projection reads without a copy (selective: the projection input).
         out["attention q, k, v"] = mixed + (q + kv_heads if rope else 0)
@@ -146,7 +156,8 @@ def model_chunk_bytes(config, num_layers: int, s: int, b: int, t: int = 1, sp: b
                       granularity: str | None = None, method: str | None = None,
                       recompute_num_layers: int | None = None, bytes_per_value: int = 4,
                       dropout: bool | None = None, keyed_dropout: bool = True,
-                      layer_numbers: list[int] | None = None, ep: int = 1) -> int:
+                      layer_numbers: list[int] | None = None, ep: int = 1,
+                      context_parallel: bool = False) -> int:
     """Predicted bytes of a chunk's decoder layers (the "layers" region of the meter): per-layer
     terms under the recompute policy, plus the RoPE cos/sin tables shared by all layers, plus
     the sliding-window mask (`[1, 1, s, s]`, activation dtype, made once per forward by
@@ -154,9 +165,11 @@ def model_chunk_bytes(config, num_layers: int, s: int, b: int, t: int = 1, sp: b
     and selective recompute's checkpoint keep one shared copy; the explicit and math softmaxes
     keep none. `layer_numbers`: the chunk's global layers (default 0..num_layers-1), which
     say which layers slide (`ModelConfig.layer_window_size`) and which are MoE; `ep` the
-    expert-parallel size."""
+    expert-parallel size. `context_parallel`: `s` is a CP rank's part of the sequence (see
+    `model_layer_bytes`); no window mask is made, and the RoPE tables are per row
+    (`[s, b, 1, d]`: the tokens' global positions)."""
     kw = dict(s=s, b=b, t=t, sp=sp, bytes_per_value=bytes_per_value, dropout=dropout,
-              keyed_dropout=keyed_dropout, ep=ep)
+              keyed_dropout=keyed_dropout, ep=ep, context_parallel=context_parallel)
     numbers = range(num_layers) if layer_numbers is None else layer_numbers
     kinds = [(config.layer_window_size(n) is not None, config.is_moe_layer(n))
              for n in numbers]  # (slides, moe)
@@ -172,8 +185,9 @@ def model_chunk_bytes(config, num_layers: int, s: int, b: int, t: int = 1, sp: b
                                        else None, sliding=slides, moe=moe, **kw).values())
                  for slides, moe in kept)
     att_drop = config.attention_dropout > 0 if dropout is None else dropout
-    if any(slides for slides, _ in kept) and (granularity == "selective" or not att_drop):
+    if any(slides for slides, _ in kept) and (granularity == "selective" or not att_drop) \
+            and not context_parallel:
         total += bytes_per_value * s * s
-    if config.position_embedding_type == "rope" and num_layers:
-        total += 2 * 4 * s * config.kv_channels  # float32 cos, sin [s, 1, 1, d]
+    if config.position_embedding_type == "rope" and num_layers:  # float32 cos, sin
+        total += 2 * 4 * s * config.kv_channels * (b if context_parallel else 1)
     return total

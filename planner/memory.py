@@ -32,14 +32,15 @@ def chunk_activation_bytes(config, params, pre_process: bool, post_process: bool
     """Predicted saved-for-backward bytes of one microbatch through one chunk:
     `{"layers", "other", "total"}` (the regions of training.memory.SavedTensorMeter)."""
     m, t = config.model, config.train
-    tp, sp = t.tensor_model_parallel_size, t.sequence_parallel
-    s, b, e = m.seq_length, t.micro_batch_size, 2 if t.bf16 else 4
+    tp, sp, cp = t.tensor_model_parallel_size, t.sequence_parallel, t.context_parallel_size
+    s, b, e = m.seq_length // cp, t.micro_batch_size, 2 if t.bf16 else 4  # a CP rank's tokens
     numbers = sorted({int(p.unit.split()[1]) for p in params if p.unit.startswith("layer ")})
     n = len(numbers)
     layers = model_chunk_bytes(m, n, s, b, tp, sp, t.recompute_granularity, t.recompute_method,
                                t.recompute_num_layers, e,
                                keyed_dropout=t.dropout_masks == "sample",
-                               layer_numbers=numbers, ep=expert_layout(config)[0]) if n else 0
+                               layer_numbers=numbers, ep=expert_layout(config)[0],
+                               context_parallel=cp > 1) if n else 0
     s_local = s // tp if sp else s
     other = 0
     if pre_process:  # the token ids, learned positions' ids, the embedding dropout's mask

@@ -32,6 +32,7 @@ def validate(m: ModelConfig, t: TrainConfig, world_size: int) -> tuple[int, int]
     m.validate(t.tensor_model_parallel_size)
     expert_layout(m, t, dp)
     _check_sequence_parallel(m, t)
+    check_context_parallel(m, t)
     if m.is_encoder_decoder:
         _check_t5(m, t)
     else:
@@ -61,19 +62,66 @@ def _check_positive(t: TrainConfig, world_size: int) -> None:
                  "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
                  "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
                  "global_batch_size", "lr_decay_iters", "save_interval", "keep_last",
-                 "exit_interval", "expert_model_parallel_size", "expert_tensor_parallel_size"):
+                 "exit_interval", "expert_model_parallel_size", "expert_tensor_parallel_size",
+                 "context_parallel_size"):
         if getattr(t, name) is not None and getattr(t, name) < 1:  # None: unset, resolved later
             raise ConfigError(f"{flag(name)} must be a positive integer, got {getattr(t, name)}")
 
 
 def _check_grid(t: TrainConfig, world_size: int) -> int:
-    tp, pp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size
-    if world_size % (tp * pp):
+    tp, pp, cp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size, \
+        t.context_parallel_size
+    if world_size % (tp * pp * cp):
+        cp_part = f"--context-parallel-size {cp} x " if cp > 1 else ""
         raise ConfigError(
             f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
-            f"--pipeline-model-parallel-size {pp} = {tp * pp}; launch a multiple of {tp * pp} "
-            f"processes or change --tp/--pp")
-    return world_size // (tp * pp)
+            f"{cp_part}--pipeline-model-parallel-size {pp} = {tp * cp * pp}; launch a multiple "
+            f"of {tp * cp * pp} processes or change --tp/{'--cp/' if cp > 1 else ''}--pp")
+    return world_size // (tp * pp * cp)
+
+
+def check_context_parallel(m: ModelConfig, t: TrainConfig) -> None:
+    """--context-parallel-size (cp) splits each sequence into 2 x cp chunks over the cp ranks
+    (layers/context_parallel/). Raises `ConfigError` naming the flag and the fix for: an
+    unknown --cp-comm-type; a --seq-length not divisible by 2 x cp (by 2 x cp x tp under
+    sequence parallelism, which shards each rank's part over TP); and, at cp > 1, what is
+    not built with it: T5, packed-document attention masks, MoE layers, rank-stream dropout,
+    the planner's --report-comm."""
+    cp = t.context_parallel_size
+    _check_choice("cp_comm_type", t.cp_comm_type, ("p2p", "all_gather"))
+    if cp == 1:
+        return
+    tp = t.tensor_model_parallel_size if t.sequence_parallel else 1
+    if m.is_encoder_decoder:
+        raise ConfigError(f"--context-parallel-size {cp} is for decoder-only models; T5's "
+                          f"encoder-decoder attention is not split over CP ranks: drop "
+                          f"--context-parallel-size")
+    if m.seq_length % (2 * cp * tp):
+        why = (f"2 x --context-parallel-size x --tensor-model-parallel-size = {2 * cp * tp} "
+               f"(2 x cp load-balanced chunks, each rank's part split over TP by "
+               f"--sequence-parallel)" if tp > 1 else
+               f"2 x --context-parallel-size = {2 * cp} (each sequence is cut into 2 x cp "
+               f"load-balanced chunks)")
+        raise ConfigError(f"--seq-length {m.seq_length} is not divisible by {why}; use "
+                          f"--seq-length {max(1, round(m.seq_length / (2 * cp * tp))) * 2 * cp * tp}"
+                          f" or another --context-parallel-size")
+    if t.reset_attention_mask:
+        raise ConfigError(f"--reset-attention-mask (attention inside each packed document) is "
+                          f"not built with --context-parallel-size {cp}: the ring attends "
+                          f"causally over the whole sequence; drop --reset-attention-mask "
+                          f"(--reset-position-ids and --eod-mask-loss work) or use cp 1")
+    if m.num_moe_experts is not None:
+        raise ConfigError(f"--num-experts (MoE layers) is not built with "
+                          f"--context-parallel-size {cp}: routing capacity and the load-"
+                          f"balancing losses are per microbatch over all its tokens, which CP "
+                          f"splits over ranks; use cp 1 for a mixture of experts")
+    if t.dropout_masks != "sample" and (m.hidden_dropout > 0 or m.attention_dropout > 0):
+        raise ConfigError(f"--dropout-masks {t.dropout_masks} draws per-rank streams, which "
+                          f"do not follow a sequence split over --context-parallel-size {cp}; "
+                          f"use --dropout-masks sample (masks keyed by global position)")
+    if t.report_comm:
+        raise ConfigError(f"--report-comm compares against the planner, which does not model "
+                          f"--context-parallel-size {cp} yet: drop --report-comm or use cp 1")
 
 
 def expert_layout(m: ModelConfig, t: TrainConfig, dp: int) -> tuple[int, int, int]:

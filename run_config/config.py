@@ -90,6 +90,8 @@ class Config:
             f"{m.vocab_size}{padded}, {m.position_embedding_type}/{m.normalization}/"
             f"{m.activation}\n"
             f"layout  world {self.world_size} = pp {t.pipeline_model_parallel_size} x dp {dp} x "
+            + (f"cp {t.context_parallel_size} ({t.cp_comm_type}) x "
+               if t.context_parallel_size > 1 else "") +
             f"tp {t.tensor_model_parallel_size}, vpp {t.virtual_pipeline_model_parallel_size}, "
             f"sequence parallel {t.sequence_parallel}"
             + (f", experts over ep {t.expert_model_parallel_size} x expert-dp "

@@ -28,6 +28,8 @@ class TrainConfig:
     sequence_parallel: bool = False
     expert_model_parallel_size: int = 1  # EP: each MoE layer's experts split over DP ranks
     expert_tensor_parallel_size: int | None = None  # None: the TP size (the only one built)
+    context_parallel_size: int = 1  # CP: each sequence split over ranks (ring attention)
+    cp_comm_type: str = "p2p"  # CP attention's exchange: p2p (ring) | all_gather
     use_distributed_optimizer: bool = False  # ZeRO-1: Adam states/main weights sharded over DP
     data_parallel_sharding_strategy: str | None = None  # None: optim if the above, else no_shard
     optimizer_cpu_offload: bool = False  # main weights + Adam moments in host memory

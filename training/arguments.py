@@ -35,6 +35,7 @@ from run_config.train_config import TrainConfig
 
 ALIASES = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
            "vpp": "virtual_pipeline_model_parallel_size", "ep": "expert_model_parallel_size",
+           "cp": "context_parallel_size",
            "num_experts": "num_moe_experts"}  # the last: Megatron's flag for the field
 
 
@@ -158,6 +159,9 @@ FLAG_HELP = {
     "pipeline_model_parallel_split_rank": "T5: stages before it hold the encoder, the rest "
     "the decoder",
     "sequence_parallel": "norms/dropout on sequence shards (needs tp > 1)",
+    "context_parallel_size": "CP: ranks each sequence is split over (2 x cp load-balanced "
+    "chunks, ring attention; alias --cp); world = tp x cp x dp x pp",
+    "cp_comm_type": "CP attention's K/V exchange: p2p (ring, overlapped) | all_gather",
     "expert_model_parallel_size": "EP: ranks each MoE layer's experts are split over, carved "
     "out of the data-parallel ranks (alias --ep; needs --num-experts)",
     "expert_tensor_parallel_size": "TP of the routed experts (default, and the only value "

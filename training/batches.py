@@ -12,6 +12,7 @@ from parallel_state import collectives
 
 from .arguments import Config
 from data_pipeline.masks import ltor_masks_and_position_ids
+from layers.context_parallel import split_for_context_parallel
 
 
 class DataError(ValueError):
@@ -116,11 +117,16 @@ def get_microbatches(dataset, base: int, config: Config, device,
     within each chunk of mbs*dp samples, DP rank r takes [r*mbs, (r+1)*mbs) (Megatron's
     pretraining sampler), so the set of samples in a step does not depend on the layout.
     Each microbatch also holds `sample_ids` `[mbs]`, those samples' indices (dropout's key).
+    Under context parallelism (cp > 1) every `[mbs, s]` field (tokens, labels, loss mask,
+    position ids) holds this CP rank's load-balanced part `[mbs, s/cp]`
+    (`layers.context_parallel.split_for_context_parallel`); the model takes the global
+    positions of those tokens from the grid when the batch has no position ids.
     """
     t = config.train
     mbs, dp, dp_rank = t.micro_batch_size, config.data_parallel_size, ps.get_data_parallel_rank()
     gbs = global_batch_size or t.global_batch_size
     packed = t.reset_position_ids or t.reset_attention_mask or t.eod_mask_loss
+    cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
     out = []
     for m in range(gbs // (mbs * dp)):
         start = base + m * mbs * dp + dp_rank * mbs
@@ -144,5 +150,9 @@ def get_microbatches(dataset, base: int, config: Config, device,
                 t.eod_mask_loss)
             batch.update({k: v for k, v in (("attention_mask", mask),
                                              ("position_ids", positions)) if v is not None})
+        if cp > 1:  # this CP rank's chunks r and 2cp-1-r of every sequence
+            for k in ("tokens", "labels", "loss_mask", "position_ids"):
+                if k in batch:
+                    batch[k] = split_for_context_parallel(batch[k], 1, cp, cp_rank)
         out.append({k: v.to(device) for k, v in batch.items()})
     return out

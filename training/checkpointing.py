@@ -123,7 +123,7 @@ def _flat_states(model, optimizer):
         f = flats[id(s.ddp)]
         for kind, src in zip(KINDS, (s.main, s.exp_avg, s.exp_avg_sq)):
             f[kind][s.lo: s.hi].copy_(src)
-    if optimizer.sharded and ps.get_data_parallel_world_size() > 1:
+    if optimizer.sharded and ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
         for ddp in model:
             for bucket in ddp.buffer.buckets:
                 lo, hi = ddp.shard_range(bucket)
@@ -180,10 +180,11 @@ def _set_rng_state(loaded: dict[str, torch.Tensor]) -> None:
 
 
 def _describe_layout(layout: dict) -> str:
-    """`tp=2 pp=1 vpp=None dp=2` (+ `ep=2` for an MoE model) of a `_layout` dict (a
-    checkpoint's, or this run's)."""
-    return " ".join(f"{k}={layout.get(k)}" for k in ("tp", "pp", "vpp", "dp", "ep")
-                    if k != "ep" or k in layout)
+    """`tp=2 pp=1 vpp=None dp=2` (+ `cp=2` at context parallel, `ep=2` for an MoE model) of a
+    `_layout` dict (a checkpoint's, or this run's)."""
+    shown = ("tp", "pp", "vpp", "dp") + (("cp",) if layout.get("cp", 1) != 1 else ()) + \
+        (("ep",) if "ep" in layout else ())
+    return " ".join(f"{k}={layout.get(k)}" for k in shown)
 
 
 def _layout(config) -> dict:
@@ -192,7 +193,7 @@ def _layout(config) -> dict:
     t = config.train
     layout = {"tp": t.tensor_model_parallel_size, "pp": t.pipeline_model_parallel_size,
               "vpp": t.virtual_pipeline_model_parallel_size, "dp": config.data_parallel_size,
-              "world_size": config.world_size,
+              "cp": t.context_parallel_size, "world_size": config.world_size,
               "distributed_optimizer": t.use_distributed_optimizer,
               "data_parallel_sharding_strategy": t.data_parallel_sharding_strategy,
               "optimizer_cpu_offload": t.optimizer_cpu_offload, "bf16": t.bf16}
@@ -455,8 +456,8 @@ def load_checkpoint(config, chunks, model, optimizer) -> ResumeState:
                 f"RNG start fresh")
         return ResumeState()
     same_layout = meta["layout"]["world_size"] == config.world_size and all(
-        meta["layout"].get(k, 1 if k == "ep" else None) == v for k, v in _layout(config).items()
-        if k in ("tp", "pp", "vpp", "ep"))
+        meta["layout"].get(k, 1 if k in ("cp", "ep") else None) == v
+        for k, v in _layout(config).items() if k in ("tp", "pp", "vpp", "cp", "ep"))
     iteration, consumed = _load_states(path, md, config, chunks, model, optimizer,
                                        load_rng=same_layout and t.load_rng)
     if not same_layout and t.load_rng:

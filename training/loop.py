@@ -62,13 +62,15 @@ def _global_sum(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def pipeline_spec(config: Config, device) -> TensorSpec:
-    """What adjacent stages exchange: hidden states `[s, b, h]` (`[s/tp, b, h]` under SP).
+    """What adjacent stages exchange: hidden states `[s, b, h]` (`[s/tp, b, h]` under SP;
+    a context-parallel rank's part `[s/cp, b, h]`, `[s/(cp tp), b, h]` under SP).
 
     T5 (Megatron's encoder-and-decoder pipeline): encoder stages pass the encoder hidden
     `[se, b, h]`; the first decoder stage receives the encoder output, and every decoder
     stage passes `(decoder hidden [sd, b, h], encoder output [se, b, h])`."""
     m, t = config.model, config.train
     sp = t.tensor_model_parallel_size if t.sequence_parallel else 1
+    sp *= t.context_parallel_size  # T5 is refused at cp > 1 (run_config/checks.py)
     dtype = torch.bfloat16 if t.bf16 else torch.float32
     b, h = t.micro_batch_size, m.hidden_size
     enc = (m.seq_length // sp, b, h)
@@ -85,7 +87,7 @@ def global_loss_sum(loss_sum: torch.Tensor) -> torch.Tensor:
     """Sum of token losses of the global batch, on every rank (the loss lives on the last
     pipeline stage of each DP replica)."""
     loss_sum = _global_sum(loss_sum, ps.get_pipeline_model_parallel_group())
-    return _global_sum(loss_sum, ps.get_data_parallel_group())
+    return _global_sum(loss_sum, ps.get_data_parallel_group(with_context_parallel=True))
 
 
 def evaluate(chunks, dataset, config: Config, device, progress=None) -> float:
@@ -106,7 +108,8 @@ def evaluate(chunks, dataset, config: Config, device, progress=None) -> float:
             progress(i + 1)
     for c in chunks:
         c.train()
-    return float(global_loss_sum(loss_sum) / _global_sum(tokens, ps.get_data_parallel_group()))
+    return float(global_loss_sum(loss_sum) / _global_sum(
+        tokens, ps.get_data_parallel_group(with_context_parallel=True)))
 
 
 @dataclasses.dataclass
@@ -241,8 +244,9 @@ def train_step(run: TrainState, iteration: int) -> StepResult:
     with record_function("shardzoo.data"):
         microbatches = get_microbatches(run.train_ds, data_start, run.config, run.device, gbs)
     signal_hook(iteration + 1)  # test hook; no-op unless its env var is set
+    # the loss tokens of the whole global batch: each dp x cp rank holds a part of them
     num_tokens = _global_sum(sum(mb["loss_mask"].sum() for mb in microbatches),
-                             ps.get_data_parallel_group())
+                             ps.get_data_parallel_group(with_context_parallel=True))
     for ddp in run.model:
         ddp.zero_grad_buffer()
     run.moe.before_step(gbs, t.micro_batch_size)

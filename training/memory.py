@@ -146,13 +146,16 @@ def measure_activation_bytes(chunks, batch: dict, hidden_shape, dtype=torch.floa
 
 def activation_report(config, measured: dict, *, micro_batch_size: int, tp: int, sp: bool,
                       granularity, method, recompute_num_layers, dtype=torch.float32,
-                      dropout: bool | None = None, keyed_dropout: bool = True) -> dict:
-    """Record of measured vs predicted activation bytes per microbatch on this rank."""
-    s, b, n = config.seq_length, micro_batch_size, measured["num_layers"]
+                      dropout: bool | None = None, keyed_dropout: bool = True,
+                      cp: int = 1) -> dict:
+    """Record of measured vs predicted activation bytes per microbatch on this rank (`cp`:
+    the context-parallel size; a rank holds `s / cp` tokens of each sequence)."""
+    s, b, n = config.seq_length // cp, micro_batch_size, measured["num_layers"]
     e = torch.tensor([], dtype=dtype).element_size()
     model = model_chunk_bytes(config, n, s, b, tp, sp, granularity, method, recompute_num_layers,
                               e, dropout, keyed_dropout, measured.get("layer_numbers"),
-                              ep=ps.get_expert_model_parallel_world_size())
+                              ep=ps.get_expert_model_parallel_world_size(),
+                              context_parallel=cp > 1)
     per_layer = paper_layer_bytes(s, b, config.hidden_size, config.num_attention_heads, tp, sp,
                                   granularity, bytes_per_value=e)
     if granularity == "full":

@@ -76,7 +76,8 @@ def check_replicas(model: list, iteration: int) -> None:
              for name, p in getattr(chunk, "module", chunk).named_parameters()
              if p.numel() > 0]
     dense = [(n, p) for n, p in named if not is_expert_parallel(p)]
-    problems = _compare(dense, ps.get_data_parallel_group(), "data-parallel replicas")
+    problems = _compare(dense, ps.get_data_parallel_group(with_context_parallel=True),
+                        "data-parallel replicas")
     problems += _compare([(n, p) for n, p in named if is_expert_parallel(p)],
                          ps.get_expert_data_parallel_group(),
                          "expert-data-parallel replicas (the ranks holding these experts)")

@@ -229,7 +229,8 @@ def gather_timeline(timeline: Timeline):
     """Spans of the pipeline of DP replica 0 / TP rank 0, ordered by stage (on every rank)."""
     everyone = [None] * dist.get_world_size()
     collectives.all_gather_object(everyone, timeline.spans)
-    stride = ps.get_data_parallel_world_size() * ps.get_tensor_model_parallel_world_size()
+    stride = ps.get_data_parallel_world_size(with_context_parallel=True) * \
+        ps.get_tensor_model_parallel_world_size()
     return [everyone[p * stride] for p in range(ps.get_pipeline_model_parallel_world_size())]
 
 

@@ -61,7 +61,8 @@ def build_model(config: Config, device) -> list[GPTModel]:
         chunks = build_model_chunks(GPTModel, config.model, config.stage_num_layers(),
                                     ps.get_pipeline_model_parallel_rank(),
                                     t.virtual_pipeline_model_parallel_size,
-                                    sequence_parallel=t.sequence_parallel)
+                                    sequence_parallel=t.sequence_parallel,
+                                    cp_comm_type=t.cp_comm_type)
     for chunk in chunks:
         chunk.init_weights(t.seed)
         if t.bf16:  # Megatron's Float16Module: bf16 weights (the optimizer keeps fp32 copies)
@@ -113,6 +114,7 @@ def pretrain(config: Config, on_end=None) -> list[dict]:
                                          expert_model_parallel_size=t.expert_model_parallel_size,
                                          expert_tensor_parallel_size=(
                                              t.expert_tensor_parallel_size),
+                                         context_parallel_size=t.context_parallel_size,
                                          **pipeline_copies(config))
             records = _train(config, device, on_end, run_start)
             collectives.barrier()  # every rank got here, so nothing is left hanging
@@ -188,7 +190,12 @@ def build_train_valid_data(config: Config, device) -> tuple:
         for dim, size, group in (("tp", t.tensor_model_parallel_size,
                                   ps.get_tensor_model_parallel_group()),
                                  ("dp", ps.get_data_parallel_world_size(),
-                                  ps.get_data_parallel_group())):
+                                  ps.get_data_parallel_group()),
+                                 ("cp", ps.get_context_parallel_world_size(),
+                                  ps.get_context_parallel_group()),
+                                 ("dp x cp", ps.get_data_parallel_world_size(True) if
+                                  t.context_parallel_size > 1 and config.data_parallel_size > 1
+                                  else 1, ps.get_data_parallel_group(True))):
             if size > 1:
                 print_rank_0(f"{dim} collectives over " + (
                     f"shared memory ({shm.SHM_DIR}; {shm.ENV_SWITCH}=0 keeps gloo)"
@@ -236,7 +243,8 @@ def setup_model_and_optimizer(config: Config, device) -> tuple[list, list, objec
     chunks = build_model(config, device)
     # routed experts reduce (and shard) over the expert-data-parallel group (the dp group at
     # ep 1, where nothing is split): data_parallel/ddp.py
-    model = [DistributedDataParallel(c, data_parallel_group=ps.get_data_parallel_group(),
+    # dense weights reduce (and shard) over dp x cp: context-parallel ranks hold the same weights
+    model = [DistributedDataParallel(c, data_parallel_group=ps.get_data_parallel_group(True),
                                      expert_data_parallel_group=(
                                          ps.get_expert_data_parallel_group()),
                                      bucket_size=t.ddp_bucket_size,
@@ -399,7 +407,8 @@ def log_activation_memory(chunks, dataset, config: Config, device) -> dict:
                                tp=t.tensor_model_parallel_size, sp=t.sequence_parallel,
                                granularity=t.recompute_granularity, method=t.recompute_method,
                                recompute_num_layers=t.recompute_num_layers, dtype=dtype,
-                               keyed_dropout=t.dropout_masks == "sample")
+                               keyed_dropout=t.dropout_masks == "sample",
+                               cp=t.context_parallel_size)
     return {"activation_bytes_per_microbatch": report["activation_bytes_per_microbatch"],
             "activation_bytes_layers": report["activation_bytes_layers"],
             "activation_bytes_layers_predicted": report["activation_bytes_layers_model_predicted"],
