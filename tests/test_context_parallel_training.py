@@ -1,9 +1,11 @@
 """Training with context parallelism (issue 32, the trainer's side): train.py's pretrain() at
 cp 2, cp 4, cp 2 x tp 2 (sequence parallel), cp 2 x pp 2 and cp 2 x dp 2 under ZeRO-3 gives
 the losses, gradient norms and final weights of one process, to tests/tolerances.py's derived
-bound; with hidden and attention dropout 0.1 in most comparisons (masks keyed by global
-position, so a CP rank's masks are the one-process masks of its tokens). A checkpoint saved
-at cp 2 resumes at cp 1 (dp 2) and continues the uninterrupted losses and weights. The
+bound; with hidden and attention dropout 0.1 in three of the six (masks keyed by global
+position, so a CP rank's masks are the one-process masks of its tokens), one with
+--debug-collectives (the ring's messages pass its fingerprint check). Each run's start-up
+measurement of activation bytes equals the planner's prediction. A checkpoint saved at
+cp 2 resumes at cp 1 (dp 2) and continues the uninterrupted losses and weights. The
 layouts that are not built are refused by the run's checks with the flag named, before any
 process starts.
 
@@ -14,6 +16,7 @@ other in one world (tests/distributed.py), the one-process references in one wor
 from __future__ import annotations
 
 import pytest
+import torch
 
 from distributed import batched_by_world, run_distributed
 from models.config import ConfigError
@@ -35,7 +38,8 @@ REFERENCES = {  # name: one-process flags
     "gpt": GPT + NO_DROPOUT,
 }
 LAYOUTS = [  # id, world, reference, flags
-    ("cp2", 2, "llama-dropout", ["--cp", "2"]),
+    # --debug-collectives: ranks compare each call's fingerprint first (the ring's p2p too)
+    ("cp2", 2, "llama-dropout", ["--cp", "2", "--debug-collectives"]),
     ("cp2-all-gather", 2, "llama", ["--cp", "2", "--cp-comm-type", "all_gather"]),
     ("cp4", 4, "llama", ["--cp", "4"]),
     ("cp2-tp2-sp", 4, "llama-dropout", ["--cp", "2", "--tp", "2", "--sequence-parallel"]),
@@ -52,7 +56,8 @@ def _args(reference: str, flags: list[str]) -> list[str]:
 
 def _train_worker(runs: list[list[str]], log_dir: str, cache: str) -> list[dict]:
     """pretrain() once per argument list in this run_distributed world; per run the step
-    records of rank 0's metrics.jsonl and the full final weights (rank 0)."""
+    records of rank 0's metrics.jsonl, its start-up activation bytes and the full final
+    weights (rank 0)."""
     import os
 
     import torch.distributed as dist
@@ -67,9 +72,9 @@ def _train_worker(runs: list[list[str]], log_dir: str, cache: str) -> list[dict]
     out = []
     for i, args in enumerate(runs):
         ps.destroy_model_parallel()  # pretrain builds the grid from the config
-        folder = args[args.index("--log-dir") + 1] if "--log-dir" in args else f"{log_dir}/{i}"
-        extra = [] if "--log-dir" in args else ["--log-dir", folder]
-        records = pretrain(parse_config(args + extra), on_end=gather_full_state_dict)
+        folder = f"{log_dir}/{i}"
+        records = pretrain(parse_config(args + ["--log-dir", folder]),
+                           on_end=gather_full_state_dict)
         state = records[-1]["on_end"] if dist.get_rank() == 0 else None
         records = read_records(folder)
         start = next(r for r in records if "activation_bytes_layers" in r)
@@ -149,10 +154,10 @@ def test_activation_bytes_per_rank_are_predicted(references, case_results):
     (training/memory.py) equals planner/activations.py's prediction at every cp layout, and
     falls with cp (each rank holds s/cp tokens; no s x s term)."""
     layers = {}
-    for name, _, reference, _ in LAYOUTS:
-        a = case_results(next(c for c in LAYOUTS if c[0] == name))["activations"]
-        assert a["activation_bytes_layers"] == a["activation_bytes_layers_predicted"], (name, a)
-        layers[name] = a["activation_bytes_layers"]
+    for case in LAYOUTS:
+        a = case_results(case)["activations"]
+        assert a["activation_bytes_layers"] == a["activation_bytes_layers_predicted"], (case, a)
+        layers[case[0]] = a["activation_bytes_layers"]
     one = references["llama"]["activations"]["activation_bytes_layers"]
     assert layers["cp4"] < layers["cp2-all-gather"] < one, (layers, one)
 
@@ -164,11 +169,21 @@ def test_dropout_is_on_in_the_comparisons(references):
     assert all(a["loss"] != b["loss"] for a, b in zip(with_, without))
 
 
-def test_cp2_checkpoint_resumes_at_cp1(references, case_results):
+def test_cp2_checkpoint_resumes_at_cp1(references, case_results, checkpoint_dir):
     """Checkpoints are layout-free: saved at cp 2 after iteration 2, resumed at cp 1 (dp 2),
-    iteration 3 gives the uninterrupted one-process loss and final weights."""
+    iteration 3 gives the uninterrupted one-process loss and final weights; read in one
+    process without a grid (the weights a converter or server reads), the checkpoint holds
+    bitwise the weights the cp 2 run ended with."""
+    from checkpoint.model_io import read_dense_weights
+
     case_results(LAYOUTS[0])  # world 2 ran the pair
     saved, resumed = case_results.extra["resume"]
+    folders = sorted(checkpoint_dir.glob("iter_*"))
+    assert [f.name for f in folders] == ["iter_0000002"]
+    _, tensors = read_dense_weights(str(folders[0]))
+    assert sorted(tensors) == sorted(saved["state"])
+    for name, read in tensors.items():
+        assert torch.equal(read(), saved["state"][name]), name
     ref = references["llama-dropout"]
     k_step = training_chain_terms(_args("llama-dropout", []))
     assert [r["iteration"] for r in saved["steps"]] == [1, 2]
@@ -196,9 +211,6 @@ def test_cp2_checkpoint_resumes_at_cp1(references, case_results):
      "--num-experts (MoE layers) is not built with --context-parallel-size 2"),
     (2, LLAMA + ["--cp", "2", "--dropout-masks", "rank-streams", "--hidden-dropout", "0.1"],
      "--dropout-masks rank-streams draws per-rank streams"),
-    (2, LLAMA + ["--cp", "2", "--report-comm"],
-     "--report-comm compares against the planner, which does not model "
-     "--context-parallel-size 2"),
     (6, LLAMA + ["--cp", "4"], "world size 6 is not divisible by --tensor-model-parallel-size "
      "1 x --context-parallel-size 4 x --pipeline-model-parallel-size 1 = 4"),
     (2, LLAMA + ["--cp", "2", "--cp-comm-type", "a2a"], "--cp-comm-type must be one of"),
