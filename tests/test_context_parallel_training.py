@@ -3,7 +3,8 @@ cp 2, cp 4, cp 2 x tp 2 (sequence parallel), cp 2 x pp 2 and cp 2 x dp 2 under Z
 the losses, gradient norms and final weights of one process, to tests/tolerances.py's derived
 bound; with hidden and attention dropout 0.1 in three of the six (masks keyed by global
 position, so a CP rank's masks are the one-process masks of its tokens), one with
---debug-collectives (the ring's messages pass its fingerprint check). Each run's start-up
+--debug-collectives (the ring's messages pass its fingerprint check), two with validation
+(the loss over dp x cp before and after training). Each run's start-up
 measurement of activation bytes equals the planner's prediction. A checkpoint saved at
 cp 2 resumes at cp 1 (dp 2) and continues the uninterrupted losses and weights. The
 layouts that are not built are refused by the run's checks with the flag named, before any
@@ -31,6 +32,7 @@ COMMON = ["--train-iters", "3", "--log-interval", "1", "--eval-interval", "0",
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
 ZERO3 = ["--data-parallel-sharding-strategy", "optim_grads_params"]
+EVAL = ["--eval-interval", "3", "--eval-iters", "1"]  # validation before and after (cp runs too)
 
 REFERENCES = {  # name: one-process flags
     "llama-dropout": LLAMA + DROPOUT,
@@ -49,7 +51,8 @@ LAYOUTS = [  # id, world, reference, flags
 
 
 def _args(reference: str, flags: list[str]) -> list[str]:
-    return REFERENCES[reference] + COMMON + flags
+    """The flags of a run compared with `reference` (the "llama" ones also validate)."""
+    return REFERENCES[reference] + COMMON + flags + (EVAL if reference == "llama" else [])
 
 
 # ----------------------------------------------------------------------------- in the workers
@@ -79,6 +82,7 @@ def _train_worker(runs: list[list[str]], log_dir: str, cache: str) -> list[dict]
         records = read_records(folder)
         start = next(r for r in records if "activation_bytes_layers" in r)
         out.append({"steps": [r for r in records if "loss" in r], "state": state,
+                    "valid": [r["valid_loss"] for r in records if "valid_loss" in r],
                     "activations": {k: v for k, v in start.items() if k.startswith("activation")}})
     return out
 
@@ -145,6 +149,8 @@ def test_layout_matches_one_process(case, references, case_results):
     assert ref_losses[-1] < ref_losses[0]  # it is training, not just agreeing
     assert_losses_close(losses, ref_losses, k_step)
     assert_losses_close(norms, ref_norms, k_step, "gradient norms")
+    assert len(out["valid"]) == len(ref["valid"]) == (2 if reference == "llama" else 0)
+    assert_losses_close(out["valid"], ref["valid"], k_step, "validation losses")
     assert sorted(out["state"]) == sorted(ref["state"])
     assert not weights_mismatch(out["state"], ref["state"], 3 * k_step), name
 
