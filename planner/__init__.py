@@ -8,6 +8,8 @@ memory.py: activations, microbatches in flight, transient buffers, per-rank peak
 communication.py: calls and bytes per group and op of one step; alpha-beta time.
 moe.py: mixture of experts: total vs active parameters, FLOPs of the active experts, the
     expert-parallel layout, an MoE layer's activations and its all-to-alls.
-search.py: every valid layout for a GPU count (ep too), ranked by predicted step time.
+context_parallel.py: context parallelism: the CP attention's K/V ring (or all-gather) per
+    layer, its transient buffers, the dp x cp gradient group's label.
+search.py: every valid layout for a GPU count (ep and cp too), ranked by predicted step time.
 report.py: what the trainer logs beside its measurements.
 """

@@ -33,6 +33,11 @@ message). Per microbatch and layer, with `e` bytes per activation value, `A = s 
 - world (`--check-for-nan-in-loss-and-grad`, on by default): the verdict on non-finite losses
   and gradients, one all-reduce of 2 float32 flags per rank (training/nonfinite.py). When
   only one dimension exceeds 1 the world is that dimension's group, and so is the label.
+- cp (context parallelism, cp > 1): each rank's activations are its `s / cp` tokens (so `A`
+  and every `[b, s]` term above are per rank), the attention's K/V ring (or all-gather) per
+  layer and microbatch (planner/context_parallel.py `layer_communication`), and the dp
+  traffic above (gradients, ZeRO gathers, loss and token sums, the sharded norm) runs over
+  the dp x cp ranks, labelled `gradient_group_label` ("cp" at dp 1, "dp-cp" otherwise).
 """
 from __future__ import annotations
 
@@ -40,6 +45,7 @@ import functools
 from dataclasses import dataclass
 
 from . import moe
+from .context_parallel import gradient_group_label, layer_communication
 from .parameters import chunk_layout, chunk_sets, rank_chunks
 from layers.recompute import recompute_spans
 
@@ -109,23 +115,26 @@ class _StepShape:
     tp: int
     pp: int
     dp: int
+    cp: int
     v: int  # model chunks per pipeline rank (1 without interleaving)
     mb: int  # microbatches per step
-    s: int
+    s: int  # tokens of a sequence on a rank: seq_length / cp
     b: int
     e: int  # bytes per activation value, and per stored weight (2 under bf16, else 4)
-    act: int  # `A = s b h e`: bytes of one [s, b, h] activation
+    act: int  # `A = s b h e`: bytes of one [s, b, h] activation (a CP rank's s)
     sp: bool
     strategy: str  # data_parallel_sharding_strategy
 
     @classmethod
     def of(cls, config) -> _StepShape:
         m, t = config.model, config.train
-        e = 2 if t.bf16 else 4
+        e, cp = 2 if t.bf16 else 4, t.context_parallel_size
+        s = m.seq_length // cp
         return cls(tp=t.tensor_model_parallel_size, pp=t.pipeline_model_parallel_size,
-                   dp=config.data_parallel_size, v=t.virtual_pipeline_model_parallel_size or 1,
-                   mb=config.num_microbatches, s=m.seq_length, b=t.micro_batch_size, e=e,
-                   act=m.seq_length * t.micro_batch_size * m.hidden_size * e,
+                   dp=config.data_parallel_size, cp=cp,
+                   v=t.virtual_pipeline_model_parallel_size or 1,
+                   mb=config.num_microbatches, s=s, b=t.micro_batch_size, e=e,
+                   act=s * t.micro_batch_size * m.hidden_size * e,
                    sp=t.sequence_parallel, strategy=t.data_parallel_sharding_strategy)
 
     @property
@@ -135,12 +144,21 @@ class _StepShape:
 
     @property
     def replicas(self) -> int:
-        """Ranks of each pipeline stage: tp x dp."""
-        return self.tp * self.dp
+        """Ranks of each pipeline stage: tp x cp x dp."""
+        return self.tp * self.cp * self.dp
+
+    @property
+    def gdp(self) -> int:
+        """The ranks gradients reduce (and ZeRO shards) over: dp x cp."""
+        return self.dp * self.cp
+
+    @property
+    def grad_label(self) -> str:
+        return gradient_group_label(self.dp, self.cp)
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.cp * self.dp
 
 
 def _tp_activation_collectives(out: dict, st: _StepShape, t, r: int, chunks) -> None:
@@ -178,15 +196,15 @@ def _sp_and_embedding_grad_all_reduces(out: dict, st: _StepShape, layouts) -> No
     wanted = [(bucket, offsets[id(p)], p) for buckets, offsets in layouts
               for bucket in buckets for p in bucket.params
               if (st.sp and p.sequence_parallel) or (p.shared_embedding and st.pp > 1)]
-    for d in range(st.dp if st.shard_grads else 1):
+    for d in range(st.gdp if st.shard_grads else 1):
         sp_bytes = emb_calls = emb_bytes = 0
         for bucket, lo, p in wanted:
-            n_own = _owned(bucket, lo, lo + p.count, st.dp, d, st.shard_grads)
+            n_own = _owned(bucket, lo, lo + p.count, st.gdp, d, st.shard_grads)
             if st.sp and p.sequence_parallel:
                 sp_bytes += 4 * n_own
             if p.shared_embedding and st.pp > 1 and n_own:
                 emb_calls, emb_bytes = emb_calls + 1, emb_bytes + 4 * n_own
-        k = st.tp * (1 if st.shard_grads else st.dp)  # ranks alike
+        k = st.tp * (1 if st.shard_grads else st.gdp)  # ranks alike
         if st.sp and sp_bytes:
             _add(out, ("tp", "all_reduce"), k, k * sp_bytes)
         _add(out, ("embedding", "all_reduce"), k * emb_calls, k * emb_bytes)
@@ -237,10 +255,47 @@ def _moe_collectives(out: dict, st: _StepShape, config, r: int, chunks, ep: int)
         _add(out, key, calls * st.replicas, nbytes * st.replicas)
 
 
+def attention_layers(config, chunks) -> tuple[int, int]:
+    """(attention layers, of which recomputed: their attention forward runs again in
+    backward) of a stage's `chunks`: every layer under selective recompute (the core
+    attention is what it checkpoints), the layers inside spans under full recompute."""
+    t = config.train
+    layers = recomputed = 0
+    for params in chunks:
+        n = len({p.unit for p in params if p.unit.startswith("layer ")})
+        layers += n
+        recomputed += n if t.recompute_granularity == "selective" \
+            else len(_recomputed_layers(n, t))
+    return layers, recomputed
+
+
+def _context_parallel_attention(out: dict, st: _StepShape, config, chunks) -> None:
+    """Add the CP attention's K/V exchange of a stage (planner/context_parallel.py
+    `layer_communication` per layer and microbatch) on every rank of the stage."""
+    m, t = config.model, config.train
+    layers, recomputed = attention_layers(config, chunks)
+    for again, count in ((False, layers - recomputed), (True, recomputed)):
+        per_layer = layer_communication(m, m.seq_length, st.b, st.tp, st.cp, st.e,
+                                        t.cp_comm_type, again)
+        k = count * st.replicas * st.mb
+        for key, (calls, nbytes) in per_layer.items():
+            _add(out, key, k * calls, k * nbytes)
+
+
+def context_parallel_communication(config) -> dict[tuple[str, str], tuple[int, int]]:
+    """The part of `step_communication` that the CP attention exchanges (cp > 1; else
+    empty), summed over all ranks."""
+    st, out = _StepShape.of(config), {}
+    if st.cp > 1:
+        for r in range(st.pp):
+            _context_parallel_attention(out, st, config, rank_chunks(config, r))
+    return out
+
+
 def _pipeline_p2p(out: dict, st: _StepShape) -> None:
     """Add the stage tensors sent between pipeline stages (pp > 1): `2 (v p - 1)` messages per
     microbatch per replica, each `A` (`A / t` under SP), and their matching receives."""
-    msgs = st.dp * st.tp * st.mb * 2 * (st.v * st.pp - 1)
+    msgs = st.replicas * st.mb * 2 * (st.v * st.pp - 1)
     stage = st.act // st.tp if st.sp else st.act
     _add(out, ("pp", "send"), msgs, msgs * stage)
     _add(out, ("pp", "recv"), msgs, msgs * stage)
@@ -254,9 +309,9 @@ def _scalar_all_reduces(out: dict, st: _StepShape, t, ep: int = 1) -> None:
     non-finite verdict (2 flags) over the world."""
     world = st.world
     distributed_opt = t.use_distributed_optimizer or t.bf16 or t.optimizer_cpu_offload
-    sharded_norm = distributed_opt and t.use_distributed_optimizer and st.dp > 1
-    if st.dp > 1:  # token count and loss sum; the sharded optimizer's squared norms
-        _add(out, ("dp", "all_reduce"), (2 + sharded_norm) * world,
+    sharded_norm = distributed_opt and t.use_distributed_optimizer and st.gdp > 1
+    if st.gdp > 1:  # token count and loss sum; the sharded optimizer's squared norms
+        _add(out, (st.grad_label, "all_reduce"), (2 + sharded_norm) * world,
              (2 + 2 * sharded_norm) * world * 4)
     if ep > 1 and not sharded_norm:
         _add(out, ("ep", "all_reduce"), world, world * 4)
@@ -265,16 +320,16 @@ def _scalar_all_reduces(out: dict, st: _StepShape, t, ep: int = 1) -> None:
     if st.tp * st.pp > 1:
         _add(out, ("mp", "all_reduce"), world, world * 4)
     if t.check_for_nan_in_loss_and_grad and world > 1:
-        spanning = [name for name, size in (("tp", st.tp), ("dp", st.dp), ("pp", st.pp))
-                    if size > 1]
+        spanning = [name for name, size in (("tp", st.tp), ("dp", st.dp), ("pp", st.pp),
+                                            ("cp", st.cp)) if size > 1]
         label = spanning[0] if len(spanning) == 1 else "world"
         _add(out, (label, "all_reduce"), world, world * 2 * world * 4)
 
 
 def step_communication(config, first_step: bool = False) -> dict[tuple[str, str], tuple[int, int]]:
     """`{(group, op): (calls, bytes)}` of one training step, summed over all ranks (a
-    validated run_config.config.Config). Groups: tp, sp, dp, pp, embedding, mp, world, and
-    in an MoE model ep and edp (planner/moe.py).
+    validated run_config.config.Config). Groups: tp, sp, dp, pp, embedding, mp, world, in
+    an MoE model ep and edp (planner/moe.py), at cp > 1 cp and dp-cp.
     `first_step`: the first step of a run (ZeRO-3 gathers one unit more, see `_zero3_gathers`);
     otherwise a steady-state step."""
     st, t = _StepShape.of(config), config.train
@@ -285,14 +340,17 @@ def step_communication(config, first_step: bool = False) -> dict[tuple[str, str]
         sets = chunk_sets(config, r)  # at ep > 1: the experts' buckets apart, over edp
         dense = [chunk[0][0] for chunk in sets]
         experts = [chunk[1][0] for chunk in sets if len(chunk) > 1]
-        layouts = [chunk_layout(c, st.dp, st.strategy, t.ddp_bucket_size) for c in dense]
+        layouts = [chunk_layout(c, st.gdp, st.strategy, t.ddp_bucket_size) for c in dense]
         if st.tp > 1:  # per microbatch, on each TP rank of the stage
             _tp_activation_collectives(out, st, t, r, chunks)
+        if st.cp > 1:
+            _context_parallel_attention(out, st, config, chunks)
         if moe.is_moe(config.model):
             _moe_collectives(out, st, config, r, chunks, ep)
         _sp_and_embedding_grad_all_reduces(out, st, layouts)  # per step, per DP rank
-        if st.dp > 1:
-            _dp_bucket_collectives(out, st, r, dense, layouts, first_step, st.dp)
+        if st.gdp > 1:
+            _dp_bucket_collectives(out, st, r, dense, layouts, first_step, st.gdp,
+                                   st.grad_label)
         if edp > 1 and experts:
             _dp_bucket_collectives(out, st, r, experts, [
                 chunk_layout(c, edp, st.strategy, t.ddp_bucket_size) for c in experts],
@@ -304,14 +362,20 @@ def step_communication(config, first_step: bool = False) -> dict[tuple[str, str]
 
 
 # ---------------------------------------------------------------------- alpha-beta time
-def group_size(group: str, tp: int, dp: int, pp: int, ep: int = 1) -> int:
+def group_size(group: str, tp: int, dp: int, pp: int, ep: int = 1, cp: int = 1) -> int:
     return {"tp": tp, "sp": tp, "dp": dp, "pp": pp, "embedding": 2, "mp": tp * pp,
-            "world": tp * dp * pp, "ep": ep, "edp": dp // ep}[group]
+            "world": tp * cp * dp * pp, "ep": ep, "edp": dp // ep, "cp": cp,
+            "dp-cp": dp * cp}[group]
 
 
-def group_ranks(group: str, tp: int, dp: int, pp: int, ep: int = 1) -> list[list[int]]:
-    """Global ranks of every group of a kind (tp fastest, then dp, then pp: parallel_state;
-    the expert groups with etp = tp: ep takes `ep` consecutive DP ranks, edp every `ep`th)."""
+def group_ranks(group: str, tp: int, dp: int, pp: int, ep: int = 1,
+                cp: int = 1) -> list[list[int]]:
+    """Global ranks of every group of a kind (tp fastest, then cp, dp, pp: parallel_state,
+    Megatron's order tp-cp-dp-pp; the expert groups, cp 1, with etp = tp: ep takes `ep`
+    consecutive DP ranks, edp every `ep`th)."""
+    if cp > 1:
+        return _cp_group_ranks(group, tp, dp, pp, cp)
+
     def rank(p, d, t):
         return (p * dp + d) * tp + t
     if group in ("tp", "sp"):
@@ -334,11 +398,33 @@ def group_ranks(group: str, tp: int, dp: int, pp: int, ep: int = 1) -> list[list
     return [[rank(p, d, t) for p in range(pp) for t in range(tp)] for d in range(dp)]
 
 
+def _cp_group_ranks(group: str, tp: int, dp: int, pp: int, cp: int) -> list[list[int]]:
+    """`group_ranks` at cp > 1: rank `((p dp + d) cp + c) tp + t` (no expert groups: MoE
+    runs at cp 1)."""
+    def rank(p, d, c, t):
+        return ((p * dp + d) * cp + c) * tp + t
+    stage = [(p, d, c, t) for p in range(pp) for d in range(dp) for c in range(cp)
+             for t in range(tp)]
+    key = {"tp": lambda p, d, c, t: (p, d, c), "sp": lambda p, d, c, t: (p, d, c),
+           "cp": lambda p, d, c, t: (p, d, t), "dp": lambda p, d, c, t: (p, c, t),
+           "dp-cp": lambda p, d, c, t: (p, t), "world": lambda p, d, c, t: 0,
+           "mp": lambda p, d, c, t: (d, c)}
+    if group in ("pp", "embedding"):  # p2p links: adjacent stages; the first and the last
+        pairs = [(p, p + 1) for p in range(pp - 1)] if group == "pp" else [(0, pp - 1)]
+        return [[rank(a, d, c, t), rank(z, d, c, t)] for a, z in pairs
+                for d in range(dp) for c in range(cp) for t in range(tp)]
+    groups: dict = {}
+    for p, d, c, t in stage:
+        groups.setdefault(key[group](p, d, c, t), []).append(rank(p, d, c, t))
+    return list(groups.values())
+
+
 @functools.lru_cache(maxsize=4096)
-def crosses_nodes(group: str, tp: int, dp: int, pp: int, node_size: int, ep: int = 1) -> bool:
+def crosses_nodes(group: str, tp: int, dp: int, pp: int, node_size: int, ep: int = 1,
+                  cp: int = 1) -> bool:
     """True when some group of this kind has ranks on two nodes (`node_size` GPUs each)."""
     return any(len({r // node_size for r in ranks}) > 1
-               for ranks in group_ranks(group, tp, dp, pp, ep))
+               for ranks in group_ranks(group, tp, dp, pp, ep, cp))
 
 
 def ring_traffic(op: str, payload_bytes: float, n: int) -> tuple[int, float]:
@@ -373,23 +459,23 @@ def collective_seconds(op: str, payload_bytes: float, n: int, bandwidth: float,
     return steps * latency + sent / bandwidth
 
 
-def participants(group: str, tp: int, dp: int, pp: int) -> int:
+def participants(group: str, tp: int, dp: int, pp: int, cp: int = 1) -> int:
     """Ranks taking part in the calls of a group kind (the embedding group: 2 stages)."""
-    world = tp * dp * pp
-    return 2 * tp * dp if group == "embedding" else world
+    world = tp * cp * dp * pp
+    return 2 * tp * cp * dp if group == "embedding" else world
 
 
 def communication_per_rank(comm: dict, tp: int, dp: int, pp: int, network,
-                           ep: int = 1) -> dict[str, dict]:
+                           ep: int = 1, cp: int = 1) -> dict[str, dict]:
     """Per group kind, the mean over the ranks that take part of: calls, payload bytes, bytes
     sent on the wire (ring algorithms) and seconds per step: `{group: {"calls", "payload_bytes",
     "sent_bytes", "seconds"}}`. `network`: `.node_size`, `.bandwidth(inter)`, `.latency(inter)`
     (a group with ranks on two nodes moves all its bytes at the inter-node figures)."""
     out: dict[str, dict] = {}
     for (group, op), (calls, nbytes) in comm.items():
-        ranks = participants(group, tp, dp, pp)
-        n = group_size(group, tp, dp, pp, ep)
-        inter = crosses_nodes(group, tp, dp, pp, network.node_size, ep)
+        ranks = participants(group, tp, dp, pp, cp)
+        n = group_size(group, tp, dp, pp, ep, cp)
+        inter = crosses_nodes(group, tp, dp, pp, network.node_size, ep, cp)
         steps, sent = ring_traffic(op, nbytes / calls, n)
         g = out.setdefault(group, {"calls": 0.0, "payload_bytes": 0.0, "sent_bytes": 0.0,
                                    "seconds": 0.0})
@@ -402,7 +488,7 @@ def communication_per_rank(comm: dict, tp: int, dp: int, pp: int, network,
 
 
 def communication_seconds(comm: dict, tp: int, dp: int, pp: int, network,
-                          ep: int = 1) -> dict[str, float]:
+                          ep: int = 1, cp: int = 1) -> dict[str, float]:
     """Seconds per step each rank spends in each group kind (`communication_per_rank`)."""
     return {g: v["seconds"]
-            for g, v in communication_per_rank(comm, tp, dp, pp, network, ep).items()}
+            for g, v in communication_per_rank(comm, tp, dp, pp, network, ep, cp).items()}

@@ -19,11 +19,14 @@ warm-up counts): 1F1B keeps `min(p - r, m)`; the interleaved schedule keeps
 `min((p - r - 1) 2 + (v - 1) p + 1, m v)` chunk-microbatches, each one chunk's activations.
 
 Transient: ZeRO-2/3 keep up to two float32 buckets being reduce-scattered; ZeRO-3 the
-gathered units (`gathered_peak_bytes`).
+gathered units (`gathered_peak_bytes`); at cp > 1 one attention call's K/V blocks in flight
+(the ring's) or the whole sequence's K/V (all_gather) and its float32 gradients
+(planner/context_parallel.py `attention_buffer_bytes`).
 """
 from __future__ import annotations
 
 from .activations import model_chunk_bytes, norm_bytes
+from .context_parallel import attention_buffer_bytes
 from .moe import expert_layout
 from .parameters import chunk_layout, chunk_sets, model_state_prediction, rank_chunks
 
@@ -107,6 +110,12 @@ def rank_memory(config, pp_rank: int) -> dict:
         transient += 4 * sum(sizes[:2])  # two float32 buckets being reduced (distributed.py)
     gathered = gathered_peak_bytes(config, sets) if strategy == "optim_grads_params" else 0
     transient += gathered
+    if t.context_parallel_size > 1 and any(p.unit.startswith("layer ") for c in chunks
+                                           for p in c):
+        transient += attention_buffer_bytes(config.model, config.model.seq_length,
+                                            t.micro_batch_size, t.tensor_model_parallel_size,
+                                            t.context_parallel_size, 2 if t.bf16 else 4,
+                                            t.cp_comm_type)
     total = states["total"] + activations + transient
     return {"model_states": states["total"], "activations_per_microbatch": per_mb,
             "activations": int(activations), "in_flight": held, "transient": transient,

@@ -206,16 +206,26 @@ def split_experts(params: list[ParamShape]) -> tuple[list[ParamShape], list[Para
     return _cached(("split", id(params)), make)[1:]
 
 
+def gradient_data_parallel_size(config) -> int:
+    """The ranks a dense weight's gradient is reduced and ZeRO-sharded over: dp x cp
+    (context-parallel ranks hold the same weights and see different tokens, so the trainer
+    wraps the model with `parallel_state.get_data_parallel_group(with_context_parallel=True)`,
+    as Megatron-Core does)."""
+    return config.data_parallel_size * config.train.context_parallel_size
+
+
 def chunk_sets(config, pp_rank: int) -> list[list[tuple[list[ParamShape], int]]]:
     """Per model chunk of pipeline rank `pp_rank`, its bucket sets as (parameters,
     data-parallel size): at ep > 1 the dense parameters over dp, then the routed experts
     over edp (data_parallel/ddp.py gives them buckets of their own, padded to edp, laid out
-    as the dense ones); at ep 1 all parameters over dp, in one set, as the wrapper does."""
+    as the dense ones); at ep 1 all parameters over dp x cp
+    (`gradient_data_parallel_size`), in one set, as the wrapper does."""
     ep, _, edp = expert_layout(config)
+    dp = gradient_data_parallel_size(config)
     out = []
     for params in rank_chunks(config, pp_rank):
         dense, experts = split_experts(params) if ep > 1 else (params, _NO_EXPERTS)
-        out.append([(dense, config.data_parallel_size)] + ([(experts, edp)] if experts else []))
+        out.append([(dense, dp)] + ([(experts, edp)] if experts else []))
     return out
 
 
@@ -254,8 +264,9 @@ def model_state_prediction(config, pp_rank: int = 0) -> dict:
     "psi_padded", "strategy", "dp", "edp"}`, the quantities `training.memory.model_state_bytes`
     measures (`predicted_total` there uses the same formula on the real tensors). In an MoE
     model the routed experts' bytes follow the same ZeRO formula with N_d = edp
-    (`chunk_sets`): `zero(dense psi, dp) + zero(expert psi, edp)`."""
-    t, dp = config.train, config.data_parallel_size
+    (`chunk_sets`): `zero(dense psi, dp) + zero(expert psi, edp)`. Under context
+    parallelism N_d is dp x cp (`gradient_data_parallel_size`), and so is "dp"."""
+    t, dp = config.train, gradient_data_parallel_size(config)
     strategy = t.data_parallel_sharding_strategy
     uses_dist_opt = t.use_distributed_optimizer or t.bf16 or t.optimizer_cpu_offload
     psi, padded = {}, {}  # by bucket set: 0 dense (over dp), 1 experts at ep > 1 (over edp)

@@ -1,9 +1,11 @@
 """Every layout of a model on a GPU count: validated as train.py validates it, predicted
 (memory, communication, bubble, step time, MFU) and ranked.
 
-A layout is (tp, pp, vpp, dp, micro batch, sharding strategy, recompute, sequence parallel,
-and for an MoE model the expert-parallel size ep: every divisor of num_moe_experts that
-divides dp, expert TP = TP); `enumerate_layouts` builds each one as a
+A layout is (tp, pp, vpp, cp, dp, micro batch, sharding strategy, recompute, sequence
+parallel, and for an MoE model the expert-parallel size ep: every divisor of num_moe_experts
+that divides dp, expert TP = TP; the context-parallel size cp: every divisor of the GPUs left
+by tp x pp with seq_length divisible by 2 cp, dense models only, in the comm type asked
+for); `enumerate_layouts` builds each one as a
 `run_config.config.Config` and runs train.py's own `validate` on it, so a layout this module
 lists is one train.py accepts; a rejected one keeps the validation's message (or the
 planner's reason: TP across nodes, memory).
@@ -13,15 +15,19 @@ sec. 5.1) at `peak x matmul_efficiency` per GPU:
 
     t_mb    = max over stages of (training FLOPs of the stage's layers, + logits on the last,
               + recompute: a forward of the recomputed layers, or of the attention core under
-              selective) x tokens per microbatch / tp / rate, + the TP/SP collectives and
-              MoE all-to-alls of one microbatch (on the critical path: they sit between the
-              matmuls; an EP group spanning two nodes moves at the inter-node bandwidth)
+              selective) x tokens per microbatch and rank (s b / cp) / tp / rate, + the TP/SP
+              collectives and MoE all-to-alls of one microbatch (on the critical path: they
+              sit between the matmuls; an EP group spanning two nodes moves at the
+              inter-node bandwidth), + the CP attention's exchange that its compute does not
+              hide: the ring's transfers overlap the attention core's FLOPs (forward,
+              backward, recompute) of the microbatch, so max(0, ring - core) is exposed; the
+              all_gather type's collectives are all exposed
     t_pipe  = (m + (p - 1) / v) t_mb                (the bubble: (p - 1) / (v m) of m t_mb)
     t_step  = t_pipe + p2p + exposed DP + embedding and norm all-reduces
 
-DP gradient reductions (and the expert gradients' over edp) overlap the last microbatch's backward (2/3 of t_mb; ZeRO-2/3: every
-microbatch's), the ZeRO-1/2 parameter all-gather the next forward (1/3 of t_mb); what does not
-fit is exposed. MFU = model FLOPs of the step / (t_step x GPUs x peak).
+DP gradient reductions (over dp x cp; the expert gradients' over edp) overlap the last
+microbatch's backward (2/3 of t_mb; ZeRO-2/3: every microbatch's), the ZeRO-1/2 parameter
+all-gather the next forward (1/3 of t_mb); what does not fit is exposed. MFU = model FLOPs of the step / (t_step x GPUs x peak).
 """
 from __future__ import annotations
 
@@ -39,8 +45,10 @@ from run_config.train_config import TrainConfig
 
 from . import moe
 from .flops import GPU_PEAK_BF16_TFLOPS, layer_forward_flops, training_flops_per_token
-from .communication import communication_per_rank, communication_seconds, step_communication
+from .communication import (attention_layers, communication_per_rank, communication_seconds,
+                            context_parallel_communication, step_communication)
 from .memory import peak_memory
+from .parameters import rank_chunks
 
 ZERO_STAGE = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
@@ -91,7 +99,8 @@ def layout_fields(config: Config) -> dict:
     """The layout of a validated config, as the planner reports it."""
     t = config.train
     return {"tp": t.tensor_model_parallel_size, "pp": t.pipeline_model_parallel_size,
-            "ep": t.expert_model_parallel_size,
+            "ep": t.expert_model_parallel_size, "cp": t.context_parallel_size,
+            "cp_comm_type": t.cp_comm_type,
             "vpp": t.virtual_pipeline_model_parallel_size or 1, "dp": config.data_parallel_size,
             "micro_batch_size": t.micro_batch_size, "num_microbatches": config.num_microbatches,
             "sequence_parallel": t.sequence_parallel,
@@ -107,6 +116,10 @@ def flags(layout: dict) -> str:
         out.append(f"--vpp {layout['vpp']}")
     if layout.get("ep", 1) > 1:
         out.append(f"--expert-model-parallel-size {layout['ep']}")
+    if layout.get("cp", 1) > 1:
+        out.append(f"--context-parallel-size {layout['cp']}")
+        if layout.get("cp_comm_type", "p2p") != "p2p":
+            out.append(f"--cp-comm-type {layout['cp_comm_type']}")
     out.append(f"--micro-batch-size {layout['micro_batch_size']}")
     if layout["sequence_parallel"]:
         out.append("--sequence-parallel")
@@ -119,18 +132,19 @@ def flags(layout: dict) -> str:
 
 def enumerate_layouts(model, gpus: int, global_batch_size: int, *, bf16: bool = True,
                       node_size: int | None = None, base: TrainConfig | None = None,
-                      ep: int | None = None):
+                      ep: int | None = None, cp: int | None = None):
     """Yield `(config, None)` for each layout train.py accepts and `(fields, reason)` for each
     it (or the planner: TP across nodes) rejects. `model`: a models.ModelConfig (not
-    modified); `base`: the TrainConfig the layouts start from (default: train.py's defaults);
-    `ep`: only this expert-parallel size (default: every one, `_parallel_sizes`)."""
+    modified); `base`: the TrainConfig the layouts start from (default: train.py's defaults;
+    its `cp_comm_type` is the comm type of the cp > 1 layouts); `ep`, `cp`: only this
+    expert-parallel / context-parallel size (default: every one, `_parallel_sizes`)."""
     base = base or TrainConfig()
-    for tp, pp, vpp, sp, e in _parallel_sizes(model, gpus, ep):
+    for tp, pp, vpp, sp, e, c in _parallel_sizes(model, gpus, ep, cp):
         for mbs in MICRO_BATCH_SIZES:
             for strategy in STRATEGIES:
                 for recompute in _RECOMPUTE:
                     yield _candidate(model, gpus, global_batch_size, base, bf16, node_size,
-                                     tp, pp, vpp, sp, mbs, strategy, recompute, e)
+                                     tp, pp, vpp, sp, mbs, strategy, recompute, e, c)
 
 
 _RECOMPUTE = (None, "selective", "full")
@@ -145,30 +159,43 @@ def expert_parallel_sizes(model, dp: int) -> list[int]:
     return [e for e in _divisors(model.num_moe_experts) if dp % e == 0]
 
 
-def _parallel_sizes(model, gpus: int, ep: int | None = None) -> list[tuple]:
-    """Every (tp, pp, vpp, sequence parallel, ep) the search tries for `gpus` (`ep`: only
-    that expert-parallel size)."""
+def context_parallel_sizes(model, ranks: int) -> list[int]:
+    """The cp sizes the search tries with `ranks` GPUs left after tp x pp: 1, and for a
+    dense decoder every divisor of `ranks` for which seq_length splits into 2 cp equal
+    chunks (run_config/checks.py refuses the rest, and MoE, T5 at cp > 1)."""
+    if moe.is_moe(model) or model.is_encoder_decoder:
+        return [1]
+    return [c for c in _divisors(ranks) if c == 1 or model.seq_length % (2 * c) == 0]
+
+
+def _parallel_sizes(model, gpus: int, ep: int | None = None,
+                    cp: int | None = None) -> list[tuple]:
+    """Every (tp, pp, vpp, sequence parallel, ep, cp) the search tries for `gpus` (`ep`,
+    `cp`: only that expert-parallel / context-parallel size)."""
     out = []
     for tp in _divisors(gpus):
         for pp in _divisors(gpus // tp):
             per_stage = model.num_layers // pp if model.num_layers % pp == 0 else 0
             vpps = [None] + [v for v in _divisors(per_stage) if 1 < v <= MAX_VPP] \
                 if pp > 1 and per_stage else [None]
-            eps = [e for e in expert_parallel_sizes(model, gpus // (tp * pp))
-                   if ep is None or e == ep]
-            out += [(tp, pp, vpp, sp, e) for vpp in vpps
-                    for sp in ((False, True) if tp > 1 else (False,)) for e in eps]
+            for c in context_parallel_sizes(model, gpus // (tp * pp)):
+                if cp is not None and c != cp:
+                    continue
+                eps = [e for e in expert_parallel_sizes(model, gpus // (tp * pp * c))
+                       if ep is None or e == ep]
+                out += [(tp, pp, vpp, sp, e, c) for vpp in vpps
+                        for sp in ((False, True) if tp > 1 else (False,)) for e in eps]
     return out
 
 
-def layout_count(model, gpus: int, ep: int | None = None) -> int:
+def layout_count(model, gpus: int, ep: int | None = None, cp: int | None = None) -> int:
     """How many layouts `enumerate_layouts` yields (valid or not): the search's length."""
-    return len(_parallel_sizes(model, gpus, ep)) * len(MICRO_BATCH_SIZES) * len(STRATEGIES) \
-        * len(_RECOMPUTE)
+    return len(_parallel_sizes(model, gpus, ep, cp)) * len(MICRO_BATCH_SIZES) \
+        * len(STRATEGIES) * len(_RECOMPUTE)
 
 
 def _candidate(model, gpus, gbs, base, bf16, node_size, tp, pp, vpp, sp, mbs, strategy,
-               recompute, ep=1):
+               recompute, ep=1, cp=1):
     train = dataclasses.replace(
         base, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp, num_layers_per_virtual_pipeline_stage=None,
@@ -176,8 +203,10 @@ def _candidate(model, gpus, gbs, base, bf16, node_size, tp, pp, vpp, sp, mbs, st
         data_parallel_sharding_strategy=strategy, use_distributed_optimizer=False,
         recompute_granularity=recompute, recompute_method=None, recompute_num_layers=None,
         expert_model_parallel_size=ep, expert_tensor_parallel_size=None,
+        context_parallel_size=cp,
         bf16=bf16, log_dir="", save=None, save_replica=None, tensorboard=False)
-    fields = {"tp": tp, "pp": pp, "ep": ep, "vpp": vpp or 1, "dp": gpus // (tp * pp),
+    fields = {"tp": tp, "pp": pp, "ep": ep, "cp": cp, "cp_comm_type": train.cp_comm_type,
+              "vpp": vpp or 1, "dp": gpus // (tp * pp * cp),
               "micro_batch_size": mbs, "sequence_parallel": sp, "sharding": strategy,
               "zero_stage": ZERO_STAGE[strategy], "recompute": recompute or "none"}
     if node_size and tp > node_size:
@@ -202,7 +231,7 @@ def _compute_seconds_per_microbatch(config: Config, hw: Hardware) -> float:
     rate = hw.peak_tflops * 1e12 * hw.matmul_efficiency
     logits = 2.0 * m.hidden_size * m.padded_vocab_size(tp)
     attention_core = 2 * 2 * m.seq_length * m.query_projection_size
-    tokens = t.micro_batch_size * m.seq_length
+    tokens = t.micro_batch_size * m.seq_length // t.context_parallel_size  # a CP rank's
     stages = config.stage_num_layers()
     t_mb = 0.0
     for r in range(pp):
@@ -219,29 +248,56 @@ def _compute_seconds_per_microbatch(config: Config, hw: Hardware) -> float:
     return t_mb
 
 
+def _attention_core_seconds(config: Config, hw: Hardware) -> float:
+    """The slowest stage's attention-core matmul time for one microbatch on a rank (what the
+    ring's transfers overlap): `2 x 2 s q` FLOPs per token and layer (QK^T and PV) x 3
+    (forward and backward) plus a forward per recomputed layer, x `s b / cp` tokens / tp."""
+    m, t = config.model, config.train
+    rate = hw.peak_tflops * 1e12 * hw.matmul_efficiency
+    core = 2 * 2 * m.seq_length * m.query_projection_size
+    tokens = t.micro_batch_size * m.seq_length // t.context_parallel_size
+    worst = 0.0
+    for r in range(t.pipeline_model_parallel_size):
+        layers, recomputed = attention_layers(config, rank_chunks(config, r))
+        worst = max(worst, (3 * layers + recomputed) * core * tokens
+                    / t.tensor_model_parallel_size / rate)
+    return worst
+
+
 def predict(config: Config, hw: Hardware) -> dict:
     """Memory, communication, bubble, step time and MFU of a validated layout (see module)."""
     m, t = config.model, config.train
     tp, pp, dp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size, \
         config.data_parallel_size
+    cp = t.context_parallel_size
     v, mb = t.virtual_pipeline_model_parallel_size or 1, config.num_microbatches
     ep = moe.expert_layout(config)[0]
     memory = peak_memory(config)
     comm = step_communication(config)
-    per_group = communication_per_rank(comm, tp, dp, pp, hw.network, ep)
+    per_group = communication_per_rank(comm, tp, dp, pp, hw.network, ep, cp)
     seconds = {group: row["seconds"] for group, row in per_group.items()}
+    attention = context_parallel_communication(config)  # the CP ring / all-gather
+    t_cp = communication_seconds(attention, tp, dp, pp, hw.network, ep, cp).get("cp", 0.0)
+    rest = {k: (c - attention.get(k, (0, 0))[0], b - attention.get(k, (0, 0))[1])
+            for k, (c, b) in comm.items()}
+    rest = {k: cb for k, cb in rest.items() if cb[0]}
     t_mb = _compute_seconds_per_microbatch(config, hw)
+    exposed_cp = t_cp / mb
+    if t.cp_comm_type == "p2p":  # the ring's transfers run under the attention core
+        exposed_cp = max(0.0, exposed_cp - _attention_core_seconds(config, hw))
     # TP/SP collectives and the MoE all-to-alls sit between dependent matmuls
     t_stage = t_mb + (seconds.get("tp", 0.0) + seconds.get("sp", 0.0)
-                      + seconds.get("ep", 0.0)) / mb
+                      + seconds.get("ep", 0.0)) / mb + exposed_cp
     bubble = (pp - 1) / (v * mb)
     t_pipe = (mb + (pp - 1) / v) * t_stage
-    grad_keys = [k for k in comm
-                 if k[0] in ("dp", "edp") and k[1] in ("all_reduce", "reduce_scatter_single")]
-    grad_seconds = communication_seconds({k: comm[k] for k in grad_keys}, tp, dp, pp,
-                                         hw.network, ep)
-    t_grad = grad_seconds.get("dp", 0.0) + grad_seconds.get("edp", 0.0)
-    t_gather = seconds.get("dp", 0.0) + seconds.get("edp", 0.0) - t_grad
+    data = ("dp", "edp", "cp", "dp-cp")  # gradient groups (cp: dp x cp at dp 1)
+    grad_keys = [k for k in rest
+                 if k[0] in data and k[1] in ("all_reduce", "reduce_scatter_single")]
+    grad_seconds = communication_seconds({k: rest[k] for k in grad_keys}, tp, dp, pp,
+                                         hw.network, ep, cp)
+    t_grad = sum(grad_seconds.get(g, 0.0) for g in data)
+    t_gather = sum(communication_seconds({k: rest[k] for k in rest if k[0] in data}, tp, dp,
+                                         pp, hw.network, ep, cp).values()) - t_grad
     strategy = t.data_parallel_sharding_strategy
     if strategy in ("optim_grads", "optim_grads_params"):  # every microbatch's backward
         exposed = mb * max(0.0, t_grad / mb - 2 / 3 * t_mb)
@@ -252,25 +308,29 @@ def predict(config: Config, hw: Hardware) -> dict:
     other = seconds.get("pp", 0.0) + seconds.get("embedding", 0.0) + seconds.get("mp", 0.0)
     step = t_pipe + exposed + other
     flops_step = training_flops_per_token(m) * t.global_batch_size * m.seq_length
-    world = tp * pp * dp
+    world = tp * pp * cp * dp
     return {**layout_fields(config), "memory": memory, "fits": memory["total"] <= hw.usable_memory,
             "comm": per_group, "comm_seconds": sum(seconds.values()), "bubble": bubble,
-            "compute_seconds_per_microbatch": t_mb,
+            "compute_seconds_per_microbatch": t_mb, "cp_attention_seconds": t_cp,
+            "cp_exposed_seconds": exposed_cp * mb,
             "step_seconds": step, "pipeline_seconds": t_pipe, "exposed_dp_seconds": exposed,
             "tokens_per_s": t.global_batch_size * m.seq_length / step,
             "mfu": flops_step / (step * world * hw.peak_tflops * 1e12)}
 
 
 def plan(model, hw: Hardware, global_batch_size: int, *, bf16: bool = True,
-         base: TrainConfig | None = None, progress=None, ep: int | None = None) -> dict:
+         base: TrainConfig | None = None, progress=None, ep: int | None = None,
+         cp: int | None = None) -> dict:
     """`{"fits": [predictions, fastest first], "rejected": [{layout fields, "reason"}]}`.
 
     `progress(checked, fitting)`, if given, is called before each layout with the counts so
     far (tools/plan.py shows them against `layout_count`); `ep`: only layouts of that
-    expert-parallel size (default: every one)."""
+    expert-parallel size (default: every one); `cp`: only layouts of that context-parallel
+    size (default: every one)."""
     fits, rejected = [], []
     for item, reason in enumerate_layouts(model, hw.gpus, global_batch_size, bf16=bf16,
-                                          node_size=hw.network.node_size, base=base, ep=ep):
+                                          node_size=hw.network.node_size, base=base, ep=ep,
+                                          cp=cp):
         if progress is not None:
             progress(len(fits) + len(rejected), len(fits))
         if reason is not None:

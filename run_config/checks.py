@@ -85,8 +85,7 @@ def check_context_parallel(m: ModelConfig, t: TrainConfig) -> None:
     (layers/context_parallel/). Raises `ConfigError` naming the flag and the fix for: an
     unknown --cp-comm-type; a --seq-length not divisible by 2 x cp (by 2 x cp x tp under
     sequence parallelism, which shards each rank's part over TP); and, at cp > 1, what is
-    not built with it: T5, packed-document attention masks, MoE layers, rank-stream dropout,
-    the planner's --report-comm."""
+    not built with it: T5, packed-document attention masks, MoE layers, rank-stream dropout."""
     cp = t.context_parallel_size
     _check_choice("cp_comm_type", t.cp_comm_type, ("p2p", "all_gather"))
     if cp == 1:
@@ -119,9 +118,6 @@ def check_context_parallel(m: ModelConfig, t: TrainConfig) -> None:
         raise ConfigError(f"--dropout-masks {t.dropout_masks} draws per-rank streams, which "
                           f"do not follow a sequence split over --context-parallel-size {cp}; "
                           f"use --dropout-masks sample (masks keyed by global position)")
-    if t.report_comm:
-        raise ConfigError(f"--report-comm compares against the planner, which does not model "
-                          f"--context-parallel-size {cp} yet: drop --report-comm or use cp 1")
 
 
 def expert_layout(m: ModelConfig, t: TrainConfig, dp: int) -> tuple[int, int, int]:

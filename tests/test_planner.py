@@ -14,6 +14,10 @@ One spawned 4-process world trains one step of six layouts with `--report-comm`:
 - predicted activation bytes per microbatch are within 10% of measured (observed: ratio 1.000
   on every layout: the planner uses the layer's term-by-term model, training/memory.py).
 
+Two context-parallel layouts (issue 32) are held to the same standard: cp 2 x dp 2 under
+ZeRO-1 with the ring and full recompute (each recomputed layer's ring runs again; gradients
+over the dp-cp group), cp 2 x tp 2 with the all_gather type and selective recompute.
+
 The same world trains tiny-moe (8 experts top-2) at expert-parallel layouts: ep 2 x tp 2 with
 SP, shared experts, full recompute and MoE in every second layer; ep 2 x dp 4 (edp 2) under
 ZeRO-1 in bf16 with the auxiliary and z losses. Their model states, activations and every
@@ -61,6 +65,11 @@ LAYOUTS = {
     "tp2 sp pp2 ZeRO-1 tied, dropout": GPT + ["--tp", "2", "--pp", "2", "--sequence-parallel",
                                               "--use-distributed-optimizer", "--hidden-dropout",
                                               "0.1", "--attention-dropout", "0.1"],
+    "cp2 dp2 ZeRO-1, ring, full recompute": LLAMA + [
+        "--cp", "2", "--use-distributed-optimizer", "--recompute-granularity", "full"],
+    "cp2 tp2 all_gather, selective recompute": LLAMA + [
+        "--cp", "2", "--tp", "2", "--cp-comm-type", "all_gather",
+        "--recompute-granularity", "selective"],
     "MoE ep2 tp2 sp, shared experts, every 2nd layer, full recompute": MOE + [
         "--ep", "2", "--tp", "2", "--sequence-parallel", "--recompute-granularity", "full",
         "--moe-shared-expert-intermediate-size", "64", "--moe-layer-freq", "2"],
@@ -138,7 +147,10 @@ def test_communication_matches_counted(runs):
                 ("dp", "reduce_scatter_single"), ("dp", "all_gather_single"), ("pp", "send"),
                 ("pp", "recv"), ("embedding", "all_reduce"), ("mp", "all_reduce"),
                 ("ep", "all_to_all_single"), ("ep", "all_reduce"),
-                ("edp", "reduce_scatter_single"), ("edp", "all_gather_single")]:
+                ("edp", "reduce_scatter_single"), ("edp", "all_gather_single"),
+                ("cp", "send"), ("cp", "recv"), ("cp", "all_gather_single"),
+                ("cp", "reduce_scatter_single"), ("dp-cp", "reduce_scatter_single"),
+                ("dp-cp", "all_gather_single")]:
         assert key in seen, key
 
 
@@ -239,15 +251,15 @@ def test_plan_says_what_it_does_on_a_terminal():
     err = err.decode()
     status = err.index("\r\x1b[Kplan.py: loading train.py's checks and the planner (torch)")
     assert status < re.search(r"\| +torch\r\n", err).start()  # said before torch is imported
-    assert "plan.py: checking 432 layouts ..." in err and err.endswith("\r\x1b[K")
+    assert "plan.py: checking 672 layouts ..." in err and err.endswith("\r\x1b[K")
     assert out.startswith("tiny-gpt: ") and "plan.py:" not in out
 
     model = parse_config(["--model", "tiny-gpt"]).model
     seen = []
     hw = search.Hardware(gpus=4, gpu_memory=2e9, network=search.Network(node_size=4))
     result = search.plan(model, hw, 16, progress=lambda n, fit: seen.append((n, fit)))
-    assert search.layout_count(model, 4) == 432 == len(result["fits"]) + len(result["rejected"])
-    assert [n for n, _ in seen] == list(range(432)) and seen[-1][1] <= len(result["fits"])
+    assert search.layout_count(model, 4) == 672 == len(result["fits"]) + len(result["rejected"])
+    assert [n for n, _ in seen] == list(range(672)) and seen[-1][1] <= len(result["fits"])
 
 
 @pytest.mark.parametrize("activation", ["gelu", "swiglu", "geglu", "relu"])

@@ -1,12 +1,15 @@
-"""Plan a training layout: every valid (tp, pp, vpp, dp, micro batch, ZeRO stage, recompute,
-sequence parallel, and for a mixture of experts the expert-parallel size) for a model on a GPU
-count, with predicted per-rank memory, communication, pipeline bubble, step time and MFU; the
-layouts that fit, fastest first, the reasons the others do not, and why the top one wins.
+"""Plan a training layout: every valid (tp, pp, vpp, cp, dp, micro batch, ZeRO stage,
+recompute, sequence parallel, and for a mixture of experts the expert-parallel size) for a
+model on a GPU count, with predicted per-rank memory, communication, pipeline bubble, step
+time and MFU; the layouts that fit, fastest first, the reasons the others do not, and why the
+top one wins.
 
     python tools/plan.py --model llama-70b --gpus 64 --gpu-memory 80GB --seq-length 4096 \
         --global-batch-size 512
     python tools/plan.py --config configs/tiny-llama.yaml --gpus 4 --gpu-memory 1GB --json
     python tools/plan.py --model mixtral-8x7b --gpus 64 --gpu-memory 80GB --top 5
+    python tools/plan.py --model llama-8b --gpus 64 --gpu-memory 80GB --seq-length 131072 \
+        --global-batch-size 64
 
 Layouts are validated by train.py's own checks (run_config/checks.py), so every listed
 one runs as `train.py --model NAME <its flags>`. Formulas and their sources: docs/PLANNING.md
@@ -130,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an MoE model: only layouts with this expert-parallel size (a divisor "
                    "of --num-experts that divides the data-parallel size; default: search "
                    "every one)")
+    p.add_argument("--context-parallel-size", type=int, metavar="CP",
+                   help="only layouts with this context-parallel size (2 x cp must divide "
+                   "--seq-length; default: search every one)")
+    p.add_argument("--cp-comm-type", choices=("p2p", "all_gather"), default=None,
+                   help="the cp > 1 layouts' K/V exchange: p2p (ring, default) or all_gather")
     p.add_argument("--top", type=int, default=10, help="layouts to print (default 10)")
     p.add_argument("--json", action="store_true", help="print the whole plan as JSON")
     return p
@@ -163,6 +171,10 @@ def _inputs(args):
     if args.expert_model_parallel_size is not None:
         from planner.moe import check_expert_count
         check_expert_count(model, args.expert_model_parallel_size)
+    _check_context_parallel(args, model)
+    train = config.train
+    if args.cp_comm_type is not None:
+        train.cp_comm_type = args.cp_comm_type
     gbs = args.global_batch_size or _search().global_batch_default(args.gpus)
     if gbs < 1:
         raise PlanError(f"--global-batch-size must be positive, got {gbs}")
@@ -174,7 +186,24 @@ def _inputs(args):
     hw = Hardware(gpus=args.gpus, gpu_memory=parse_bytes(args.gpu_memory, "--gpu-memory"),
                   network=network, peak_tflops=args.peak_tflops,
                   matmul_efficiency=args.matmul_efficiency, memory_headroom=args.memory_headroom)
-    return model, config.train, hw, gbs
+    return model, train, hw, gbs
+
+
+def _check_context_parallel(args, model) -> None:
+    """--context-parallel-size: positive, a divisor of --gpus, and a size train.py builds
+    for this model (run_config/checks.py: 2 cp divides the sequence, no MoE, no T5)."""
+    from run_config.checks import check_context_parallel
+    from run_config.train_config import TrainConfig
+
+    cp = args.context_parallel_size
+    if cp is None:
+        return
+    if cp < 1:
+        raise PlanError(f"--context-parallel-size must be a positive integer, got {cp}")
+    if args.gpus % cp:
+        raise PlanError(f"--context-parallel-size {cp} does not divide --gpus {args.gpus}: "
+                        f"use a divisor of the GPU count")
+    check_context_parallel(model, TrainConfig(context_parallel_size=cp))
 
 
 def _gb(x: float) -> str:
@@ -190,7 +219,9 @@ def table(fits: list[dict], top: int) -> str:
     """The top layouts, one row each; an `ep` column when some layout has expert parallelism
     to choose (an MoE model)."""
     moe = any(p.get("ep", 1) > 1 for p in fits)
+    cp = any(p.get("cp", 1) > 1 for p in fits)
     head = (f"{'#':>3} {'tp':>3} {'pp':>3} " + (f"{'ep':>3} " if moe else "") +
+            (f"{'cp':>3} " if cp else "") +
             f"{'vpp':>3} {'dp':>4} {'mbs':>3} {'m':>5} {'sp':>3} "
             f"{'zero':>4} {'recompute':>9} {'mem GB':>7} {'states':>7} {'activ':>7} "
             f"{'bubble':>6} {'sent GB':>8} {'step s':>8} {'tok/s':>9} {'MFU':>6}")
@@ -199,6 +230,7 @@ def table(fits: list[dict], top: int) -> str:
         mem = p["memory"]
         comm = sum(g["sent_bytes"] for g in p["comm"].values())
         rows.append(f"{i:>3} {p['tp']:>3} {p['pp']:>3} " + (f"{p['ep']:>3} " if moe else "") +
+                    (f"{p.get('cp', 1):>3} " if cp else "") +
                     f"{p['vpp']:>3} {p['dp']:>4} "
                     f"{p['micro_batch_size']:>3} {p['num_microbatches']:>5} "
                     f"{'on' if p['sequence_parallel'] else '-':>3} {p['zero_stage']:>4} "
@@ -219,7 +251,9 @@ def explain(best: dict, runner: dict | None, hw, model_name: str) -> str:
         return comm.get(group, {}).get("seconds", 0.0)
     tp_where = "inside a node" if best["tp"] <= net.node_size else "across nodes"
     ep = best.get("ep", 1)
+    cp = best.get("cp", 1)
     parts = [f"Top choice for {model_name} on {hw.gpus} GPUs: tp {best['tp']} x pp {best['pp']}"
+             + (f" x cp {cp}" if cp > 1 else "") +
              f" x dp {best['dp']}" + (f" (expert parallel {ep} within dp)" if ep > 1 else "")
              + (f" with {best['vpp']} virtual stages" if best["vpp"] > 1 else "") +
              f", micro batch {best['micro_batch_size']} ({best['num_microbatches']} microbatches"
@@ -240,11 +274,26 @@ def explain(best: dict, runner: dict | None, hw, model_name: str) -> str:
                      f"all-to-alls over EP {ep} ({'across' if inter else 'inside a'} node"
                      f"{'s' if inter else ''}) cost {_s(secs('ep'))} per step at "
                      f"{net.bandwidth(inter) / 1e9:g} GB/s (balanced routing assumed).")
+    if cp > 1:
+        from planner.communication import crosses_nodes
+        inter = crosses_nodes("cp", best["tp"], best["dp"], best["pp"], net.node_size, 1, cp)
+        ring = best["cp_comm_type"] == "p2p"
+        parts.append(f"Each rank holds 1/{cp} of every sequence ({2 * cp} load-balanced "
+                     f"chunks); the attention's K/V " + ("ring" if ring else "all-gathers")
+                     + f" over CP {cp} ({'across' if inter else 'inside a'} node"
+                     f"{'s' if inter else ''}) takes {_s(best['cp_attention_seconds'])} of "
+                     f"transfers per step, {_s(best['cp_exposed_seconds'])} of it not hidden"
+                     + (" behind the attention's compute" if ring else "") +
+                     "; gradients reduce over dp x cp.")
     if best["pp"] > 1:
         parts.append(f"The pipeline bubble is (p-1)/(v m) = {best['bubble']:.3f} of the compute;"
                      f" stage-to-stage messages add {_s(secs('pp'))}.")
-    if best["dp"] > 1:
-        parts.append(f"Data-parallel traffic ({_s(secs('dp'))} of transfers) leaves "
+    if best["dp"] * cp > 1:
+        from planner.context_parallel import gradient_group_label
+        label = gradient_group_label(best["dp"], cp)  # "cp" also carries the attention's
+        data = secs(label) - (best["cp_attention_seconds"] if label == "cp" else 0.0)
+        parts.append(f"Data-parallel traffic ({_s(data)} of transfers"
+                     + (" over dp x cp" if cp > 1 else "") + f") leaves "
                      f"{_s(best['exposed_dp_seconds'])} exposed after overlap with compute.")
     parts.append(f"Predicted step {best['step_seconds']:.3f} s, {best['tokens_per_s']:,.0f} "
                  f"tokens/s, MFU {best['mfu']:.1%} (matmuls at {hw.matmul_efficiency:.0%} of "
@@ -292,8 +341,8 @@ def main(argv=None) -> int:
                             f"planner's formulas are for decoder-only models; T5 is not "
                             f"modelled")
         bf16 = not args.fp32 and (base.bf16 if args.config else True)
-        ep = args.expert_model_parallel_size
-        total = search.layout_count(model, hw.gpus, ep)
+        ep, cp = args.expert_model_parallel_size, args.context_parallel_size
+        total = search.layout_count(model, hw.gpus, ep, cp)
         if not total:
             raise PlanError(f"--expert-model-parallel-size {ep} must divide the data-parallel "
                             f"size, and no split of {hw.gpus} GPUs into tp x pp x dp has a dp "
@@ -303,7 +352,8 @@ def main(argv=None) -> int:
         def progress(checked: int, fitting: int) -> None:
             status.tick(lambda: f"plan.py: {checked:,} of {total:,} layouts checked, "
                                 f"{fitting:,} fit ...")
-        result = search.plan(model, hw, gbs, bf16=bf16, base=base, progress=progress, ep=ep)
+        result = search.plan(model, hw, gbs, bf16=bf16, base=base, progress=progress, ep=ep,
+                             cp=cp)
         if not result["fits"]:
             status.say("plan.py: nothing fits; looking for the GPU count that would ...")
             raise PlanError(f"no layout of {model.name or 'the model'} fits {hw.gpus} GPUs of "
