@@ -32,27 +32,28 @@ def _info(path) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def tp2pp2_run(tmp_path_factory, corpus_env):
-    """(tp2, pp2, dp2) saved at 3 and 6, async, with a replica: (save, replica, losses).
-    Shared: resumed on the same layout (exact) and at (tp1, pp1, dp4 + ZeRO)."""
-    root = tmp_path_factory.mktemp("tp2pp2")
+def tp2dp2_run(tmp_path_factory, corpus_env):
+    """(tp2, pp1, dp2) saved at 3 and 6, async, with a replica: (save, replica, losses).
+    Shared: resumed on the same layout (exact) and at (tp1, pp1, dp4 + ZeRO). Four ranks:
+    pipeline resharding is test_resume_on_other_layout's other case."""
+    root = tmp_path_factory.mktemp("tp2dp2")
     save, replica = root / "save", root / "replica"
-    run_train(8, COMMON + _layout(2, 2) + ["--save", str(save), "--save-interval", "3",
+    run_train(4, COMMON + _layout(2, 1) + ["--save", str(save), "--save-interval", "3",
                                            "--async-save", "--save-replica", str(replica)],
               root / "a", env=corpus_env)
     return save, replica, train_losses(root / "a")
 
 
-def test_exact_resume_tp2_pp2_dp2_async(tp2pp2_run, tmp_path, corpus_env):
-    """Save at 3 and 6 (async, with a replica) at (tp2, pp2, dp2); resuming the replica's
+def test_exact_resume_tp2_dp2_async(tp2dp2_run, tmp_path, corpus_env):
+    """Save at 3 and 6 (async, with a replica) at (tp2, dp2); resuming the replica's
     iteration 3 on the same layout gives bitwise the same losses 4..6."""
-    save, replica, ref = tp2pp2_run
+    save, replica, ref = tp2dp2_run
     for root in (save, replica):
         assert sorted(os.listdir(root)) == ["iter_0000003", "iter_0000006",
                                             "latest_checkpointed_iteration.txt"]
         assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
     assert _info(replica / "iter_0000003").returncode == 0
-    run_train(8, COMMON + _layout(2, 2) + ["--load", str(replica / "iter_0000003")],
+    run_train(4, COMMON + _layout(2, 1) + ["--load", str(replica / "iter_0000003")],
               tmp_path / "b", env=corpus_env)
     assert train_losses(tmp_path / "b") == ref[3:]  # bitwise
 
@@ -64,27 +65,27 @@ def _saved_run(nproc: int, args: list[str], root: Path, env: dict) -> tuple[Path
     return save, train_losses(root / "a")
 
 
-REPAD = ["--make-vocab-size-divisible-by", "100"]  # padded vocab 8200 at tp1, 8400 at tp4
+REPAD = ["--make-vocab-size-divisible-by", "80"]  # padded vocab 8240 at tp1, 8320 at tp2
 
 
 @pytest.fixture(scope="module")
 def tp1_run(tmp_path_factory, corpus_env):
-    """One process, saved at 3 and 6 (shared: it is resumed at (tp4, pp2), and copies of it
+    """One process, saved at 3 and 6 (shared: it is resumed at (tp2, pp2), and copies of it
     are damaged in test_damaged_or_mismatched_checkpoint_errors)."""
     return _saved_run(1, COMMON + REPAD + _layout(), tmp_path_factory.mktemp("tp1"), corpus_env)
 
 
 @pytest.mark.parametrize("src,dst,extra", [
-    # (tp2,pp2,dp2, saved async: tp2pp2_run) -> (tp1,pp1,dp4 + ZeRO)
-    ((2, 2, False, 8), (1, 1, True, 4), []),
-    # (tp1,pp1,dp1) -> (tp4,pp2): padded vocab 8200 -> 8400 (re-padded on load)
-    ((1, 1, False, 1), (4, 2, False, 8), REPAD),
-], ids=["tp2pp2-to-dp4zero", "tp1-to-tp4pp2"])
+    # (tp2,pp1,dp2, saved async: tp2dp2_run) -> (tp1,pp1,dp4 + ZeRO)
+    ((2, 1, False, 4), (1, 1, True, 4), []),
+    # (tp1,pp1,dp1) -> (tp2,pp2): padded vocab 8240 -> 8320 (re-padded on load)
+    ((1, 1, False, 1), (2, 2, False, 4), REPAD),
+], ids=["tp2dp2-to-dp4zero", "tp1-to-tp2pp2"])
 def test_resume_on_other_layout(src, dst, extra, request, tmp_path, corpus_env):
     if src[3] == 1:
         save, ref = request.getfixturevalue("tp1_run")
     else:
-        save, _, ref = request.getfixturevalue("tp2pp2_run")
+        save, _, ref = request.getfixturevalue("tp2dp2_run")
     proc = run_train(dst[3], COMMON + extra + _layout(*dst[:3]) +
                      ["--load", str(save / "iter_0000003")], tmp_path / "b", env=corpus_env)
     assert f"differs from this run's (tp={dst[0]} pp={dst[1]}" in proc.stdout, proc.stdout
@@ -214,24 +215,64 @@ def _finish(procs, timeout=240) -> list[str]:
 RESTART = COMMON + ["--train-iters", "8", "--save-interval", "2", "--keep-last", "2"]
 
 
+def _snapshot(root: Path) -> dict:
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")}
+
+
+def _check_run_boundaries(log_dir: Path, second: dict, resumed: int) -> None:
+    """Both attempts marked their start in metrics.jsonl, and both readers (the documented
+    rule and TensorBoard's purge_step) see iterations 1..8 once, those after `resumed` from
+    the restart."""
+    from launch import read_metrics
+
+    from training.metrics import latest_curve
+
+    records = read_metrics(log_dir)
+    starts = [r for r in records if r.get("event") == "run_start"]
+    # "restart" is torchelastic's count of this agent's restarts: rank 0's node did not fail,
+    # so its agent joined the new rendezvous without counting one (the second node's did)
+    assert [(r["restart"], r["resumed_from_iteration"]) for r in starts] == \
+        [(0, None), (0, resumed)]
+    assert "train.py" in starts[0]["command"] and starts[0]["run_id"] != starts[1]["run_id"]
+    curve = [(r["iteration"], r["loss"]) for r in latest_curve(records) if "loss" in r]
+    assert [i for i, _ in curve] == list(range(1, 9)) and dict(curve)[6] == second[6]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    tb = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert [s for s, _ in tb] == list(range(1, 9))
+    assert tb[5][1] == pytest.approx(second[6], rel=1e-6)  # TensorBoard stores float32
+
+
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # train.main's @record
-def test_torchrun_restart_resumes(tmp_path, corpus_env, capsys, monkeypatch):
-    """`torchrun --max-restarts 1`: rank 1 is SIGKILLed after iteration 5 on the first attempt;
-    torchrun restarts the group, which resumes from iteration 4 and finishes."""
+def test_two_node_c10d_restart(tmp_path, corpus_env, capsys, monkeypatch):
+    """Two torchrun agents (--nnodes 2, 2 processes each, c10d rendezvous on 127.0.0.1,
+    --max-restarts 1): rank 3 (on the second node) is SIGKILLed after iteration 3 on the first
+    attempt; both agents restart the group, which resumes from iteration 2 bitwise and
+    finishes, keeping the last 2 checkpoints; both attempts are marked in the run log. The
+    same job again is already complete and writes nothing."""
+    from distributed import free_port
+
     save = tmp_path / "save"
-    proc = _torchrun(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1"],
-                     RESTART + ["--save", str(save), "--load", str(save)], tmp_path / "log",
-                     {**corpus_env, "SHARDZOO_TEST_KILL_AT": "1:5"})
-    out = _finish([proc])[0]
-    assert "loaded checkpoint" in out and "at iteration 4" in out
-    its = [r for r in train_losses_records(tmp_path / "log")]
-    assert [i for i, _ in its] == [1, 2, 3, 4, 5, 5, 6, 7, 8]  # 5 ran twice
-    first, second = dict(its[:5]), dict(its[5:])
-    assert first[5] == second[5]  # bitwise: same layout, exact resume
+    nodes = ["--nnodes", "2", "--nproc-per-node", "2", "--max-restarts", "1",
+             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+             "--rdzv-id", "two-node-test"]
+    env = {**corpus_env, "SHARDZOO_TEST_KILL_AT": "3:3"}
+    args = RESTART + ["--tp", "2", "--save", str(save), "--load", str(save)]
+    procs = [_torchrun(nodes, args, tmp_path / "log", env) for _ in range(2)]
+    out = "".join(_finish(procs))
+    assert "loaded checkpoint" in out and "at iteration 2" in out
+    its = train_losses_records(tmp_path / "log")
+    assert [i for i, _ in its] == [1, 2, 3, 3, 4, 5, 6, 7, 8]  # 3 ran twice
+    first, second = dict(its[:3]), dict(its[3:])
+    assert first[3] == second[3]  # bitwise: same layout, exact resume
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "8"
     assert sorted(n for n in os.listdir(save) if n.startswith("iter")) == \
         ["iter_0000006", "iter_0000008"]  # --keep-last 2
-    _check_run_boundaries(tmp_path / "log", second)
+    # the restart took its tokenizer from iter 2, which --keep-last 2 deleted before iter 8
+    assert (save / "iter_0000008" / "tokenizer.model").is_file()
+    _check_run_boundaries(tmp_path / "log", second, resumed=2)
     # the same job again, at another layout (1 process): already complete, exits 0 and writes
     # nothing. That is decided before any process group or data work, so it runs in this
     # process (a torchrun launch costs ~10 s here).
@@ -245,52 +286,6 @@ def test_torchrun_restart_resumes(tmp_path, corpus_env, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "already complete" in out and "iter_0000008 is at iteration 8" in out
     assert _snapshot(tmp_path) == before
-
-
-def _snapshot(root: Path) -> dict:
-    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")}
-
-
-def _check_run_boundaries(log_dir: Path, second: dict) -> None:
-    """Both attempts marked their start in metrics.jsonl, and both readers (the documented
-    rule and TensorBoard's purge_step) see iterations 1..8 once, 5..8 from the restart."""
-    from launch import read_metrics
-
-    from training.metrics import latest_curve
-
-    records = read_metrics(log_dir)
-    starts = [r for r in records if r.get("event") == "run_start"]
-    assert [(r["restart"], r["resumed_from_iteration"]) for r in starts] == [(0, None), (1, 4)]
-    assert "train.py" in starts[0]["command"] and starts[0]["run_id"] != starts[1]["run_id"]
-    curve = [(r["iteration"], r["loss"]) for r in latest_curve(records) if "loss" in r]
-    assert [i for i, _ in curve] == list(range(1, 9)) and dict(curve)[6] == second[6]
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(log_dir))
-    events.Reload()
-    tb = [(e.step, e.value) for e in events.Scalars("train/loss")]
-    assert [s for s, _ in tb] == list(range(1, 9))
-    assert tb[5][1] == pytest.approx(second[6], rel=1e-6)  # TensorBoard stores float32
-
-
-def test_two_node_c10d_restart(tmp_path, corpus_env):
-    """Two torchrun agents (--nnodes 2, 2 processes each, c10d rendezvous on 127.0.0.1): rank 3
-    (on the second node) is killed after iteration 3; both agents restart and resume."""
-    from distributed import free_port
-
-    save = tmp_path / "save"
-    nodes = ["--nnodes", "2", "--nproc-per-node", "2", "--max-restarts", "1",
-             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-             "--rdzv-id", "two-node-test"]
-    env = {**corpus_env, "SHARDZOO_TEST_KILL_AT": "3:3"}
-    args = RESTART + ["--tp", "2", "--save", str(save), "--load", str(save)]
-    procs = [_torchrun(nodes, args, tmp_path / "log", env) for _ in range(2)]
-    out = "".join(_finish(procs))
-    assert "at iteration 2" in out
-    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "8"
-    assert train_losses_records(tmp_path / "log")[-1][0] == 8
-    # the restart took its tokenizer from iter 2, which --keep-last 2 deleted before iter 8
-    assert (save / "iter_0000008" / "tokenizer.model").is_file()
 
 
 def train_losses_records(log_dir: Path) -> list[tuple[int, float]]:
