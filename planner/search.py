@@ -380,16 +380,17 @@ def smallest_fit(model, hw: Hardware, global_batch_size: int, *, bf16: bool = Tr
 
 def _any_fits(model, hw: Hardware, gbs: int, bf16: bool) -> bool:
     """Cheap check: only the most memory-frugal settings (ZeRO-3, full recompute, micro
-    batch 1, the largest expert-parallel size) of each (tp, pp)."""
+    batch 1, the largest context- and expert-parallel sizes) of each (tp, pp)."""
     for tp in _divisors(hw.gpus):
         if tp > hw.network.node_size:
             continue
         for pp in _divisors(hw.gpus // tp):
-            ep = max(expert_parallel_sizes(model, hw.gpus // (tp * pp)))
+            cp = max(context_parallel_sizes(model, hw.gpus // (tp * pp)))
+            ep = max(expert_parallel_sizes(model, hw.gpus // (tp * pp * cp)))
             for sp in ((True,) if tp > 1 else (False,)):
                 item, reason = _candidate(model, hw.gpus, gbs, TrainConfig(), bf16,
                                           hw.network.node_size, tp, pp, None, sp, 1,
-                                          "optim_grads_params", "full", ep)
+                                          "optim_grads_params", "full", ep, cp)
                 if reason is None and peak_memory(item)["total"] <= hw.usable_memory:
                     return True
     return False
