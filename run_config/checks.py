@@ -30,7 +30,7 @@ def validate(m: ModelConfig, t: TrainConfig, world_size: int) -> tuple[int, int]
     _check_positive(t, world_size)
     dp = _check_grid(t, world_size)
     m.validate(t.tensor_model_parallel_size)
-    expert_layout(m, t, dp)
+    expert_layout(m, t, dp * t.context_parallel_size)  # ep is carved out of dp x cp
     _check_sequence_parallel(m, t)
     check_context_parallel(m, t)
     if m.is_encoder_decoder:
@@ -85,7 +85,8 @@ def check_context_parallel(m: ModelConfig, t: TrainConfig) -> None:
     (layers/context_parallel/). Raises `ConfigError` naming the flag and the fix for: an
     unknown --cp-comm-type; a --seq-length not divisible by 2 x cp (by 2 x cp x tp under
     sequence parallelism, which shards each rank's part over TP); and, at cp > 1, what is
-    not built with it: T5, packed-document attention masks, MoE layers, rank-stream dropout."""
+    not built with it: T5, packed-document attention masks, MoE capacity dropping,
+    rank-stream dropout."""
     cp = t.context_parallel_size
     _check_choice("cp_comm_type", t.cp_comm_type, ("p2p", "all_gather"))
     if cp == 1:
@@ -109,11 +110,11 @@ def check_context_parallel(m: ModelConfig, t: TrainConfig) -> None:
                           f"not built with --context-parallel-size {cp}: the ring attends "
                           f"causally over the whole sequence; drop --reset-attention-mask "
                           f"(--reset-position-ids and --eod-mask-loss work) or use cp 1")
-    if m.num_moe_experts is not None:
-        raise ConfigError(f"--num-experts (MoE layers) is not built with "
-                          f"--context-parallel-size {cp}: routing capacity and the load-"
-                          f"balancing losses are per microbatch over all its tokens, which CP "
-                          f"splits over ranks; use cp 1 for a mixture of experts")
+    if m.num_moe_experts is not None and m.moe_expert_capacity_factor is not None:
+        raise ConfigError(f"--moe-expert-capacity-factor is not built with "
+                          f"--context-parallel-size {cp}: capacity drops the lowest-"
+                          f"probability copies among all of a microbatch's tokens, which CP "
+                          f"splits over ranks; drop the factor (dropless routing) or use cp 1")
     if t.dropout_masks != "sample" and (m.hidden_dropout > 0 or m.attention_dropout > 0):
         raise ConfigError(f"--dropout-masks {t.dropout_masks} draws per-rank streams, which "
                           f"do not follow a sequence split over --context-parallel-size {cp}; "
@@ -127,7 +128,8 @@ def expert_layout(m: ModelConfig, t: TrainConfig, dp: int) -> tuple[int, int, in
     --expert-model-parallel-size > 1 on a model without MoE layers, when
     --expert-tensor-parallel-size is not the TP size (not built: layers/moe/ gathers each
     microbatch over TP and splits every expert over the TP ranks like the dense MLP), when
-    --num-experts is not divisible by ep, or when ep does not divide the data-parallel size."""
+    --num-experts is not divisible by ep, or when ep does not divide `dp` (the data-parallel
+    size, times the context-parallel size: expert parallelism is carved out of both)."""
     tp, ep = t.tensor_model_parallel_size, t.expert_model_parallel_size
     etp = tp if t.expert_tensor_parallel_size is None else t.expert_tensor_parallel_size
     experts = m.num_moe_experts

@@ -1,6 +1,6 @@
 """Training a mixture of experts at any layout (issue 30, the trainer's side): train.py's
-pretrain() at ep 2, ep 4, ep 2 x tp 2 (sequence parallel), ep 2 x pp 2 and ep 2 x dp 2 (world
-4: edp 2) under ZeRO-3 gives the losses, gradient norms (with clipping active every step, so
+pretrain() at ep 2, ep 4, ep 2 x tp 2 (sequence parallel), ep 2 x pp 2, ep 2 x dp 2 (world
+4: edp 2) under ZeRO-3 and ep 2 x cp 2 (ep carved out of dp x cp; dropless) gives the losses, gradient norms (with clipping active every step, so
 the exact global norm over dense and expert gradients enters every update) and final weights
 of one process, to tests/tolerances.py's derived bound (`k` from the dense model's chain,
 which is longer than the MoE layer's: router and fc1 over h, fc2 over the expert width, the
@@ -47,8 +47,11 @@ LAYOUTS = [  # id, world, flags
     ("ep2-tp2-sp", 4, ["--ep", "2", "--tp", "2", "--sequence-parallel"]),
     ("ep2-pp2", 4, ["--ep", "2", "--pp", "2"]),
     ("ep2-dp2-zero3", 4, ["--ep", "2", *ZERO3]),
+    # context parallelism: each rank routes its part of every sequence (dropless only)
+    ("ep2-cp2", 4, ["--ep", "2", "--context-parallel-size", "2"]),
 ]
-CASES = [(name, world, flags, drop) for name, world, flags in LAYOUTS for drop in (False, True)]
+CASES = [(name, world, flags, drop) for name, world, flags in LAYOUTS for drop in (False, True)
+         if not (drop and "--context-parallel-size" in flags)]
 
 
 def _args(flags: list[str], drop: bool) -> list[str]:

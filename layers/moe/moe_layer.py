@@ -194,7 +194,9 @@ def set_aux_loss_scale(modules, scale: float) -> None:
 def collect_expert_load(modules) -> list[ExpertLoad]:
     """Each MoE layer's load since the last call, summed over the data-parallel group (one
     all-reduce for all layers; under sequence parallelism the loss sums are first summed over
-    TP), and the counters reset. Every rank of the DP group must call it (a collective)."""
+    TP, and under context parallelism the counts and loss sums over CP: each CP rank routed
+    its part of the same microbatches), and the counters reset. Every rank of the DP x CP
+    group must call it (a collective)."""
     layers = moe_layers(modules)
     if not layers:
         return []
@@ -202,6 +204,11 @@ def collect_expert_load(modules) -> list[ExpertLoad]:
     losses = torch.stack([m.router.loss_sums for m in layers])  # [L, 2]
     if any(m.sequence_parallel for m in layers):  # partial over TP (SP: shards' sums)
         collectives.all_reduce(losses, group=ps.get_tensor_model_parallel_group())
+    if ps.get_context_parallel_world_size() > 1:  # partial over CP (sequence parts)
+        both = torch.cat([counts.reshape(-1), losses.reshape(-1).double()])
+        collectives.all_reduce(both, group=ps.get_context_parallel_group())
+        counts = both[:counts.numel()].view(counts.shape)
+        losses = both[counts.numel():].view(losses.shape).to(losses.dtype)
     microbatches = torch.stack([m.router.num_microbatches for m in layers]).double()
     flat = torch.cat([counts.reshape(-1), losses.reshape(-1), microbatches])
     if ps.get_data_parallel_world_size() > 1:

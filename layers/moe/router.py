@@ -12,8 +12,10 @@ Scores (Megatron-Core's `moe_router_score_function`, logits always in float32):
 `moe_router_topk_scaling_factor` then multiplies the weights (DeepSeek-V3's routed scaling).
 
 Load balancing, all per microbatch (the mbs sequences one forward processes; under sequence
-parallelism their token counts are summed over the TP ranks, so the value does not depend on
-the layout). Counting over the global batch is not possible in one pass (a microbatch's
+parallelism their token counts are summed over the TP ranks, and under context parallelism
+over the CP ranks, each of which holds a part of every sequence, so the value does not depend
+on the layout; each rank's loss is then its tokens' part of the sum, and the gradients'
+reduction over TP / CP adds the parts). Counting over the global batch is not possible in one pass (a microbatch's
 backward runs before later microbatches are routed), and summing over the DP ranks' current
 microbatches would change the loss with dp: those are different sets of sequences at dp 1
 and dp 2 (training/batches.py hands rank r the r-th mbs of each mbs*dp chunk). So the
@@ -45,7 +47,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from parallel_state import collectives, get_tensor_model_parallel_group, \
+from parallel_state import collectives, get_context_parallel_group, \
+    get_context_parallel_world_size, get_tensor_model_parallel_group, \
     get_tensor_model_parallel_world_size
 
 from ..sharding import set_tensor_parallel_attributes
@@ -147,7 +150,8 @@ class TopKRouter(nn.Module):
     def _losses(self, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """The weighted auxiliary + z losses of these tokens (module docstring)."""
         n, e, k = logits.shape[0], self.num_experts, self.topk
-        tokens = n * (get_tensor_model_parallel_world_size() if self.sequence_parallel else 1)
+        cp = get_context_parallel_world_size()  # CP ranks hold parts of the same sequences
+        tokens = n * cp * (get_tensor_model_parallel_world_size() if self.sequence_parallel else 1)
         aux = z = logits.new_zeros(())
         if self.aux_loss_coeff > 0:
             if self.score_function == "softmax":
@@ -159,6 +163,8 @@ class TopKRouter(nn.Module):
             counts = torch.bincount(chosen.reshape(-1), minlength=e).to(logits.dtype)
             if self.sequence_parallel:  # the whole microbatch's choices
                 collectives.all_reduce(counts, group=get_tensor_model_parallel_group())
+            if cp > 1:
+                collectives.all_reduce(counts, group=get_context_parallel_group())
             aux = (counts * scores.sum(dim=0)).sum() * (e / (k * tokens * tokens))
         if self.z_loss_coeff > 0:
             z = torch.logsumexp(logits, dim=-1).square().sum() / tokens
