@@ -248,10 +248,12 @@ def _moe_collectives(out: dict, st: _StepShape, config, r: int, chunks, ep: int)
             if not m.is_moe_layer(n):
                 continue
             layers += 1
-            per_mb = moe.layer_collectives(m, st.s, st.b, st.tp, st.sp, st.e, ep, i in inside)
+            per_mb = moe.layer_collectives(m, st.s, st.b, st.tp, st.sp, st.e, ep, i in inside,
+                                           st.cp)
             for key, (calls, nbytes) in per_mb.items():
                 _add(out, key, calls * st.replicas * st.mb, nbytes * st.replicas * st.mb)
-    for key, (calls, nbytes) in moe.step_collectives(m, layers, st.dp, st.tp, st.sp).items():
+    for key, (calls, nbytes) in moe.step_collectives(m, layers, st.dp, st.tp, st.sp,
+                                                     st.cp).items():
         _add(out, key, calls * st.replicas, nbytes * st.replicas)
 
 

@@ -120,8 +120,10 @@ def check_expert_count(m, ep: int) -> None:
 def expert_layout(config) -> tuple[int, int, int]:
     """(ep, etp, edp) of a run_config.config.Config with its data-parallel size set, checked
     as train.py checks them (run_config/checks.py `expert_layout`: etp = tp, ep divides
-    num_moe_experts and dp, edp = dp / ep)."""
-    return check_expert_parallel(config.model, config.train, config.data_parallel_size)
+    num_moe_experts and dp x cp, edp = dp x cp / ep: expert parallelism is carved out of
+    the data- and context-parallel ranks)."""
+    return check_expert_parallel(config.model, config.train,
+                                 config.data_parallel_size * config.train.context_parallel_size)
 
 
 def edp_label(tp: int, ep: int, etp: int) -> str:
@@ -224,7 +226,7 @@ def moe_layer_bytes(m, s: int, b: int, t: int, sp: bool, e: int, ep: int,
 
 
 def layer_collectives(m, s: int, b: int, tp: int, sp: bool, e: int, ep: int,
-                      recomputed: bool) -> dict[tuple[str, str], tuple[int, int]]:
+                      recomputed: bool, cp: int = 1) -> dict[tuple[str, str], tuple[int, int]]:
     """`{(group, op): (calls, bytes)}` one MoE MLP adds on one rank per microbatch, beyond the
     dense MLP's collectives that `planner.communication` counts for every layer (an MoE
     layer's TP reductions are the dense MLP's: the routed tokens are gathered (SP) or copied
@@ -242,6 +244,9 @@ def layer_collectives(m, s: int, b: int, tp: int, sp: bool, e: int, ep: int,
     - sp: the routing weights (float32 `[T/t, k]`) and choices (int64) all-gathered per
       forward; the weights' gradient (`[T, k]`) reduce-scattered in backward; with the
       auxiliary loss the tokens per expert (float32 `[E]`) all-reduced over tp per forward.
+    - cp (`cp > 1`, `s` the rank's part): with the auxiliary loss the tokens per expert
+      (float32 `[E]`) all-reduced over cp per forward (each CP rank routed part of the same
+      sequences).
     - shared experts: a dense MLP's collectives at width `moe_shared_expert_intermediate_size`
       (tp: 2 all-reduces of `A`, +1 recomputed; sp: 3 all-gathers, 2 reduce-scatters, +1 each
       recomputed).
@@ -257,6 +262,8 @@ def layer_collectives(m, s: int, b: int, tp: int, sp: bool, e: int, ep: int,
         _, rows = routed_rows(m, s * b)
         add(("ep", "all_to_all_single"), forwards, 8 * n_exp)
         add(("ep", "all_to_all_single"), 2 + 2 * forwards, rows * h * e)
+    if cp > 1 and m.moe_aux_loss_coeff > 0:
+        add(("cp", "all_reduce"), forwards, 4 * n_exp)
     if tp == 1:
         return out
     tokens, act = s * b, s * b * h * e
@@ -278,19 +285,22 @@ def layer_collectives(m, s: int, b: int, tp: int, sp: bool, e: int, ep: int,
     return out
 
 
-def step_collectives(m, moe_layers: int, dp: int, tp: int, sp: bool
+def step_collectives(m, moe_layers: int, dp: int, tp: int, sp: bool, cp: int = 1
                      ) -> dict[tuple[str, str], tuple[int, int]]:
     """`{(group, op): (calls, bytes)}` one rank adds once per step for its `moe_layers` MoE
     layers: `layers.moe.collect_expert_load` (the per-step load statistics and the expert
     bias's input, called after backward as layers/moe/__init__.py says) sums the float64
     tokens and drops per expert, the two loss sums and the microbatch count of every layer
     over dp in one all-reduce, `8 (2 E + 3) L` bytes, after an all-reduce of the loss sums
-    (`16 L` bytes) over tp under SP."""
+    (`16 L` bytes) over tp under SP and of the tokens per expert and loss sums
+    (`8 (2 E + 2) L` bytes) over cp at cp > 1."""
     out = {}
     if not moe_layers:
         return out
     if sp and tp > 1:
         out[("tp", "all_reduce")] = (1, 16 * moe_layers)
+    if cp > 1:
+        out[("cp", "all_reduce")] = (1, 8 * (2 * m.num_moe_experts + 2) * moe_layers)
     if dp > 1:
         out[("dp", "all_reduce")] = (1, 8 * (2 * m.num_moe_experts + 3) * moe_layers)
     return out

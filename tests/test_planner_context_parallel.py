@@ -186,3 +186,21 @@ def test_plan_refuses_bad_cp(capsys, argv, message):
     code, out, err = _plan(capsys, *base, *argv)
     assert code == 2 and not out
     assert err.startswith("plan.py: error: ") and message in err, err
+
+
+def test_moe_experts_over_dp_times_cp():
+    """train.py carves the experts out of dp x cp: at cp 2 x ep 2 the planner's layout is edp
+    1 on 2 ranks (dp 1: the start-up planner line raised there before) and edp 2 on 4; each
+    forward sums the router's tokens per expert over cp, and each step the load statistics
+    (train.py --report-comm counted 36 calls, 3,328 B on 4 ranks: equal)."""
+    from planner.moe import expert_layout
+
+    moe = ["--model", "tiny-moe", "--seq-length", "64", "--micro-batch-size", "2",
+           "--global-batch-size", "8", "--cp", "2", "--ep", "2"]
+    assert expert_layout(_config(2, base=moe)) == (2, 1, 1)
+    c = _config(4, base=moe)
+    assert expert_layout(c) == (2, 1, 2)
+    m, forwards = c.model, c.model.num_layers * c.num_microbatches  # every layer is MoE
+    e, layers = m.num_moe_experts, m.num_layers
+    assert step_communication(c)[("cp", "all_reduce")] == (
+        4 * (forwards + 1), 4 * (forwards * 4 * e + 8 * (2 * e + 2) * layers)) == (36, 3328)
