@@ -91,7 +91,7 @@ def model_layer_bytes(config, s: int, b: int, t: int = 1, sp: bool = False,
     terms; `ep` the expert-parallel size); `context_parallel`: `s` is a CP rank's part of
     the sequence and the core attention is layers/context_parallel's, which saves q, k, v,
     its output and the float32 log-sum-exp (no `s x s` term, with or without dropout: its
-    masks are redrawn in backward), and the projection reads a copy of the output.
+    masks are redrawn in backward), and the projection reads a view of the output.
     Returns `{term: bytes}`; `sum(...values())` is the layer's total.
     """
     e, h, d = bytes_per_value, config.hidden_size, config.kv_channels
@@ -110,10 +110,11 @@ def model_layer_bytes(config, s: int, b: int, t: int = 1, sp: bool = False,
     q, kv_heads = e * s * b * an * d, e * s * b * gn * d
     if context_parallel:  # selective: the checkpoint keeps q, k, v and returns the output
         out["attention q, k, v"] = mixed + (q + kv_heads if rope else 0)
-        if recompute != "selective":
+        if recompute != "selective":  # the projection reads a view of the saved output
             out["attention output"] = q
             out["attention log-sum-exp"] = 4 * b * an * s
-        out["projection input"] = q
+        else:
+            out["projection input"] = q
     elif recompute == "selective" or not att_drop:
         # flash kernel (or the inputs kept by the checkpoint): q, k, v and the output, which
         # the projection reads without a copy (selective: the projection input).

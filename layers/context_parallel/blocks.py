@@ -171,8 +171,12 @@ class OnlineSoftmax:
         self.m[:, :, rows] = m_new
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """`out [b, n, sq, d]` in q's dtype and `lse [b, n, sq]` float32."""
-        return (self.acc / self.l[..., None]).to(self.dtype), self.m + torch.log(self.l)
+        """`out [b, n, sq, d]` in q's dtype and `lse [b, n, sq]` float32. `out` is laid out
+        `[b, sq, n, d]` in memory (as the fused SDPA kernels return it), so the attention
+        layer's `[s, b, n d]` view of it for the output projection is no copy: the
+        projection's saved input and this Function's saved output are one tensor."""
+        out = (self.acc / self.l[..., None]).to(self.dtype)
+        return out.transpose(1, 2).contiguous().transpose(1, 2), self.m + torch.log(self.l)
 
 
 def backward_block(q, k, v, dout, lse, delta, qpos, kpos, block: Block, spec: AttentionSpec,
