@@ -30,8 +30,15 @@ split over the 2 ranks, tokens exchanged by all-to-all) and at dp 2 with ep 1 (e
 every expert: the same 2 processes without the all-to-all), beside the 2-process ceiling. No
 targets: the figures say what expert parallelism costs or saves on this machine.
 
-Run: `python bench/parallel_throughput.py [--repeats 3] [--iters 12] [--moe]` (about 10
-minutes on 2 CPU cores with the defaults). Flags after `--` go to every run.
+Context parallelism (`--cp`, issue 32): the same tiny Llama at seq 1024, micro batch 1, global
+batch 4 (the same global batch for every layout), on 1 process, at cp 2 (each sequence split
+over the 2 ranks, ring attention), at cp 2 with the all_gather type, and at dp 2 (the same 2
+processes splitting the batch instead of the sequence), beside the 2-process ceiling. No
+targets: cp trades dp's one gradient all-reduce per step for a K/V exchange in every layer,
+worth it only when a sequence does not fit one rank.
+
+Run: `python bench/parallel_throughput.py [--repeats 3] [--iters 12] [--moe | --cp]` (about
+10 minutes on 2 CPU cores with the defaults). Flags after `--` go to every run.
 """
 from __future__ import annotations
 
@@ -64,6 +71,13 @@ MOE_MODEL = ["--model", "tiny-moe", "--seq-length", str(SEQ), "--max-position-em
              str(SEQ), "--micro-batch-size", "2", "--global-batch-size", "8"]
 MOE_LAYOUTS = [("1 process", 1, []), ("ep2", 2, ["--expert-model-parallel-size", "2"]),
                ("dp2 ep1", 2, []), (INDEPENDENT, 2, [])]
+CP_SEQ = 1024
+CP_MODEL = [*MODEL[:MODEL.index("--seq-length")], "--seq-length", str(CP_SEQ),
+            "--max-position-embeddings", str(CP_SEQ), "--micro-batch-size", "1",
+            "--global-batch-size", "4"]
+CP_LAYOUTS = [("1 process", 1, []), ("cp2", 2, ["--cp", "2"]),
+              ("cp2 all_gather", 2, ["--cp", "2", "--cp-comm-type", "all_gather"]),
+              ("dp2", 2, []), (INDEPENDENT, 2, [])]
 
 
 def run_layout(nproc: int, flags: list[str], iters: int, log_dir: str,
@@ -99,6 +113,7 @@ def _launch(nproc: int, flags: list[str], iters: int, log_dir: str):
 
 def _result(proc, cmd, log_dir: str, iters: int) -> dict:
     start = iters - 2
+    seq = int(cmd[cmd.index("--seq-length") + 1])
     stdout, stderr = proc.communicate()
     if proc.returncode:
         sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{stdout[-2000:]}\n"
@@ -107,7 +122,7 @@ def _result(proc, cmd, log_dir: str, iters: int) -> dict:
         records = [json.loads(line) for line in f]
     steps = {r["iteration"]: r for r in records if "loss" in r}
     timed = [steps[i]["step_time_s"] for i in range(2, start + 1)]
-    tokens = steps[2]["global_batch_size"] * SEQ
+    tokens = steps[2]["global_batch_size"] * seq
     profile = next(r for r in records if r.get("event") == "profile")
     share = statistics.mean(p["ms"]["communication"] / p["step_ms"] for p in profile["ranks"])
     return {"tokens_per_s": tokens / statistics.median(timed), "comm_share": share,
@@ -118,13 +133,19 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--iters", type=int, default=12, help="iterations per run (>= 5)")
-    p.add_argument("--moe", action="store_true",
-                   help="tiny-moe at 1 process, ep 2 and dp 2 (ep 1) instead of the dense layouts")
+    kind = p.add_mutually_exclusive_group()
+    kind.add_argument("--moe", action="store_true",
+                      help="tiny-moe at 1 process, ep 2 and dp 2 (ep 1) instead of the dense "
+                      "layouts")
+    kind.add_argument("--cp", action="store_true",
+                      help=f"seq {CP_SEQ} at 1 process, cp 2 (p2p, all_gather) and dp 2 "
+                      f"instead of the dense layouts")
     p.add_argument("extra", nargs="*", help="after --: flags for every run")
     args = p.parse_args(argv)
     if args.iters < 5:
         p.error("--iters must be >= 5 (steps 2..iters-2 are timed, the last two profiled)")
-    model, layouts = (MOE_MODEL, MOE_LAYOUTS) if args.moe else (MODEL, LAYOUTS)
+    model, layouts = (MOE_MODEL, MOE_LAYOUTS) if args.moe else \
+        (CP_MODEL, CP_LAYOUTS) if args.cp else (MODEL, LAYOUTS)
     results = {name: [] for name, _, _ in layouts}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.repeats):
@@ -135,28 +156,30 @@ def main(argv=None) -> int:
                 results[name].append(out)
                 print(f"round {r + 1}: {name:<10} {out['tokens_per_s']:8.0f} tok/s", flush=True)
     base = statistics.median(o["tokens_per_s"] for o in results["1 process"])
-    what = "tiny-moe (8 experts, top-2)" if args.moe else "picotron's tiny Llama"
+    what = "tiny-moe (8 experts, top-2)" if args.moe else "picotron's tiny Llama" + (
+        f" at seq {CP_SEQ}, global batch 4" if args.cp else "")
     print(f"\n{what} (vocab 8192), float32, OMP 1 per rank, {os.cpu_count()} "
           f"cores, median of {args.repeats} rounds (steps 2-{args.iters - 2} each)")
-    print(f"{'layout':<11} {'procs':>5} {'tok/s':>8} {'scaling':>8} {'target':>14} "
+    w = max(11, *(len(name) + 1 for name, _, _ in layouts))
+    print(f"{'layout':<{w}} {'procs':>5} {'tok/s':>8} {'scaling':>8} {'target':>14} "
           f"{'comm share':>11} {'spread':>7}")
     for name, nproc, _ in layouts:
         tps = [o["tokens_per_s"] for o in results[name]]
         med = statistics.median(tps)
         scaling = med / base
-        target = TARGETS.get(name)
+        target = None if args.cp else TARGETS.get(name)
         verdict = "" if target is None else \
             f">= {target:.1f}x {'MET' if scaling >= target else 'NOT MET'}"
         share = statistics.median(o["comm_share"] for o in results[name])
         spread = (max(tps) - min(tps)) / med
-        print(f"{name:<11} {nproc:>5} {med:8.0f} {scaling:7.2f}x {verdict:>14} {share:10.1%} "
+        print(f"{name:<{w}} {nproc:>5} {med:8.0f} {scaling:7.2f}x {verdict:>14} {share:10.1%} "
               f"{spread:6.0%}")
     print("comm share: time blocked in collectives / step wall time (train.py --profile, "
           "profiled steps), mean over ranks; spread: (max - min) / median over rounds")
     ceiling = statistics.median(o["tokens_per_s"] for o in results[INDEPENDENT]) / base
     print(f"'{INDEPENDENT}': two independent runs at once (no communication), tokens/s summed: "
           f"this machine lets no 2-rank layout pass {ceiling:.2f}x"
-          + ("" if args.moe else "; each target as a share of that ceiling: "
+          + ("" if args.moe or args.cp else "; each target as a share of that ceiling: "
              + ", ".join(f"{n} {t / ceiling:.0%}" for n, t in TARGETS.items())))
     return 0
 
