@@ -11,9 +11,9 @@ run works.
 
 Printed per cp: the whole microbatch's bytes (decoder layers + embedding + output layer and
 loss), the decoder layers' share, the planner's prediction of each, and the ratio to cp 1.
-At cp > 1 a rank holds s/cp tokens, so every sequence-dependent term falls by cp; the
-attention's saved set changes shape with CP (q, k, v, output and a float32 log-sum-exp
-instead of the fused kernel's), so cp 1 -> cp 2 is a little more than 1/2 (docs/PLANNING.md).
+At cp > 1 a rank holds s/cp tokens, so every sequence-dependent term falls by cp (the CP
+attention saves q, k, v, its output and a float32 log-sum-exp, as the fused kernel at cp 1
+does): 1/2 and 1/4 of cp 1's (docs/PLANNING.md, bench/README.md).
 
 Run: `python bench/context_parallel_memory.py [--seq-length 4096] [--cp 1 2 4]` (2 to 4
 minutes on 2 CPU cores). Flags after `--` go to every run.
