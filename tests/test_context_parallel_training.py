@@ -6,7 +6,7 @@ position, so a CP rank's masks are the one-process masks of its tokens), one wit
 --debug-collectives (the ring's messages pass its fingerprint check), two with validation
 (the loss over dp x cp before and after training). Each run's start-up
 measurement of activation bytes equals the planner's prediction. A checkpoint saved at
-cp 2 resumes at cp 1 (dp 2) and continues the uninterrupted losses and weights. The
+cp 2 resumes at cp 1 (dp 2) and at cp 4 and continues the uninterrupted losses and weights. The
 layouts that are not built are refused by the run's checks with the flag named, before any
 process starts.
 
@@ -125,10 +125,16 @@ def case_results(tmp_path_factory, corpus_env, checkpoint_dir):
         runs = [_args(ref, flags) for _, _, ref, flags in cases]
         if world == 2:
             runs += list(_resume_runs(str(checkpoint_dir)))
+        # world 4, once world 2 saved: the cp 2 checkpoint resumed at cp 4
+        resume_cp4 = world == 4 and any(checkpoint_dir.glob("iter_*"))
+        if resume_cp4:
+            runs.append(_args("llama-dropout", ["--cp", "4", "--load", str(checkpoint_dir)]))
         out = _run(world, runs, str(tmp_path_factory.mktemp(f"world{world}")),
                    corpus_env["SHARDZOO_CACHE"])
         if world == 2:
             extra["resume"] = out[len(cases):]
+        if resume_cp4:
+            extra["resume_cp4"] = out[-1]
         return out[:len(cases)]
 
     get = batched_by_world(LAYOUTS, lambda c: c[1], run_cases)
@@ -202,6 +208,20 @@ def test_cp2_checkpoint_resumes_at_cp1(references, case_results, checkpoint_dir)
     assert [r["iteration"] for r in resumed["steps"]][-1:] == [3]
     assert_losses_close([r["loss"] for r in saved["steps"]],
                         [r["loss"] for r in ref["steps"][:2]], k_step)
+    assert_losses_close([resumed["steps"][-1]["loss"]], [ref["steps"][-1]["loss"]], 3 * k_step)
+    assert not weights_mismatch(resumed["state"], ref["state"], 3 * k_step)
+
+
+def test_cp2_checkpoint_resumes_at_cp4(references, case_results, checkpoint_dir):
+    """The other direction: the cp 2 checkpoint of iteration 2 resumed at cp 4 (each rank
+    now holds a quarter of every sequence) gives the uninterrupted one-process iteration 3."""
+    case_results(LAYOUTS[0])  # world 2 saves first
+    case_results(next(c for c in LAYOUTS if c[1] == 4))
+    assert "resume_cp4" in case_results.extra, "world 4 ran before world 2 saved"
+    resumed = case_results.extra["resume_cp4"]
+    ref = references["llama-dropout"]
+    k_step = training_chain_terms(_args("llama-dropout", ["--cp", "4"]))
+    assert [r["iteration"] for r in resumed["steps"]] == [3]
     assert_losses_close([resumed["steps"][-1]["loss"]], [ref["steps"][-1]["loss"]], 3 * k_step)
     assert not weights_mismatch(resumed["state"], ref["state"], 3 * k_step)
 
