@@ -239,6 +239,23 @@ def test_refusals(files, tmp_path, capsys):
     bad = tmp_path / "bad_key_length.gguf"
     bad.write_bytes(qwen3[:at] + (16).to_bytes(4, "little") + qwen3[at + 4:])
     _refused(str(bad), "transformers cannot load the tensors of", out)
+    # hostile counts, refused from the header before transformers reads them: 2**31 blocks
+    # (its config built a 2**31-entry layer_types list first: minutes and GBs), a bos id past
+    # the 400 tokens (its tokenizer raised IndexError after the weights had loaded)
+    for field, value, expected in (
+            (b"qwen3.block_count", 2**31, "qwen3.block_count is 2147483648, but the file "
+             "holds 25 tensors (at least one per block)"),
+            (b"tokenizer.ggml.bos_token_id", 2**31, "tokenizer.ggml.bos_token_id is 2147483648, "
+             "not a token id of its 400 tokens")):
+        at = qwen3.index(field) + len(field) + 4
+        assert qwen3[at - 4:at] == (4).to_bytes(4, "little")  # uint32
+        hostile = tmp_path / "hostile.gguf"
+        hostile.write_bytes(qwen3[:at] + value.to_bytes(4, "little") + qwen3[at + 4:])
+        _refused(str(hostile), expected, out)
+    # key_length typed float32: transformers' multi-line validation error, on one line
+    at = qwen3.index(key) + len(key)
+    hostile.write_bytes(qwen3[:at] + (6).to_bytes(4, "little") + qwen3[at + 4:])
+    _refused(str(hostile), "Validation error for field 'head_dim': TypeError", out)
     # not GGUF: truncated, wrong magic, a tensor count past the file
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(qwen3[:200])

@@ -259,6 +259,12 @@ def _read(handle, kind: str, name: str) -> torch.Tensor:
     return handle.get_tensor(name) if kind == "safetensors" else handle[name]
 
 
+def _one_line(e: Exception) -> str:
+    """The first 300 characters of `e`'s message on one line (transformers' validation errors
+    span lines)."""
+    return " ".join(str(e).split())[:300]
+
+
 def _open_gguf(path: str) -> HFSource:
     """An `HFSource` over transformers' reading of GGUF file `path`: its header checked first
     (models/hf/gguf_header.py: an architecture transformers does not read, or would read as
@@ -273,10 +279,11 @@ def _open_gguf(path: str) -> HFSource:
                                 f"accelerate") from None
     from transformers import AutoConfig
 
-    from .gguf_header import check_architecture, dropped_fields, read_header
+    from .gguf_header import check_architecture, check_counts, dropped_fields, read_header
 
-    meta, tensor_names = read_header(path)
+    meta, tensor_names, arrays = read_header(path)
     check_architecture(path, meta, tensor_names)
+    check_counts(path, meta, tensor_names, arrays)
     folder, name = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
     try:
         # parsed once: each AutoConfig.from_pretrained(gguf_file=) reads the whole metadata
@@ -289,7 +296,7 @@ def _open_gguf(path: str) -> HFSource:
         raise HFConversionError(f"{path}: {e}") from None
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds here
         raise HFConversionError(f"transformers cannot read {path} as GGUF "
-                                f"({type(e).__name__}: {str(e)[:300]})") from None
+                                f"({type(e).__name__}: {_one_line(e)})") from None
     state: dict[str, torch.Tensor] = {}
 
     def load() -> dict[str, torch.Tensor]:
@@ -315,7 +322,7 @@ def _load_gguf(path: str, folder: str, name: str, hf_config) -> dict[str, torch.
             output_loading_info=True)
     except Exception as e:  # noqa: BLE001 - shape mismatches are RuntimeErrors, ...
         raise HFConversionError(f"transformers cannot load the tensors of {path} "
-                                f"({type(e).__name__}: {str(e)[:300]}); the file's tensors do "
+                                f"({type(e).__name__}: {_one_line(e)}); the file's tensors do "
                                 f"not match its metadata") from None
     finally:
         logging.set_verbosity(level)

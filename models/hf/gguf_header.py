@@ -108,9 +108,10 @@ class _Reader:
                                 f"defines; the file is corrupt or from a newer format")
 
 
-def read_header(path: str) -> tuple[dict, list[str]]:
-    """`({metadata key: scalar value}, [tensor names])` of GGUF file `path` (array values are
-    left out). Raises `HFConversionError` naming the file for what is not GGUF v2/v3."""
+def read_header(path: str) -> tuple[dict, list[str], dict]:
+    """`({metadata key: scalar value}, [tensor names], {metadata key: array length})` of GGUF
+    file `path` (array values are left out, their lengths kept). Raises `HFConversionError`
+    naming the file for what is not GGUF v2/v3."""
     with open(path, "rb") as f:
         if os.path.getsize(path) < 24:
             raise HFConversionError(f"{path} is too short to be a GGUF file")
@@ -128,16 +129,18 @@ def read_header(path: str) -> tuple[dict, list[str]]:
             tensors, kvs = r.scalar("Q"), r.scalar("Q")
             if tensors > len(buf) or kvs > len(buf):
                 r.take(len(buf))  # raises: more entries than bytes
-            meta = {}
+            meta, arrays = {}, {}
             for _ in range(kvs):
-                key = r.string()
-                meta[key] = r.value(r.scalar("I"))
+                key, kind = r.string(), r.scalar("I")
+                if kind == _ARRAY and r.pos + 12 <= len(buf):  # item type, element count
+                    arrays[key] = struct.unpack_from("<Q", buf, r.pos + 4)[0]
+                meta[key] = r.value(kind)
             names = []
             for _ in range(tensors):
                 names.append(r.string())
                 dims = r.scalar("I")
                 r.take(8 * dims + 4 + 8)  # dims, ggml type, offset
-    return {k: v for k, v in meta.items() if v is not None}, names
+    return {k: v for k, v in meta.items() if v is not None}, names, arrays
 
 
 def hf_model_type(arch: str) -> str:
@@ -179,6 +182,28 @@ def check_architecture(path: str, meta: dict, names: list[str]) -> None:
         raise HFConversionError(f"{path}: {arch}.rope.scaling.type {kind!r} is dropped by "
                                 f"transformers' GGUF reader, so the model would differ; "
                                 f"{_SAFETENSORS_FIX}")
+
+
+def check_counts(path: str, meta: dict, names: list[str], arrays: dict) -> None:
+    """Refuse (`HFConversionError`, one line) header counts no file of `names` can back, before
+    transformers reads them: `<arch>.block_count` not an integer in [1, number of tensors]
+    (every block holds tensors; transformers' config builds per-layer lists of that length
+    first), and a special token id (`_TOKEN_IDS`) not an integer below the length of
+    `tokenizer.ggml.tokens` (transformers' tokenizer indexes the token list with it)."""
+    arch = meta["general.architecture"]
+    blocks = meta.get(f"{arch}.block_count")
+    if type(blocks) is not int or not 1 <= blocks <= len(names):
+        raise HFConversionError(f"{path}: {arch}.block_count is {blocks!r}, but the file holds "
+                                f"{len(names)} tensors (at least one per block); the file is "
+                                f"corrupt, convert or download it again")
+    tokens = arrays.get("tokenizer.ggml.tokens")
+    for key in _TOKEN_IDS.values():
+        value = meta.get(key)
+        if value is not None and (type(value) is not int or value < 0 or
+                                  (tokens is not None and value >= tokens)):
+            raise HFConversionError(f"{path}: {key} is {value!r}, not a token id of its "
+                                    f"{tokens} tokens (tokenizer.ggml.tokens); the file is "
+                                    f"corrupt, convert or download it again")
 
 
 def dropped_fields(meta: dict, config: dict) -> dict:
