@@ -41,21 +41,24 @@ def t5_stage_layers(config: ModelConfig, pp: int) -> list[tuple[list[int], list[
     return [(e, []) for e in out[0]] + [([], d) for d in out[1]]
 
 
+def _tp_error(config: ModelConfig, tp: int) -> ConfigError | None:
+    """The `ConfigError` of splitting the model over `tp` ranks, None when it splits."""
+    try:
+        config.validate(tp) if config.is_encoder_decoder else \
+            config.validate(tp, kv_replication=True)
+    except ConfigError as e:
+        return e
+    return None
+
+
 def _check_tp(config: ModelConfig, tp: int) -> None:
     """Raise a `ConfigError` in infer.py's terms when the model cannot be split over `tp`
     ranks (heads, KV heads or FFN width not divisible), naming the tp values that work."""
-    def fits(t):
-        try:
-            config.validate(t) if config.is_encoder_decoder else \
-                config.validate(t, kv_replication=True)
-        except ConfigError as e:
-            return e
-        return None
-
-    error = fits(tp)
+    error = _tp_error(config, tp)
     if error is None:
         return
-    good = [t for t in range(1, config.num_attention_heads + 1) if fits(t) is None]
+    good = [t for t in range(1, config.num_attention_heads + 1)
+            if _tp_error(config, t) is None]
     if not good:  # the config itself is bad, whatever the tp
         raise error
     raise ConfigError(f"--tp {tp} does not fit this model ({config.num_attention_heads} "
@@ -91,13 +94,16 @@ def initialize_serving_grid(tp: int, pp: int, enable_expert_parallel: bool = Fal
 
 def _check_experts(config: ModelConfig, ep: int) -> None:
     """Refuse (`ConfigError`) --enable-expert-parallel when the model's experts do not
-    spread evenly over the `ep` (= tp) ranks."""
+    spread evenly over the `ep` (= tp) ranks, naming the tp values the experts and the
+    attention heads both split over."""
     experts = config.num_moe_experts
     if ep > 1 and experts and experts % ep:
-        fits = [t for t in range(2, experts + 1) if experts % t == 0]
+        fits = [t for t in range(2, experts + 1)
+                if experts % t == 0 and _tp_error(config, t) is None]
         raise ConfigError(f"--enable-expert-parallel spreads the model's {experts} experts "
                           f"over the --tp {ep} ranks, but {experts} is not divisible by {ep}; "
-                          f"use a --tp in {fits} or drop --enable-expert-parallel (each expert "
+                          f"{f'use a --tp in {fits} or ' if fits else ''}drop "
+                          f"--enable-expert-parallel (each expert "
                           f"is then split over the tp ranks)")
 
 

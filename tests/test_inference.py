@@ -362,7 +362,7 @@ def test_max_seq_length_beyond_the_model_is_an_error(tmp_path):
 
 
 def test_tp_the_heads_do_not_split_over_names_the_ones_they_do():
-    from inference.loading import _check_tp
+    from inference.loading import _check_experts, _check_tp
     from models.config import ConfigError, ModelConfig
 
     smol = ModelConfig(num_layers=2, hidden_size=72, num_attention_heads=9, num_query_groups=3,
@@ -373,3 +373,13 @@ def test_tp_the_heads_do_not_split_over_names_the_ones_they_do():
     with pytest.raises(ConfigError, match=r"^--tp 2 does not fit this model \(9 attention "
                                           r"heads, 3 KV heads; .*\); use --tp 1, 3, 9$"):
         _check_tp(smol, 2)
+    # --enable-expert-parallel (ep = tp): the tp values offered fit the experts and the heads
+    # (it offered [2, 3, 6] for 6 experts and 4 heads; --tp 3 and 6 are then refused)
+    moe = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                      ffn_hidden_size=128, seq_length=32, max_position_embeddings=32,
+                      vocab_size=100, num_moe_experts=6, moe_ffn_hidden_size=32,
+                      add_bias_linear=False)
+    _check_experts(moe, 2)
+    with pytest.raises(ConfigError, match=r"6 experts over the --tp 4 ranks, but 6 is not "
+                                          r"divisible by 4; use a --tp in \[2\] or drop"):
+        _check_experts(moe, 4)
