@@ -365,10 +365,11 @@ def log_memory(model, optimizer, dataset, config: Config, device) -> dict:
     gathered = (f", gathered up to {mib(state['gathered_params_predicted_peak'])}"
                 if "gathered_params_predicted_peak" in state else "")
     experts = f" (experts at edp {state['edp']})" if state["edp"] != state["dp"] else ""
+    over = "dp x cp" if config.train.context_parallel_size > 1 else "dp"  # the sharding group
     print_rank_0(
         f"memory (rank 0, MiB): model states {mib(state['total'])} (weights "
         f"{mib(state['params'])}, gradients {mib(state['grads'])}, optimizer "
-        f"{mib(state['main_params'] + state['optimizer_states'])}; {state['strategy']} at dp "
+        f"{mib(state['main_params'] + state['optimizer_states'])}; {state['strategy']} at {over} "
         f"{state['dp']}{experts}, ZeRO formula {mib(state['predicted_total'])}{host}{gathered}) + "
         + ("activations not measured (T5)" if config.model.is_encoder_decoder else
            f"activations {mib(act['activation_bytes_per_microbatch'])} per microbatch (the "
