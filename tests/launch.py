@@ -24,6 +24,41 @@ def run_train(nproc: int, args: list[str], log_dir: Path, timeout: int = 300,
     return proc
 
 
+def train_main_worker(argvs: list[list[str]], cache: str | None = None
+                      ) -> list[tuple[int, str]]:
+    """In a tests/distributed.py `run_distributed` world: `train.main(argv)` per argument
+    list, one after the other (each builds its own grid; the world's process group is
+    reused, which saves a torchrun launch and the imports per run); per run its exit code
+    and stderr. `cache`: SHARDZOO_CACHE for the runs (the default corpus)."""
+    import contextlib
+    import io
+
+    import parallel_state as ps
+    import train
+
+    if cache is not None:
+        os.environ["SHARDZOO_CACHE"] = cache
+    out = []
+    for argv in argvs:
+        ps.destroy_model_parallel()  # pretrain builds the grid from the config
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = train.main(argv)
+        out.append((code, err.getvalue()))
+    return out
+
+
+def train_in_one_world(nproc: int, argvs: list[list[str]], cache: str | None = None,
+                       timeout: int = 600) -> None:
+    """`train.py` once per argument list (each with its own --log-dir), all in one spawned
+    world of `nproc` processes; AssertionError with the stderr of the first run that failed."""
+    from distributed import run_distributed
+
+    results = run_distributed(train_main_worker, nproc, argvs, cache, timeout=timeout)[0]
+    for argv, (code, err) in zip(argvs, results):
+        assert code == 0, f"train.py {' '.join(argv)} exited {code}:\n{err[-6000:]}"
+
+
 def read_metrics(log_dir: Path) -> list[dict]:
     with open(log_dir / "metrics.jsonl") as f:
         return [json.loads(line) for line in f]

@@ -162,13 +162,13 @@ def test_train_load_refuses(hostile, tmp_path, corpus_env):
     """`train.py --load CKPT` (the model from the checkpoint): exit 1 naming the file, before
     any step."""
     from distributed import run_distributed
-    from test_checkpointing import _train_main_worker
+    from launch import train_main_worker
 
     cases, marker, _ = hostile
     argvs = [["--load", str(folder), "--train-iters", "3", "--eval-interval", "0",
               "--peak-tflops", "1", "--log-dir", str(tmp_path / case)]
              for case, folder in cases.items()]
-    results = run_distributed(_train_main_worker, 1, argvs, corpus_env["SHARDZOO_CACHE"],
+    results = run_distributed(train_main_worker, 1, argvs, corpus_env["SHARDZOO_CACHE"],
                               timeout=300)[0]
     missed = []
     for (case, folder), (code, err) in zip(cases.items(), results):

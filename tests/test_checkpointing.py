@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import REPO, run_train, train_losses
+from launch import REPO, run_train, train_losses, train_main_worker
 from tolerances import assert_losses_close, training_chain_terms
 
 COMMON = ["--config", "configs/tiny-llama.yaml", "--num-query-groups", "4", "--train-iters",
@@ -121,26 +121,6 @@ def test_kill_during_save_keeps_previous(tmp_path, corpus_env):
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
 
 
-def _train_main_worker(argvs: list[list[str]], cache: str) -> list[tuple[int, str]]:
-    """In a run_distributed world of 1: `train.main(argv)` per argument list (each fails
-    before any training step); per run its exit code and stderr."""
-    import contextlib
-    import io
-
-    import parallel_state as ps
-    import train
-
-    os.environ["SHARDZOO_CACHE"] = cache
-    out = []
-    for argv in argvs:
-        ps.destroy_model_parallel()  # pretrain builds the grid from the config
-        err = io.StringIO()
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            code = train.main(argv)
-        out.append((code, err.getvalue()))
-    return out
-
-
 def test_damaged_or_mismatched_checkpoint_errors(tp1_run, tmp_path, corpus_env):
     """On copies of tp1_run's checkpoint: a changed model shape and a truncated shard each
     fail train.py (exit 1, one line naming the field or the file, before any step; both
@@ -156,7 +136,7 @@ def test_damaged_or_mismatched_checkpoint_errors(tp1_run, tmp_path, corpus_env):
         f.truncate(100)
     args = COMMON + REPAD + ["--train-iters", "9"]  # past the saved 6: not already complete
     (shape_code, shape_err), (cut_code, cut_err) = run_distributed(
-        _train_main_worker, 1,
+        train_main_worker, 1,
         [args + ["--load", str(save), "--hidden-size", "32", "--log-dir", str(tmp_path / "b")],
          args + ["--load", str(bad), "--log-dir", str(tmp_path / "c")]],
         corpus_env["SHARDZOO_CACHE"], timeout=240)[0]

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from launch import REPO, run_train
+from launch import REPO, train_in_one_world
 from test_hf_conversion import _batch, _hf_logits, pipeline_logits
 from test_hf_conversion import test_round_trip_is_bitwise as _round_trip
 from tolerances import assert_fp32_close, forward_chain_terms
@@ -348,15 +348,16 @@ def test_finetune_at_tp2_and_export(converted, tmp_path):
                     str(tmp_path / "corpus.txt"), "--output-prefix", str(tmp_path / "data"),
                     "--tokenizer-dir", os.path.join(first_ckpt, "tokenizer"), "--text-unit",
                     "line"], cwd=REPO, check=True, capture_output=True)
+    train_in_one_world(2, [  # every family's run in one world of 2: one start-up
+        ["--load", ckpt, "--finetune", "--tp", "2", "--train-iters", "1",
+         "--lr", "1e-2", "--min-lr", "1e-2", "--lr-warmup-iters", "0",
+         "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "2",
+         "--eval-interval", "0", "--sequence-parallel",
+         "--data-path", str(tmp_path / "data_text_document"),
+         "--save", str(tmp_path / f"{name}-save"), "--log-dir", str(tmp_path / f"{name}-log")]
+        for name, (_, ckpt) in converted.items()])
     for name, (hf_dir, ckpt) in converted.items():
         save, out = str(tmp_path / f"{name}-save"), str(tmp_path / f"{name}-hf")
-        run_train(2, ["--load", ckpt, "--finetune", "--tp", "2", "--train-iters", "1",
-                      "--lr", "1e-2", "--min-lr", "1e-2", "--lr-warmup-iters", "0",
-                      "--seq-length", "32", "--micro-batch-size", "2",
-                      "--global-batch-size", "2", "--eval-interval", "0",
-                      "--sequence-parallel",
-                      "--data-path", str(tmp_path / "data_text_document"), "--save", save],
-                  tmp_path / f"{name}-log")
         export_hf(save, out, log=lambda *a: None)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from launch import REPO, read_metrics, run_train
+from launch import REPO, read_metrics, train_in_one_world
 from tolerances import assert_fp32_close, forward_chain_terms, fp32_mismatch
 
 B, S, W, VOCAB = 2, 16, 8, 400  # batch, tokens, HF sliding_window; test_finetune's tokenizer
@@ -395,11 +395,15 @@ def test_finetune_step_at_tp2_exports_back(models, tmp_path):
             "--data-path", str(tmp_path / "data_text_document")]
     back, losses = {}, {}
     # Gemma 2 at tp 2 only: its soft-caps act per element on scores and logits, which TP
-    # does not split differently from Gemma 3's layers (each train.py start-up costs)
-    for name, tp in (("gemma3", 1), ("gemma3", 2), ("gemma2", 2)):
+    # does not split differently from Gemma 3's layers; the tp 2 runs share one world
+    runs = (("gemma3", 1), ("gemma3", 2), ("gemma2", 2))
+    saves = {run: ["--save", str(tmp_path / f"{run[0]}-save{run[1]}"),
+                   "--log-dir", str(tmp_path / f"{run[0]}-log{run[1]}")] for run in runs}
+    train_in_one_world(1, [["--load", ckpts["gemma3"]] + args + saves["gemma3", 1]])
+    train_in_one_world(2, [["--load", ckpts[name]] + args + ["--tp", "2", "--sequence-parallel"]
+                           + saves[name, tp] for name, tp in runs if tp == 2])
+    for name, tp in runs:
         save, log = str(tmp_path / f"{name}-save{tp}"), tmp_path / f"{name}-log{tp}"
-        extra = ["--tp", "2", "--sequence-parallel"] if tp == 2 else []
-        run_train(tp, ["--load", ckpts[name]] + args + extra + ["--save", save], log)
         losses[name, tp] = [r["loss"] for r in read_metrics(log) if "loss" in r]
         back[name, tp] = str(tmp_path / f"{name}-back{tp}")
         export_hf(save, back[name, tp], log=lambda *a: None)

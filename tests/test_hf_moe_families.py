@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from launch import REPO, read_metrics, run_train
+from launch import REPO, read_metrics, train_in_one_world
 from tolerances import assert_fp32_close, forward_chain_terms, fp32_mismatch
 
 B, S, VOCAB, NEW = 2, 16, 400, 24  # VOCAB: test_finetune's tokenizer has 400 ids
@@ -369,7 +369,8 @@ def test_finetune_step_at_tp2_from_an_import_exported_back(models, tmp_path):
     text = open(os.path.join(os.path.dirname(os.__file__), "textwrap.py")).read()
     (tmp_path / "corpus.txt").write_text(text)
     data = str(tmp_path / "data_text_document")
-    for name in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
+    names, argvs = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"), []
+    for name in names:
         hf_dir, hf, ckpt = models[name][0], str(tmp_path / name), str(tmp_path / f"{name}-ckpt")
         shutil.copytree(hf_dir, hf)
         _tokenizer(hf, text)  # the same trained tokenizer for every family
@@ -380,12 +381,16 @@ def test_finetune_step_at_tp2_from_an_import_exported_back(models, tmp_path):
                             str(tmp_path / "data"), "--tokenizer-dir",
                             os.path.join(ckpt, "tokenizer"), "--text-unit", "line"],
                            cwd=REPO, check=True, capture_output=True)
-        save, log = str(tmp_path / f"{name}-save"), tmp_path / f"{name}-log"
-        run_train(2, ["--load", ckpt, "--finetune", "--tp", "2", "--train-iters", "1",
+        argvs.append(["--load", ckpt, "--finetune", "--tp", "2", "--train-iters", "1",
                       "--lr", "0", "--min-lr", "0", "--seq-length", "32",
                       "--micro-batch-size", "2", "--global-batch-size", "4",
                       "--eval-interval", "0", "--log-interval", "1", "--data-path", data,
-                      "--save", save], log)
+                      "--save", str(tmp_path / f"{name}-save"),
+                      "--log-dir", str(tmp_path / f"{name}-log")])
+    train_in_one_world(2, argvs)  # the four runs in one world of 2: one start-up
+    for name in names:
+        hf_dir, save = models[name][0], str(tmp_path / f"{name}-save")
+        log = tmp_path / f"{name}-log"
         losses = [r["loss"] for r in read_metrics(log) if "loss" in r]
         print(f"{name} finetune step at tp 2: loss {losses}")
         assert len(losses) == 1 and torch.isfinite(torch.tensor(losses)).all(), (name, losses)
