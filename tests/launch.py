@@ -25,11 +25,11 @@ def run_train(nproc: int, args: list[str], log_dir: Path, timeout: int = 300,
 
 
 def train_main_worker(argvs: list[list[str]], cache: str | None = None
-                      ) -> list[tuple[int, str]]:
+                      ) -> list[tuple[int, str, str]]:
     """In a tests/distributed.py `run_distributed` world: `train.main(argv)` per argument
     list, one after the other (each builds its own grid; the world's process group is
-    reused, which saves a torchrun launch and the imports per run); per run its exit code
-    and stderr. `cache`: SHARDZOO_CACHE for the runs (the default corpus)."""
+    reused, which saves a torchrun launch and the imports per run); per run its exit code,
+    stderr and stdout. `cache`: SHARDZOO_CACHE for the runs (the default corpus)."""
     import contextlib
     import io
 
@@ -41,22 +41,24 @@ def train_main_worker(argvs: list[list[str]], cache: str | None = None
     out = []
     for argv in argvs:
         ps.destroy_model_parallel()  # pretrain builds the grid from the config
-        err = io.StringIO()
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        err, text = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(text):
             code = train.main(argv)
-        out.append((code, err.getvalue()))
+        out.append((code, err.getvalue(), text.getvalue()))
     return out
 
 
 def train_in_one_world(nproc: int, argvs: list[list[str]], cache: str | None = None,
-                       timeout: int = 600) -> None:
+                       timeout: int = 600) -> list[str]:
     """`train.py` once per argument list (each with its own --log-dir), all in one spawned
-    world of `nproc` processes; AssertionError with the stderr of the first run that failed."""
+    world of `nproc` processes: rank 0's stdout of each run; AssertionError with the stderr
+    of the first run that failed."""
     from distributed import run_distributed
 
     results = run_distributed(train_main_worker, nproc, argvs, cache, timeout=timeout)[0]
-    for argv, (code, err) in zip(argvs, results):
+    for argv, (code, err, _) in zip(argvs, results):
         assert code == 0, f"train.py {' '.join(argv)} exited {code}:\n{err[-6000:]}"
+    return [out for _, _, out in results]
 
 
 def read_metrics(log_dir: Path) -> list[dict]:

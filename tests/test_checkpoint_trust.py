@@ -171,7 +171,7 @@ def test_train_load_refuses(hostile, tmp_path, corpus_env):
     results = run_distributed(train_main_worker, 1, argvs, corpus_env["SHARDZOO_CACHE"],
                               timeout=300)[0]
     missed = []
-    for (case, folder), (code, err) in zip(cases.items(), results):
+    for (case, folder), (code, err, _) in zip(cases.items(), results):
         missed += _missed(case, folder, err, marker) + (
             [] if code == 1 and "train.py: checkpoint error:" in err else [f"{case}: exit {code}"])
         log = tmp_path / case / "metrics.jsonl"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import REPO, run_train, train_losses, train_main_worker
+from launch import REPO, run_train, train_in_one_world, train_losses, train_main_worker
 from tolerances import assert_losses_close, training_chain_terms
 
 COMMON = ["--config", "configs/tiny-llama.yaml", "--num-query-groups", "4", "--train-iters",
@@ -29,33 +29,6 @@ def _layout(tp=1, pp=1, distopt=False):
 def _info(path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "tools/checkpoint_info.py", str(path)], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def tp2dp2_run(tmp_path_factory, corpus_env):
-    """(tp2, pp1, dp2) saved at 3 and 6, async, with a replica: (save, replica, losses).
-    Shared: resumed on the same layout (exact) and at (tp1, pp1, dp4 + ZeRO). Four ranks:
-    pipeline resharding is test_resume_on_other_layout's other case."""
-    root = tmp_path_factory.mktemp("tp2dp2")
-    save, replica = root / "save", root / "replica"
-    run_train(4, COMMON + _layout(2, 1) + ["--save", str(save), "--save-interval", "3",
-                                           "--async-save", "--save-replica", str(replica)],
-              root / "a", env=corpus_env)
-    return save, replica, train_losses(root / "a")
-
-
-def test_exact_resume_tp2_dp2_async(tp2dp2_run, tmp_path, corpus_env):
-    """Save at 3 and 6 (async, with a replica) at (tp2, dp2); resuming the replica's
-    iteration 3 on the same layout gives bitwise the same losses 4..6."""
-    save, replica, ref = tp2dp2_run
-    for root in (save, replica):
-        assert sorted(os.listdir(root)) == ["iter_0000003", "iter_0000006",
-                                            "latest_checkpointed_iteration.txt"]
-        assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
-    assert _info(replica / "iter_0000003").returncode == 0
-    run_train(4, COMMON + _layout(2, 1) + ["--load", str(replica / "iter_0000003")],
-              tmp_path / "b", env=corpus_env)
-    assert train_losses(tmp_path / "b") == ref[3:]  # bitwise
 
 
 def _saved_run(nproc: int, args: list[str], root: Path, env: dict) -> tuple[Path, list]:
@@ -75,24 +48,56 @@ def tp1_run(tmp_path_factory, corpus_env):
     return _saved_run(1, COMMON + REPAD + _layout(), tmp_path_factory.mktemp("tp1"), corpus_env)
 
 
-@pytest.mark.parametrize("src,dst,extra", [
-    # (tp2,pp1,dp2, saved async: tp2dp2_run) -> (tp1,pp1,dp4 + ZeRO)
-    ((2, 1, False, 4), (1, 1, True, 4), []),
-    # (tp1,pp1,dp1) -> (tp2,pp2): padded vocab 8240 -> 8320 (re-padded on load)
-    ((1, 1, False, 1), (2, 2, False, 4), REPAD),
-], ids=["tp2dp2-to-dp4zero", "tp1-to-tp2pp2"])
-def test_resume_on_other_layout(src, dst, extra, request, tmp_path, corpus_env):
-    if src[3] == 1:
-        save, ref = request.getfixturevalue("tp1_run")
-    else:
-        save, _, ref = request.getfixturevalue("tp2dp2_run")
-    proc = run_train(dst[3], COMMON + extra + _layout(*dst[:3]) +
-                     ["--load", str(save / "iter_0000003")], tmp_path / "b", env=corpus_env)
-    assert f"differs from this run's (tp={dst[0]} pp={dst[1]}" in proc.stdout, proc.stdout
-    assert "{" not in proc.stdout.split("differs from this run's")[1].splitlines()[0]
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory, corpus_env, tp1_run):
+    """The four-rank runs one after the other in one spawned world (one start-up): (tp2, dp2)
+    saved at 3 and 6, async, with a replica ("saved"); the replica's iteration 3 resumed on
+    the same layout ("exact"); the save's iteration 3 resumed at (tp1, pp1, dp4 + ZeRO); and
+    tp1_run's iteration 3 resumed at (tp2, pp2). Returns (save, replica, {run: (log dir,
+    rank 0's stdout)})."""
+    root = tmp_path_factory.mktemp("world4")
+    save, replica = root / "save", root / "replica"
+    runs = {
+        "saved": COMMON + _layout(2, 1) + ["--save", str(save), "--save-interval", "3",
+                                           "--async-save", "--save-replica", str(replica)],
+        "exact": COMMON + _layout(2, 1) + ["--load", str(replica / "iter_0000003")],
+        "tp2dp2-to-dp4zero": COMMON + _layout(1, 1, True) + ["--load",
+                                                             str(save / "iter_0000003")],
+        "tp1-to-tp2pp2": COMMON + REPAD + _layout(2, 2) + ["--load",
+                                                           str(tp1_run[0] / "iter_0000003")],
+    }
+    outs = train_in_one_world(4, [args + ["--log-dir", str(root / name)]
+                                  for name, args in runs.items()], corpus_env["SHARDZOO_CACHE"])
+    return save, replica, {name: (root / name, out) for name, out in zip(runs, outs)}
+
+
+def test_exact_resume_tp2_dp2_async(world4):
+    """Save at 3 and 6 (async, with a replica) at (tp2, dp2); resuming the replica's
+    iteration 3 on the same layout gives bitwise the same losses 4..6."""
+    save, replica, runs = world4
+    for root in (save, replica):
+        assert sorted(os.listdir(root)) == ["iter_0000003", "iter_0000006",
+                                            "latest_checkpointed_iteration.txt"]
+        assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
+    assert _info(replica / "iter_0000003").returncode == 0
+    assert train_losses(runs["exact"][0]) == train_losses(runs["saved"][0])[3:]  # bitwise
+
+
+@pytest.mark.parametrize("name, dst, extra", [
+    # (tp2,pp1,dp2, saved async) -> (tp1,pp1,dp4 + ZeRO)
+    ("tp2dp2-to-dp4zero", (1, 1), []),
+    # (tp1,pp1,dp1: tp1_run) -> (tp2,pp2): padded vocab 8240 -> 8320 (re-padded on load)
+    ("tp1-to-tp2pp2", (2, 2), REPAD),
+])
+def test_resume_on_other_layout(name, dst, extra, world4, tp1_run):
+    _, _, runs = world4
+    ref = tp1_run[1] if name.startswith("tp1") else train_losses(runs["saved"][0])
+    log, out = runs[name]
+    assert f"differs from this run's (tp={dst[0]} pp={dst[1]}" in out, out
+    assert "{" not in out.split("differs from this run's")[1].splitlines()[0]
     # losses 4..6 carry the rounding of steps 1..6: compare them as steps 4..6 of one run
     k_step = training_chain_terms(COMMON + extra)
-    assert_losses_close(ref[:3] + train_losses(tmp_path / "b"), ref, k_step)
+    assert_losses_close(ref[:3] + train_losses(log), ref, k_step)
     assert ref[-1] < ref[0]
 
 
@@ -135,7 +140,7 @@ def test_damaged_or_mismatched_checkpoint_errors(tp1_run, tmp_path, corpus_env):
     with open(shard, "r+b") as f:
         f.truncate(100)
     args = COMMON + REPAD + ["--train-iters", "9"]  # past the saved 6: not already complete
-    (shape_code, shape_err), (cut_code, cut_err) = run_distributed(
+    (shape_code, shape_err, _), (cut_code, cut_err, _) = run_distributed(
         train_main_worker, 1,
         [args + ["--load", str(save), "--hidden-size", "32", "--log-dir", str(tmp_path / "b")],
          args + ["--load", str(bad), "--log-dir", str(tmp_path / "c")]],
