@@ -25,7 +25,6 @@ def gather_full_state_dict(chunks) -> dict[str, torch.Tensor]:
     `chunks` are this rank's model chunks. The tied embedding's second copy on the last stage
     (`output_layer.weight` tagged `shared_embedding`) is left out: it equals the embedding.
     """
-    tp = ps.get_tensor_model_parallel_world_size()
     local: dict[str, torch.Tensor] = {}
     for chunk in chunks:
         for name, p in chunk.named_parameters():
@@ -35,8 +34,8 @@ def gather_full_state_dict(chunks) -> dict[str, torch.Tensor]:
             split = tensor_parallel_size_of(p)  # tp, or expert TP for an expert weight
             if getattr(p, "tensor_model_parallel", False) and split > 1:
                 parts = [torch.empty_like(t) for _ in range(split)]
-                group = ps.get_expert_tensor_parallel_group() if split != tp else \
-                    ps.get_tensor_model_parallel_group()
+                group = ps.get_expert_tensor_parallel_group() if getattr(
+                    p, "expert_parallel", False) else ps.get_tensor_model_parallel_group()
                 collectives.all_gather(parts, t, group=group)
                 t = unshard_tensors(parts, p)
             ep = ps.get_expert_model_parallel_world_size()

@@ -15,10 +15,11 @@ Load balancing, all per microbatch (the mbs sequences one forward processes; und
 parallelism their token counts are summed over the TP ranks, and under context parallelism
 over the CP ranks, each of which holds a part of every sequence, so the value does not depend
 on the layout; each rank's loss is then its tokens' part of the sum, and the gradients'
-reduction over TP / CP adds the parts). Counting over the global batch is not possible in one pass (a microbatch's
-backward runs before later microbatches are routed), and summing over the DP ranks' current
-microbatches would change the loss with dp: those are different sets of sequences at dp 1
-and dp 2 (training/batches.py hands rank r the r-th mbs of each mbs*dp chunk). So the
+reduction over TP / CP adds the parts). Counting over the global batch is not possible in one
+pass (a microbatch's backward runs before later microbatches are routed), and summing over
+the DP ranks' current microbatches would change the loss with dp: those are different sets
+of sequences at dp 1 and dp 2 (training/batches.py hands rank r the r-th mbs of each mbs*dp
+chunk). So the
 objective is the mean over the global batch's microbatches of:
 
 - the auxiliary loss of Switch Transformer (Fedus et al. 2021, eq. 4) / GShard:
