@@ -89,28 +89,42 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> torch.Tensor:
     """Next ids `[b]` int64 from `logits [b, V]` (real vocabulary only, any float dtype).
 
-    Row i is greedy when `params[i].temperature == 0`, else sampled with `generators[i]`.
+    Row i is greedy when `params[i].temperature == 0`, else sampled with `generators[i]`
+    from `filtered_probs` by `draw`.
     """
     logits = logits.float()
     out = logits.argmax(dim=-1)
     for i, p in enumerate(params):
-        if p.temperature == 0:
-            continue
-        row = torch.round(logits[i].double() / LOGIT_GRID) * LOGIT_GRID / p.temperature
-        if 0 < p.top_k < row.numel():
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
-        if p.top_p < 1.0:
-            sorted_p, order = probs.sort(descending=True)
-            before = sorted_p.cumsum(0) - sorted_p  # mass strictly before each id
-            sorted_p = sorted_p.masked_fill(before >= p.top_p, 0.0)
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
-        cdf = probs.double().cumsum(0)
-        u = torch.rand((), generator=generators[i], dtype=torch.float64) * cdf[-1]
-        out[i] = int(torch.searchsorted(cdf, u.reshape(1), right=True).clamp(
-            max=probs.numel() - 1))
+        if p.temperature != 0:
+            out[i] = draw(filtered_probs(logits[i], p), generators[i])
     return out
+
+
+def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled row draws from: `[V]` float64 weights from one row of
+    logits `[V]` (float32 values), rounded to `LOGIT_GRID`, divided by the temperature
+    (> 0), then top-k, softmax and top-p (transformers' order). Ids cut by top-k / top-p
+    weigh 0; the weights are not renormalised after top-p (they sum to <= 1: divide by their
+    sum for the distribution itself)."""
+    row = torch.round(logits.double() / LOGIT_GRID) * LOGIT_GRID / p.temperature
+    if 0 < p.top_k < row.numel():
+        kth = torch.topk(row, p.top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    probs = torch.softmax(row, dim=-1)
+    if p.top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        before = sorted_p.cumsum(0) - sorted_p  # mass strictly before each id
+        sorted_p = sorted_p.masked_fill(before >= p.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+    return probs
+
+
+def draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One id drawn from non-negative `weights [V]` (float64, any positive sum) by inverse
+    CDF from one float64 uniform of `generator`."""
+    cdf = weights.double().cumsum(0)
+    u = torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1]
+    return int(torch.searchsorted(cdf, u.reshape(1), right=True).clamp(max=weights.numel() - 1))
 
 
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
