@@ -260,37 +260,75 @@ def main_copy(strategy: str, bf16: bool, distributed_optimizer: bool) -> bool:
 
 def model_state_prediction(config, pp_rank: int = 0) -> dict:
     """Predicted model-state bytes of a rank of pipeline stage `pp_rank` (every TP and DP rank
-    of a stage holds the same amount, padding included): `{"total", "host_total", "psi",
-    "psi_padded", "strategy", "dp", "edp"}`, the quantities `training.memory.model_state_bytes`
-    measures (`predicted_total` there uses the same formula on the real tensors). In an MoE
-    model the routed experts' bytes follow the same ZeRO formula with N_d = edp
-    (`chunk_sets`): `zero(dense psi, dp) + zero(expert psi, edp)`. Under context
-    parallelism N_d is dp x cp (`gradient_data_parallel_size`), and so is "dp"."""
+    of a stage holds the same amount, padding included): `{"total", "host_total",
+    "nvme_total", "psi", "psi_padded", "strategy", "dp", "edp"}`, the quantities
+    `training.memory.model_state_bytes` measures (`predicted_total` there uses the same formula
+    on the real tensors). In an MoE model the routed experts' bytes follow the same ZeRO
+    formula with N_d = edp (`chunk_sets`): `zero(dense psi, dp) + zero(expert psi, edp)`. Under
+    context parallelism N_d is dp x cp (`gradient_data_parallel_size`), and so is "dp".
+
+    Offload (ZeRO-Offload / ZeRO-Infinity): the first `--optimizer-offload-fraction` of the
+    rank's optimizer elements (in bucket order, as the optimizer cuts them) leave the device:
+    to host memory at 16 B each (main copy, two moments, gradient copy), or to NVMe at 12 B
+    each (main copy, two moments) plus `--offload-buffer-count` host buffers of 16 B x the
+    largest offloaded shard (`offload_layout`). `--param-offload-device` (ZeRO-3) moves the
+    W psi / N_d weight shards to host memory or NVMe the same way."""
     t, dp = config.train, gradient_data_parallel_size(config)
     strategy = t.data_parallel_sharding_strategy
     uses_dist_opt = t.use_distributed_optimizer or t.bf16 or t.optimizer_cpu_offload
-    psi, padded = {}, {}  # by bucket set: 0 dense (over dp), 1 experts at ep > 1 (over edp)
+    psi, padded, shards = {}, {}, []  # by bucket set: 0 dense (over dp), 1 experts (over edp)
     for chunk in chunk_sets(config, pp_rank):
         for key, (params, n) in enumerate(chunk):
             buckets, _ = chunk_layout(params, n, strategy, t.ddp_bucket_size)
             psi[key, n] = psi.get((key, n), 0) + sum(p.count for p in params)
             padded[key, n] = padded.get((key, n), 0) + (buckets[-1].end if buckets else 0)
-    device = host_bytes = 0
-    for (_, n), count in padded.items():
-        n_opt = count // n if strategy != "no_shard" else count
-        host = int(n_opt * (t.optimizer_offload_fraction or 0.0)) \
-            if t.optimizer_cpu_offload else 0
+            shards += [((b.end - b.start) // (n if strategy != "no_shard" else 1), key, n)
+                       for b in buckets]
+    fraction = (t.optimizer_offload_fraction or 0.0) if t.optimizer_cpu_offload else 0.0
+    nvme = t.optimizer_offload_device == "nvme"
+    offloaded, biggest = offload_layout([size for size, _, _ in shards], fraction)
+    by_set = {}
+    for (size, key, n), off in zip(shards, offloaded):
+        by_set[key, n] = by_set.get((key, n), 0) + off
+    w = 2 if t.bf16 else 4
+    device = host_bytes = nvme_bytes = 0
+    for (key, n), count in padded.items():
+        off = by_set.get((key, n), 0)
         d, hb = zero_formula_bytes(
-            count, strategy=strategy, dp=n, weight_bytes=2 if t.bf16 else 4,
-            main_copy=main_copy(strategy, t.bf16, uses_dist_opt), host_elements=host)
-        device, host_bytes = device + d, host_bytes + hb
+            count, strategy=strategy, dp=n, weight_bytes=w,
+            main_copy=main_copy(strategy, t.bf16, uses_dist_opt),
+            host_elements=0 if nvme else off, nvme_elements=off if nvme else 0)
+        device, host_bytes, nvme_bytes = device + d, host_bytes + hb, nvme_bytes + 12 * off * nvme
+        if t.param_offload_device:  # ZeRO-3 weight shards off the device
+            device -= w * (count // n)
+            if t.param_offload_device == "nvme":
+                nvme_bytes += w * (count // n)
+            else:
+                host_bytes += w * (count // n)
+    if nvme and biggest:
+        host_bytes += t.offload_buffer_count * 16 * biggest
     _, _, edp = expert_layout(config)
-    return {"total": device, "host_total": host_bytes, "psi": sum(psi.values()),
-            "psi_padded": sum(padded.values()), "strategy": strategy, "dp": dp, "edp": edp}
+    return {"total": device, "host_total": host_bytes, "nvme_total": nvme_bytes,
+            "psi": sum(psi.values()), "psi_padded": sum(padded.values()),
+            "strategy": strategy, "dp": dp, "edp": edp}
+
+
+def offload_layout(shard_sizes: list[int], fraction: float) -> tuple[list[int], int]:
+    """Elements offloaded from each of a rank's optimizer shards (in bucket order) when the
+    first `fraction` of them (int(fraction x total)) go, and the largest offloaded piece (the
+    NVMe buffers' size): data_parallel/distributed_optimizer.py cuts them so."""
+    cut = int(fraction * sum(shard_sizes))
+    out = []
+    for size in shard_sizes:
+        take = min(size, max(cut, 0))
+        cut -= take
+        out.append(take)
+    return out, max(out, default=0)
 
 
 def zero_formula_bytes(psi: int, *, strategy: str, dp: int, weight_bytes: int,
-                       main_copy: bool, host_elements: int = 0) -> tuple[int, int]:
+                       main_copy: bool, host_elements: int = 0,
+                       nvme_elements: int = 0) -> tuple[int, int]:
     """(device, host) model-state bytes per rank for `psi` parameters on this rank (ZeRO,
     Rajbhandari et al. 2020, sec. 5, with our byte counts): weights W = 2 (bf16) or 4 (fp32),
     gradients G = 4 (accumulated in fp32), optimizer K = 8 (two Adam moments) plus 4 for a
@@ -303,10 +341,12 @@ def zero_formula_bytes(psi: int, *, strategy: str, dp: int, weight_bytes: int,
     - optim_grads_params (stage 3): `(W + G + K) psi / N_d`
 
     With offload, `host_elements` of the optimizer's `psi / N_d` (`psi` unsharded) elements
-    move to host memory with 16 bytes each (fp32 main copy, two moments, gradient copy).
+    move to host memory with 16 bytes each (fp32 main copy, two moments, gradient copy), and
+    `nvme_elements` leave the device for files (their 12 bytes each on disk, counted by the
+    caller with the host buffers: `model_state_prediction`).
     """
     n_opt = psi // dp if strategy != "no_shard" else psi
     w = weight_bytes * (psi // dp if strategy == "optim_grads_params" else psi)
     g = 4 * (psi // dp if strategy in ("optim_grads", "optim_grads_params") else psi)
-    k = (8 + 4 * main_copy) * (n_opt - host_elements)
+    k = (8 + 4 * main_copy) * (n_opt - host_elements - nvme_elements)
     return w + g + k, 16 * host_elements

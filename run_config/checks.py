@@ -358,15 +358,48 @@ def _check_sharding(t: TrainConfig) -> None:
         raise ConfigError(str(e)) from None
     t.data_parallel_sharding_strategy = strategy
     t.use_distributed_optimizer = strategy != "no_shard"
+    _check_offload(t)
+
+
+def _check_offload(t: TrainConfig) -> None:
+    """Resolve the offload flags: --optimizer-cpu-offload is --optimizer-offload-device cpu
+    (and after this check `optimizer_cpu_offload` means "the optimizer is offloaded", to the
+    device `optimizer_offload_device` names); the fraction defaults to 1.0 (Megatron's);
+    nvme needs --offload-path, which nothing else uses; parameter offload needs ZeRO-3."""
+    _check_choice("optimizer_offload_device", t.optimizer_offload_device, (None, "cpu", "nvme"))
+    _check_choice("param_offload_device", t.param_offload_device, (None, "cpu", "nvme"))
+    if t.optimizer_cpu_offload and t.optimizer_offload_device == "nvme":
+        raise ConfigError("--optimizer-cpu-offload contradicts --optimizer-offload-device nvme; "
+                          "drop one of them")
+    if t.optimizer_cpu_offload and t.optimizer_offload_device is None:
+        t.optimizer_offload_device = "cpu"
+    t.optimizer_cpu_offload = t.optimizer_offload_device is not None
     f = t.optimizer_offload_fraction
     if f is not None and not t.optimizer_cpu_offload:
-        raise ConfigError("--optimizer-offload-fraction needs --optimizer-cpu-offload; add it "
-                          "or drop the fraction")
+        raise ConfigError("--optimizer-offload-fraction needs --optimizer-cpu-offload or "
+                          "--optimizer-offload-device; add one or drop the fraction")
     if t.optimizer_cpu_offload:
         t.optimizer_offload_fraction = f = 1.0 if f is None else f
         if not 0.0 <= f <= 1.0:
             raise ConfigError(f"--optimizer-offload-fraction must be in [0, 1] (the share of "
                               f"optimizer state kept in host memory), got {f}")
+    if t.param_offload_device and t.data_parallel_sharding_strategy != "optim_grads_params":
+        raise ConfigError(f"--param-offload-device moves ZeRO-3's parameter shards off the "
+                          f"device; it needs --data-parallel-sharding-strategy "
+                          f"optim_grads_params (got {t.data_parallel_sharding_strategy})")
+    nvme = "nvme" in (t.optimizer_offload_device, t.param_offload_device)
+    if nvme and not t.offload_path:
+        raise ConfigError("nvme offload needs --offload-path DIR: a folder on the NVMe drive "
+                          "the scratch files go to")
+    if t.offload_path and not nvme:
+        raise ConfigError("--offload-path is only used by nvme offload; add "
+                          "--optimizer-offload-device nvme or --param-offload-device nvme, or "
+                          "drop it")
+    if t.offload_buffer_count < 2:
+        raise ConfigError(f"--offload-buffer-count must be >= 2 (one buffer updated while the "
+                          f"next is read), got {t.offload_buffer_count}")
+    if t.offload_io_threads < 1:
+        raise ConfigError(f"--offload-io-threads must be >= 1, got {t.offload_io_threads}")
 
 
 def _check_recompute(m: ModelConfig, t: TrainConfig) -> None:

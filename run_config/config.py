@@ -104,8 +104,11 @@ class Config:
             f"optim   lr {t.lr:g} -> {t.min_lr:g} {t.lr_decay_style}, warmup {t.lr_warmup_iters}"
             f", decay {t.lr_decay_iters}, wd {t.weight_decay:g}, clip {t.clip_grad:g}, "
             f"bf16 {t.bf16}, dp sharding {t.data_parallel_sharding_strategy}"
-            + (f", optimizer offload {t.optimizer_offload_fraction:g}" if t.optimizer_cpu_offload
-               else "") + "\n"
+            + (f", optimizer offload {t.optimizer_offload_fraction:g} to "
+               f"{t.optimizer_offload_device}" if t.optimizer_cpu_offload else "")
+            + (f", parameter offload to {t.param_offload_device}" if t.param_offload_device
+               else "")
+            + (f" (scratch under {t.offload_path})" if t.offload_path else "") + "\n"
             f"run     {t.train_iters} iters"
             + (f" (--train-samples {t.train_samples})" if t.train_samples else "")
             + f", eval every {t.eval_interval} ({t.eval_iters} iters),"

@@ -34,6 +34,12 @@ class TrainConfig:
     data_parallel_sharding_strategy: str | None = None  # None: optim if the above, else no_shard
     optimizer_cpu_offload: bool = False  # main weights + Adam moments in host memory
     optimizer_offload_fraction: float | None = None  # None: 1.0 with --optimizer-cpu-offload
+    optimizer_offload_device: str | None = None  # cpu | nvme (ZeRO-Infinity); cpu-offload = cpu
+    param_offload_device: str | None = None  # cpu | nvme: ZeRO-3 parameter shards off device
+    offload_path: str | None = None  # nvme: folder on the drive (per-run, per-rank scratch)
+    offload_buffer_count: int = 2  # nvme: host buffers streaming the shards (>= 2)
+    offload_io_threads: int = 2  # nvme: threads doing the pread/pwrite of the scratch files
+    offload_pin_memory: bool = True  # nvme/cpu on CUDA: page-locked host buffers
     recompute_granularity: str | None = None  # None | "full" | "selective"
     recompute_method: str | None = None  # full only: uniform (default) | block
     recompute_num_layers: int | None = None  # full only: group size / checkpointed layers (1)

@@ -38,6 +38,9 @@ GPT = ["--config", "configs/tiny-gpt.yaml", "--num-layers", "2"]  # tied embeddi
 LLAMA = ["--config", "configs/tiny-llama.yaml", "--num-layers", "2"]  # untied, RMSNorm
 STRATEGY = "--data-parallel-sharding-strategy"
 OFFLOAD = ["--optimizer-cpu-offload"]
+# ZeRO-Infinity: main weights and moments in raw files under a scratch folder ({offload}: a
+# folder of the run's own, substituted by the worker), streamed per bucket
+NVME = ["--optimizer-offload-device", "nvme", "--offload-path", "{offload}"]
 
 
 def _train_worker(runs: list[list[str]], log_dir: str, cache: str):
@@ -55,6 +58,8 @@ def _train_worker(runs: list[list[str]], log_dir: str, cache: str):
     out = []
     for i, args in enumerate(runs):
         ps.destroy_model_parallel()  # pretrain builds the grid from the config
+        offload = f"{log_dir}/{i}/offload"
+        args = [a.replace("{offload}", offload) for a in args]
 
         def on_end(chunks):
             return {"state": gather_full_state_dict(chunks),
@@ -69,6 +74,7 @@ def _train_worker(runs: list[list[str]], log_dir: str, cache: str):
                     "grad_norms": [r["grad_norm"] for r in steps],
                     "bytes": {k: v for k, v in {**start, **steps[-1]}.items()
                               if k.startswith(("model_state_", "gathered_"))},
+                    "scratch_left": os.listdir(offload) if os.path.isdir(offload) else None,
                     **records[-1]["on_end"]})
     return out
 
@@ -96,16 +102,20 @@ CASES = [
         _strategy("optim_grads_params", "--recompute-granularity", "full",
                   "--recompute-num-layers", "2"),
         _strategy("optim_grads_params", *OFFLOAD, "--optimizer-offload-fraction", "0.5"),
-        _strategy("no_shard", *OFFLOAD)]),
+        _strategy("no_shard", *OFFLOAD),
+        _strategy("optim_grads", *NVME, "--optimizer-offload-fraction", "0.6",
+                  "--offload-buffer-count", "3", "--ddp-bucket-size", "20000")]),
     ("dp4-tied", "gpt", 4, [], [
         _strategy("no_shard"), _strategy("optim"), _strategy("optim_grads"), _strategy("optim_grads_params"),
         _strategy("optim_grads", *OFFLOAD)]),
     ("tp2-dp2-sp", "llama", 4, ["--tp", "2", "--sequence-parallel"], [
         _strategy("optim"), _strategy("optim_grads"), _strategy("optim_grads_params"),
-        _strategy("optim_grads_params", *OFFLOAD)]),
+        _strategy("optim_grads_params", *OFFLOAD),
+        _strategy("optim_grads_params", *NVME, "--ddp-bucket-size", "20000")]),
     ("pp2-dp2-tied", "gpt", 4, ["--pp", "2"], [
         _strategy("optim"), _strategy("optim_grads"), _strategy("optim_grads_params"),
-        _strategy("optim_grads_params", *OFFLOAD, "--optimizer-offload-fraction", "0.3")]),
+        _strategy("optim_grads_params", *OFFLOAD, "--optimizer-offload-fraction", "0.3"),
+        _strategy("optim", *NVME, "--offload-io-threads", "1")]),
 ]
 
 
@@ -146,7 +156,14 @@ def test_sharding_strategies_match_adamw(case, references, case_results):
             assert b["model_state_total_bytes"] == b["model_state_predicted_total_bytes"], what
             assert b["model_state_host_total_bytes"] == \
                 b["model_state_predicted_host_total_bytes"], what
-            assert (b["model_state_host_total_bytes"] > 0) == ("--optimizer-cpu-offload" in flags)
+            nvme = "nvme" in flags
+            assert (b["model_state_host_total_bytes"] > 0) == \
+                ("--optimizer-cpu-offload" in flags or nvme), what
+            assert b["model_state_nvme_total_bytes"] == \
+                b["model_state_predicted_nvme_total_bytes"], what
+            assert (b["model_state_nvme_total_bytes"] > 0) == nvme, what
+        if "nvme" in flags:  # every rank's scratch folder was removed when its run closed
+            assert [o[i]["scratch_left"] for o in out] == [[]] * len(out), what
             if "pp" not in case[0] and "optim_grads_params" in flags:
                 assert b["gathered_params_peak_bytes"] == \
                     b["model_state_gathered_params_predicted_peak_bytes"], what

@@ -171,6 +171,17 @@ FLAG_HELP = {
     "optim_grads_params (ZeRO-3/FSDP)",
     "optimizer_cpu_offload": "keep main weights and Adam moments in host memory, step there",
     "optimizer_offload_fraction": "share of optimizer state offloaded (default 1.0)",
+    "optimizer_offload_device": "cpu | nvme: where offloaded main weights and Adam moments live "
+    "(nvme: raw files under --offload-path, streamed per bucket; ZeRO-Infinity); "
+    "--optimizer-cpu-offload is the cpu alias",
+    "param_offload_device": "cpu | nvme: ZeRO-3 (optim_grads_params) parameter shards live off "
+    "the device between uses, brought in one unit ahead of its all-gather",
+    "offload_path": "nvme offload: folder on the NVMe drive; each rank of each run writes into "
+    "its own scratch folder there, removed at exit (a killed run's: at the next start)",
+    "offload_buffer_count": "nvme offload: host buffers the shards stream through (>= 2: one "
+    "updated while the next is read)",
+    "offload_io_threads": "nvme offload: threads reading and writing the scratch files",
+    "offload_pin_memory": "page-locked host buffers for offload on CUDA (ignored on CPU)",
     "recompute_granularity": "full | selective activation recompute",
     "recompute_method": "full only: uniform | block",
     "recompute_num_layers": "full only: layers per checkpointed group / checkpointed layers",

@@ -26,8 +26,10 @@ gathered to rank 0. Keys do not depend on the parallel layout, so a checkpoint s
   restored only on the same layout (exact resume); on another layout the fresh seeds stay.
 
 ZeRO (`--data-parallel-sharding-strategy optim | optim_grads | optim_grads_params`, and
-`--optimizer-cpu-offload`): DP rank r owns a flat range of each bucket's main weights and
-moments (on the device or in host memory). On save, every bucket's main weights and moments
+`--optimizer-offload-device cpu | nvme`): DP rank r owns a flat range of each bucket's main
+weights and moments (on the device, in host memory, or in its NVMe scratch file, read and
+written through `DistributedOptimizer.shard_state`: the scratch file is never the only copy
+a checkpoint needs). On save, every bucket's main weights and moments
 are all-gathered over DP, so each rank briefly holds the unsharded optimizer state of its
 TP x PP shard (12 bytes per local parameter); on load every rank reads the per-parameter
 tensors and copies out its own range (under ZeRO-3 also of the parameter shards). This is
@@ -121,8 +123,9 @@ def _flat_states(model, optimizer):
                        for k in KINDS} for ddp in model}
     for s in optimizer.shards:
         f = flats[id(s.ddp)]
-        for kind, src in zip(KINDS, (s.main, s.exp_avg, s.exp_avg_sq)):
-            f[kind][s.lo: s.hi].copy_(src)
+        with optimizer.shard_state(s) as tensors:  # NVMe: read from the scratch file
+            for kind, src in zip(KINDS, tensors):
+                f[kind][s.lo: s.hi].copy_(src)
     if optimizer.sharded and ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
         for ddp in model:
             for bucket in ddp.buffer.buckets:
@@ -547,13 +550,14 @@ def _apply(values: dict, step: int, chunks, model, optimizer, with_optim: bool) 
         wrapper[id(p)].load_param_(p, values[id(p)]["model"])
     if isinstance(optimizer, DistributedOptimizer):
         for s in optimizer.shards:
-            targets = [("model", s.main)] + ([("optim.exp_avg", s.exp_avg),
-                                              ("optim.exp_avg_sq", s.exp_avg_sq)]
-                                             if with_optim else [])
-            for p, p_start, m_start, n in s.segments:
-                for kind, dst in targets:
-                    dst[m_start: m_start + n].copy_(
-                        values[id(p)][kind].reshape(-1)[p_start: p_start + n])
+            with optimizer.shard_state(s, write=True) as (main, exp_avg, exp_avg_sq):
+                targets = [("model", main)] + ([("optim.exp_avg", exp_avg),
+                                                ("optim.exp_avg_sq", exp_avg_sq)]
+                                               if with_optim else [])
+                for p, p_start, m_start, n in s.segments:
+                    for kind, dst in targets:
+                        dst[m_start: m_start + n].copy_(
+                            values[id(p)][kind].reshape(-1)[p_start: p_start + n])
         if with_optim:
             optimizer.step_count = step
         return

@@ -183,7 +183,11 @@ def model_state_bytes(model, optimizer) -> dict:
     buffer, or the gradient shards of ZeRO-2/3), `main_params` (float32 copies separate from
     the weights), `optimizer_states` (AdamW moments), their sum `total`, and in host memory
     (--optimizer-cpu-offload) `host_main_params`, `host_optimizer_states`, `host_grads` and
-    `host_total`. Padding to multiples of dp is included: it is allocated.
+    `host_total` (with --optimizer-offload-device nvme the streaming buffers
+    `host_swap_buffers`), on NVMe `nvme_main_params`, `nvme_optimizer_states` and
+    `nvme_total` (the scratch file's bytes; `predicted_nvme_total` is 12 B x the offloaded
+    elements, ZeRO-Infinity's fp32 main copy and two moments). Padding to multiples of dp is
+    included: it is allocated.
 
     Formulas: `predicted_total` / `predicted_host_total` = `zero_formula_bytes` with the padded
     parameter count (must equal the measurement exactly); `paper_total` with the unpadded one
@@ -208,12 +212,17 @@ def model_state_bytes(model, optimizer) -> dict:
     if isinstance(optimizer, DistributedOptimizer):
         out.update(optimizer.state_bytes())
         n_host = sum(s.hi - s.lo for s in optimizer.shards if s.host)
+        n_nvme = [s.hi - s.lo for s in optimizer.shards if s.nvme]
+        buffers = len(optimizer._slots) * 16 * max(n_nvme, default=0)
     else:
         out.update(main_params=0, optimizer_states=2 * sum(size(p) for p in params),
-                   host_main_params=0, host_optimizer_states=0, host_grads=0)
-        n_host = 0
+                   host_main_params=0, host_optimizer_states=0, host_grads=0,
+                   host_swap_buffers=0, nvme_main_params=0, nvme_optimizer_states=0)
+        n_host, n_nvme, buffers = 0, [], 0
     out["total"] = out["params"] + out["grads"] + out["main_params"] + out["optimizer_states"]
-    out["host_total"] = out["host_main_params"] + out["host_optimizer_states"] + out["host_grads"]
+    out["host_total"] = out["host_main_params"] + out["host_optimizer_states"] + \
+        out["host_grads"] + out["host_swap_buffers"]
+    out["nvme_total"] = out["nvme_main_params"] + out["nvme_optimizer_states"]
     strategy = model[0].strategy if model else "no_shard"
     dp = model[0].dp_size if model else 1
     weight = params[0].element_size() if params else 4
@@ -227,14 +236,18 @@ def model_state_bytes(model, optimizer) -> dict:
             psi[n] = psi.get(n, 0) + sum(p.numel() for p in b.params)
             padded[n] = padded.get(n, 0) + b.end - b.start
 
-    def formula(counts: dict, host: int = 0, **kw) -> tuple[int, int]:
-        sums = [zero_formula_bytes(c, dp=n, host_elements=host if i == 0 else 0, **kw)
+    def formula(counts: dict, host: int = 0, nvme: int = 0, **kw) -> tuple[int, int]:
+        sums = [zero_formula_bytes(c, dp=n, host_elements=host if i == 0 else 0,
+                                   nvme_elements=nvme if i == 0 else 0, **kw)
                 for i, (n, c) in enumerate(sorted(counts.items()))]  # linear in the host part
         return sum(x for x, _ in sums), sum(y for _, y in sums)
 
     kw = dict(strategy=strategy, weight_bytes=weight, main_copy=main_copy)
-    out["predicted_total"], out["predicted_host_total"] = formula(padded, n_host, **kw)
-    out["paper_total"] = formula(psi, n_host, **kw)[0]
+    out["predicted_total"], out["predicted_host_total"] = formula(padded, n_host, sum(n_nvme),
+                                                                  **kw)
+    out["predicted_host_total"] += buffers
+    out["predicted_nvme_total"] = 12 * sum(n_nvme)
+    out["paper_total"] = formula(psi, n_host, sum(n_nvme), **kw)[0]
     out.update(psi=sum(psi.values()), psi_padded=sum(padded.values()), dp=dp,
                edp=model[0].expert_comm.size if model else 1, strategy=strategy)
     for name in STRATEGIES:  # what each strategy would hold for this rank's parameters

@@ -42,6 +42,7 @@ from .nonfinite import NonFiniteError
 from .replicas import ReplicaMismatchError
 from .metrics import MetricsLogger, log_run_end, run_start_record
 from .mfu import PeakFlops
+from .offload import prepare_offload_path
 from .optimizer import build_optimizer, reconcile_schedule
 from .schedules import get_forward_backward_func
 from .timeline import report_bubble
@@ -99,6 +100,9 @@ def pretrain(config: Config, on_end=None) -> list[dict]:
                   f" and --train-iters is {t.train_iters}; nothing was trained or written "
                   f"(raise --train-iters to train further)", flush=True)
         return []
+    offload = prepare_offload_path(config)  # cleaned and checked before anything is built
+    if offload and os.environ.get("RANK", "0") == "0":
+        print(offload, flush=True)
     device = ps.initialize_distributed(None if t.device == "auto" else t.device,
                                        timeout=timedelta(minutes=t.distributed_timeout_minutes))
     if t.collective_trace_size and dist.get_world_size() > 1:
@@ -257,7 +261,10 @@ def setup_model_and_optimizer(config: Config, device) -> tuple[list, list, objec
         optimizer = DistributedOptimizer(
             model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2),
             eps=t.adam_eps, shard=t.use_distributed_optimizer,
-            offload_fraction=t.optimizer_offload_fraction if t.optimizer_cpu_offload else 0.0)
+            offload_fraction=t.optimizer_offload_fraction if t.optimizer_cpu_offload else 0.0,
+            offload_device=t.optimizer_offload_device or "cpu", offload_path=t.offload_path,
+            buffer_count=t.offload_buffer_count, io_threads=t.offload_io_threads,
+            pin_memory=t.offload_pin_memory, rank=dist.get_rank())
     else:
         optimizer = build_optimizer(torch.nn.ModuleList(chunks), lr=t.lr,
                                     weight_decay=t.weight_decay,
@@ -335,6 +342,8 @@ def _finish_run(run: TrainState, last: int, stop: str | None, on_end) -> list[di
         records.append({"on_end": on_end(run.chunks)})
     for ddp in run.model:
         ddp.release_params()
+    if isinstance(run.optimizer, DistributedOptimizer):
+        run.optimizer.close()  # the NVMe scratch files go (checkpoints never need them)
     return records
 
 
@@ -362,6 +371,7 @@ def log_memory(model, optimizer, dataset, config: Config, device) -> dict:
     mib = lambda x: f"{x / 2**20:,.1f}"  # noqa: E731
     largest = max(range(len(totals)), key=lambda r: totals[r])
     host = f", host {mib(state['host_total'])}" if state["host_total"] else ""
+    host += f", NVMe {mib(state['nvme_total'])}" if state["nvme_total"] else ""
     gathered = (f", gathered up to {mib(state['gathered_params_predicted_peak'])}"
                 if "gathered_params_predicted_peak" in state else "")
     experts = f" (experts at edp {state['edp']})" if state["edp"] != state["dp"] else ""
