@@ -21,6 +21,7 @@ from data_pipeline.data_path import parse_data_path
 from layers.transformer import cpp_compiler_problem
 from models.config import ConfigError, ModelConfig
 from .batch_schedule import check_batch_schedule
+from .diloco import check_diloco
 from .train_config import TrainConfig
 
 
@@ -47,6 +48,7 @@ def validate(m: ModelConfig, t: TrainConfig, world_size: int) -> tuple[int, int]
                               t.virtual_pipeline_model_parallel_size > 1))
     _check_optimizer(t)
     _check_sharding(t)
+    check_diloco(t)
     _check_recompute(m, t)
     _check_data(t)
     _check_run(t)

@@ -98,6 +98,10 @@ class TrainConfig:
     exit_interval: int | None = None  # save and exit after the iteration divisible by this
     ddp_bucket_size: int = 40_000_000
     overlap_grad_reduce: bool = True
+    diloco_sync_every: int | None = None  # DiLoCo: outer step every H inner steps (None: off)
+    diloco_outer_lr: float = 0.7  # DiLoCo's outer SGD step (Douillard et al. 2023: 0.7)
+    diloco_outer_momentum: float = 0.9  # its Nesterov momentum (paper: 0.9)
+    straggler_threshold: float | None = None  # warn when a rank's step is this x the median
     peak_tflops: float | None = None  # None: measured at start-up
     device: str = "auto"  # auto | cpu | cuda
     profile_pipeline: bool = False

@@ -244,6 +244,13 @@ FLAG_HELP = {
     "exit_interval": "save and exit 0 after an iteration divisible by N",
     "ddp_bucket_size": "elements per bucket",
     "overlap_grad_reduce": "overlap DP gradient sync with backward",
+    "diloco_sync_every": "DiLoCo (Douillard et al. 2023): each data-parallel replica trains "
+    "with its own AdamW and no per-step gradient all-reduce; every H steps an outer Nesterov "
+    "step on the dp-averaged pseudo-gradient (global copy - local weights); unset: off",
+    "diloco_outer_lr": "DiLoCo's outer learning rate (1 with momentum 0: plain averaging)",
+    "diloco_outer_momentum": "DiLoCo's outer Nesterov momentum, in [0, 1)",
+    "straggler_threshold": "warn (naming host and rank) when a rank's mean compute time over "
+    "a log interval is this many times the median rank's, two intervals in a row",
     "peak_tflops": "per-device peak for MFU (default: measured)", "device": "auto | cpu | cuda",
     "profile_pipeline": "record the schedule timeline and report the bubble",
     "profile": "torch.profiler over steps --profile-step-start+1..--profile-step-end: a "

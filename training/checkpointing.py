@@ -83,6 +83,7 @@ from checkpoint.format import (CONFIG, LATEST, METADATA, CheckpointError, compar
                                 verify_files)
 from data_parallel.distributed_optimizer import DistributedOptimizer
 
+from .diloco import load_state, save_state
 from .checkpoint_publish import prune, publish_folder, remove_debris, write_synced
 
 KINDS = ("model", "optim.exp_avg", "optim.exp_avg_sq")
@@ -207,11 +208,12 @@ def _layout(config) -> dict:
 
 
 def state_to_save(config, chunks, model, optimizer, iteration: int, copy: bool,
-                  consumed_samples: int | None = None) -> dict:
-    """The flat DCP state dict of this rank (collective over DP when ZeRO-sharded).
-    `consumed_samples`: samples trained on so far (default iteration x global batch)."""
+                  consumed_samples: int | None = None, diloco=None) -> dict:
+    """The flat DCP state dict of this rank (collective over DP when ZeRO-sharded, and under
+    DiLoCo: training/diloco.py `save_state`). `consumed_samples`: samples trained on so far
+    (default iteration x global batch)."""
     values, step = _param_values(chunks, model, optimizer)
-    sd = {}
+    sd = save_state(diloco, chunks, values) if diloco is not None else {}
     for name, p, _, tied_copy in entries(chunks):
         if tied_copy:
             continue
@@ -278,8 +280,8 @@ class Checkpointer:
     """Saves (sync or async) and finalizes checkpoints; build it on every rank (collective:
     with --async-save it creates a gloo group for the background writer)."""
 
-    def __init__(self, config, tokenizer: str | None = None):
-        self.config = config
+    def __init__(self, config, tokenizer: str | None = None, diloco=None):
+        self.config, self.diloco = config, diloco  # diloco: training/diloco.py's state
         # written into every checkpoint (export and --finetune use it); read now, because the
         # source may be a checkpoint that --keep-last deletes later in this run
         self.tokenizer_files = read_tokenizer(tokenizer) if dist.get_rank() == 0 else {}
@@ -303,7 +305,8 @@ class Checkpointer:
         self.wait()
         position = dataclasses.replace(position)  # the async writer keeps its own copy
         state = state_to_save(self.config, chunks, model, optimizer, iteration,
-                              copy=self.async_save, consumed_samples=position.consumed_samples)
+                              copy=self.async_save, consumed_samples=position.consumed_samples,
+                              diloco=self.diloco)
         name = [secrets.token_hex(4) if dist.get_rank() == 0 else None]
         collectives.broadcast_object_list(name, src=0)
         tmp = os.path.join(self.save_dir, f"{iter_dir_name(iteration)}.tmp-{name[0]}")
@@ -422,8 +425,9 @@ def completed_checkpoint(train_config) -> tuple[str, int] | None:
     return None if meta.get("optimizer_state", True) is False else (path, int(meta["iteration"]))
 
 
-def load_checkpoint(config, chunks, model, optimizer) -> ResumeState:
-    """Load `--load` into the model, optimizer and RNG; returns where to start from
+def load_checkpoint(config, chunks, model, optimizer, diloco=None) -> ResumeState:
+    """Load `--load` into the model, optimizer, RNG (and DiLoCo's state: training/diloco.py
+    `load_state`); returns where to start from
     (iteration 0 when there is no checkpoint yet and `--load` is also `--save`). Collective:
     every rank calls it; every rank raises the same `CheckpointError` on a bad checkpoint or
     a changed data config (`check_data_config`), before any training step and without
@@ -455,6 +459,8 @@ def load_checkpoint(config, chunks, model, optimizer) -> ResumeState:
                "it holds weights only (imported, e.g. by tools/convert_hf.py)")
         _load_states(path, md, config, chunks, model, optimizer, load_rng=False,
                      weights_only=True)
+        if diloco is not None:  # the loaded weights are the global copy
+            diloco.reset_global()
         _print0(f"loaded the weights of checkpoint {path} ({why}): iteration, optimizer and "
                 f"RNG start fresh")
         return ResumeState()
@@ -463,6 +469,9 @@ def load_checkpoint(config, chunks, model, optimizer) -> ResumeState:
         for k, v in _layout(config).items() if k in ("tp", "pp", "vpp", "cp", "ep"))
     iteration, consumed = _load_states(path, md, config, chunks, model, optimizer,
                                        load_rng=same_layout and t.load_rng)
+    if diloco is not None:
+        _print0(f"DiLoCo state from {path}: " + load_state(diloco, path, md, chunks, optimizer,
+                                                           same_layout and t.load_optim))
     if not same_layout and t.load_rng:
         masks = ("dropout masks are keyed by sample, so they are the uninterrupted run's"
                  if t.dropout_masks == "sample" else

@@ -34,6 +34,7 @@ from run_config.batch_schedule import BatchSchedule
 from .arguments import Config
 from .batches import get_microbatches
 from .checkpointing import Checkpointer, DataPosition, kill_hook, signal_hook
+from .diloco import DiLoCo
 from .expert_load import ExpertLoadLog
 from .memory import peak_memory_bytes
 from .metrics import EvalProgress, MetricsLogger, Progress, format_duration
@@ -83,11 +84,19 @@ def pipeline_spec(config: Config, device) -> TensorSpec:
     return TensorSpec(shapes=received, dtype=dtype, device=device, next_shapes=sent)
 
 
-def global_loss_sum(loss_sum: torch.Tensor) -> torch.Tensor:
+def batch_group(config: Config):
+    """The group a training step's loss and token counts sum over: dp x cp (the global
+    batch), or under DiLoCo cp only (each replica trains on its own share: training/diloco.py)."""
+    return ps.get_context_parallel_group() if config.train.diloco_sync_every else \
+        ps.get_data_parallel_group(with_context_parallel=True)
+
+
+def global_loss_sum(loss_sum: torch.Tensor, group=None) -> torch.Tensor:
     """Sum of token losses of the global batch, on every rank (the loss lives on the last
-    pipeline stage of each DP replica)."""
+    pipeline stage of each DP replica); `group`: the data group summed over (default dp x cp)."""
     loss_sum = _global_sum(loss_sum, ps.get_pipeline_model_parallel_group())
-    return _global_sum(loss_sum, ps.get_data_parallel_group(with_context_parallel=True))
+    return _global_sum(loss_sum, group if group is not None else
+                       ps.get_data_parallel_group(with_context_parallel=True))
 
 
 def evaluate(chunks, dataset, config: Config, device, progress=None) -> float:
@@ -146,6 +155,9 @@ class TrainState:
     counted_step: int = 0  # the iteration --report-comm counts
     comm: dict | None = None  # --report-comm's record of the counted step
     moe: ExpertLoadLog | None = None  # the MoE layers' load and aux-loss weight
+    diloco: DiLoCo | None = None  # --diloco-sync-every's outer optimizer
+    counted_steps: int = 1  # steps --report-comm counts (DiLoCo: one sync period)
+    window_counts: dict = dataclasses.field(default_factory=dict)  # their counts so far
 
 
 @dataclasses.dataclass
@@ -189,6 +201,8 @@ def train(run: TrainState) -> tuple[int, str | None]:
     run.counted_step = run.start_iteration + (1 if t.train_iters > run.start_iteration + 1
                                               else 0)
     run.counter = CommCounter() if t.report_comm else None
+    if run.diloco is not None:  # a whole period (one outer step), reported per step
+        run.counted_steps = max(1, min(t.diloco_sync_every, t.train_iters - run.counted_step))
     try:
         for iteration in range(run.start_iteration, t.train_iters):
             run.profiler.before(iteration)
@@ -228,7 +242,9 @@ def train_step(run: TrainState, iteration: int) -> StepResult:
     moves on by the batch either way. --report-comm's counter brackets the counted step."""
     t, position, optimizer = run.config.train, run.position, run.optimizer
     gbs = run.batches.size(position.consumed_samples)
-    if run.counter is not None and iteration == run.counted_step:
+    counting = run.counter is not None and \
+        run.counted_step <= iteration < run.counted_step + run.counted_steps
+    if counting:  # step by step: the logs, validations and saves between them are not counted
         run.counter.begin()
     if t.train_samples:  # the schedule counts samples, this step's included
         lr = learning_rate(position.consumed_samples + gbs - 1, lr=t.lr, min_lr=t.min_lr,
@@ -246,7 +262,7 @@ def train_step(run: TrainState, iteration: int) -> StepResult:
     signal_hook(iteration + 1)  # test hook; no-op unless its env var is set
     # the loss tokens of the whole global batch: each dp x cp rank holds a part of them
     num_tokens = _global_sum(sum(mb["loss_mask"].sum() for mb in microbatches),
-                             ps.get_data_parallel_group(with_context_parallel=True))
+                             batch_group(run.config))
     for ddp in run.model:
         ddp.zero_grad_buffer()
     run.moe.before_step(gbs, t.micro_batch_size)
@@ -267,15 +283,32 @@ def train_step(run: TrainState, iteration: int) -> StepResult:
             grad_norm = optimizer.clip_grad_norm(t.clip_grad)
         else:
             grad_norm = clip_grads(run.params, t.clip_grad)
-        loss = float(global_loss_sum(loss_sum) / num_tokens)  # the same on every rank
+        # the same on every rank (DiLoCo: on every rank of the replica)
+        loss = float(global_loss_sum(loss_sum, batch_group(run.config)) / num_tokens)
         skipped = run.guard.skip_reason(loss, grad_norm,
                                         grads_outside_norm(optimizer, run.params), loss_sum)
         if skipped is None:
             optimizer.step()
+        if run.diloco is not None and run.diloco.due(iteration + 1, t.train_iters):
+            run.diloco.sync()
     run.moe.after_step(applied=skipped is None)
     position.consumed_samples += gbs
-    counted = run.counter.stop() if run.counter is not None and run.counter.active else None
+    counted = None
+    if counting:
+        for key, (calls, nbytes) in run.counter.stop().items():
+            total = run.window_counts.setdefault(key, [0, 0])
+            total[0] += calls
+            total[1] += nbytes
+        if iteration == run.counted_step + run.counted_steps - 1:
+            counted = _per_step(run.window_counts, run.counted_steps)
     return StepResult(gbs, lr, data_start, loss, grad_norm, skipped, timeline, counted)
+
+
+def _per_step(counts: dict, steps: int) -> dict:
+    """--report-comm's counts of `steps` steps as per-step means (DiLoCo's period)."""
+    if steps == 1:
+        return {k: (c, b) for k, (c, b) in counts.items()}
+    return {k: (c / steps, b / steps) for k, (c, b) in counts.items()}
 
 
 def _after_step(run: TrainState, step: StepResult, iteration: int, step_start: float) -> None:
@@ -316,6 +349,9 @@ def training_log(run: TrainState, step: StepResult, it: int) -> None:
     previous line, peak memory, elapsed time and ETA, the data position, and an MoE model's
     expert load since the previous line (training/expert_load.py)."""
     t, m, gbs, loss = run.config.train, run.config.model, step.global_batch_size, step.loss
+    if run.diloco is not None and run.diloco.dp > 1:  # the replicas' mean (equal token counts)
+        loss = float(_global_sum(torch.tensor(loss, device=run.device),
+                                 run.diloco.group)) / run.diloco.dp
     step_time = run.progress.window()  # training steps only: no validation or saving
     tps = gbs * m.seq_length / step_time  # this step's batch (ramp-up)
     tflops = run.flops_per_token * tps / dist.get_world_size() / 1e12

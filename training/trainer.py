@@ -34,6 +34,7 @@ from planner.report import memory_prediction, run_end_summary
 from run_config.batch_schedule import BatchSchedule, rampup_of
 
 from .arguments import Config
+from .diloco import DiLoCo
 from .checkpointing import Checkpointer, completed_checkpoint, load_checkpoint, resume_path
 from .batches import DataError, build_data, get_microbatches, vocab_extra_ids
 from .loop import TrainState, pipeline_spec, print_rank_0, train
@@ -248,8 +249,12 @@ def setup_model_and_optimizer(config: Config, device) -> tuple[list, list, objec
     # routed experts reduce (and shard) over the expert-data-parallel group (the dp group at
     # ep 1, where nothing is split): data_parallel/ddp.py
     # dense weights reduce (and shard) over dp x cp: context-parallel ranks hold the same weights
-    model = [DistributedDataParallel(c, data_parallel_group=ps.get_data_parallel_group(True),
+    # DiLoCo: no gradient reduction over dp (the cp group: one rank, as cp 1 is required)
+    diloco = t.diloco_sync_every is not None
+    model = [DistributedDataParallel(c, data_parallel_group=ps.get_context_parallel_group()
+                                     if diloco else ps.get_data_parallel_group(True),
                                      expert_data_parallel_group=(
+                                         ps.get_context_parallel_group() if diloco else
                                          ps.get_expert_data_parallel_group()),
                                      bucket_size=t.ddp_bucket_size,
                                      overlap_grad_reduce=t.overlap_grad_reduce,
@@ -285,7 +290,12 @@ def _start_run(config: Config, device, run_start, tokenizer, train_ds, valid_ds,
     flops_per_token = training_flops_per_token(m)
     peak = PeakFlops(device, torch.bfloat16 if t.bf16 else torch.float32, t.peak_tflops)
     memory = log_memory(model, optimizer, train_ds, config, device)
-    resume = load_checkpoint(config, chunks, model, optimizer)  # iteration 0: from scratch
+    diloco = DiLoCo(params, t.diloco_sync_every, t.diloco_outer_lr, t.diloco_outer_momentum) \
+        if t.diloco_sync_every else None
+    if diloco is not None:
+        print_rank_0(diloco.describe())
+    # iteration 0: from scratch
+    resume = load_checkpoint(config, chunks, model, optimizer, diloco=diloco)
     start_iteration, position = resume.iteration, resume.position
     batches = BatchSchedule(t.global_batch_size, rampup_of(t))
     if t.train_samples:  # the steps left to reach --train-samples from where we are
@@ -295,7 +305,8 @@ def _start_run(config: Config, device, run_start, tokenizer, train_ds, valid_ds,
                               start_iteration)
     if note:
         print_rank_0(note)
-    checkpointer = Checkpointer(config, tokenizer=tokenizer.path) if t.save else None
+    checkpointer = Checkpointer(config, tokenizer=tokenizer.path, diloco=diloco) \
+        if t.save else None
     is_logger = dist.get_rank() == 0
     logger = MetricsLogger(t.log_dir, enabled=is_logger, tensorboard=t.tensorboard is not False,
                            run_start=run_start_record(config, start_iteration, peak,
@@ -304,7 +315,7 @@ def _start_run(config: Config, device, run_start, tokenizer, train_ds, valid_ds,
                  f"forward) against a peak of {peak.describe()}")
     return TrainState(config, device, train_ds, valid_ds, chunks, model, optimizer, params,
                       forward_backward, spec, flops_per_token, peak, start_iteration, position,
-                      batches, checkpointer, logger, is_logger, run_start)
+                      batches, checkpointer, logger, is_logger, run_start, diloco=diloco)
 
 
 def _finish_run(run: TrainState, last: int, stop: str | None, on_end) -> list[dict]:

@@ -1,0 +1,91 @@
+"""DiLoCo (issue 34, training/diloco.py): H 1 with outer lr 1 and momentum 0 is synchronous data
+parallelism, H 4 resumes bitwise mid-period, the counted dp bytes per step fall by H, and the
+combinations it cannot run with are refused before any work.
+
+All runs in one spawned world of 2 processes (dp 2), tiny-llama, float32, dropout 0.
+"""
+from __future__ import annotations
+
+import pytest
+
+from launch import read_metrics, train_in_one_world, train_losses
+from tolerances import assert_losses_close, training_chain_terms
+
+COMMON = ["--config", "configs/tiny-llama.yaml", "--eval-interval", "0", "--log-interval", "1",
+          "--peak-tflops", "1", "--report-comm"]
+# AdamW with beta1 = beta2 = 0 and eps = 1e8 >> |g| updates by lr g / (|g| + eps) = 0.5 g to
+# a relative 1e-8 (below float32's unit roundoff): SGD with step 0.5, which is linear in the
+# gradient, so averaging the replicas' weights after one step each equals averaging their
+# gradients (synchronous data parallelism) up to rounding. No decay, no clipping (a replica's
+# norm is not the global one), constant lr.
+SGD = ["--adam-beta1", "0", "--adam-beta2", "0", "--adam-eps", "1e8", "--lr", "5e7",
+       "--min-lr", "5e7", "--lr-decay-style", "constant", "--lr-warmup-iters", "0",
+       "--weight-decay", "0", "--clip-grad", "0", "--train-iters", "4"]
+H1 = ["--diloco-sync-every", "1", "--diloco-outer-lr", "1", "--diloco-outer-momentum", "0"]
+H4 = COMMON + ["--train-iters", "6", "--diloco-sync-every", "4"]  # syncs after 4 and 6
+
+
+def _dp_bytes(log_dir) -> float:
+    """--report-comm's per-step payload bytes of the dp group's all-reduces, summed over ranks."""
+    rec = next(r for r in read_metrics(log_dir) if r.get("event") == "comm")
+    return sum(row["bytes"] for row in rec["comm"] if row["group"] == "dp")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, corpus_env):
+    root = tmp_path_factory.mktemp("diloco")
+    save = root / "save"
+    argvs = {"dp": COMMON + SGD, "h1": COMMON + SGD + H1,
+             "h4": H4 + ["--save", str(save), "--save-interval", "2"],
+             "h4-resumed": H4 + ["--load", str(save / "iter_0000002")]}
+    outs = train_in_one_world(2, [a + ["--log-dir", str(root / n)] for n, a in argvs.items()],
+                              corpus_env["SHARDZOO_CACHE"])
+    return root, dict(zip(argvs, outs))
+
+
+def test_h1_equals_data_parallel(runs):
+    root, outs = runs
+    assert "DiLoCo: inner AdamW per data-parallel replica" in outs["h1"]
+    dp, h1 = train_losses(root / "dp"), train_losses(root / "h1")
+    assert len(dp) == 4 and dp[-1] < dp[0]  # it trains
+    assert_losses_close(h1, dp, training_chain_terms(COMMON + SGD))
+
+
+def test_h4_resumes_bitwise_mid_period(runs):
+    root, outs = runs
+    assert "each replica's own weights and moments" in outs["h4-resumed"], outs["h4-resumed"]
+    full, resumed = train_losses(root / "h4"), train_losses(root / "h4-resumed")
+    assert resumed == full[2:]  # iterations 3..6: bitwise, the second outer step included
+    assert full[-1] < full[0]
+
+
+def test_counted_dp_bytes_fall_by_h(runs):
+    root, _ = runs
+    dp, h1, h4 = (_dp_bytes(root / n) for n in ("dp", "h1", "h4"))
+    params = next(r for r in read_metrics(root / "h4")
+                  if r.get("event") == "run_start")["model_state_psi"]
+    # every step, the non-finite guard's flags (2 floats per rank of the world, which is the
+    # dp group here) on each of the 2 ranks
+    guard = 2 * 2 * 2 * 4
+    assert h1 - guard == 2 * 4 * params  # one float32 all-reduce of the weights per period
+    assert (h4 - guard) * 4 == h1 - guard  # per step: 1/H
+    assert 0 < dp - h1 <= 2 * 16  # synchronous DP: the gradients, the loss and token sums
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--use-distributed-optimizer"], "shards the optimizer over dp"),
+    (["--data-parallel-sharding-strategy", "optim_grads_params"], "shards the optimizer"),
+    (["--bf16"], "--bf16 / optimizer offload"),
+    (["--eval-interval", "6"], "--eval-interval 6 must be a multiple of it"),
+    (["--check-weight-hash-across-dp-replicas-interval", "3"], "must be a multiple"),
+    (["--diloco-outer-momentum", "1"], "0 <= --diloco-outer-momentum < 1"),
+    (["--diloco-outer-lr", "nan"], "finite --diloco-outer-lr > 0"),
+    (["--diloco-sync-every", "0"], "must be a positive integer"),
+    (["--straggler-threshold", "1"], "--straggler-threshold must be a finite ratio above 1"),
+])
+def test_refusals(extra, match):
+    from models.config import ConfigError
+    from training.arguments import parse_config
+
+    with pytest.raises(ConfigError, match=match):
+        parse_config(H4 + extra).validate(2)
