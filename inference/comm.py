@@ -5,6 +5,8 @@ through parallel_state.collectives (observed like training's).
   rank 0 to every rank of this model replica (tp x pp ranks).
 - `broadcast_logprobs(values | None, rows, k)`: the same for the log-probabilities of the rows
   that asked for them (only on steps where some did).
+- `replica_min(value)`: the smallest of an integer over the ranks of this model replica
+  (start-up: the KV cache blocks every stage has room for).
 - `broadcast_control(obj)`: a picklable object from global rank 0 to every rank.
 - `gather_to_rank0(obj)`: a list (by global rank) of every rank's object on rank 0, None
   elsewhere.
@@ -50,6 +52,16 @@ def _from_last_stage(t: torch.Tensor | None, shape: tuple, dtype) -> torch.Tenso
         buf = buf.to(g.device)
     collectives.broadcast(buf, src=src, group=g.model_parallel_group)
     return buf.cpu()
+
+
+def replica_min(value: int) -> int:
+    """The smallest `value` over this replica's tp x pp ranks (every rank calls it)."""
+    g = ps.get_grid()
+    if g.tensor_model_parallel_size * g.pipeline_model_parallel_size == 1:
+        return value
+    buf = torch.tensor([value], dtype=torch.int64, device=g.device)
+    collectives.all_reduce(buf, op=dist.ReduceOp.MIN, group=g.model_parallel_group)
+    return int(buf.cpu())
 
 
 def broadcast_control(obj):

@@ -3,16 +3,31 @@ replica's tp x pp ranks with the KV cache) and an iteration-level scheduler (whi
 run this step).
 
 Every rank of a replica runs the same `Engine` with the same inputs and takes the same
-decisions: the only value that differs between ranks, the sampled ids, is broadcast from the
-last pipeline stage each step (inference/comm.py; with the log-probabilities of the rows that
-asked for them, on steps that have such rows), so the ranks stay in lockstep without a
-coordinator.
+decisions (admission, block tables, preemption, prefix-cache hits: inference/block_manager.py
+is deterministic): the only value that differs between ranks, the sampled ids, is broadcast
+from the last pipeline stage each step (inference/comm.py; with the log-probabilities of the
+rows that asked for them, on steps that have such rows), so the ranks stay in lockstep
+without a coordinator.
 
 Scheduling (Yu et al. 2022, Orca, "iteration-level scheduling"): each `step()` starts one
-micro-batch: either a prefill of the waiting requests that fit the free cache slots (they join
-the running batch) or one decode step of running requests. A request leaves as soon as it
-finishes (EOS, a stop string, max_new_tokens, or cancel) and its slot is reused at the next
-step.
+micro-batch: either a prefill (prompt chunks of running requests not yet prefilled, then
+waiting requests admitted first come, first served while their blocks fit) or one decode
+step of running requests. When both are pending they alternate, so a running request waits
+at most one prefill of at most `max_num_batched_tokens` tokens between two of its tokens
+(chunked prefill, Agrawal et al. 2023, Sarathi; vLLM's --max-num-batched-tokens): a longer
+prompt is prefilled in chunks, each starting where the cache ends. A request leaves as soon
+as it finishes (EOS, a stop string, max_new_tokens, or cancel) and its blocks are freed.
+
+KV cache (decoder-only models): blocks of `block_size` positions (PagedKVCache); a request
+holds the blocks of the positions it has computed. With prefix caching a new request first
+takes the cached full blocks its tokens start with and prefills only the rest. When a
+request needs a block and none is free, the running request admitted last (possibly the
+one asking) is preempted by recomputation (vLLM's default): its blocks are freed, and it goes
+back to the head of the waiting queue with prompt + output so far as its prompt; what it
+generated stays generated. The request admitted first is never preempted by a later one, so
+the batch always progresses; a request that cannot fit the whole cache alone is refused by
+`check`. T5 (inference/seq2seq.py) keeps a contiguous slot per request: one "block" of
+max_seq_length positions, no prefix caching and no chunking (its prompt is the encoder's).
 
 Pipeline parallelism: a `step()` is one tick of the pipeline. Stage s runs the micro-batch
 started s ticks ago while the first stage starts the next one, so with `num_micro_batches`
@@ -21,13 +36,17 @@ tokens (the decode analogue of GPipe's micro-batches, Huang et al. 2019; vLLM ru
 "virtual engines" the same way). All stages swap activations in one exchange per tick; the
 ids of the micro-batch leaving the last stage go to every rank at the end of the tick, so its
 requests can be scheduled again at the next one. A micro-batch holds at most
-ceil(max_batch_size / num_micro_batches) rows.
+ceil(max_batch_size / num_micro_batches) rows. A request in flight is never preempted and
+its blocks are freed (when cancelled) only once its micro-batch has returned, so no stage
+writes into a block after it changed hands; a block named for the prefix cache at launch is
+written by every stage before any later micro-batch reads it there.
 
-Rows of one forward sit at different positions: prefill right-pads the prompts (each row
-writes its tokens at 0..n-1 and reads its logits at n-1), decode feeds one token per row at
-that row's own position; the attention mask `key position <= query position` is the same in
-both, and cache entries past a row's length are never read. A model with sliding-window
-layers gets a second mask that also hides keys more than `window_size[0]` positions back.
+Rows of one forward sit at different positions: prefill right-pads the chunks (row i writes
+its tokens at starts[i]..starts[i]+n-1 and reads its logits at the last), decode feeds one
+token per row at that row's own position; the attention mask `key position <= query
+position` is the same in both, and cache entries past a row's length are never read. A
+model with sliding-window layers gets a second mask that also hides keys more than
+`window_size[0]` positions back.
 """
 from __future__ import annotations
 
@@ -38,6 +57,7 @@ import torch
 
 from parallel_state import p2p
 
+from .block_manager import BlockManager, token_block_hashes
 from .comm import broadcast_logprobs, broadcast_tokens
 from .detokenize import IncrementalDetokenizer
 from .runner import ModelRunner
@@ -47,14 +67,17 @@ from .sampling import SamplingParams, sample, token_logprobs, unpack_logprobs
 
 @dataclass
 class _Flight:
-    """One micro-batch forward on its way through the pipeline (launched at tick `tick`)."""
+    """One micro-batch forward on its way through the pipeline (launched at tick `tick`);
+    `sampled[i]`: row i's forward reaches its request's last known token, so it yields the
+    next id (a prompt chunk that does not is computed, not sampled)."""
 
     batch: list
     ids: torch.Tensor
-    slots: torch.Tensor
+    tables: torch.Tensor
     starts: torch.Tensor
     last: torch.Tensor
     tick: int
+    sampled: list
     sources: tuple | None = None  # encoder-decoder prefill: (prompts [b, se], lengths [b])
 
 
@@ -74,8 +97,16 @@ class Request:
     queue_s: float | None = None  # seconds it waited for a slot (set at admission)
     ttft_s: float | None = None  # seconds from `add` to its first generated token
     finish_reason: str | None = None
-    slot: int | None = None
     generator: torch.Generator | None = None
+    # KV cache state: the block table, positions computed (or being computed by a launched
+    # forward), names of its full blocks (prefix caching) and how many of them are named in
+    # the cache, and its place in first-come-first-served order (preemption, admission)
+    blocks: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    hashes: list[bytes] = field(default_factory=list)
+    num_registered: int = 0
+    seq: int = 0
+    preemptions: int = 0
 
 
 @dataclass
@@ -103,32 +134,51 @@ class Engine:
         eos_token_ids: ids that end a request (unless `ignore_eos`).
         decode: `ids -> text` (the tokenizer's), for stop strings and text events; None =
             no text.
-        max_batch_size: KV cache slots (requests running at once).
+        max_batch_size: requests running at once, at most (vLLM's max_num_seqs).
         max_seq_length: prompt + generated tokens of one request at most (encoder-decoder:
             generated tokens at most).
         max_source_length: encoder-decoder: prompt (encoder input) tokens at most (default
             max_seq_length).
-        max_prefill_tokens: padded prompt tokens admitted in one prefill step.
+        max_num_batched_tokens: padded prompt tokens in one prefill forward, at most; a
+            longer prompt is prefilled in chunks of this size (T5: padded encoder tokens,
+            prompts never chunked). Default 2048.
         num_micro_batches: micro-batches in flight through the pipeline at once, at most
             (default pp; 1 = one batch at a time). Each holds at most ceil(max_batch_size /
             num_micro_batches) rows.
-    Raises `ValueError` for num_micro_batches < 1.
+        block_size: token positions per KV cache block (--kv-block-size).
+        kv_cache_memory: the cache's size on each rank, bytes (int) or a fraction of the
+            memory the rank may still allocate (float); default max_batch_size requests of
+            max_seq_length tokens (`ModelRunner`).
+        enable_prefix_caching: share the cached full blocks a prompt starts with.
+    Raises `ValueError` for num_micro_batches, block_size or max_num_batched_tokens < 1, or
+    a cache too small to hold one block.
     """
 
     def __init__(self, model, *, eos_token_ids=(), decode=None, max_batch_size: int = 8,
-                 max_seq_length: int = 2048, max_prefill_tokens: int = 8192,
-                 num_micro_batches: int | None = None, max_source_length: int | None = None):
+                 max_seq_length: int = 2048, max_num_batched_tokens: int | None = None,
+                 num_micro_batches: int | None = None, max_source_length: int | None = None,
+                 block_size: int = 16, kv_cache_memory: int | float | None = None,
+                 enable_prefix_caching: bool = True):
         self.encoder_decoder = getattr(model.config, "is_encoder_decoder", False)
         self.max_source_length = max_source_length or max_seq_length
+        budget = 2048 if max_num_batched_tokens is None else max_num_batched_tokens
+        if budget < 1:
+            raise ValueError(f"--max-num-batched-tokens must be >= 1, got {budget}")
         if self.encoder_decoder:  # T5: the prompt is the encoder input (inference/seq2seq.py)
             self.runner = Seq2SeqRunner(model, max_batch_size, max_seq_length,
                                         self.max_source_length)
+            # one block per request: the slot of the contiguous cache
+            self.blocks = BlockManager(max_batch_size, max_seq_length, False, first_block=0)
+            budget = max(budget, self.max_source_length)  # prompts are not chunked
         else:
-            self.runner = ModelRunner(model, max_batch_size, max_seq_length)
+            self.runner = ModelRunner(model, max_batch_size, max_seq_length, block_size,
+                                      kv_cache_memory)
+            self.blocks = BlockManager(self.runner.cache.num_blocks, block_size,
+                                       enable_prefix_caching)
         self.eos = set(int(e) for e in eos_token_ids)
         self.decode = decode
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
-        self.max_prefill_tokens = max(max_prefill_tokens, max_seq_length)
+        self.max_num_batched_tokens = budget
         m = self.runner.pp if num_micro_batches is None else num_micro_batches
         if m < 1:
             raise ValueError(f"num_micro_batches must be >= 1, got {m}")
@@ -136,12 +186,32 @@ class Engine:
         self.micro_batch_size = -(-max_batch_size // m)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
-        self.free_slots = list(range(max_batch_size))
         self.tick = 0  # pipeline ticks (`step` calls) so far
         self.in_flight: dict[int, _Flight] = {}  # launch tick -> micro-batch
         self.busy: set[str] = set()  # ids of requests whose micro-batch is in flight
         self.max_in_flight = 0  # most micro-batches in flight at once (statistics)
         self._received: tuple | None = None  # this stage's input for the next tick
+        self._arrivals = 0  # requests added so far (their `seq`)
+        self._last_prefill = False  # the last micro-batch started was a prefill
+        # statistics (tokens looked up in / found in the prefix cache, preemptions)
+        self.prefix_queries = self.prefix_hits = self.num_preemptions = 0
+
+    def cache_summary(self) -> str:
+        """One line for the start-up log: the cache's blocks, tokens and bytes on this rank."""
+        bm, r = self.blocks, self.runner
+        if self.encoder_decoder:
+            return (f"KV cache: {bm.capacity} slots of {bm.block_size} decoder tokens "
+                    f"(contiguous, T5)")
+        tokens = bm.capacity * bm.block_size
+        line = (f"KV cache: {bm.capacity:,} blocks of {bm.block_size} tokens = {tokens:,} "
+                f"tokens ({r.cache_bytes / 2**20:,.1f} MiB on this rank, "
+                f"{r.bytes_per_token:,} bytes per token), prefix caching "
+                f"{'on' if bm.enable_prefix_caching else 'off'}, prefill chunks of "
+                f"{self.max_num_batched_tokens} tokens")
+        if tokens < self.max_seq_length:
+            line += (f"; requests over {tokens} tokens will be refused (--max-model-len "
+                     f"{self.max_seq_length}): raise --kv-cache-memory")
+        return line
 
     # ------------------------------------------------------------------ requests
     def check(self, prompt: list[int], params: SamplingParams) -> None:
@@ -159,11 +229,21 @@ class Engine:
             if params.max_new_tokens > self.max_seq_length:
                 raise ValueError(f"max_tokens ({params.max_new_tokens}) exceeds the decoder's "
                                  f"{self.max_seq_length} tokens; lower max_tokens")
-        elif len(prompt) + params.max_new_tokens > self.max_seq_length:
+            return
+        if len(prompt) + params.max_new_tokens > self.max_seq_length:
             raise ValueError(
                 f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_new_tokens}) "
                 f"exceeds the context of {self.max_seq_length} tokens; shorten the prompt or "
                 f"lower max_tokens")
+        bm = self.blocks  # the last id is sampled, never written: len + max - 1 positions
+        need = bm.blocks_for(len(prompt) + params.max_new_tokens - 1)
+        if need > bm.capacity:
+            raise ValueError(
+                f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_new_tokens}) "
+                f"needs {need} KV cache blocks of {bm.block_size} tokens, more than the whole "
+                f"cache holds ({bm.capacity} blocks, {bm.capacity * bm.block_size} tokens); "
+                f"shorten the prompt or lower max_tokens, or start the server with a larger "
+                f"--kv-cache-memory (or a --max-model-len the cache holds)")
 
     def add(self, request: Request) -> None:
         """Queue `request` (checked with `check`); it joins the batch at the next step."""
@@ -172,10 +252,12 @@ class Engine:
         request.generator = torch.Generator().manual_seed(
             seed if seed is not None else int(torch.randint(0, 2**62, ())))
         request.arrival = time.monotonic()
+        self._arrivals += 1
+        request.seq = self._arrivals
         self.waiting.append(request)
 
     def cancel(self, request_id: str) -> Request | None:
-        """Stop a request now (finish_reason "cancelled"); its slot is free once no
+        """Stop a request now (finish_reason "cancelled"); its blocks are free once no
         micro-batch holding it is in flight."""
         for queue in (self.waiting, self.running):
             for r in queue:
@@ -188,9 +270,12 @@ class Engine:
         return bool(self.waiting or self.running or self.in_flight)
 
     def stats(self) -> dict:
-        """Requests running and waiting, and the fraction of KV cache slots held (0-1)."""
+        """Requests running and waiting, the fraction of KV cache blocks held (0-1), prompt
+        tokens looked up in / found in the prefix cache and preemptions so far."""
         return {"running": len(self.running), "waiting": len(self.waiting),
-                "kv_cache_usage": 1 - len(self.free_slots) / self.max_batch_size}
+                "kv_cache_usage": self.blocks.usage(),
+                "prefix_cache_queries": self.prefix_queries,
+                "prefix_cache_hits": self.prefix_hits, "num_preemptions": self.num_preemptions}
 
     def load(self) -> int:
         """Tokens still to generate, at most (the router's measure of work)."""
@@ -200,13 +285,13 @@ class Engine:
     def step(self) -> list[Event]:
         """One pipeline tick (with pp = 1: one forward of the replica).
 
-        The first stage starts a micro-batch: a prefill of newly admitted requests, else a
-        decode of running requests not already in flight. Every stage runs the micro-batch
-        that reached it (stage s: the one started s ticks ago), then passes its output on;
-        the last stage samples, and the micro-batch started pp - 1 ticks ago returns its ids
-        to every rank. With `num_micro_batches` >= pp the stages never wait for each other
-        between tokens. Returns the events of the returned micro-batch (none while the
-        pipeline fills)."""
+        The first stage starts a micro-batch: a prefill (chunks of running and newly
+        admitted requests), else a decode of running requests not already in flight (the
+        two alternate while both are pending). Every stage runs the micro-batch that reached
+        it (stage s: the one started s ticks ago), then passes its output on; the last stage
+        samples, and the micro-batch started pp - 1 ticks ago returns its ids to every rank.
+        With `num_micro_batches` >= pp the stages never wait for each other between tokens.
+        Returns the events of the returned micro-batch (none while the pipeline fills)."""
         runner, t = self.runner, self.tick
         flight = self._launch(t)
         if flight is not None:
@@ -217,7 +302,7 @@ class Engine:
         if mine is not None:
             hidden, self._received = self._received, None
             extra = {"sources": mine.sources} if self.encoder_decoder else {}
-            out = runner.forward(mine.ids, mine.slots, mine.starts, mine.last, hidden, **extra)
+            out = runner.forward(mine.ids, mine.tables, mine.starts, mine.last, hidden, **extra)
         if runner.pp > 1:  # hand the output on, take the next tick's input
             ahead = self.in_flight.get(t + 1 - runner.stage)
             spec = runner.incoming(ahead) if ahead is not None else None
@@ -231,33 +316,43 @@ class Engine:
         if done is None:
             return []
         tokens, logprobs = self._sample(done, out if mine is done and runner.last else None)
+        tokens = iter(tokens.tolist())
         events = []
-        for r, tok in zip(done.batch, tokens.tolist()):
+        for r, sampled in zip(done.batch, done.sampled):
+            token = next(tokens) if sampled else None
             self.busy.discard(r.id)
-            if r.finish_reason is not None:  # cancelled while in flight: free its slot now
+            if r.finish_reason is not None:  # cancelled while in flight: free its blocks now
                 self._release(r)
                 continue
-            event = self._append(r, int(tok))
+            if token is None:  # a prompt chunk: computed, nothing sampled
+                continue
+            event = self._append(r, int(token))
             if r.id in logprobs:
                 event.logprobs = [logprobs[r.id]]
             events.append(event)
         return events
 
     def _sample(self, done: _Flight, logits: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
-        """The next ids `[b]` of `done`'s rows on every rank of the replica, sampled from
-        `logits [b, V]` (given on the last stage's ranks, None elsewhere), and for the rows
-        whose request asked for log-probabilities {request id: (token, logprob, [(id,
-        logprob)] x N)} (inference/sampling.py `token_logprobs`: the raw model output). Only
-        those rows are computed, and only steps with such a row broadcast them."""
-        batch = done.batch
+        """The next ids `[k]` of `done`'s k sampled rows on every rank of the replica,
+        sampled from their rows of `logits [b, V]` (given on the last stage's ranks, None
+        elsewhere), and for the rows whose request asked for log-probabilities {request id:
+        (token, logprob, [(id, logprob)] x N)} (inference/sampling.py `token_logprobs`: the
+        raw model output). Only those rows are computed, and only steps with such a row
+        broadcast them."""
+        rows = [i for i, s in enumerate(done.sampled) if s]
+        batch = [done.batch[i] for i in rows]
         asked = [i for i, r in enumerate(batch) if r.params.logprobs is not None]
         k = max((batch[i].params.logprobs for i in asked), default=0)
+        if not batch:  # prompt chunks only
+            return torch.zeros(0, dtype=torch.int64), {}
         tokens = values = None
         if logits is not None:
+            if len(rows) < len(done.batch):
+                logits = logits[torch.tensor(rows, device=logits.device)]
             tokens = sample(logits, [r.params for r in batch], [r.generator for r in batch])
             if asked:
-                rows = torch.tensor(asked, device=logits.device)
-                values = token_logprobs(logits[rows], tokens[rows], k)
+                idx = torch.tensor(asked, device=logits.device)
+                values = token_logprobs(logits[idx], tokens[idx], k)
         tokens = broadcast_tokens(tokens, len(batch))
         if not asked:
             return tokens, {}
@@ -273,49 +368,156 @@ class Engine:
             self.step()
         return requests
 
+    # ------------------------------------------------------------------ scheduling
+    def _tokens(self, r: Request) -> list[int]:
+        """The request's known token stream: prompt + output (T5's decoder: the start id 0
+        + output; its prompt goes to the encoder)."""
+        return ([0] if self.encoder_decoder else r.prompt) + r.output
+
+    def _length(self, r: Request) -> int:
+        return (1 if self.encoder_decoder else len(r.prompt)) + len(r.output)
+
     def _launch(self, tick: int) -> _Flight | None:
-        """The micro-batch the first stage starts at `tick` (the same on every rank)."""
+        """The micro-batch the first stage starts at `tick` (the same on every rank): rows
+        `(request, first position, tokens)`."""
         if len(self.in_flight) >= self.num_micro_batches:
             return None
-        batch = self._admit()
-        sources = None
-        if batch:
-            n = [len(r.prompt) for r in batch]
-            ids = torch.zeros(len(batch), max(n), dtype=torch.int64)
-            for i, r in enumerate(batch):
-                ids[i, :n[i]] = torch.tensor(r.prompt)
-            starts = torch.zeros(len(batch), dtype=torch.int64)
-            last = torch.tensor(n) - 1
-            if self.encoder_decoder:  # encode the prompts; decode from the start id 0
-                sources = (ids, torch.tensor(n))
-                ids, last = torch.zeros(len(batch), 1, dtype=torch.int64), starts.clone()
-        else:
-            batch = [r for r in self.running if r.id not in self.busy][:self.micro_batch_size]
-            if not batch:
+        ready = [r for r in self.running if r.id not in self.busy]
+        decodable = any(r.num_computed == self._length(r) - 1 for r in ready)
+        rows = []
+        if not (decodable and self._last_prefill):  # decodes never wait two prefills
+            rows = self._prefill_rows(ready)
+        self._last_prefill = bool(rows)
+        if not rows:
+            rows = self._decode_rows()
+            if not rows:
                 return None
-            ids = torch.tensor([[r.output[-1]] for r in batch])
-            starts = torch.tensor([len(r.output) + (0 if self.encoder_decoder else
-                                                    len(r.prompt) - 1) for r in batch])
-            last = torch.zeros(len(batch), dtype=torch.int64)
-        self.busy.update(r.id for r in batch)
-        # the micro-batch decoded longest ago goes first next time (fair rotation)
-        self.running = [r for r in self.running if r not in batch] + batch
-        return _Flight(batch, ids, torch.tensor([r.slot for r in batch]), starts, last, tick,
-                       sources)
+        return self._flight(rows, tick, prefill=self._last_prefill)
 
-    def _admit(self) -> list[Request]:
-        batch = []
-        while self.waiting and self.free_slots and len(batch) < self.micro_batch_size:
+    def _prefill_rows(self, ready: list[Request]) -> list[tuple]:
+        """Prompt chunks for one forward: running requests not yet prefilled first, then
+        waiting ones first come first served (their cached prefix taken), while the padded
+        tokens stay within `max_num_batched_tokens` (the first row's chunk is cut to it),
+        the micro-batch and the running batch have room, and blocks are free."""
+        budget, rows, longest = self.max_num_batched_tokens, [], 0
+
+        def fits(work: int) -> bool:
+            return not rows or (len(rows) + 1) * max(longest, min(work, budget)) <= budget
+
+        for r in [q for q in ready if q.num_computed < self._length(q) - 1]:
+            n = self._length(r) - r.num_computed
+            if len(rows) >= self.micro_batch_size or not fits(n):
+                break
+            chunk = min(n, budget)
+            gone = self._make_room(r, r.num_computed + chunk)
+            rows = [row for row in rows if row[0] not in gone]
+            if r not in gone:
+                rows.append((r, r.num_computed, chunk))
+                longest = max(longest, chunk)
+        while self.waiting and len(rows) < self.micro_batch_size and \
+                len(self.running) < self.max_batch_size:
             r = self.waiting[0]
-            longest = max([len(r.prompt)] + [len(q.prompt) for q in batch])
-            if batch and longest * (len(batch) + 1) > self.max_prefill_tokens:
+            tokens, bs = self._tokens(r), self.blocks.block_size
+            cached = []
+            if self.blocks.enable_prefix_caching:  # at least the last token is computed
+                token_block_hashes(tokens, bs, r.hashes)
+                cached = self.blocks.match(r.hashes, (len(tokens) - 1) // bs)
+            start = len(cached) * bs
+            chunk = min(len(tokens) - start, budget)
+            work = len(r.prompt) if self.encoder_decoder else len(tokens) - start
+            if not fits(work) or not self.blocks.allocate(r.blocks, start + chunk, cached):
                 break
             self.waiting.pop(0)
-            r.slot = self.free_slots.pop(0)
-            r.queue_s = time.monotonic() - r.arrival
-            batch.append(r)
-        self.running.extend(batch)
-        return batch
+            if self.blocks.enable_prefix_caching:
+                self.prefix_queries += len(tokens)
+                self.prefix_hits += start
+            r.num_computed, r.num_registered = start, len(cached)
+            if r.queue_s is None:
+                r.queue_s = time.monotonic() - r.arrival
+            self.running.append(r)
+            rows.append((r, start, chunk))
+            longest = max(longest, work if self.encoder_decoder else chunk)
+        return rows
+
+    def _decode_rows(self) -> list[tuple]:
+        """One token of each running request ready to decode (not in flight, prefilled), the
+        ones decoded longest ago first, preempting for blocks as needed."""
+        rows = []
+        for r in [q for q in self.running if q.id not in self.busy]:
+            if len(rows) >= self.micro_batch_size:
+                break
+            n = self._length(r)
+            if r.num_computed != n - 1:  # preempted above, or still prefilling
+                continue
+            gone = self._make_room(r, n)
+            rows = [row for row in rows if row[0] not in gone]
+            if r not in gone:
+                rows.append((r, n - 1, 1))
+        return rows
+
+    def _make_room(self, r: Request, num_tokens: int) -> list[Request]:
+        """Give `r` blocks for positions 0..num_tokens-1, preempting the running requests
+        admitted last (not in flight) until they fit; the preempted ones (`r` itself when
+        it is the last) are returned."""
+        gone = []
+        while not self.blocks.allocate(r.blocks, num_tokens):
+            victim = max((q for q in self.running if q.id not in self.busy),
+                         key=lambda q: q.seq)
+            self._preempt(victim)
+            gone.append(victim)
+            if victim is r:
+                break
+        return gone
+
+    def _preempt(self, r: Request) -> None:
+        """Recompute preemption: free `r`'s blocks and queue it first among the requests
+        that arrived after it, to prefill prompt + output again (prefix caching may still
+        hold its blocks)."""
+        self.running.remove(r)
+        self._release(r)
+        r.preemptions += 1
+        self.num_preemptions += 1
+        at = next((i for i, q in enumerate(self.waiting) if q.seq > r.seq), len(self.waiting))
+        self.waiting.insert(at, r)
+
+    def _flight(self, rows: list[tuple], tick: int, prefill: bool) -> _Flight:
+        """The tensors of `rows` (right-padded chunks), their requests marked busy and moved
+        to the back of the rotation, and the full blocks they complete named in the prefix
+        cache."""
+        batch = [r for r, _, _ in rows]
+        width = max(n for _, _, n in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.int64)
+        sources = None
+        if self.encoder_decoder and prefill:  # encode the prompts; decode from the start id 0
+            lengths = [len(r.prompt) for r in batch]
+            src = torch.zeros(len(rows), max(lengths), dtype=torch.int64)
+            for i, r in enumerate(batch):
+                src[i, :lengths[i]] = torch.tensor(r.prompt)
+            sources = (src, torch.tensor(lengths))
+        elif prefill:
+            for i, (r, start, n) in enumerate(rows):
+                ids[i, :n] = torch.tensor(self._tokens(r)[start:start + n])
+        else:  # decode: each row's last known token
+            ids[:, 0] = torch.tensor([(r.output or r.prompt)[-1] for r in batch])
+        starts = torch.tensor([start for _, start, _ in rows])
+        bs = self.blocks.block_size
+        span = -(-(int(starts.max()) + width) // bs)
+        tables = torch.zeros(len(rows), span, dtype=torch.int64)
+        sampled = []
+        for i, (r, start, n) in enumerate(rows):
+            tables[i, :min(span, len(r.blocks))] = torch.tensor(r.blocks[:span])
+            r.num_computed = start + n
+            sampled.append(r.num_computed == self._length(r))
+            full = r.num_computed // bs
+            if self.blocks.enable_prefix_caching and full > r.num_registered:
+                token_block_hashes(self._tokens(r), bs, r.hashes)
+                self.blocks.register(r.blocks, r.hashes, r.num_registered, full)
+                r.num_registered = full
+        self.busy.update(r.id for r in batch)
+        # the micro-batch run longest ago goes first next time (fair rotation)
+        self.running = [r for r in self.running if r not in batch] + batch
+        return _Flight(batch, ids, tables, starts, torch.tensor([n - 1 for _, _, n in rows]),
+                       tick, sampled, sources)
 
     def _append(self, r: Request, token: int) -> Event:
         r.output.append(token)
@@ -376,7 +578,6 @@ class Engine:
                 self._release(r)
 
     def _release(self, r: Request) -> None:
-        if r.slot is not None:
-            self.free_slots.append(r.slot)
-            self.free_slots.sort()
-        r.slot = None
+        if r.blocks:
+            self.blocks.free(r.blocks)
+        r.num_computed = r.num_registered = 0

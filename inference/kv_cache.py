@@ -1,7 +1,12 @@
-"""Preallocated KV cache of one pipeline stage: per layer, `[slots, max_len, g, d]` keys and
-values of this rank's local KV heads (g = num_query_groups / tp, or 1 when KV heads are
-replicated). A request owns one slot for its lifetime; its token at position p lives at
-`[slot, p]`, so rows of a batch sit at different lengths and no row is ever moved.
+"""The KV caches of one pipeline stage, holding this rank's local KV heads (g =
+num_query_groups / tp, or 1 when KV heads are replicated):
+
+- `PagedKVCache` (decoder-only models): per layer, pools of fixed-size blocks; a request's
+  block table (inference/block_manager.py) says where each of its positions lives.
+- `KVCache` (T5's decoder, inference/seq2seq.py): per layer `[slots, max_len, g, d]`; a
+  request owns one slot for its lifetime and its token at position p lives at `[slot, p]`.
+
+In both, rows of a batch sit at different lengths and no row is ever moved.
 """
 from __future__ import annotations
 
@@ -48,3 +53,106 @@ class KVCache:
         rows = self._run if self._run is not None else self._slots
         ks, vs = kc[rows, :self._length], vc[rows, :self._length]
         return ks.transpose(1, 2), vs.transpose(1, 2)
+
+
+class PagedKVCache:
+    """The paged cache `SelfAttention` talks to through `update(layer_number, k, v)`: per
+    layer, a pool of keys `[num_blocks, block_size, g, d]` and one of values, of this rank's
+    local KV heads (g as for `KVCache`). Position p of a request lives in block
+    `table[p // block_size]` of its block table (inference/block_manager.py), row
+    `p % block_size`; block 0 (`NULL_BLOCK`) pads tables and takes padded rows' writes.
+
+    Before each forward, `bind(tables [b, n] int64 (CPU), positions [b, s], length, fresh)`
+    gives each row's table (n >= ceil(length / block_size), padded with 0) and its new
+    tokens' positions; `update` writes the new `[b, g, s, d]` keys/values there and returns
+    `[b, g, L, d]` for positions 0..L-1, L = `length` (max position + 1): the new keys
+    themselves when `fresh` (every row starts at position 0: nothing cached to read), else
+    the rows' blocks read through the tables, as a view of the pool when the batch's blocks
+    are one consecutive run, else gathered into a workspace shared by the layers (one
+    `index_select` per layer and tensor). Entries past a row's own length are stale and
+    must be masked by the caller; the pools start zeroed (stale memory may hold NaN).
+    """
+
+    def __init__(self, layer_numbers, num_blocks: int, block_size: int, groups: int,
+                 head_dim: int, dtype: torch.dtype, device):
+        shape = (num_blocks, block_size, groups, head_dim)
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.k = {n: torch.zeros(shape, dtype=dtype, device=device) for n in layer_numbers}
+        self.v = {n: torch.zeros(shape, dtype=dtype, device=device) for n in layer_numbers}
+        self._work = (torch.empty(0, dtype=dtype, device=device),) * 2
+        self._fresh, self._length, self._run = False, 0, None
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, groups: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        """Keys and values of one token position over `num_layers` layers, in bytes."""
+        return 2 * num_layers * groups * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def bind(self, tables: torch.Tensor, positions: torch.Tensor, length: int,
+             fresh: bool = False) -> None:
+        bs, dev = self.block_size, positions.device
+        b, n = tables.shape[0], -(-length // bs)
+        if tables.shape[1] < n:
+            raise ValueError(f"block tables of {tables.shape[1]} blocks do not reach position "
+                             f"{length - 1} (blocks of {bs} tokens)")
+        tables = tables[:, :n]
+        rows = tables.to(dev).gather(1, positions // bs)  # [b, s] block of each new token
+        self._slots = (rows * bs + positions % bs).flatten()
+        self._fresh, self._length, self._b = fresh, length, b
+        if fresh:
+            return
+        flat = tables.flatten()
+        first = int(flat[0])
+        # one consecutive run of blocks (a lone request, usually) is read as a view
+        self._run = slice(first, first + len(flat)) if torch.equal(
+            flat, torch.arange(first, first + len(flat))) else None
+        if self._run is None:
+            self._blocks = flat.to(dev)
+            need = len(flat) * self.k[next(iter(self.k))][0].numel()
+            if self._work[0].numel() < need:
+                self._work = tuple(torch.empty(need, dtype=w.dtype, device=w.device)
+                                   for w in self._work)
+
+    def update(self, layer_number: int, k: torch.Tensor, v: torch.Tensor):
+        kc, vc = self.k[layer_number], self.v[layer_number]
+        out = []
+        for pool, new, work in ((kc, k, self._work[0]), (vc, v, self._work[1])):
+            g, d = pool.shape[2:]
+            pool.view(-1, g, d).index_copy_(
+                0, self._slots, new.transpose(1, 2).reshape(-1, g, d).to(pool.dtype))
+            if self._fresh:
+                out.append(new)
+                continue
+            if self._run is not None:
+                read = pool[self._run]
+            else:
+                n = len(self._blocks)
+                read = torch.index_select(pool, 0, self._blocks,
+                                          out=work[:pool[0].numel() * n].view(n, *pool.shape[1:]))
+            out.append(read.view(self._b, -1, g, d)[:, :self._length].transpose(1, 2))
+        return tuple(out)
+
+
+def parse_memory(text: str) -> int | float:
+    """`--kv-cache-memory`: bytes (`2147483648`, `2GiB`, `512MiB`, `1.5GB`; K/M/G/T with
+    or without `i`, `B` optional) -> int, or a fraction of the free memory in (0, 1]
+    (`0.5`) -> float. Raises `ValueError` naming the accepted forms."""
+    units = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+             "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+    s = text.strip().lower()
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num):].strip()
+    unit = unit[:-1] if unit.endswith("b") else unit
+    try:
+        value = float(num)
+    except ValueError:
+        value = float("nan")
+    if unit not in units or not value > 0 or value == float("inf"):
+        raise ValueError(f"--kv-cache-memory {text!r}: pass bytes (e.g. 2GiB, 512MiB, "
+                         f"4000000000) or a fraction of the free memory in (0, 1] (e.g. 0.5)")
+    if unit == "" and "." in num and value <= 1:
+        return value
+    nbytes = int(value * units[unit])
+    if nbytes < 1:
+        raise ValueError(f"--kv-cache-memory {text!r} is less than one byte")
+    return nbytes

@@ -11,21 +11,32 @@ from layers.attention import LAYER_TYPES, causal_window_mask
 from layers.linear import pack_weights
 from parallel_state import p2p
 
-from .kv_cache import KVCache
+from .comm import replica_min
+from .kv_cache import KVCache, PagedKVCache
+from .loading import available_memory
 
 
 class ModelRunner:
     """Runs this rank's model chunk for one micro-batch of rows.
 
-    `forward(ids [b, s], slots [b], starts [b], last [b], hidden)` -> this stage's output:
+    `forward(ids [b, s], tables [b, n], starts [b], last [b], hidden)` -> this stage's output:
     hidden states `[s, b, h]` for the next stage, or on the last stage the logits `[b, vocab]`
     of token `last[i]` of each row, gathered over the vocab-parallel head and cut to the real
     vocabulary (padding ids can never be produced; only these rows' last tokens go through
     the output layer). Row i's tokens go to positions `starts[i] + 0..s-1`; `hidden` is the
-    previous stage's output tuple (None on the first stage, which embeds `ids`).
+    previous stage's output tuple (None on the first stage, which embeds `ids`); `tables` are
+    the rows' block tables in the paged cache (`PagedKVCache`, n >= ceil((max(starts) + s) /
+    block_size), padded with the null block 0).
+
+    The cache holds `num_blocks` blocks of `block_size` positions (block 0 reserved):
+    `kv_cache_memory` bytes (int) or that fraction of the memory this rank may allocate
+    (float, `loading.available_memory`) over the bytes of a block on this stage, the smallest
+    over the replica's ranks (stages hold different layers; all must agree); default
+    `max_batch_size` requests of `max_seq_length` tokens, the old slot cache's size.
     """
 
-    def __init__(self, model, max_batch_size: int, max_seq_length: int):
+    def __init__(self, model, max_batch_size: int, max_seq_length: int, block_size: int = 16,
+                 kv_cache_memory: int | float | None = None):
         self.model = model.eval()
         self.config = model.config
         # oneDNN's pre-packed weights on CPU in float32 (layers/gemm.py): decode's few-row
@@ -35,6 +46,7 @@ class ModelRunner:
         attn = self._first_attention()
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
+        self.block_size, self.kv_cache_memory = block_size, kv_cache_memory
         self.cache = self._make_cache(attn, max_batch_size, max_seq_length)
         self.first, self.last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         self.stage = ps.get_pipeline_model_parallel_rank()
@@ -43,9 +55,23 @@ class ModelRunner:
     def _first_attention(self):
         return next(iter(self.model.decoder.layers.values())).self_attention
 
-    def _make_cache(self, attn, slots: int, max_len: int) -> KVCache:
-        return KVCache(self.model.layer_numbers, slots, max_len, attn.num_groups,
-                       attn.head_dim, self.dtype, self.device)
+    def _make_cache(self, attn, slots: int, max_len: int) -> PagedKVCache:
+        bs = self.block_size
+        if bs < 1:
+            raise ValueError(f"--kv-block-size must be >= 1, got {bs}")
+        self.bytes_per_token = PagedKVCache.bytes_per_token(
+            len(self.model.layer_numbers), attn.num_groups, attn.head_dim, self.dtype)
+        memory = self.kv_cache_memory
+        if memory is None:
+            blocks = slots * -(-max_len // bs) + 1
+        else:
+            if isinstance(memory, float):
+                have, _ = available_memory(self.device)
+                memory = int(memory * have)
+            blocks = replica_min(memory // (self.bytes_per_token * bs))
+        self.cache_bytes = blocks * bs * self.bytes_per_token
+        return PagedKVCache(self.model.layer_numbers, blocks, bs, attn.num_groups,
+                            attn.head_dim, self.dtype, self.device)
 
     def spec(self, ids: torch.Tensor) -> p2p.TensorSpec:
         """What a stage passes on for a micro-batch of `ids [b, s]`: `[s, b, h]`."""
@@ -69,7 +95,7 @@ class ModelRunner:
             .masked_fill_(~allowed, float("-inf"))[:, None]
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
+    def forward(self, ids: torch.Tensor, tables: torch.Tensor, starts: torch.Tensor,
                 last: torch.Tensor, hidden: tuple | None) -> torch.Tensor:
         hidden = hidden[0] if hidden is not None else None
         b, s = ids.shape
@@ -83,7 +109,7 @@ class ModelRunner:
         if self.config.window_size is not None:  # one mask per kind of layer (SelfAttention)
             mask = {LAYER_TYPES[0]: mask,
                     LAYER_TYPES[1]: self._mask(positions, length, self.config.window_size)}
-        self.cache.bind(slots, positions, length)
+        self.cache.bind(tables, positions, length, fresh=length == s)
         out = self.model(ids.to(dev) if self.first else None, position_ids=positions,
                          hidden_states=hidden, kv_cache=self.cache, attention_mask=mask,
                          output_positions=last.to(dev) if self.last else None)

@@ -69,7 +69,9 @@ class Seq2SeqRunner(ModelRunner):
     """The `ModelRunner` of a T5Model stage: encoder stages (before the split) run only on
     prefill micro-batches; decoder stages on every micro-batch.
 
-    `forward(ids [b, 1], slots, starts, last, hidden, sources=None)`: with `sources`
+    `forward(ids [b, 1], tables [b, 1], starts, last, hidden, sources=None)`: the request
+    in slot `tables[i, 0]` (the engine hands T5 one "block" of max_seq_length positions per
+    request: its slot of the contiguous cache). With `sources`
     `(prompt ids [b, se] right-padded, lengths [b])` the rows are new (prefill): the encoder
     runs (on its stages) and each decoder stage stores the cross-attention keys/values of the
     encoder output in the slots; then one decoder step of `ids` at positions `starts`.
@@ -112,8 +114,8 @@ class Seq2SeqRunner(ModelRunner):
         return out if isinstance(out, tuple) else (out,)
 
     @torch.inference_mode()
-    def forward(self, ids, slots, starts, last, hidden, sources=None):
-        model, dev = self.model, self.device
+    def forward(self, ids, tables, starts, last, hidden, sources=None):
+        model, dev, slots = self.model, self.device, tables[:, 0]
         if sources is not None:
             source, lengths = sources
             source_mask = (torch.arange(source.shape[1])[None, :] < lengths[:, None]).to(dev)
