@@ -273,14 +273,19 @@ CKPT = LLAMA + ["--num-query-groups", "4", "--train-iters", "6", "--log-interval
 
 
 def test_checkpoint_across_strategies(tmp_path, corpus_env):
-    """Saved under optim_grads_params at (tp2, dp2), iteration 3 resumes bitwise there, and
-    to 1e-6 under optim at (pp2, dp2) and under no_shard at dp 1."""
-    save = str(tmp_path / "save")
+    """Saved under optim_grads_params with the optimizer on NVMe at (tp2, dp2), iteration 3
+    resumes bitwise there, and to 1e-6 without offload under optim at (pp2, dp2) and under
+    no_shard at dp 1; the pp2 run's own checkpoint of iteration 4 (no offload) resumes with
+    the optimizer on NVMe under optim_grads at dp 4 (the scratch files are never a
+    checkpoint's source or target: both ways go through the normal state dict)."""
+    save, save2 = str(tmp_path / "save"), str(tmp_path / "save2")
     ckpt = save + "/iter_0000003"
-    zero3 = CKPT + ["--tp", "2", STRATEGY, "optim_grads_params"]
+    zero3 = CKPT + ["--tp", "2", STRATEGY, "optim_grads_params", *NVME]
     four = _run(4, [zero3 + ["--save", save, "--save-interval", "3"],
                     zero3 + ["--load", ckpt],
-                    CKPT + ["--pp", "2", STRATEGY, "optim", "--load", ckpt]],
+                    CKPT + ["--pp", "2", STRATEGY, "optim", "--load", ckpt, "--save", save2,
+                            "--save-interval", "4"],
+                    CKPT + [STRATEGY, "optim_grads", *NVME, "--load", save2 + "/iter_0000004"]],
                 tmp_path / "four", corpus_env)[0]
     one = _run(1, [CKPT + [STRATEGY, "no_shard", "--load", ckpt]], tmp_path / "one",
                corpus_env)[0]
@@ -289,8 +294,9 @@ def test_checkpoint_across_strategies(tmp_path, corpus_env):
     assert four[1]["losses"] == ref[3:]  # bitwise
     for resumed in (four[2], one[0]):
         assert resumed["losses"] == pytest.approx(ref[3:], rel=1e-6)
+    assert four[3]["losses"] == pytest.approx(ref[4:], rel=1e-6)
     for name, full in four[0]["state"].items():  # and the final weights agree
-        for resumed in (four[1], four[2], one[0]):
+        for resumed in (four[1], four[2], four[3], one[0]):
             rel = float((resumed["state"][name] - full).norm() / full.norm().clamp_min(1e-12))
             assert rel < 1e-5, (name, rel)
 
