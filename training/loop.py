@@ -35,6 +35,7 @@ from .arguments import Config
 from .batches import get_microbatches
 from .checkpointing import Checkpointer, DataPosition, kill_hook, signal_hook
 from .diloco import DiLoCo
+from .stragglers import StragglerReport, slow_down_for_test
 from .expert_load import ExpertLoadLog
 from .memory import peak_memory_bytes
 from .metrics import EvalProgress, MetricsLogger, Progress, format_duration
@@ -158,6 +159,7 @@ class TrainState:
     diloco: DiLoCo | None = None  # --diloco-sync-every's outer optimizer
     counted_steps: int = 1  # steps --report-comm counts (DiLoCo: one sync period)
     window_counts: dict = dataclasses.field(default_factory=dict)  # their counts so far
+    stragglers: StragglerReport | None = None  # per-rank phase times (world size > 1)
 
 
 @dataclasses.dataclass
@@ -171,6 +173,7 @@ class StepResult:
     skipped: str | None  # why the StepGuard skipped the optimizer step, else None
     timeline: Timeline | None  # --profile-pipeline
     counted: object | None  # --report-comm's counts, on the counted step
+    data_s: float = 0.0  # seconds spent building the microbatches
 
 
 def train(run: TrainState) -> tuple[int, str | None]:
@@ -201,13 +204,19 @@ def train(run: TrainState) -> tuple[int, str | None]:
     run.counted_step = run.start_iteration + (1 if t.train_iters > run.start_iteration + 1
                                               else 0)
     run.counter = CommCounter() if t.report_comm else None
+    run.stragglers = StragglerReport(t.straggler_threshold) if dist.get_world_size() > 1 \
+        else None
     if run.diloco is not None:  # a whole period (one outer step), reported per step
         run.counted_steps = max(1, min(t.diloco_sync_every, t.train_iters - run.counted_step))
     try:
         for iteration in range(run.start_iteration, t.train_iters):
             run.profiler.before(iteration)
             step_start = time.perf_counter()
+            if run.stragglers is not None:
+                run.stragglers.begin_step(iteration)
             step = train_step(run, iteration)
+            if run.stragglers is not None:
+                run.stragglers.end_step(time.perf_counter() - step_start, step.data_s)
             _after_step(run, step, iteration, step_start)
             it = iteration + 1
             _handle_skipped_step(run, step, it)
@@ -232,6 +241,8 @@ def train(run: TrainState) -> tuple[int, str | None]:
         raise
     finally:
         exit_check.close()
+        if run.stragglers is not None:
+            run.stragglers.close()
     return (it if stop is not None else max(run.start_iteration, t.train_iters)), stop
 
 
@@ -257,8 +268,10 @@ def train_step(run: TrainState, iteration: int) -> StepResult:
     for group in optimizer.param_groups:
         group["lr"] = lr
     data_start = position.data_index
+    data_began = time.perf_counter()
     with record_function("shardzoo.data"):
         microbatches = get_microbatches(run.train_ds, data_start, run.config, run.device, gbs)
+    data_s = time.perf_counter() - data_began
     signal_hook(iteration + 1)  # test hook; no-op unless its env var is set
     # the loss tokens of the whole global batch: each dp x cp rank holds a part of them
     num_tokens = _global_sum(sum(mb["loss_mask"].sum() for mb in microbatches),
@@ -268,9 +281,11 @@ def train_step(run: TrainState, iteration: int) -> StepResult:
     run.moe.before_step(gbs, t.micro_batch_size)
     timeline = Timeline() if t.profile_pipeline and iteration > 0 else None
     hooks = inject_grad_for_test(iteration + 1, run.params)  # no-op unless testing
+    began = time.perf_counter()
     loss_sum = run.forward_backward(model=run.model, microbatches=microbatches,
                                     loss_scale=1.0 / float(num_tokens), spec=run.spec,
                                     timeline=timeline)
+    slow_down_for_test(time.perf_counter() - began)  # no-op unless its env var is set
     for hook in hooks:
         hook.remove()
     for ddp in run.model:
@@ -301,7 +316,7 @@ def train_step(run: TrainState, iteration: int) -> StepResult:
             total[1] += nbytes
         if iteration == run.counted_step + run.counted_steps - 1:
             counted = _per_step(run.window_counts, run.counted_steps)
-    return StepResult(gbs, lr, data_start, loss, grad_norm, skipped, timeline, counted)
+    return StepResult(gbs, lr, data_start, loss, grad_norm, skipped, timeline, counted, data_s)
 
 
 def _per_step(counts: dict, steps: int) -> dict:
@@ -378,6 +393,10 @@ def training_log(run: TrainState, step: StepResult, it: int) -> None:
                         f"elapsed {format_duration(rec['elapsed_s'])} | "
                         f"eta {format_duration(eta)}" + (f" | {moe_line}" if moe_line else ""))
     run.records.append(rec)
+    if run.stragglers is not None:  # collective over the world, like the MoE report above
+        report = run.stragglers.report(it, run.logger)
+        if report is not None:
+            run.records.append(report)
 
 
 def evaluate_and_print_results(run: TrainState, it: int) -> dict:
