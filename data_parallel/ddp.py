@@ -28,6 +28,12 @@ N_d data-parallel ranks, W/G bytes per weight/gradient, K optimizer bytes per pa
   all-gathers them per unit (a transformer layer, the embedding, the output layer) just
   before its forward and again before its backward, frees them right after, and prefetches the
   next unit's gather so it overlaps compute. `(W + G + K) psi / N_d` plus the gathered units.
+  With `param_offload_device` (ZeRO-Infinity's parameter offload, Rajbhandari et al. 2021,
+  sec. 5.1) the `W psi / N_d` shards live off the device between uses: in host memory ("cpu":
+  `param_shards` is a host tensor, pinned on CUDA, copied in per unit for its all-gather) or
+  in a raw file in this process's scratch folder ("nvme": `param_file`; no `param_shards`;
+  fsdp.py reads a unit's shard into a host buffer one unit ahead of its all-gather). Use
+  `read_params` / `write_params` to reach the shards wherever they live.
 
 With sharding, the tied embedding's copy on the first or last pipeline stage gets a bucket of
 its own, so both copies are sharded identically and their gradient all-reduce (across stages)
@@ -149,6 +155,9 @@ class DistributedDataParallel(nn.Module):
             forward-backward.
         expert_data_parallel_group: the group the `expert_parallel` parameters reduce over
             (module docstring); None or the data-parallel group: they are dense ones.
+        param_offload_device: `optim_grads_params` only: None (on the device), "cpu" or
+            "nvme" (a file in a scratch folder of this process under `offload_path`, named
+            for global `rank`, served by `io_threads` threads); see the module docstring.
     Attributes:
         offsets: `{id(param): start}` of each parameter in the flat index space.
         numel_padded: size of the flat index space (all buckets, padding included).
@@ -162,7 +171,9 @@ class DistributedDataParallel(nn.Module):
                  use_distributed_optimizer: bool = False,
                  data_parallel_sharding_strategy: str | None = None,
                  fsdp_unit_modules: list[nn.Module] | None = None,
-                 expert_data_parallel_group=None):
+                 expert_data_parallel_group=None, param_offload_device: str | None = None,
+                 offload_path: str | None = None, rank: int = 0, io_threads: int = 2,
+                 pin_memory: bool = True):
         super().__init__()
         self.module = module
         self.group = data_parallel_group
@@ -216,10 +227,19 @@ class DistributedDataParallel(nn.Module):
             if self.shard_grads else None
         self._reductions: list[tuple] = []  # sharded grads: (bucket, buffer, work) in flight
         self._callback_queued = False
-        self.param_buffer = self.param_shards = None
+        self.param_buffer = self.param_shards = self.param_file = None
+        self.param_offload = param_offload_device if self.shard_params else None
+        if self.param_offload not in (None, "cpu", "nvme"):
+            raise ValueError(f"param_offload_device must be None, 'cpu' or 'nvme', got "
+                             f"{param_offload_device!r}")
+        if self.param_offload == "nvme":
+            self._open_param_file(offload_path, rank, shard_total, io_threads)
+        elif self.shard_params:
+            pin = self.param_offload == "cpu" and pin_memory and self.device.type == "cuda"
+            self.param_shards = torch.zeros(
+                shard_total, dtype=self.param_dtype, pin_memory=pin,
+                device="cpu" if self.param_offload == "cpu" else self.device)
         if self.shard_params:
-            self.param_shards = torch.zeros(shard_total, dtype=self.param_dtype,
-                                            device=self.device)
             self.units.build(buckets)  # params become views of per-unit gathered buffers
         elif self.use_distributed_optimizer and params:
             self.param_buffer = torch.zeros(total, dtype=self.param_dtype, device=self.device)
@@ -319,6 +339,51 @@ class DistributedDataParallel(nn.Module):
         if self.param_buffer is not None:
             return self.param_buffer[lo:hi]
         return None
+
+    def _open_param_file(self, path: str | None, rank: int, numel: int, threads: int) -> None:
+        import weakref
+
+        from .offload_files import SwapFile, make_scratch, remove_scratch
+
+        if not path:
+            raise ValueError("param_offload_device='nvme' needs an offload_path")
+        self.param_scratch = make_scratch(path, rank)
+        self._remove_param_scratch = weakref.finalize(self, remove_scratch, self.param_scratch)
+        try:
+            self.param_file = SwapFile(self.param_scratch, "params.bin",
+                                       numel * self.param_dtype.itemsize, threads)
+        except BaseException:
+            self._remove_param_scratch()
+            raise
+
+    def close_offload(self) -> None:
+        """Delete the NVMe parameter file and its scratch folder (no-op without them)."""
+        if self.param_file is not None:
+            self.param_file.close()
+            self.param_file = None
+            self._remove_param_scratch()
+
+    def param_file_offset(self, bucket: _Bucket, lo: int) -> int:
+        """Byte offset of owned flat index `lo` of `bucket` in `param_file`."""
+        return self._shard_pos(bucket, lo) * self.param_dtype.itemsize
+
+    def read_params(self, bucket: _Bucket, lo: int, hi: int) -> torch.Tensor | None:
+        """Persistent weights of owned flat range [lo, hi) wherever they live: `param_view`,
+        or a host copy read from the NVMe parameter file."""
+        if self.param_file is None:
+            return self.param_view(bucket, lo, hi)
+        out = torch.empty(hi - lo, dtype=self.param_dtype)
+        self.param_file.read(self.param_file_offset(bucket, lo), out).result()
+        return out
+
+    def write_params(self, bucket: _Bucket, lo: int, hi: int, src: torch.Tensor) -> None:
+        """Set the persistent weights of owned flat range [lo, hi) to `src` (in place, or
+        written to the NVMe parameter file)."""
+        if self.param_file is None:
+            self.param_view(bucket, lo, hi).copy_(src)
+            return
+        host = src.detach().to("cpu", self.param_dtype).contiguous()
+        self.param_file.write(self.param_file_offset(bucket, lo), host).result()
 
     def owned_segments(self, bucket: _Bucket, lo: int, hi: int):
         """`(param, first element in param, first element in [lo, hi), count)` for every
@@ -516,16 +581,18 @@ class DistributedDataParallel(nn.Module):
     def load_param_(self, param: nn.Parameter, value: torch.Tensor) -> None:
         """Set `param` (this rank's TP shard) to `value`: in place, or into the owned part of
         the parameter shards under optim_grads_params (gathered copies are dropped)."""
-        if self.param_shards is None:
+        if not self.shard_params:
             param.copy_(value.to(param.device, param.dtype))
             return
         bucket = self._bucket_of[id(param)]
         lo, hi = self.shard_range(bucket)
         flat = value.reshape(-1)
-        shard = self.param_view(bucket, lo, hi)
+        shard = self.read_params(bucket, lo, hi)
         for p, p_start, at, n in self.owned_segments(bucket, lo, hi):
             if p is param:
                 shard[at: at + n].copy_(flat[p_start: p_start + n])
+        if self.param_file is not None:
+            self.write_params(bucket, lo, hi, shard)
         self.units.invalidate(prefetch=False)
 
 

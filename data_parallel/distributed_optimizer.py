@@ -191,8 +191,9 @@ class DistributedOptimizer:
     @torch.no_grad()
     def _make_shard(self, ddp: DistributedDataParallel, bucket, lo: int, hi: int,
                     host: bool) -> _Shard:
-        store = ddp.param_view(bucket, lo, hi)
-        alias = not host and store is not None and store.dtype == torch.float32
+        store = ddp.read_params(bucket, lo, hi)  # NVMe parameters: a host copy
+        alias = (not host and store is not None and store.dtype == torch.float32
+                 and ddp.param_file is None and store.device == ddp.device)
         device = torch.device("cpu") if host else ddp.device
         pin = host and ddp.device.type == "cuda"
 
@@ -224,7 +225,7 @@ class DistributedOptimizer:
             (shard.norm if counts_toward_norm(p) else shard.outside_norm).append((at, at + n))
         buf, _ = self._slots[0]
         main, moments = buf[:hi - lo], buf[hi - lo: 3 * (hi - lo)]
-        store = ddp.param_view(bucket, lo, hi)
+        store = ddp.read_params(bucket, lo, hi)
         if store is not None:
             main.copy_(store)
         for p, p_start, at, n in shard.segments if store is None else []:
@@ -382,6 +383,9 @@ class DistributedOptimizer:
     @staticmethod
     def _write_back(s: _Shard, non_blocking: bool = False, main=None) -> None:
         main = s.main if main is None else main
+        if s.ddp.param_file is not None:  # NVMe parameter shards: written to their file
+            s.ddp.write_params(s.bucket, s.lo, s.hi, main)
+            return
         store = s.ddp.param_view(s.bucket, s.lo, s.hi)
         if store is not None:
             if s.owns_main:

@@ -21,6 +21,14 @@ layer). Following FSDP (Zhao et al. 2023, "PyTorch FSDP", sec. 3.3-3.4) and Mega
   running autograd graph task) gathers but never frees, so the backward that follows finds
   the values.
 
+Parameter offload (`--param-offload-device`, ZeRO-Infinity): with the shards in host memory
+a unit's all-gather takes its input copied to the device; with the shards in an NVMe file the
+unit's shard (one contiguous range of the file: its buckets are consecutive) is read into a
+host buffer by the file's I/O threads, started when the unit before it is used -- in forward
+order in forward, reverse order in backward -- so the read overlaps that unit's compute and
+the all-gather of the unit between. Staged reads are dropped when the shards change
+(`invalidate`).
+
 `peak_gathered_bytes()` reports the most bytes of gathered (full) parameters that were alive at
 once in this process, next to `predicted_peak_bytes` (root + the two largest adjacent units).
 """
@@ -74,6 +82,8 @@ class _Unit:
     reshard_after_forward: bool = True
     pending: int = 0  # forwards with autograd whose backward has not finished (kept units)
     reduced: int = 0  # buckets reduce-scattered in the running backward
+    stage: tuple | None = None  # NVMe parameter offload: (host buffer, read future)
+    stage_in_use: torch.Tensor | None = None  # the buffer its running all-gather reads
 
     @property
     def nbytes(self) -> int:
@@ -142,7 +152,7 @@ class ParameterUnits:
                 p.data = view
             for b in u.buckets:
                 lo, hi = ddp.shard_range(b)
-                ddp.param_view(b, lo, hi).copy_(u.full[lo - u.start: hi - u.start])
+                ddp.write_params(b, lo, hi, u.full[lo - u.start: hi - u.start])
             u.full.untyped_storage().resize_(0)
             if u.module is not None:
                 u.module.register_forward_pre_hook(self._pre_forward_hook(u))
@@ -154,23 +164,58 @@ class ParameterUnits:
         if u.gathered:
             return
         ddp = self.ddp
+        staged = self._take_stage(u)
         u.full.untyped_storage().resize_(u.nbytes)
         u.gathered = True
         _Gathered.add(u.nbytes)
         for b in u.buckets:
             lo, hi = ddp.shard_range(b)
             out = u.full[b.start - u.start: b.end - u.start]
+            if staged is not None:
+                at = ddp.param_file_offset(b, lo) // staged.element_size() - self._pos(u)[0]
+                src = staged[at: at + hi - lo]
+            else:  # on the device, or (cpu offload) copied in from host memory
+                src = ddp.param_view(b, lo, hi).to(out.device, non_blocking=True)
             if b.comm.size > 1:  # over the bucket's group: dp, or edp for experts
-                u.handles.append(all_gather_single(out, ddp.param_view(b, lo, hi),
-                                                   group=b.comm.group, async_op=async_op))
+                u.handles.append(all_gather_single(out, src, group=b.comm.group,
+                                                   async_op=async_op))
             else:
-                out.copy_(ddp.param_view(b, lo, hi))
+                out.copy_(src)
+
+    # ------------------------------------------------------------------ NVMe staging
+    def _pos(self, u: _Unit) -> tuple[int, int]:
+        """[first, end) element of unit `u`'s shard in the parameter file."""
+        ddp, es = self.ddp, self.ddp.param_dtype.itemsize
+        ranges = [ddp.shard_range(b) for b in u.buckets]
+        return (min(ddp.param_file_offset(b, lo) for b, (lo, _) in zip(u.buckets, ranges)) // es,
+                max(ddp.param_file_offset(b, lo) + (hi - lo) * es
+                    for b, (lo, hi) in zip(u.buckets, ranges)) // es)
+
+    def _stage(self, u: _Unit | None) -> None:
+        """Start reading `u`'s shard from the NVMe parameter file (no-op without one, or if
+        it is gathered or already being read)."""
+        ddp = self.ddp
+        if u is None or ddp.param_file is None or u.gathered or u.stage is not None:
+            return
+        first, end = self._pos(u)
+        buf = torch.empty(end - first, dtype=ddp.param_dtype)
+        u.stage = (buf, ddp.param_file.read(first * buf.element_size(), buf))
+
+    def _take_stage(self, u: _Unit) -> torch.Tensor | None:
+        """`u`'s shard read from the NVMe file (waiting for, or starting, its read)."""
+        if self.ddp.param_file is None:
+            return None
+        self._stage(u)
+        buf, done = u.stage
+        done.result()
+        u.stage, u.stage_in_use = None, buf  # kept alive until the all-gather finished
+        return buf
 
     def _wait(self, u: _Unit) -> None:
         for h in u.handles:
             if h is not None:
                 h.wait()
-        u.handles = []
+        u.handles, u.stage_in_use = [], None
 
     def _free(self, u: _Unit) -> None:
         if not u.gathered:
@@ -180,12 +225,14 @@ class ParameterUnits:
         u.gathered = False
         _Gathered.add(-u.nbytes)
 
-    def _use(self, u: _Unit, prefetch: _Unit | None) -> None:
-        """Make `u` gathered now and start gathering `prefetch` in the background."""
+    def _use(self, u: _Unit, prefetch: _Unit | None, backward: bool = False) -> None:
+        """Make `u` gathered now and start gathering `prefetch` in the background (and, with
+        the shards on NVMe, reading the unit after `prefetch`)."""
         self._gather(u)
         self._wait(u)
         if prefetch is not None:
             self._gather(prefetch, async_op=True)
+            self._stage(self._next(prefetch, backward))
 
     def _next(self, u: _Unit, backward: bool) -> _Unit | None:
         if backward:  # the root's backward comes first, then the last unit's, ...
@@ -238,7 +285,7 @@ class ParameterUnits:
         return self._after_forward(self.root, module(*args, **kwargs))
 
     def _pre_backward(self, u: _Unit) -> None:
-        self._use(u, self._next(u, backward=True))
+        self._use(u, self._next(u, backward=True), backward=True)
 
     def bucket_reduced(self, bucket) -> None:
         """Called by the wrapper when a bucket's gradient was handed to its reduce-scatter:
@@ -277,8 +324,12 @@ class ParameterUnits:
         for u in self.order:
             self._free(u)
             u.pending, u.reduced = 0, 0
+            if u.stage is not None:  # read before the shards changed
+                u.stage[1].result()
+                u.stage = None
         if prefetch and self.order:
             self._gather(self.order[0], async_op=True)
+            self._stage(self.order[1] if len(self.order) > 1 else None)
 
     def gather_all(self) -> None:
         """Gather every unit (to read full weights outside a forward)."""

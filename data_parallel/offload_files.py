@@ -20,6 +20,7 @@ files (missing and not creatable, not a folder, read-only, too little free space
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import re
@@ -139,10 +140,15 @@ def make_scratch(path: str, rank: int) -> str:
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
-    """The bytes of contiguous CPU tensor `t`, shared (no copy)."""
+    """The bytes of contiguous CPU tensor `t`, shared (no copy). Through ctypes rather than
+    `Tensor.numpy()`, which would mark the storage not resizable (ZeRO-3's gathered buffers
+    are resized to 0 between uses); the caller keeps `t` alive while the view is used."""
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError("swap buffers must be contiguous host tensors")
-    return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
 class SwapFile:

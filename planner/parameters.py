@@ -296,7 +296,7 @@ def model_state_prediction(config, pp_rank: int = 0) -> dict:
         off = by_set.get((key, n), 0)
         d, hb = zero_formula_bytes(
             count, strategy=strategy, dp=n, weight_bytes=w,
-            main_copy=main_copy(strategy, t.bf16, uses_dist_opt),
+            main_copy=main_copy(strategy, t.bf16, uses_dist_opt) or bool(t.param_offload_device),
             host_elements=0 if nvme else off, nvme_elements=off if nvme else 0)
         device, host_bytes, nvme_bytes = device + d, host_bytes + hb, nvme_bytes + 12 * off * nvme
         if t.param_offload_device:  # ZeRO-3 weight shards off the device

@@ -2,7 +2,10 @@
 (issues 4 and 13).
 
 - Every `--data-parallel-sharding-strategy` (no_shard, optim, optim_grads,
-  optim_grads_params), with `--optimizer-cpu-offload` too, at dp 2 and 4, with TP 2 + SP and
+  optim_grads_params), with `--optimizer-cpu-offload` too, with the optimizer on NVMe
+  (`--optimizer-offload-device nvme`: dp 2, tp 2 x dp 2, pp 2 x dp 2) and ZeRO-3's parameters
+  on NVMe (dp 2 under full recompute, tp 2 x dp 2 with the optimizer there too) or in host
+  memory (pp 2 x dp 2), at dp 2 and 4, with TP 2 + SP and
   with PP 2 (tied embedding, so its gradient all-reduce across stages runs on shards), and
   ZeRO-3 under full recompute, gives the same losses, gradient norms and weights after 5
   steps as torch.optim.AdamW in one process (the world-1 run), to 1e-5 relative per tensor
@@ -104,17 +107,22 @@ CASES = [
         _strategy("optim_grads_params", *OFFLOAD, "--optimizer-offload-fraction", "0.5"),
         _strategy("no_shard", *OFFLOAD),
         _strategy("optim_grads", *NVME, "--optimizer-offload-fraction", "0.6",
-                  "--offload-buffer-count", "3", "--ddp-bucket-size", "20000")]),
+                  "--offload-buffer-count", "3", "--ddp-bucket-size", "20000"),
+        _strategy("optim_grads_params", "--param-offload-device", "nvme", "--offload-path",
+                  "{offload}", "--recompute-granularity", "full", "--recompute-num-layers",
+                  "1", "--ddp-bucket-size", "20000")]),
     ("dp4-tied", "gpt", 4, [], [
         _strategy("no_shard"), _strategy("optim"), _strategy("optim_grads"), _strategy("optim_grads_params"),
         _strategy("optim_grads", *OFFLOAD)]),
     ("tp2-dp2-sp", "llama", 4, ["--tp", "2", "--sequence-parallel"], [
         _strategy("optim"), _strategy("optim_grads"), _strategy("optim_grads_params"),
         _strategy("optim_grads_params", *OFFLOAD),
-        _strategy("optim_grads_params", *NVME, "--ddp-bucket-size", "20000")]),
+        _strategy("optim_grads_params", *NVME, "--param-offload-device", "nvme",
+                  "--ddp-bucket-size", "20000")]),
     ("pp2-dp2-tied", "gpt", 4, ["--pp", "2"], [
         _strategy("optim"), _strategy("optim_grads"), _strategy("optim_grads_params"),
-        _strategy("optim_grads_params", *OFFLOAD, "--optimizer-offload-fraction", "0.3"),
+        _strategy("optim_grads_params", *OFFLOAD, "--optimizer-offload-fraction", "0.3",
+                  "--param-offload-device", "cpu"),
         _strategy("optim", *NVME, "--offload-io-threads", "1")]),
 ]
 
@@ -157,8 +165,9 @@ def test_sharding_strategies_match_adamw(case, references, case_results):
             assert b["model_state_host_total_bytes"] == \
                 b["model_state_predicted_host_total_bytes"], what
             nvme = "nvme" in flags
-            assert (b["model_state_host_total_bytes"] > 0) == \
-                ("--optimizer-cpu-offload" in flags or nvme), what
+            host = "--optimizer-cpu-offload" in flags or "--optimizer-offload-device" in flags \
+                or "--param-offload-device cpu" in what
+            assert (b["model_state_host_total_bytes"] > 0) == host, what
             assert b["model_state_nvme_total_bytes"] == \
                 b["model_state_predicted_nvme_total_bytes"], what
             assert (b["model_state_nvme_total_bytes"] > 0) == nvme, what

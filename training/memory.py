@@ -206,7 +206,11 @@ def model_state_bytes(model, optimizer) -> dict:
     params = [p for d in model for p in d.params]
     out = {"params": sum(size(d.param_shards) if d.param_shards is not None else
                          size(d.param_buffer) if d.param_buffer is not None else
-                         sum(size(p) for p in d.params) for d in model),
+                         0 if d.param_file is not None else
+                         sum(size(p) for p in d.params)
+                         for d in model if d.param_offload is None),
+           "host_params": sum(size(d.param_shards) for d in model if d.param_offload == "cpu"),
+           "nvme_params": sum(d.param_file.nbytes for d in model if d.param_file is not None),
            "grads": sum(size(d.grad_shards) if d.shard_grads else size(d.buffer.data)
                         for d in model)}
     if isinstance(optimizer, DistributedOptimizer):
@@ -221,14 +225,18 @@ def model_state_bytes(model, optimizer) -> dict:
         n_host, n_nvme, buffers = 0, [], 0
     out["total"] = out["params"] + out["grads"] + out["main_params"] + out["optimizer_states"]
     out["host_total"] = out["host_main_params"] + out["host_optimizer_states"] + \
-        out["host_grads"] + out["host_swap_buffers"]
-    out["nvme_total"] = out["nvme_main_params"] + out["nvme_optimizer_states"]
+        out["host_grads"] + out["host_swap_buffers"] + out["host_params"]
+    out["nvme_total"] = out["nvme_main_params"] + out["nvme_optimizer_states"] + \
+        out["nvme_params"]
     strategy = model[0].strategy if model else "no_shard"
     dp = model[0].dp_size if model else 1
     weight = params[0].element_size() if params else 4
     # a separate fp32 main copy: bf16 weights, or mixed precision without a parameter store
     main_copy = weight != 4 or (strategy == "no_shard" and isinstance(optimizer,
                                                                      DistributedOptimizer))
+    # parameter offload: the main weights cannot be the (off-device) parameter shards
+    main_copy = main_copy or any(d.param_file is not None or (
+        d.param_offload == "cpu" and d.device.type != "cpu") for d in model)
     psi, padded = {}, {}  # elements by the size of the group their bucket reduces over
     for d in model:
         for b in d.buffer.buckets:
@@ -247,6 +255,11 @@ def model_state_bytes(model, optimizer) -> dict:
                                                                   **kw)
     out["predicted_host_total"] += buffers
     out["predicted_nvme_total"] = 12 * sum(n_nvme)
+    offloaded = weight * sum(c // n for n, c in padded.items())  # ZeRO-3's W psi / N_d
+    where = {d.param_offload for d in model} - {None}
+    if where:  # parameter offload moves the weight shards off the device
+        out["predicted_total"] -= offloaded
+        out["predicted_host_total" if where == {"cpu"} else "predicted_nvme_total"] += offloaded
     out["paper_total"] = formula(psi, n_host, sum(n_nvme), **kw)[0]
     out.update(psi=sum(psi.values()), psi_padded=sum(padded.values()), dp=dp,
                edp=model[0].expert_comm.size if model else 1, strategy=strategy)

@@ -259,7 +259,11 @@ def setup_model_and_optimizer(config: Config, device) -> tuple[list, list, objec
                                      bucket_size=t.ddp_bucket_size,
                                      overlap_grad_reduce=t.overlap_grad_reduce,
                                      data_parallel_sharding_strategy=(
-                                         t.data_parallel_sharding_strategy))
+                                         t.data_parallel_sharding_strategy),
+                                     param_offload_device=t.param_offload_device,
+                                     offload_path=t.offload_path, rank=dist.get_rank(),
+                                     io_threads=t.offload_io_threads,
+                                     pin_memory=t.offload_pin_memory)
              for c in chunks]
     if t.use_distributed_optimizer or t.bf16 or t.optimizer_cpu_offload:
         # fp32 main weights (sharded over DP: ZeRO-1/2/3), optionally in host memory
@@ -355,6 +359,8 @@ def _finish_run(run: TrainState, last: int, stop: str | None, on_end) -> list[di
         ddp.release_params()
     if isinstance(run.optimizer, DistributedOptimizer):
         run.optimizer.close()  # the NVMe scratch files go (checkpoints never need them)
+    for ddp in run.model:
+        ddp.close_offload()
     return records
 
 
