@@ -89,7 +89,8 @@ def in_flight(pp: int, vpp: int, num_microbatches: int, pp_rank: int) -> int:
 def rank_memory(config, pp_rank: int) -> dict:
     """Predicted device bytes of a rank of pipeline stage `pp_rank`: `{"model_states",
     "activations_per_microbatch", "activations", "in_flight", "transient" (of which
-    "gathered_params"), "total", "host"}`."""
+    "gathered_params"), "total", "host", "nvme"}` (host and NVMe: offloaded model states and
+    the NVMe streaming buffers)."""
     t = config.train
     pp, v = t.pipeline_model_parallel_size, t.virtual_pipeline_model_parallel_size or 1
     states = model_state_prediction(config, pp_rank)
@@ -120,7 +121,7 @@ def rank_memory(config, pp_rank: int) -> dict:
     return {"model_states": states["total"], "activations_per_microbatch": per_mb,
             "activations": int(activations), "in_flight": held, "transient": transient,
             "gathered_params": gathered,
-            "total": int(total), "host": states["host_total"]}
+            "total": int(total), "host": states["host_total"], "nvme": states["nvme_total"]}
 
 
 def peak_memory(config) -> dict:

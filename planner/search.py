@@ -28,6 +28,19 @@ sec. 5.1) at `peak x matmul_efficiency` per GPU:
 DP gradient reductions (over dp x cp; the expert gradients' over edp) overlap the last
 microbatch's backward (2/3 of t_mb; ZeRO-2/3: every microbatch's), the ZeRO-1/2 parameter
 all-gather the next forward (1/3 of t_mb); what does not fit is exposed. MFU = model FLOPs of the step / (t_step x GPUs x peak).
+
+Offload (ZeRO-Offload, Ren et al. 2021; ZeRO-Infinity, Rajbhandari et al. 2021) is searched
+only when no layout fits without it (`plan`): ZeRO-2/3 layouts with the optimizer in host
+memory or on NVMe, and ZeRO-3 layouts with the parameters there too. Its time, at the
+assumed `Hardware.host_bandwidth` (per GPU, PCIe) and `nvme_bandwidth` (per node, shared by
+its GPUs), for N = the rank's optimizer elements (psi / dp) and W the weight bytes:
+
+    optimizer:  N (4 + W) / host_bw           gradients to the host, new weights back
+              + N 24 / (nvme_bw / node GPUs)  NVMe: main copy and moments read and written
+                (exposed: the update runs after backward)
+    parameters: m (2 + recompute) N W / bw    each microbatch reads every shard for forward,
+                                              backward (and recompute); overlapped with the
+                                              pipeline's compute, the excess exposed
 """
 from __future__ import annotations
 
@@ -85,6 +98,14 @@ class Hardware:
     peak_tflops: float = GPU_PEAK_BF16_TFLOPS["H100"]
     matmul_efficiency: float = 0.7
     memory_headroom: float = 0.1
+    host_bandwidth: float = 25e9  # bytes/s per GPU between device and host (PCIe)
+    nvme_bandwidth: float | None = None  # bytes/s per node to its NVMe drives; None: no NVMe
+    host_memory: float | None = None  # bytes of host memory per node offload may use
+
+    def host_fits(self, host_bytes_per_gpu: float) -> bool:
+        """The node's host memory holds this many offloaded bytes for each of its GPUs."""
+        node = min(self.network.node_size, self.gpus)
+        return self.host_memory is None or host_bytes_per_gpu * node <= self.host_memory
 
     @property
     def usable_memory(self) -> float:
@@ -106,7 +127,9 @@ def layout_fields(config: Config) -> dict:
             "sequence_parallel": t.sequence_parallel,
             "sharding": t.data_parallel_sharding_strategy,
             "zero_stage": ZERO_STAGE[t.data_parallel_sharding_strategy],
-            "recompute": t.recompute_granularity or "none"}
+            "recompute": t.recompute_granularity or "none",
+            "optimizer_offload": t.optimizer_offload_device if t.optimizer_cpu_offload else None,
+            "param_offload": t.param_offload_device}
 
 
 def flags(layout: dict) -> str:
@@ -127,24 +150,46 @@ def flags(layout: dict) -> str:
         out.append(f"--data-parallel-sharding-strategy {layout['sharding']}")
     if layout["recompute"] != "none":
         out.append(f"--recompute-granularity {layout['recompute']}")
+    if layout.get("optimizer_offload"):
+        out.append(f"--optimizer-offload-device {layout['optimizer_offload']}")
+    if layout.get("param_offload"):
+        out.append(f"--param-offload-device {layout['param_offload']}")
+    if "nvme" in (layout.get("optimizer_offload"), layout.get("param_offload")):
+        out.append("--offload-path DIR")
     return " ".join(out)
+
+
+def offload_choices(nvme: bool) -> list[tuple[str, str | None]]:
+    """(optimizer, parameters) offload devices the search tries when nothing else fits:
+    host memory, then NVMe if the machine has it (`nvme`)."""
+    devices = ["cpu"] + (["nvme"] if nvme else [])
+    return [(d, None) for d in devices] + [(d, d) for d in devices]
 
 
 def enumerate_layouts(model, gpus: int, global_batch_size: int, *, bf16: bool = True,
                       node_size: int | None = None, base: TrainConfig | None = None,
-                      ep: int | None = None, cp: int | None = None):
+                      ep: int | None = None, cp: int | None = None,
+                      offload: list[tuple] | None = None):
     """Yield `(config, None)` for each layout train.py accepts and `(fields, reason)` for each
     it (or the planner: TP across nodes) rejects. `model`: a models.ModelConfig (not
     modified); `base`: the TrainConfig the layouts start from (default: train.py's defaults;
     its `cp_comm_type` is the comm type of the cp > 1 layouts); `ep`, `cp`: only this
-    expert-parallel / context-parallel size (default: every one, `_parallel_sizes`)."""
+    expert-parallel / context-parallel size (default: every one, `_parallel_sizes`);
+    `offload`: instead of the plain layouts, the ZeRO-2/3 ones with each of these
+    (optimizer, parameters) offload devices (`offload_choices`; parameters: ZeRO-3 only)."""
     base = base or TrainConfig()
+    choices = [(None, None)] if offload is None else offload
     for tp, pp, vpp, sp, e, c in _parallel_sizes(model, gpus, ep, cp):
         for mbs in MICRO_BATCH_SIZES:
-            for strategy in STRATEGIES:
+            for strategy in STRATEGIES if offload is None else ("optim_grads",
+                                                                "optim_grads_params"):
                 for recompute in _RECOMPUTE:
-                    yield _candidate(model, gpus, global_batch_size, base, bf16, node_size,
-                                     tp, pp, vpp, sp, mbs, strategy, recompute, e, c)
+                    for opt, par in choices:
+                        if par and strategy != "optim_grads_params":
+                            continue
+                        yield _candidate(model, gpus, global_batch_size, base, bf16,
+                                         node_size, tp, pp, vpp, sp, mbs, strategy, recompute,
+                                         e, c, opt, par)
 
 
 _RECOMPUTE = (None, "selective", "full")
@@ -195,7 +240,7 @@ def layout_count(model, gpus: int, ep: int | None = None, cp: int | None = None)
 
 
 def _candidate(model, gpus, gbs, base, bf16, node_size, tp, pp, vpp, sp, mbs, strategy,
-               recompute, ep=1, cp=1):
+               recompute, ep=1, cp=1, optimizer_offload=None, param_offload=None):
     train = dataclasses.replace(
         base, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp, num_layers_per_virtual_pipeline_stage=None,
@@ -203,12 +248,16 @@ def _candidate(model, gpus, gbs, base, bf16, node_size, tp, pp, vpp, sp, mbs, st
         data_parallel_sharding_strategy=strategy, use_distributed_optimizer=False,
         recompute_granularity=recompute, recompute_method=None, recompute_num_layers=None,
         expert_model_parallel_size=ep, expert_tensor_parallel_size=None,
-        context_parallel_size=cp,
+        context_parallel_size=cp, optimizer_cpu_offload=False,
+        optimizer_offload_device=optimizer_offload, optimizer_offload_fraction=None,
+        param_offload_device=param_offload,
+        offload_path="DIR" if "nvme" in (optimizer_offload, param_offload) else None,
         bf16=bf16, log_dir="", save=None, save_replica=None, tensorboard=False)
     fields = {"tp": tp, "pp": pp, "ep": ep, "cp": cp, "cp_comm_type": train.cp_comm_type,
               "vpp": vpp or 1, "dp": gpus // (tp * pp * cp),
               "micro_batch_size": mbs, "sequence_parallel": sp, "sharding": strategy,
-              "zero_stage": ZERO_STAGE[strategy], "recompute": recompute or "none"}
+              "zero_stage": ZERO_STAGE[strategy], "recompute": recompute or "none",
+              "optimizer_offload": optimizer_offload, "param_offload": param_offload}
     if node_size and tp > node_size:
         return fields, (f"tensor parallel size {tp} exceeds the {node_size} GPUs of a node: "
                         f"its per-layer all-reduces would cross the inter-node network")
@@ -306,31 +355,75 @@ def predict(config: Config, hw: Hardware) -> dict:
     else:
         exposed = max(0.0, t_grad - 2 / 3 * t_mb) + max(0.0, t_gather - 1 / 3 * t_mb)
     other = seconds.get("pp", 0.0) + seconds.get("embedding", 0.0) + seconds.get("mp", 0.0)
-    step = t_pipe + exposed + other
+    offload = offload_seconds(config, hw, memory["pp_rank"], t_pipe)
+    step = t_pipe + exposed + other + offload
     flops_step = training_flops_per_token(m) * t.global_batch_size * m.seq_length
     world = tp * pp * cp * dp
-    return {**layout_fields(config), "memory": memory, "fits": memory["total"] <= hw.usable_memory,
+    fits = memory["total"] <= hw.usable_memory and hw.host_fits(memory["host"])
+    return {**layout_fields(config), "memory": memory, "fits": fits,
             "comm": per_group, "comm_seconds": sum(seconds.values()), "bubble": bubble,
             "compute_seconds_per_microbatch": t_mb, "cp_attention_seconds": t_cp,
             "cp_exposed_seconds": exposed_cp * mb,
             "step_seconds": step, "pipeline_seconds": t_pipe, "exposed_dp_seconds": exposed,
+            "offload_seconds": offload,
             "tokens_per_s": t.global_batch_size * m.seq_length / step,
             "mfu": flops_step / (step * world * hw.peak_tflops * 1e12)}
 
 
+def offload_seconds(config: Config, hw: Hardware, pp_rank: int, t_pipe: float) -> float:
+    """Exposed offload time of a step on a rank of stage `pp_rank` (module docstring)."""
+    from .parameters import model_state_prediction
+
+    t = config.train
+    if not t.optimizer_cpu_offload and not t.param_offload_device:
+        return 0.0
+    states = model_state_prediction(config, pp_rank)
+    n = states["psi_padded"] // states["dp"]
+    w = 2 if t.bf16 else 4
+    node_gpus = min(hw.network.node_size, hw.gpus)
+    nvme_bw = (hw.nvme_bandwidth or 0.0) / node_gpus
+
+    def rate(device):
+        return hw.host_bandwidth if device == "cpu" else nvme_bw
+
+    out = 0.0
+    if t.optimizer_cpu_offload:
+        out += n * (4 + w) / hw.host_bandwidth
+        if t.optimizer_offload_device == "nvme":
+            out += 24 * n / nvme_bw
+    if t.param_offload_device:
+        reads = 2 + (t.recompute_granularity == "full")
+        io = config.num_microbatches * reads * n * w / rate(t.param_offload_device)
+        out += max(0.0, io - t_pipe) + n * w / rate(t.param_offload_device)
+    return out
+
+
 def plan(model, hw: Hardware, global_batch_size: int, *, bf16: bool = True,
          base: TrainConfig | None = None, progress=None, ep: int | None = None,
-         cp: int | None = None) -> dict:
+         cp: int | None = None, offload: bool = True) -> dict:
     """`{"fits": [predictions, fastest first], "rejected": [{layout fields, "reason"}]}`.
 
     `progress(checked, fitting)`, if given, is called before each layout with the counts so
     far (tools/plan.py shows them against `layout_count`); `ep`: only layouts of that
     expert-parallel size (default: every one); `cp`: only layouts of that context-parallel
-    size (default: every one)."""
+    size (default: every one). When no layout fits, the search runs again over the offload
+    choices (`offload_choices`; NVMe when `hw.nvme_bandwidth`), and the result says so
+    (`"offload": True`); `offload=False` does not."""
+    result = _search_layouts(model, hw, global_batch_size, bf16, base, progress, ep, cp, None)
+    result["offload"] = False
+    if not result["fits"] and offload:
+        again = _search_layouts(model, hw, global_batch_size, bf16, base, progress, ep, cp,
+                        offload_choices(hw.nvme_bandwidth is not None))
+        result = {"fits": again["fits"], "rejected": result["rejected"] + again["rejected"],
+                  "offload": True}
+    return result
+
+
+def _search_layouts(model, hw, global_batch_size, bf16, base, progress, ep, cp, offload) -> dict:
     fits, rejected = [], []
     for item, reason in enumerate_layouts(model, hw.gpus, global_batch_size, bf16=bf16,
                                           node_size=hw.network.node_size, base=base, ep=ep,
-                                          cp=cp):
+                                          cp=cp, offload=offload):
         if progress is not None:
             progress(len(fits) + len(rejected), len(fits))
         if reason is not None:
@@ -341,6 +434,11 @@ def plan(model, hw: Hardware, global_batch_size: int, *, bf16: bool = True,
             fits.append(p)
         else:
             worst = p["memory"]
+            if worst["total"] <= hw.usable_memory:  # the device fits, the host does not
+                rejected.append({**layout_fields(item), "reason": (
+                    f"needs {worst['host'] / 1e9:.1f} GB of host memory per GPU, more than "
+                    f"{hw.host_memory / 1e9:g} GB per node holds for its GPUs")})
+                continue
             rejected.append({**layout_fields(item), "reason": (
                 f"needs {worst['total'] / 1e9:.1f} GB on pipeline stage {worst['pp_rank']} "
                 f"(model states {worst['model_states'] / 1e9:.1f}, activations "

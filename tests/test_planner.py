@@ -34,6 +34,7 @@ validation, every rejected one has a reason, and bad input gets one clear line
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -280,3 +281,62 @@ def test_parameter_list_matches_the_built_model(activation):
     built = {name: p.numel() for name, p in model.named_parameters()}
     predicted = {s.name: s.count for s in chunk_parameters(m, 1, [0, 1], True, True, False)}
     assert predicted == built
+
+
+def test_plan_searches_offload_when_nothing_fits(capsys, tmp_path):
+    """GPUs too small for every plain layout of tiny-llama but large enough with ZeRO-
+    Infinity's offload: plan() searches offload (ZeRO-2/3 with the optimizer, ZeRO-3 also
+    with the parameters, on the host or NVMe); every fit offloads and its flags pass train.py's
+    checks; with little host memory only NVMe layouts fit; the offload time is the formula of
+    planner/search.py at the assumed bandwidths, which plan.py names."""
+    from training.arguments import parse_config
+    from planner import search
+
+    model = parse_config(["--model", "tiny-llama"]).model
+    big = search.Hardware(gpus=2, gpu_memory=1e12, network=search.Network(node_size=2),
+                          memory_headroom=0.0, nvme_bandwidth=2e9, host_bandwidth=4e9)
+    plain = min(p["memory"]["total"] for p in search.plan(model, big, 8)["fits"])
+    offloaded = [search.predict(c, big) for c, reason in search.enumerate_layouts(
+        model, 2, 8, offload=search.offload_choices(True)) if reason is None]
+    least = min(p["memory"]["total"] for p in offloaded)
+    assert least < plain
+    hw = dataclasses.replace(big, gpu_memory=(least + plain) / 2)
+    result = search.plan(model, hw, 8)
+    assert result["offload"] and result["fits"]
+    assert not search.plan(model, hw, 8, offload=False)["fits"]
+    for p in result["fits"]:
+        assert p["optimizer_offload"] and p["memory"]["total"] <= hw.gpu_memory
+        flags = p["flags"] if "flags" in p else search.flags(p)
+        parse_config(["--model", "tiny-llama", "--global-batch-size", "8", "--bf16",
+                      "--log-dir", ""] + flags.replace("DIR", str(tmp_path)).split()
+                     ).validate(2)
+    best = result["fits"][0]
+    config = parse_config(["--model", "tiny-llama", "--global-batch-size", "8", "--bf16",
+                           "--log-dir", ""] + search.flags(best).replace("DIR", "x").split())
+    config.validate(2)
+    from planner.parameters import model_state_prediction
+
+    states = model_state_prediction(config, best["memory"]["pp_rank"])
+    n = states["psi_padded"] // states["dp"]  # the rank's optimizer elements
+    expect = n * (4 + 2) / 4e9 + (24 * n / (2e9 / 2) if best["optimizer_offload"] == "nvme"
+                                  else 0)
+    if best["param_offload"]:
+        bw = 4e9 if best["param_offload"] == "cpu" else 1e9
+        reads = 2 + (best["recompute"] == "full")
+        expect += max(0.0, best["num_microbatches"] * reads * n * 2 / bw
+                      - best["pipeline_seconds"]) + n * 2 / bw
+    assert best["offload_seconds"] == pytest.approx(expect, rel=1e-12)
+    # little host memory: only the NVMe layouts (their host part is the streaming buffers)
+    nvme_host = min(p["memory"]["host"] for p in result["fits"]
+                    if "nvme" in (p["optimizer_offload"], p["param_offload"]))
+    small = dataclasses.replace(hw, host_memory=2 * nvme_host)
+    for p in search.plan(model, small, 8)["fits"]:
+        assert "nvme" in (p["optimizer_offload"], p["param_offload"]) and \
+            2 * p["memory"]["host"] <= small.host_memory
+    code, out, _ = _plan(capsys, "--model", "tiny-llama", "--gpus", "2", "--nodes-of", "2",
+                         "--gpu-memory", f"{hw.gpu_memory / 1e9:.9f}GB", "--memory-headroom", "0",
+                         "--global-batch-size", "8", "--nvme-bandwidth", "2GB/s",
+                         "--host-bandwidth", "4GB/s", "--top", "2")
+    assert code == 0 and "No layout fits without offload" in out, out
+    assert "4 GB/s device-host per GPU (--host-bandwidth)" in out
+    assert "NVMe 2 GB/s per node (--nvme-bandwidth)" in out and "--optimizer-offload-device" in out

@@ -138,6 +138,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "--seq-length; default: search every one)")
     p.add_argument("--cp-comm-type", choices=("p2p", "all_gather"), default=None,
                    help="the cp > 1 layouts' K/V exchange: p2p (ring, default) or all_gather")
+    p.add_argument("--host-bandwidth", default="25GB/s",
+                   help="offload: device <-> host memory per GPU (PCIe; default 25GB/s)")
+    p.add_argument("--nvme-bandwidth", default=None,
+                   help="offload: a node's NVMe read/write bandwidth, shared by its GPUs (e.g. "
+                        "25GB/s; default: no NVMe, offload only to host memory)")
+    p.add_argument("--host-memory", default=None,
+                   help="offload: host memory per node it may fill (e.g. 2TB; default: no "
+                        "limit)")
+    p.add_argument("--no-offload", action="store_true",
+                   help="do not search offload when nothing fits without it")
     p.add_argument("--top", type=int, default=10, help="layouts to print (default 10)")
     p.add_argument("--json", action="store_true", help="print the whole plan as JSON")
     return p
@@ -185,7 +195,12 @@ def _inputs(args):
                       latency_inter=parse_seconds(args.latency_inter, "--latency-inter"))
     hw = Hardware(gpus=args.gpus, gpu_memory=parse_bytes(args.gpu_memory, "--gpu-memory"),
                   network=network, peak_tflops=args.peak_tflops,
-                  matmul_efficiency=args.matmul_efficiency, memory_headroom=args.memory_headroom)
+                  matmul_efficiency=args.matmul_efficiency, memory_headroom=args.memory_headroom,
+                  host_bandwidth=parse_bytes(args.host_bandwidth, "--host-bandwidth", True),
+                  nvme_bandwidth=None if args.nvme_bandwidth is None else
+                  parse_bytes(args.nvme_bandwidth, "--nvme-bandwidth", True),
+                  host_memory=None if args.host_memory is None else
+                  parse_bytes(args.host_memory, "--host-memory"))
     return model, train, hw, gbs
 
 
@@ -225,10 +240,12 @@ def table(fits: list[dict], top: int) -> str:
     to choose (an MoE model)."""
     moe = any(p.get("ep", 1) > 1 for p in fits)
     cp = any(p.get("cp", 1) > 1 for p in fits)
+    off = any(p.get("optimizer_offload") or p.get("param_offload") for p in fits)
     head = (f"{'#':>3} {'tp':>3} {'pp':>3} " + (f"{'ep':>3} " if moe else "") +
             (f"{'cp':>3} " if cp else "") +
             f"{'vpp':>3} {'dp':>4} {'mbs':>3} {'m':>5} {'sp':>3} "
-            f"{'zero':>4} {'recompute':>9} {'mem GB':>7} {'states':>7} {'activ':>7} "
+            f"{'zero':>4} {'recompute':>9} " + (f"{'offload opt/par':>15} " if off else "") +
+            f"{'mem GB':>7} {'states':>7} {'activ':>7} "
             f"{'bubble':>6} {'sent GB':>8} {'step s':>8} {'tok/s':>9} {'MFU':>6}")
     rows = [head]
     for i, p in enumerate(fits[:top], 1):
@@ -239,7 +256,10 @@ def table(fits: list[dict], top: int) -> str:
                     f"{p['vpp']:>3} {p['dp']:>4} "
                     f"{p['micro_batch_size']:>3} {p['num_microbatches']:>5} "
                     f"{'on' if p['sequence_parallel'] else '-':>3} {p['zero_stage']:>4} "
-                    f"{p['recompute']:>9} {_gb(mem['total']):>7} {_gb(mem['model_states']):>7} "
+                    f"{p['recompute']:>9} " +
+                    (f"{(p.get('optimizer_offload') or '-') + '/' + (p.get('param_offload') or '-'):>15} "
+                     if off else "") +
+                    f"{_gb(mem['total']):>7} {_gb(mem['model_states']):>7} "
                     f"{_gb(mem['activations']):>7} {p['bubble']:>6.3f} {_gb(comm):>8} "
                     f"{p['step_seconds']:>8.3f} {p['tokens_per_s']:>9,.0f} {p['mfu']:>6.1%}")
     rows.append("(mem GB: predicted peak per GPU; sent GB: bytes each GPU sends per step in "
@@ -313,6 +333,22 @@ def explain(best: dict, runner: dict | None, hw, model_name: str) -> str:
     return " ".join(parts)
 
 
+def offload_note(best: dict, hw) -> str:
+    """What the offload of the top layout costs and assumes (ZeRO-Infinity)."""
+    mem = best["memory"]
+    where = [f"optimizer states on {best['optimizer_offload']}"] if best["optimizer_offload"] \
+        else []
+    where += [f"parameter shards on {best['param_offload']}"] if best["param_offload"] else []
+    nvme = (f"NVMe {hw.nvme_bandwidth / 1e9:g} GB/s per node (--nvme-bandwidth) shared by "
+            f"{min(hw.network.node_size, hw.gpus)} GPUs" if hw.nvme_bandwidth else
+            "no NVMe (--nvme-bandwidth not given)")
+    return (f"No layout fits without offload; with {' and '.join(where)} (ZeRO-Infinity) it "
+            f"needs {_gb(mem['host'])} GB of host memory and {_gb(mem['nvme'])} GB of NVMe per "
+            f"GPU, and the transfers add {_s(best['offload_seconds'])} per step, assuming "
+            f"{hw.host_bandwidth / 1e9:g} GB/s device-host per GPU (--host-bandwidth) and "
+            f"{nvme}.")
+
+
 def rejected_summary(rejected: list[dict], limit: int = 8) -> str:
     flags = _search().flags
     kinds = Counter(re.sub(r"\d+(\.\d+)?", "N", r["reason"].split(";")[0]) for r in rejected)
@@ -358,7 +394,7 @@ def main(argv=None) -> int:
             status.tick(lambda: f"plan.py: {checked:,} of {total:,} layouts checked, "
                                 f"{fitting:,} fit ...")
         result = search.plan(model, hw, gbs, bf16=bf16, base=base, progress=progress, ep=ep,
-                             cp=cp)
+                             cp=cp, offload=not args.no_offload)
         if not result["fits"]:
             status.say("plan.py: nothing fits; looking for the GPU count that would ...")
             raise PlanError(f"no layout of {model.name or 'the model'} fits {hw.gpus} GPUs of "
@@ -387,6 +423,8 @@ def main(argv=None) -> int:
     print(table(fits, args.top))
     print()
     print(explain(fits[0], fits[1] if len(fits) > 1 else None, hw, name))
+    if result.get("offload"):
+        print(offload_note(fits[0], hw))
     source = f"--model {args.model}" if args.model else f"--config {args.config}"
     print(f"Run it: train.py {source} {search.flags(fits[0])} --global-batch-size {gbs} "
           f"--seq-length {model.seq_length}" + (" --bf16" if bf16 else ""))
