@@ -79,6 +79,8 @@ class _Flight:
     tick: int
     sampled: list
     sources: tuple | None = None  # encoder-decoder prefill: (prompts [b, se], lengths [b])
+    drafts: list | None = None  # speculative: the drafted ids [b][k] the forward verifies
+    q: torch.Tensor | None = None  # ... and a draft model's q [b, k, V] (last stage)
 
 
 @dataclass(eq=False)  # requests compare by identity
@@ -150,6 +152,9 @@ class Engine:
             memory the rank may still allocate (float); default max_batch_size requests of
             max_seq_length tokens (`ModelRunner`).
         enable_prefix_caching: share the cached full blocks a prompt starts with.
+        speculative: an `inference.spec_decode.SpecDecoder`: decode steps verify drafted
+            tokens (decoder-only models; a draft model at pp > 1 runs one micro-batch at a
+            time); None = one token per step.
     Raises `ValueError` for num_micro_batches, block_size or max_num_batched_tokens < 1, or
     a cache too small to hold one block.
     """
@@ -158,7 +163,7 @@ class Engine:
                  max_seq_length: int = 2048, max_num_batched_tokens: int | None = None,
                  num_micro_batches: int | None = None, max_source_length: int | None = None,
                  block_size: int = 16, kv_cache_memory: int | float | None = None,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, speculative=None):
         self.encoder_decoder = getattr(model.config, "is_encoder_decoder", False)
         self.max_source_length = max_source_length or max_seq_length
         budget = 2048 if max_num_batched_tokens is None else max_num_batched_tokens
@@ -179,7 +184,11 @@ class Engine:
         self.decode = decode
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
         self.max_num_batched_tokens = budget
+        self.spec = speculative
         m = self.runner.pp if num_micro_batches is None else num_micro_batches
+        if speculative is not None:  # T5 refused; a draft model at pp > 1: one at a time
+            m = speculative.micro_batches(self.encoder_decoder, self.runner.pp,
+                                          num_micro_batches, m)
         if m < 1:
             raise ValueError(f"num_micro_batches must be >= 1, got {m}")
         self.num_micro_batches = m
@@ -275,7 +284,8 @@ class Engine:
         return {"running": len(self.running), "waiting": len(self.waiting),
                 "kv_cache_usage": self.blocks.usage(),
                 "prefix_cache_queries": self.prefix_queries,
-                "prefix_cache_hits": self.prefix_hits, "num_preemptions": self.num_preemptions}
+                "prefix_cache_hits": self.prefix_hits, "num_preemptions": self.num_preemptions,
+                **({"spec_decode": self.spec.stats.as_dict()} if self.spec else {})}
 
     def load(self) -> int:
         """Tokens still to generate, at most (the router's measure of work)."""
@@ -315,6 +325,8 @@ class Engine:
         self.tick += 1
         if done is None:
             return []
+        if done.drafts is not None:  # speculative: 1 to k + 1 ids per row
+            return self._verified(done, out if mine is done and runner.last else None)
         tokens, logprobs = self._sample(done, out if mine is done and runner.last else None)
         tokens = iter(tokens.tolist())
         events = []
@@ -449,11 +461,18 @@ class Engine:
             n = self._length(r)
             if r.num_computed != n - 1:  # preempted above, or still prefilling
                 continue
-            gone = self._make_room(r, n)
+            gone = self._make_room(r, n + self._lookahead(r))
             rows = [row for row in rows if row[0] not in gone]
             if r not in gone:
                 rows.append((r, n - 1, 1))
         return rows
+
+    def _lookahead(self, r: Request) -> int:
+        """Positions a decode row may write past its last token: the drafts it verifies
+        (no more than it may still emit, less the step's own token)."""
+        if self.spec is None:
+            return 0
+        return max(0, min(self.spec.k, r.params.max_new_tokens - len(r.output) - 1))
 
     def _make_room(self, r: Request, num_tokens: int) -> list[Request]:
         """Give `r` blocks for positions 0..num_tokens-1, preempting the running requests
@@ -497,8 +516,14 @@ class Engine:
         elif prefill:
             for i, (r, start, n) in enumerate(rows):
                 ids[i, :n] = torch.tensor(self._tokens(r)[start:start + n])
-        else:  # decode: each row's last known token
+        else:  # decode: each row's last known token (and its drafts, speculative)
             ids[:, 0] = torch.tensor([(r.output or r.prompt)[-1] for r in batch])
+            if self.spec is not None:
+                drafts, q = self.spec.plan(batch, [self._tokens(r) for r in batch],
+                                           self.max_seq_length)
+                if drafts[0]:
+                    ids = torch.cat([ids, torch.tensor(drafts)], dim=1)
+                    width = ids.shape[1]
         starts = torch.tensor([start for _, start, _ in rows])
         bs = self.blocks.block_size
         span = -(-(int(starts.max()) + width) // bs)
@@ -516,8 +541,41 @@ class Engine:
         self.busy.update(r.id for r in batch)
         # the micro-batch run longest ago goes first next time (fair rotation)
         self.running = [r for r in self.running if r not in batch] + batch
+        if width > 1 and not prefill:  # speculative: the logits of every position
+            return _Flight(batch, ids, tables, starts, None, tick, sampled, drafts=drafts,
+                           q=q)
         return _Flight(batch, ids, tables, starts, torch.tensor([n - 1 for _, _, n in rows]),
                        tick, sampled, sources)
+
+    def _verified(self, done: _Flight, logits: torch.Tensor | None) -> list[Event]:
+        """The events of a returned speculative micro-batch (`logits [b, k + 1, V]` on the
+        last stage, None elsewhere): each row's emitted ids (inference/spec_decode.py
+        `SpecDecoder.verify`) appended one at a time until the request ends (EOS, a stop
+        string or max_tokens cut the run there), as one event per request. The accepted
+        drafts' cache entries stay (computed by this forward); the rejected ones' positions
+        are written again by the next step before anything reads them."""
+        streams = [self._tokens(r) for r in done.batch]
+        runs, logprobs = self.spec.verify(done.batch, logits, done.drafts, done.q, streams)
+        events = []
+        for r, run, stream in zip(done.batch, runs, streams):
+            self.busy.discard(r.id)
+            if r.finish_reason is not None:  # cancelled while in flight: free its blocks now
+                self._release(r)
+                continue
+            r.num_computed = len(stream) + len(run) - 1
+            event = self._append(r, run[0])
+            for token in run[1:]:
+                if r.finish_reason is not None:
+                    break
+                more = self._append(r, token)
+                event.token_ids += more.token_ids
+                event.text += more.text
+                event.finish_reason, event.completion_tokens = \
+                    more.finish_reason, more.completion_tokens
+            if r.id in logprobs:
+                event.logprobs = logprobs[r.id][:len(event.token_ids)]
+            events.append(event)
+        return events
 
     def _append(self, r: Request, token: int) -> Event:
         r.output.append(token)
@@ -578,6 +636,8 @@ class Engine:
                 self._release(r)
 
     def _release(self, r: Request) -> None:
+        if self.spec is not None:
+            self.spec.release(r.id)
         if r.blocks:
             self.blocks.free(r.blocks)
         r.num_computed = r.num_registered = 0

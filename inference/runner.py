@@ -23,8 +23,9 @@ class ModelRunner:
     hidden states `[s, b, h]` for the next stage, or on the last stage the logits `[b, vocab]`
     of token `last[i]` of each row, gathered over the vocab-parallel head and cut to the real
     vocabulary (padding ids can never be produced; only these rows' last tokens go through
-    the output layer). Row i's tokens go to positions `starts[i] + 0..s-1`; `hidden` is the
-    previous stage's output tuple (None on the first stage, which embeds `ids`); `tables` are
+    the output layer; `last` None: the logits `[b, s, vocab]` of every position, for
+    speculative verification). Row i's tokens go to positions `starts[i] + 0..s-1`; `hidden`
+    is the previous stage's output tuple (None on the first stage, which embeds `ids`); `tables` are
     the rows' block tables in the paged cache (`PagedKVCache`, n >= ceil((max(starts) + s) /
     block_size), padded with the null block 0).
 
@@ -112,8 +113,11 @@ class ModelRunner:
         self.cache.bind(tables, positions, length, fresh=length == s)
         out = self.model(ids.to(dev) if self.first else None, position_ids=positions,
                          hidden_states=hidden, kv_cache=self.cache, attention_mask=mask,
-                         output_positions=last.to(dev) if self.last else None)
+                         output_positions=last.to(dev) if self.last and last is not None
+                         else None)
         if not self.last:
             return out
+        if last is None:  # every position (speculative verification): [b, s, vocab]
+            return ps.gather_from_tensor_model_parallel_region(out)[..., :self.config.vocab_size]
         local = out[:, 0]  # [b, v_padded / tp]
         return ps.gather_from_tensor_model_parallel_region(local)[:, :self.config.vocab_size]

@@ -217,3 +217,279 @@ def verify_row(target_logits: torch.Tensor, drafts: list[int], params: SamplingP
     logits = target_logits.float()
     p = torch.stack([filtered_probs(logits[j], params) for j in range(len(drafts) + 1)])
     return rejection_sample(p, drafts, draft_probs, generator)
+
+
+def pipeline_forward(runner, ids: torch.Tensor, tables: torch.Tensor, starts: torch.Tensor,
+                     last: torch.Tensor) -> torch.Tensor | None:
+    """One forward of `runner`'s model over every pipeline stage in turn, outside the
+    engine's ticks (the draft model's passes): stage s receives from s - 1, runs, sends to
+    s + 1. The last stage's logits `[b, V]` (`ModelRunner.forward`), None elsewhere. Every
+    rank of the replica calls it with the same arguments."""
+    from parallel_state import p2p
+
+    hidden = None
+    if not runner.first:
+        hidden = p2p.communicate(runner.spec(ids), recv_prev=True)[0]
+    out = runner.forward(ids, tables, starts, last, hidden)
+    if not runner.last:
+        p2p.communicate(runner.spec(ids), send_next=(out,))
+        return None
+    return out
+
+
+class DraftModelProposer:
+    """Drafts of a smaller model with the target's vocabulary (see the module docstring),
+    sharded like the target over the replica's tp x pp ranks, with its own paged KV cache
+    (`ModelRunner` of `max_batch_size` x `max_seq_length` tokens): request slot i owns the
+    consecutive blocks 1 + i n .. (i + 1) n of it (n = blocks per `max_seq_length`), so no
+    block manager is needed. A request keeps its slot until `release` (the engine calls it
+    when the request ends); a request without one takes a free slot, or that of a request
+    not in the batch (which then starts over: its first pass re-reads its whole stream).
+
+    Raises `ValueError` when the draft cannot propose for the target: another vocabulary
+    size, fewer positions than `max_seq_length`, or an encoder-decoder model.
+    """
+
+    def __init__(self, model, target_config, max_batch_size: int, max_seq_length: int,
+                 block_size: int = 16):
+        from .runner import ModelRunner
+
+        cfg = model.config
+        if getattr(cfg, "is_encoder_decoder", False):
+            raise ValueError("the speculative model is an encoder-decoder (T5); use a "
+                             "decoder-only model with the target's tokenizer")
+        if cfg.vocab_size != target_config.vocab_size:
+            raise ValueError(f"the speculative model's vocabulary ({cfg.vocab_size} ids) is "
+                             f"not the target's ({target_config.vocab_size}); the draft must "
+                             f"share the target's tokenizer and vocabulary")
+        if cfg.max_position_embeddings < max_seq_length:
+            raise ValueError(f"the speculative model holds {cfg.max_position_embeddings} "
+                             f"positions, fewer than --max-model-len {max_seq_length}; lower "
+                             f"--max-model-len or use another draft")
+        self.runner = ModelRunner(model, max_batch_size, max_seq_length, block_size)
+        self.block_size = block_size
+        self.per_slot = -(-max_seq_length // block_size)
+        self.free = list(range(max_batch_size))
+        self.slot: dict[str, int] = {}  # request id -> its slot
+        self.cached: dict[str, int] = {}  # request id -> tokens of its stream in the cache
+
+    def release(self, request_id: str) -> None:
+        slot = self.slot.pop(request_id, None)
+        self.cached.pop(request_id, None)
+        if slot is not None:
+            self.free.append(slot)
+            self.free.sort()
+
+    def _slots(self, batch) -> list[int]:
+        mine = {r.id for r in batch}
+        for r in batch:
+            if r.id not in self.slot:
+                if not self.free:  # evict a request that is not in this batch
+                    self.release(next(rid for rid in self.slot if rid not in mine))
+                self.slot[r.id] = self.free.pop(0)
+                self.cached[r.id] = 0
+        return [self.slot[r.id] for r in batch]
+
+    def _tables(self, slots: list[int], length: int) -> torch.Tensor:
+        """`[b, ceil(length / block_size)]` block tables of `slots`; positions past a slot's
+        blocks (padding of a longer row) go to the null block 0."""
+        width = -(-length // self.block_size)
+        own = min(width, self.per_slot)
+        t = torch.zeros(len(slots), width, dtype=torch.int64)
+        for i, s in enumerate(slots):
+            t[i, :own] = torch.arange(1 + s * self.per_slot, 1 + s * self.per_slot + own)
+        return t
+
+    def propose(self, batch, streams: list[list[int]], k: int) -> tuple[list[list[int]],
+                                                                         torch.Tensor | None]:
+        """`k` drafts per row of `batch` (requests, with `streams`: their prompt + output),
+        identical on every rank, and on the last stage the draft's distributions q `[b, k,
+        V]` float64 (rows of greedy requests are not filled: they are not needed). The first
+        pass feeds each row's tokens the draft has not seen, right-padded; the next k - 1
+        one token each."""
+        from .comm import broadcast_tokens
+
+        slots = self._slots(batch)
+        b, run = len(batch), self.runner
+        start = [self.cached[r.id] for r in batch]
+        feed = [s[c:] for s, c in zip(streams, start)]
+        ids = torch.zeros(b, max(map(len, feed)), dtype=torch.int64)
+        for i, f in enumerate(feed):
+            ids[i, :len(f)] = torch.tensor(f)
+        starts = torch.tensor(start)
+        last = torch.tensor([len(f) - 1 for f in feed])
+        drafts = torch.zeros(b, k, dtype=torch.int64)
+        q = None
+        for j in range(k):
+            length = int((starts + ids.shape[1]).max())
+            logits = pipeline_forward(run, ids, self._tables(slots, length), starts, last)
+            picked = None
+            if logits is not None:
+                if q is None:
+                    q = torch.zeros(b, k, logits.shape[-1], dtype=torch.float64)
+                picked, logits = logits.float().argmax(dim=-1), logits.float()
+                for i, r in enumerate(batch):
+                    if r.params.temperature != 0:
+                        q[i, j] = filtered_probs(logits[i], r.params)
+                        picked[i] = draw(q[i, j], r.generator)
+            drafts[:, j] = broadcast_tokens(picked, b)
+            starts = starts + last + 1  # the next pass feeds the draft just made
+            ids, last = drafts[:, j:j + 1].clone(), torch.zeros(b, dtype=torch.int64)
+        for i, r in enumerate(batch):  # the cache holds the stream and drafts 1..k-1
+            self.cached[r.id] = len(streams[i]) + k - 1
+        return drafts.tolist(), q
+
+    def rewind(self, request_id: str, stream_length: int, accepted: int, k: int) -> None:
+        """After verification: of the drafts the cache holds (1..k-1), those accepted stay
+        valid, so the cache holds `stream_length` (before the step) + min(accepted, k - 1)
+        tokens of the request's new stream."""
+        if request_id in self.cached:
+            self.cached[request_id] = stream_length + min(accepted, k - 1)
+
+
+class SpecDecoder:
+    """The engine's side of speculative decoding: `plan` the drafts of a decode micro-batch
+    at launch (the same on every rank), `verify` the target's logits of all its positions
+    when it returns, `release` a request that ended. `stats` counts drafts and acceptances.
+
+    Args:
+        config: the checked `SpeculativeConfig`.
+        draft: the `DraftModelProposer` (method "draft_model"), else None.
+    """
+
+    def __init__(self, config: SpeculativeConfig, draft: DraftModelProposer | None = None):
+        self.config = config.validate()
+        if (config.method == "draft_model") != (draft is not None):
+            raise ValueError("method 'draft_model' runs a DraftModelProposer; 'ngram' none")
+        self.k = config.num_speculative_tokens
+        self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max) \
+            if draft is None else None
+        self.draft = draft
+        self.stats = SpecStats()
+
+    def micro_batches(self, encoder_decoder: bool, pp: int, asked: int | None,
+                      default: int) -> int:
+        """The micro-batches the engine keeps in flight (`default` unless): a draft model at
+        pp > 1 runs its passes through the pipeline at launch, so one at a time (`asked` > 1
+        is refused). Raises `ValueError` for an encoder-decoder target (T5)."""
+        if encoder_decoder:
+            raise ValueError("speculative decoding is for decoder-only models; this model "
+                             "is an encoder-decoder (T5): drop the speculative flags")
+        if self.draft is None or pp == 1:
+            return default
+        if asked is not None and asked > 1:
+            raise ValueError(f"a speculative draft model at --pp {pp} runs one micro-batch "
+                             f"at a time; drop --inference-micro-batches {asked} or use "
+                             f"--speculative-method ngram")
+        return 1
+
+    def plan(self, batch, streams: list[list[int]], max_seq_length: int
+             ) -> tuple[list[list[int]], torch.Tensor | None]:
+        """Drafts `[b][k_b]` of a decode micro-batch (`streams`: each request's prompt +
+        output) and, for a draft model on the last stage, its q `[b, k_b, V]` (else None).
+        k_b is at most `num_speculative_tokens`, the most tokens a row may still emit less
+        one (the step emits one of its own), and every row's room before `max_seq_length`
+        (positions len - 1 .. len - 1 + k_b are written); 0 = a plain decode step. n-gram
+        rows with fewer drafts than the longest are filled with their last token."""
+        left = max(r.params.max_new_tokens - len(r.output) for r in batch)
+        room = min(max_seq_length - len(s) for s in streams)
+        k = max(0, min(self.k, left - 1, room))
+        if k == 0:
+            return [[] for _ in batch], None
+        if self.draft is not None:
+            return self.draft.propose(batch, streams, k)
+        drafts = [self.ngram.propose(s, k) for s in streams]
+        k = max(map(len, drafts))
+        return [d + [s[-1]] * (k - len(d)) for d, s in zip(drafts, streams)], None
+
+    def verify(self, batch, logits: torch.Tensor | None, drafts: list[list[int]],
+               q: torch.Tensor | None, streams: list[list[int]]) -> tuple[list, dict]:
+        """`(runs, logprobs)`: each row's emitted ids (1 to k_b + 1), the same on every rank,
+        computed on the last stage from `logits [b, k_b + 1, V]` (None elsewhere) by
+        `verify_row` and broadcast from there as one `[b, k_b + 2]` tensor (count, ids); and
+        for the rows whose request asked, {request id: [(token, logprob, [(id, logprob)] x
+        N)] per emitted id} (the raw model output at its position, as `Engine._sample`
+        gives them; broadcast only on steps with such a row). Counts the step in `stats`
+        (every verified draft, fillers included); tells the draft model what it keeps."""
+        from .comm import broadcast_logprobs, broadcast_tokens
+        from .sampling import token_logprobs, unpack_logprobs
+
+        b, k = len(batch), len(drafts[0])
+        packed = None
+        if logits is not None:
+            packed = torch.zeros(b, k + 2, dtype=torch.int64)
+            for i, r in enumerate(batch):
+                sampled = q is not None and r.params.temperature != 0
+                run = verify_row(logits[i], drafts[i], r.params, r.generator,
+                                 q[i] if sampled else None)
+                packed[i, 0] = len(run)
+                packed[i, 1:1 + len(run)] = torch.tensor(run)
+        packed = broadcast_tokens(None if packed is None else packed.flatten(),
+                                  b * (k + 2)).view(b, k + 2).tolist()
+        runs = [row[1:1 + row[0]] for row in packed]
+        for r, run, s in zip(batch, runs, streams):
+            self.stats.add(k, len(run) - 1)
+            if self.draft is not None:
+                self.draft.rewind(r.id, len(s), len(run) - 1, k)
+        asked = [i for i, r in enumerate(batch) if r.params.logprobs is not None]
+        if not asked:
+            return runs, {}
+        top = max(batch[i].params.logprobs for i in asked)
+        values = None
+        if logits is not None:
+            rows = torch.cat([logits[i, :len(runs[i])] for i in asked])
+            ids = torch.tensor([t for i in asked for t in runs[i]])
+            values = token_logprobs(rows, ids, top)
+        values = iter(broadcast_logprobs(values, sum(len(runs[i]) for i in asked), top).tolist())
+        return runs, {batch[i].id: [unpack_logprobs(next(values), t, batch[i].params.logprobs)
+                                    for t in runs[i]] for i in asked}
+
+    def release(self, request_id: str) -> None:
+        if self.draft is not None:
+            self.draft.release(request_id)
+
+
+def same_tokenizer(a, b) -> str | None:
+    """None when tokenizers `a` and `b` (models/tokenizer.py) map every id to the same bytes
+    with the same end-of-document id, else what differs."""
+    if a.vocab_size != b.vocab_size:
+        return f"{a.vocab_size} vs {b.vocab_size} tokens"
+    if a.eod != b.eod:
+        return f"end-of-document id {a.eod} vs {b.eod}"
+    for i in range(a.vocab_size):
+        if a.token_bytes(i) != b.token_bytes(i):
+            return f"token {i} is {a.token_bytes(i)!r} vs {b.token_bytes(i)!r}"
+    return None
+
+
+def build_speculative(config: SpeculativeConfig, target, tokenizer, *, max_batch_size: int,
+                      max_seq_length: int, block_size: int = 16,
+                      dtype: str = "float32") -> SpecDecoder:
+    """The `SpecDecoder` of `config` for the `target` model stage (infer.py): for a draft
+    model, its stage on the current grid, loaded from `config.model` (a .gguf file or a
+    folder with config.json: Hugging Face; else a native checkpoint) in `dtype`.
+
+    Raises `ValueError` (also for the loader's errors) when the configuration is bad, the
+    target is an encoder-decoder, or the draft's vocabulary or tokenizer is not the
+    target's."""
+    import os
+
+    config.validate()
+    if getattr(target.config, "is_encoder_decoder", False):
+        raise ValueError("speculative decoding is for decoder-only models; this model is an "
+                         "encoder-decoder (T5): drop the speculative flags")
+    if config.method == "ngram":
+        return SpecDecoder(config)
+    from .loading import load
+
+    path = config.model
+    hf = path.endswith(".gguf") or os.path.isfile(os.path.join(path, "config.json"))
+    draft, draft_tokenizer, _ = load(hf=path, dtype=dtype) if hf else \
+        load(load=path, dtype=dtype)
+    if tokenizer is not None and draft_tokenizer is not None:
+        differs = same_tokenizer(tokenizer, draft_tokenizer)
+        if differs is not None:
+            raise ValueError(f"the speculative model's tokenizer is not the target's "
+                             f"({differs}); use a draft trained with the target's tokenizer")
+    return SpecDecoder(config, DraftModelProposer(draft, target.config, max_batch_size,
+                                                  max_seq_length, block_size))

@@ -183,3 +183,211 @@ def test_verify_row_applies_the_request_sampling():
     for drafts in ([1, 0], [2, 0], [1, 2], [0, 0]):
         out = verify_row(logits, drafts, params, g)
         assert out == greedy_accept(logits, drafts), drafts
+
+
+# ---------------------------------------------------------------- the engine
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [1, 2, 3, 1, 2, 3, 1, 2], [9, 10, 11]]
+MAX_NEW = 24
+K = 3
+
+
+def _save_models(root) -> dict:
+    """{"target": folder, "draft": folder}: a random 2-layer HF Llama whose layers are damped
+    (output projections x 0.15 and x 0.04), so greedy text often falls into cycles that the
+    n-gram proposer predicts, and as its draft the same model cut to its first layer (it
+    mostly agrees, not always): both accepted and rejected drafts occur."""
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(
+        vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        initializer_range=0.3, tie_word_embeddings=False))
+    with torch.no_grad():
+        for layer, f in zip(target.model.layers, (0.15, 0.04)):
+            layer.self_attn.o_proj.weight.mul_(f)
+            layer.mlp.down_proj.weight.mul_(f)
+    draft = copy.deepcopy(target)
+    draft.model.layers = draft.model.layers[:1]
+    draft.config.num_hidden_layers = 1
+    out = {}
+    for name, m in (("target", target), ("draft", draft)):
+        out[name] = str(root / name)
+        m.save_pretrained(out[name])
+    return out
+
+
+@pytest.fixture(scope="module")
+def spec_models(tmp_path_factory):
+    return _save_models(tmp_path_factory.mktemp("spec"))
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A world of one process and its tp 1 grid, in this process, for the module."""
+    import os
+
+    import torch.distributed as dist
+
+    import parallel_state as ps
+
+    if dist.is_initialized() or "RANK" in os.environ:
+        pytest.skip("this process already runs a world")
+    ps.initialize_distributed("cpu")
+    ps.initialize_model_parallel(1, 1, device="cpu")
+    yield
+    ps.destroy_model_parallel()
+
+
+def _decoders(folders: dict, k: int = K) -> dict:
+    """name -> (target stage, SpecDecoder or None) for the plain, n-gram and draft engines."""
+    from inference.loading import load
+    from inference.spec_decode import DraftModelProposer, SpecDecoder
+
+    target = load(hf=folders["target"])[0]
+    draft = load(hf=folders["draft"])[0]
+    return {"plain": None,
+            "ngram": lambda: SpecDecoder(SpeculativeConfig(num_speculative_tokens=k)),
+            "draft": lambda: SpecDecoder(
+                SpeculativeConfig(method="draft_model", model="draft", num_speculative_tokens=k),
+                DraftModelProposer(draft, target.config, 2, 64, 4)),
+            "model": target}
+
+
+def _run(model, spec, params: list, prompts=PROMPTS, **kw):
+    """(requests, events per request id, engine) of one engine run of `prompts`."""
+    from inference.engine import Engine, Request
+
+    engine = Engine(model, max_batch_size=2, max_seq_length=64, block_size=4,
+                    speculative=spec() if spec else None, **kw)
+    reqs = [Request(str(i), p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+    for r in reqs:
+        engine.add(r)
+    events = {r.id: [] for r in reqs}
+    while engine.has_work():
+        for e in engine.step():
+            events[e.id].append(e)
+    bm = engine.blocks  # every block back on the free list, every draft slot free
+    assert bm.num_free == bm.capacity, "KV cache blocks leaked"
+    if spec and engine.spec.draft is not None:
+        assert not engine.spec.draft.slot and len(engine.spec.draft.free) == 2
+    return reqs, events, engine
+
+
+def _hf_greedy(folder: str, prompt: list[int], n: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    out = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                     do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_greedy_equals_the_plain_engine_and_transformers(one_rank, spec_models):
+    """Greedy ids with n-gram drafts and with a draft model equal the plain engine's and
+    transformers' generate, with rows joining mid-batch (3 prompts, 2 running at once),
+    blocks of 4 positions, and again under a cache so small that requests are preempted
+    (recomputed; the draft model re-reads them). Both accepted and rejected drafts occur,
+    runs of all k accepted too (the bonus token), and no block or draft slot leaks. The
+    logprobs a row asks for are the plain engine's, per emitted token."""
+    dec = _decoders(spec_models)
+    ref = [_hf_greedy(spec_models["target"], p, MAX_NEW) for p in PROMPTS]
+    params = [SamplingParams(max_new_tokens=MAX_NEW, logprobs=2 if i == 1 else None)
+              for i in range(len(PROMPTS))]
+    plain, plain_events, _ = _run(dec["model"], None, params)
+    assert [r.output for r in plain] == ref
+    for name in ("ngram", "draft"):
+        for memory in (None, 14 * 1024):  # 14 blocks of 4 tokens x 256 bytes
+            reqs, events, engine = _run(dec["model"], dec[name], params,
+                                        kv_cache_memory=memory)
+            assert [r.output for r in reqs] == ref, (name, memory)
+            assert (engine.num_preemptions > 0) == (memory is not None), name
+            s = engine.spec.stats
+            print(f"{name} cache {memory}: {s}, acceptance {s.acceptance_rate:.2f}")
+            assert 0 < s.num_accepted_tokens < s.num_draft_tokens, (name, s)
+            assert len(s.accepted_per_pos) == K and s.accepted_per_pos[-1] > 0, (name, s)
+            assert any(len(e.token_ids) > 1 for ev in events.values() for e in ev)
+            got = [lp for e in events["1"] for lp in e.logprobs]
+            want = [lp for e in plain_events["1"] for lp in e.logprobs]
+            assert [t for t, _, _ in got] == reqs[1].output
+            for (t, lp, top), (_, lp0, top0) in zip(got, want):
+                assert abs(lp - lp0) < 1e-4 and [i for i, _ in top] == [i for i, _ in top0]
+
+
+def _text(ids) -> str:
+    return "".join(f"<{t}>" for t in ids)
+
+
+def test_eos_stop_strings_and_max_tokens_cut_inside_an_accepted_run(one_rank, spec_models):
+    """A step that emits several ids is cut at the first that ends the request: an EOS id,
+    a stop string (draft model: an id of the run seen for the first time; an n-gram run's
+    drafts all occurred before), or max_tokens (both, in a batch where the other row drafts
+    on), exactly where the plain engine stops (same ids, text, finish reason), and the event
+    that ends it carries the ids before the cut only."""
+    dec = _decoders(spec_models)
+    for name in ("draft", "ngram"):
+        cut = None  # an id in the middle of a multi-id event (the draft's: new to the text)
+        for prompt in PROMPTS:
+            (solo,), events, _ = _run(dec["model"], dec[name], [SamplingParams(
+                max_new_tokens=MAX_NEW)], prompts=[prompt])
+            out, at = solo.output, 0
+            for e in events["0"]:
+                for j in range(1, len(e.token_ids) - 1):
+                    if cut is None and (name == "ngram" or out[at + j] not in out[:at + j]):
+                        cut, start = at + j, at
+                at += len(e.token_ids)
+            if cut is not None:
+                break
+        assert cut is not None, name
+        cases = {} if name == "ngram" else {
+            "eos": ({"eos_token_ids": [out[cut]]}, {}),
+            "stop": ({"decode": _text}, {"stop": [f"<{out[cut]}>"]})}
+        for case, (engine_kw, params_kw) in cases.items():
+            runs = [_run(dec["model"], spec, [SamplingParams(max_new_tokens=MAX_NEW,
+                                                             **params_kw)],
+                         prompts=[prompt], **engine_kw) for spec in (None, dec[name])]
+            (plain,), _, _ = runs[0]
+            (ours,), ev, _ = runs[1]
+            where = (name, case)
+            assert ours.output == plain.output == out[:cut + 1], where
+            assert ours.finish_reason == plain.finish_reason == "stop", where
+            assert ours.text == plain.text, where
+            assert ev["0"][-1].token_ids == out[start:cut + 1], where
+            assert "".join(e.text for e in ev["0"]) == ours.text, where
+        # max_tokens: row 0 stops inside its run while row 1 (more to go) drafts on
+        params = [SamplingParams(max_new_tokens=cut + 1), SamplingParams(max_new_tokens=MAX_NEW)]
+        pair = [prompt, PROMPTS[prompt == PROMPTS[0]]]
+        (plain0, plain1), _, _ = _run(dec["model"], None, params, prompts=pair)
+        (ours0, ours1), ev, _ = _run(dec["model"], dec[name], params, prompts=pair)
+        assert ours0.output == plain0.output == out[:cut + 1], name
+        assert ours0.finish_reason == "length" and ours1.output == plain1.output, name
+        assert ev["0"][-1].token_ids == out[start:cut + 1], name
+
+
+def test_refusals(one_rank, spec_models, tmp_path):
+    """A draft of another vocabulary, one with fewer positions than the context, a draft or
+    target that is T5 are refused with the fix named (a draft model at pp > 1 with more
+    micro-batches: in the spawned test)."""
+    from inference.engine import Engine
+    from inference.loading import load
+    from inference.spec_decode import DraftModelProposer, SpecDecoder, build_speculative
+    from test_t5 import _hf_t5, _ours_from_hf
+
+    target = load(hf=spec_models["target"])[0]
+    draft = load(hf=spec_models["draft"])[0]
+    other = type(target.config)(**{**target.config.to_dict(), "vocab_size": 102})
+    with pytest.raises(ValueError, match=r"vocabulary \(101 ids\) is not the target's \(102\)"):
+        DraftModelProposer(draft, other, 2, 64)
+    with pytest.raises(ValueError, match="holds 128 positions, fewer than --max-model-len 256"):
+        DraftModelProposer(draft, target.config, 2, 256)
+    t5 = _ours_from_hf(_hf_t5(False))
+    with pytest.raises(ValueError, match="encoder-decoder"):
+        Engine(t5, max_batch_size=2, max_seq_length=16,
+               speculative=SpecDecoder(SpeculativeConfig()))
+    with pytest.raises(ValueError, match="encoder-decoder"):
+        build_speculative(SpeculativeConfig(), t5, None, max_batch_size=2, max_seq_length=16)
+    with pytest.raises(ValueError, match="encoder-decoder"):
+        DraftModelProposer(t5, target.config, 2, 16)
