@@ -52,6 +52,8 @@ Test hooks (environment, for tests/test_checkpointing.py only):
 `SHARDZOO_TEST_KILL_DURING_SAVE=R:K` SIGKILLs rank R after its shards of iteration K are
 written and before the rename; `SHARDZOO_TEST_KILL_AT=R:K` SIGKILLs rank R after iteration K,
 only on the first torchrun attempt (TORCHELASTIC_RESTART_COUNT 0);
+`SHARDZOO_TEST_KILL_NODE_AT=R:K` likewise, after SIGKILLing rank R's torchrun agent (a lost
+node; tests/test_elastic.py);
 `SHARDZOO_TEST_SIGTERM_AT=R:K` sends SIGTERM to rank R inside step K (--exit-signal-handler).
 """
 from __future__ import annotations
@@ -84,6 +86,7 @@ from checkpoint.format import (CONFIG, LATEST, METADATA, CheckpointError, compar
 from data_parallel.distributed_optimizer import DistributedOptimizer
 
 from .diloco import load_state, save_state
+from .elastic import elastic_notice
 from .checkpoint_publish import prune, publish_folder, remove_debris, write_synced
 
 KINDS = ("model", "optim.exp_avg", "optim.exp_avg_sq")
@@ -94,19 +97,24 @@ def _print0(msg: str) -> None:
         print(msg, flush=True)
 
 
-def _hook(var: str, iteration: int, first_attempt_only: bool = False) -> None:
-    """Test hook: SIGKILL this process if env `var` is "<this rank>:<iteration>"."""
+def _hook(var: str, iteration: int, first_attempt_only: bool = False,
+          node: bool = False) -> None:
+    """Test hook: SIGKILL this process (`node`: its torchrun agent first, the whole simulated
+    node) if env `var` is "<this rank>:<iteration>"."""
     spec = os.environ.get(var)
     if not spec or spec != f"{dist.get_rank()}:{iteration}":
         return
     if first_attempt_only and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
+    if node:
+        os.kill(os.getppid(), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 def kill_hook(iteration: int) -> None:
     """Test hook after each iteration (see module docstring: SHARDZOO_TEST_KILL_AT)."""
     _hook("SHARDZOO_TEST_KILL_AT", iteration, first_attempt_only=True)
+    _hook("SHARDZOO_TEST_KILL_NODE_AT", iteration, first_attempt_only=True, node=True)
 
 
 def signal_hook(iteration: int) -> None:
@@ -200,7 +208,8 @@ def _layout(config) -> dict:
               "cp": t.context_parallel_size, "world_size": config.world_size,
               "distributed_optimizer": t.use_distributed_optimizer,
               "data_parallel_sharding_strategy": t.data_parallel_sharding_strategy,
-              "optimizer_cpu_offload": t.optimizer_cpu_offload, "bf16": t.bf16}
+              "optimizer_cpu_offload": t.optimizer_cpu_offload, "bf16": t.bf16,
+              "micro_batch_size": t.micro_batch_size}
     if config.model.num_moe_experts:
         layout.update(ep=ps.get_expert_model_parallel_world_size(),
                       etp=ps.get_expert_tensor_parallel_world_size())
@@ -482,7 +491,8 @@ def load_checkpoint(config, chunks, model, optimizer, diloco=None) -> ResumeStat
     position = DataPosition(consumed, consumed if restart_data else
                             int(meta.get("data_start_samples", 0)))
     _print0(f"loaded checkpoint {path} at iteration {iteration} ({consumed} samples consumed)")
-    notice = batch_size_notice(meta, t.global_batch_size, iteration, consumed)
+    notice = elastic_notice(meta, config, iteration, consumed) or \
+        batch_size_notice(meta, t.global_batch_size, iteration, consumed)
     if notice:
         _print0(notice)
     return ResumeState(iteration, position, meta)
