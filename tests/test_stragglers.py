@@ -28,7 +28,8 @@ def test_slowed_rank_is_named(tmp_path, corpus_env, monkeypatch):
     host = socket.gethostname()
     for line in lines:
         assert f"slowest rank 1 ({host})" in line and f"fastest rank 0 ({host})" in line, line
-        assert "for rank 1, whose compute is the outlier" in line, line
+        assert "for rank 1 (its compute + data" in line, line
+        assert line.endswith("furthest above them: compute)"), line
     records = [r for r in read_metrics(log) if r.get("event") == "stragglers"]
     assert [r["slowest_rank"] for r in records] == [1, 1, 1, 1]
     steady = records[-1]

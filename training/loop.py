@@ -340,6 +340,10 @@ def _after_step(run: TrainState, step: StepResult, iteration: int, step_start: f
         run.comm = log_comm(run.config, step.counted, step.global_batch_size, iteration + 1,
                             run.logger, first_step=iteration == run.start_iteration)
         run.records.append(run.comm)
+        if run.counted_steps > 1:
+            print_rank_0(f"(DiLoCo: the counts above are per-step means over iterations "
+                         f"{iteration + 2 - run.counted_steps}..{iteration + 1}, one outer step; "
+                         f"the planner's column is synchronous data parallelism's)")
 
 
 def _handle_skipped_step(run: TrainState, step: StepResult, it: int) -> None:

@@ -161,9 +161,9 @@ class StragglerReport:
         logger.log(rec, f"stragglers, iters {first}-{it} (mean per step): slowest "
                         f"{_describe(slow, s['hosts'][slow], s['slowest'])}; fastest "
                         f"{_describe(fast, s['hosts'][fast], s['fastest'])}; the others waited "
-                        f"{s['waited_fraction']:.0%} of their step for rank {slow}, whose "
-                        f"{s['phase']} is the outlier"
-                        + (f" (work {ratio:.2f}x the other ranks' median)" if ratio else ""),
+                        f"{s['waited_fraction']:.0%} of their step for rank {slow} ("
+                        + (f"its compute + data {ratio:.2f}x the other ranks' median; " if ratio
+                           else "") + f"furthest above them: {s['phase']})",
                    prefix="straggler")
         self._warn(rec, logger)
         return rec
