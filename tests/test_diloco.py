@@ -2,7 +2,9 @@
 parallelism, H 4 resumes bitwise mid-period, the counted dp bytes per step fall by H, and the
 combinations it cannot run with are refused before any work.
 
-All runs in one spawned world of 2 processes (dp 2), tiny-llama, float32, dropout 0.
+All runs in one spawned world of 4 processes: tensor parallel 2 with sequence parallelism inside
+each of 2 data-parallel replicas (the TP/SP reductions stay, only dp's go), tiny-llama, float32,
+dropout 0.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from launch import read_metrics, train_in_one_world, train_losses
 from tolerances import assert_losses_close, training_chain_terms
 
 COMMON = ["--config", "configs/tiny-llama.yaml", "--eval-interval", "0", "--log-interval", "1",
-          "--peak-tflops", "1", "--report-comm"]
+          "--peak-tflops", "1", "--report-comm", "--tp", "2", "--sequence-parallel"]
 # AdamW with beta1 = beta2 = 0 and eps = 1e8 >> |g| updates by lr g / (|g| + eps) = 0.5 g to
 # a relative 1e-8 (below float32's unit roundoff): SGD with step 0.5, which is linear in the
 # gradient, so averaging the replicas' weights after one step each equals averaging their
@@ -38,7 +40,7 @@ def runs(tmp_path_factory, corpus_env):
     argvs = {"dp": COMMON + SGD, "h1": COMMON + SGD + H1,
              "h4": H4 + ["--save", str(save), "--save-interval", "2"],
              "h4-resumed": H4 + ["--load", str(save / "iter_0000002")]}
-    outs = train_in_one_world(2, [a + ["--log-dir", str(root / n)] for n, a in argvs.items()],
+    outs = train_in_one_world(4, [a + ["--log-dir", str(root / n)] for n, a in argvs.items()],
                               corpus_env["SHARDZOO_CACHE"])
     return root, dict(zip(argvs, outs))
 
@@ -64,12 +66,10 @@ def test_counted_dp_bytes_fall_by_h(runs):
     dp, h1, h4 = (_dp_bytes(root / n) for n in ("dp", "h1", "h4"))
     params = next(r for r in read_metrics(root / "h4")
                   if r.get("event") == "run_start")["model_state_psi"]
-    # every step, the non-finite guard's flags (2 floats per rank of the world, which is the
-    # dp group here) on each of the 2 ranks
-    guard = 2 * 2 * 2 * 4
-    assert h1 - guard == 2 * 4 * params  # one float32 all-reduce of the weights per period
-    assert (h4 - guard) * 4 == h1 - guard  # per step: 1/H
-    assert 0 < dp - h1 <= 2 * 16  # synchronous DP: the gradients, the loss and token sums
+    # (each rank's psi: TP shards and TP-replicated weights are the same size on both ranks)
+    assert h1 == 4 * 4 * params  # one float32 all-reduce of the weights per period and rank
+    assert h4 * 4 == h1  # per step: 1/H
+    assert 0 < dp - h1 <= 4 * 16  # synchronous DP: the gradients, the loss and token sums
 
 
 @pytest.mark.parametrize("extra, match", [
@@ -88,4 +88,4 @@ def test_refusals(extra, match):
     from training.arguments import parse_config
 
     with pytest.raises(ConfigError, match=match):
-        parse_config(H4 + extra).validate(2)
+        parse_config(H4 + extra).validate(4)
