@@ -1,6 +1,9 @@
 """Training tokens/s and per-rank model-state bytes of the data-parallel sharding strategies
 (no_shard, optim = ZeRO-1, optim_grads = ZeRO-2, optim_grads_params = ZeRO-3) and of
-optimizer CPU offload, on the same model and layout, measured in the same run.
+offload (ZeRO-Offload: the optimizer in host memory; ZeRO-Infinity: the optimizer on NVMe,
+and ZeRO-3's parameters on NVMe or in host memory too), on the same model and layout,
+measured in the same run, with the device / host / disk bytes of each, and the read and
+write GB/s of `--offload-path` beside the planner's NVMe assumption.
 
 Each variant is a short `training.trainer.pretrain` run (the real training path: schedules,
 bucketed reductions, gathers, clipping, optimizer) on the embedded demo corpus, in its own
@@ -9,7 +12,7 @@ keeps what a run freed, and at 135M parameters x 4 ranks five variants in one pr
 fit a 24 GB machine). Rounds visit
 the variants in turn (ABCD...) to cancel drift on a shared machine; a variant's tokens/s is
 the global batch's tokens over the median step time of its steps after the first, taken over
-all rounds. Ratios are against no_shard. Model-state bytes are read off the tensors on rank 0
+all rounds. Ratios are against no_shard (or the first --only variant). Model-state bytes are read off the tensors on rank 0
 (training/memory.py) beside ZeRO's formula; on CUDA the peak allocated memory of each run is
 printed too (the memory effect of sharding and offload), on CPU it is not (host RSS only
 grows).
@@ -40,11 +43,47 @@ if str(ROOT) not in sys.path:
 STRATEGY = "--data-parallel-sharding-strategy"
 
 
-def variants(offload_base: str) -> list[tuple[str, list[str]]]:
+def variants(offload_base: str, offload_path: str) -> list[tuple[str, list[str]]]:
+    nvme = ["--offload-path", offload_path]
+    zero3 = [STRATEGY, "optim_grads_params"]
     return [("no_shard", [STRATEGY, "no_shard"]), ("optim", [STRATEGY, "optim"]),
             ("optim_grads", [STRATEGY, "optim_grads"]),
-            ("optim_grads_params", [STRATEGY, "optim_grads_params"]),
-            (f"{offload_base}+offload", [STRATEGY, offload_base, "--optimizer-cpu-offload"])]
+            ("optim_grads_params", zero3),
+            (f"{offload_base}+opt cpu", [STRATEGY, offload_base, "--optimizer-cpu-offload"]),
+            (f"{offload_base}+opt nvme", [STRATEGY, offload_base, "--optimizer-offload-device",
+                                          "nvme", *nvme]),
+            ("zero3+opt,params cpu", zero3 + ["--optimizer-offload-device", "cpu",
+                                              "--param-offload-device", "cpu"]),
+            ("zero3+opt,params nvme", zero3 + ["--optimizer-offload-device", "nvme",
+                                               "--param-offload-device", "nvme", *nvme])]
+
+
+def measure_path(path: str, nbytes: int = 256 << 20, chunk: int = 16 << 20) -> tuple[float, float]:
+    """(write, read) GB/s of `path` through the offload's own file path (SwapFile: pwrite /
+    preadv), written then synced (fdatasync) and dropped from the page cache
+    (POSIX_FADV_DONTNEED) before it is read back, so both hit the drive as far as the kernel
+    lets a non-root process."""
+    import time
+
+    from data_parallel.offload_files import SwapFile
+
+    os.makedirs(path, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path) as tmp:
+        f = SwapFile(tmp, "bench.bin", nbytes, threads=2)
+        buf = torch.randn(chunk // 4)
+        start = time.perf_counter()
+        for fut in [f.write(at, buf) for at in range(0, nbytes, chunk)]:
+            fut.result()
+        os.fdatasync(f.fd)
+        write = nbytes / (time.perf_counter() - start) / 1e9
+        os.posix_fadvise(f.fd, 0, nbytes, os.POSIX_FADV_DONTNEED)
+        outs = [torch.empty(chunk // 4) for _ in range(2)]
+        start = time.perf_counter()
+        for i, at in enumerate(range(0, nbytes, chunk)):
+            f.read(at, outs[i % 2]).result()
+        read = nbytes / (time.perf_counter() - start) / 1e9
+        f.close()
+    return write, read
 
 
 def parse_args(argv=None):
@@ -54,7 +93,14 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=5, help="training steps per run")
     p.add_argument("--rounds", type=int, default=2, help="passes over all variants")
     p.add_argument("--offload-base", default="optim_grads",
-                   help="strategy of the offload variant (ZeRO-Offload is stage 2)")
+                   help="strategy of the optimizer-offload variants (ZeRO-Offload is stage 2)")
+    p.add_argument("--offload-path", default=os.path.join(tempfile.gettempdir(),
+                                                          "shardzoo-bench-offload"),
+                   help="folder of the NVMe variants' scratch files (default: in the temp dir)")
+    p.add_argument("--nvme-bandwidth", type=float, default=25.0,
+                   help="GB/s per node the planner is told (tools/plan.py --nvme-bandwidth), "
+                        "printed beside the measured GB/s of --offload-path")
+    p.add_argument("--only", help="comma-separated variants to run (default: all)")
     p.add_argument("--variant", help=argparse.SUPPRESS)  # worker: the variant to run
     p.add_argument("--out", help=argparse.SUPPRESS)  # worker: where rank 0 writes its result
     p.add_argument("train_args", nargs="*", help="after --: flags for every run")
@@ -74,7 +120,8 @@ def launch(args, nproc: int, name: str, out: str) -> None:
     """One variant under torchrun; rank 0 writes its result (json) to `out`."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", __file__, "--iters", str(args.iters),
-           "--offload-base", args.offload_base, "--variant", name, "--out", out, "--",
+           "--offload-base", args.offload_base, "--offload-path", args.offload_path,
+           "--variant", name, "--out", out, "--",
            *args.train_args]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get(
         "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))}
@@ -90,7 +137,7 @@ def worker(args) -> None:
     import parallel_state as ps
 
     ps.initialize_distributed()
-    flags = dict(variants(args.offload_base))[args.variant]
+    flags = dict(variants(args.offload_base, args.offload_path))[args.variant]
     with tempfile.TemporaryDirectory() as tmp:
         out = one_run(common_flags(args) + flags, tmp)
     if dist.get_rank() == 0:
@@ -124,7 +171,10 @@ def one_run(flags: list[str], log_dir: str) -> dict:
 
 def bench(args) -> None:
     nproc = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
-    vs = variants(args.offload_base)
+    vs = variants(args.offload_base, args.offload_path)
+    if args.only:  # ratios are then against the first of these
+        keep = args.only.split(",")
+        vs = [v for v in vs if v[0] in keep]
     times = {name: [] for name, _ in vs}
     last = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -137,18 +187,20 @@ def bench(args) -> None:
                 last[name] = out
     from training.arguments import parse_config
 
-    rec0, world = last["no_shard"]["record"], last["no_shard"]["world"]
+    first = vs[0][0]  # the baseline of the ratios: no_shard unless --only says otherwise
+    rec0, world = last[first]["record"], last[first]["world"]
     cfg = parse_config(common_flags(args)).validate(world)
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
     mib = lambda b: f"{b / 2**20:10.2f}"  # noqa: E731
-    print(f"device {last['no_shard']['device']}, world {world} (dp "
+    print(f"device {last[first]['device']}, world {world} (dp "
           f"{rec0['model_state_dp']}), {cfg.model.name}: {cfg.model.num_parameters() / 1e6:.2f}M "
           f"params, {tokens} tokens/step, {args.iters} steps x {args.rounds} rounds per variant, "
           f"bf16 {cfg.train.bf16}")
-    base = tokens / statistics.median(times["no_shard"])
-    cuda = last["no_shard"]["cuda_peak"] is not None
-    head = (f"{'variant':<24} {'tok/s':>9} {'vs no_shard':>11} {'states MiB/rank':>15} "
-            f"{'formula':>10} {'paper':>10} {'host MiB':>10} {'gathered':>10}")
+    base = tokens / statistics.median(times[first])
+    cuda = last[first]["cuda_peak"] is not None
+    head = (f"{'variant':<24} {'tok/s':>9} {'vs first':>11} {'states MiB/rank':>15} "
+            f"{'formula':>10} {'paper':>10} {'host MiB':>10} {'formula':>10} {'NVMe MiB':>10} "
+            f"{'formula':>10} {'gathered':>10}")
     if cuda:
         head += f" {'cuda peak':>10}"
     print(head)
@@ -160,14 +212,25 @@ def bench(args) -> None:
                 f" {mib(rec['model_state_predicted_total_bytes'])} "
                 f"{mib(rec['model_state_paper_total_bytes'])} "
                 f"{mib(rec['model_state_host_total_bytes'])} "
+                f"{mib(rec['model_state_predicted_host_total_bytes'])} "
+                f"{mib(rec.get('model_state_nvme_total_bytes', 0))} "
+                f"{mib(rec.get('model_state_predicted_nvme_total_bytes', 0))} "
                 f"{mib(rec.get('gathered_params_peak_bytes', 0))}")
         if cuda:
             line += f" {mib(last[name]['cuda_peak'])}"
         print(line + (f"   (step-time spread {spread:.0%}: busy machine)" if spread > 0.5 else ""))
     print("states: params + grads + main params + optimizer states on the device, measured "
           "on rank 0; formula: ZeRO (Rajbhandari et al. 2020, sec. 5) with the padded parameter "
-          "count, paper: with the unpadded one; host: offloaded main params, moments and "
-          "gradient copies; gathered: ZeRO-3 peak of gathered parameters")
+          "count, paper: with the unpadded one; host: offloaded main params, moments, "
+          "gradient copies, parameter shards and the NVMe streaming buffers; NVMe: the scratch "
+          "files (12 B per offloaded optimizer element, the weight shards); gathered: ZeRO-3 "
+          "peak of gathered parameters")
+    if any("nvme" in name for name, _ in vs):
+        write, read = measure_path(args.offload_path)
+        print(f"--offload-path {args.offload_path}: measured write {write:.2f} GB/s, read "
+              f"{read:.2f} GB/s (256 MiB, synced, page cache dropped); the planner was told "
+              f"--nvme-bandwidth {args.nvme_bandwidth:g} GB/s per node, "
+              f"{args.nvme_bandwidth / max(1, nproc):.2f} GB/s per rank at {nproc} ranks")
 
 
 def main(argv=None) -> int:

@@ -123,8 +123,8 @@ class DistributedOptimizer:
             live and are updated off the device (0 = none; see the module docstring).
         offload_device: where they live: "cpu" (host memory) or "nvme" (files in a scratch
             folder of this process under `offload_path`, streamed through `buffer_count`
-            host buffers by `io_threads` threads; pinned when the model is on CUDA and
-            `pin_memory`).
+            host buffers of `buffer_size` elements (a longer shard goes in pieces) by
+            `io_threads` threads; pinned when the model is on CUDA and `pin_memory`).
         rank: this process's global rank (names its scratch folder).
     Raises:
         ValueError: `shard` without sharding wrappers; a fraction outside [0, 1]; an unknown
@@ -135,7 +135,8 @@ class DistributedOptimizer:
     def __init__(self, model: list[DistributedDataParallel], *, lr: float, weight_decay: float,
                  betas=(0.9, 0.999), eps: float = 1e-8, shard: bool = True,
                  offload_fraction: float = 0.0, offload_device: str = "cpu",
-                 offload_path: str | None = None, buffer_count: int = 2, io_threads: int = 2,
+                 offload_path: str | None = None, buffer_count: int = 2,
+                 buffer_size: int = 4_000_000, io_threads: int = 2,
                  pin_memory: bool = True, rank: int = 0):
         if shard and not all(d.use_distributed_optimizer for d in model):
             raise ValueError("the distributed optimizer needs DistributedDataParallel wrappers "
@@ -165,7 +166,10 @@ class DistributedOptimizer:
                 pieces.append((ddp, b, lo, host_hi, True))
             if hi > host_hi:
                 pieces.append((ddp, b, host_hi, hi, False))
-        if nvme:
+        if nvme:  # streamed in pieces of at most buffer_size elements
+            pieces = [(d, b, a, min(a + buffer_size, hi), off) if off else (d, b, lo, hi, off)
+                      for d, b, lo, hi, off in pieces
+                      for a in (range(lo, hi, buffer_size) if off else [lo])]
             sizes = [hi - lo for _, _, lo, hi, off in pieces if off]
             device = model[0].device if model else torch.device("cpu")
             self.scratch = make_scratch(offload_path, rank)

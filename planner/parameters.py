@@ -271,7 +271,7 @@ def model_state_prediction(config, pp_rank: int = 0) -> dict:
     rank's optimizer elements (in bucket order, as the optimizer cuts them) leave the device:
     to host memory at 16 B each (main copy, two moments, gradient copy), or to NVMe at 12 B
     each (main copy, two moments) plus `--offload-buffer-count` host buffers of 16 B x the
-    largest offloaded shard (`offload_layout`). `--param-offload-device` (ZeRO-3) moves the
+    largest offloaded shard or `--offload-buffer-size`, whichever is less (`offload_layout`). `--param-offload-device` (ZeRO-3) moves the
     W psi / N_d weight shards to host memory or NVMe the same way."""
     t, dp = config.train, gradient_data_parallel_size(config)
     strategy = t.data_parallel_sharding_strategy
@@ -287,6 +287,7 @@ def model_state_prediction(config, pp_rank: int = 0) -> dict:
     fraction = (t.optimizer_offload_fraction or 0.0) if t.optimizer_cpu_offload else 0.0
     nvme = t.optimizer_offload_device == "nvme"
     offloaded, biggest = offload_layout([size for size, _, _ in shards], fraction)
+    biggest = min(biggest, t.offload_buffer_size)  # NVMe streams longer shards in pieces
     by_set = {}
     for (size, key, n), off in zip(shards, offloaded):
         by_set[key, n] = by_set.get((key, n), 0) + off

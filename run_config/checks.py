@@ -400,6 +400,9 @@ def _check_offload(t: TrainConfig) -> None:
     if t.offload_buffer_count < 2:
         raise ConfigError(f"--offload-buffer-count must be >= 2 (one buffer updated while the "
                           f"next is read), got {t.offload_buffer_count}")
+    if t.offload_buffer_size < 1:
+        raise ConfigError(f"--offload-buffer-size must be >= 1 element, got "
+                          f"{t.offload_buffer_size}")
     if t.offload_io_threads < 1:
         raise ConfigError(f"--offload-io-threads must be >= 1, got {t.offload_io_threads}")
 

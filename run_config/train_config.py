@@ -38,6 +38,7 @@ class TrainConfig:
     param_offload_device: str | None = None  # cpu | nvme: ZeRO-3 parameter shards off device
     offload_path: str | None = None  # nvme: folder on the drive (per-run, per-rank scratch)
     offload_buffer_count: int = 2  # nvme: host buffers streaming the shards (>= 2)
+    offload_buffer_size: int = 4_000_000  # nvme: elements per buffer (longer shards: pieces)
     offload_io_threads: int = 2  # nvme: threads doing the pread/pwrite of the scratch files
     offload_pin_memory: bool = True  # nvme/cpu on CUDA: page-locked host buffers
     recompute_granularity: str | None = None  # None | "full" | "selective"

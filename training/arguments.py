@@ -180,6 +180,8 @@ FLAG_HELP = {
     "its own scratch folder there, removed at exit (a killed run's: at the next start)",
     "offload_buffer_count": "nvme offload: host buffers the shards stream through (>= 2: one "
     "updated while the next is read)",
+    "offload_buffer_size": "nvme offload: optimizer elements per host buffer (16 B each: "
+    "main copy, two moments, gradient); longer shards stream in pieces of this size",
     "offload_io_threads": "nvme offload: threads reading and writing the scratch files",
     "offload_pin_memory": "page-locked host buffers for offload on CUDA (ignored on CPU)",
     "recompute_granularity": "full | selective activation recompute",

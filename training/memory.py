@@ -260,7 +260,8 @@ def model_state_bytes(model, optimizer) -> dict:
     if where:  # parameter offload moves the weight shards off the device
         out["predicted_total"] -= offloaded
         out["predicted_host_total" if where == {"cpu"} else "predicted_nvme_total"] += offloaded
-    out["paper_total"] = formula(psi, n_host, sum(n_nvme), **kw)[0]
+    out["paper_total"] = formula(psi, n_host, sum(n_nvme), **kw)[0] - \
+        (weight * sum(c // n for n, c in psi.items()) if where else 0)
     out.update(psi=sum(psi.values()), psi_padded=sum(padded.values()), dp=dp,
                edp=model[0].expert_comm.size if model else 1, strategy=strategy)
     for name in STRATEGIES:  # what each strategy would hold for this rank's parameters

@@ -272,7 +272,8 @@ def setup_model_and_optimizer(config: Config, device) -> tuple[list, list, objec
             eps=t.adam_eps, shard=t.use_distributed_optimizer,
             offload_fraction=t.optimizer_offload_fraction if t.optimizer_cpu_offload else 0.0,
             offload_device=t.optimizer_offload_device or "cpu", offload_path=t.offload_path,
-            buffer_count=t.offload_buffer_count, io_threads=t.offload_io_threads,
+            buffer_count=t.offload_buffer_count, buffer_size=t.offload_buffer_size,
+            io_threads=t.offload_io_threads,
             pin_memory=t.offload_pin_memory, rank=dist.get_rank())
     else:
         optimizer = build_optimizer(torch.nn.ModuleList(chunks), lr=t.lr,
