@@ -179,7 +179,8 @@ class Engine:
             self.runner = ModelRunner(model, max_batch_size, max_seq_length, block_size,
                                       kv_cache_memory)
             self.blocks = BlockManager(self.runner.cache.num_blocks, block_size,
-                                       enable_prefix_caching)
+                                       enable_prefix_caching,
+                                       region_blocks=-(-max_seq_length // block_size))
         self.eos = set(int(e) for e in eos_token_ids)
         self.decode = decode
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
@@ -502,7 +503,8 @@ class Engine:
     def _flight(self, rows: list[tuple], tick: int, prefill: bool) -> _Flight:
         """The tensors of `rows` (right-padded chunks), their requests marked busy and moved
         to the back of the rotation, and the full blocks they complete named in the prefix
-        cache."""
+        cache. Rows go in block order (the paged cache reads evenly spaced rows as a view)."""
+        rows = sorted(rows, key=lambda row: row[0].blocks[0] if row[0].blocks else 0)
         batch = [r for r, _, _ in rows]
         width = max(n for _, _, n in rows)
         ids = torch.zeros(len(rows), width, dtype=torch.int64)
@@ -519,11 +521,10 @@ class Engine:
         else:  # decode: each row's last known token (and its drafts, speculative)
             ids[:, 0] = torch.tensor([(r.output or r.prompt)[-1] for r in batch])
             if self.spec is not None:
-                drafts, q = self.spec.plan(batch, [self._tokens(r) for r in batch],
-                                           self.max_seq_length)
-                if drafts[0]:
-                    ids = torch.cat([ids, torch.tensor(drafts)], dim=1)
-                    width = ids.shape[1]
+                drafts, padded, q = self.spec.plan(batch, [self._tokens(r) for r in batch],
+                                                   self.max_seq_length)
+                ids = torch.cat([ids, padded], dim=1)
+                width = ids.shape[1]
         starts = torch.tensor([start for _, start, _ in rows])
         bs = self.blocks.block_size
         span = -(-(int(starts.max()) + width) // bs)

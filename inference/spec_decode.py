@@ -33,11 +33,13 @@ Proposers (`SpeculativeConfig.method`, vLLM's names):
   the last one or two emitted tokens). q is its `filtered_probs` under the request's
   sampling parameters; its drafts are broadcast from the last stage like sampled ids.
 
-Rows of one micro-batch are verified together with one draft count k_b (the most any row
-got, capped by `num_speculative_tokens`, the tokens the rows still may emit and the context
-room of every row); a row with fewer n-gram drafts is filled up with its last token. Any
-draft is exact under the rule (a point mass on any token is a valid q), so the filling only
-costs the positions it computes, which the forward computes for the other rows anyway.
+Each row drafts k_i tokens (at most `num_speculative_tokens` and the tokens it may still
+emit less one; n-gram: fewer when its match is short or missing), on its own tokens only, so
+its drafts and the uniforms it draws do not depend on the other rows of the batch: seeded
+output is the same at any layout and batch composition. The rows of a micro-batch are
+verified in one forward of k_b + 1 positions (k_b = the largest k_i); a shorter row is
+padded with its last token, whose positions are computed and never read. k_b must keep every
+row's positions before --max-model-len, so a row that close to the end caps its batch.
 """
 from __future__ import annotations
 
@@ -300,13 +302,15 @@ class DraftModelProposer:
             t[i, :own] = torch.arange(1 + s * self.per_slot, 1 + s * self.per_slot + own)
         return t
 
-    def propose(self, batch, streams: list[list[int]], k: int) -> tuple[list[list[int]],
-                                                                         torch.Tensor | None]:
+    def propose(self, batch, streams: list[list[int]], k: int, wanted: list[int]
+                ) -> tuple[list[list[int]], torch.Tensor | None]:
         """`k` drafts per row of `batch` (requests, with `streams`: their prompt + output),
         identical on every rank, and on the last stage the draft's distributions q `[b, k,
-        V]` float64 (rows of greedy requests are not filled: they are not needed). The first
-        pass feeds each row's tokens the draft has not seen, right-padded; the next k - 1
-        one token each."""
+        V]` float64 (rows of greedy requests are not filled: they are not needed). Row i's
+        first `wanted[i]` drafts are sampled with its request's parameters and generator,
+        the rest (padding, never verified) are the draft's argmax, so the uniforms a row
+        draws do not depend on the other rows. The first pass feeds each row's tokens the
+        draft has not seen, right-padded; the next k - 1 one token each."""
         from .comm import broadcast_tokens
 
         slots = self._slots(batch)
@@ -329,7 +333,7 @@ class DraftModelProposer:
                     q = torch.zeros(b, k, logits.shape[-1], dtype=torch.float64)
                 picked, logits = logits.float().argmax(dim=-1), logits.float()
                 for i, r in enumerate(batch):
-                    if r.params.temperature != 0:
+                    if r.params.temperature != 0 and j < wanted[i]:
                         q[i, j] = filtered_probs(logits[i], r.params)
                         picked[i] = draw(q[i, j], r.generator)
             drafts[:, j] = broadcast_tokens(picked, b)
@@ -384,51 +388,62 @@ class SpecDecoder:
         return 1
 
     def plan(self, batch, streams: list[list[int]], max_seq_length: int
-             ) -> tuple[list[list[int]], torch.Tensor | None]:
-        """Drafts `[b][k_b]` of a decode micro-batch (`streams`: each request's prompt +
-        output) and, for a draft model on the last stage, its q `[b, k_b, V]` (else None).
-        k_b is at most `num_speculative_tokens`, the most tokens a row may still emit less
-        one (the step emits one of its own), and every row's room before `max_seq_length`
-        (positions len - 1 .. len - 1 + k_b are written); 0 = a plain decode step. n-gram
-        rows with fewer drafts than the longest are filled with their last token."""
-        left = max(r.params.max_new_tokens - len(r.output) for r in batch)
+             ) -> tuple[list[list[int]], torch.Tensor, torch.Tensor | None]:
+        """`(drafts, padded, q)` of a decode micro-batch (`streams`: each request's prompt +
+        output): row i's drafts to verify (k_i of them), the same right-padded to the
+        longest as `[b, k_b]` (the forward's extra positions; padding is never verified),
+        and for a draft model on the last stage its q `[b, k_b, V]` (else None).
+        k_i is at most `num_speculative_tokens` and the tokens the row may still emit less
+        one (the step emits one of its own): a row's drafts and the uniforms it draws
+        depend on its own tokens only, not on the batch (seeded output is the same at any
+        layout and batch composition), except that every row's positions len - 1 .. len -
+        1 + k_b must stay before `max_seq_length`, which caps k_b for all rows of a batch
+        holding a row that close to the end. k_b = 0: a plain decode step."""
         room = min(max_seq_length - len(s) for s in streams)
-        k = max(0, min(self.k, left - 1, room))
-        if k == 0:
-            return [[] for _ in batch], None
-        if self.draft is not None:
-            return self.draft.propose(batch, streams, k)
-        drafts = [self.ngram.propose(s, k) for s in streams]
+        ks = [max(0, min(self.k, r.params.max_new_tokens - len(r.output) - 1, room))
+              for r in batch]
+        q = None
+        if self.draft is not None and max(ks):
+            drafts, q = self.draft.propose(batch, streams, max(ks), ks)
+            drafts = [d[:n] for d, n in zip(drafts, ks)]
+        elif self.draft is None:
+            drafts = [self.ngram.propose(s, n) for s, n in zip(streams, ks)]
+        else:
+            drafts = [[] for _ in batch]
         k = max(map(len, drafts))
-        return [d + [s[-1]] * (k - len(d)) for d, s in zip(drafts, streams)], None
+        padded = torch.tensor([d + [s[-1]] * (k - len(d)) for d, s in zip(drafts, streams)],
+                              dtype=torch.int64).view(len(batch), k)
+        return drafts, padded, q
 
     def verify(self, batch, logits: torch.Tensor | None, drafts: list[list[int]],
                q: torch.Tensor | None, streams: list[list[int]]) -> tuple[list, dict]:
-        """`(runs, logprobs)`: each row's emitted ids (1 to k_b + 1), the same on every rank,
-        computed on the last stage from `logits [b, k_b + 1, V]` (None elsewhere) by
-        `verify_row` and broadcast from there as one `[b, k_b + 2]` tensor (count, ids); and
+        """`(runs, logprobs)`: each row's emitted ids (1 to k_i + 1 for its k_i `drafts`),
+        the same on every rank, computed on the last stage from `logits [b, k_b + 1, V]`
+        (None elsewhere; row i reads its first k_i + 1) by `verify_row` and broadcast from there as one `[b, k_b + 2]` tensor (count, ids); and
         for the rows whose request asked, {request id: [(token, logprob, [(id, logprob)] x
         N)] per emitted id} (the raw model output at its position, as `Engine._sample`
         gives them; broadcast only on steps with such a row). Counts the step in `stats`
-        (every verified draft, fillers included); tells the draft model what it keeps."""
+        (the drafts verified: a row's own, not the padding); tells the draft model what it
+        keeps."""
         from .comm import broadcast_logprobs, broadcast_tokens
         from .sampling import token_logprobs, unpack_logprobs
 
-        b, k = len(batch), len(drafts[0])
+        b, k = len(batch), max(map(len, drafts))
         packed = None
         if logits is not None:
             packed = torch.zeros(b, k + 2, dtype=torch.int64)
             for i, r in enumerate(batch):
                 sampled = q is not None and r.params.temperature != 0
-                run = verify_row(logits[i], drafts[i], r.params, r.generator,
-                                 q[i] if sampled else None)
+                n = len(drafts[i])
+                run = verify_row(logits[i, :n + 1], drafts[i], r.params, r.generator,
+                                 q[i, :n] if sampled else None)
                 packed[i, 0] = len(run)
                 packed[i, 1:1 + len(run)] = torch.tensor(run)
         packed = broadcast_tokens(None if packed is None else packed.flatten(),
                                   b * (k + 2)).view(b, k + 2).tolist()
         runs = [row[1:1 + row[0]] for row in packed]
-        for r, run, s in zip(batch, runs, streams):
-            self.stats.add(k, len(run) - 1)
+        for r, run, s, d in zip(batch, runs, streams, drafts):
+            self.stats.add(len(d), len(run) - 1)
             if self.draft is not None:
                 self.draft.rewind(r.id, len(s), len(run) - 1, k)
         asked = [i for i, r in enumerate(batch) if r.params.logprobs is not None]

@@ -192,9 +192,9 @@ K = 3
 
 
 def _save_models(root) -> dict:
-    """{"target": folder, "draft": folder}: a random 2-layer HF Llama whose layers are damped
-    (output projections x 0.15 and x 0.04), so greedy text often falls into cycles that the
-    n-gram proposer predicts, and as its draft the same model cut to its first layer (it
+    """{"target": folder, "draft": folder}: a random 3-layer HF Llama whose layers are damped
+    (output projections x 0.15, 0.04, 0.04), so greedy text often falls into cycles that the
+    n-gram proposer predicts, and as its draft the same model cut to its first 2 layers (it
     mostly agrees, not always): both accepted and rejected drafts occur."""
     import copy
 
@@ -202,16 +202,16 @@ def _save_models(root) -> dict:
 
     torch.manual_seed(0)
     target = LlamaForCausalLM(LlamaConfig(
-        vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        initializer_range=0.3, tie_word_embeddings=False))
+        initializer_range=0.3, tie_word_embeddings=False, eos_token_id=None))
     with torch.no_grad():
-        for layer, f in zip(target.model.layers, (0.15, 0.04)):
+        for layer, f in zip(target.model.layers, (0.15, 0.04, 0.04)):
             layer.self_attn.o_proj.weight.mul_(f)
             layer.mlp.down_proj.weight.mul_(f)
     draft = copy.deepcopy(target)
-    draft.model.layers = draft.model.layers[:1]
-    draft.config.num_hidden_layers = 1
+    draft.model.layers = draft.model.layers[:2]
+    draft.config.num_hidden_layers = 2
     out = {}
     for name, m in (("target", target), ("draft", draft)):
         out[name] = str(root / name)
@@ -300,7 +300,7 @@ def test_greedy_equals_the_plain_engine_and_transformers(one_rank, spec_models):
     plain, plain_events, _ = _run(dec["model"], None, params)
     assert [r.output for r in plain] == ref
     for name in ("ngram", "draft"):
-        for memory in (None, 14 * 1024):  # 14 blocks of 4 tokens x 256 bytes
+        for memory in (None, 14 * 4 * 384):  # 14 blocks of 4 tokens: 3 layers, K V, 2 x 8 floats
             reqs, events, engine = _run(dec["model"], dec[name], params,
                                         kv_cache_memory=memory)
             assert [r.output for r in reqs] == ref, (name, memory)
@@ -391,3 +391,56 @@ def test_refusals(one_rank, spec_models, tmp_path):
         build_speculative(SpeculativeConfig(), t5, None, max_batch_size=2, max_seq_length=16)
     with pytest.raises(ValueError, match="encoder-decoder"):
         DraftModelProposer(t5, target.config, 2, 16)
+
+
+def _spec_layouts(folders: dict) -> dict:
+    """In a worker at tp 2 x pp 2: greedy and seeded sampled ids of the plain engine, n-gram
+    (2 micro-batches in flight) and the draft model (1: more is refused), with the stats."""
+    from inference.engine import Engine
+
+    dec = _decoders(folders)
+    greedy = [SamplingParams(max_new_tokens=MAX_NEW)] * len(PROMPTS)
+    sampled = [SamplingParams(max_new_tokens=MAX_NEW, temperature=t, top_k=k, top_p=p,
+                              seed=s, logprobs=1 if s == 2 else None)
+               for t, k, p, s in ((0.8, 0, 1.0, 1), (1.0, 20, 1.0, 2), (0.6, 0, 0.9, 3))]
+    out = {}
+    for name in ("plain", "ngram", "draft"):
+        for kind, params in (("greedy", greedy), ("sampled", sampled)):
+            reqs, events, engine = _run(dec["model"], dec[name], params)
+            out[(name, kind)] = [r.output for r in reqs]
+            out[(name, kind, "in_flight")] = engine.max_in_flight
+            out[(name, kind, "logprobs")] = [lp for e in events["1"] for lp in e.logprobs or ()]
+            if engine.spec is not None:
+                out[(name, kind, "stats")] = engine.spec.stats.as_dict()
+    try:
+        Engine(dec["model"], max_batch_size=2, max_seq_length=64, num_micro_batches=2,
+               speculative=dec["draft"]())
+    except ValueError as e:
+        out["refused"] = str(e)
+    return out
+
+
+def test_tensor_and_pipeline_parallel(one_rank, spec_models):
+    """At tp 2 x pp 2 (one spawned world of 4 ranks): greedy ids with n-gram drafts (two
+    micro-batches in flight) and a draft model (sharded the same way, one micro-batch)
+    equal the plain engine's and transformers'; seeded sampled ids, acceptance counts and
+    logprobs equal this process's tp 1 run and are the same on every rank; a draft model
+    with two micro-batches at pp 2 is refused."""
+    from distributed import run_distributed
+
+    ref = [_hf_greedy(spec_models["target"], p, MAX_NEW) for p in PROMPTS]
+    ranks = run_distributed(_spec_layouts, 4, spec_models, tp=2, pp=2, timeout=400)
+    one = _spec_layouts(spec_models)
+    got = ranks[0]
+    assert all(r == got for r in ranks[1:]), "ranks disagree"
+    for name in ("plain", "ngram", "draft"):
+        assert got[(name, "greedy")] == ref, name
+        assert got[(name, "sampled")] == one[(name, "sampled")], name
+        assert got[(name, "sampled", "logprobs")][0][0] == one[(name, "sampled", "logprobs")][0][0]
+        if name != "plain":
+            for kind in ("greedy", "sampled"):
+                assert got[(name, kind, "stats")] == one[(name, kind, "stats")], (name, kind)
+    assert got[("ngram", "greedy", "in_flight")] == 2
+    assert got[("draft", "greedy", "in_flight")] == 1
+    assert "runs one micro-batch at a time" in got["refused"]
+    assert [len(o) for o in got[("draft", "sampled")]] == [MAX_NEW] * 3
