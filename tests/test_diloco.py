@@ -89,3 +89,33 @@ def test_refusals(extra, match):
 
     with pytest.raises(ConfigError, match=match):
         parse_config(H4 + extra).validate(4)
+
+
+def test_outer_step_is_torch_nesterov_sgd():
+    """The outer step on one replica (dp 1: the pseudo-gradient is the replica's own) against
+    torch.optim.SGD(nesterov=True) on the global copy with grad = global - local: the same
+    weights after three outer steps; a non-finite pseudo-gradient is not applied."""
+    import torch
+
+    from training.diloco import DiLoCo
+
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(5, 3))
+    ref = torch.nn.Parameter(w.detach().clone())
+    sgd = torch.optim.SGD([ref], lr=0.7, momentum=0.9, nesterov=True)
+    outer = DiLoCo([w], sync_every=4, outer_lr=0.7, outer_momentum=0.9, group=object())
+    for _ in range(3):
+        with torch.no_grad():
+            w.add_(torch.randn(5, 3) * 0.1)  # what the inner steps did to the replica
+        ref.grad = (ref - w).detach()
+        sgd.step()
+        assert outer.sync()
+        # the same float32 operations in the same order: bitwise
+        assert torch.equal(w.detach(), ref.detach())
+        assert torch.equal(outer.global_params[0], ref.detach())
+    before = outer.global_params[0].clone()
+    with torch.no_grad():
+        w[0, 0] = float("nan")
+    assert not outer.sync() and outer.skipped_syncs == 1
+    assert torch.equal(outer.global_params[0], before) and torch.equal(w.detach(), before)
+    assert [outer.due(i, 10) for i in (3, 4, 8, 9, 10)] == [False, True, True, False, True]

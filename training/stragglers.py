@@ -10,7 +10,7 @@ Synchronous training runs at the pace of its slowest rank. Each rank splits ever
   its end, so overlapped communication does not count,
 - `compute`: the rest (`step - data - waits`): forward, backward, the optimizer, Python.
 
-Every log interval the per-rank means are gathered to rank 0 (one all_gather_object over the
+Every log interval the per-rank means are gathered to rank 0 (one gather_object over the
 world, between steps), which prints one line: the slowest and the fastest rank (by compute +
 data: a rank's own work) with host, per-phase times, and the fraction of their step the other
 ranks spent waiting for the slowest, estimated per rank r as min(work_slowest - work_r,
@@ -146,13 +146,14 @@ class StragglerReport:
         self.times.end_step(seconds, data_seconds)
 
     def report(self, it: int, logger) -> dict | None:
-        """Gather every rank's means since the last report (collective over the world) and
-        log the line and record on rank 0; returns the record (on every rank)."""
+        """Gather every rank's means since the last report to rank 0 (collective over the
+        world) and log the line and record there; returns the record on rank 0, else None."""
         mine = dict(self.times.take(), host=self.host)
-        ranks = [None] * dist.get_world_size()
-        collectives.all_gather_object(ranks, mine)
+        rank0 = dist.get_rank() == 0
+        ranks = [None] * dist.get_world_size() if rank0 else None
+        collectives.gather_object(mine, ranks, dst=0)
         first, self.first_it = self.first_it, None
-        if not ranks[0]["steps"]:
+        if not rank0 or not ranks[0]["steps"]:
             return None
         s = summarize(ranks)
         rec = {"iteration": it, "event": "stragglers", "first_iteration": first, **s}
