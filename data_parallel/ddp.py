@@ -333,7 +333,8 @@ class DistributedDataParallel(nn.Module):
 
     def param_view(self, bucket: _Bucket, lo: int, hi: int) -> torch.Tensor | None:
         """Persistent weights of owned flat range [lo, hi) (model dtype), or None without a
-        flat parameter store (`no_shard`: the weights are the parameters themselves)."""
+        flat parameter store in memory (`no_shard`: the weights are the parameters
+        themselves; NVMe parameter offload: use `read_params` / `write_params`)."""
         if self.param_shards is not None:
             return self.param_shards[self._shard_pos(bucket, lo): self._shard_pos(bucket, hi)]
         if self.param_buffer is not None:

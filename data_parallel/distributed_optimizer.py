@@ -153,6 +153,7 @@ class DistributedOptimizer:
         self.model, self.sharded = model, shard
         self.offload_fraction, self.offload_device = offload_fraction, offload_device
         self.swap, self.scratch, self._slots = None, None, []
+        self.buffer_count = buffer_count if nvme else 0  # host buffers NVMe shards stream through
         self.param_groups = [{"lr": lr, "weight_decay": weight_decay, "betas": betas,
                               "eps": eps}]
         self.step_count = 0

@@ -4,8 +4,9 @@
 - Every `--data-parallel-sharding-strategy` (no_shard, optim, optim_grads,
   optim_grads_params), with `--optimizer-cpu-offload` too, with the optimizer on NVMe
   (`--optimizer-offload-device nvme`: dp 2, tp 2 x dp 2, pp 2 x dp 2) and ZeRO-3's parameters
-  on NVMe (dp 2 under full recompute, tp 2 x dp 2 with the optimizer there too) or in host
-  memory (pp 2 x dp 2), at dp 2 and 4, with TP 2 + SP and
+  on NVMe (dp 2 under full recompute, tp 2 x dp 2 with the optimizer there too, pp 2 x dp 2
+  with 30% of the optimizer in host memory) or in host memory (dp 4), at dp 2 and 4, with
+  TP 2 + SP and
   with PP 2 (tied embedding, so its gradient all-reduce across stages runs on shards), and
   ZeRO-3 under full recompute, gives the same losses, gradient norms and weights after 5
   steps as torch.optim.AdamW in one process (the world-1 run), to 1e-5 relative per tensor
@@ -113,7 +114,8 @@ CASES = [
                   "{offload}", "--recompute-granularity", "full", "--recompute-num-layers",
                   "1", "--ddp-bucket-size", "20000")]),
     ("dp4-tied", "gpt", 4, [], [
-        _strategy("no_shard"), _strategy("optim"), _strategy("optim_grads"), _strategy("optim_grads_params"),
+        _strategy("no_shard"), _strategy("optim"), _strategy("optim_grads"),
+        _strategy("optim_grads_params", "--param-offload-device", "cpu"),
         _strategy("optim_grads", *OFFLOAD)]),
     ("tp2-dp2-sp", "llama", 4, ["--tp", "2", "--sequence-parallel"], [
         _strategy("optim"), _strategy("optim_grads"), _strategy("optim_grads_params"),
@@ -123,7 +125,7 @@ CASES = [
     ("pp2-dp2-tied", "gpt", 4, ["--pp", "2"], [
         _strategy("optim"), _strategy("optim_grads"), _strategy("optim_grads_params"),
         _strategy("optim_grads_params", *OFFLOAD, "--optimizer-offload-fraction", "0.3",
-                  "--param-offload-device", "cpu"),
+                  "--param-offload-device", "nvme", "--offload-path", "{offload}"),
         _strategy("optim", *NVME, "--offload-io-threads", "1")]),
 ]
 

@@ -217,7 +217,7 @@ def model_state_bytes(model, optimizer) -> dict:
         out.update(optimizer.state_bytes())
         n_host = sum(s.hi - s.lo for s in optimizer.shards if s.host)
         n_nvme = [s.hi - s.lo for s in optimizer.shards if s.nvme]
-        buffers = len(optimizer._slots) * 16 * max(n_nvme, default=0)
+        buffers = optimizer.buffer_count * 16 * max(n_nvme, default=0)
     else:
         out.update(main_params=0, optimizer_states=2 * sum(size(p) for p in params),
                    host_main_params=0, host_optimizer_states=0, host_grads=0,

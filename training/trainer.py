@@ -352,8 +352,9 @@ def _finish_run(run: TrainState, last: int, stop: str | None, on_end) -> list[di
                                    run.flops_per_token, run.logger, dist.get_world_size(),
                                    run.is_logger))
     run.logger.close()
-    for ddp in run.model:
-        ddp.finish_param_sync()  # weights are read outside a forward from here on
+    for ddp in run.model:  # weights are read outside a forward from here on (ZeRO-3: only by
+        if on_end is not None or ddp.units is None:  # on_end; gathering every unit would
+            ddp.finish_param_sync()  # hold the whole model, which offload runs cannot)
     if on_end is not None:
         records.append({"on_end": on_end(run.chunks)})
     for ddp in run.model:
