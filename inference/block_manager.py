@@ -17,6 +17,14 @@ allocation takes from the front, i.e. evicts the least recently freed cached blo
 Only full blocks are shared, and a request never writes into a block it did not allocate
 for itself, so no copy-on-write is needed.
 
+Placement (`region_blocks` R, the blocks of one max-length request): a request that starts
+with no cached block takes the first blocks of a region `first_block + j R ..` that no
+request holds, and a table grows into the block after its last one, each only while that
+block is free and holds no cached prefix (placement never evicts: the prefix cache stays
+LRU). Rows placed so sit at a uniform stride in the pools, and the paged cache then reads a
+decode batch as one strided view instead of gathering it (the slot cache's layout, kept
+while the cache has room); otherwise blocks come from the front of the free list.
+
 Every rank of a replica calls the same methods in the same order, so the tables are the same
 everywhere without communication (see inference/engine.py).
 """
@@ -54,11 +62,13 @@ class BlockManager:
         block_size: token positions per block.
         enable_prefix_caching: keep full blocks named by `block_hash` for reuse.
         first_block: the lowest id handed out.
+        region_blocks: blocks of one placement region (see the module docstring); None =
+            no placement, the front of the free list always.
     Raises `ValueError` when no block is left to hand out.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 first_block: int = 1):
+                 first_block: int = 1, region_blocks: int | None = None):
         if block_size < 1:
             raise ValueError(f"--kv-block-size must be >= 1, got {block_size}")
         if num_blocks - first_block < 1:
@@ -72,6 +82,9 @@ class BlockManager:
         # blocks with no reference, least recently freed first (cached ones keep their name)
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(
             range(first_block, num_blocks))
+        self.region = region_blocks if region_blocks and region_blocks > 0 else None
+        regions = (num_blocks - first_block) // self.region if self.region else 0
+        self.held = [0] * regions  # blocks with references, per placement region
 
     @property
     def capacity(self) -> int:
@@ -114,20 +127,43 @@ class BlockManager:
             self._take(b, keep_name=True)
             table.append(b)
         for _ in range(max(need, 0)):
-            b = next(iter(self.free_queue))
+            b = self._placed(table)
             self._take(b, keep_name=False)
             table.append(b)
         return True
+
+    def _placed(self, table: list[int]) -> int:
+        """The free block `table` grows into: the next one in its region's order, else the
+        front of the free list (module docstring, "Placement")."""
+        if self.region:
+            if table:
+                b = table[-1] + 1
+                if b < self.num_blocks and self.ref[b] == 0 and self.hash_of[b] is None:
+                    return b
+            else:  # a region no request holds, its first block not a cached one
+                b = next((self.first_block + j * self.region for j, n in enumerate(self.held)
+                          if n == 0 and self.hash_of[self.first_block + j * self.region]
+                          is None), None)
+                if b is not None:
+                    return b
+        return next(iter(self.free_queue))
 
     def _take(self, b: int, keep_name: bool) -> None:
         """One more reference to `b`; a free block taken for new contents loses its name."""
         if self.ref[b] == 0:
             del self.free_queue[b]
+            self._count(b, 1)
             h = self.hash_of[b]
             if h is not None and not keep_name:  # evicted from the prefix cache
                 del self.cached[h]
                 self.hash_of[b] = None
         self.ref[b] += 1
+
+    def _count(self, b: int, change: int) -> None:
+        if self.region:
+            j = (b - self.first_block) // self.region
+            if j < len(self.held):
+                self.held[j] += change
 
     def register(self, table: list[int], hashes: list[bytes], start: int, end: int) -> None:
         """Name blocks `table[start:end]` (full, their contents computed or being computed
@@ -149,6 +185,7 @@ class BlockManager:
             if self.ref[b] < 0:
                 raise RuntimeError(f"KV cache block {b} freed more often than taken")
             if self.ref[b] == 0:
+                self._count(b, -1)
                 if self.hash_of[b] is None:  # nothing to keep: reuse it first
                     self.free_queue[b] = None
                     self.free_queue.move_to_end(b, last=False)

@@ -67,9 +67,10 @@ class PagedKVCache:
     tokens' positions; `update` writes the new `[b, g, s, d]` keys/values there and returns
     `[b, g, L, d]` for positions 0..L-1, L = `length` (max position + 1): the new keys
     themselves when `fresh` (every row starts at position 0: nothing cached to read), else
-    the rows' blocks read through the tables, as a view of the pool when the batch's blocks
-    are one consecutive run, else gathered into a workspace shared by the layers (one
-    `index_select` per layer and tensor). Entries past a row's own length are stale and
+    the rows' blocks read through the tables: as one strided view of the pool when each
+    row's blocks are consecutive and the rows evenly spaced (`_strided`; the block manager's
+    placement makes that the usual case), else gathered into a workspace shared by the
+    layers (one `index_select` per layer and tensor). Entries past a row's own length are stale and
     must be masked by the caller; the pools start zeroed (stale memory may hold NaN).
     """
 
@@ -80,7 +81,7 @@ class PagedKVCache:
         self.k = {n: torch.zeros(shape, dtype=dtype, device=device) for n in layer_numbers}
         self.v = {n: torch.zeros(shape, dtype=dtype, device=device) for n in layer_numbers}
         self._work = (torch.empty(0, dtype=dtype, device=device),) * 2
-        self._fresh, self._length, self._run = False, 0, None
+        self._fresh, self._length, self._view = False, 0, None
 
     @staticmethod
     def bytes_per_token(num_layers: int, groups: int, head_dim: int,
@@ -98,38 +99,59 @@ class PagedKVCache:
         tables = tables[:, :n]
         rows = tables.to(dev).gather(1, positions // bs)  # [b, s] block of each new token
         self._slots = (rows * bs + positions % bs).flatten()
-        self._fresh, self._length, self._b = fresh, length, b
+        self._fresh, self._length, self._b, self._n = fresh, length, b, n
         if fresh:
             return
-        flat = tables.flatten()
-        first = int(flat[0])
-        # one consecutive run of blocks (a lone request, usually) is read as a view
-        self._run = slice(first, first + len(flat)) if torch.equal(
-            flat, torch.arange(first, first + len(flat))) else None
-        if self._run is None:
+        self._view = self._strided(tables)
+        if self._view is None:
+            flat = tables.flatten()
             self._blocks = flat.to(dev)
             need = len(flat) * self.k[next(iter(self.k))][0].numel()
             if self._work[0].numel() < need:
                 self._work = tuple(torch.empty(need, dtype=w.dtype, device=w.device)
                                    for w in self._work)
 
+    def _strided(self, tables: torch.Tensor) -> tuple[int, int] | None:
+        """`(first block, stride in blocks)` when row i's blocks are `first + i * stride +
+        0, 1, ...` (its own ones; past them its table is padding, and the view then reads
+        other blocks there, which the mask hides), so the rows can be read as one strided
+        view of the pools; None otherwise."""
+        b, n = tables.shape
+        base = tables[:, 0]
+        if int(base.min()) == 0 or int(base[-1]) + n > self.num_blocks:
+            return None
+        stride = n
+        if b > 1:
+            steps = base[1:] - base[:-1]
+            stride = int(steps[0])
+            if stride < 1 or not bool((steps == stride).all()):
+                return None
+        own = tables != 0
+        if not bool(((tables == base[:, None] + torch.arange(n)) | ~own).all()):
+            return None
+        return int(base[0]), stride
+
     def update(self, layer_number: int, k: torch.Tensor, v: torch.Tensor):
-        kc, vc = self.k[layer_number], self.v[layer_number]
         out = []
-        for pool, new, work in ((kc, k, self._work[0]), (vc, v, self._work[1])):
-            g, d = pool.shape[2:]
-            pool.view(-1, g, d).index_copy_(
-                0, self._slots, new.transpose(1, 2).reshape(-1, g, d).to(pool.dtype))
+        for pool, new, work in ((self.k[layer_number], k, self._work[0]),
+                                (self.v[layer_number], v, self._work[1])):
+            n, bs, g, d = pool.shape
+            rows = new.transpose(1, 2).reshape(-1, g, d)  # [b * s, g, d]
+            if rows.dtype != pool.dtype:
+                rows = rows.to(pool.dtype)
+            pool.view(n * bs, g, d).index_copy_(0, self._slots, rows)
             if self._fresh:
                 out.append(new)
-                continue
-            if self._run is not None:
-                read = pool[self._run]
+            elif self._view is not None:  # [b, g, L, d] straight from the pool
+                first, stride = self._view
+                out.append(pool.as_strided((self._b, g, self._length, d),
+                                           (stride * bs * g * d, d, g * d, 1),
+                                           first * bs * g * d))
             else:
-                n = len(self._blocks)
+                m = len(self._blocks)
                 read = torch.index_select(pool, 0, self._blocks,
-                                          out=work[:pool[0].numel() * n].view(n, *pool.shape[1:]))
-            out.append(read.view(self._b, -1, g, d)[:, :self._length].transpose(1, 2))
+                                          out=work[:m * bs * g * d].view(m, bs, g, d))
+                out.append(read.view(self._b, -1, g, d)[:, :self._length].transpose(1, 2))
         return tuple(out)
 
 

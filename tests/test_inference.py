@@ -10,7 +10,10 @@ heads replicated, pp=2, tp=2 x pp=2) and generates the same requests; the parent
 - at pp=2 two micro-batches are in flight at once (default num_micro_batches = pp) and the
   ids equal pp=1 and one micro-batch at a time;
 - logprobs (greedy and sampled rows, some without) equal a direct log_softmax of HF's logits
-  for the same ids, identical on every rank.
+  for the same ids, identical on every rank;
+- the paged KV cache at blocks of 4 with prefix caching (prompts sharing a prefix, run twice:
+  the second pass hits), chunked prefill (4-token chunks) and preemption (a 6-block cache)
+  gives HF's greedy ids at every layout, and every block is free afterwards.
 """
 from __future__ import annotations
 
@@ -24,6 +27,9 @@ MAX_NEW = [4, 9, 6]
 LAYOUTS = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]  # (tp, pp)
 # SamplingParams.logprobs per prompt: greedy rows, sampled rows (None: not asked)
 LOGPROBS = {"greedy": [2, None, 0], "sampled": [3, 20, None]}
+# the paged-cache checks: prompts sharing a 9-token prefix (two full blocks of 4), and others
+SHARED = [[11, 12, 13, 14, 15, 16, 17, 18, 19] + s for s in ([20, 21], [30], [40, 41, 42])]
+PAGED_PROMPTS, PAGED_NEW = SHARED + PROMPTS, 6
 
 
 def _hf_configs() -> dict:
@@ -150,12 +156,34 @@ def _run_layouts(models: dict, eos: dict) -> dict:
                         for i, (p, n) in enumerate(zip(PROMPTS, MAX_NEW))]
                 out["one_at_a_time"] = [r.output for r in engine.generate(reqs)]
                 assert engine.max_in_flight == 1
+            if name == "llama_gqa":
+                out["paged"] = _paged_runs(model)
             results[(name, tp, pp)] = out
         if (tp, pp) == (2, 2):  # T5 (encoder | decoder stages, each split over tp) vs HF
             from test_t5 import _greedy_matches_hf
 
             results[("t5", 2, 2)] = _greedy_matches_hf()
     return results
+
+
+def _paged_runs(model) -> dict:
+    """PAGED_PROMPTS twice through a cache of 6 blocks of 4 positions with 4-token prefill
+    chunks (preemption needed, prefix hits on the second pass): {"outputs": [pass 1, pass 2],
+    "stats": the engine's, "all_free": every block free at the end}."""
+    from inference.engine import Engine, Request
+    from inference.sampling import SamplingParams
+
+    per_token = Engine(model, max_batch_size=1, max_seq_length=32).runner.bytes_per_token
+    engine = Engine(model, max_batch_size=3, max_seq_length=32, block_size=4,
+                    kv_cache_memory=7 * 4 * per_token, max_num_batched_tokens=4)
+    assert engine.blocks.capacity == 6
+    outputs = []
+    for _ in range(2):
+        reqs = [Request(str(i), p, SamplingParams(max_new_tokens=PAGED_NEW))
+                for i, p in enumerate(PAGED_PROMPTS)]
+        outputs.append([r.output for r in engine.generate(reqs)])
+    return {"outputs": outputs, "stats": engine.stats(),
+            "all_free": engine.blocks.num_free == engine.blocks.capacity}
 
 
 def test_generation_matches_transformers_at_every_layout(models):
@@ -170,8 +198,16 @@ def test_generation_matches_transformers_at_every_layout(models):
            for name, r in ref.items()}
     ref_eos = {name: [_hf_generate(hf, p, n, eos[name]) for p, n in zip(PROMPTS, MAX_NEW)]
                for name, (hf, _) in models.items()}
+    paged_ref = [_hf_generate(models["llama_gqa"][0], p, PAGED_NEW, None) for p in PAGED_PROMPTS]
     ranks = run_distributed(_run_layouts, 4, models, eos, timeout=400)
     results = ranks[0]
+    for tp, pp in LAYOUTS:
+        paged = results[("llama_gqa", tp, pp)]["paged"]
+        where = f"paged cache tp={tp} pp={pp}"
+        assert paged["outputs"] == [paged_ref, paged_ref], where
+        assert paged["all_free"], where
+        stats = paged["stats"]
+        assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0, (where, stats)
     for name in models:
         assert len(ref_eos[name][1]) < MAX_NEW[1] and ref_eos[name][1][-1] == eos[name]
         sampled0 = results[(name, 1, 1)]["sampled"]

@@ -1,0 +1,314 @@
+"""The paged KV cache, prefix caching, chunked prefill and preemption (inference/block_manager.py,
+PagedKVCache, the engine's scheduler), in one process (tp 2 / pp 2: tests/test_inference.py).
+
+One spawned world of 1 runs the engine on tiny random transformers models (a Llama with
+grouped KV heads and a Mistral with a sliding window of 6); the parent compares:
+- greedy ids of every configuration (blocks of 4; prefix caching on / off; 8-token prefill
+  chunks; a cache too small for the load, so requests are preempted and recomputed) equal
+  transformers' `generate`, each prompt alone, and the second pass over the same prompts
+  hits the prefix cache;
+- seeded sampling gives the same ids with chunks and preemption as without (a chunk that is
+  not sampled draws nothing from the request's generator);
+- chunked prefill: no forward holds more prompt tokens than the budget, and a running
+  request waits at most one prefill between two of its tokens;
+- block accounting after 200 requests of mixed lengths with shared prefixes, cancels at
+  random steps and preemptions: at every step each block's reference count is the number of
+  tables holding it, shared blocks are named full blocks, and in the end every block is free;
+- refusals: a request the whole cache cannot hold (at `check`, naming --kv-cache-memory),
+  a cache too small for one block, bad --kv-cache-memory / --kv-block-size flags.
+"""
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from distributed import run_distributed
+
+SYSTEM = [(7 * i + 3) % 200 + 10 for i in range(21)]  # a 21-token shared prefix
+PROMPTS = [SYSTEM + [5, 6], SYSTEM + [9], [3, 4, 5, 6, 7, 8, 9, 10], SYSTEM[:8],
+           SYSTEM + [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [99]]
+MAX_NEW = 9
+CONFIGS = {  # Engine keyword arguments (max_batch_size 3, max_seq_length 48)
+    "blocks of 16": dict(),
+    "blocks of 4": dict(block_size=4, enable_prefix_caching=False),
+    "prefix caching": dict(block_size=4),
+    "chunked prefill": dict(block_size=4, max_num_batched_tokens=8),
+    # 12 blocks of 4 = 48 tokens: three requests of up to 48 need preemption
+    "preemption": dict(block_size=4, max_num_batched_tokens=8, blocks=12),
+    "preemption, no prefix caching": dict(block_size=4, blocks=12,
+                                          enable_prefix_caching=False),
+}
+
+
+def _hf_configs() -> dict:
+    from transformers import LlamaConfig, MistralConfig
+
+    common = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2,
+                  tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
+    return {"llama": LlamaConfig(num_hidden_layers=2, **common),
+            "mistral": MistralConfig(num_hidden_layers=2, sliding_window=6, **common)}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from test_inference import random_hf_models
+
+    return random_hf_models(tmp_path_factory.mktemp("paged"), _hf_configs(), 30)
+
+
+def _engine(model, blocks=None, **kw):
+    from inference.engine import Engine
+
+    if blocks is not None:  # the cache's size in blocks, through --kv-cache-memory's bytes
+        per_token = Engine(model, max_batch_size=1, max_seq_length=8).runner.bytes_per_token
+        kw["kv_cache_memory"] = (blocks + 1) * kw.get("block_size", 16) * per_token
+    return Engine(model, max_batch_size=3, max_seq_length=48, **kw)
+
+
+def check_blocks(engine) -> None:
+    """The block manager's invariants against the engine's requests."""
+    bm = engine.blocks
+    holders = {id(r): r for r in engine.running}
+    for flight in engine.in_flight.values():  # cancelled in flight: blocks freed on return
+        holders.update((id(r), r) for r in flight.batch)
+    held = Counter(b for r in holders.values() for b in r.blocks)
+    for b in range(bm.first_block, bm.num_blocks):
+        assert bm.ref[b] == held[b], (b, bm.ref[b], held[b])
+        if held[b] > 1:  # only named (full, computed) blocks are shared
+            assert bm.hash_of[b] is not None, b
+    assert set(bm.free_queue) == {b for b in range(bm.first_block, bm.num_blocks)
+                                  if bm.ref[b] == 0}
+    assert all(bm.hash_of[b] == h for h, b in bm.cached.items())
+    assert not any(r.blocks for r in engine.waiting)
+
+
+def _run(engine, reqs, cancel=None, arrive=None) -> dict:
+    """Step `reqs` to the end, checking the blocks each step; `cancel(step)` -> ids to
+    cancel, `arrive(step)` -> requests to add. Returns {"widest": most token positions in one
+    forward, "gap": most steps between two tokens of a request}."""
+    for r in reqs:
+        engine.add(r)
+    last, gap, widest, step = {}, 0, 0, 0
+    launch = engine._launch
+
+    def recorded(tick):
+        nonlocal widest
+        flight = launch(tick)
+        widest = max(widest, flight.ids.numel() if flight is not None else 0)
+        return flight
+    engine._launch = recorded
+    while engine.has_work() or (arrive and step < 10):
+        for r in (arrive(step) if arrive else ()):
+            engine.add(r)
+        for rid in (cancel(step) if cancel else ()):
+            engine.cancel(rid)
+        for e in engine.step():
+            if e.token_ids and e.id in last:
+                gap = max(gap, step - last[e.id])
+            last[e.id] = step
+        check_blocks(engine)
+        step += 1
+    engine._launch = launch
+    assert engine.blocks.num_free == engine.blocks.capacity
+    return {"gap": gap, "widest": widest}
+
+
+def _worker(folders: dict) -> dict:
+    from inference.engine import Request
+    from inference.loading import load
+    from inference.sampling import SamplingParams
+
+    out = {}
+    for name, (hf_dir, _) in folders.items():
+        model, _, _ = load(hf=hf_dir)
+        for label, kw in CONFIGS.items():
+            engine = _engine(model, **kw)
+            passes = []
+            for _ in range(2):
+                reqs = [Request(str(i), p, SamplingParams(max_new_tokens=MAX_NEW))
+                        for i, p in enumerate(PROMPTS)]
+                _run(engine, reqs)
+                passes.append([r.output for r in reqs])
+            out[(name, label)] = {"passes": passes, "stats": engine.stats()}
+            params = [SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, seed=i)
+                      for i in range(len(PROMPTS))]
+            reqs = [Request(str(i), p, sp) for i, (p, sp) in enumerate(zip(PROMPTS, params))]
+            _run(engine, reqs)
+            out[(name, label)]["sampled"] = [r.output for r in reqs]
+    model, _, _ = load(hf=folders["llama"][0])
+    out["chunks"] = _chunk_bound(model)
+    out["leaks"] = _many_requests(model)
+    out["refusals"] = _refusals(model)
+    return out
+
+
+def _chunk_bound(model) -> dict:
+    """Two running requests, then a 40-token prompt arrives: with 8-token chunks no forward
+    holds more than 8 prompt tokens and the running ones wait at most one prefill."""
+    from inference.engine import Request
+    from inference.sampling import SamplingParams
+
+    engine = _engine(model, block_size=4, max_num_batched_tokens=8)
+    reqs = [Request(str(i), p, SamplingParams(max_new_tokens=20)) for i, p in
+            enumerate(([1, 2, 3], [4, 5]))]
+    long = Request("long", list(range(10, 50)), SamplingParams(max_new_tokens=4))
+    seen = _run(engine, reqs, arrive=lambda step: [long] if step == 3 else [])
+    return {**seen, "outputs": [r.output for r in reqs + [long]]}
+
+
+def _many_requests(model) -> dict:
+    """200 requests (shared prefixes, lengths 1-30, max_tokens 1-12), cancels at random
+    steps, a cache of 20 blocks of 4 (preemptions): the invariants hold every step and every
+    block is free in the end."""
+    from inference.engine import Request
+    from inference.sampling import SamplingParams
+
+    rng = random.Random(5)
+    engine = _engine(model, block_size=4, max_num_batched_tokens=16, blocks=20)
+    reqs = []
+    for i in range(200):
+        head = SYSTEM[:rng.choice((0, 4, 8, 13))]
+        tail = [rng.randrange(211) for _ in range(rng.randint(1, 17))]
+        reqs.append(Request(str(i), head + tail, SamplingParams(
+            max_new_tokens=rng.randint(1, 12), temperature=rng.choice((0.0, 1.0)), seed=i)))
+    doomed = {str(i): rng.randrange(200) for i in rng.sample(range(200), 40)}
+
+    def cancel(step):
+        return [rid for rid, at in doomed.items() if at == step]
+    _run(engine, reqs, cancel)
+    return {"stats": engine.stats(), "cancelled": sum(r.finish_reason == "cancelled"
+                                                      for r in reqs),
+            "finished": sum(r.finish_reason is not None for r in reqs)}
+
+
+def _refusals(model) -> list[str]:
+    from inference.engine import Request
+    from inference.sampling import SamplingParams
+
+    messages = []
+    engine = _engine(model, block_size=4, blocks=5)  # 20 tokens
+    for prompt, n in (([1] * 12, 10), ([1] * 21, 1)):
+        with pytest.raises(ValueError) as e:
+            engine.add(Request("x", prompt, SamplingParams(max_new_tokens=n)))
+        messages.append(str(e.value))
+    engine.add(Request("fits", [1] * 12, SamplingParams(max_new_tokens=9)))  # 20 positions
+    with pytest.raises(ValueError) as e:
+        _engine(model, block_size=4, kv_cache_memory=100)
+    messages.append(str(e.value))
+    return messages
+
+
+def test_paged_cache_prefix_caching_chunks_and_preemption(models):
+    from test_inference import _hf_generate
+
+    ranks = run_distributed(_worker, 1, models, timeout=600)
+    got = ranks[0]
+    for name, (hf_dir, _) in models.items():
+        ref = [_hf_generate(hf_dir, p, MAX_NEW, None) for p in PROMPTS]
+        sampled = got[(name, "blocks of 16")]["sampled"]
+        for label in CONFIGS:
+            run = got[(name, label)]
+            where = f"{name}, {label}"
+            assert run["passes"] == [ref, ref], where
+            assert run["sampled"] == sampled, f"{where}: seeded sampling differs"
+            stats = run["stats"]
+            if CONFIGS[label].get("enable_prefix_caching", True):
+                assert stats["prefix_cache_hits"] > 0, (where, stats)
+            else:
+                assert stats["prefix_cache_queries"] == stats["prefix_cache_hits"] == 0, where
+            assert (stats["num_preemptions"] > 0) == label.startswith("preemption"), where
+    chunks = got["chunks"]
+    assert chunks["widest"] == 8 and chunks["gap"] <= 2, chunks
+    want = [_hf_generate(models["llama"][0], p, n, None)
+            for p, n in (([1, 2, 3], 20), ([4, 5], 20), (list(range(10, 50)), 4))]
+    assert chunks["outputs"] == want
+    leaks = got["leaks"]
+    assert leaks["finished"] == 200 and leaks["cancelled"] > 0, leaks
+    assert leaks["stats"]["num_preemptions"] > 0 and leaks["stats"]["prefix_cache_hits"] > 0
+    too_long, too_long_prompt, no_block = got["refusals"]
+    for m in (too_long, too_long_prompt):
+        assert "KV cache blocks of 4 tokens, more than the whole cache holds (5 blocks, 20 " \
+               "tokens)" in m and "--kv-cache-memory" in m and "--max-model-len" in m, m
+    assert "holds no block of 4 tokens; raise --kv-cache-memory" in no_block, no_block
+
+
+def test_block_manager_sharing_and_lru_eviction():
+    """Reference counts, names of full blocks only, LRU eviction of cached blocks (a prefix
+    outlives its tail), placement never evicting, and allocation that changes nothing when
+    it fails."""
+    from inference.block_manager import BlockManager, block_hash, token_block_hashes
+
+    bm = BlockManager(9, 2, region_blocks=4)  # blocks 1..8, regions 1-4 and 5-8
+    tokens = [1, 2, 3, 4, 5]
+    a, b = [], []
+    assert bm.allocate(a, 5) and a == [1, 2, 3]  # placed at region 0
+    hashes = token_block_hashes(tokens, 2, [])
+    assert hashes == [block_hash(None, [1, 2]), block_hash(hashes[0], [3, 4])]
+    bm.register(a, hashes, 0, 2)
+    assert bm.match(hashes, 2) == [1, 2]
+    # the same second block after another first block has another name: no hit
+    assert bm.match(token_block_hashes([9, 9, 3, 4], 2, []), 2) == []
+    assert bm.allocate(b, 6, cached=bm.match(hashes, 2)) and b == [1, 2, 4]
+    assert bm.ref[1:5] == [2, 2, 1, 1] and bm.num_free == 4
+    assert not bm.allocate(b, 20) and b == [1, 2, 4]  # too few: unchanged
+    bm.free(a)
+    bm.free(b)
+    assert bm.num_free == 8 and all(r == 0 for r in bm.ref)
+    # named blocks 1, 2 are cached at the back of the free list, tail (2) before head (1)
+    assert list(bm.free_queue)[-2:] == [2, 1]
+    c = []  # placed in region 1 (region 0 starts with a cached block), then the LRU order
+    assert bm.allocate(c, 16) and c == [5, 6, 7, 8, 4, 3, 2, 1]
+    assert bm.cached == {} and all(h is None for h in bm.hash_of)  # evicted to be reused
+    with pytest.raises(RuntimeError, match="freed more often"):
+        bm.free([3, 3])
+    with pytest.raises(ValueError, match="raise --kv-cache-memory"):
+        BlockManager(1, 16)
+
+
+def test_kv_cache_memory_and_flags():
+    import infer
+    from inference.kv_cache import parse_memory
+
+    assert parse_memory("2GiB") == 2 * 2**30 and parse_memory("512 MiB") == 512 * 2**20
+    assert parse_memory("1.5GB") == 1_500_000_000 and parse_memory("4000") == 4000
+    assert parse_memory("0.5") == 0.5 and parse_memory("1.0") == 1.0
+    for bad in ("", "lots", "-1GiB", "0", "0.0", "2XB", "nan", "inf"):
+        with pytest.raises(ValueError, match="--kv-cache-memory"):
+            parse_memory(bad)
+    args = infer.parse_args(["--hf", "x", "--prompt", "a", "--kv-cache-memory", "1GiB",
+                             "--no-enable-prefix-caching", "--kv-block-size", "32",
+                             "--max-num-batched-tokens", "512"])
+    assert (args.kv_cache_memory, args.enable_prefix_caching, args.kv_block_size,
+            args.max_num_batched_tokens) == (2**30, False, 32, 512)
+    assert infer.parse_args(["--hf", "x", "--prompt", "a"]).enable_prefix_caching
+    for flags in (["--kv-cache-memory", "lots"], ["--kv-block-size", "0"],
+                  ["--max-num-batched-tokens", "0"]):
+        with pytest.raises(SystemExit) as e:
+            infer.parse_args(["--hf", "x", "--prompt", "a", *flags])
+        assert e.value.code == 2
+
+
+def test_prefix_cache_metrics():
+    """The engine's running totals become vLLM's counters (by their difference) and the
+    hit-rate gauge."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from inference.metrics import ServerMetrics
+
+    m = ServerMetrics("tiny", 1)
+    base = {"running": 1, "waiting": 0, "kv_cache_usage": 0.5}
+    m.replica_stats(0, {**base, "prefix_cache_queries": 100, "prefix_cache_hits": 40,
+                        "num_preemptions": 1})
+    m.replica_stats(0, {**base, "prefix_cache_queries": 200, "prefix_cache_hits": 120,
+                        "num_preemptions": 1})
+    values = {s.name: s.value for f in text_string_to_metric_families(m.render().decode())
+              for s in f.samples}
+    assert values["shardzoo:prefix_cache_queries_total"] == 200
+    assert values["shardzoo:prefix_cache_hits_total"] == 120
+    assert values["shardzoo:prefix_cache_hit_rate"] == 0.6
+    assert values["shardzoo:num_preemptions_total"] == 1
+    assert values["shardzoo:kv_cache_usage_perc"] == 0.5
