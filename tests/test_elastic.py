@@ -16,9 +16,11 @@ ARGS = ["--config", "configs/tiny-llama.yaml", "--num-query-groups", "4", "--eva
 
 
 def test_lose_a_node_then_grow(tmp_path, corpus_env):
-    """Two simulated nodes of one process each (two torchrun agents); after iteration 3 rank
-    1 SIGKILLs its agent and itself (the node is gone). Rank 0's collective fails, its agent
-    restarts the group, which the rendezvous completes with the one node left (min 1): world
+    """Two simulated nodes of one process each (two torchrun agents; the first hosts the c10d
+    rendezvous store, which must outlive a lost node); after iteration 3 the second node's
+    rank SIGKILLs its agent and itself (the node is gone). The other rank's collective fails,
+    its agent restarts the group, which the rendezvous completes with the one node left
+    (min 1): world
     2 -> 1, dp 2 -> 1, 2 -> 4 microbatches at global batch 8, resumed from iteration 2. Then
     the final checkpoint grows to 2 ranks for iterations 7-8 (the trainer side of a joining
     node, in a spawned world). The curve 1-8 equals an uninterrupted dp-2 run to the derived
@@ -29,16 +31,16 @@ def test_lose_a_node_then_grow(tmp_path, corpus_env):
     save, log = tmp_path / "save", tmp_path / "log"
     nodes = ["--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "1",
              "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-             "--rdzv-id", "elastic-test",
-             # complete a rendezvous 2 s after the minimum joined (default 30 s)
-             "--rdzv-conf", "last_call_timeout=2"]
+             "--rdzv-id", "elastic-test"]
     args = ARGS + ["--train-iters", "6", "--save", str(save), "--load", str(save),
                    "--save-interval", "2", "--log-dir", str(log)]
-    env = {**os.environ, **corpus_env, "OMP_NUM_THREADS": "1",
-           "SHARDZOO_TEST_KILL_NODE_AT": "1:3"}
-    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *nodes,
-                               "train.py", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    env = {**os.environ, **corpus_env, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", *nodes, "--rdzv-conf",
+         # the store's host; complete a rendezvous 2 s after the minimum joined (default 30 s)
+         f"is_host={int(node == 0)},last_call_timeout=2", "train.py", *args], cwd=REPO,
+        env=env if node == 0 else {**env, "SHARDZOO_TEST_KILL_NODE_AT": "*:3"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in range(2)]
     outs = []
     try:
         outs = [p.communicate(timeout=300)[0] for p in procs]

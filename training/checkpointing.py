@@ -53,7 +53,7 @@ Test hooks (environment, for tests/test_checkpointing.py only):
 written and before the rename; `SHARDZOO_TEST_KILL_AT=R:K` SIGKILLs rank R after iteration K,
 only on the first torchrun attempt (TORCHELASTIC_RESTART_COUNT 0);
 `SHARDZOO_TEST_KILL_NODE_AT=R:K` likewise, after SIGKILLing rank R's torchrun agent (a lost
-node; tests/test_elastic.py);
+node; R may be `*`: every rank that has the variable; tests/test_elastic.py);
 `SHARDZOO_TEST_SIGTERM_AT=R:K` sends SIGTERM to rank R inside step K (--exit-signal-handler).
 """
 from __future__ import annotations
@@ -100,9 +100,11 @@ def _print0(msg: str) -> None:
 def _hook(var: str, iteration: int, first_attempt_only: bool = False,
           node: bool = False) -> None:
     """Test hook: SIGKILL this process (`node`: its torchrun agent first, the whole simulated
-    node) if env `var` is "<this rank>:<iteration>"."""
+    node) if env `var` is "<this rank>:<iteration>" (for `node` also "*:<iteration>": any
+    rank, for a variable set in one agent's environment only)."""
     spec = os.environ.get(var)
-    if not spec or spec != f"{dist.get_rank()}:{iteration}":
+    if not spec or spec not in (f"{dist.get_rank()}:{iteration}",
+                                f"*:{iteration}" if node else None):
         return
     if first_attempt_only and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
