@@ -173,7 +173,7 @@ class ParameterUnits:
             out = u.full[b.start - u.start: b.end - u.start]
             if staged is not None:
                 at = ddp.param_file_offset(b, lo) // staged.element_size() - self._pos(u)[0]
-                src = staged[at: at + hi - lo]
+                src = staged[at: at + hi - lo].to(out.device, non_blocking=True)
             else:  # on the device, or (cpu offload) copied in from host memory
                 src = ddp.param_view(b, lo, hi).to(out.device, non_blocking=True)
             if b.comm.size > 1:  # over the bucket's group: dp, or edp for experts
