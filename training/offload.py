@@ -7,7 +7,10 @@ for the scratch files of this host's ranks (the planner's NVMe bytes per rank x 
 ranks), naming the path and its free space."""
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
+import platform
 
 from data_parallel.offload_files import OffloadPathError, check_offload_path, remove_stale_scratch
 from models.config import ConfigError
@@ -46,3 +49,15 @@ def prepare_offload_path(config, disk_usage=None) -> str | None:
     gone = f"; removed {len(removed)} scratch folder(s) of dead runs" if removed else ""
     return (f"offload: scratch files under {path}: {per_rank / 2**30:,.3f} GiB per rank x "
             f"{local} rank(s) on this host, {free / 2**30:,.1f} GiB free{gone}")
+
+
+def release_freed_host_memory() -> bool:
+    """Give the process's freed heap memory back to the kernel (glibc's `malloc_trim(0)`);
+    True if some was. Train.py keeps large freed blocks in the process
+    (parallel_state/host_memory.py), so the full copy of the model a ZeRO-3 build frees would
+    stay resident; an offload run, which exists to save that memory, trims once after the
+    model and optimizer are built. No-op (False) outside glibc."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    return libc.malloc_trim(0) == 1

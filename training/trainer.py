@@ -43,7 +43,7 @@ from .nonfinite import NonFiniteError
 from .replicas import ReplicaMismatchError
 from .metrics import MetricsLogger, log_run_end, run_start_record
 from .mfu import PeakFlops
-from .offload import prepare_offload_path
+from .offload import prepare_offload_path, release_freed_host_memory
 from .optimizer import build_optimizer, reconcile_schedule
 from .schedules import get_forward_backward_func
 from .timeline import report_bubble
@@ -175,6 +175,8 @@ def _train(config: Config, device, on_end=None, run_start: float | None = None) 
     tokenizer, train_ds, valid_ds = build_train_valid_data(config, device)
     print_rank_0("building the model and optimizer")
     chunks, model, optimizer = setup_model_and_optimizer(config, device)
+    if t.optimizer_cpu_offload or t.param_offload_device:
+        release_freed_host_memory()  # the build's freed full copy of the model
     run = _start_run(config, device, run_start, tokenizer, train_ds, valid_ds, chunks, model,
                      optimizer)
     last, stop = train(run)
