@@ -229,6 +229,7 @@ class DistributedDataParallel(nn.Module):
         self._callback_queued = False
         self.param_buffer = self.param_shards = self.param_file = None
         self.param_offload = param_offload_device if self.shard_params else None
+        self.pin_offload = pin_memory  # page-locked host buffers for offloaded shards (CUDA)
         if self.param_offload not in (None, "cpu", "nvme"):
             raise ValueError(f"param_offload_device must be None, 'cpu' or 'nvme', got "
                              f"{param_offload_device!r}")

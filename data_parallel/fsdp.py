@@ -198,7 +198,8 @@ class ParameterUnits:
         if u is None or ddp.param_file is None or u.gathered or u.stage is not None:
             return
         first, end = self._pos(u)
-        buf = torch.empty(end - first, dtype=ddp.param_dtype)
+        buf = torch.empty(end - first, dtype=ddp.param_dtype,
+                          pin_memory=ddp.device.type == "cuda" and ddp.pin_offload)
         u.stage = (buf, ddp.param_file.read(first * buf.element_size(), buf))
 
     def _take_stage(self, u: _Unit) -> torch.Tensor | None:
