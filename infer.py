@@ -69,6 +69,23 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
                           "min(seq_length, 2048) tokens)")
 
 
+def _add_cache_args(p: argparse.ArgumentParser) -> None:
+    """The paged KV cache, prefix caching and chunked prefill (vLLM's flag names)."""
+    kv = p.add_argument_group("KV cache and scheduling")
+    kv.add_argument("--kv-block-size", type=int, default=16,
+                    help="token positions per KV cache block")
+    kv.add_argument("--kv-cache-memory", default=None,
+                    help="KV cache size on each rank: bytes (2GiB, 512MiB, 4000000000) or a "
+                         "fraction of the memory free after loading (0.5); default "
+                         "--max-batch-size requests of --max-seq-length tokens")
+    kv.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                    default=True, help="share the cached KV blocks of prompts that start the "
+                                       "same (--no-enable-prefix-caching: off)")
+    kv.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                    help="prompt tokens in one prefill forward, at most; longer prompts are "
+                         "prefilled in chunks alternating with decode steps")
+
+
 def _add_server_args(p: argparse.ArgumentParser) -> None:
     """--serve and the OpenAI-compatible server's address, key, defaults and limits."""
     srv = p.add_argument_group("server")
@@ -95,7 +112,8 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
 
 def _check_sizes(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Counts and limits in range, and tp x pp (x dp) fitting $WORLD_SIZE; exits 2 if not."""
-    for name in ("tp", "pp", "max_batch_size", "max_new_tokens"):
+    for name in ("tp", "pp", "max_batch_size", "max_new_tokens", "kv_block_size",
+                 "max_num_batched_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.dp is not None and args.dp < 1:
@@ -103,6 +121,13 @@ def _check_sizes(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for name in ("max_request_bytes", "max_request_choices"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.kv_cache_memory is not None:
+        from inference.kv_cache import parse_memory
+
+        try:
+            args.kv_cache_memory = parse_memory(args.kv_cache_memory)
+        except ValueError as e:
+            p.error(str(e))
     if not 0 <= args.shutdown_timeout < float("inf"):
         p.error("--shutdown-timeout must be a number of seconds >= 0")
     if args.inference_micro_batches is not None and args.inference_micro_batches < 1:
@@ -152,7 +177,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     is read. Without --serve, `args.prompts` holds the prompts (strings or message lists)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    for add in (_add_model_args, _add_parallelism_args, _add_generation_args, _add_server_args):
+    for add in (_add_model_args, _add_parallelism_args, _add_generation_args, _add_cache_args,
+                _add_server_args):
         add(p)
     args = p.parse_args(argv)
     if (args.load is None) == (args.hf is None):
@@ -352,7 +378,12 @@ def main(argv=None) -> int:
                         decode=tokenizer.decode if tokenizer else None,
                         max_batch_size=args.max_batch_size, max_seq_length=max_len,
                         num_micro_batches=args.inference_micro_batches,
-                        max_source_length=source_len)
+                        max_source_length=source_len, block_size=args.kv_block_size,
+                        kv_cache_memory=args.kv_cache_memory,
+                        enable_prefix_caching=args.enable_prefix_caching,
+                        max_num_batched_tokens=args.max_num_batched_tokens)
+        if rank == 0:
+            print(engine.cache_summary(), file=sys.stderr, flush=True)
         if args.serve:
             return run_server(args, engine, tokenizer, name, model.generation_config, rank)
         requests = make_requests(args, prompts, tokenizer, cfg.is_encoder_decoder, max_len)

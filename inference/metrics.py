@@ -3,10 +3,13 @@ them with the `shardzoo:` prefix, labelled by `model_name` and data-parallel `re
 
 - counters: `request_success_total{finished_reason}` (stop / length / abort),
   `prompt_tokens_total`, `generation_tokens_total`, `request_errors_total{kind}`
-  (requests answered with an error body: rejected input, overload, shutdown, replica failure);
+  (requests answered with an error body: rejected input, overload, shutdown, replica failure),
+  `prefix_cache_queries_total` / `prefix_cache_hits_total` (prompt tokens looked up in / found
+  in the prefix cache at admission, vLLM V1's), `num_preemptions_total`;
 - gauges: `num_requests_running`, `num_requests_waiting`, `kv_cache_usage_perc` (fraction of
-  the replica's KV cache slots held, 0-1), `generation_tokens_per_second` (over the last
-  `RATE_WINDOW_S` seconds);
+  the replica's KV cache blocks held by requests, 0-1), `prefix_cache_hit_rate` (hits /
+  queries so far, 0-1; vLLM V0's `gpu_prefix_cache_hit_rate`), `generation_tokens_per_second`
+  (over the last `RATE_WINDOW_S` seconds);
 - histograms (seconds): `time_to_first_token_seconds` (arrival at the HTTP layer to the first
   generated token), `inter_token_latency_seconds` (between consecutive events of a request,
   per token), `request_queue_time_seconds` (waiting in the engine before its prefill),
@@ -62,8 +65,17 @@ class ServerMetrics:
                                 labels, registry=reg)
         self.waiting = pc.Gauge(p + "num_requests_waiting", "Requests waiting for a KV cache "
                                 "slot", labels, registry=reg)
-        self.kv_usage = pc.Gauge(p + "kv_cache_usage_perc", "Fraction of KV cache slots in "
+        self.kv_usage = pc.Gauge(p + "kv_cache_usage_perc", "Fraction of KV cache blocks in "
                                  "use (1 = full)", labels, registry=reg)
+        self.prefix_queries = pc.Counter(p + "prefix_cache_queries", "Prompt tokens looked up "
+                                         "in the prefix cache", labels, registry=reg)
+        self.prefix_hits = pc.Counter(p + "prefix_cache_hits", "Prompt tokens found in the "
+                                      "prefix cache", labels, registry=reg)
+        self.hit_rate = pc.Gauge(p + "prefix_cache_hit_rate", "Prefix cache hits / queries "
+                                 "(tokens) so far", labels, registry=reg)
+        self.preemptions = pc.Counter(p + "num_preemptions", "Requests preempted (KV cache "
+                                      "full; recomputed later)", labels, registry=reg)
+        self._totals = [{} for _ in range(dp)]  # the engines' counts at the last report
         self.tokens_per_s = pc.Gauge(p + "generation_tokens_per_second", "Generated tokens "
                                      f"per second over the last {RATE_WINDOW_S:g} s", labels,
                                      registry=reg)
@@ -81,8 +93,10 @@ class ServerMetrics:
         self._lock = threading.Lock()
         for r in range(dp):
             lab = (model_name, str(r))
-            for g in (self.running, self.waiting, self.kv_usage):
+            for g in (self.running, self.waiting, self.kv_usage, self.hit_rate):
                 g.labels(*lab).set(0)
+            for c in (self.prefix_queries, self.prefix_hits, self.preemptions):
+                c.labels(*lab)  # exported as 0 from the start
             self.tokens_per_s.labels(*lab).set_function(lambda r=r: self._rate(r))
 
     def _rate(self, replica: int) -> float:
@@ -126,11 +140,24 @@ class ServerMetrics:
         self.e2e.labels(*lab).observe(time.monotonic() - arrival)
 
     def replica_stats(self, replica: int, stats: dict) -> None:
-        """`stats` from the replica's engine: running, waiting, kv_cache_usage."""
+        """`stats` from the replica's engine (`Engine.stats`): running, waiting,
+        kv_cache_usage, and the running totals prefix_cache_queries / prefix_cache_hits /
+        num_preemptions (their counters grow by the difference since the last report)."""
         lab = (self.model_name, str(replica))
         self.running.labels(*lab).set(stats["running"])
         self.waiting.labels(*lab).set(stats["waiting"])
         self.kv_usage.labels(*lab).set(stats["kv_cache_usage"])
+        seen = self._totals[replica]
+        for key, counter in (("prefix_cache_queries", self.prefix_queries),
+                             ("prefix_cache_hits", self.prefix_hits),
+                             ("num_preemptions", self.preemptions)):
+            now = stats.get(key, 0)
+            if now > seen.get(key, 0):
+                counter.labels(*lab).inc(now - seen.get(key, 0))
+            seen[key] = now
+        if seen.get("prefix_cache_queries"):
+            self.hit_rate.labels(*lab).set(seen["prefix_cache_hits"] /
+                                           seen["prefix_cache_queries"])
 
     def render(self) -> bytes:
         return self._pc.generate_latest(self.registry)
