@@ -66,7 +66,9 @@ class Scheduler:
         """Prompt chunks for one forward: running requests not yet prefilled first, then
         waiting ones first come first served (their cached prefix taken), while the padded
         tokens stay within `max_num_batched_tokens` (the first row's chunk is cut to it),
-        the micro-batch and the running batch have room, and blocks are free."""
+        the micro-batch and the running batch have room, and blocks are free. A waiting
+        request whose next block a row above computes waits for the next prefill, where it
+        shares that block instead of computing it again."""
         budget, rows, longest = self.max_num_batched_tokens, [], 0
 
         def fits(work: int) -> bool:
@@ -84,14 +86,18 @@ class Scheduler:
             if r not in gone:
                 rows.append((r, r.num_computed, chunk))
                 longest = max(longest, chunk)
+        computing = set()  # names of the full blocks this forward computes
         while self.waiting and len(rows) < self.micro_batch_size and \
                 len(self.running) < self.max_batch_size:
             r = self.waiting[0]
             tokens, bs = self._tokens(r), self.blocks.block_size
             cached = []
             if self.blocks.enable_prefix_caching:  # at least the last token is computed
+                usable = (len(tokens) - 1) // bs
                 token_block_hashes(tokens, bs, r.hashes)
-                cached = self.blocks.match(r.hashes, (len(tokens) - 1) // bs)
+                cached = self.blocks.match(r.hashes, usable)
+                if len(cached) < usable and r.hashes[len(cached)] in computing:
+                    break  # a row above computes its next block: share it next step
             start = len(cached) * bs
             chunk = min(len(tokens) - start, budget)
             work = len(r.prompt) if self.encoder_decoder else len(tokens) - start
@@ -107,6 +113,7 @@ class Scheduler:
             self.running.append(r)
             rows.append((r, start, chunk))
             longest = max(longest, work if self.encoder_decoder else chunk)
+            computing.update(r.hashes[len(cached):(start + chunk) // bs])
         return rows
 
     def _decode_rows(self) -> list[tuple]:
@@ -185,10 +192,10 @@ class Scheduler:
         starts = torch.tensor([start for _, start, _ in rows])
         bs = self.blocks.block_size
         span = -(-(int(starts.max()) + width) // bs)
-        tables = torch.zeros(len(rows), span, dtype=torch.int64)
+        tables = torch.tensor([r.blocks[:span] + [0] * (span - len(r.blocks))
+                               for r in batch], dtype=torch.int64)
         sampled = []
-        for i, (r, start, n) in enumerate(rows):
-            tables[i, :min(span, len(r.blocks))] = torch.tensor(r.blocks[:span])
+        for r, start, n in rows:
             r.num_computed = start + n
             sampled.append(r.num_computed == self._length(r))
             full = r.num_computed // bs
