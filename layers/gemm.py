@@ -73,15 +73,33 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
+def packable(weight: torch.Tensor) -> bool:
+    """Whether `pack` keeps a copy of `weight` for oneDNN: a 2-D CPU weight in float32, or in
+    bfloat16 / float16 (a float32 copy: see `pack`), oneDNN chosen and not turned off."""
+    return _ONEDNN and weight.device.type == "cpu" and weight.dim() == 2 \
+        and weight.dtype in (torch.float32, torch.bfloat16, torch.float16) \
+        and torch.backends.mkldnn.enabled
+
+
 def pack(weight: torch.Tensor) -> int:
-    """Keep oneDNN's pre-packed (blocked) copy of a `[n, k]` float32 weight beside it, for
+    """Keep oneDNN's pre-packed (blocked) float32 copy of a `[n, k]` weight beside it, for
     inference: `packed(weight)` returns it while the weight is unchanged. Decode's few-row
     products read it 1.5-2.3x faster than the plain layout (SmolLM2's weights at 4-16 rows;
     prefill and one row: the same or slightly faster), with the same values to rounding.
-    Returns the bytes the copy takes (the weight's own size: inference holds both)."""
-    copy = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+    A bfloat16 / float16 weight gets a float32 copy (exact: every such value is a float32),
+    which `layers.linear.linear` multiplies by the input widened to float32, rounding the
+    result to the input's dtype once. On a CPU without AVX-512 (the Zen 3 these benchmarks
+    ran on) torch's own bf16 GEMM is ATen's fallback and oneDNN refuses to pack bf16 weights:
+    a SmolLM2 decode step at batch 8 took 418 ms of CPU time in bf16 against 188 ms through
+    the float32 copies (one thread, a loaded machine). At one row torch's bf16 matrix-vector
+    product, which reads half the bytes, was faster (57 vs 116 ms), so `linear` keeps it
+    there. The values are those of a bf16 GEMM with float32
+    accumulation (the products of two bf16 numbers are exact in float32) up to summation
+    order. Returns the bytes the copy takes (numel x 4; inference holds both)."""
+    copy = torch.ops.mkldnn._reorder_linear_weight(weight.detach().float())
     weight.onednn_packed = (weight._version, copy)
-    return weight.numel() * weight.element_size()
+    return weight.numel() * 4
 
 
 def packed(weight: torch.Tensor) -> torch.Tensor:

@@ -151,3 +151,50 @@ def test_engine_packs_every_linear_weight_once(no_grid):
                       if n.endswith("weight") and p.dim() == 2]  # the tied embedding included
     assert runner.packed_bytes == sum(p.numel() * 4 for p in linear_weights)
     assert all(gemm.packed(p) is not p for p in linear_weights)
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_narrow_weights_multiply_through_a_float32_copy(dtype):
+    """bf16 / fp16 inference on CPU: `pack` keeps a float32 copy (4 bytes a value), `linear`
+    (2 rows or more) widens the input, multiplies, and rounds once: a narrow GEMM accumulating in float32,
+    so within one rounding of the exact product; a weight changed in place is read afresh,
+    and with gradients on it stays torch's own GEMM."""
+    g = torch.Generator().manual_seed(5)
+    w, b = torch.randn(40, 24, generator=g).to(dtype), torch.randn(40, generator=g).to(dtype)
+    x = torch.randn(3, 2, 24, generator=g).to(dtype)
+    assert gemm.packable(w) and gemm.pack(w) == w.numel() * 4
+    assert gemm.packed(w).dtype == torch.float32
+    exact = F.linear(x.double(), w.double(), b.double())
+    with torch.no_grad():
+        y = linear(x, w, b)
+        assert y.dtype == dtype and y.shape == (3, 2, 40)
+        ulp = exact.abs() * torch.finfo(dtype).eps + 1e-6
+        assert ((y.double() - exact).abs() <= ulp).all()  # one rounding (half an ulp) + sums
+        w.mul_(-1)
+        assert gemm.packed(w) is w
+        fresh = F.linear(x.double(), w.double(), b.double())  # torch's GEMM, changed weight
+        tol = 4 * torch.finfo(dtype).eps * fresh.abs().max()
+        assert (linear(x, w, b).double() - fresh).abs().max() <= tol
+    assert not gemm.packable(w.double()) and not gemm.packable(torch.randn(2, 3, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_narrow_inference_attention_runs_in_float32(dtype):
+    """Under no-grad on CPU a bf16 / fp16 SDPA call runs on float32 copies (additive mask
+    widened too) and is rounded once: equal to float32 SDPA of the same inputs, rounded;
+    with gradients on it is torch's own narrow kernel."""
+    from layers.attention import core_attention
+
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 6, 1, 16, generator=g).to(dtype)
+    k, v = (torch.randn(2, 2, 9, 16, generator=g).to(dtype) for _ in range(2))
+    mask = torch.zeros(2, 1, 1, 9, dtype=dtype)
+    mask[0, ..., 5:] = float("-inf")  # row 0 sits at position 4
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                          attn_mask=mask.float(), enable_gqa=True).to(dtype)
+    with torch.no_grad():
+        got = core_attention(q, k, v, mask, None, None, 0.0)
+    assert got.dtype == dtype and torch.equal(got, want)
+    trained = core_attention(q.requires_grad_(), k, v, mask, None, None, 0.0)
+    assert trained.dtype == dtype and torch.allclose(trained.float(), want.float(), atol=2e-2)
