@@ -269,7 +269,7 @@ class DraftModelProposer:
                              f"positions, fewer than --max-model-len {max_seq_length}; lower "
                              f"--max-model-len or use another draft")
         self.runner = ModelRunner(model, max_batch_size, max_seq_length, block_size)
-        self.block_size = block_size
+        self.block_size, self.max_len = block_size, max_seq_length
         self.per_slot = -(-max_seq_length // block_size)
         self.free = list(range(max_batch_size))
         self.slot: dict[str, int] = {}  # request id -> its slot
@@ -314,19 +314,20 @@ class DraftModelProposer:
         from .comm import broadcast_tokens
 
         slots = self._slots(batch)
-        b, run = len(batch), self.runner
+        b = len(batch)
         start = [self.cached[r.id] for r in batch]
         feed = [s[c:] for s, c in zip(streams, start)]
-        ids = torch.zeros(b, max(map(len, feed)), dtype=torch.int64)
-        for i, f in enumerate(feed):
-            ids[i, :len(f)] = torch.tensor(f)
         starts = torch.tensor(start)
-        last = torch.tensor([len(f) - 1 for f in feed])
         drafts = torch.zeros(b, k, dtype=torch.int64)
         q = None
         for j in range(k):
-            length = int((starts + ids.shape[1]).max())
-            logits = pipeline_forward(run, ids, self._tables(slots, length), starts, last)
+            if j == 0:
+                logits = self._first_pass(slots, feed, start)
+            else:  # the draft just made, one token per row
+                starts = starts + torch.tensor([len(f) for f in feed]) if j == 1 else starts + 1
+                logits = pipeline_forward(self.runner, drafts[:, j - 1:j].clone(),
+                                          self._tables(slots, int(starts.max()) + 1), starts,
+                                          torch.zeros(b, dtype=torch.int64))
             picked = None
             if logits is not None:
                 if q is None:
@@ -337,11 +338,25 @@ class DraftModelProposer:
                         q[i, j] = filtered_probs(logits[i], r.params)
                         picked[i] = draw(q[i, j], r.generator)
             drafts[:, j] = broadcast_tokens(picked, b)
-            starts = starts + last + 1  # the next pass feeds the draft just made
-            ids, last = drafts[:, j:j + 1].clone(), torch.zeros(b, dtype=torch.int64)
         for i, r in enumerate(batch):  # the cache holds the stream and drafts 1..k-1
             self.cached[r.id] = len(streams[i]) + k - 1
         return drafts.tolist(), q
+
+    def _first_pass(self, slots: list[int], feed: list[list[int]], start: list[int]
+                    ) -> torch.Tensor | None:
+        """The draft's logits `[b, V]` (last stage) at the last of each row's `feed` tokens,
+        written from position `start[i]`: one right-padded forward, or one per row when the
+        padding would reach past the cache's positions (a row near the end beside one
+        catching up a long stream)."""
+        width = max(map(len, feed))
+        if max(start) + width > self.max_len:
+            out = [self._first_pass([s], [f], [c]) for s, f, c in zip(slots, feed, start)]
+            return None if out[0] is None else torch.cat(out)
+        ids = torch.zeros(len(feed), width, dtype=torch.int64)
+        for i, f in enumerate(feed):
+            ids[i, :len(f)] = torch.tensor(f)
+        return pipeline_forward(self.runner, ids, self._tables(slots, max(start) + width),
+                                torch.tensor(start), torch.tensor([len(f) - 1 for f in feed]))
 
     def rewind(self, request_id: str, stream_length: int, accepted: int, k: int) -> None:
         """After verification: of the drafts the cache holds (1..k-1), those accepted stay
