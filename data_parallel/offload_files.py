@@ -98,9 +98,10 @@ def check_offload_path(path: str, need_bytes: int, *, what: str,
     Raises:
         OffloadPathError: naming the path, the free space and the fix.
     """
-    try:
-        if not os.path.lexists(path):
-            os.makedirs(path)
+    try:  # every rank of the host may race to create it
+        os.makedirs(path, exist_ok=True)
+    except FileExistsError:  # a file (or a dangling link) by that name: said below
+        pass
     except OSError as e:
         raise OffloadPathError(f"--offload-path {path}: cannot create it ({e.strerror}); "
                                f"give a writable folder on a local NVMe drive") from None
