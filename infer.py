@@ -86,6 +86,47 @@ def _add_cache_args(p: argparse.ArgumentParser) -> None:
                          "prefilled in chunks alternating with decode steps")
 
 
+def _add_speculative_args(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding (vLLM's --speculative-config fields as flags)."""
+    sd = p.add_argument_group("speculative decoding (inference/spec_decode.py)")
+    sd.add_argument("--num-speculative-tokens", type=int, default=None,
+                    help="draft K tokens per step and verify them in one forward (greedy "
+                         "output unchanged, sampled output of the same distribution); "
+                         "default off")
+    sd.add_argument("--speculative-method", choices=["ngram", "draft_model"], default=None,
+                    help="ngram: prompt lookup (default); draft_model: --speculative-model "
+                         "(the default when it is given)")
+    sd.add_argument("--speculative-model", default=None,
+                    help="the draft model: an HF folder, a .gguf file or a native checkpoint "
+                         "with the target's tokenizer, sharded like the target")
+    sd.add_argument("--prompt-lookup-max", type=int, default=4,
+                    help="ngram: the longest suffix looked up in the prompt and output")
+    sd.add_argument("--prompt-lookup-min", type=int, default=2,
+                    help="ngram: the shortest suffix looked up")
+
+
+def _check_speculative(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`args.speculative` = the checked `SpeculativeConfig`, or None without
+    --num-speculative-tokens; exits 2 naming the flag."""
+    from inference.spec_decode import SpeculativeConfig
+
+    args.speculative = None
+    if args.num_speculative_tokens is None:
+        if args.speculative_model or args.speculative_method:
+            p.error("--speculative-model / --speculative-method do nothing alone; pass "
+                    "--num-speculative-tokens K")
+        return
+    if args.num_speculative_tokens < 1:
+        p.error(f"--num-speculative-tokens must be >= 1, got {args.num_speculative_tokens}")
+    method = args.speculative_method or ("draft_model" if args.speculative_model else "ngram")
+    try:
+        args.speculative = SpeculativeConfig(
+            method, args.num_speculative_tokens, args.prompt_lookup_max,
+            args.prompt_lookup_min, args.speculative_model).validate()
+    except ValueError as e:
+        p.error(f"speculative decoding: {e}")
+
+
 def _add_server_args(p: argparse.ArgumentParser) -> None:
     """--serve and the OpenAI-compatible server's address, key, defaults and limits."""
     srv = p.add_argument_group("server")
@@ -178,7 +219,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     for add in (_add_model_args, _add_parallelism_args, _add_generation_args, _add_cache_args,
-                _add_server_args):
+                _add_speculative_args, _add_server_args):
         add(p)
     args = p.parse_args(argv)
     if (args.load is None) == (args.hf is None):
@@ -188,6 +229,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     _check_sizes(p, args)
     _check_prompts(p, args)
     _check_sampling(p, args)
+    _check_speculative(p, args)
     return args
 
 
@@ -275,6 +317,18 @@ def context_lengths(args, cfg) -> tuple[int, int | None]:
         raise ValueError(f"--max-seq-length {args.max_seq_length} exceeds the model's "
                          f"max_position_embeddings ({limit}); pass at most {limit}")
     return args.max_seq_length or min(limit, 2048), None
+
+
+def speculative(args, model, tokenizer, max_len: int):
+    """The engine's `SpecDecoder` for the speculative flags (None without them); a draft
+    model is loaded here, on this rank's grid."""
+    if args.speculative is None:
+        return None
+    from inference.spec_decode import build_speculative
+
+    return build_speculative(args.speculative, model, tokenizer,
+                             max_batch_size=args.max_batch_size, max_seq_length=max_len,
+                             block_size=args.kv_block_size, dtype=args.dtype)
 
 
 def run_server(args, engine, tokenizer, name: str, generation_config: dict, rank: int) -> int:
@@ -381,7 +435,8 @@ def main(argv=None) -> int:
                         max_source_length=source_len, block_size=args.kv_block_size,
                         kv_cache_memory=args.kv_cache_memory,
                         enable_prefix_caching=args.enable_prefix_caching,
-                        max_num_batched_tokens=args.max_num_batched_tokens)
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        speculative=speculative(args, model, tokenizer, max_len))
         if rank == 0:
             print(engine.cache_summary(), file=sys.stderr, flush=True)
         if args.serve:

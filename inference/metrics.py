@@ -10,6 +10,13 @@ them with the `shardzoo:` prefix, labelled by `model_name` and data-parallel `re
   the replica's KV cache blocks held by requests, 0-1), `prefix_cache_hit_rate` (hits /
   queries so far, 0-1; vLLM V0's `gpu_prefix_cache_hit_rate`), `generation_tokens_per_second`
   (over the last `RATE_WINDOW_S` seconds);
+- speculative decoding (only when the engine runs it; vLLM's `spec_decode_*`): counters
+  `spec_decode_num_drafts_total` (verified rows that carried drafts),
+  `spec_decode_num_draft_tokens_total`, `spec_decode_num_accepted_tokens_total`,
+  `spec_decode_num_accepted_tokens_per_pos_total{position}` (drafts accepted at position
+  0, 1, ... of their row), gauges `spec_decode_draft_acceptance_rate` (accepted / drafted)
+  and `spec_decode_mean_acceptance_length` (tokens emitted per verified row, 1 + accepted /
+  drafts), both over the server's life;
 - histograms (seconds): `time_to_first_token_seconds` (arrival at the HTTP layer to the first
   generated token), `inter_token_latency_seconds` (between consecutive events of a request,
   per token), `request_queue_time_seconds` (waiting in the engine before its prefill),
@@ -155,9 +162,48 @@ class ServerMetrics:
             if now > seen.get(key, 0):
                 counter.labels(*lab).inc(now - seen.get(key, 0))
             seen[key] = now
+        if "spec_decode" in stats:
+            self._spec_stats(replica, stats["spec_decode"])
         if seen.get("prefix_cache_queries"):
             self.hit_rate.labels(*lab).set(seen["prefix_cache_hits"] /
                                            seen["prefix_cache_queries"])
+
+    def _spec_stats(self, replica: int, spec: dict) -> None:
+        """Speculative decoding's running totals (`SpecStats.as_dict`): counters grow by the
+        difference since the last report; the metrics are made at the first report."""
+        pc, labels, p = self._pc, ("model_name", "replica"), "shardzoo:spec_decode_"
+        if not hasattr(self, "spec_counters"):
+            reg = self.registry
+            self.spec_counters = {
+                key: pc.Counter(p + key, text, labels, registry=reg) for key, text in (
+                    ("num_drafts", "Verified rows that carried drafts"),
+                    ("num_draft_tokens", "Drafted tokens verified"),
+                    ("num_accepted_tokens", "Drafted tokens accepted"))}
+            self.spec_per_pos = pc.Counter(p + "num_accepted_tokens_per_pos", "Drafted tokens "
+                                           "accepted, by position in their row",
+                                           labels + ("position",), registry=reg)
+            self.spec_rate = pc.Gauge(p + "draft_acceptance_rate", "Accepted / drafted tokens "
+                                      "so far", labels, registry=reg)
+            self.spec_length = pc.Gauge(p + "mean_acceptance_length", "Tokens emitted per "
+                                        "verified row so far (1 + accepted / drafts)", labels,
+                                        registry=reg)
+        lab = (self.model_name, str(replica))
+        seen = self._totals[replica].setdefault("spec_decode", {})
+        for key, counter in self.spec_counters.items():
+            if spec[key] > seen.get(key, 0):
+                counter.labels(*lab).inc(spec[key] - seen.get(key, 0))
+            seen[key] = spec[key]
+        before = seen.get("accepted_per_pos", [])
+        for pos, n in enumerate(spec["accepted_per_pos"]):
+            done = before[pos] if pos < len(before) else 0
+            if n > done:
+                self.spec_per_pos.labels(*lab, str(pos)).inc(n - done)
+        seen["accepted_per_pos"] = list(spec["accepted_per_pos"])
+        if spec["num_draft_tokens"]:
+            self.spec_rate.labels(*lab).set(spec["num_accepted_tokens"] /
+                                            spec["num_draft_tokens"])
+            self.spec_length.labels(*lab).set(1 + spec["num_accepted_tokens"] /
+                                              spec["num_drafts"])
 
     def render(self) -> bytes:
         return self._pc.generate_latest(self.registry)

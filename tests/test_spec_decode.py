@@ -444,3 +444,91 @@ def test_tensor_and_pipeline_parallel(one_rank, spec_models):
     assert got[("draft", "greedy", "in_flight")] == 1
     assert "runs one micro-batch at a time" in got["refused"]
     assert [len(o) for o in got[("draft", "sampled")]] == [MAX_NEW] * 3
+
+
+def _tokenizer(folder, text: str) -> None:
+    """A small byte-level BPE tokenizer trained on `text`, saved in `folder`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([text], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
+                            eos_token="</s>").save_pretrained(folder)
+
+
+def test_draft_with_another_tokenizer_and_bad_flags_are_refused(one_rank, spec_models,
+                                                                 tmp_path, capsys):
+    """build_speculative (infer.py's path) refuses a draft whose tokenizer maps an id to
+    other bytes, naming the id, and accepts the same tokenizer; infer.py refuses bad
+    speculative flags before loading (exit 2, one line naming the flag)."""
+    import json
+    import os
+    import shutil
+
+    import infer
+    from inference.loading import load
+    from inference.spec_decode import build_speculative
+    from models.tokenizer import Tokenizer
+
+    target = load(hf=spec_models["target"])[0]
+    folders = {name: str(tmp_path / name) for name in ("same", "other")}
+    for name in folders:
+        shutil.copytree(spec_models["draft"], folders[name])
+        _tokenizer(folders[name], "the cat sat on the mat " * 20)
+    # the other tokenizer: the same pieces with two ids swapped
+    path = os.path.join(folders["other"], "tokenizer.json")
+    spec = json.load(open(path))
+    vocab = spec["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    json.dump(spec, open(path, "w"))
+    mine = Tokenizer(folders["same"])
+    config = {"method": "draft_model", "num_speculative_tokens": 2}
+    spec = build_speculative(SpeculativeConfig(**config, model=folders["same"]), target, mine,
+                             max_batch_size=2, max_seq_length=64)
+    assert spec.draft is not None
+    with pytest.raises(ValueError, match=r"tokenizer is not the target's \(token 100 is"):
+        build_speculative(SpeculativeConfig(**config, model=folders["other"]), target, mine,
+                          max_batch_size=2, max_seq_length=64)
+    for flags, msg in ((["--num-speculative-tokens", "0"], "--num-speculative-tokens must be"),
+                       (["--speculative-model", "d"], "pass --num-speculative-tokens"),
+                       (["--num-speculative-tokens", "2", "--prompt-lookup-min", "5"],
+                        "1 <= min <= max"),
+                       (["--num-speculative-tokens", "2", "--speculative-method", "draft_model"],
+                        "needs the draft model's path")):
+        with pytest.raises(SystemExit) as e:
+            infer.parse_args(["--hf", "x", "--prompt", "a", *flags])
+        assert e.value.code == 2 and msg in capsys.readouterr().err, flags
+    args = infer.parse_args(["--hf", "x", "--prompt", "a", "--num-speculative-tokens", "3",
+                             "--speculative-model", "d"])
+    assert args.speculative == SpeculativeConfig("draft_model", 3, 4, 2, "d")
+
+
+def test_metrics():
+    """/metrics: the spec_decode counters grow by what the engine counted since the last
+    report (per position too), the rate and mean length follow; absent without it."""
+    from inference.metrics import ServerMetrics
+
+    m = ServerMetrics("m", 2)
+    base = {"running": 1, "waiting": 0, "kv_cache_usage": 0.5}
+    m.replica_stats(1, base)
+    assert b"spec_decode" not in m.render()
+    for drafts, tokens, accepted, per_pos in ((3, 8, 4, [2, 1, 1]), (4, 11, 6, [3, 2, 1])):
+        m.replica_stats(0, {**base, "spec_decode": {
+            "num_drafts": drafts, "num_draft_tokens": tokens, "num_accepted_tokens": accepted,
+            "accepted_per_pos": per_pos}})
+    text = m.render().decode()
+    lab = 'model_name="m",replica="0"'
+    for line in (f"shardzoo:spec_decode_num_drafts_total{{{lab}}} 4.0",
+                 f"shardzoo:spec_decode_num_draft_tokens_total{{{lab}}} 11.0",
+                 f"shardzoo:spec_decode_num_accepted_tokens_total{{{lab}}} 6.0",
+                 'shardzoo:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",'
+                 'position="1",replica="0"} 2.0',
+                 f"shardzoo:spec_decode_draft_acceptance_rate{{{lab}}} {6 / 11}",
+                 f"shardzoo:spec_decode_mean_acceptance_length{{{lab}}} 2.5"):
+        assert line in text, line
