@@ -378,7 +378,8 @@ def make_requests(args, prompts: list, tokenizer, is_encoder_decoder: bool,
 
 def generate_and_print(engine, requests: list, prompts: list, tokenizer, rank: int) -> None:
     """Generate `requests`, gather every replica's completions to rank 0 and print them there
-    in prompt order (stdout), then the `summary` line (stderr)."""
+    in prompt order (stdout), then the `summary` line (stderr) and, with speculative
+    decoding, rank 0's replica's acceptance counts."""
     import parallel_state as ps
     from inference.comm import gather_to_rank0
 
@@ -395,6 +396,12 @@ def generate_and_print(engine, requests: list, prompts: list, tokenizer, rank: i
             print(f"### prompt {i}: {shown}", flush=True)
             print(text, flush=True)
         print(summary(done, time.perf_counter() - start), file=sys.stderr, flush=True)
+        if engine.spec is not None:  # this replica's counts
+            st = engine.spec.stats
+            print(f"speculative decoding ({engine.spec.config.method}, k "
+                  f"{engine.spec.k}): {st.num_accepted_tokens} of {st.num_draft_tokens} "
+                  f"drafted tokens accepted ({st.acceptance_rate:.2f}), mean acceptance "
+                  f"length {st.mean_acceptance_length:.2f}", file=sys.stderr, flush=True)
 
 
 def main(argv=None) -> int:
