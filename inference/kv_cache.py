@@ -116,20 +116,16 @@ class PagedKVCache:
         0, 1, ...` (its own ones; past them its table is padding, and the view then reads
         other blocks there, which the mask hides), so the rows can be read as one strided
         view of the pools; None otherwise."""
-        b, n = tables.shape
-        base = tables[:, 0]
-        if int(base.min()) == 0 or int(base[-1]) + n > self.num_blocks:
+        rows = tables.tolist()  # a few Python comparisons beat a dozen tiny tensor ops
+        n, base = len(rows[0]), [row[0] for row in rows]
+        stride = base[1] - base[0] if len(rows) > 1 else n
+        if min(base) == 0 or base[-1] + n > self.num_blocks or stride < 1:
             return None
-        stride = n
-        if b > 1:
-            steps = base[1:] - base[:-1]
-            stride = int(steps[0])
-            if stride < 1 or not bool((steps == stride).all()):
+        for i, row in enumerate(rows):
+            first = base[0] + i * stride
+            if any(blk != first + j for j, blk in enumerate(row) if blk):  # padding: 0
                 return None
-        own = tables != 0
-        if not bool(((tables == base[:, None] + torch.arange(n)) | ~own).all()):
-            return None
-        return int(base[0]), stride
+        return base[0], stride
 
     def update(self, layer_number: int, k: torch.Tensor, v: torch.Tensor):
         out = []
