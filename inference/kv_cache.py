@@ -128,27 +128,25 @@ class PagedKVCache:
         return base[0], stride
 
     def update(self, layer_number: int, k: torch.Tensor, v: torch.Tensor):
-        out = []
-        for pool, new, work in ((self.k[layer_number], k, self._work[0]),
-                                (self.v[layer_number], v, self._work[1])):
-            n, bs, g, d = pool.shape
-            rows = new.transpose(1, 2).reshape(-1, g, d)  # [b * s, g, d]
-            if rows.dtype != pool.dtype:
-                rows = rows.to(pool.dtype)
-            pool.view(n * bs, g, d).index_copy_(0, self._slots, rows)
-            if self._fresh:
-                out.append(new)
-            elif self._view is not None:  # [b, g, L, d] straight from the pool
-                first, stride = self._view
-                out.append(pool.as_strided((self._b, g, self._length, d),
-                                           (stride * bs * g * d, d, g * d, 1),
-                                           first * bs * g * d))
-            else:
-                m = len(self._blocks)
-                read = torch.index_select(pool, 0, self._blocks,
-                                          out=work[:m * bs * g * d].view(m, bs, g, d))
-                out.append(read.view(self._b, -1, g, d)[:, :self._length].transpose(1, 2))
-        return tuple(out)
+        return (self._update(self.k[layer_number], k, self._work[0]),
+                self._update(self.v[layer_number], v, self._work[1]))
+
+    def _update(self, pool: torch.Tensor, new: torch.Tensor, work: torch.Tensor):
+        n, bs, g, d = pool.shape
+        rows = new.transpose(1, 2).reshape(-1, g, d)  # [b * s, g, d]
+        if rows.dtype != pool.dtype:
+            rows = rows.to(pool.dtype)
+        pool.view(n * bs, g, d).index_copy_(0, self._slots, rows)
+        if self._fresh:
+            return new
+        if self._view is not None:  # [b, g, L, d] straight from the pool
+            first, stride = self._view
+            return pool.as_strided((self._b, g, self._length, d),
+                                   (stride * bs * g * d, d, g * d, 1), first * bs * g * d)
+        m = len(self._blocks)
+        read = torch.index_select(pool, 0, self._blocks,
+                                  out=work[:m * bs * g * d].view(m, bs, g, d))
+        return read.view(self._b, -1, g, d)[:, :self._length].transpose(1, 2)
 
 
 def parse_memory(text: str) -> int | float:

@@ -218,7 +218,8 @@ class SelfAttention(nn.Module):
         q, k = qk.split([self.heads_per_group, 1], dim=3)
         q = q.reshape(s, b, self.num_heads, self.head_dim)
         k = k.squeeze(3)  # [s, b, g, d]
-        if rotary is not None:  # copies: a view would keep all of qk alive for backward
+        if rotary is not None and torch.is_grad_enabled():
+            # copies: a view would keep all of qk alive for backward
             q, k = q.contiguous(), k.contiguous()
         v = v.squeeze(3)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]

@@ -2,12 +2,16 @@
 
 torch sends a float32 `F.linear` / `matmul` on CPU to MKL's sgemm, and MKL takes its AVX2
 code on a CPU that is not Intel's; oneDNN (which torch already uses for bf16 matmuls and
-convolutions) picks its kernel from the CPU's instruction set alone. On the 2-core AMD EPYC
-(Zen 5, AVX-512) these benchmarks ran on, oneDNN's float32 inner product took the bench
-model's training GEMMs from ~95 to ~210 GFLOP/s on one thread, forward, input gradient and
-weight gradient alike, and a SmolLM2 decode step's weight matmuls at 8 rows from 2.1x to 1x
-the time (docs/PERFORMANCE.md, "Fifth session"). The result differs from MKL's by rounding
-only (a different summation order), like any change of thread count.
+convolutions) picks its kernel from the CPU's instruction set alone. On a 2-core AMD EPYC
+Zen 5 (AVX-512), oneDNN's float32 inner product took the bench model's training GEMMs from
+~95 to ~210 GFLOP/s on one thread, forward, input gradient and weight gradient alike, and a
+SmolLM2 decode step's weight matmuls at 8 rows from 2.1x to 1x the time (docs/PERFORMANCE.md,
+"Fifth session"); on a 2-core Zen 3 (AVX2 only), with each weight read cold from memory as
+in decode, its packed copy (`pack`) took SmolLM2's QKV weight at one row 153 us against
+MKL's 207 and the MLP's up-projection 380 against 618 ("Eleventh session"). Each call has a
+fixed cost of ~25-55 us (primitive set-up inside torch's op), which a decode step pays
+~120 times. The result differs from MKL's by rounding only (a different summation order),
+like any change of thread count.
 
 `SHARDZOO_CPU_GEMM=torch` keeps torch's own choice (MKL) for comparison; the default,
 `onednn`, takes oneDNN where torch was built with it. CUDA, bf16/fp16 (which torch already
@@ -38,6 +42,9 @@ def _resolve() -> bool:
 
 
 _ONEDNN = _resolve()
+# the overload itself: calling it skips the op packet's Python dispatch (decode makes ~120
+# of these calls a step)
+_POINTWISE = torch.ops.mkldnn._linear_pointwise.default if available() else None
 
 
 def backend() -> str:
@@ -62,7 +69,7 @@ def linear_nt(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None
     weights), fused around like any extern kernel."""
     if torch.compiler.is_compiling():
         return _onednn_linear_nt(a, b, bias)
-    return torch.ops.mkldnn._linear_pointwise(a, b, bias, "none", [], "")
+    return _POINTWISE(a, b, bias, "none", [], "")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
@@ -107,6 +114,23 @@ def packed(weight: torch.Tensor) -> torch.Tensor:
     changed in place since it was packed."""
     entry = getattr(weight, "onednn_packed", None)
     return entry[1] if entry is not None and entry[0] == weight._version else weight
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+                  ) -> torch.Tensor | None:
+    """Inference's fast path (no autograd): `x [..., k] @ weight^T` through the float32
+    weight's pre-packed copy (`pack`) -> `[..., n]`, or None where that does not apply (no
+    copy, the weight changed since, not float32, autocast, oneDNN turned off): the caller
+    takes the general path. A decode step makes ~120 of these calls; the general path's
+    checks cost as much as a small GEMM."""
+    entry = getattr(weight, "onednn_packed", None)
+    if entry is None or x.dtype != torch.float32 or weight.dtype != torch.float32 \
+            or entry[0] != weight._version or not torch.backends.mkldnn.enabled \
+            or torch.is_autocast_enabled("cpu"):
+        return None
+    shape = x.shape
+    y = _POINTWISE(x.reshape(-1, shape[-1]), entry[1], bias, "none", [], "")
+    return y.view(*shape[:-1], y.shape[-1]) if len(shape) != 2 else y
 
 
 def weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -102,6 +102,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     is MKL's,
     under no-grad with 2..FEW_ROWS rows, it is computed as `(W X^T)^T` (one row: MKL's
     matrix-vector product either way, and `F.linear` measured faster)."""
+    if not torch.is_grad_enabled() and x.device.type == "cpu":
+        y = gemm.packed_linear(x, weight, bias)
+        if y is not None:
+            return y
     if gemm.uses_onednn(x, weight) and x.dim() >= 2:
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                         or (bias is not None and bias.requires_grad)):
@@ -184,12 +188,13 @@ class ColumnParallelLinear(nn.Module):
         weight = self.weight if weight is None else weight
         if weight is None:
             raise ValueError("ColumnParallelLinear built with skip_weight needs forward(x, weight)")
-        onednn = gemm.uses_onednn(x, weight)
         if self.sequence_parallel:
-            y = _LinearWithGrad.apply(x, weight, self.bias, True, False, onednn)
+            y = _LinearWithGrad.apply(x, weight, self.bias, True, False,
+                                      gemm.uses_onednn(x, weight))
         elif self.tensor_parallel and torch.is_grad_enabled() \
                 and not torch.is_autocast_enabled(x.device.type):
-            y = _LinearWithGrad.apply(x, weight, self.bias, False, True, onednn)
+            y = _LinearWithGrad.apply(x, weight, self.bias, False, True,
+                                      gemm.uses_onednn(x, weight))
         else:  # one TP rank, no graph, or autocast (whose casts F.linear's backward knows)
             y = linear(copy_to_tensor_model_parallel_region(x), weight, self.bias)
         if not self.gather_output:
