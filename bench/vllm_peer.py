@@ -20,9 +20,10 @@ average is printed beside every figure (the machine may be shared).
 - `prefix`: 16 requests sharing one 400-token system prompt, prefix caching off / on.
 - `chunked`: a long prompt arrives while 4 requests decode: inter-token latency p99 of
   the running requests, chunked prefill off / on.
-(Speculative decoding on a repetitive prompt is generate_throughput's `spec` part, against
-the plain engine; a vLLM row for it (its `speculative_config` n-gram method, if its CPU
-build runs it) is not written yet.)
+- `spec`: n-gram (prompt lookup 4..2) speculative decoding at batch 1 on a repetitive prompt
+  (generate_throughput's SPEC_TEXT), each engine with and without it (vLLM's
+  `speculative_config` method "ngram"): decode tokens/s, the speed-up over the same engine's
+  plain decode, ours / vLLM, our acceptance rate, and whether the ids agree.
 """
 from __future__ import annotations
 
@@ -155,7 +156,7 @@ def load_avg() -> str:
     return f"load {os.getloadavg()[0]:.1f}"
 
 
-def part_vllm(args, path: str, text: str) -> None:
+def part_vllm(args, path: str, text: str, spec_text: str = "") -> None:
     exe, why = find_vllm(args.vllm_python)
     if exe is None:
         print(f"vllm part skipped: {why}", flush=True)
@@ -163,7 +164,6 @@ def part_vllm(args, path: str, text: str) -> None:
     import tempfile
 
     import parallel_state as ps
-    from inference.engine import Engine
     from inference.loading import load
 
     scratch = tempfile.mkdtemp(prefix="vllm-bench-")
@@ -192,6 +192,12 @@ def part_vllm(args, path: str, text: str) -> None:
                 compare_prefix(args, model, exe, env, common, dtype, prompt)
             if "chunked" in args.vllm_parts:
                 compare_chunked(args, model, exe, env, common, dtype, prompt)
+            if "spec" in args.vllm_parts:
+                from transformers import AutoTokenizer
+
+                spec_prompt = AutoTokenizer.from_pretrained(folder).encode(spec_text)
+                for k in args.num_speculative_tokens:
+                    compare_spec(args, model, exe, env, common, dtype, spec_prompt, k)
             del model
         ps.destroy_model_parallel(destroy_world=True)
     finally:
@@ -286,6 +292,53 @@ def compare_chunked(args, model, exe, env, common, dtype, prompt) -> None:
         print(f"  {dtype} 1500-token prompt mid-decode, max_num_batched_tokens {budget}: "
               f"ITL p99 of 4 running: ours {itl_p99(res, range(4)) * 1e3:.0f} ms | vLLM "
               f"{itl_p99(theirs, range(4)) * 1e3:.0f} ms ({load_avg()})", flush=True)
+
+
+def compare_spec(args, model, exe, env, common, dtype, prompt, k: int) -> None:
+    """Batch 1, greedy, `args.new_tokens` tokens of the repetitive `prompt`: each engine
+    plain and with n-gram drafts (k per step, prompt lookup 4..2), rounds alternated, best
+    of `args.repeats` (plain and speculative vLLM are two engines: built once each)."""
+    from inference.engine import Engine
+    from inference.spec_decode import SpecDecoder, SpeculativeConfig
+
+    n, jobs = args.new_tokens, [{"prompt": prompt, "max_tokens": args.new_tokens}]
+    lookup = {"prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    workers = {False: Worker(exe, {**common, "dtype": dtype, "max_num_seqs": 1}, env),
+               True: Worker(exe, {**common, "dtype": dtype, "max_num_seqs": 1,
+                                  "speculative_config": {"method": "ngram",
+                                                         "num_speculative_tokens": k,
+                                                         **lookup}}, env)}
+    rates = {(who, sp): [] for who in ("ours", "vLLM") for sp in (False, True)}
+    ids, stats = {}, None
+    try:
+        for r in range(args.repeats + 1):  # round 0 warms both up and is not counted
+            for sp in (False, True):
+                spec = SpecDecoder(SpeculativeConfig(num_speculative_tokens=k, **lookup)) \
+                    if sp else None
+                engine = Engine(model, max_batch_size=1, max_seq_length=len(prompt) + n,
+                                speculative=spec)
+                runs = [("ours", lambda: run_ours(engine, jobs)),
+                        ("vLLM", lambda: workers[sp].ask({"job": "run", "requests": jobs}))]
+                for who, f in (runs if r % 2 == 0 else runs[::-1]):
+                    res = f()
+                    if r:
+                        rates[(who, sp)].append(decode_rate(res, 1, n))
+                    ids[(who, sp)] = res["ids"][0]
+                if sp:
+                    stats = spec.stats
+    finally:
+        for w in workers.values():
+            w.close()
+    best = {key: max(v) for key, v in rates.items()}
+    same = len({tuple(v) for v in ids.values()}) == 1
+    print(f"  {dtype} spec ngram k={k}, batch 1, repetitive prompt {len(prompt)} tokens: ours "
+          f"{best[('ours', False)]:.1f} -> {best[('ours', True)]:.1f} tok/s "
+          f"({best[('ours', True)] / best[('ours', False)]:.2f}x; acceptance rate "
+          f"{stats.acceptance_rate:.2f}) | vLLM {best[('vLLM', False)]:.1f} -> "
+          f"{best[('vLLM', True)]:.1f} tok/s ({best[('vLLM', True)] / best[('vLLM', False)]:.2f}x)"
+          f" | speculative ours / vLLM {best[('ours', True)] / best[('vLLM', True)]:.2f}x | "
+          f"greedy ids {'identical in all four' if same else 'DIFFER'} ({load_avg()})",
+          flush=True)
 
 
 def compare_server(args, exe: str, folder: str, ckpt: str, dtype: str, clients_run) -> None:

@@ -5,7 +5,7 @@ own virtual environment (never imported by shardzoo; it imports vllm only).
 
 The engine (`vllm.LLM`, from the JSON config: model, dtype, enforce_eager,
 enable_prefix_caching, enable_chunked_prefill, max_num_batched_tokens, max_model_len,
-max_num_seqs) is built once; then each stdin line is one JSON job and gets one JSON line on
+max_num_seqs, speculative_config) is built once; then each stdin line is one JSON job and gets one JSON line on
 stdout (lines not starting with `{"` on stdout are vLLM's own logging and are skipped by the
 reader), until stdin closes:
 
@@ -67,7 +67,8 @@ def main() -> None:
               enable_chunked_prefill=config.get("enable_chunked_prefill", True),
               max_num_batched_tokens=config.get("max_num_batched_tokens"),
               max_model_len=config.get("max_model_len", 2048),
-              max_num_seqs=config.get("max_num_seqs", 32), seed=0)
+              max_num_seqs=config.get("max_num_seqs", 32), seed=0,
+              speculative_config=config.get("speculative_config"))
     load_s = time.perf_counter() - t0
     engine = llm.llm_engine
     for line in sys.stdin:
