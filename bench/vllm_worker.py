@@ -5,8 +5,8 @@ own virtual environment (never imported by shardzoo; it imports vllm only).
 
 The engine (`vllm.LLM`, from the JSON config: model, dtype, enforce_eager,
 enable_prefix_caching, enable_chunked_prefill, max_num_batched_tokens, max_model_len,
-max_num_seqs, speculative_config) is built once; then each stdin line is one JSON job and gets one JSON line on
-stdout (lines not starting with `{"` on stdout are vLLM's own logging and are skipped by the
+max_num_seqs, speculative_config) is built once; then each stdin line is one JSON job and
+gets one JSON line on stdout (lines not starting with `{"` on stdout are vLLM's own logging and are skipped by the
 reader), until stdin closes:
 
 - `{"job": "ready"}` -> `{"ready": true, "load_s": seconds the engine took to build}`

@@ -116,23 +116,6 @@ def packed(weight: torch.Tensor) -> torch.Tensor:
     return entry[1] if entry is not None and entry[0] == weight._version else weight
 
 
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-                  ) -> torch.Tensor | None:
-    """Inference's fast path (no autograd): `x [..., k] @ weight^T` through the float32
-    weight's pre-packed copy (`pack`) -> `[..., n]`, or None where that does not apply (no
-    copy, the weight changed since, not float32, autocast, oneDNN turned off): the caller
-    takes the general path. A decode step makes ~120 of these calls; the general path's
-    checks cost as much as a small GEMM."""
-    entry = getattr(weight, "onednn_packed", None)
-    if entry is None or x.dtype != torch.float32 or weight.dtype != torch.float32 \
-            or entry[0] != weight._version or not torch.backends.mkldnn.enabled \
-            or torch.is_autocast_enabled("cpu"):
-        return None
-    shape = x.shape
-    y = _POINTWISE(x.reshape(-1, shape[-1]), entry[1], bias, "none", [], "")
-    return y.view(*shape[:-1], y.shape[-1]) if len(shape) != 2 else y
-
-
 def weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """A linear layer's weight gradient `dW = dY^T X` by oneDNN: `grad [m, n]`, `x [m, k]` ->
     `[n, k]`. oneDNN reads a transposed right operand in place but copies a transposed left

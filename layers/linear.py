@@ -102,10 +102,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     is MKL's,
     under no-grad with 2..FEW_ROWS rows, it is computed as `(W X^T)^T` (one row: MKL's
     matrix-vector product either way, and `F.linear` measured faster)."""
-    if not torch.is_grad_enabled() and x.device.type == "cpu":
-        y = gemm.packed_linear(x, weight, bias)
-        if y is not None:
-            return y
     if gemm.uses_onednn(x, weight) and x.dim() >= 2:
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                         or (bias is not None and bias.requires_grad)):

@@ -84,7 +84,7 @@ class TransformerLayer(nn.Module):
         if self.hidden_dropout == 0 or not self.training:  # no site arithmetic per call
             return x + y
         positions = None
-        if self.cp_group is not None and self.hidden_dropout > 0 and self.training:
+        if self.cp_group is not None:
             rows = y.shape[0] * (get_tensor_model_parallel_world_size()
                                  if self.sequence_parallel else 1)
             positions = context_parallel_positions(rows, self.cp_group)

@@ -137,29 +137,6 @@ def test_packed_weights_give_the_same_products_until_the_weight_changes(rows):
 
 
 @needs_onednn
-@pytest.mark.filterwarnings("ignore:TF32 acceleration")  # mkldnn.flags() also sets its TF32 flag
-def test_inference_fast_path_is_the_general_path_or_declines():
-    """`packed_linear` (what `linear` takes first under no-grad) gives the general path's
-    bits where it applies and None (the general path) everywhere else."""
-    g = torch.Generator().manual_seed(5)
-    w, b = torch.randn(24, 16, generator=g), torch.randn(24, generator=g)
-    x = torch.randn(3, 2, 16, generator=g)
-    assert gemm.packed_linear(x, w) is None  # not packed yet
-    gemm.pack(w)
-    fast = gemm.packed_linear(x, w, b)
-    assert fast.shape == (3, 2, 24)
-    assert torch.equal(fast, gemm.linear(x, gemm.packed(w), b))
-    assert torch.equal(gemm.packed_linear(x[0], w), gemm.linear(x[0], gemm.packed(w)))
-    assert gemm.packed_linear(x.bfloat16(), w) is None
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert gemm.packed_linear(x, w) is None
-    with torch.backends.mkldnn.flags(enabled=False):
-        assert gemm.packed_linear(x, w) is None
-    w.add_(1)  # changed in place: the stale copy is declined
-    assert gemm.packed_linear(x, w) is None
-
-
-@needs_onednn
 def test_engine_packs_every_linear_weight_once(no_grid):
     from inference.runner import ModelRunner
     from models import GPTModel, ModelConfig
