@@ -81,6 +81,12 @@ def _add_cache_args(p: argparse.ArgumentParser) -> None:
     kv.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                     default=True, help="share the cached KV blocks of prompts that start the "
                                        "same (--no-enable-prefix-caching: off)")
+    kv.add_argument("--compile", action="store_true",
+                    help="torch.compile each transformer layer (inductor; vLLM compiles by "
+                         "default, its --enforce-eager turns that off): decode steps lose "
+                         "most of their Python and small-op time; the first steps of each "
+                         "shape pay the compiling (seconds each; needs a C++ compiler on "
+                         "CPU; decoder-only models)")
     kv.add_argument("--max-num-batched-tokens", type=int, default=2048,
                     help="prompt tokens in one prefill forward, at most; longer prompts are "
                          "prefilled in chunks alternating with decode steps")
@@ -328,7 +334,8 @@ def speculative(args, model, tokenizer, max_len: int):
 
     return build_speculative(args.speculative, model, tokenizer,
                              max_batch_size=args.max_batch_size, max_seq_length=max_len,
-                             block_size=args.kv_block_size, dtype=args.dtype)
+                             block_size=args.kv_block_size, dtype=args.dtype,
+                             compile=args.compile)
 
 
 def run_server(args, engine, tokenizer, name: str, generation_config: dict, rank: int) -> int:
@@ -443,7 +450,8 @@ def main(argv=None) -> int:
                         kv_cache_memory=args.kv_cache_memory,
                         enable_prefix_caching=args.enable_prefix_caching,
                         max_num_batched_tokens=args.max_num_batched_tokens,
-                        speculative=speculative(args, model, tokenizer, max_len))
+                        speculative=speculative(args, model, tokenizer, max_len),
+                        compile=args.compile)
         if rank == 0:
             print(engine.cache_summary(), file=sys.stderr, flush=True)
         if args.serve:

@@ -138,20 +138,25 @@ class Engine(Scheduler):
         speculative: an `inference.spec_decode.SpecDecoder`: decode steps verify drafted
             tokens (decoder-only models; a draft model at pp > 1 runs one micro-batch at a
             time); None = one token per step.
-    Raises `ValueError` for num_micro_batches, block_size or max_num_batched_tokens < 1, or
-    a cache too small to hold one block.
+        compile: `torch.compile` the model's layers (`runner.compile_for_inference`;
+            decoder-only models).
+    Raises `ValueError` for num_micro_batches, block_size or max_num_batched_tokens < 1, a
+    cache too small to hold one block, or `compile` with an encoder-decoder model.
     """
 
     def __init__(self, model, *, eos_token_ids=(), decode=None, max_batch_size: int = 8,
                  max_seq_length: int = 2048, max_num_batched_tokens: int | None = None,
                  num_micro_batches: int | None = None, max_source_length: int | None = None,
                  block_size: int = 16, kv_cache_memory: int | float | None = None,
-                 enable_prefix_caching: bool = True, speculative=None):
+                 enable_prefix_caching: bool = True, speculative=None, compile: bool = False):
         self.encoder_decoder = getattr(model.config, "is_encoder_decoder", False)
         self.max_source_length = max_source_length or max_seq_length
         budget = 2048 if max_num_batched_tokens is None else max_num_batched_tokens
         if budget < 1:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {budget}")
+        if self.encoder_decoder and compile:
+            raise ValueError("--compile is for decoder-only models; T5 runs eagerly: drop "
+                             "--compile")
         if self.encoder_decoder:  # T5: the prompt is the encoder input (inference/seq2seq.py)
             self.runner = Seq2SeqRunner(model, max_batch_size, max_seq_length,
                                         self.max_source_length)
@@ -160,7 +165,7 @@ class Engine(Scheduler):
             budget = max(budget, self.max_source_length)  # prompts are not chunked
         else:
             self.runner = ModelRunner(model, max_batch_size, max_seq_length, block_size,
-                                      kv_cache_memory)
+                                      kv_cache_memory, compile=compile)
             self.blocks = BlockManager(self.runner.cache.num_blocks, block_size,
                                        enable_prefix_caching,
                                        region_blocks=-(-max_seq_length // block_size))

@@ -13,8 +13,23 @@ from __future__ import annotations
 import torch
 
 
+class LayerCache:
+    """One layer's handle on a cache (`cache.layer(n)`): what its SelfAttention calls
+    `update(k, v)` on and its CrossAttention `cross(compute)` (layers/attention.py); both
+    go to the cache's `update(n, k, v)` / `cross(n, compute)`."""
+
+    def __init__(self, cache, layer_number: int):
+        self.cache, self.layer_number = cache, layer_number
+
+    def update(self, k: torch.Tensor, v: torch.Tensor):
+        return self.cache.update(self.layer_number, k, v)
+
+    def cross(self, compute):
+        return self.cache.cross(self.layer_number, compute)
+
+
 class KVCache:
-    """The cache `SelfAttention` talks to through `update(layer_number, k, v)`.
+    """The cache `SelfAttention` talks to through its layer's handle (`layer(n).update(k, v)`).
 
     Before each forward, `bind(slots [b] (CPU), positions [b, s], length)` says which slots the batch rows
     use and at which positions their new tokens go; `update` then writes the new `[b, g, s, d]`
@@ -32,6 +47,10 @@ class KVCache:
         self.v = {n: torch.zeros(shape, dtype=dtype, device=device) for n in layer_numbers}
         self._slots = self._pos = None
         self._length = 0
+        self._layers = {n: LayerCache(self, n) for n in layer_numbers}
+
+    def layer(self, layer_number: int) -> LayerCache:
+        return self._layers[layer_number]
 
     def bind(self, slots: torch.Tensor, positions: torch.Tensor, length: int) -> None:
         """`length` = max position + 1 (the caller knows it without a device sync)."""
@@ -56,7 +75,8 @@ class KVCache:
 
 
 class PagedKVCache:
-    """The paged cache `SelfAttention` talks to through `update(layer_number, k, v)`: per
+    """The paged cache `SelfAttention` talks to through its layer's handle
+    (`layer(n).update(k, v)`; `update(n, k, v)` is the same): per
     layer, a pool of keys `[num_blocks, block_size, g, d]` and one of values, of this rank's
     local KV heads (g as for `KVCache`). Position p of a request lives in block
     `table[p // block_size]` of its block table (inference/block_manager.py), row
@@ -82,6 +102,10 @@ class PagedKVCache:
         self.v = {n: torch.zeros(shape, dtype=dtype, device=device) for n in layer_numbers}
         self._work = (torch.empty(0, dtype=dtype, device=device),) * 2
         self._fresh, self._length, self._view = False, 0, None
+        self._layers = {n: PagedLayerCache(self, n) for n in layer_numbers}
+
+    def layer(self, layer_number: int) -> "PagedLayerCache":
+        return self._layers[layer_number]
 
     @staticmethod
     def bytes_per_token(num_layers: int, groups: int, head_dim: int,
@@ -128,8 +152,7 @@ class PagedKVCache:
         return base[0], stride
 
     def update(self, layer_number: int, k: torch.Tensor, v: torch.Tensor):
-        return (self._update(self.k[layer_number], k, self._work[0]),
-                self._update(self.v[layer_number], v, self._work[1]))
+        return self._layers[layer_number].update(k, v)
 
     def _update(self, pool: torch.Tensor, new: torch.Tensor, work: torch.Tensor):
         n, bs, g, d = pool.shape
@@ -147,6 +170,21 @@ class PagedKVCache:
         read = torch.index_select(pool, 0, self._blocks,
                                   out=work[:m * bs * g * d].view(m, bs, g, d))
         return read.view(self._b, -1, g, d)[:, :self._length].transpose(1, 2)
+
+
+class PagedLayerCache:
+    """Layer n's handle on a `PagedKVCache`: its own pools as attributes, the step's
+    placement (`bind`) read from the cache. Under `torch.compile` (the engine's --compile) the
+    pools are graph inputs and the placement's sizes symbolic, so every layer shares one
+    graph and a new batch size or length compiles nothing new."""
+
+    def __init__(self, cache: PagedKVCache, layer_number: int):
+        self.cache = cache
+        self.k, self.v = cache.k[layer_number], cache.v[layer_number]
+
+    def update(self, k: torch.Tensor, v: torch.Tensor):
+        work = self.cache._work
+        return self.cache._update(self.k, k, work[0]), self.cache._update(self.v, v, work[1])
 
 
 def parse_memory(text: str) -> int | float:

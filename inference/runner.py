@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 import parallel_state as ps
+from layers import compile_transformer_layers
 from layers.attention import LAYER_TYPES, causal_window_mask
 from layers.linear import pack_weights
 from parallel_state import p2p
@@ -14,6 +15,39 @@ from parallel_state import p2p
 from .comm import replica_min
 from .kv_cache import KVCache, PagedKVCache
 from .loading import available_memory
+
+
+# compiled variants of TransformerLayer.forward one process may hold (torch._dynamo's
+# recompile_limit, default 8, counts them per code object): prefill and decode, one row and
+# several, fresh / strided / gathered cache reads, a draft model's shapes; past the limit a
+# new variant runs eagerly
+RECOMPILE_LIMIT = 64
+
+
+def compile_for_inference(model) -> int:
+    """`torch.compile` each TransformerLayer of `model` for the engine (infer.py --compile;
+    vLLM compiles by default): inductor fuses each layer's norms, RoPE, SwiGLU and residual
+    adds into generated kernels and the layer's Python runs once per compile instead of
+    once per layer and step; the GEMMs stay oneDNN's calls on the packed weights
+    (layers/gemm.py) and attention torch's SDPA. Every layer shares one graph per variant:
+    each layer reads its own cache through a handle (`PagedKVCache.layer`) and batch size
+    and lengths are symbolic (`dynamic=True`). The first steps of each variant (prefill,
+    decode; one row, several) pay the compiling: ~5-15 s each on 2 CPU cores.
+
+    Greedy output equals the eager engine's up to float rounding (fused kernels sum in
+    another order). Returns the number of layers compiled. Raises `ValueError` on a CPU
+    without a C++ compiler (inductor's CPU kernels are C++; the message says how to get
+    one) and for an encoder-decoder model (T5's contiguous cache is read by layer number)."""
+    import torch._dynamo.config as dynamo_config
+
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError("--compile is for decoder-only models; T5 runs eagerly: drop "
+                         "--compile")
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
+    try:
+        return compile_transformer_layers(model, dynamic=True)
+    except RuntimeError as e:  # no C++ compiler: a usage error here, before any request
+        raise ValueError(str(e)) from None
 
 
 class ModelRunner:
@@ -34,16 +68,20 @@ class ModelRunner:
     (float, `loading.available_memory`) over the bytes of a block on this stage, the smallest
     over the replica's ranks (stages hold different layers; all must agree); default
     `max_batch_size` requests of `max_seq_length` tokens, the old slot cache's size.
+
+    `compile` (--compile): `compile_for_inference(model)` after packing the weights.
     """
 
     def __init__(self, model, max_batch_size: int, max_seq_length: int, block_size: int = 16,
-                 kv_cache_memory: int | float | None = None):
+                 kv_cache_memory: int | float | None = None, compile: bool = False):
         self.model = model.eval()
         self.config = model.config
         # oneDNN's pre-packed weights on CPU in float32 (layers/gemm.py): decode's few-row
         # products read them 1.5-2.3x faster; they take as much memory again as the weights
         self.packed_bytes = pack_weights(
             model, extra=(model.output_weight(),) if model.post_process else ())
+        if compile:
+            compile_for_inference(model)
         attn = self._first_attention()
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device

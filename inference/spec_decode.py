@@ -253,7 +253,7 @@ class DraftModelProposer:
     """
 
     def __init__(self, model, target_config, max_batch_size: int, max_seq_length: int,
-                 block_size: int = 16):
+                 block_size: int = 16, compile: bool = False):
         from .runner import ModelRunner
 
         cfg = model.config
@@ -268,7 +268,8 @@ class DraftModelProposer:
             raise ValueError(f"the speculative model holds {cfg.max_position_embeddings} "
                              f"positions, fewer than --max-model-len {max_seq_length}; lower "
                              f"--max-model-len or use another draft")
-        self.runner = ModelRunner(model, max_batch_size, max_seq_length, block_size)
+        self.runner = ModelRunner(model, max_batch_size, max_seq_length, block_size,
+                                  compile=compile)
         self.block_size, self.max_len = block_size, max_seq_length
         self.per_slot = -(-max_seq_length // block_size)
         self.free = list(range(max_batch_size))
@@ -494,14 +495,15 @@ def same_tokenizer(a, b) -> str | None:
 
 def build_speculative(config: SpeculativeConfig, target, tokenizer, *, max_batch_size: int,
                       max_seq_length: int, block_size: int = 16,
-                      dtype: str = "float32") -> SpecDecoder:
+                      dtype: str = "float32", compile: bool = False) -> SpecDecoder:
     """The `SpecDecoder` of `config` for the `target` model stage (infer.py): for a draft
     model, its stage on the current grid, loaded from `config.model` (a .gguf file or a
     folder with config.json: Hugging Face; else a native checkpoint) in `dtype`.
 
     Raises `ValueError` (also for the loader's errors) when the configuration is bad, the
     target is an encoder-decoder, or the draft's vocabulary or tokenizer is not the
-    target's."""
+    target's. `compile`: the draft model's layers are compiled too
+    (`runner.compile_for_inference`)."""
     import os
 
     config.validate()
@@ -522,4 +524,4 @@ def build_speculative(config: SpeculativeConfig, target, tokenizer, *, max_batch
             raise ValueError(f"the speculative model's tokenizer is not the target's "
                              f"({differs}); use a draft trained with the target's tokenizer")
     return SpecDecoder(config, DraftModelProposer(draft, target.config, max_batch_size,
-                                                  max_seq_length, block_size))
+                                                  max_seq_length, block_size, compile))

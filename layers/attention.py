@@ -109,9 +109,11 @@ class SelfAttention(nn.Module):
     `rotary` may hold two pairs `(cos, sin, cos_local, sin_local)`: sliding-window layers
     take the second (Gemma 3's `rope_local_base_freq`), the others the first.
     `attention_bias` `[1 or b, n/tp, sq, sk]` float is added to the scores of this rank's heads
-    (T5's relative position bias); `softmax_scale` replaces 1/sqrt(d) (T5: 1, no scaling). `kv_cache`, when given, is an
-    object with `update(layer_number, k, v) -> (k_all, v_all)` taking and returning
-    `[b, g, s, d]` local KV heads; it is how inference appends to its cache.
+    (T5's relative position bias); `softmax_scale` replaces 1/sqrt(d) (T5: 1, no scaling).
+    `kv_cache`, when given, is this layer's handle on an inference cache (what the cache's
+    `layer(layer_number)` returns; TransformerBlock asks for it), with `update(k, v) ->
+    (k_all, v_all)` taking and returning `[b, g, s, d]` local KV heads: how inference appends
+    to its cache.
     `attention_mask` `[b, 1, sq, sk]` bool (True = may attend), or float added to the scores
     (0 or -inf, in q's dtype), replaces the causal mask: it is how a batch of rows at
     different positions (padding, a shared cache) is masked.
@@ -224,7 +226,7 @@ class SelfAttention(nn.Module):
         v = v.squeeze(3)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
         if kv_cache is not None:
-            k, v = kv_cache.update(self.layer_number, k, v)
+            k, v = kv_cache.update(k, v)
         window = self.window_size
         if self.cp_group is not None and (kv_cache is not None or attention_bias is not None
                                           or attention_mask is not None):
@@ -449,8 +451,9 @@ class CrossAttention(nn.Module):
     -> `[sd, b, h]` (under SP both inputs are sequence shards `[s/tp, b, h]` and so is the
     output). `linear_kv` fuses `[K; V]` (two blocks, each split over TP). No position bias
     (T5). `attention_mask` `[b, 1, sd, se]` bool (True = may attend: encoder padding).
-    `kv_cache`, when given, has `cross(layer_number, compute) -> (k, v)` returning `[b, n/tp,
-    se, d]` that it computed once (from `compute()`) and keeps for every decoding step.
+    `kv_cache`, when given, is this layer's handle on the cache (as for SelfAttention), with
+    `cross(compute) -> (k, v)` returning `[b, n/tp, se, d]` that it computed once (from
+    `compute()`) and keeps for every decoding step.
     """
 
     def __init__(self, config, layer_number: int, sequence_parallel: bool = False,
@@ -486,7 +489,7 @@ class CrossAttention(nn.Module):
         s, b = q.shape[:2]
         q = q.view(s, b, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
         if kv_cache is not None:
-            k, v = kv_cache.cross(self.layer_number, lambda: self.key_values(encoder_output))
+            k, v = kv_cache.cross(lambda: self.key_values(encoder_output))
         else:
             k, v = self.key_values(encoder_output)
         p = self.attention_dropout if self.training else 0.0

@@ -126,7 +126,10 @@ def context_parallel_positions(rows: int, cp_group) -> torch.Tensor:
 class TransformerBlock(nn.Module):
     """The layers `layer_numbers` (global, 0-based) of the model, plus the final norm when
     `post_layer_norm` (the last pipeline stage). `layer_kwargs` go to every TransformerLayer
-    (`causal`, `cross_attention`, `softmax_scale`, `cp_group`, `cp_comm_type`)."""
+    (`causal`, `cross_attention`, `softmax_scale`, `cp_group`, `cp_comm_type`). `kv_cache`
+    (inference), when given, has `layer(layer_number)`: the handle each layer's attention
+    reads and writes its own cache through (a separate object per layer, so a compiled layer
+    sees only tensors and one graph serves every layer)."""
 
     def __init__(self, config, layer_numbers: list[int], post_layer_norm: bool = True,
                  sequence_parallel: bool = False, **layer_kwargs):
@@ -157,7 +160,8 @@ class TransformerBlock(nn.Module):
                                        *(rotary if rotary is not None else ()))
                 i = stop
             else:
-                x = layers[i](x, rotary=rotary, kv_cache=kv_cache, attention_mask=attention_mask,
+                cache = kv_cache.layer(layers[i].layer_number) if kv_cache is not None else None
+                x = layers[i](x, rotary=rotary, kv_cache=cache, attention_mask=attention_mask,
                               attention_bias=attention_bias, encoder_output=encoder_output,
                               cross_attention_mask=cross_attention_mask)
                 i += 1
@@ -178,13 +182,15 @@ def _run_layers(layers):
     return run
 
 
-def compile_transformer_layers(module: nn.Module) -> int:
+def compile_transformer_layers(module: nn.Module, dynamic: bool | None = None) -> int:
     """`torch.compile` every TransformerLayer inside `module` in place (`nn.Module.compile`:
     parameter names and state dicts are unchanged), so inductor fuses each layer's elementwise
     chains (norms, RoPE, SwiGLU/GeLU, bias and residual adds, dropout) into generated kernels;
     matmuls and SDPA stay library calls. Layers share one compiled graph (same code and
     shapes); collectives and the RNG tracker's stream switches are graph breaks that run
-    eagerly. Returns the number of layers compiled.
+    eagerly. `dynamic` goes to `torch.compile` (None: a dimension becomes symbolic once it
+    changes; True, for inference, where batch size and lengths change every step: symbolic
+    from the start, except sizes 0 and 1). Returns the number of layers compiled.
 
     Random numbers: inductor is told to draw them with torch's own kernels
     (`fallback_random`), so dropout masks are the eager ones and a compiled run matches an
@@ -202,7 +208,7 @@ def compile_transformer_layers(module: nn.Module) -> int:
     inductor_config.fallback_random = True
     layers = [m for m in module.modules() if isinstance(m, TransformerLayer)]
     for layer in layers:
-        layer.compile()
+        layer.compile(dynamic=dynamic)
     return len(layers)
 
 

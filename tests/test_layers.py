@@ -664,7 +664,7 @@ class _Cache:
     def __init__(self):
         self.k = self.v = None
 
-    def update(self, layer_number, k, v):
+    def update(self, k, v):
         self.k = k if self.k is None else torch.cat([self.k, k], 2)
         self.v = v if self.v is None else torch.cat([self.v, v], 2)
         return self.k, self.v

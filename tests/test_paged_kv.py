@@ -4,9 +4,9 @@ PagedKVCache, the engine's scheduler), in one process (tp 2 / pp 2: tests/test_i
 One spawned world of 1 runs the engine on tiny random transformers models (a Llama with
 grouped KV heads and a Mistral with a sliding window of 6); the parent compares:
 - greedy ids of every configuration (blocks of 4; prefix caching on / off; 8-token prefill
-  chunks; a cache too small for the load, so requests are preempted and recomputed) equal
-  transformers' `generate`, each prompt alone, and the second pass over the same prompts
-  hits the prefix cache;
+  chunks; a cache too small for the load, so requests are preempted and recomputed; the
+  layers compiled, --compile, without a graph break) equal transformers' `generate`, each
+  prompt alone, and the second pass over the same prompts hits the prefix cache;
 - seeded sampling gives the same ids with chunks and preemption as without (a chunk that is
   not sampled draws nothing from the request's generator);
 - chunked prefill: no forward holds more prompt tokens than the budget, and a running
@@ -40,7 +40,12 @@ CONFIGS = {  # Engine keyword arguments (max_batch_size 3, max_seq_length 48)
     "preemption": dict(block_size=4, max_num_batched_tokens=8, blocks=12),
     "preemption, no prefix caching": dict(block_size=4, blocks=12,
                                           enable_prefix_caching=False),
+    # --compile (the llama only: compiling costs ~1 min a model on 2 cores): every path
+    # through the compiled layers (fresh, cached and chunked prefill; decode of one row and of
+    # several; strided and gathered cache reads)
+    "compiled": dict(block_size=4, max_num_batched_tokens=8, blocks=12, compile=True),
 }
+COMPILED = "llama"
 
 
 def _hf_configs() -> dict:
@@ -126,6 +131,8 @@ def _worker(folders: dict) -> dict:
     for name, (hf_dir, _) in folders.items():
         model, _, _ = load(hf=hf_dir)
         for label, kw in CONFIGS.items():
+            if kw.get("compile") and name != COMPILED:
+                continue
             engine = _engine(model, **kw)
             passes = []
             for _ in range(2):
@@ -134,6 +141,13 @@ def _worker(folders: dict) -> dict:
                 _run(engine, reqs)
                 passes.append([r.output for r in reqs])
             out[(name, label)] = {"passes": passes, "stats": engine.stats()}
+            if kw.get("compile"):
+                from torch._dynamo.utils import counters
+
+                out[(name, label)]["dynamo"] = {
+                    "graphs": counters["stats"]["unique_graphs"],
+                    "graph_breaks": sum(counters["graph_break"].values()),
+                    "frames": dict(counters["frames"])}
             params = [SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, seed=i)
                       for i in range(len(PROMPTS))]
             reqs = [Request(str(i), p, sp) for i, (p, sp) in enumerate(zip(PROMPTS, params))]
@@ -211,6 +225,8 @@ def test_paged_cache_prefix_caching_chunks_and_preemption(models):
         ref = [_hf_generate(hf_dir, p, MAX_NEW, None) for p in PROMPTS]
         sampled = got[(name, "blocks of 16")]["sampled"]
         for label in CONFIGS:
+            if CONFIGS[label].get("compile") and name != COMPILED:
+                continue
             run = got[(name, label)]
             where = f"{name}, {label}"
             assert run["passes"] == [ref, ref], where
@@ -220,7 +236,11 @@ def test_paged_cache_prefix_caching_chunks_and_preemption(models):
                 assert stats["prefix_cache_hits"] > 0, (where, stats)
             else:
                 assert stats["prefix_cache_queries"] == stats["prefix_cache_hits"] == 0, where
-            assert (stats["num_preemptions"] > 0) == label.startswith("preemption"), where
+            assert (stats["num_preemptions"] > 0) == ("blocks" in CONFIGS[label]), where
+            if "dynamo" in run:  # compiled whole: no graph break, every frame compiled
+                dyn = run["dynamo"]
+                assert dyn["graphs"] > 0 and dyn["graph_breaks"] == 0, (where, dyn)
+                assert dyn["frames"]["ok"] == dyn["frames"]["total"], (where, dyn)
     chunks = got["chunks"]
     assert chunks["widest"] == 8 and chunks["gap"] <= 2, chunks
     want = [_hf_generate(models["llama"][0], p, n, None)
