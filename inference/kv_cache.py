@@ -167,9 +167,26 @@ class PagedKVCache:
             return pool.as_strided((self._b, g, self._length, d),
                                    (stride * bs * g * d, d, g * d, 1), first * bs * g * d)
         m = len(self._blocks)
-        read = torch.index_select(pool, 0, self._blocks,
-                                  out=work[:m * bs * g * d].view(m, bs, g, d))
+        if torch.compiler.is_compiling():  # torch's own gather: see `_gather_blocks`
+            read = _gather_blocks(pool, self._blocks)
+        else:
+            read = torch.index_select(pool, 0, self._blocks,
+                                      out=work[:m * bs * g * d].view(m, bs, g, d))
         return read.view(self._b, -1, g, d)[:, :self._length].transpose(1, 2)
+
+
+# The gathered read as one opaque op under torch.compile: inductor's own gather kernel
+# (elementwise, an index computed per element) took twice the time of torch's index_select
+# (a copy per block) on SmolLM2 at batch 8. Registered through `torch.library.Library` for
+# a low per-call cost (see layers/gemm.py).
+_LIB = torch.library.Library("shardzoo", "FRAGMENT")
+_LIB.define("gather_blocks(Tensor pool, Tensor blocks) -> Tensor")
+_LIB.impl("gather_blocks", lambda pool, blocks: torch.index_select(pool, 0, blocks),
+          "CompositeExplicitAutograd")
+torch.library.register_fake(
+    "shardzoo::gather_blocks",
+    lambda pool, blocks: pool.new_empty((blocks.shape[0], *pool.shape[1:])), lib=_LIB)
+_gather_blocks = torch.ops.shardzoo.gather_blocks.default
 
 
 class PagedLayerCache:

@@ -34,8 +34,10 @@ def compile_for_inference(model) -> int:
     and lengths are symbolic (`dynamic=True`). The first steps of each variant (prefill,
     decode; one row, several) pay the compiling: ~5-15 s each on 2 CPU cores.
 
-    Greedy output equals the eager engine's up to float rounding (fused kernels sum in
-    another order). Returns the number of layers compiled. Raises `ValueError` on a CPU
+    In place and once (`compile_transformer_layers`): an engine built again on the same
+    model reuses the graphs, and runs compiled whatever its own `compile` says. Greedy
+    output equals the eager engine's up to float rounding (fused kernels sum in another
+    order). Returns the number of layers compiled. Raises `ValueError` on a CPU
     without a C++ compiler (inductor's CPU kernels are C++; the message says how to get
     one) and for an encoder-decoder model (T5's contiguous cache is read by layer number)."""
     import torch._dynamo.config as dynamo_config

@@ -188,7 +188,8 @@ def compile_transformer_layers(module: nn.Module, dynamic: bool | None = None) -
     chains (norms, RoPE, SwiGLU/GeLU, bias and residual adds, dropout) into generated kernels;
     matmuls and SDPA stay library calls. Layers share one compiled graph (same code and
     shapes); collectives and the RNG tracker's stream switches are graph breaks that run
-    eagerly. `dynamic` goes to `torch.compile` (None: a dimension becomes symbolic once it
+    eagerly. In place and once: layers compiled already are left as they are. `dynamic`
+    goes to `torch.compile` (None: a dimension becomes symbolic once it
     changes; True, for inference, where batch size and lengths change every step: symbolic
     from the start, except sizes 0 and 1). Returns the number of layers compiled.
 
@@ -208,7 +209,10 @@ def compile_transformer_layers(module: nn.Module, dynamic: bool | None = None) -
     inductor_config.fallback_random = True
     layers = [m for m in module.modules() if isinstance(m, TransformerLayer)]
     for layer in layers:
-        layer.compile(dynamic=dynamic)
+        # once only: a second torch.compile wrapper would not reuse the first one's graphs
+        # (dynamo keys them by backend), so an engine built again would compile again
+        if getattr(layer, "_compiled_call_impl", None) is None:
+            layer.compile(dynamic=dynamic)
     return len(layers)
 
 

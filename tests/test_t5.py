@@ -202,6 +202,17 @@ def test_cross_attention_has_no_position_bias(no_grid):
     assert all(torch.equal(tensors[k](), same[k]()) for k in same)
 
 
+def test_engine_refuses_compile_for_t5(no_grid):
+    """--compile is for decoder-only models: a T5 engine refuses it, naming the flag, before
+    anything is compiled."""
+    from inference.engine import Engine
+
+    ours = _ours_from_hf(_hf_t5(False))
+    with pytest.raises(ValueError, match="--compile is for decoder-only models"):
+        Engine(ours, max_batch_size=1, max_seq_length=8, compile=True)
+    assert not any(getattr(m, "_compiled_call_impl", None) for m in ours.modules())
+
+
 def test_hf_refuses_unsupported_t5(no_grid):
     from models import hf as hfmap
 
