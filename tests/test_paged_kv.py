@@ -301,10 +301,11 @@ def test_kv_cache_memory_and_flags():
             parse_memory(bad)
     args = infer.parse_args(["--hf", "x", "--prompt", "a", "--kv-cache-memory", "1GiB",
                              "--no-enable-prefix-caching", "--kv-block-size", "32",
-                             "--max-num-batched-tokens", "512"])
+                             "--max-num-batched-tokens", "512", "--compile"])
     assert (args.kv_cache_memory, args.enable_prefix_caching, args.kv_block_size,
-            args.max_num_batched_tokens) == (2**30, False, 32, 512)
-    assert infer.parse_args(["--hf", "x", "--prompt", "a"]).enable_prefix_caching
+            args.max_num_batched_tokens, args.compile) == (2**30, False, 32, 512, True)
+    default = infer.parse_args(["--hf", "x", "--prompt", "a"])
+    assert default.enable_prefix_caching and not default.compile
     for flags in (["--kv-cache-memory", "lots"], ["--kv-block-size", "0"],
                   ["--max-num-batched-tokens", "0"]):
         with pytest.raises(SystemExit) as e:
@@ -332,3 +333,17 @@ def test_prefix_cache_metrics():
     assert values["shardzoo:prefix_cache_hit_rate"] == 0.6
     assert values["shardzoo:num_preemptions_total"] == 1
     assert values["shardzoo:kv_cache_usage_perc"] == 0.5
+
+
+def test_compile_without_cpp_compiler_is_a_usage_error(no_grid, no_cpp_compiler):
+    """infer.py --compile on a CPU with no C++ compiler: a ValueError naming the fix (infer.py
+    prints it and exits 2) before anything is compiled, not inductor's error at the first
+    request."""
+    from inference.runner import compile_for_inference
+    from models import GPTModel, ModelConfig
+
+    model = GPTModel(ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
+                                 vocab_size=16, seq_length=8))
+    with pytest.raises(ValueError, match="needs a C\\+\\+ compiler.*drop --compile"):
+        compile_for_inference(model)
+    assert not any(getattr(m, "_compiled_call_impl", None) for m in model.modules())
