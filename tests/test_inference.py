@@ -354,7 +354,7 @@ def test_cli_rejects_bad_flags_before_loading(tmp_path, capsys, flags, lines, me
 
     from launch import REPO
 
-    sys.path.insert(0, REPO)
+    sys.path.insert(0, str(REPO))  # a Path entry breaks inductor (os.pathsep.join)
     import infer
 
     argv = ["--load", str(tmp_path / "missing"), *flags]
