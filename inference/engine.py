@@ -154,12 +154,9 @@ class Engine(Scheduler):
         budget = 2048 if max_num_batched_tokens is None else max_num_batched_tokens
         if budget < 1:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {budget}")
-        if self.encoder_decoder and compile:
-            raise ValueError("--compile is for decoder-only models; T5 runs eagerly: drop "
-                             "--compile")
         if self.encoder_decoder:  # T5: the prompt is the encoder input (inference/seq2seq.py)
             self.runner = Seq2SeqRunner(model, max_batch_size, max_seq_length,
-                                        self.max_source_length)
+                                        self.max_source_length, compile=compile)
             # one block per request: the slot of the contiguous cache
             self.blocks = BlockManager(max_batch_size, max_seq_length, False, first_block=0)
             budget = max(budget, self.max_source_length)  # prompts are not chunked

@@ -76,7 +76,7 @@ class KVCache:
 
 class PagedKVCache:
     """The paged cache `SelfAttention` talks to through its layer's handle
-    (`layer(n).update(k, v)`; `update(n, k, v)` is the same): per
+    (`layer(n).update(k, v)`, `PagedLayerCache`): per
     layer, a pool of keys `[num_blocks, block_size, g, d]` and one of values, of this rank's
     local KV heads (g as for `KVCache`). Position p of a request lives in block
     `table[p // block_size]` of its block table (inference/block_manager.py), row
@@ -84,7 +84,7 @@ class PagedKVCache:
 
     Before each forward, `bind(tables [b, n] int64 (CPU), positions [b, s], length, fresh)`
     gives each row's table (n >= ceil(length / block_size), padded with 0) and its new
-    tokens' positions; `update` writes the new `[b, g, s, d]` keys/values there and returns
+    tokens' positions; a layer's `update` writes the new `[b, g, s, d]` keys/values there and returns
     `[b, g, L, d]` for positions 0..L-1, L = `length` (max position + 1): the new keys
     themselves when `fresh` (every row starts at position 0: nothing cached to read), else
     the rows' blocks read through the tables: as one strided view of the pool when each
@@ -151,9 +151,6 @@ class PagedKVCache:
                 return None
         return base[0], stride
 
-    def update(self, layer_number: int, k: torch.Tensor, v: torch.Tensor):
-        return self._layers[layer_number].update(k, v)
-
     def _update(self, pool: torch.Tensor, new: torch.Tensor, work: torch.Tensor):
         n, bs, g, d = pool.shape
         rows = new.transpose(1, 2).reshape(-1, g, d)  # [b * s, g, d]
@@ -200,6 +197,8 @@ class PagedLayerCache:
         self.k, self.v = cache.k[layer_number], cache.v[layer_number]
 
     def update(self, k: torch.Tensor, v: torch.Tensor):
+        """Write the new keys / values `[b, g, s, d]` of this layer and return its keys /
+        values `[b, g, L, d]` for positions 0..L-1 (see `PagedKVCache`)."""
         work = self.cache._work
         return self.cache._update(self.k, k, work[0]), self.cache._update(self.v, v, work[1])
 

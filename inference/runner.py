@@ -74,19 +74,19 @@ class ModelRunner:
     over the replica's ranks (stages hold different layers; all must agree); default
     `max_batch_size` requests of `max_seq_length` tokens, the old slot cache's size.
 
-    `compile` (--compile): `compile_for_inference(model)` after packing the weights.
+    `compile` (--compile): `compile_for_inference(model)`, before anything else.
     """
 
     def __init__(self, model, max_batch_size: int, max_seq_length: int, block_size: int = 16,
                  kv_cache_memory: int | float | None = None, compile: bool = False):
+        if compile:  # wraps the layers (compiling waits for the first step): refusals first
+            compile_for_inference(model)
         self.model = model.eval()
         self.config = model.config
         # oneDNN's pre-packed weights on CPU in float32 (layers/gemm.py): decode's few-row
         # products read them 1.5-2.3x faster; they take as much memory again as the weights
         self.packed_bytes = pack_weights(
             model, extra=(model.output_weight(),) if model.post_process else ())
-        if compile:
-            compile_for_inference(model)
         attn = self._first_attention()
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device

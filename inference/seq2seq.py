@@ -81,10 +81,12 @@ class Seq2SeqRunner(ModelRunner):
     token, gathered over the vocab-parallel head.
     """
 
-    def __init__(self, model, max_batch_size: int, max_seq_length: int, max_source_length: int):
+    def __init__(self, model, max_batch_size: int, max_seq_length: int, max_source_length: int,
+                 compile: bool = False):
         self.max_source_length = max_source_length
         self.encoder_stage = model.add_encoder and not model.add_decoder  # pp > 1
-        super().__init__(model, max_batch_size, max_seq_length)
+        # compile: refused by `compile_for_inference` (T5's cache is read by layer number)
+        super().__init__(model, max_batch_size, max_seq_length, compile=compile)
 
     def _make_cache(self, attn, slots: int, max_len: int) -> CrossKVCache:
         return CrossKVCache(self.model.decoder_layer_numbers, slots, max_len,
