@@ -82,31 +82,53 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def packable(weight: torch.Tensor) -> bool:
     """Whether `pack` keeps a copy of `weight` for oneDNN: a 2-D CPU weight in float32, or in
-    bfloat16 / float16 (a float32 copy: see `pack`), oneDNN chosen and not turned off."""
+    bfloat16 / float16 (packed in its own dtype or as a float32 copy: see `pack`), oneDNN
+    chosen and not turned off."""
     return _ONEDNN and weight.device.type == "cpu" and weight.dim() == 2 \
         and weight.dtype in (torch.float32, torch.bfloat16, torch.float16) \
         and torch.backends.mkldnn.enabled
 
 
+def native(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies `dtype` (bf16 / fp16) natively in oneDNN, so `pack` keeps
+    the weight in its own dtype: bf16 with AVX512-BF16 or AMX, fp16 with AMX-FP16."""
+    if dtype == torch.bfloat16:
+        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return dtype == torch.float16 and torch.cpu._is_amx_fp16_supported()
+
+
 def pack(weight: torch.Tensor) -> int:
-    """Keep oneDNN's pre-packed (blocked) float32 copy of a `[n, k]` weight beside it, for
+    """Keep oneDNN's pre-packed (blocked) copy of a `[n, k]` weight beside it, for
     inference: `packed(weight)` returns it while the weight is unchanged. Decode's few-row
     products read it 1.5-2.3x faster than the plain layout (SmolLM2's weights at 4-16 rows;
     prefill and one row: the same or slightly faster), with the same values to rounding.
 
-    A bfloat16 / float16 weight gets a float32 copy (exact: every such value is a float32),
-    which `layers.linear.linear` multiplies by the input widened to float32, rounding the
-    result to the input's dtype once. On a CPU without AVX-512 (the Zen 3 these benchmarks
-    ran on) torch's own bf16 GEMM is ATen's fallback and oneDNN refuses to pack bf16 weights:
-    a SmolLM2 decode step at batch 8 took 418 ms of CPU time in bf16 against 188 ms through
-    the float32 copies (one thread, a loaded machine). At one row torch's bf16 matrix-vector
-    product, which reads half the bytes, was faster (57 vs 116 ms), so `linear` keeps it
-    there. The values are those of a bf16 GEMM with float32
-    accumulation (the products of two bf16 numbers are exact in float32) up to summation
-    order. Returns the bytes the copy takes (numel x 4; inference holds both)."""
-    copy = torch.ops.mkldnn._reorder_linear_weight(weight.detach().float())
+    A bfloat16 / float16 weight is packed in its own dtype where the CPU has the
+    instructions for it (`native`): on a 2-core Zen 4/5 with AVX512-BF16, SmolLM2's decode
+    weight matmuls took 13.8 ms at one row and 18.3 at eight against 22.4 and 32.3 by
+    torch's bf16 GEMM and 29.8 and 30.3 through float32 copies (docs/PERFORMANCE.md,
+    "Thirteenth session"); `layers.linear.linear` multiplies it at any row count.
+    Elsewhere it gets a float32 copy (exact: every such value is a float32), which `linear`
+    multiplies by the input widened to float32, rounding the result to the input's dtype
+    once. On a CPU without AVX-512 (the Zen 3 of earlier sessions) torch's own bf16 GEMM is
+    ATen's fallback and oneDNN refuses to pack bf16 weights: a SmolLM2 decode step at batch
+    8 took 418 ms of CPU time in bf16 against 188 ms through the float32 copies (one
+    thread, a loaded machine). At one row torch's bf16 matrix-vector product, which reads
+    half the bytes, was faster (57 vs 116 ms), so `linear` keeps it there. The values are
+    those of a bf16 GEMM with float32 accumulation (the products of two bf16 numbers are
+    exact in float32) up to summation order, either way. Returns the bytes the copy takes
+    (numel x its element size; inference holds both)."""
+    w = weight.detach()
+    copy = None
+    if w.dtype != torch.float32 and native(w.dtype):
+        try:
+            copy = torch.ops.mkldnn._reorder_linear_weight(w)
+        except RuntimeError:  # this oneDNN build will not pack the narrow dtype after all
+            copy = None
+    if copy is None:
+        copy = torch.ops.mkldnn._reorder_linear_weight(w.float())
     weight.onednn_packed = (weight._version, copy)
-    return weight.numel() * 4
+    return weight.numel() * copy.element_size()
 
 
 def packed(weight: torch.Tensor) -> torch.Tensor:

@@ -96,10 +96,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            ) -> torch.Tensor:
     """`F.linear(x, weight, bias)`: `x [..., in]`, `weight [out, in]` -> `[..., out]`, with
     autograd. On CPU in float32 the GEMM is oneDNN's (forward and backward; layers/gemm.py);
-    under no-grad a bf16 / fp16 weight packed by `gemm.pack` is multiplied through its float32
-    copy at 2 rows or more (the input widened, the result rounded to its dtype once; one row
-    stays torch's narrow matrix-vector product, which reads half the bytes); where the GEMM
-    is MKL's,
+    under no-grad a bf16 / fp16 weight packed by `gemm.pack` is multiplied through its packed
+    copy: in its own dtype at any row count where the CPU has the instructions
+    (`gemm.native`), else through its float32 copy at 2 rows or more (the input widened, the
+    result rounded to its dtype once; one row stays torch's narrow matrix-vector product,
+    which reads half the bytes); where the GEMM is MKL's,
     under no-grad with 2..FEW_ROWS rows, it is computed as `(W X^T)^T` (one row: MKL's
     matrix-vector product either way, and `F.linear` measured faster)."""
     if gemm.uses_onednn(x, weight) and x.dim() >= 2:
@@ -108,11 +109,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             return _LinearWithGrad.apply(x, weight, bias, False, False, True)
         return gemm.linear(x, gemm.packed(weight), bias)
     if x.dtype != torch.float32 and x.dtype == weight.dtype and not torch.is_grad_enabled():
-        wide = gemm.packed(weight)  # a bf16 / fp16 weight's float32 copy, when packed
-        if wide is not weight and x.device.type == "cpu" and x.dim() >= 2 \
-                and x.numel() > x.shape[-1] and not torch.is_autocast_enabled("cpu"):
-            y = gemm.linear(x.float(), wide, None if bias is None else bias.float())
-            return y.to(x.dtype)  # rounded once, as a bf16 GEMM accumulating in float32
+        copy = gemm.packed(weight)  # a bf16 / fp16 weight's packed copy, when it has one
+        if copy is not weight and x.device.type == "cpu" and x.dim() >= 2 \
+                and not torch.is_autocast_enabled("cpu"):
+            if copy.dtype == x.dtype:  # packed in its own dtype (gemm.native): any rows
+                return gemm.linear(x, copy, bias)
+            if x.numel() > x.shape[-1]:  # a float32 copy: 2 rows or more
+                y = gemm.linear(x.float(), copy, None if bias is None else bias.float())
+                return y.to(x.dtype)  # rounded once, as a bf16 GEMM accumulating in float32
     rows = x.numel() // max(x.shape[-1], 1)
     if torch.is_grad_enabled() or x.device.type != "cpu" or not 1 < rows <= FEW_ROWS \
             or x.dim() < 2:
@@ -126,9 +130,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def pack_weights(model: nn.Module, extra: tuple[torch.Tensor, ...] = ()) -> int:
     """For inference on CPU (float32, bfloat16, float16): give the weight of every
     ColumnParallelLinear and RowParallelLinear in `model`, and the `extra` weights (a tied
-    output layer's, which lives in the embedding), oneDNN's pre-packed float32 copy
-    (`layers.gemm.pack`), which `linear` then reads under no-grad. Nothing happens where the
-    GEMM is not oneDNN's. Returns the bytes the copies take (numel x 4 each)."""
+    output layer's, which lives in the embedding), oneDNN's pre-packed copy
+    (`layers.gemm.pack`: float32, or bf16 / fp16 where the CPU multiplies those natively),
+    which `linear` then reads under no-grad. Nothing happens where the GEMM is not oneDNN's.
+    Returns the bytes the copies take."""
     weights = [m.weight for m in model.modules()
                if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.weight is not None]
     total, seen = 0, set()

@@ -155,11 +155,13 @@ def test_engine_packs_every_linear_weight_once(no_grid):
 
 @needs_onednn
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_narrow_weights_multiply_through_a_float32_copy(dtype):
-    """bf16 / fp16 inference on CPU: `pack` keeps a float32 copy (4 bytes a value), `linear`
-    (2 rows or more) widens the input, multiplies, and rounds once: a narrow GEMM accumulating in float32,
+def test_narrow_weights_multiply_through_a_float32_copy(dtype, monkeypatch):
+    """bf16 / fp16 inference on a CPU without those instructions (`gemm.native` False, as on
+    AVX2): `pack` keeps a float32 copy (4 bytes a value), `linear` (2 rows or more) widens
+    the input, multiplies, and rounds once: a narrow GEMM accumulating in float32,
     so within one rounding of the exact product; a weight changed in place is read afresh,
     and with gradients on it stays torch's own GEMM."""
+    monkeypatch.setattr(gemm, "native", lambda dtype: False)
     g = torch.Generator().manual_seed(5)
     w, b = torch.randn(40, 24, generator=g).to(dtype), torch.randn(40, generator=g).to(dtype)
     x = torch.randn(3, 2, 24, generator=g).to(dtype)
@@ -177,6 +179,34 @@ def test_narrow_weights_multiply_through_a_float32_copy(dtype):
         tol = 4 * torch.finfo(dtype).eps * fresh.abs().max()
         assert (linear(x, w, b).double() - fresh).abs().max() <= tol
     assert not gemm.packable(w.double()) and not gemm.packable(torch.randn(2, 3, 4))
+
+
+@needs_onednn
+@pytest.mark.skipif(not gemm.native(torch.bfloat16),
+                    reason="this CPU has no bf16 instructions (AVX512-BF16 / AMX): bf16 "
+                           "weights take the float32 copy, tested above")
+@pytest.mark.parametrize("rows", [1, 5])
+def test_bf16_weights_pack_natively_where_the_cpu_has_bf16(rows, monkeypatch):
+    """On a CPU with bf16 instructions `pack` keeps the weight packed in bf16 (2 bytes a
+    value) and `linear` multiplies bf16 inputs through it at any row count, one row
+    included: within a rounding of the exact product, the same values as a float32
+    product of the same bf16 numbers rounded once, up to summation order."""
+    g = torch.Generator().manual_seed(8)
+    w, b = (torch.randn(48, 40, generator=g).bfloat16(), torch.randn(48, generator=g).bfloat16())
+    x = torch.randn(rows, 2, 40, generator=g).bfloat16()
+    assert gemm.pack(w) == w.numel() * 2 and gemm.packed(w).dtype == torch.bfloat16
+    exact = F.linear(x.double(), w.double(), b.double())
+    with torch.no_grad():
+        y = linear(x, w, b)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, 2, 48)
+    tol = 2 * torch.finfo(torch.bfloat16).eps * exact.abs() + 1e-3
+    assert ((y.double() - exact).abs() <= tol).all()
+    calls, real = [], gemm.linear  # the packed bf16 copy is what gets multiplied
+    monkeypatch.setattr(gemm, "linear", lambda a, weight, bias=None:
+                        calls.append(weight.dtype) or real(a, weight, bias))
+    with torch.no_grad():
+        linear(x, w, b)
+    assert calls == [torch.bfloat16]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
