@@ -213,8 +213,10 @@ def compare_decode(args, model, worker, prompt, dtype) -> None:
         ours, theirs = [], []
 
         def mine():
+            # prefix caching off, as vLLM's worker here: the b copies of the prompt would
+            # otherwise share their first blocks, prefilled once (see `compare_prefix`)
             engine = Engine(model, max_batch_size=b, max_seq_length=len(prompt) + n,
-                            compile=args.compile)
+                            compile=args.compile, enable_prefix_caching=False)
             res = run_ours(engine, jobs)
             ours.append((res, os.getloadavg()[0]))
 
