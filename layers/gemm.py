@@ -14,9 +14,9 @@ fixed cost of ~25-55 us (primitive set-up inside torch's op), which a decode ste
 like any change of thread count.
 
 `SHARDZOO_CPU_GEMM=torch` keeps torch's own choice (MKL) for comparison; the default,
-`onednn`, takes oneDNN where torch was built with it. CUDA, bf16/fp16 (which torch already
-sends to oneDNN on CPU), autocast, and oneDNN turned off by `torch.backends.mkldnn` always go
-through torch.
+`onednn`, takes oneDNN where torch was built with it. CUDA, bf16/fp16 with gradients,
+autocast, and oneDNN turned off by `torch.backends.mkldnn` always go through torch; bf16/fp16
+inference reads the weights' packed copies (`pack`).
 """
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def pack(weight: torch.Tensor) -> int:
     prefill and one row: the same or slightly faster), with the same values to rounding.
 
     A bfloat16 / float16 weight is packed in its own dtype where the CPU has the
-    instructions for it (`native`): on a 2-core Zen 4/5 with AVX512-BF16, SmolLM2's decode
+    instructions for it (`native`): on a 2-core Zen 4 with AVX512-BF16, SmolLM2's decode
     weight matmuls took 13.8 ms at one row and 18.3 at eight against 22.4 and 32.3 by
     torch's bf16 GEMM and 29.8 and 30.3 through float32 copies (docs/PERFORMANCE.md,
     "Thirteenth session"); `layers.linear.linear` multiplies it at any row count.
