@@ -124,7 +124,7 @@ def pack(weight: torch.Tensor) -> int:
         try:
             copy = torch.ops.mkldnn._reorder_linear_weight(w)
         except RuntimeError:  # this oneDNN build will not pack the narrow dtype after all
-            copy = None
+            pass
     if copy is None:
         copy = torch.ops.mkldnn._reorder_linear_weight(w.float())
     weight.onednn_packed = (weight._version, copy)
