@@ -347,6 +347,10 @@ def core_attention(q, k, v, mask, bias, scale, dropout_p, causal=False,
     probabilities, so they go through the explicit softmax too (as SDPA's CPU math kernel
     does whenever it has dropout).
     """
+    if q.shape[2] == 1 and bias is None and dropout_p == 0 and not causal \
+            and torch.compiler.is_compiling() and q.device.type == "cpu" \
+            and not torch.is_grad_enabled():
+        return _decode_attention(q, k, v, mask, scale, softcap)
     if bias is None and softcap is None and not (dropout_p > 0 and sample_keyed()):
         kwargs = dict(enable_gqa=q.shape[1] != k.shape[1], scale=scale)
         if causal:
@@ -386,6 +390,29 @@ def core_attention(q, k, v, mask, bias, scale, dropout_p, causal=False,
     if dropout_p > 0:
         probs = attention_dropout(probs, dropout_p, dropout_site)
     return torch.matmul(probs.view(b, g, n // g * sq, sk), v).view(b, n, sq, d)
+
+
+def _decode_attention(q, k, v, mask, scale, softcap) -> torch.Tensor:
+    """`core_attention` of one query per row (decode) under `torch.compile` on CPU, written
+    as broadcast products and sums that inductor fuses into a few loops over the keys: `q
+    [b, n, 1, d]`, `k, v [b, g, sk, d]` (any strides: the paged cache's views), `mask` as
+    for `core_attention` -> `[b, n, 1, d]` in q's dtype, computed in float32. SDPA's CPU
+    kernel spends ~150-250 us a layer on a SmolLM2 decode step at 8 rows (a small GEMM per
+    row and head); these loops take ~60-100 (docs/PERFORMANCE.md, "Fourteenth session")."""
+    b, n, _, d = q.shape
+    g, sk = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    qg = q.float().view(b, g, n // g, 1, d)  # the n/g query heads of group j share its keys
+    scores = (qg * k.float()[:, :, None]).sum(-1) * scale  # [b, g, n/g, sk]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        mask = mask.expand(b, n, 1, sk).reshape(b, g, n // g, sk)
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool \
+            else scores + mask.float()
+    probs = torch.softmax(scores, dim=-1)
+    out = (probs[..., None] * v.float()[:, :, None]).sum(-2)  # [b, g, n/g, d]
+    return out.reshape(b, n, 1, d).to(q.dtype)
 
 
 def relative_position_bucket(relative_position: torch.Tensor, bidirectional: bool,

@@ -730,3 +730,48 @@ def test_additive_mask_equals_bool_mask(with_bias, no_grid):
     got = core_attention(q, k, v, additive, bias, None, 0.0)
     assert torch.equal(got, want)
     assert not torch.allclose(got, core_attention(q, k, v, None, bias, None, 0.0))  # it masks
+
+
+def test_compiled_decode_attention_matches_sdpa(no_grid):
+    """Under torch.compile on CPU without grad, one query per row (decode) takes the fused
+    broadcast-and-sum attention (`_decode_attention`, not SDPA: the recorded graph has no
+    SDPA call) and gives eager `core_attention`'s result to float rounding: grouped-query
+    heads, keys / values as strided views of a paged pool, additive and bool masks, softcap,
+    a scale, bf16 (one bf16 rounding of the float32 result)."""
+    from layers.attention import core_attention
+
+    g = torch.Generator().manual_seed(11)
+    b, sk, d = 3, 37, 16
+    cases = [  # (query heads, kv heads, dtype, mask kind, scale, softcap)
+        (6, 2, torch.float32, "additive", None, None),
+        (2, 2, torch.bfloat16, "bool", None, 5.0),
+        (4, 1, torch.float32, None, 0.3, None),
+    ]
+    for n, kv, dtype, kind, scale, softcap in cases:
+        pool = torch.randn(2, 4 * b + 1, 16, kv, d, generator=g).to(dtype)  # [k|v, blocks, 16, g, d]
+        k, v = (p.as_strided((b, kv, sk, d), (4 * 16 * kv * d, d, kv * d, 1), 16 * kv * d)
+                for p in pool)
+        q = torch.randn(b, n, 1, d, generator=g).to(dtype)
+        allowed = torch.rand(b, 1, 1, sk, generator=g) > 0.3
+        allowed[..., 0] = True
+        mask = {None: None, "bool": allowed,
+                "additive": torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))}[kind]
+        seen = []
+
+        def record(gm, inputs):
+            seen.extend(str(node.target) for node in gm.graph.nodes)
+            return gm.forward
+
+        def attend(q, k, v, mask):
+            return core_attention(q, k, v, mask, None, scale, 0.0, softcap=softcap)
+
+        with torch.no_grad():
+            want = attend(q, k, v, mask)
+            got = torch.compile(attend, fullgraph=True)(q, k, v, mask)
+            torch.compile(attend, backend=record, fullgraph=True)(q, k, v, mask)
+        assert seen and not any("scaled_dot_product" in t for t in seen), seen
+        assert got.dtype == dtype and got.shape == (b, n, 1, d)
+        tol = 1e-5 if dtype == torch.float32 else 8e-3
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+        if kind is not None:  # the mask is applied: without it the result differs
+            assert not torch.allclose(got.float(), attend(q, k, v, None).float(), atol=tol)
