@@ -342,7 +342,9 @@ def core_attention(q, k, v, mask, bias, scale, dropout_p, causal=False,
     broadcastable to `[b, n, sq, sk]` or None; `scale` None = 1/sqrt(d); `causal` (with mask
     None) lets the fused kernel build the mask. A bias goes through the explicit float32
     softmax (its gradient is needed: T5's position bias is learned); otherwise
-    `F.scaled_dot_product_attention`. Dropout (`dropout_p > 0`, training) on the
+    `F.scaled_dot_product_attention`, except one query per row (sq 1) without grad, bias
+    or dropout under `torch.compile` on CPU (inference's decode), which takes
+    `_decode_attention`. Dropout (`dropout_p > 0`, training) on the
     probabilities: `layers.dropout.attention_dropout` at `dropout_site`; its masks need the
     probabilities, so they go through the explicit softmax too (as SDPA's CPU math kernel
     does whenever it has dropout).
