@@ -10,7 +10,12 @@ on stdin. Without it the part prints why it is skipped and returns.
 Both engines get the same HF folder (a .gguf is rebuilt as a plain model from its config,
 the float32 weights copied in, saved), the same chat-templated prompt ids, dtype, threads,
 max tokens, greedy decoding, `ignore_eos`; rounds alternate (AB, BA, AB, ...) and the load
-average is printed beside every figure (the machine may be shared).
+average is printed beside every figure (the machine may be shared). vLLM's engine keeps one
+core busy for ~1 s after it answers (its processes poll for the next request: ~50 ms of CPU
+in every 50 ms, measured on the 2-core machine), so after each job the bench waits until
+the worker's processes are idle (`Worker.settle`) before anything else is timed; without
+that, our run right after theirs shared its two cores with that polling (our TTFT went from
+~60 to 250-550 ms in those rounds).
 
 - `decode`: decode tokens/s (tokens after the first over their time) and TTFT (until every
   row has its first token) at each batch size, per dtype; ratios ours / vLLM, and whether
@@ -101,12 +106,43 @@ class Worker:
         self.load_s = self.ask({"job": "ready"})["load_s"]
 
     def ask(self, job: dict) -> dict:
+        """The worker's reply to `job`, once its processes are idle again (`settle`)."""
         self.proc.stdin.write(json.dumps(job) + "\n")
         self.proc.stdin.flush()
         for line in self.proc.stdout:
             if line.startswith('{"'):
-                return json.loads(line)
+                reply = json.loads(line)
+                self.settle()
+                return reply
         raise RuntimeError(f"the vLLM worker ended (exit {self.proc.wait()})")
+
+    def cpu_ticks(self) -> int | None:
+        """CPU time (clock ticks) used so far by the worker's processes (its session:
+        the engine core and model workers vLLM starts), or None where /proc is missing."""
+        total, found = 0, False
+        for pid in os.listdir("/proc") if os.path.isdir("/proc") else ():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError, ValueError):
+                continue  # not a process, or it ended meanwhile
+            if pid.isdigit() and int(fields[3]) == self.proc.pid:  # session id
+                total += int(fields[11]) + int(fields[12])  # utime + stime
+                found = True
+        return total if found else None
+
+    def settle(self, window: float = 0.1, limit: float = 5.0) -> float:
+        """Wait until the worker's processes use under a fifth of a core over `window`
+        seconds (at most `limit` seconds); returns the seconds waited."""
+        t0, hz = time.perf_counter(), os.sysconf("SC_CLK_TCK")
+        last = self.cpu_ticks()
+        while last is not None and time.perf_counter() - t0 < limit:
+            time.sleep(window)
+            now = self.cpu_ticks()
+            if now is None or (now - last) / hz < 0.2 * window:
+                break
+            last = now
+        return time.perf_counter() - t0
 
     def close(self) -> None:
         self.proc.stdin.close()
