@@ -400,7 +400,8 @@ def _decode_attention(q, k, v, mask, scale, softcap) -> torch.Tensor:
     [b, n, 1, d]`, `k, v [b, g, sk, d]` (any strides: the paged cache's views), `mask` as
     for `core_attention` -> `[b, n, 1, d]` in q's dtype, computed in float32. SDPA's CPU
     kernel spends ~150-250 us a layer on a SmolLM2 decode step at 8 rows (a small GEMM per
-    row and head); these loops take ~60-100 (docs/PERFORMANCE.md, "Fourteenth session")."""
+    row and head); these loops took 74-103 us as a compiled call of their own, its ~30-60
+    us wrapper included (docs/PERFORMANCE.md, "Fourteenth session")."""
     b, n, _, d = q.shape
     g, sk = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale

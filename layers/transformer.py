@@ -188,8 +188,8 @@ def compile_transformer_layers(module: nn.Module, dynamic: bool | None = None) -
     chains (norms, RoPE, SwiGLU/GeLU, bias and residual adds, dropout) into generated kernels;
     matmuls and SDPA stay library calls (one query per row without grad, inference's decode,
     takes inductor's loops instead of SDPA: layers/attention.py `core_attention`). Layers
-    share one compiled graph (same code and shapes); collectives and the RNG tracker's stream switches are graph breaks that run
-    eagerly. In place and once: layers compiled already are left as they are. `dynamic`
+    share one compiled graph (same code and shapes); collectives and the RNG tracker's
+    stream switches are graph breaks that run eagerly. In place and once: layers compiled already are left as they are. `dynamic`
     goes to `torch.compile` (None: a dimension becomes symbolic once it changes; True:
     every dimension symbolic from the start, except sizes 0 and 1). Returns the number of
     layers compiled.
