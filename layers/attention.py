@@ -377,7 +377,16 @@ def core_attention(q, k, v, mask, bias, scale, dropout_p, causal=False,
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     # grouped-query heads without copies of k, v: the n/g query heads of a group as rows
     scores = torch.matmul(q.reshape(b, g, n // g * sq, d), k.transpose(-1, -2))
-    scores = scores.view(b, n, sq, sk).float()
+    probs = _softmax(scores.view(b, n, sq, sk).float(), scale, softcap, bias, mask).to(q.dtype)
+    if dropout_p > 0:
+        probs = attention_dropout(probs, dropout_p, dropout_site)
+    return torch.matmul(probs.view(b, g, n // g * sq, sk), v).view(b, n, sq, d)
+
+
+def _softmax(scores, scale, softcap, bias, mask) -> torch.Tensor:
+    """The explicit softmax's probabilities `[b, n, sq, sk]` from float32 `scores` of that
+    shape: scaled, soft-capped, biased and masked (bool or additive, broadcastable), in that
+    order (transformers' eager attention)."""
     if scale != 1.0:
         scores = scores * scale
     if softcap is not None:
@@ -388,10 +397,7 @@ def core_attention(q, k, v, mask, bias, scale, dropout_p, causal=False,
         scores = scores.masked_fill(~mask, float("-inf"))
     elif mask is not None:
         scores = scores + mask.float()
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    if dropout_p > 0:
-        probs = attention_dropout(probs, dropout_p, dropout_site)
-    return torch.matmul(probs.view(b, g, n // g * sq, sk), v).view(b, n, sq, d)
+    return torch.softmax(scores, dim=-1)
 
 
 def _decode_attention(q, k, v, mask, scale, softcap) -> torch.Tensor:
@@ -406,15 +412,9 @@ def _decode_attention(q, k, v, mask, scale, softcap) -> torch.Tensor:
     g, sk = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     qg = q.float().view(b, g, n // g, 1, d)  # the n/g query heads of group j share its keys
-    scores = (qg * k.float()[:, :, None]).sum(-1) * scale  # [b, g, n/g, sk]
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    if mask is not None:
-        mask = mask.expand(b, n, 1, sk).reshape(b, g, n // g, sk)
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool \
-            else scores + mask.float()
-    probs = torch.softmax(scores, dim=-1)
-    out = (probs[..., None] * v.float()[:, :, None]).sum(-2)  # [b, g, n/g, d]
+    scores = (qg * k.float()[:, :, None]).sum(-1)  # [b, g, n/g, sk]
+    probs = _softmax(scores.view(b, n, 1, sk), scale, softcap, None, mask)
+    out = (probs.view(b, g, n // g, sk, 1) * v.float()[:, :, None]).sum(-2)  # [b, g, n/g, d]
     return out.reshape(b, n, 1, d).to(q.dtype)
 
 
