@@ -29,8 +29,9 @@ def compile_for_inference(model) -> int:
     vLLM compiles by default): inductor fuses each layer's norms, RoPE, SwiGLU and residual
     adds into generated kernels and the layer's Python runs once per compile instead of
     once per layer and step; the GEMMs stay oneDNN's calls on the packed weights
-    (layers/gemm.py), prefill attention torch's SDPA and decode attention inductor's own
-    loops (layers/attention.py `_decode_attention`). Every layer shares one graph per variant:
+    (layers/gemm.py), prefill attention torch's SDPA (over at most 128 keys: float32
+    matmuls around inductor's fused softmax) and decode attention inductor's own loops
+    (layers/attention.py `core_attention`). Every layer shares one graph per variant:
     each layer reads its own cache through a handle (`PagedKVCache.layer`), and a size that
     changes (batch, lengths, block offsets) becomes symbolic at its first change (dynamo's
     automatic dynamic shapes; the hidden sizes stay static, which gave SmolLM2 ~5-10% more

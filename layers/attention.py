@@ -329,6 +329,14 @@ def causal_window_mask(query_positions: torch.Tensor, num_keys: int,
 # the narrow kernel's or more (that one rounds its probabilities to bf16 before P V).
 _NARROW = (torch.bfloat16, torch.float16)
 
+# Compiled on CPU without grad, attention over at most this many keys goes through
+# `_explicit_attention` in float32 rather than SDPA, whose CPU kernel pays a fixed cost per
+# (row, head) block that dominates at short lengths: SmolLM2's prefill of 8 rows x 45
+# tokens took 461 vs 779 us a layer in float32 and 591 vs 1,051 in bf16, 8 x 128 tokens
+# 2,499 vs 2,845 / 2,975 vs 3,343; at one row x 256 the explicit form was slower (1,495 vs
+# 1,116 us). docs/PERFORMANCE.md, "Fifteenth session".
+SHORT_PREFILL_KEYS = 128
+
 
 def core_attention(q, k, v, mask, bias, scale, dropout_p, causal=False,
                    dropout_site: int = 0, softcap: float | None = None) -> torch.Tensor:
@@ -344,7 +352,9 @@ def core_attention(q, k, v, mask, bias, scale, dropout_p, causal=False,
     softmax (its gradient is needed: T5's position bias is learned); otherwise
     `F.scaled_dot_product_attention`, except one query per row (sq 1) without grad, bias
     or dropout under `torch.compile` on CPU (inference's decode), which takes
-    `_decode_attention`. Dropout (`dropout_p > 0`, training) on the
+    `_decode_attention`, and, under the same conditions, several queries over at most
+    `SHORT_PREFILL_KEYS` keys (a short prompt's prefill), which take `_explicit_attention`
+    in float32. Dropout (`dropout_p > 0`, training) on the
     probabilities: `layers.dropout.attention_dropout` at `dropout_site`; its masks need the
     probabilities, so they go through the explicit softmax too (as SDPA's CPU math kernel
     does whenever it has dropout).
@@ -353,6 +363,12 @@ def core_attention(q, k, v, mask, bias, scale, dropout_p, causal=False,
             and torch.compiler.is_compiling() and q.device.type == "cpu" \
             and not torch.is_grad_enabled():
         return _decode_attention(q, k, v, mask, scale, softcap)
+    if k.shape[2] <= SHORT_PREFILL_KEYS and bias is None and dropout_p == 0 \
+            and torch.compiler.is_compiling() and q.device.type == "cpu" \
+            and not torch.is_grad_enabled():
+        # a short prompt's prefill: float32 matmuls with inductor's fused softmax between
+        return _explicit_attention(q.float(), k.float(), v.float(), mask, None, scale, 0.0,
+                                   causal, 0, softcap).to(q.dtype)
     if bias is None and softcap is None and not (dropout_p > 0 and sample_keyed()):
         kwargs = dict(enable_gqa=q.shape[1] != k.shape[1], scale=scale)
         if causal:
@@ -370,6 +386,14 @@ def core_attention(q, k, v, mask, bias, scale, dropout_p, causal=False,
             return F.scaled_dot_product_attention(q, k, v, **kwargs)
         with get_rng_tracker().fork():  # Megatron's scheme: heads are sharded, the TP stream
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, **kwargs)
+    return _explicit_attention(q, k, v, mask, bias, scale, dropout_p, causal, dropout_site,
+                               softcap)
+
+
+def _explicit_attention(q, k, v, mask, bias, scale, dropout_p, causal, dropout_site,
+                        softcap) -> torch.Tensor:
+    """`core_attention` as two matmuls around `_softmax` (float32 probabilities): the path of
+    a bias, dropout masks, softcap, and short compiled prefill. Same arguments and shapes."""
     b, n, sq, d = q.shape
     g, sk = k.shape[1], k.shape[2]
     if causal:

@@ -186,8 +186,9 @@ def compile_transformer_layers(module: nn.Module, dynamic: bool | None = None) -
     """`torch.compile` every TransformerLayer inside `module` in place (`nn.Module.compile`:
     parameter names and state dicts are unchanged), so inductor fuses each layer's elementwise
     chains (norms, RoPE, SwiGLU/GeLU, bias and residual adds, dropout) into generated kernels;
-    matmuls and SDPA stay library calls (one query per row without grad, inference's decode,
-    takes inductor's loops instead of SDPA: layers/attention.py `core_attention`). Layers
+    matmuls and SDPA stay library calls (without grad, one query per row, inference's
+    decode, takes inductor's loops instead of SDPA, and a short prefill float32 matmuls
+    around a fused softmax: layers/attention.py `core_attention`). Layers
     share one compiled graph (same code and shapes); collectives and the RNG tracker's
     stream switches are graph breaks that run eagerly. In place and once: layers compiled already are left as they are. `dynamic`
     goes to `torch.compile` (None: a dimension becomes symbolic once it changes; True:

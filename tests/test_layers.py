@@ -775,3 +775,51 @@ def test_compiled_decode_attention_matches_sdpa(no_grid):
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
         if kind is not None:  # the mask is applied: without it the result differs
             assert not torch.allclose(got.float(), attend(q, k, v, None).float(), atol=tol)
+
+
+def test_compiled_short_prefill_attention_matches_sdpa(no_grid):
+    """Under torch.compile on CPU without grad, several queries over at most
+    SHORT_PREFILL_KEYS keys (a short prompt's prefill) take `_explicit_attention` in float32
+    (no SDPA in the recorded graph) and give eager SDPA's result to float rounding: causal
+    and a bool mask (a chunk after cached keys), grouped-query heads, bf16; one key more
+    and the graph calls SDPA again."""
+    from layers.attention import SHORT_PREFILL_KEYS, core_attention
+
+    g = torch.Generator().manual_seed(12)
+
+    def graph_targets(fn, *args):
+        seen = []
+
+        def record(gm, inputs):
+            seen.extend(str(node.target) for node in gm.graph.nodes)
+            return gm.forward
+        torch.compile(fn, backend=record, fullgraph=True)(*args)
+        return seen
+
+    cases = [  # (rows, query heads, kv heads, queries, keys, dtype, causal)
+        (2, 6, 2, 9, 9, torch.float32, True),
+        (3, 4, 2, 5, 21, torch.bfloat16, False),  # a 5-token chunk after 16 cached keys
+    ]
+    for b, n, kv, sq, sk, dtype, causal in cases:
+        q = torch.randn(b, n, sq, 16, generator=g).to(dtype)
+        k, v = (torch.randn(b, kv, sk, 16, generator=g).to(dtype) for _ in range(2))
+        mask = None if causal else \
+            torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq)[None, None].expand(b, 1, sq, sk)
+
+        def attend(q, k, v, mask):
+            return core_attention(q, k, v, mask, None, None, 0.0, causal=causal)
+
+        with torch.no_grad():
+            want = attend(q, k, v, mask)
+            got = torch.compile(attend, fullgraph=True)(q, k, v, mask)
+            seen = graph_targets(attend, q, k, v, mask)
+        assert seen and not any("scaled_dot_product" in t for t in seen), seen
+        assert got.dtype == dtype and got.shape == (b, n, sq, 16)
+        tol = 1e-5 if dtype == torch.float32 else 8e-3
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    long = SHORT_PREFILL_KEYS + 1
+    q, k, v = (torch.randn(1, 2, long, 16, generator=g) for _ in range(3))
+    with torch.no_grad():
+        seen = graph_targets(lambda q, k, v: core_attention(q, k, v, None, None, None, 0.0,
+                                                            causal=True), q, k, v)
+    assert any("scaled_dot_product" in t for t in seen), seen
