@@ -388,6 +388,9 @@ def main() -> None:
     p.add_argument("--pipeline-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ckpt", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.ttft_samples < 1:
+        p.error(f"--ttft-samples {args.ttft_samples}: pass 1 or more (20 pairs rank the "
+                f"engines' TTFT within a few percent)")
     from parallel_state.host_memory import tune_host_allocator
 
     tune_host_allocator()  # as infer.py does; process-wide, so transformers gets it too
