@@ -321,7 +321,7 @@ def compare_ttft(args, model, worker, prompt, dtype) -> None:
                 pairs.append((mine(), theirs))
         ours, theirs = sorted(p[0] for p in pairs), sorted(p[1] for p in pairs)
         ratios = sorted(t / o for o, t in pairs)
-        wins = sum(r >= 1 for r in ratios)
+        wins = sum(r > 1 for r in ratios)
         med = len(pairs) // 2
         print(f"  {dtype} batch {b} ttft ({len(pairs)} alternated pairs, {load_avg()}): ours "
               f"min {ours[0] * 1e3:.1f} median {ours[med] * 1e3:.1f} ms | vLLM min "
