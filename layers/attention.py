@@ -359,13 +359,11 @@ def core_attention(q, k, v, mask, bias, scale, dropout_p, causal=False,
     probabilities, so they go through the explicit softmax too (as SDPA's CPU math kernel
     does whenever it has dropout).
     """
-    if q.shape[2] == 1 and bias is None and dropout_p == 0 and not causal \
-            and torch.compiler.is_compiling() and q.device.type == "cpu" \
-            and not torch.is_grad_enabled():
+    compiled_inference = bias is None and dropout_p == 0 and torch.compiler.is_compiling() \
+        and q.device.type == "cpu" and not torch.is_grad_enabled()
+    if compiled_inference and q.shape[2] == 1 and not causal:
         return _decode_attention(q, k, v, mask, scale, softcap)
-    if k.shape[2] <= SHORT_PREFILL_KEYS and bias is None and dropout_p == 0 \
-            and torch.compiler.is_compiling() and q.device.type == "cpu" \
-            and not torch.is_grad_enabled():
+    if compiled_inference and k.shape[2] <= SHORT_PREFILL_KEYS:
         # a short prompt's prefill: float32 matmuls with inductor's fused softmax between
         return _explicit_attention(q.float(), k.float(), v.float(), mask, None, scale, 0.0,
                                    causal, 0, softcap).to(q.dtype)

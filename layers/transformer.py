@@ -188,12 +188,12 @@ def compile_transformer_layers(module: nn.Module, dynamic: bool | None = None) -
     chains (norms, RoPE, SwiGLU/GeLU, bias and residual adds, dropout) into generated kernels;
     matmuls and SDPA stay library calls (without grad, one query per row, inference's
     decode, takes inductor's loops instead of SDPA, and a short prefill float32 matmuls
-    around a fused softmax: layers/attention.py `core_attention`). Layers
-    share one compiled graph (same code and shapes); collectives and the RNG tracker's
-    stream switches are graph breaks that run eagerly. In place and once: layers compiled already are left as they are. `dynamic`
-    goes to `torch.compile` (None: a dimension becomes symbolic once it changes; True:
-    every dimension symbolic from the start, except sizes 0 and 1). Returns the number of
-    layers compiled.
+    around a fused softmax: layers/attention.py `core_attention`). Layers share one
+    compiled graph (same code and shapes); collectives and the RNG tracker's stream
+    switches are graph breaks that run eagerly. In place and once: layers compiled already
+    are left as they are. `dynamic` goes to `torch.compile` (None: a dimension becomes
+    symbolic once it changes; True: every dimension symbolic from the start, except sizes
+    0 and 1). Returns the number of layers compiled.
 
     Random numbers: inductor is told to draw them with torch's own kernels
     (`fallback_random`), so dropout masks are the eager ones and a compiled run matches an
