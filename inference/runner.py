@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 import parallel_state as ps
-from layers import compile_transformer_layers
+from layers import compile_transformer_block
 from layers.attention import LAYER_TYPES, causal_window_mask
 from layers.linear import pack_weights
 from parallel_state import p2p
@@ -17,34 +17,36 @@ from .kv_cache import KVCache, PagedKVCache
 from .loading import available_memory
 
 
-# compiled variants of TransformerLayer.forward one process may hold (torch._dynamo's
-# recompile_limit, default 8, counts them per code object): prefill and decode, one row and
-# several, fresh / strided / gathered cache reads, a draft model's shapes; past the limit a
-# new variant runs eagerly
+# compiled variants of TransformerBlock._forward (per layer: TransformerLayer.forward) one
+# process may hold (torch._dynamo's recompile_limit, default 8, counts them per code
+# object): prefill and decode, one row and several, fresh / strided / gathered cache reads,
+# a draft model's shapes; past the limit a new variant runs eagerly
 RECOMPILE_LIMIT = 64
 
 
 def compile_for_inference(model) -> int:
-    """`torch.compile` each TransformerLayer of `model` for the engine (infer.py --compile;
-    vLLM compiles by default): inductor fuses each layer's norms, RoPE, SwiGLU and residual
-    adds into generated kernels and the layer's Python runs once per compile instead of
+    """`torch.compile` the layers of `model` for the engine (infer.py --compile; vLLM
+    compiles by default) as one compiled call per step (`compile_transformer_block`: each
+    layer a nested compile region inside it; per layer where a layer cannot trace whole, as
+    a mixture-of-experts one): inductor fuses each layer's norms, RoPE, SwiGLU and residual
+    adds into generated kernels and the layers' Python runs once per compile instead of
     once per layer and step; the GEMMs stay oneDNN's calls on the packed weights
     (layers/gemm.py), prefill attention torch's SDPA (over at most 128 keys: float32
     matmuls around inductor's fused softmax) and decode attention inductor's own loops
-    (layers/attention.py `core_attention`). Every layer shares one graph per variant:
-    each layer reads its own cache through a handle (`PagedKVCache.layer`), and a size that
-    changes (batch, lengths, block offsets) becomes symbolic at its first change (dynamo's
-    automatic dynamic shapes; the hidden sizes stay static, which gave SmolLM2 ~5-10% more
-    decode tokens/s than `dynamic=True`). The first steps of each variant (prefill, decode;
-    one row, several; the first change of a size) pay the compiling: ~5-15 s each on 2 CPU
-    cores.
+    (layers/attention.py `core_attention`). Every layer shares one compiled region per
+    variant: each layer reads its own cache through a handle (`PagedKVCache.layer`), and a
+    size that changes (batch, lengths, block offsets) becomes symbolic at its first change
+    (dynamo's automatic dynamic shapes; the hidden sizes stay static, which gave SmolLM2
+    ~5-10% more decode tokens/s than `dynamic=True`). The first steps of each variant
+    (prefill, decode; one row, several; the first change of a size) pay the compiling:
+    ~10-40 s each for SmolLM2 on 2 CPU cores.
 
-    In place and once (`compile_transformer_layers`): an engine built again on the same
-    model reuses the graphs, and runs compiled whatever its own `compile` says. Greedy
-    output equals the eager engine's up to float rounding (fused kernels sum in another
-    order). Returns the number of layers compiled. Raises `ValueError` on a CPU
-    without a C++ compiler (inductor's CPU kernels are C++; the message says how to get
-    one) and for an encoder-decoder model (T5's contiguous cache is read by layer number)."""
+    In place and once: an engine built again on the same model reuses the graphs, and runs
+    compiled whatever its own `compile` says. Greedy output equals the eager engine's up to
+    float rounding (fused kernels sum in another order). Returns the number of layers
+    compiled. Raises `ValueError` on a CPU without a C++ compiler (inductor's CPU kernels
+    are C++; the message says how to get one) and for an encoder-decoder model (T5's
+    contiguous cache is read by layer number)."""
     import torch._dynamo.config as dynamo_config
 
     if getattr(model.config, "is_encoder_decoder", False):
@@ -52,7 +54,7 @@ def compile_for_inference(model) -> int:
                          "--compile")
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
     try:
-        return compile_transformer_layers(model)
+        return compile_transformer_block(model)
     except RuntimeError as e:  # no C++ compiler: a usage error here, before any request
         raise ValueError(str(e)) from None
 

@@ -21,4 +21,9 @@ from .sharding import (  # noqa: F401
     shard_tensor,
     unshard_tensors,
 )
-from .transformer import TransformerBlock, TransformerLayer, compile_transformer_layers  # noqa: F401
+from .transformer import (  # noqa: F401
+    TransformerBlock,
+    TransformerLayer,
+    compile_transformer_block,
+    compile_transformer_layers,
+)

@@ -203,6 +203,18 @@ class SelfAttention(nn.Module):
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         return torch.cat([q, k], dim=3)
 
+    @property
+    def window_size(self) -> tuple[int, int] | None:
+        """`(left, right)` when this layer slides, None when it sees every earlier key. Kept
+        as a tuple either way (`()` for None): torch 2.13's check whether one layer may reuse
+        another's compiled nested region (compile_transformer_block) takes the length of
+        whatever stands where the other layer had a tuple, and fails on a None."""
+        return self._window or None
+
+    @window_size.setter
+    def window_size(self, value: tuple[int, int] | None) -> None:
+        self._window = tuple(value) if value is not None else ()
+
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
                 kv_cache=None, attention_mask: torch.Tensor | None = None,
                 attention_bias: torch.Tensor | None = None) -> torch.Tensor:

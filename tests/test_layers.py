@@ -40,6 +40,7 @@ from layers import (
     RotaryEmbedding,
     RowParallelLinear,
     SelfAttention,
+    TransformerBlock,
     TransformerLayer,
     VocabParallelEmbedding,
     apply_rotary_pos_emb,
@@ -823,3 +824,67 @@ def test_compiled_short_prefill_attention_matches_sdpa(no_grid):
         seen = graph_targets(lambda q, k, v: core_attention(q, k, v, None, None, None, 0.0,
                                                             causal=True), q, k, v)
     assert any("scaled_dot_product" in t for t in seen), seen
+
+
+def test_block_compiled_whole_matches_eager_and_falls_back_per_layer(no_grid):
+    """compile_transformer_block (the engine's --compile): the block's layers run as one
+    compiled call with each layer a nested region, layers with a sliding window and without
+    in one block, equal to eager to float rounding and with no layer compiled on its own. A
+    layer that breaks the graph (a nested region cannot hold a break) makes the block warn
+    and compile per layer instead, with the same result; a block with a mixture-of-experts
+    layer is compiled per layer from the start; compiling again changes nothing."""
+    import warnings
+
+    from layers import compile_transformer_block
+
+    torch.manual_seed(0)
+    config = ModelConfig(num_layers=3, hidden_size=16, num_attention_heads=2, vocab_size=32,
+                         ffn_hidden_size=24, window_size=(2, 0),
+                         window_attn_skip_freq=[1, 0, 1])
+    x = torch.randn(6, 2, 16)
+
+    def fresh(graph_break: bool = False) -> TransformerBlock:
+        block = TransformerBlock(config, [0, 1, 2]).eval()
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for w in block.parameters():
+                w.copy_(torch.rand(w.shape, generator=g) + 0.5 if w.dim() == 1 else
+                        torch.randn(w.shape, generator=g) * 0.3)
+        if graph_break:
+            mlp = block.layers["1"].mlp
+            inner = mlp.forward
+
+            def breaking(h):
+                torch._dynamo.graph_break()
+                return inner(h)
+            mlp.forward = breaking
+        return block
+
+    with torch.no_grad():
+        whole = fresh()
+        want = whole(x)
+        assert want.isfinite().all()
+        assert compile_transformer_block(whole) == 3
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            got = whole(x)
+        assert not [str(w.message) for w in seen if "compiled region" in str(w.message)]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert whole.compiled_forward is not None
+        assert not any(getattr(m, "_compiled_call_impl", None) for m in whole.layers.values())
+        compiled = whole.compiled_forward
+        assert compile_transformer_block(whole) == 3 and whole.compiled_forward is compiled
+
+        broken = fresh(graph_break=True)
+        compile_transformer_block(broken)
+        with pytest.warns(UserWarning, match="as one compiled region.*compiling each layer"):
+            got = broken(x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert broken.compiled_forward is None
+        assert all(getattr(m, "_compiled_call_impl", None) for m in broken.layers.values())
+
+    moe = TransformerBlock(ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=2,
+                                       vocab_size=32, num_moe_experts=2, moe_router_topk=1),
+                           [0, 1]).eval()
+    assert compile_transformer_block(moe) == 2 and moe.compiled_forward is None
+    assert all(getattr(m, "_compiled_call_impl", None) for m in moe.layers.values())
