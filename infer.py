@@ -82,11 +82,11 @@ def _add_cache_args(p: argparse.ArgumentParser) -> None:
                     default=True, help="share the cached KV blocks of prompts that start the "
                                        "same (--no-enable-prefix-caching: off)")
     kv.add_argument("--compile", action="store_true",
-                    help="torch.compile each transformer layer (inductor; vLLM compiles by "
-                         "default, its --enforce-eager turns that off): decode steps lose "
-                         "most of their Python and small-op time; the first steps of each "
-                         "shape pay the compiling (seconds each; needs a C++ compiler on "
-                         "CPU; decoder-only models)")
+                    help="torch.compile the transformer layers as one compiled call a step "
+                         "(inductor; vLLM compiles by default, its --enforce-eager turns "
+                         "that off): decode steps lose most of their Python and small-op "
+                         "time; the first steps of each shape pay the compiling (tens of "
+                         "seconds each; needs a C++ compiler on CPU; decoder-only models)")
     kv.add_argument("--max-num-batched-tokens", type=int, default=2048,
                     help="prompt tokens in one prefill forward, at most; longer prompts are "
                          "prefilled in chunks alternating with decode steps")

@@ -160,8 +160,10 @@ class TransformerBlock(nn.Module):
         if self.compiled_forward is not None:
             try:
                 return self.compiled_forward(*args)
-            except torch._dynamo.exc.TorchDynamoException as e:  # raised while tracing,
-                self._compile_layers_instead(e)                  # before anything ran
+            except torch._dynamo.exc.TorchDynamoException as e:
+                # raised while tracing: the eager rerun below starts again from `x` (a layer
+                # that ran already rewrites the same cache slots with the same keys)
+                self._compile_layers_instead(e)
         return self._forward(*args)
 
     def _forward(self, x, rotary, kv_cache, attention_mask, attention_bias, encoder_output,
@@ -274,7 +276,7 @@ def compile_transformer_block(module: nn.Module, dynamic: bool | None = None) ->
     with a mixture-of-experts layer (its token counts per expert are Python ints: a break)
     is compiled per layer instead, as is a block whose layers were compiled one by one
     already; and should the layers of a block fail to trace as one region at any step
-    (a `torch._dynamo` error, raised before anything of that step ran), the block warns and
+    (a `torch._dynamo` error while tracing; the step then reruns eagerly), the block warns and
     compiles per layer from then on. In place and once, like `compile_transformer_layers`;
     `dynamic` as there. Returns the number of layers compiled. Raises `RuntimeError` before
     compiling anything on a CPU without a C++ compiler."""
