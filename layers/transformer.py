@@ -186,7 +186,7 @@ class TransformerBlock(nn.Module):
                 continue
             layer = layers[i]
             cache = kv_cache.layer(layer.layer_number) if kv_cache is not None else None
-            if regions:
+            if regions and not _has_forward_hooks(layer):  # the region skips __call__
                 x = _LAYER_REGION(layer, x, kv_cache=cache, **kwargs)
             else:
                 x = layer(x, kv_cache=cache, **kwargs)
@@ -207,11 +207,23 @@ class TransformerBlock(nn.Module):
 
 
 # Each layer's call inside a block compiled whole (compile_transformer_block): one nested
-# compile region, traced and compiled once per variant and called once per layer (the
-# layers' weights are its inputs). Layers that differ in something traced as a constant (a
-# sliding window on some layers only) get a variant each, up to the reuse limit below.
+# compile region, called once per layer with the layer's weights as inputs. torch traces a
+# region once and reuses it for the next layers when their inputs are tensors, numbers and
+# modules only; a layer given a KV cache handle (the engine's) is traced each time, and
+# inductor compiles the identical graphs once. Layers that differ in something traced as a
+# constant (a sliding window on some layers only) get a variant each.
 _LAYER_REGION = torch.compiler.nested_compile_region(TransformerLayer.forward,
                                                      max_reuse_entries=1024)
+
+
+def _has_forward_hooks(layer: nn.Module) -> bool:
+    """Whether calling `layer` runs forward hooks of its own or global ones (which the
+    region, calling `TransformerLayer.forward` itself, would skip)."""
+    from torch.nn.modules import module as module_globals
+
+    return bool(layer._forward_hooks or layer._forward_pre_hooks
+                or module_globals._global_forward_hooks
+                or module_globals._global_forward_pre_hooks)
 
 
 def _run_layers(layers):
@@ -265,12 +277,17 @@ def compile_transformer_layers(module: nn.Module, dynamic: bool | None = None) -
 def compile_transformer_block(module: nn.Module, dynamic: bool | None = None) -> int:
     """`torch.compile` every TransformerBlock inside `module` whole, for inference: one
     compiled call runs all the block's layers and its final norm, each layer a nested
-    compile region (`torch.compiler.nested_compile_region`) that is traced and compiled once
-    and called once per layer, its weights as inputs. Against one compiled call per layer
+    compile region (`torch.compiler.nested_compile_region`) called once per layer, its
+    weights as inputs (a layer with forward hooks of its own is called as a module, so they
+    run; like any torch.compile, hooks registered after compiling are not seen: dynamo
+    keeps no guard on them). Against one compiled call per layer
     (`compile_transformer_layers`) this saves per layer dynamo's guard checks and the
     compiled wrapper's entry (SmolLM2-135M on 2 CPU cores, ~100-300 us a layer): a
     one-row decode step 10-20% faster, a one-row prefill ~10% (docs/PERFORMANCE.md,
-    "Sixteenth session"). The first compile of each variant takes ~2-3x as long.
+    "Sixteenth session"). The first compile of each variant takes ~2-3x as long (the
+    engine's layers are traced one by one: see `_LAYER_REGION`). A layer's Python
+    attributes are read when a variant is compiled: one changed later (a window, a softcap)
+    may not be seen, as torch keeps no guard on a layer that reused another's region.
 
     A layer must trace without a graph break (a nested region cannot hold one). A block
     with a mixture-of-experts layer (its token counts per expert are Python ints: a break)

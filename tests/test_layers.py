@@ -832,7 +832,8 @@ def test_block_compiled_whole_matches_eager_and_falls_back_per_layer(no_grid):
     in one block, equal to eager to float rounding and with no layer compiled on its own. A
     layer that breaks the graph (a nested region cannot hold a break) makes the block warn
     and compile per layer instead, with the same result; a block with a mixture-of-experts
-    layer is compiled per layer from the start; compiling again changes nothing."""
+    layer is compiled per layer from the start; compiling again changes nothing; a layer's
+    forward hook runs as it does eagerly."""
     import warnings
 
     from layers import compile_transformer_block
@@ -874,6 +875,16 @@ def test_block_compiled_whole_matches_eager_and_falls_back_per_layer(no_grid):
         assert not any(getattr(m, "_compiled_call_impl", None) for m in whole.layers.values())
         compiled = whole.compiled_forward
         assert compile_transformer_block(whole) == 3 and whole.compiled_forward is compiled
+        # a layer's own forward hook runs (the layer is called as a module); dynamo keeps no
+        # guard on hooks, so this needs graphs compiled with the hook in place: reset
+        torch._dynamo.reset()
+        hooked, calls = fresh(), []
+        hooked.layers["1"].register_forward_hook(
+            lambda module, args, out: calls.append(1) or out * 0.5)
+        eager = hooked(x)
+        compile_transformer_block(hooked)
+        torch.testing.assert_close(hooked(x), eager, rtol=1e-5, atol=1e-5)
+        assert len(calls) == 2 and not torch.allclose(eager, want)
 
         broken = fresh(graph_break=True)
         compile_transformer_block(broken)
