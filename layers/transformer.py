@@ -146,8 +146,9 @@ class TransformerBlock(nn.Module):
         self.checkpoint_fn = None
         self.recompute_spans: list[tuple[int, int]] = []
         # Set by compile_transformer_block (inference): `_forward` compiled whole, each layer
-        # one nested compile region inside it
+        # one nested compile region inside it, and the `dynamic` it was compiled with
         self.compiled_forward = None
+        self.compile_dynamic: bool | None = None
 
     def forward(self, x: torch.Tensor, rotary=None, kv_cache=None, attention_mask=None,
                 attention_bias=None, encoder_output=None,
@@ -203,7 +204,7 @@ class TransformerBlock(nn.Module):
                       f"stage as one compiled region ({reason}); compiling each layer on its "
                       f"own instead (slower: one compiled call per layer)", stacklevel=3)
         self.compiled_forward = None
-        compile_transformer_layers(self)
+        compile_transformer_layers(self, dynamic=self.compile_dynamic)
 
 
 # Each layer's call inside a block compiled whole (compile_transformer_block): one nested
@@ -258,13 +259,7 @@ def compile_transformer_layers(module: nn.Module, dynamic: bool | None = None) -
     Raises `RuntimeError` before compiling anything when a layer sits on the CPU and no C++
     compiler is found (inductor generates C++ for CPU kernels; it looks for `CXX`, else g++).
     """
-    import torch._inductor.config as inductor_config
-
-    problem = cpp_compiler_problem() if any(
-        p.device.type == "cpu" for p in module.parameters()) else None
-    if problem:
-        raise RuntimeError(problem)
-    inductor_config.fallback_random = True
+    _prepare_compile(module)
     layers = [m for m in module.modules() if isinstance(m, TransformerLayer)]
     for layer in layers:
         # once only: a second torch.compile wrapper would not reuse the first one's graphs
@@ -297,13 +292,7 @@ def compile_transformer_block(module: nn.Module, dynamic: bool | None = None) ->
     compiles per layer from then on. In place and once, like `compile_transformer_layers`;
     `dynamic` as there. Returns the number of layers compiled. Raises `RuntimeError` before
     compiling anything on a CPU without a C++ compiler."""
-    import torch._inductor.config as inductor_config
-
-    problem = cpp_compiler_problem() if any(
-        p.device.type == "cpu" for p in module.parameters()) else None
-    if problem:
-        raise RuntimeError(problem)
-    inductor_config.fallback_random = True
+    _prepare_compile(module)
     count = 0
     for block in [m for m in module.modules() if isinstance(m, TransformerBlock)]:
         layers = list(block.layers.values())
@@ -314,8 +303,22 @@ def compile_transformer_block(module: nn.Module, dynamic: bool | None = None) ->
                 compile_transformer_layers(block, dynamic=dynamic)
             else:
                 block.compiled_forward = torch.compile(block._forward, dynamic=dynamic)
+                block.compile_dynamic = dynamic  # for a fallback to per-layer compiling
         count += len(layers)
     return count
+
+
+def _prepare_compile(module: nn.Module) -> None:
+    """What both compile functions do first: refuse a CPU without a C++ compiler
+    (`RuntimeError`, before compiling anything) and have inductor draw random numbers with
+    torch's own kernels (`fallback_random`: dropout masks equal eager ones)."""
+    import torch._inductor.config as inductor_config
+
+    problem = cpp_compiler_problem() if any(
+        p.device.type == "cpu" for p in module.parameters()) else None
+    if problem:
+        raise RuntimeError(problem)
+    inductor_config.fallback_random = True
 
 
 def cpp_compiler_problem() -> str | None:
