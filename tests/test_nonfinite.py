@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -176,3 +177,40 @@ def test_flags_are_validated():
         with pytest.raises(ConfigError, match=msg):
             parse_config(BASE + args).validate(1)
 
+
+
+def _diloco_runs(runs: list[tuple[list[str], str]], log_dir: str, cache: str) -> list[dict]:
+    """`_runs`, each rank returning its own records (or error) and its skipped iterations."""
+    out = _runs(runs, log_dir, cache)
+    return [{"skips": [(r["iteration"], r["reason"]) for r in res.get("records", [])
+                       if r.get("event") == "skipped"],
+             "losses": [r["loss"] for r in res.get("records", [])
+                        if "loss" in r and "event" not in r],
+             "error": res.get("error")} for res in out]
+
+
+def test_diloco_nan_gradient_on_one_replica_is_skipped_everywhere(tmp_path, corpus_env):
+    """Without the per-step gradient all-reduce only the replica holding a NaN gradient sees a
+    NaN norm; every rank must still agree to skip the step (and, unchecked, to stop)."""
+    diloco = ["--config", "configs/tiny-llama.yaml", "--eval-interval", "0", "--log-interval",
+              "1", "--no-tensorboard", "--peak-tflops", "1", "--diloco-sync-every", "2"]
+    ckpt = tmp_path / "ckpt"
+    runs = [(diloco + ["--train-iters", "4", "--save", str(ckpt), "--save-interval", "2"],
+             "grad:3"),
+            (diloco + ["--train-iters", "3", "--no-check-for-nan-in-loss-and-grad"], "grad:2")]
+    ranks = run_distributed(_diloco_runs, 2, runs, str(tmp_path), corpus_env["SHARDZOO_CACHE"],
+                            timeout=600)
+    checked = [r[0] for r in ranks]
+    assert [c["error"] for c in checked] == [None, None]
+    # the NaN is in replica 1's backward (the last rank): its norm alone is NaN
+    assert [c["skips"] for c in checked] == \
+        [[(3, "grad norm not finite on rank(s) [1]")]] * 2, checked
+    assert all(len(c["losses"]) == 3 and all(map(math.isfinite, c["losses"])) for c in checked)
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    from checkpoint.format import read_metadata, verify_files
+
+    assert verify_files(str(ckpt / "iter_0000004"), read_metadata(str(ckpt / "iter_0000004"))) == []
+    unchecked = [r[1]["error"] for r in ranks]
+    assert unchecked[0] == unchecked[1] and unchecked[0] is not None, unchecked
+    assert "grad norm not finite on rank(s) [1] at iteration 2 and the step was applied" \
+        in unchecked[0]

@@ -174,6 +174,7 @@ class StepResult:
     timeline: Timeline | None  # --profile-pipeline
     counted: object | None  # --report-comm's counts, on the counted step
     data_s: float = 0.0  # seconds spent building the microbatches
+    not_finite: str | None = None  # what was not finite (the same on every rank), else None
 
 
 def train(run: TrainState) -> tuple[int, str | None]:
@@ -199,7 +200,8 @@ def train(run: TrainState) -> tuple[int, str | None]:
     exit_check = ExitCheck(t, run.run_start or run.start)
     run.profiler = StepProfiler(t, t.log_dir, run.device)
     stop = None
-    run.guard = StepGuard(t.check_for_nan_in_loss_and_grad, t.max_skipped_iters)
+    run.guard = StepGuard(t.check_for_nan_in_loss_and_grad, t.max_skipped_iters,
+                          replica_local=run.diloco is not None)
     # --report-comm counts the second step (a steady one) when there is one, else the first
     run.counted_step = run.start_iteration + (1 if t.train_iters > run.start_iteration + 1
                                               else 0)
@@ -300,8 +302,10 @@ def train_step(run: TrainState, iteration: int) -> StepResult:
             grad_norm = clip_grads(run.params, t.clip_grad)
         # the same on every rank (DiLoCo: on every rank of the replica)
         loss = float(global_loss_sum(loss_sum, batch_group(run.config)) / num_tokens)
-        skipped = run.guard.skip_reason(loss, grad_norm,
-                                        grads_outside_norm(optimizer, run.params), loss_sum)
+        # agreed by every rank, also where the loss and norm are a replica's own (DiLoCo)
+        not_finite = run.guard.not_finite(loss, grad_norm,
+                                          grads_outside_norm(optimizer, run.params), loss_sum)
+        skipped = run.guard.skip_reason(not_finite)
         if skipped is None:
             optimizer.step()
         if run.diloco is not None and run.diloco.due(iteration + 1, t.train_iters):
@@ -316,7 +320,8 @@ def train_step(run: TrainState, iteration: int) -> StepResult:
             total[1] += nbytes
         if iteration == run.counted_step + run.counted_steps - 1:
             counted = _per_step(run.window_counts, run.counted_steps)
-    return StepResult(gbs, lr, data_start, loss, grad_norm, skipped, timeline, counted, data_s)
+    return StepResult(gbs, lr, data_start, loss, grad_norm, skipped, timeline, counted, data_s,
+                      not_finite)
 
 
 def _per_step(counts: dict, steps: int) -> dict:
@@ -359,7 +364,7 @@ def _handle_skipped_step(run: TrainState, step: StepResult, it: int) -> None:
                             f"(weights and optimizer unchanged; {in_a_row} in a "
                             f"row{limit})", prefix="skip")
         run.records.append(rec)
-    run.guard.stop_if_needed(it, step.skipped, step.loss, step.grad_norm)
+    run.guard.stop_if_needed(it, step.skipped, step.not_finite)
 
 
 def training_log(run: TrainState, step: StepResult, it: int) -> None:

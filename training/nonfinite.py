@@ -6,8 +6,12 @@ value) and the global loss (summed over the pipeline and data-parallel groups, l
 same everywhere), a step whose loss or norm is NaN or infinite skips the optimizer. The norm
 counts a TP-replicated parameter's gradient on one TP rank only (and a pipeline copy on one
 stage), so each rank also checks the few gradients it holds that the norm does not count, and
-the world agrees on the verdict (one all-reduce of two flags per rank): a gradient that is
-not finite on any rank skips the step everywhere. Skipping: weights,
+the world agrees on the verdict (one all-reduce of four floats per rank: its local loss sum,
+its loss, its norm and its outside-the-norm gradients' norm): a value that is not finite on
+any rank skips the step everywhere. Under DiLoCo (training/diloco.py) there is no per-step
+gradient all-reduce, so the loss and norm are each replica's own: the same exchange makes a
+NaN gradient on one replica skip the step on all of them (and, unchecked, stop them all), so
+the ranks never reach different collectives. Skipping: weights,
 Adam moments and the step count stay as they were; the data of the step is consumed (the
 next step reads the next samples, as Megatron does after an fp16 overflow) and the learning
 rate schedule follows the iteration. The log line of the step says what was not finite.
@@ -50,36 +54,55 @@ def _describe(value: float) -> str:
 class StepGuard:
     """Decides whether a step is applied, and stops the run after too many skipped ones.
 
+    Every input of the verdict goes through one all-reduce over the world (`_exchange`), so
+    every rank reaches the same verdict whatever it saw itself: under synchronous data
+    parallelism the loss and norm are already the same everywhere, under DiLoCo
+    (`replica_local`) each replica has its own, and a NaN gradient on one replica must skip
+    the step on all of them (the ranks would otherwise reach different collectives).
+
     Args:
         enabled: --check-for-nan-in-loss-and-grad.
         max_skipped: --max-skipped-iters (consecutive skipped steps that stop the run; 0:
             never stop).
+        replica_local: the loss and gradient norm are a data-parallel replica's own
+            (DiLoCo), so even unchecked the world exchanges them to stop together.
     """
 
-    def __init__(self, enabled: bool, max_skipped: int):
+    def __init__(self, enabled: bool, max_skipped: int, replica_local: bool = False):
         self.enabled, self.max_skipped = enabled, max_skipped
+        self.exchange = enabled or replica_local
         self.consecutive = 0
 
-    def skip_reason(self, loss: float, grad_norm: float, grads: list[torch.Tensor],
-                    local_loss: torch.Tensor) -> str | None:
-        """Why this step must not be applied (e.g. "grad norm NaN"), or None to apply it.
-        `loss`: the global loss; `local_loss`: this rank's loss sum before the reductions (so
-        the reason names the ranks where a loss went bad, not those it was summed into);
-        `grads`: the gradients this rank holds that the norm does not count
-        (`grads_outside_norm`). Collective over the world (when enabled)."""
-        if not self.enabled:
-            return None
-        loss_ranks, grad_ranks = _ranks_with_nonfinite(local_loss, grads)
+    def not_finite(self, loss: float, grad_norm: float, grads: list[torch.Tensor],
+                   local_loss: torch.Tensor) -> str | None:
+        """What was not finite in this step (e.g. "grad norm is NaN", "grad norm not
+        finite on rank(s) [1]"), the same string on every rank, or None. `loss`: the loss as
+        this rank sees it (global, or its replica's under DiLoCo); `local_loss`: this rank's
+        loss sum before the reductions (so the text names the ranks where a loss went bad,
+        not those it was summed into); `grad_norm`: the norm as this rank sees it; `grads`:
+        the gradients this rank holds that the norm does not count (`grads_outside_norm`).
+        Collective over the world (when checked, or `replica_local`); unchecked and
+        synchronous, every value is already global and nothing is exchanged."""
+        if not self.exchange:
+            bad = [f"{what} is {_describe(v)}" for what, v in
+                   (("loss", loss), ("grad norm", grad_norm)) if not math.isfinite(v)]
+            return " and ".join(bad) or None
+        table = _exchange(local_loss, loss, grad_norm, grads)
         bad = []
+        loss_ranks = _ranks(table[:, 0])
         if loss_ranks:
             bad.append(f"loss not finite on rank(s) {loss_ranks}")
-        elif not math.isfinite(loss):  # finite on every rank, a sum that overflowed
-            bad.append(f"loss {_describe(loss)}")
-        if not math.isfinite(grad_norm):
-            bad.append(f"grad norm {_describe(grad_norm)}")
-        elif grad_ranks:
-            bad.append(f"a gradient on rank(s) {grad_ranks} is not finite")
+        elif _ranks(table[:, 1]):  # finite on every rank, a sum that overflowed
+            bad.append(_verdict("loss", table[:, 1]))
+        if _ranks(table[:, 2]):
+            bad.append(_verdict("grad norm", table[:, 2]))
+        elif _ranks(table[:, 3]):
+            bad.append(f"a gradient on rank(s) {_ranks(table[:, 3])} is not finite")
         return " and ".join(bad) or None
+
+    def skip_reason(self, not_finite: str | None) -> str | None:
+        """Why this step must not be applied (`not_finite`'s text), or None to apply it."""
+        return not_finite if self.enabled else None
 
     def record(self, reason: str | None) -> int:
         """Count a step (`reason`: why it was skipped, None if applied); returns the skipped
@@ -87,17 +110,16 @@ class StepGuard:
         self.consecutive = self.consecutive + 1 if reason is not None else 0
         return self.consecutive
 
-    def stop_if_needed(self, iteration: int, reason: str | None, loss: float,
-                       grad_norm: float) -> None:
+    def stop_if_needed(self, iteration: int, reason: str | None,
+                       not_finite: str | None) -> None:
         """After `record`: raises `NonFiniteError` when the run must stop at 1-based
-        `iteration`: `max_skipped` consecutive skipped steps, or (unchecked) a non-finite loss
-        or gradient norm, before anything is saved from the step."""
+        `iteration`: `max_skipped` consecutive skipped steps, or (unchecked) a step where
+        something was `not_finite`, before anything is saved from it. The same on every
+        rank (its inputs are)."""
         if not self.enabled:
-            bad = [f"{what} is {_describe(v)}" for what, v in
-                   (("loss", loss), ("grad norm", grad_norm)) if not math.isfinite(v)]
-            if bad:
+            if not_finite is not None:
                 raise NonFiniteError(
-                    f"{' and '.join(bad)} at iteration {iteration} and the step was applied "
+                    f"{not_finite} at iteration {iteration} and the step was applied "
                     f"(--no-check-for-nan-in-loss-and-grad), so the weights may be NaN; "
                     f"nothing was saved from it. Resume from the last checkpoint with a lower "
                     f"--lr, or drop that flag so that such steps are skipped")
@@ -122,20 +144,36 @@ def grads_outside_norm(optimizer, params) -> list[torch.Tensor]:
     return [p.grad for p in params if p.grad is not None and not counts_toward_norm(p)]
 
 
-def _ranks_with_nonfinite(loss: torch.Tensor,
-                          grads: list[torch.Tensor]) -> tuple[list[int], list[int]]:
-    """(global ranks whose local loss sum is NaN or infinite, ranks holding such a gradient
-    element): the same answer on every rank, whatever each saw."""
+def _exchange(local_loss: torch.Tensor, loss: float, grad_norm: float,
+              grads: list[torch.Tensor]) -> torch.Tensor:
+    """`[world, 4]` float32 on the CPU, row r: rank r's local loss sum, its view of the loss
+    and of the gradient norm, and the norm of its gradients outside the norm (0 when none).
+    One all-reduce (sum) of a table where each rank fills its own row: x + 0 is x for every
+    float, NaN and inf included, so each row arrives as its rank wrote it."""
     grads = [g for g in grads if g.numel()]
     device = grads[0].device if grads else ps.get_device()
-    flags = torch.zeros(2, dist.get_world_size(), dtype=torch.float32, device=device)
-    flags[0, dist.get_rank()] = (~torch.isfinite(loss.detach().float())).float()
+    table = torch.zeros(dist.get_world_size(), 4, dtype=torch.float32, device=device)
+    row = table[dist.get_rank()]
+    row[0] = local_loss.detach().float()
+    row[1], row[2] = loss, grad_norm
     if grads:
-        local = torch.stack(torch._foreach_norm(grads)).sum()
-        flags[1, dist.get_rank()] = (~torch.isfinite(local)).float()
-    collectives.all_reduce(flags)
-    flags = flags.cpu()
-    return torch.nonzero(flags[0]).flatten().tolist(), torch.nonzero(flags[1]).flatten().tolist()
+        row[3] = torch.stack(torch._foreach_norm(grads)).float().sum()
+    collectives.all_reduce(table)
+    return table.cpu()
+
+
+def _ranks(column: torch.Tensor) -> list[int]:
+    """The ranks whose value in `column` is NaN or infinite."""
+    return torch.nonzero(~torch.isfinite(column)).flatten().tolist()
+
+
+def _verdict(what: str, column: torch.Tensor) -> str:
+    """`what` is not finite somewhere in `column` (one value per rank): "grad norm is NaN"
+    when every rank saw the same value (a global one), else the ranks that saw one."""
+    ranks = _ranks(column)
+    if len(ranks) == column.numel() and len({_describe(float(v)) for v in column}) == 1:
+        return f"{what} is {_describe(float(column[0]))}"
+    return f"{what} not finite on rank(s) {ranks}"
 
 
 def _test_iterations(kind: str) -> set[int]:
