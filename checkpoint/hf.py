@@ -51,7 +51,8 @@ def import_hf(hf_path: str, out: str, log=print) -> str:
 
         where, kw = src.tokenizer_source()
         try:
-            tok = AutoTokenizer.from_pretrained(where, local_files_only=True, **kw)
+            tok = AutoTokenizer.from_pretrained(where, local_files_only=True,
+                                                trust_remote_code=False, **kw)
         except (OSError, ValueError, TypeError) as e:
             log(f"note: no tokenizer in {where} ({type(e).__name__}); the checkpoint has none, "
                 f"pass --tokenizer-model when training on it")
@@ -166,7 +167,8 @@ def _save_tokenizer(tokenizer: str | None, folder: str, log) -> dict:
 
     for name in os.listdir(tokenizer):
         shutil.copy(os.path.join(tokenizer, name), os.path.join(folder, name))
-    tok = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True,
+                                        trust_remote_code=False)
     ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
            "pad_token_id": tok.pad_token_id}
     return {k: v for k, v in ids.items() if v is not None}

@@ -7,8 +7,8 @@ included. Limits are checked before work: the body size from Content-Length (and
 read), prompts x n before tokenizing, a prompt's characters against what the context could
 hold before tokenizing; parsing and tokenizing run off the event loop, so /health answers
 while a large request is read. With an API key every route but /health needs
-`Authorization: Bearer KEY` (compared in constant time; a 401 carries
-`WWW-Authenticate: Bearer`).
+`Authorization: Bearer KEY` (the scheme in any case, RFC 7235; the key compared in constant
+time; a 401 carries `WWW-Authenticate: Bearer`).
 """
 
 import asyncio
@@ -74,7 +74,9 @@ def _install_errors_and_auth(app, fe: Frontend, err) -> None:
     async def authenticate(req: HTTPRequest, call_next):
         if fe.api_key is not None and req.url.path not in OPEN_PATHS:
             got = req.headers.get("authorization", "").encode("utf-8", "surrogateescape")
-            if not secrets.compare_digest(got, f"Bearer {fe.api_key}".encode()):
+            scheme, _, token = got.strip(b" ").partition(b" ")  # RFC 7235: scheme, 1*SP, token
+            if scheme.lower() != b"bearer" or \
+                    not secrets.compare_digest(token.lstrip(b" "), fe.api_key.encode()):
                 return err(protocol.APIError(
                     401, "invalid or missing API key; send 'Authorization: Bearer KEY'",
                     code="invalid_api_key", kind="authentication_error"),

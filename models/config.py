@@ -20,6 +20,10 @@ _NORMS = ("LayerNorm", "RMSNorm")
 _ACTIVATIONS = ("gelu", "swiglu", "relu", "geglu")
 _MODEL_TYPES = ("gpt", "t5")
 _ROPE_SCALING = (None, "linear", "llama3")
+# bounds of the counts a config may hold (files are untrusted): every size below 2**31, and
+# at most 2**24 positions (16.8M, past any released model's context)
+MAX_COUNT = 2**31 - 1
+MAX_POSITIONS = 2**24
 
 
 def _is_number(v) -> bool:
@@ -274,12 +278,14 @@ class ModelConfig:
         elif self.position_embedding_type == "relative":
             raise ConfigError("--position-embedding-type relative (T5's bias) is for "
                               "--model-type t5; a GPT model uses learned_absolute, rope or none")
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
-                     "vocab_size", "ffn_hidden_size", "kv_channels", "num_query_groups",
-                     "make_vocab_size_divisible_by", "max_position_embeddings"):
-            if getattr(self, name) is None or getattr(self, name) <= 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, "
-                                  f"got {getattr(self, name)}")
+        self._check_counts("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                           "vocab_size", "ffn_hidden_size", "kv_channels", "num_query_groups",
+                           "make_vocab_size_divisible_by", "max_position_embeddings")
+        for name in ("seq_length", "max_position_embeddings"):
+            if getattr(self, name) > MAX_POSITIONS:
+                raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name):,} is more "
+                                  f"than {MAX_POSITIONS:,} positions (2**24), past any real "
+                                  f"model's context; correct the config")
         for name in ("layernorm_epsilon", "init_method_std", "rotary_base"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
@@ -530,12 +536,16 @@ class ModelConfig:
             return
         self._check_layer_list("--moe-layer-freq", freq, 1, "MoE", "dense MLP")
 
+    def _check_counts(self, *names: str) -> None:
+        """Raise `ConfigError` unless each field of `names` is an integer in [1, MAX_COUNT]."""
+        for name in names:
+            if getattr(self, name) is None or not 0 < getattr(self, name) <= MAX_COUNT:
+                raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer "
+                                  f"below 2**31, got {getattr(self, name)}")
+
     def _validate_t5(self) -> None:
-        for name in ("encoder_num_layers", "decoder_num_layers", "decoder_seq_length",
-                     "relative_attention_num_buckets", "relative_attention_max_distance"):
-            if getattr(self, name) is None or getattr(self, name) <= 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, "
-                                  f"got {getattr(self, name)}")
+        self._check_counts("encoder_num_layers", "decoder_num_layers", "decoder_seq_length",
+                           "relative_attention_num_buckets", "relative_attention_max_distance")
         if self.position_embedding_type != "relative":
             raise ConfigError(f"--model-type t5 uses --position-embedding-type relative, got "
                               f"{self.position_embedding_type!r}")

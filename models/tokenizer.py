@@ -63,9 +63,16 @@ class Tokenizer:
     def _init_hf(self, path: str, **kwargs) -> None:
         from transformers import AutoTokenizer
 
-        try:
-            self._hf = AutoTokenizer.from_pretrained(path, local_files_only=True, **kwargs)
+        try:  # trust_remote_code=False: refuse an auto_map's code without asking (the
+            # default, None, asks "run the custom code? [y/N]" on stdin)
+            self._hf = AutoTokenizer.from_pretrained(path, local_files_only=True,
+                                                     trust_remote_code=False, **kwargs)
         except (OSError, ValueError) as e:
+            if "trust_remote_code" in str(e):
+                raise ValueError(
+                    f"the tokenizer in {path} names its own Python code (auto_map in "
+                    f"tokenizer_config.json); code shipped with model files is never run: "
+                    f"use a tokenizer of a class transformers has (remove auto_map)") from None
             raise ValueError(
                 f"could not load a Hugging Face tokenizer from folder {path} ({e}); it must "
                 "hold tokenizer.json or the files of a slow tokenizer (e.g. tokenizer.model, "

@@ -68,7 +68,10 @@ def _metadata(w, cfg: dict, arch: str) -> None:
     import gguf
 
     w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
+    if cfg["max_position_embeddings"] < 2**32:
+        w.add_context_length(cfg["max_position_embeddings"])
+    else:  # past uint32 (hostile files): as uint64
+        w.add_uint64(f"{w.arch}.context_length", cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])

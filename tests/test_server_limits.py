@@ -194,6 +194,17 @@ def test_limits_and_malformed_inputs(server):
                                           key=key)
             assert _error(status, body, 401)["code"] == "invalid_api_key", (path, key)
             assert headers.get("www-authenticate") == "Bearer", headers
+    for header in (f"Basic {API_KEY}", "Bearer", f"Bearer{API_KEY}", f"Bearer x{API_KEY}"):
+        status, _, body = _http(port, "GET", "/v1/models", headers={"authorization": header},
+                                key=None)
+        assert _error(status, body, 401)["code"] == "invalid_api_key", header
+    # the scheme is case-insensitive (RFC 7235 sec. 2.1), the key is not
+    for header in (f"bearer {API_KEY}", f"BEARER  {API_KEY}", f"BeArEr {API_KEY}"):
+        status, _, body = _http(port, "GET", "/v1/models", headers={"authorization": header},
+                                key=None)
+        assert status == 200, (header, body[:200])
+    upper = {"authorization": f"bearer {API_KEY.upper()}"}
+    assert _http(port, "GET", "/v1/models", headers=upper, key=None)[0] == 401
     assert _http(port, "GET", "/health", key=None)[0] == 200
     assert _http(port, "GET", "/openapi.json")[0] == 200
     status, _, body = _http(port, "POST", "/v1/completions", json.dumps(good).encode())

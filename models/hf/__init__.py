@@ -30,7 +30,7 @@ import os
 
 import torch
 
-from models.config import ConfigError, ModelConfig
+from models.config import MAX_COUNT, MAX_POSITIONS, ConfigError, ModelConfig
 
 from . import gemma, gpt2, llama, moe, olmo2, phi3, t5
 from .rules import HFConversionError, Rule  # noqa: F401
@@ -49,6 +49,7 @@ _COUNTS = ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions", "n_inner"
            "relative_attention_max_distance", "original_max_position_embeddings",
            "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
            "shared_expert_intermediate_size", "decoder_sparse_step", "sliding_window_pattern")
+_POSITIONS = ("n_positions", "max_position_embeddings", "original_max_position_embeddings")
 _LAYER_COUNTS = ("n_layer", "num_hidden_layers", "num_layers", "num_decoder_layers")
 _NUMBERS = ("layer_norm_epsilon", "rms_norm_eps", "initializer_range", "initializer_factor",
             "rope_theta", "dropout_rate", "attention_dropout", "resid_pdrop", "embd_pdrop",
@@ -77,8 +78,10 @@ _REQUIRED[phi3] = _REQUIRED[llama]
 def _value_problem(key: str, v) -> str | None:
     """What is wrong with value `v` of config field `key` (None: its type and range are right
     or the field is not one the families read)."""
-    if key in _COUNTS and not (type(v) is int and v >= 1):
-        return "an integer >= 1"
+    if key in _POSITIONS and type(v) is int and v > MAX_POSITIONS:
+        return f"at most {MAX_POSITIONS:,} positions (2**24, past any real model's context)"
+    if key in _COUNTS and not (type(v) is int and 1 <= v <= MAX_COUNT):
+        return "an integer >= 1 (below 2**31)"
     if key in _NUMBERS:
         try:
             ok = type(v) in (int, float) and math.isfinite(v)

@@ -223,7 +223,8 @@ def _open_files(path: str, config: dict, kind: str, weight_map: dict | None,
                 f"its index lists ({type(e).__name__}); copy the model's files again") from None
 
     return HFSource(path, config, kind, list(weight_map),
-                    lambda n: _read(handle(weight_map[n]), kind, n), _shape=shape)
+                    lambda n: _read(handle(weight_map[n]), kind, n,
+                                    os.path.join(path, weight_map[n])), _shape=shape)
 
 
 def _safetensors(path: str):
@@ -255,8 +256,25 @@ def _bin(path: str) -> dict:
     return state
 
 
-def _read(handle, kind: str, name: str) -> torch.Tensor:
-    return handle.get_tensor(name) if kind == "safetensors" else handle[name]
+# safetensors' floating dtypes (its header's names): a weight is one of these
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+
+
+def _read(handle, kind: str, name: str, where: str) -> torch.Tensor:
+    """Weight `name` of file `where`, refused (`HFConversionError`) unless its dtype is a
+    floating one (checked from the safetensors header before the data is read): an integer
+    dtype over float data would import the bytes as garbage weights."""
+    if kind == "safetensors":
+        dtype = handle.get_slice(name).get_dtype()
+        floating = dtype in _FLOAT_DTYPES
+    else:
+        tensor = handle[name]
+        dtype, floating = str(tensor.dtype).removeprefix("torch."), tensor.is_floating_point()
+    if not floating:
+        raise HFConversionError(f"{where}: tensor {name!r} has dtype {dtype}, but a weight is "
+                                f"a floating type (F32, F16, BF16); the file is corrupt or "
+                                f"was edited, use the model's own weights")
+    return handle.get_tensor(name) if kind == "safetensors" else tensor
 
 
 def _one_line(e: Exception) -> str:
@@ -279,11 +297,14 @@ def _open_gguf(path: str) -> HFSource:
                                 f"accelerate") from None
     from transformers import AutoConfig
 
-    from .gguf_header import check_architecture, check_counts, dropped_fields, read_header
+    from .gguf_header import (check_architecture, check_counts, check_tensor_data,
+                              check_tensor_names, dropped_fields, read_header)
 
-    meta, tensor_names, arrays = read_header(path)
+    meta, tensor_names, arrays, table = read_header(path)
     check_architecture(path, meta, tensor_names)
     check_counts(path, meta, tensor_names, arrays)
+    check_tensor_names(path, meta, tensor_names)
+    check_tensor_data(path, meta, table, os.path.getsize(path))
     folder, name = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
     try:
         # parsed once: each AutoConfig.from_pretrained(gguf_file=) reads the whole metadata

@@ -25,6 +25,9 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+from typing import NamedTuple
+
+from models.config import MAX_POSITIONS
 
 from .rules import HFConversionError
 
@@ -109,9 +112,10 @@ class _Reader:
 
 
 def read_header(path: str) -> tuple[dict, list[str], dict]:
-    """`({metadata key: scalar value}, [tensor names], {metadata key: array length})` of GGUF
-    file `path` (array values are left out, their lengths kept). Raises `HFConversionError`
-    naming the file for what is not GGUF v2/v3."""
+    """`({metadata key: scalar value}, [tensor names], {metadata key: array length},
+    (end of the tensor table in bytes, [TensorInfo]))` of GGUF file `path` (array values are
+    left out, their lengths kept). Raises `HFConversionError` naming the file for what is
+    not GGUF v2/v3."""
     with open(path, "rb") as f:
         if os.path.getsize(path) < 24:
             raise HFConversionError(f"{path} is too short to be a GGUF file")
@@ -135,12 +139,82 @@ def read_header(path: str) -> tuple[dict, list[str], dict]:
                 if kind == _ARRAY and r.pos + 12 <= len(buf):  # item type, element count
                     arrays[key] = struct.unpack_from("<Q", buf, r.pos + 4)[0]
                 meta[key] = r.value(kind)
-            names = []
+            names, table = [], []
             for _ in range(tensors):
                 names.append(r.string())
                 dims = r.scalar("I")
-                r.take(8 * dims + 4 + 8)  # dims, ggml type, offset
-    return {k: v for k, v in meta.items() if v is not None}, names, arrays
+                if dims > len(buf):
+                    r.take(len(buf))  # raises: more dimensions than bytes
+                shape = struct.unpack_from(f"<{dims}Q", buf, r.take(8 * dims))
+                table.append(TensorInfo(names[-1], shape, r.scalar("I"), r.scalar("Q")))
+            end = r.pos
+    return {k: v for k, v in meta.items() if v is not None}, names, arrays, (end, table)
+
+
+class TensorInfo(NamedTuple):
+    """One entry of a GGUF file's tensor table: name, dimensions (ggml order, innermost
+    first), ggml type and offset of its data from the start of the data section, in bytes."""
+
+    name: str | None
+    dims: tuple[int, ...]
+    ggml_type: int
+    offset: int
+
+
+def check_tensor_data(path: str, meta: dict, table: tuple[int, list[TensorInfo]],
+                      file_size: int) -> None:
+    """Refuse (`HFConversionError`, one line naming the tensor) a tensor table whose data
+    ranges are not exactly the file's data section: each tensor's range, its element count
+    times its ggml type's size (gguf's `GGML_QUANT_SIZES`), starts at an offset aligned to
+    `general.alignment` (default 32), lies within the file and ends where the next tensor
+    starts (up to that alignment's padding; the last one at the end of the file), so no two
+    overlap. A tensor whose declared type was changed (F32 -> F16: half the bytes) leaves
+    a gap and is refused here; transformers' reader would read its bytes as the new type.
+    (A tensor under twice the alignment can shrink into its own padding unseen.)"""
+    import gguf
+
+    header_end, tensors = table
+    align = meta.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT)
+    if type(align) is not int or align < 1 or align & (align - 1):
+        raise HFConversionError(f"{path}: general.alignment is {align!r}, not a power of two; "
+                                f"the file is corrupt, convert or download it again")
+    start = -(-header_end // align) * align
+    fix = "the file is corrupt or was edited, convert or download it again"
+    ranges = []
+    for t in tensors:
+        try:
+            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t.ggml_type)]
+        except (ValueError, KeyError):
+            raise HFConversionError(f"{path}: tensor {t.name!r} has ggml type {t.ggml_type}, "
+                                    f"not one gguf knows; {fix}") from None
+        count = 1
+        for d in t.dims:
+            count *= d
+        if not t.dims or t.dims[0] % block:
+            raise HFConversionError(f"{path}: tensor {t.name!r} of dimensions {t.dims} does not "
+                                    f"fill whole blocks of {block} of its type; {fix}")
+        if t.offset % align:
+            raise HFConversionError(f"{path}: tensor {t.name!r} starts at offset {t.offset}, "
+                                    f"not a multiple of the alignment {align}; {fix}")
+        kind = gguf.GGMLQuantizationType(t.ggml_type).name
+        ranges.append((start + t.offset, start + t.offset + count // block * size,
+                       f"{t.name!r} ({kind} {list(t.dims)})"))
+    ranges.sort()
+    cursor, before = start, "the tensor table"
+    for begin, end, what in ranges + [(file_size, file_size, None)]:
+        if begin < cursor:
+            raise HFConversionError(f"{path}: tensor {what} starts at byte {begin:,}, inside "
+                                    f"{before} (ending at byte {cursor:,}): tensors overlap; "
+                                    f"{fix}")
+        if begin > -(-cursor // align) * align:
+            at = f"tensor {what} starts" if what else "the file ends"
+            raise HFConversionError(f"{path}: {before} ends at byte {cursor:,} but {at} at "
+                                    f"byte {begin:,}: the declared type or dimensions do not "
+                                    f"match the data; {fix}")
+        if end > file_size:
+            raise HFConversionError(f"{path}: tensor {what} (bytes {begin:,}-{end:,}) runs "
+                                    f"past the end of the file ({file_size:,} bytes); {fix}")
+        cursor, before = end, f"tensor {what}"
 
 
 def hf_model_type(arch: str) -> str:
@@ -188,14 +262,22 @@ def check_counts(path: str, meta: dict, names: list[str], arrays: dict) -> None:
     """Refuse (`HFConversionError`, one line) header counts no file of `names` can back, before
     transformers reads them: `<arch>.block_count` not an integer in [1, number of tensors]
     (every block holds tensors; transformers' config builds per-layer lists of that length
-    first), and a special token id (`_TOKEN_IDS`) not an integer below the length of
-    `tokenizer.ggml.tokens` (transformers' tokenizer indexes the token list with it)."""
+    first), `<arch>.context_length` not an integer in [1, `MAX_POSITIONS`], and a special
+    token id (`_TOKEN_IDS`) not an integer below the length of `tokenizer.ggml.tokens`
+    (transformers' tokenizer indexes the token list with it)."""
     arch = meta["general.architecture"]
     blocks = meta.get(f"{arch}.block_count")
     if type(blocks) is not int or not 1 <= blocks <= len(names):
         raise HFConversionError(f"{path}: {arch}.block_count is {blocks!r}, but the file holds "
                                 f"{len(names)} tensors (at least one per block); the file is "
                                 f"corrupt, convert or download it again")
+    positions = meta.get(f"{arch}.context_length")
+    if positions is not None and (type(positions) is not int or
+                                  not 1 <= positions <= MAX_POSITIONS):
+        raise HFConversionError(f"{path}: {arch}.context_length is {positions!r}, not a count "
+                                f"of positions in [1, {MAX_POSITIONS:,}] (2**24, past any real "
+                                f"model's context); the file is corrupt, convert or download "
+                                f"it again")
     tokens = arrays.get("tokenizer.ggml.tokens")
     for key in _TOKEN_IDS.values():
         value = meta.get(key)
@@ -229,3 +311,27 @@ def dropped_fields(meta: dict, config: dict) -> dict:
         if key not in meta:
             out[field] = None
     return out
+
+
+def check_tensor_names(path: str, meta: dict, names: list[str]) -> None:
+    """Refuse (`HFConversionError`, one line) a tensor whose name is not one of the
+    architecture's in gguf's own name map (`gguf.get_tensor_name_map` for
+    `<arch>.block_count` blocks, plus `.weight` / `.bias`): transformers' reader skips such a
+    tensor without a word, so a renamed `output.weight` would silently make an untied output
+    layer the tied embedding."""
+    import gguf
+
+    arch = meta["general.architecture"]
+    arch_id = next((k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), None)
+    if arch_id is None:  # check_architecture admits only what transformers reads
+        raise HFConversionError(f"{path}: GGUF architecture {arch!r} is not one the installed "
+                                f"gguf package names; pip install -U gguf")
+    known = {name for _, name in
+             gguf.get_tensor_name_map(arch_id, meta[f"{arch}.block_count"]).mapping.values()}
+    for name in names:
+        base, dot, suffix = (name or "").rpartition(".")
+        if not (dot and suffix in ("weight", "bias") and base in known):
+            raise HFConversionError(f"{path}: tensor {name!r} is not a tensor of a {arch} "
+                                    f"model (gguf's name map), so transformers' reader would "
+                                    f"drop it; the file is corrupt or was edited, convert or "
+                                    f"download it again")
