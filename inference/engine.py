@@ -82,7 +82,7 @@ class Request:
     queue_s: float | None = None  # seconds it waited for a slot (set at admission)
     ttft_s: float | None = None  # seconds from `add` to its first generated token
     finish_reason: str | None = None
-    generator: torch.Generator | None = None
+    seed: int = 0  # keys its sampled draws: params.seed, or random when unset (set by `add`)
     # KV cache state: the block table, positions computed (or being computed by a launched
     # forward), names of its full blocks (prefix caching) and how many of them are named in
     # the cache, and its place in first-come-first-served order (preemption, admission)
@@ -244,8 +244,7 @@ class Engine(Scheduler):
         """Queue `request` (checked with `check`); it joins the batch at the next step."""
         self.check(request.prompt, request.params)
         seed = request.params.seed
-        request.generator = torch.Generator().manual_seed(
-            seed if seed is not None else int(torch.randint(0, 2**62, ())))
+        request.seed = seed if seed is not None else int(torch.randint(0, 2**62, ()))
         request.arrival = time.monotonic()
         self._arrivals += 1
         request.seq = self._arrivals
@@ -347,7 +346,8 @@ class Engine(Scheduler):
         if logits is not None:
             if len(rows) < len(done.batch):
                 logits = logits[torch.tensor(rows, device=logits.device)]
-            tokens = sample(logits, [r.params for r in batch], [r.generator for r in batch])
+            tokens = sample(logits, [r.params for r in batch], [r.seed for r in batch],
+                            [len(r.output) for r in batch])
             if asked:
                 idx = torch.tensor(asked, device=logits.device)
                 values = token_logprobs(logits[idx], tokens[idx], k)
@@ -374,7 +374,7 @@ class Engine(Scheduler):
         drafts' cache entries stay (computed by this forward); the rejected ones' positions
         are written again by the next step before anything reads them."""
         streams = [self._tokens(r) for r in done.batch]
-        runs, logprobs = self.spec.verify(done.batch, logits, done.drafts, done.q, streams)
+        runs, logprobs = self.spec.verify(done.batch, logits, done.drafts, streams)
         events = []
         for r, run, stream in zip(done.batch, runs, streams):
             self.busy.discard(r.id)

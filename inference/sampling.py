@@ -1,12 +1,15 @@
 """Sampling parameters and the sampler: greedy, temperature, top-k, top-p (nucleus), seeded.
 
-The processing order is transformers' (temperature, then top-k, then top-p); a sampled id is
-drawn by inverse CDF from one uniform of the request's own generator, seeded by
-`SamplingParams.seed`, so a seeded sample is the same at any layout and batch composition.
-Sampled rows read the logits rounded to multiples of 2^-10 (`LOGIT_GRID`): layouts sum in
-different orders and differ by ~1e-6, which would otherwise move an id across the top-p edge
-or a CDF boundary now and then; rounded, the draw differs only when a logit sits within
-~1e-6 of a grid point.
+The processing order is transformers' (temperature, then top-k, then top-p). A sampled id is
+a pure function of the distribution and (seed, output position): `draw` runs an exponential
+race over the ids, each id's uniform hashed from (seed, position, id) (`uniforms`), so no
+generator state is consumed. The id at output position t is the same whether a plain decode
+step, the prefill that recomputes a preempted request, or a speculative verify step produces
+it, at any layout, batch composition, chunk size and prefix-cache state (`SamplingParams.seed`;
+an unseeded request gets a random seed when queued). Sampled rows read the logits rounded to
+multiples of 2^-10 (`LOGIT_GRID`): layouts sum in different orders and differ by ~1e-6,
+which would otherwise move an id across the top-p edge or decide a close race now and then;
+rounded, the draw differs only when a logit sits within ~1e-6 of a grid point.
 
 Log-probabilities (`SamplingParams.logprobs`, `token_logprobs`) are those of the raw model
 output: log_softmax of the unrounded logits over the real vocabulary, before temperature,
@@ -18,6 +21,8 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+
+from layers.dropout import MASK32, mix32, mix32_int
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20  # alternatives per token at most (vLLM's --max-logprobs default)
@@ -39,7 +44,7 @@ class SamplingParams:
     max_new_tokens: tokens to generate at most (>= 1).
     temperature: 0 = greedy (argmax); > 0 divides the logits before sampling.
     top_k: keep the k most likely ids (0 = all). top_p: smallest set of ids whose
-    probability reaches top_p (1.0 = all). seed: the request's generator seed.
+    probability reaches top_p (1.0 = all). seed: keys the request's draws (`uniforms`).
     stop: strings that end the generation (not included in the text).
     ignore_eos: keep generating past EOS (benchmarks).
     logprobs: None = no log-probabilities; N in [0, MAX_LOGPROBS] = each generated token's
@@ -85,18 +90,19 @@ class SamplingParams:
         return self
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> torch.Tensor:
+def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
+           positions: list[int]) -> torch.Tensor:
     """Next ids `[b]` int64 from `logits [b, V]` (real vocabulary only, any float dtype).
 
-    Row i is greedy when `params[i].temperature == 0`, else sampled with `generators[i]`
-    from `filtered_probs` by `draw`.
+    Row i is greedy when `params[i].temperature == 0`, else `draw`n from `filtered_probs`
+    with the keys `seeds[i]` (the request's seed) and `positions[i]` (the output position
+    of the id: the request's output length before it).
     """
     logits = logits.float()
     out = logits.argmax(dim=-1)
     for i, p in enumerate(params):
         if p.temperature != 0:
-            out[i] = draw(filtered_probs(logits[i], p), generators[i])
+            out[i] = draw(filtered_probs(logits[i], p), seeds[i], positions[i])
     return out
 
 
@@ -119,12 +125,36 @@ def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One id drawn from non-negative `weights [V]` (float64, any positive sum) by inverse
-    CDF from one float64 uniform of `generator`."""
-    cdf = weights.double().cumsum(0)
-    u = torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1]
-    return int(torch.searchsorted(cdf, u.reshape(1), right=True).clamp(max=weights.numel() - 1))
+# Key constants (odd, < 2^32): the seed's two halves, the position, the two 32-bit streams
+_K_SEED, _K_POS, _K_HI, _K_LO = 0x243F6A89, 0x85A308D3, 0x13198A2F, 0x03707345
+
+
+def uniforms(seed: int, position: int, ids: torch.Tensor) -> torch.Tensor:
+    """`[n]` float64 uniforms in (0, 1), one per id of `ids [n]` (int64 in [0, 2^32)), a pure
+    function of (seed (64-bit signed), position (in [0, 2^32)), id): 53 bits per id from two
+    32-bit hashes of the id under keys mixed from the seed and position, with the
+    counter-based integer mixer of layers/dropout.py (`mix32`; Salmon et al. 2011's idea:
+    no generator state). Integer arithmetic, so the same on CPU and CUDA; distinct ids of
+    one key never share a value (the mixer is a bijection)."""
+    key = mix32_int(mix32_int((seed & MASK32) ^ _K_SEED) ^ ((seed >> 32) & MASK32))
+    key = mix32_int(key ^ (position & MASK32) ^ _K_POS)
+    hi = mix32(mix32(ids ^ mix32_int(key ^ _K_HI)) ^ key) >> 11  # 21 bits
+    lo = mix32(mix32(ids ^ mix32_int(key ^ _K_LO)) ^ key)  # 32 bits
+    return (hi.double() * 2.0 ** 32 + lo.double() + 0.5) * 2.0 ** -53
+
+
+def draw(weights: torch.Tensor, seed: int, position: int) -> int:
+    """One id drawn from non-negative `weights [V]` (any positive sum) by an exponential
+    race: the id v of weight w_v > 0 minimising E_v / w_v, E_v = -log u_v the exponential
+    of its `uniforms(seed, position)`; P(v) = w_v / sum(w) since min_v E_v / w_v of
+    independent Exp(1) is Exp(sum w) and won by v with that probability (the Gumbel-max
+    trick in another form; Maddison et al. 2014, "A* Sampling", sec. 2). With no positive
+    weight (NaN logits) the id `argmax` gives, as greedy decoding would."""
+    ids = (weights > 0).nonzero().flatten()
+    if ids.numel() == 0:
+        return int(weights.argmax())
+    race = -torch.log(uniforms(seed, position, ids)) / weights[ids].double()
+    return int(ids[race.argmin()])
 
 
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:

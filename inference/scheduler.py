@@ -31,7 +31,6 @@ class _Flight:
     sampled: list
     sources: tuple | None = None  # encoder-decoder prefill: (prompts [b, se], lengths [b])
     drafts: list | None = None  # speculative: the drafted ids [b][k] the forward verifies
-    q: torch.Tensor | None = None  # ... and a draft model's q [b, k, V] (last stage)
 
 
 class Scheduler:
@@ -185,7 +184,7 @@ class Scheduler:
         else:  # decode: each row's last known token (and its drafts, speculative)
             ids[:, 0] = torch.tensor([(r.output or r.prompt)[-1] for r in batch])
             if self.spec is not None:
-                drafts, padded, q = self.spec.plan(batch, [self._tokens(r) for r in batch],
+                drafts, padded = self.spec.plan(batch, [self._tokens(r) for r in batch],
                                                    self.max_seq_length)
                 ids = torch.cat([ids, padded], dim=1)
                 width = ids.shape[1]
@@ -207,7 +206,6 @@ class Scheduler:
         # the micro-batch run longest ago goes first next time (fair rotation)
         self.running = [r for r in self.running if r not in batch] + batch
         if width > 1 and not prefill:  # speculative: the logits of every position
-            return _Flight(batch, ids, tables, starts, None, tick, sampled, drafts=drafts,
-                           q=q)
+            return _Flight(batch, ids, tables, starts, None, tick, sampled, drafts=drafts)
         return _Flight(batch, ids, tables, starts, torch.tensor([n - 1 for _, _, n in rows]),
                        tick, sampled, sources)

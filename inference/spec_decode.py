@@ -1,42 +1,42 @@
 """Speculative decoding: a cheap proposer drafts k tokens per row, the target model scores the
-row's last token and the k drafts in one forward (k + 1 positions), and the exact acceptance
-rule keeps a prefix of the drafts and adds one token of the target's own, so every step
-emits 1 to k + 1 tokens and the output has the target's distribution whatever the drafts.
+row's last token and the k drafts in one forward (k + 1 positions), and verification keeps a
+prefix of the drafts and adds one token of the target's own, so every step emits 1 to k + 1
+tokens and the output is the target's whatever the drafts.
 
-The rule (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
-Decoding", sec. 2.3; Chen et al. 2023, "Accelerating Large Language Model Decoding with
-Speculative Sampling", Algorithm 2): with p_j the target's distribution and q_j the
-proposer's at draft position j,
-- accept draft x_j with probability min(1, p_j(x_j) / q_j(x_j)), one uniform u of the
-  request's generator per draft: accept iff u q_j(x_j) < p_j(x_j);
-- at the first rejection emit one token drawn from norm(max(0, p_j - q_j)) and stop;
-- when all k are accepted emit one more, the bonus token, drawn from p_k.
-Each emitted token is then distributed as p (the papers' theorem; tests/test_spec_decode.py
-checks it statistically). p and q are the distributions the plain sampler draws from
-(inference/sampling.py `filtered_probs`: the request's temperature, top-k and top-p), so
-sampled output has the plain engine's distribution; the uniforms are drawn in a different
-order, so a seeded sample is not the plain engine's ids. Greedy (temperature 0) is the
-rule's limit: accept while the draft equals the target's argmax, then emit the argmax, so
-greedy output is the plain engine's token for token.
+Verification is drafter-invariant (Daliri, Musco and Suresh 2024, "Coupling without
+Communication and Drafter-Invariant Speculative Decoding"): the target's id at output
+position t is `sampling.draw` from p_t, its distribution there (`filtered_probs`: the
+request's temperature, top-k and top-p), keyed by (seed, t), exactly as the plain engine
+draws it; drafts are accepted while they equal those ids, and the first that differs is
+replaced by the target's id (after k accepted, the target's id at the next position is the
+bonus token). Every emitted id is therefore the one the plain engine emits at that position
+from the same tokens: a seeded request's ids do not depend on the drafts, on where steps
+begin (a preempted request recomputed by a prefill, a row whose drafts a batch neighbour
+capped), nor on the method; each is distributed as p_t (tests/test_spec_decode.py checks it
+statistically). Greedy (temperature 0) is the same rule with the argmax.
+The draft model draws its drafts with the same keys (an exponential race over the same
+uniforms: the Gumbel-max coupling), so it proposes the target's id whenever its race is won
+by the same id; a draft accepted with probability at least (1 - d) / (1 + d), d the total
+variation distance of p and q, against Leviathan et al.'s rejection rule's 1 - d, whose
+output depends on the drafts. The n-gram proposer's draft x is accepted with probability
+p_t(x), as under that rule.
 
 Proposers (`SpeculativeConfig.method`, vLLM's names):
 - "ngram" (prompt lookup; Saxena 2023, transformers' `prompt_lookup_num_tokens`, vLLM's
   ngram proposer): the longest suffix of the row's tokens of `prompt_lookup_max` down to
   `prompt_lookup_min` tokens that occurred earlier in the prompt or output; the tokens that
   followed its most recent earlier occurrence are the drafts (copied with overlap, LZ77
-  style, so a match close to the end continues a repeating pattern). q is a point mass: p_j
-  for a draft is accepted with probability p_j(x_j), a rejection draws from p_j with x_j
-  removed. No model runs, and no communication is needed: every rank holds the same tokens.
+  style, so a match close to the end continues a repeating pattern). No model runs, and no
+  communication is needed: every rank holds the same tokens.
 - "draft_model": a smaller model with the same tokenizer and vocabulary, sharded over the
   same tp x pp ranks with its own KV cache (`DraftModelProposer`), run k times per step
   (its first pass feeds the tokens it has not seen: the whole prompt the first time, then
-  the last one or two emitted tokens). q is its `filtered_probs` under the request's
-  sampling parameters; its drafts are broadcast from the last stage like sampled ids.
+  the last one or two emitted tokens). Its drafts are `draw`n from its `filtered_probs`
+  under the request's sampling parameters and keys; they are broadcast from the last stage
+  like sampled ids.
 
 Each row drafts k_i tokens (at most `num_speculative_tokens` and the tokens it may still
-emit less one; n-gram: fewer when its match is short or missing), on its own tokens only, so
-its drafts and the uniforms it draws do not depend on the other rows of the batch: seeded
-output is the same at any layout and batch composition. The rows of a micro-batch are
+emit less one; n-gram: fewer when its match is short or missing). The rows of a micro-batch are
 verified in one forward of k_b + 1 positions (k_b = the largest k_i); a shorter row is
 padded with its last token, whose positions are computed and never read. k_b must keep every
 row's positions before --max-model-len, so a row that close to the end caps its batch.
@@ -167,58 +167,21 @@ def greedy_accept(target_logits: torch.Tensor, drafts: list[int]) -> list[int]:
     return out
 
 
-def rejection_sample(target: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None,
-                     generator: torch.Generator | None) -> list[int]:
-    """Emitted ids of a sampled row by the exact acceptance rule (module docstring).
-
-    Args:
-        target: `[k + 1, V]` the target's distributions p_0..p_k (non-negative weights, any
-            positive sum per row; float64 is used) at the row's last token and its drafts.
-        drafts: the k drafted ids.
-        draft_probs: `[k, V]` the proposer's distributions q_j (non-negative, any positive
-            sum), or None for point masses on the drafts (n-gram).
-        generator: the request's generator (one uniform per draft considered, one per
-            emitted token drawn).
-    Returns 1 to k + 1 ids: the accepted drafts, then one drawn token.
-    """
-    p = target.double()
-    p = p / p.sum(dim=-1, keepdim=True)
-    q = None
-    if draft_probs is not None:
-        q = draft_probs.double()
-        q = q / q.sum(dim=-1, keepdim=True)
-    out = []
-    for j, x in enumerate(drafts):
-        qx = 1.0 if q is None else float(q[j, x])
-        u = float(torch.rand((), generator=generator, dtype=torch.float64))
-        if u * qx < float(p[j, x]):
-            out.append(x)
-            continue
-        if q is None:  # max(0, p - point mass at x): p without x
-            residual = p[j].clone()
-            residual[x] = 0.0
-        else:
-            residual = (p[j] - q[j]).clamp_(min=0.0)
-        if not float(residual.sum()) > 0.0:  # p == q up to rounding: rejection had ~0 odds
-            residual = p[j]
-        out.append(draw(residual, generator))
-        return out
-    out.append(draw(p[len(drafts)], generator))
-    return out
-
-
 def verify_row(target_logits: torch.Tensor, drafts: list[int], params: SamplingParams,
-               generator: torch.Generator | None,
-               draft_probs: torch.Tensor | None = None) -> list[int]:
-    """Emitted ids of one row from the target's logits `[k + 1, V]` (real vocabulary) at its
-    last token and its k drafts: `greedy_accept` at temperature 0, else `rejection_sample`
-    with p = the request's `filtered_probs` (`draft_probs` `[k, V]`: the draft model's q,
-    None: n-gram point masses)."""
+               seed: int, position: int) -> list[int]:
+    """Emitted ids of one row (module docstring) from the target's logits `[k + 1, V]` (real
+    vocabulary) at its last token and its k drafts, whose first id is at output `position`
+    of the request seeded `seed`: `greedy_accept` at temperature 0, else the drafts while
+    each equals the target's `draw` from `filtered_probs` keyed by (seed, position + j),
+    then the target's id at the first mismatch or after the last draft."""
     if params.temperature == 0:
         return greedy_accept(target_logits, drafts)
     logits = target_logits.float()
-    p = torch.stack([filtered_probs(logits[j], params) for j in range(len(drafts) + 1)])
-    return rejection_sample(p, drafts, draft_probs, generator)
+    out = []
+    for j in range(len(drafts) + 1):
+        out.append(draw(filtered_probs(logits[j], params), seed, position + j))
+        if j == len(drafts) or out[j] != drafts[j]:
+            return out
 
 
 def pipeline_forward(runner, ids: torch.Tensor, tables: torch.Tensor, starts: torch.Tensor,
@@ -304,14 +267,13 @@ class DraftModelProposer:
         return t
 
     def propose(self, batch, streams: list[list[int]], k: int, wanted: list[int]
-                ) -> tuple[list[list[int]], torch.Tensor | None]:
+                ) -> list[list[int]]:
         """`k` drafts per row of `batch` (requests, with `streams`: their prompt + output),
-        identical on every rank, and on the last stage the draft's distributions q `[b, k,
-        V]` float64 (rows of greedy requests are not filled: they are not needed). Row i's
-        first `wanted[i]` drafts are sampled with its request's parameters and generator,
-        the rest (padding, never verified) are the draft's argmax, so the uniforms a row
-        draws do not depend on the other rows. The first pass feeds each row's tokens the
-        draft has not seen, right-padded; the next k - 1 one token each."""
+        identical on every rank. Row i's first `wanted[i]` drafts are `draw`n with its
+        request's parameters and seed at its output positions (the keys the target's
+        verification uses), the rest (padding, never verified) are the draft's argmax. The
+        first pass feeds each row's tokens the draft has not seen, right-padded; the next
+        k - 1 one token each."""
         from .comm import broadcast_tokens
 
         slots = self._slots(batch)
@@ -320,7 +282,6 @@ class DraftModelProposer:
         feed = [s[c:] for s, c in zip(streams, start)]
         starts = torch.tensor(start)
         drafts = torch.zeros(b, k, dtype=torch.int64)
-        q = None
         for j in range(k):
             if j == 0:
                 logits = self._first_pass(slots, feed, start)
@@ -331,17 +292,15 @@ class DraftModelProposer:
                                           torch.zeros(b, dtype=torch.int64))
             picked = None
             if logits is not None:
-                if q is None:
-                    q = torch.zeros(b, k, logits.shape[-1], dtype=torch.float64)
                 picked, logits = logits.float().argmax(dim=-1), logits.float()
                 for i, r in enumerate(batch):
                     if r.params.temperature != 0 and j < wanted[i]:
-                        q[i, j] = filtered_probs(logits[i], r.params)
-                        picked[i] = draw(q[i, j], r.generator)
+                        picked[i] = draw(filtered_probs(logits[i], r.params), r.seed,
+                                         len(r.output) + j)
             drafts[:, j] = broadcast_tokens(picked, b)
         for i, r in enumerate(batch):  # the cache holds the stream and drafts 1..k-1
             self.cached[r.id] = len(streams[i]) + k - 1
-        return drafts.tolist(), q
+        return drafts.tolist()
 
     def _first_pass(self, slots: list[int], feed: list[list[int]], start: list[int]
                     ) -> torch.Tensor | None:
@@ -404,23 +363,20 @@ class SpecDecoder:
         return 1
 
     def plan(self, batch, streams: list[list[int]], max_seq_length: int
-             ) -> tuple[list[list[int]], torch.Tensor, torch.Tensor | None]:
-        """`(drafts, padded, q)` of a decode micro-batch (`streams`: each request's prompt +
-        output): row i's drafts to verify (k_i of them), the same right-padded to the
-        longest as `[b, k_b]` (the forward's extra positions; padding is never verified),
-        and for a draft model on the last stage its q `[b, k_b, V]` (else None).
+             ) -> tuple[list[list[int]], torch.Tensor]:
+        """`(drafts, padded)` of a decode micro-batch (`streams`: each request's prompt +
+        output): row i's drafts to verify (k_i of them), and the same right-padded to the
+        longest as `[b, k_b]` (the forward's extra positions; padding is never verified).
         k_i is at most `num_speculative_tokens` and the tokens the row may still emit less
-        one (the step emits one of its own): a row's drafts and the uniforms it draws
-        depend on its own tokens only, not on the batch (seeded output is the same at any
-        layout and batch composition), except that every row's positions len - 1 .. len -
-        1 + k_b must stay before `max_seq_length`, which caps k_b for all rows of a batch
-        holding a row that close to the end. k_b = 0: a plain decode step."""
+        one (the step emits one of its own); every row's positions len - 1 .. len - 1 + k_b
+        must stay before `max_seq_length`, which caps k_b for all rows of a batch holding a
+        row that close to the end (fewer drafts, the same ids: module docstring). k_b = 0:
+        a plain decode step."""
         room = min(max_seq_length - len(s) for s in streams)
         ks = [max(0, min(self.k, r.params.max_new_tokens - len(r.output) - 1, room))
               for r in batch]
-        q = None
         if self.draft is not None and max(ks):
-            drafts, q = self.draft.propose(batch, streams, max(ks), ks)
+            drafts = self.draft.propose(batch, streams, max(ks), ks)
             drafts = [d[:n] for d, n in zip(drafts, ks)]
         elif self.draft is None:
             drafts = [self.ngram.propose(s, n) for s, n in zip(streams, ks)]
@@ -429,13 +385,14 @@ class SpecDecoder:
         k = max(map(len, drafts))
         padded = torch.tensor([d + [s[-1]] * (k - len(d)) for d, s in zip(drafts, streams)],
                               dtype=torch.int64).view(len(batch), k)
-        return drafts, padded, q
+        return drafts, padded
 
     def verify(self, batch, logits: torch.Tensor | None, drafts: list[list[int]],
-               q: torch.Tensor | None, streams: list[list[int]]) -> tuple[list, dict]:
+               streams: list[list[int]]) -> tuple[list, dict]:
         """`(runs, logprobs)`: each row's emitted ids (1 to k_i + 1 for its k_i `drafts`),
         the same on every rank, computed on the last stage from `logits [b, k_b + 1, V]`
-        (None elsewhere; row i reads its first k_i + 1) by `verify_row` and broadcast from there as one `[b, k_b + 2]` tensor (count, ids); and
+        (None elsewhere; row i reads its first k_i + 1) by `verify_row` and broadcast from
+        there as one `[b, k_b + 2]` tensor (count, ids); and
         for the rows whose request asked, {request id: [(token, logprob, [(id, logprob)] x
         N)] per emitted id} (the raw model output at its position, as `Engine._sample`
         gives them; broadcast only on steps with such a row). Counts the step in `stats`
@@ -449,10 +406,9 @@ class SpecDecoder:
         if logits is not None:
             packed = torch.zeros(b, k + 2, dtype=torch.int64)
             for i, r in enumerate(batch):
-                sampled = q is not None and r.params.temperature != 0
                 n = len(drafts[i])
-                run = verify_row(logits[i, :n + 1], drafts[i], r.params, r.generator,
-                                 q[i, :n] if sampled else None)
+                run = verify_row(logits[i, :n + 1], drafts[i], r.params, r.seed,
+                                 len(r.output))
                 packed[i, 0] = len(run)
                 packed[i, 1:1 + len(run)] = torch.tensor(run)
         packed = broadcast_tokens(None if packed is None else packed.flatten(),

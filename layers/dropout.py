@@ -49,7 +49,8 @@ _M1, _M2 = 0x7FEB352D, 0x5BD1E995
 SITE_ATTENTION_RESIDUAL, SITE_CROSS_ATTENTION_RESIDUAL, SITE_MLP_RESIDUAL = 0, 1, 2
 
 
-def _mix32_int(x: int) -> int:
+def mix32_int(x: int) -> int:
+    """`mix32` of one Python int in [0, 2^32)."""
     x ^= x >> 16
     x = (x * _M1) & MASK32
     x ^= x >> 15
@@ -93,7 +94,7 @@ def assign_dropout_sites(model: torch.nn.Module) -> None:
 def _row_keys(sample_ids: torch.Tensor, site: torch.Tensor | int) -> torch.Tensor:
     """`[b]` int64 keys of (seed, site, sample) in [0, 2^32)."""
     ids = sample_ids.to(torch.int64)
-    seed = _mix32_int(ps.get_dropout_seed() & MASK32)
+    seed = mix32_int(ps.get_dropout_seed() & MASK32)
     base = mix32((torch.as_tensor(site, device=ids.device) & MASK32) ^ seed)
     keys = mix32((ids & MASK32).add_(base).bitwise_and_(MASK32))
     return mix32(keys.bitwise_xor_((ids >> 32) & MASK32))
