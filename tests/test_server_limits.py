@@ -200,6 +200,119 @@ def test_limits_and_malformed_inputs(server):
     assert status == 200, body  # and the server still serves
 
 
+def _raw_post(port, body: bytes, close: bool, key=API_KEY) -> bytes:
+    """Everything the server sends back to a client that writes headers + the whole body
+    before it reads (as urllib does), until the server closes."""
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  f"application/json\r\nAuthorization: Bearer {key}\r\nContent-Length: "
+                  f"{len(body)}\r\n{'Connection: close' if close else ''}\r\n\r\n"
+                  .encode() + body)
+        got = b""
+        while piece := s.recv(65536):
+            got += piece
+    return got
+
+
+def test_oversized_body_written_whole_gets_its_413(server):
+    """A 10 MB body (10 x --max-request-bytes) written whole before the answer is read: the
+    413 (or 401) with its error body, not ECONNRESET (the server used to close with the body
+    unread, and the kernel reset the connection)."""
+    import urllib.error
+    import urllib.request
+
+    import openai
+
+    _, port, _ = server
+    body = json.dumps({"model": "chain", "prompt": "x" * (10 << 20)}).encode()
+    for close in (True, False):  # urllib sends Connection: close; the server closes anyway
+        got = _raw_post(port, body, close)
+        assert got.startswith(b"HTTP/1.1 413"), got[:200]
+        head, _, rest = got.partition(b"\r\n\r\n")
+        assert b"connection: close" in head.lower(), head
+        assert _error(413, rest, 413)["code"] == "request_too_large"
+    for key, status in ((API_KEY, 413), ("sk-wrong", 401)):
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json",
+                                              "Authorization": f"Bearer {key}"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=60)
+        _error(e.value.code, e.value.read(), status)
+    with pytest.raises(openai.APIStatusError) as e:  # httpx, the openai client's transport
+        _client(port).completions.create(model="chain", prompt="x" * (10 << 20))
+    assert e.value.status_code == 413 and "--max-request-bytes" in e.value.message, e.value
+    status, _, body = _http(port, "POST", "/v1/completions", json.dumps(
+        {"model": "chain", "prompt": "ab", "max_tokens": 2}).encode())
+    assert status == 200, body  # and the server still serves
+
+
+def test_lingering_close_is_bounded():
+    """The discarding after an early answer stops at its bounds, so a client cannot hold the
+    server: one that sends nothing more (idle bound), one that sends without end (byte
+    bound), one that trickles (time bound); each gets the answer, then the server closes."""
+    import threading
+
+    import uvicorn
+
+    from inference.api import LingeringClose
+
+    async def early(scope, receive, send):  # answers before reading the body
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"no"})
+
+    port = free_port()
+    app = LingeringClose(early, max_bytes=1 << 20, max_s=3.0, idle_s=0.5)
+    srv = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.02)
+
+    def session(feed) -> tuple[bytes, float]:
+        """The answer read while `feed(socket)` sends the body in another thread, and the
+        seconds until the server closed."""
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+            s.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 10000000000\r\n\r\n")
+            got = b""
+            while not got.endswith(b"no"):  # the answer comes before the body is read
+                got += s.recv(65536)
+            t0 = time.monotonic()
+            threading.Thread(target=feed, args=(s,), daemon=True).start()
+            try:
+                while piece := s.recv(65536):
+                    got += piece
+            except ConnectionResetError:  # past the bounds a reset is allowed
+                pass
+            return got, time.monotonic() - t0
+
+    def flood(s):
+        try:
+            while True:
+                s.sendall(b"x" * 65536)
+        except OSError:
+            pass
+
+    def trickle(s):
+        try:
+            while True:
+                s.sendall(b"x")
+                time.sleep(0.05)
+        except OSError:
+            pass
+
+    try:
+        for feed, bound in ((lambda s: None, 0.5), (flood, 3.0), (trickle, 3.0)):
+            got, took = session(feed)
+            assert got.startswith(b"HTTP/1.1 413") and got.endswith(b"no"), got
+            assert took < bound + 20, (feed, took)  # generous: a busy 2-core machine
+        _, took = session(trickle)
+        assert took > 2.0, took  # the trickle is read on until the time bound
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+
+
 def _metric(port, name, **labels) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
