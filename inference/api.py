@@ -27,6 +27,7 @@ OPEN_PATHS = ("/health",)  # answered without the API key (load balancers' probe
 LINGER_BYTES = 64 << 20
 LINGER_S = 30.0
 LINGER_IDLE_S = 5.0
+KEEP_ALIVE = ": keep-alive\n\n"  # an SSE comment line: bytes on an idle stream
 
 
 @dataclass
@@ -37,8 +38,9 @@ class Limits:
     max_request_choices: int = 256
 
 
-def build_app(fe: Frontend, limits: Limits = Limits()):
-    """The FastAPI app serving `fe`."""
+def build_app(fe: Frontend, limits: Limits = Limits(), sse_keep_alive_interval: float = 15.0):
+    """The FastAPI app serving `fe`; a stream with no bytes for `sse_keep_alive_interval`
+    seconds gets an SSE comment line (0: never)."""
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
 
@@ -52,7 +54,7 @@ def build_app(fe: Frontend, limits: Limits = Limits()):
     _install_errors_and_auth(app, fe, err)
     app.add_middleware(LingeringClose)  # outside the API key's middleware: its 401 too
     _status_routes(app, fe)
-    _generation_routes(app, fe, limits, err)
+    _generation_routes(app, fe, limits, err, sse_keep_alive_interval)
     return app
 
 
@@ -190,8 +192,9 @@ async def _read_body(req, cap: int) -> bytes:
     return bytes(body)
 
 
-def _generation_routes(app, fe: Frontend, limits: Limits, err) -> None:
-    """POST /v1/completions and /v1/chat/completions."""
+def _generation_routes(app, fe: Frontend, limits: Limits, err, keep_alive: float) -> None:
+    """POST /v1/completions and /v1/chat/completions (streams: a comment line after
+    `keep_alive` seconds without bytes, 0: never)."""
     from fastapi import Request as HTTPRequest
     from fastapi.responses import StreamingResponse
 
@@ -235,7 +238,7 @@ def _generation_routes(app, fe: Frontend, limits: Limits, err) -> None:
             life = fe.open(list(zip(ids, prompts, parsed.params)))
             if parsed.stream:
                 fe.handlers += 1  # the stream's own; this handler's ends below
-                return Stream(life, _stream(life, rid, parsed))
+                return Stream(life, _stream(life, rid, parsed, keep_alive))
             return await _answer(req, life, rid, parsed, err)
         finally:
             fe.handlers -= 1
@@ -296,29 +299,42 @@ async def _answer(req, life, rid: str, parsed, err):
     return protocol.response(rid, parsed, texts, reasons, usage, logprobs)
 
 
-async def _stream(life, rid: str, parsed):
+async def _stream(life, rid: str, parsed, keep_alive: float = 0.0):
     """Server-sent events: one chunk per text delta, a final chunk per choice with its finish
     reason, usage if asked, then `data: [DONE]`; a `Failure` ends the stream with an error
-    event. A client that goes away cancels its choices (Lifetime.close)."""
+    event. After `keep_alive` seconds without a chunk (queued, prefilling, tokens that are
+    not yet whole characters; 0: never) a comment line `: keep-alive`, which SSE clients
+    skip and proxies or clients with read timeouts count as traffic. A client that goes away
+    cancels its choices (Lifetime.close)."""
     index = {cid: i for i, cid in enumerate(life.ids)}
     tokens = 0
+    clock = asyncio.get_running_loop().time
+    sent = clock()  # when the last bytes went out
     try:
         if parsed.chat:
             for i in range(len(life.ids)):
                 yield _sse(protocol.chunk(rid, parsed, i, None, None, first=True))
         left = len(life.ids)
         while left:
-            e = await life.queue.get()
+            wait = max(0.0, sent + keep_alive - clock()) if keep_alive else None
+            try:  # an event that comes as the wait times out stays in the queue
+                e = await asyncio.wait_for(life.queue.get(), wait)
+            except asyncio.TimeoutError:
+                sent = clock()
+                yield KEEP_ALIVE
+                continue
             if isinstance(e, Failure):
                 yield _sse(protocol.error_body(protocol.APIError(e.status, e.message,
                                                                  kind=e.kind)))
                 break
             i = index[e.id]
             if e.text or e.logprobs:
+                sent = clock()
                 yield _sse(protocol.chunk(rid, parsed, i, e.text, None, logprobs=e.logprobs))
             if e.finish_reason is not None:
                 left -= 1
                 tokens += e.completion_tokens
+                sent = clock()
                 yield _sse(protocol.chunk(rid, parsed, i, None, e.finish_reason))
         else:
             if parsed.include_usage:

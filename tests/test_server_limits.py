@@ -26,6 +26,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 API_KEY = "sk-limits"
 TEXT = "ab 😀é好 x"  # the forced output spells this: emoji, accent, CJK as byte tokens
 MAX_BYTES = 1 << 20
+KEEP_ALIVE_S = 0.2  # --sse-keep-alive-interval: every stream here may carry comment lines
 
 
 def _chain_model(folder: str) -> list[int]:
@@ -65,7 +66,8 @@ def server(tmp_path_factory):
     cmd = [sys.executable, os.path.join(REPO, "infer.py"), "--hf", folder, "--serve",
            "--port", str(port), "--served-model-name", "chain", "--api-key", API_KEY,
            "--max-request-bytes", str(MAX_BYTES), "--max-request-choices", "64",
-           "--max-model-len", "4096", "--max-batch-size", "4"]
+           "--max-model-len", "4096", "--max-batch-size", "4",
+           "--sse-keep-alive-interval", str(KEEP_ALIVE_S)]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     read_until(proc, [], "serving chain on")
@@ -355,6 +357,78 @@ def test_disconnected_non_streaming_client_is_cancelled_and_metrics(server):
         assert _metric(port, name, replica="0", model_name="chain") > 0, name
     assert _metric(port, "shardzoo:kv_cache_usage_perc", replica="0") == 0.0
     assert _metric(port, "shardzoo:request_errors_total") > 0  # the limits test's 4xx
+
+
+def _until(check, what: str, timeout: float = 60):
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_queued_stream_keep_alive_and_queue_time(server):
+    """A stream queued behind a full batch gets `: keep-alive` comment lines (every
+    --sse-keep-alive-interval seconds) before its first token; the openai client parses a
+    stream that carries them; a queued request whose client gives up is counted in
+    request_queue_time_seconds with the time it waited."""
+    import http.client
+
+    import infer
+
+    assert infer.parse_args(["--hf", "x", "--serve", "--sse-keep-alive-interval", "0"]
+                            ).sse_keep_alive_interval == 0
+    for bad in ("-1", "nan", "inf"):
+        with pytest.raises(SystemExit) as e:
+            infer.parse_args(["--hf", "x", "--serve", "--sse-keep-alive-interval", bad])
+        assert e.value.code == 2
+    _, port, ids = server
+    want = _client(port).completions.create(model="chain", prompt=ids[:1], max_tokens=20,
+                                            temperature=0).choices[0].text
+    queued = _metric(port, "shardzoo:request_queue_time_seconds_count")
+    body = json.dumps({"model": "chain", "prompt": ids[:1], "max_tokens": 4000, "n": 4,
+                       "ignore_eos": True, "temperature": 0}).encode()
+    blocker = socket.create_connection(("127.0.0.1", port), timeout=60)  # 4 of 4 slots
+    blocker.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                    f"application/json\r\nAuthorization: Bearer {API_KEY}\r\nContent-Length: "
+                    f"{len(body)}\r\n\r\n".encode() + body)
+    try:
+        queued += 4  # each blocking choice's wait, with its first token
+        _until(lambda: _metric(port, "shardzoo:request_queue_time_seconds_count") == queued,
+               "the blocking request did not start")
+        waited = _metric(port, "shardzoo:request_queue_time_seconds_sum")
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/completions", body=json.dumps(
+            {"model": "chain", "prompt": ids[:1], "max_tokens": 20, "stream": True}),
+            headers={"content-type": "application/json", "authorization": f"Bearer {API_KEY}"})
+        r = conn.getresponse()
+        assert r.status == 200 and r.getheader("content-type").startswith("text/event-stream")
+        lines = [r.readline() for _ in range(4)]  # two comments, each with its blank line
+        assert lines == [b": keep-alive\r\n", b"\r\n"] * 2 or \
+            lines == [b": keep-alive\n", b"\n"] * 2, lines
+        assert _metric(port, "shardzoo:num_requests_waiting") == 1
+        conn.close()  # the client gives up while queued: cancelled, its wait counted
+        _until(lambda: _metric(port, "shardzoo:request_queue_time_seconds_count") == queued + 1,
+               "the queued request that was cancelled is not in request_queue_time_seconds")
+        assert _metric(port, "shardzoo:request_queue_time_seconds_sum") - waited >= \
+            2 * KEEP_ALIVE_S
+        # the official client, queued for five intervals (comments), then served
+        import threading
+        got = {}
+
+        def stream():
+            chunks = _client(port).completions.create(model="chain", prompt=ids[:1],
+                                                      max_tokens=20, temperature=0, stream=True)
+            got["text"] = "".join(c.choices[0].text for c in chunks)
+        reader = threading.Thread(target=stream)
+        reader.start()
+        _until(lambda: _metric(port, "shardzoo:num_requests_waiting") == 1, "not queued")
+        time.sleep(5 * KEEP_ALIVE_S)
+    finally:
+        blocker.close()  # cancels the 4 blocking choices
+    reader.join(timeout=120)
+    assert got.get("text") == want, (got, want)
+    _until(lambda: json.loads(_http(port, "GET", "/health", key=None)[2])["replicas"][0][
+        "queued_tokens"] == 0, "the blocking request was not cancelled")
 
 
 def test_real_smollm2_streamed_and_not_equal_decode():
