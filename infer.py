@@ -155,6 +155,10 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                      help="largest request body in bytes (413 above it, before reading it)")
     srv.add_argument("--max-request-choices", type=int, default=256,
                      help="prompts x n of one request, at most (400 above it)")
+    srv.add_argument("--sse-keep-alive-interval", type=float, default=15.0,
+                     help="seconds a stream may go without bytes (queued, prefilling, between "
+                          "tokens) before the server sends an SSE comment line ': keep-alive', "
+                          "so proxies and clients with idle timeouts keep it open (0: never)")
 
 
 def _check_sizes(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -177,6 +181,8 @@ def _check_sizes(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(str(e))
     if not 0 <= args.shutdown_timeout < float("inf"):
         p.error("--shutdown-timeout must be a number of seconds >= 0")
+    if not 0 <= args.sse_keep_alive_interval < float("inf"):
+        p.error("--sse-keep-alive-interval must be a number of seconds >= 0 (0: no keep-alive)")
     if args.inference_micro_batches is not None and args.inference_micro_batches < 1:
         p.error("--inference-micro-batches must be >= 1")
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -349,7 +355,7 @@ def run_server(args, engine, tokenizer, name: str, generation_config: dict, rank
               args.api_key, shutdown_timeout=args.shutdown_timeout,
               max_request_bytes=args.max_request_bytes,
               max_request_choices=args.max_request_choices,
-              sampling_defaults=defaults)
+              sampling_defaults=defaults, sse_keep_alive_interval=args.sse_keep_alive_interval)
     except RuntimeError as e:  # a rank died: exit non-zero so torchrun restarts us
         print(f"infer.py: error: {e}", file=sys.stderr, flush=True)
         return 1

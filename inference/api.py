@@ -21,6 +21,13 @@ from . import protocol
 from .frontend import Failure, Frontend
 
 OPEN_PATHS = ("/health",)  # answered without the API key (load balancers' probes)
+# after an answer given before the request body was read, the rest of the body is read and
+# discarded before the connection closes: at most LINGER_BYTES bytes, LINGER_S seconds in all
+# and LINGER_IDLE_S seconds between two pieces (nginx's lingering_time / lingering_timeout)
+LINGER_BYTES = 64 << 20
+LINGER_S = 30.0
+LINGER_IDLE_S = 5.0
+KEEP_ALIVE = ": keep-alive\n\n"  # an SSE comment line: bytes on an idle stream
 
 
 @dataclass
@@ -31,8 +38,9 @@ class Limits:
     max_request_choices: int = 256
 
 
-def build_app(fe: Frontend, limits: Limits = Limits()):
-    """The FastAPI app serving `fe`."""
+def build_app(fe: Frontend, limits: Limits = Limits(), sse_keep_alive_interval: float = 15.0):
+    """The FastAPI app serving `fe`; a stream with no bytes for `sse_keep_alive_interval`
+    seconds gets an SSE comment line (0: never)."""
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
 
@@ -44,9 +52,69 @@ def build_app(fe: Frontend, limits: Limits = Limits()):
         return JSONResponse(protocol.error_body(e), status_code=e.status, headers=headers)
 
     _install_errors_and_auth(app, fe, err)
+    app.add_middleware(LingeringClose)  # outside the API key's middleware: its 401 too
     _status_routes(app, fe)
-    _generation_routes(app, fe, limits, err)
+    _generation_routes(app, fe, limits, err, sse_keep_alive_interval)
     return app
+
+
+class LingeringClose:
+    """ASGI middleware: when the app answers a request before it has read the whole body (a
+    413 from Content-Length, a 401, a 503), the answer goes out with `Connection: close`, then
+    the rest of the body is read and discarded -- at most `max_bytes` bytes, `max_s` seconds
+    in all, `idle_s` seconds waiting for any one piece, and not past the client's own close --
+    and only then does the response end and the server close the connection (nginx's
+    lingering close). Closing a socket whose received data is unread makes the kernel reset
+    the connection, and a client that writes its whole body before reading (urllib, httpx
+    with a body it sends in one go) then gets ECONNRESET instead of the answer. A client
+    that sends more than the bounds allow may still see the reset."""
+
+    def __init__(self, app, max_bytes: int = LINGER_BYTES, max_s: float = LINGER_S,
+                 idle_s: float = LINGER_IDLE_S):
+        self.app, self.max_bytes, self.max_s, self.idle_s = app, max_bytes, max_s, idle_s
+
+    async def __call__(self, scope, receive, send):
+        headers = dict(scope.get("headers", ())) if scope["type"] == "http" else {}
+        if headers.get(b"content-length", b"0") in (b"0", b"") and \
+                b"chunked" not in headers.get(b"transfer-encoding", b"").lower():
+            return await self.app(scope, receive, send)  # no body, or not HTTP
+        read = {"done": False}  # the body's last piece (or the client's close) was received
+
+        async def tracked_receive():
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                read["done"] = True
+            return message
+
+        async def lingering_send(message):
+            if read["done"]:
+                return await send(message)
+            if message["type"] == "http.response.start":
+                kept = [(k, v) for k, v in message.get("headers", ()) if k.lower() !=
+                        b"connection"]
+                return await send({**message, "headers": kept + [(b"connection", b"close")]})
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                await send({**message, "more_body": True})  # the answer, whole
+                await self._discard(tracked_receive, read)
+                return await send({"type": "http.response.body", "body": b"",
+                                   "more_body": False})
+            return await send(message)
+
+        await self.app(scope, tracked_receive, lingering_send)
+
+    async def _discard(self, receive, read: dict) -> None:
+        """Read and drop the body's rest within the bounds."""
+        loop = asyncio.get_running_loop()
+        end, left = loop.time() + self.max_s, self.max_bytes
+        while not read["done"] and left > 0:
+            wait = min(self.idle_s, end - loop.time())
+            if wait <= 0:
+                return
+            try:
+                message = await asyncio.wait_for(receive(), wait)
+            except asyncio.TimeoutError:
+                return
+            left -= len(message.get("body", b""))
 
 
 def _install_errors_and_auth(app, fe: Frontend, err) -> None:
@@ -126,8 +194,9 @@ async def _read_body(req, cap: int) -> bytes:
     return bytes(body)
 
 
-def _generation_routes(app, fe: Frontend, limits: Limits, err) -> None:
-    """POST /v1/completions and /v1/chat/completions."""
+def _generation_routes(app, fe: Frontend, limits: Limits, err, keep_alive: float) -> None:
+    """POST /v1/completions and /v1/chat/completions (streams: a comment line after
+    `keep_alive` seconds without bytes, 0: never)."""
     from fastapi import Request as HTTPRequest
     from fastapi.responses import StreamingResponse
 
@@ -171,7 +240,7 @@ def _generation_routes(app, fe: Frontend, limits: Limits, err) -> None:
             life = fe.open(list(zip(ids, prompts, parsed.params)))
             if parsed.stream:
                 fe.handlers += 1  # the stream's own; this handler's ends below
-                return Stream(life, _stream(life, rid, parsed))
+                return Stream(life, _stream(life, rid, parsed, keep_alive))
             return await _answer(req, life, rid, parsed, err)
         finally:
             fe.handlers -= 1
@@ -232,29 +301,42 @@ async def _answer(req, life, rid: str, parsed, err):
     return protocol.response(rid, parsed, texts, reasons, usage, logprobs)
 
 
-async def _stream(life, rid: str, parsed):
+async def _stream(life, rid: str, parsed, keep_alive: float = 0.0):
     """Server-sent events: one chunk per text delta, a final chunk per choice with its finish
     reason, usage if asked, then `data: [DONE]`; a `Failure` ends the stream with an error
-    event. A client that goes away cancels its choices (Lifetime.close)."""
+    event. After `keep_alive` seconds without a chunk (queued, prefilling, tokens that are
+    not yet whole characters; 0: never) a comment line `: keep-alive`, which SSE clients
+    skip and proxies or clients with read timeouts count as traffic. A client that goes away
+    cancels its choices (Lifetime.close)."""
     index = {cid: i for i, cid in enumerate(life.ids)}
     tokens = 0
+    clock = asyncio.get_running_loop().time
+    sent = clock()  # when the last bytes went out
     try:
         if parsed.chat:
             for i in range(len(life.ids)):
                 yield _sse(protocol.chunk(rid, parsed, i, None, None, first=True))
         left = len(life.ids)
         while left:
-            e = await life.queue.get()
+            wait = max(0.0, sent + keep_alive - clock()) if keep_alive else None
+            try:  # an event that comes as the wait times out stays in the queue
+                e = await asyncio.wait_for(life.queue.get(), wait)
+            except asyncio.TimeoutError:
+                sent = clock()
+                yield KEEP_ALIVE
+                continue
             if isinstance(e, Failure):
                 yield _sse(protocol.error_body(protocol.APIError(e.status, e.message,
                                                                  kind=e.kind)))
                 break
             i = index[e.id]
             if e.text or e.logprobs:
+                sent = clock()
                 yield _sse(protocol.chunk(rid, parsed, i, e.text, None, logprobs=e.logprobs))
             if e.finish_reason is not None:
                 left -= 1
                 tokens += e.completion_tokens
+                sent = clock()
                 yield _sse(protocol.chunk(rid, parsed, i, None, e.finish_reason))
         else:
             if parsed.include_usage:

@@ -59,6 +59,9 @@ class Frontend:
         self.shutdown_timeout = shutdown_timeout
         self.inbox: queue.Queue = queue.Queue()
         self.choices: dict[str, _Choice] = {}
+        # cancelled choices with no tokens yet: id -> replica, until the engine's last event
+        # for them (it carries the time they waited in the queue)
+        self.leaving: dict[str, int] = {}
         self.work = [0] * dp  # tokens still to generate at most, per replica
         self.served = [0] * dp  # choices finished, per replica (GET /health)
         self.lock = threading.Lock()
@@ -89,8 +92,10 @@ class Frontend:
         with self.lock:
             gone = [(rid, c) for rid, c in ((rid, self.choices.pop(rid, None)) for rid in ids)
                     if c is not None]
-            for _, c in gone:
+            for rid, c in gone:
                 self.work[c.replica] -= c.budget
+                if c.last is None:
+                    self.leaving[rid] = c.replica
         if not gone:
             return
         if self.metrics is not None:
@@ -162,8 +167,13 @@ class Frontend:
         for e in events:
             with self.lock:
                 c = self.choices.get(e.id)
-                if c is None:
-                    continue  # cancelled by its client, or failed above
+                if c is None:  # cancelled by its client, or failed above
+                    rep = self.leaving.get(e.id)
+                    if rep is not None and (e.queue_s is not None or e.finish_reason):
+                        del self.leaving[e.id]
+                        if e.queue_s is not None and self.metrics is not None:
+                            self.metrics.queued(rep, e.queue_s)
+                    continue
                 done = c.budget if e.finish_reason is not None else len(e.token_ids)
                 c.budget -= done
                 self.work[c.replica] -= done

@@ -19,7 +19,8 @@ them with the `shardzoo:` prefix, labelled by `model_name` and data-parallel `re
   drafts), both over the server's life;
 - histograms (seconds): `time_to_first_token_seconds` (arrival at the HTTP layer to the first
   generated token), `inter_token_latency_seconds` (between consecutive events of a request,
-  per token), `request_queue_time_seconds` (waiting in the engine before its prefill),
+  per token), `request_queue_time_seconds` (waiting in the engine before its prefill; a
+  request cancelled before it, e.g. its client gave up, counts with the time it waited),
   `e2e_request_latency_seconds`.
 
 One registry per server (not the process-global one), so tests and several servers in one
@@ -126,7 +127,7 @@ class ServerMetrics:
         if n and last is None:  # its first tokens
             self.prompt_tokens.labels(*lab).inc(e.prompt_tokens)
             if getattr(e, "queue_s", None) is not None:
-                self.queue.labels(*lab).observe(e.queue_s)
+                self.queued(replica, e.queue_s)
         if n:
             self.generation_tokens.labels(*lab).inc(n)
             with self._lock:
@@ -139,6 +140,11 @@ class ServerMetrics:
             reason = "abort" if e.finish_reason == "cancelled" else e.finish_reason
             self.success.labels(*lab, reason).inc()
             self.e2e.labels(*lab).observe(now - arrival)
+
+    def queued(self, replica: int, seconds: float) -> None:
+        """A request waited `seconds` in its engine's queue before its first prefill (or,
+        cancelled before it, until then)."""
+        self.queue.labels(self.model_name, str(replica)).observe(seconds)
 
     def aborted(self, replica: int, arrival: float) -> None:
         """A request ended before it finished: its client went away, or it failed."""

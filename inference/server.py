@@ -40,13 +40,15 @@ FLUSH_S = 5.0  # how long rank 0 waits for the HTTP layer to send error bodies b
 def serve(engine, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, log=print, *, shutdown_timeout: float = 20.0,
           max_request_bytes: int = 4 << 20, max_request_choices: int = 256,
-          sampling_defaults: dict | None = None) -> None:
+          sampling_defaults: dict | None = None, sse_keep_alive_interval: float = 15.0) -> None:
     """Run the server until SIGTERM / Ctrl-C (collective: every rank of the world calls it).
 
     `shutdown_timeout`: seconds in-flight requests may still run after the first signal.
     `max_request_bytes`: larger request bodies get 413 before they are read.
     `max_request_choices`: prompts x n of one request, at most.
     `sampling_defaults`: a request's defaults (protocol.sampling_defaults) instead of OpenAI's.
+    `sse_keep_alive_interval`: seconds without bytes before a stream gets an SSE comment
+    line (0: none).
     Raises `RuntimeError` when a collective fails (a rank died), after rank 0 has answered
     every open request with an error body."""
     rank = dist.get_rank()
@@ -71,7 +73,8 @@ def serve(engine, tokenizer, model_name: str, host: str = "127.0.0.1", port: int
 
         fe = Frontend(engine, tokenizer, model_name, api_key, dp,
                       ServerMetrics(model_name, dp), shutdown_timeout, sampling_defaults)
-        app = build_app(fe, Limits(max_request_bytes, max_request_choices))
+        app = build_app(fe, Limits(max_request_bytes, max_request_choices),
+                        sse_keep_alive_interval)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning",
                                 timeout_graceful_shutdown=5)
         server = uvicorn.Server(config)
@@ -115,8 +118,11 @@ def _loop(engine, fe: Frontend | None, my_replica: int, leader: bool) -> None:
                 engine.add(Request(rid, prompt, params))
         for rid in msg["cancel"]:
             r = engine.cancel(rid)
-            if r is not None:
-                events.append(Event(r.id, [], "", "cancelled", len(r.prompt), len(r.output)))
+            if r is not None:  # not yet admitted: its wait so far is its queue time
+                waited = None if r.output else r.queue_s if r.queue_s is not None else \
+                    time.monotonic() - r.arrival
+                events.append(Event(r.id, [], "", "cancelled", len(r.prompt), len(r.output),
+                                    queue_s=waited))
         if not msg["stop"] and engine.has_work():
             events += engine.step()
         gathered = gather_to_rank0((events, engine.stats()) if leader else None)

@@ -26,6 +26,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 API_KEY = "sk-limits"
 TEXT = "ab 😀é好 x"  # the forced output spells this: emoji, accent, CJK as byte tokens
 MAX_BYTES = 1 << 20
+KEEP_ALIVE_S = 0.2  # --sse-keep-alive-interval: every stream here may carry comment lines
 
 
 def _chain_model(folder: str) -> list[int]:
@@ -65,7 +66,8 @@ def server(tmp_path_factory):
     cmd = [sys.executable, os.path.join(REPO, "infer.py"), "--hf", folder, "--serve",
            "--port", str(port), "--served-model-name", "chain", "--api-key", API_KEY,
            "--max-request-bytes", str(MAX_BYTES), "--max-request-choices", "64",
-           "--max-model-len", "4096", "--max-batch-size", "4"]
+           "--max-model-len", "4096", "--max-batch-size", "4",
+           "--sse-keep-alive-interval", str(KEEP_ALIVE_S)]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     read_until(proc, [], "serving chain on")
@@ -211,6 +213,119 @@ def test_limits_and_malformed_inputs(server):
     assert status == 200, body  # and the server still serves
 
 
+def _raw_post(port, body: bytes, close: bool, key=API_KEY) -> bytes:
+    """Everything the server sends back to a client that writes headers + the whole body
+    before it reads (as urllib does), until the server closes."""
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  f"application/json\r\nAuthorization: Bearer {key}\r\nContent-Length: "
+                  f"{len(body)}\r\n{'Connection: close' if close else ''}\r\n\r\n"
+                  .encode() + body)
+        got = b""
+        while piece := s.recv(65536):
+            got += piece
+    return got
+
+
+def test_oversized_body_written_whole_gets_its_413(server):
+    """A 10 MB body (10 x --max-request-bytes) written whole before the answer is read: the
+    413 (or 401) with its error body, not ECONNRESET (the server used to close with the body
+    unread, and the kernel reset the connection)."""
+    import urllib.error
+    import urllib.request
+
+    import openai
+
+    _, port, _ = server
+    body = json.dumps({"model": "chain", "prompt": "x" * (10 << 20)}).encode()
+    for close in (True, False):  # urllib sends Connection: close; the server closes anyway
+        got = _raw_post(port, body, close)
+        assert got.startswith(b"HTTP/1.1 413"), got[:200]
+        head, _, rest = got.partition(b"\r\n\r\n")
+        assert b"connection: close" in head.lower(), head
+        assert _error(413, rest, 413)["code"] == "request_too_large"
+    for key, status in ((API_KEY, 413), ("sk-wrong", 401)):
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json",
+                                              "Authorization": f"Bearer {key}"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=60)
+        _error(e.value.code, e.value.read(), status)
+    with pytest.raises(openai.APIStatusError) as e:  # httpx, the openai client's transport
+        _client(port).completions.create(model="chain", prompt="x" * (10 << 20))
+    assert e.value.status_code == 413 and "--max-request-bytes" in e.value.message, e.value
+    status, _, body = _http(port, "POST", "/v1/completions", json.dumps(
+        {"model": "chain", "prompt": "ab", "max_tokens": 2}).encode())
+    assert status == 200, body  # and the server still serves
+
+
+def test_lingering_close_is_bounded():
+    """The discarding after an early answer stops at its bounds, so a client cannot hold the
+    server: one that sends nothing more (idle bound), one that sends without end (byte
+    bound), one that trickles (time bound); each gets the answer, then the server closes."""
+    import threading
+
+    import uvicorn
+
+    from inference.api import LingeringClose
+
+    async def early(scope, receive, send):  # answers before reading the body
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"no"})
+
+    port = free_port()
+    app = LingeringClose(early, max_bytes=1 << 20, max_s=3.0, idle_s=0.5)
+    srv = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.02)
+
+    def session(feed) -> tuple[bytes, float]:
+        """The answer read while `feed(socket)` sends the body in another thread, and the
+        seconds until the server closed."""
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+            s.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 10000000000\r\n\r\n")
+            got = b""
+            while not got.endswith(b"no"):  # the answer comes before the body is read
+                got += s.recv(65536)
+            t0 = time.monotonic()
+            threading.Thread(target=feed, args=(s,), daemon=True).start()
+            try:
+                while piece := s.recv(65536):
+                    got += piece
+            except ConnectionResetError:  # past the bounds a reset is allowed
+                pass
+            return got, time.monotonic() - t0
+
+    def flood(s):
+        try:
+            while True:
+                s.sendall(b"x" * 65536)
+        except OSError:
+            pass
+
+    def trickle(s):
+        try:
+            while True:
+                s.sendall(b"x")
+                time.sleep(0.05)
+        except OSError:
+            pass
+
+    try:
+        for feed, bound in ((lambda s: None, 0.5), (flood, 3.0), (trickle, 3.0)):
+            got, took = session(feed)
+            assert got.startswith(b"HTTP/1.1 413") and got.endswith(b"no"), got
+            assert took < bound + 20, (feed, took)  # generous: a busy 2-core machine
+        _, took = session(trickle)
+        assert took > 2.0, took  # the trickle is read on until the time bound
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+
+
 def _metric(port, name, **labels) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -253,6 +368,78 @@ def test_disconnected_non_streaming_client_is_cancelled_and_metrics(server):
         assert _metric(port, name, replica="0", model_name="chain") > 0, name
     assert _metric(port, "shardzoo:kv_cache_usage_perc", replica="0") == 0.0
     assert _metric(port, "shardzoo:request_errors_total") > 0  # the limits test's 4xx
+
+
+def _until(check, what: str, timeout: float = 60):
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_queued_stream_keep_alive_and_queue_time(server):
+    """A stream queued behind a full batch gets `: keep-alive` comment lines (every
+    --sse-keep-alive-interval seconds) before its first token; the openai client parses a
+    stream that carries them; a queued request whose client gives up is counted in
+    request_queue_time_seconds with the time it waited."""
+    import http.client
+
+    import infer
+
+    assert infer.parse_args(["--hf", "x", "--serve", "--sse-keep-alive-interval", "0"]
+                            ).sse_keep_alive_interval == 0
+    for bad in ("-1", "nan", "inf"):
+        with pytest.raises(SystemExit) as e:
+            infer.parse_args(["--hf", "x", "--serve", "--sse-keep-alive-interval", bad])
+        assert e.value.code == 2
+    _, port, ids = server
+    want = _client(port).completions.create(model="chain", prompt=ids[:1], max_tokens=20,
+                                            temperature=0).choices[0].text
+    queued = _metric(port, "shardzoo:request_queue_time_seconds_count")
+    body = json.dumps({"model": "chain", "prompt": ids[:1], "max_tokens": 4000, "n": 4,
+                       "ignore_eos": True, "temperature": 0}).encode()
+    blocker = socket.create_connection(("127.0.0.1", port), timeout=60)  # 4 of 4 slots
+    blocker.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                    f"application/json\r\nAuthorization: Bearer {API_KEY}\r\nContent-Length: "
+                    f"{len(body)}\r\n\r\n".encode() + body)
+    try:
+        queued += 4  # each blocking choice's wait, with its first token
+        _until(lambda: _metric(port, "shardzoo:request_queue_time_seconds_count") == queued,
+               "the blocking request did not start")
+        waited = _metric(port, "shardzoo:request_queue_time_seconds_sum")
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/completions", body=json.dumps(
+            {"model": "chain", "prompt": ids[:1], "max_tokens": 20, "stream": True}),
+            headers={"content-type": "application/json", "authorization": f"Bearer {API_KEY}"})
+        r = conn.getresponse()
+        assert r.status == 200 and r.getheader("content-type").startswith("text/event-stream")
+        lines = [r.readline() for _ in range(4)]  # two comments, each with its blank line
+        assert lines == [b": keep-alive\r\n", b"\r\n"] * 2 or \
+            lines == [b": keep-alive\n", b"\n"] * 2, lines
+        assert _metric(port, "shardzoo:num_requests_waiting") == 1
+        conn.close()  # the client gives up while queued: cancelled, its wait counted
+        _until(lambda: _metric(port, "shardzoo:request_queue_time_seconds_count") == queued + 1,
+               "the queued request that was cancelled is not in request_queue_time_seconds")
+        assert _metric(port, "shardzoo:request_queue_time_seconds_sum") - waited >= \
+            2 * KEEP_ALIVE_S
+        # the official client, queued for five intervals (comments), then served
+        import threading
+        got = {}
+
+        def stream():
+            chunks = _client(port).completions.create(model="chain", prompt=ids[:1],
+                                                      max_tokens=20, temperature=0, stream=True)
+            got["text"] = "".join(c.choices[0].text for c in chunks)
+        reader = threading.Thread(target=stream)
+        reader.start()
+        _until(lambda: _metric(port, "shardzoo:num_requests_waiting") == 1, "not queued")
+        time.sleep(5 * KEEP_ALIVE_S)
+    finally:
+        blocker.close()  # cancels the 4 blocking choices
+    reader.join(timeout=120)
+    assert got.get("text") == want, (got, want)
+    _until(lambda: json.loads(_http(port, "GET", "/health", key=None)[2])["replicas"][0][
+        "queued_tokens"] == 0, "the blocking request was not cancelled")
 
 
 def test_real_smollm2_streamed_and_not_equal_decode():
