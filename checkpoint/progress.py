@@ -31,19 +31,28 @@ class ProgressLog:
                  every: float = 30.0, clock: Callable[[], float] = time.perf_counter):
         self.say, self.every, self.clock = say, every, clock
         self.start = clock()
-        self.next_at = first
+        self.next_at, self.now = first, 0.0
 
     def elapsed(self) -> float:
         """Seconds since this log was made."""
         return self.clock() - self.start
 
+    def due(self) -> bool:
+        """Whether a line is due now; if so the next one is due `every` seconds later (for a
+        caller that prints its own way, as the straggler report does)."""
+        self.now = self.elapsed()
+        if self.now < self.next_at:
+            return False
+        self.next_at = self.now + self.every
+        return True
+
+    def restart(self) -> None:
+        """Count a line said now, out of turn: the next is due `every` seconds from now."""
+        self.next_at = self.elapsed() + self.every
+
     def __call__(self, line: str | Callable[[float], str]) -> bool:
         """Say `line` if one is due; returns whether it was said."""
-        if self.say is None:
+        if self.say is None or not self.due():
             return False
-        elapsed = self.elapsed()
-        if elapsed < self.next_at:
-            return False
-        self.next_at = elapsed + self.every
-        self.say(line(elapsed) if callable(line) else line)
+        self.say(line(self.now) if callable(line) else line)
         return True

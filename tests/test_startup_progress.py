@@ -70,3 +70,94 @@ def test_infer_says_what_it_loads_on_rank_0_only(tmp_path):
     bars = [ln for ln in err.splitlines() if ln.startswith("Converting and de-quantizing")]
     assert bars and sum("100%|" in ln for ln in bars) == 1, bars
     assert where[2] < err.index("Converting and de-quantizing") < where[3]
+
+
+def test_tokenizing_the_demo_corpus_shows_progress(tmp_path, monkeypatch, capsys):
+    """Building the demo corpus with a given tokenizer (a fine-tune's new one took 110 s)
+    says what it tokenizes, then after 5 s and every 15 s the documents and tokens done and
+    the rate; not a line per document. Before: nothing until the corpus was built."""
+    import checkpoint.progress as progress
+    from data_pipeline import default_corpus
+    from test_finetune import _tokenizer
+
+    files = []
+    for i in range(40):
+        path = tmp_path / f"doc{i:02d}.py"
+        path.write_text(f"def f{i}(x):\n    return x + {i}\n" * (i + 1))
+        files.append(str(path))
+    tok = str(tmp_path / "tok")
+    _tokenizer(tok, "".join(open(f).read() for f in files))
+    now = [0.0]
+
+    def clock():  # one second a document: each document asks the clock once
+        now[0] += 1.0
+        return now[0]
+
+    monkeypatch.setattr(default_corpus, "ProgressLog",
+                        lambda say, **kw: progress.ProgressLog(say, clock=clock, **kw))
+    prefix, _ = default_corpus.ensure_default_corpus(str(tmp_path / "cache"), files=files,
+                                                     tokenizer=tok)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"demo corpus: tokenizing 40 files with {tok}"
+    ticks = [ln for ln in lines if ln.startswith("demo corpus: tokenizing: ")]
+    assert [ln.split(": ")[2].split(" ")[0] for ln in ticks] == ["5/40", "20/40", "35/40"]
+    from data_pipeline import IndexedDataset
+
+    ds = IndexedDataset(prefix)
+    first5 = sum(len(ds[i]) for i in range(5))
+    assert ticks[0] == (f"demo corpus: tokenizing: 5/40 documents, {first5:,} tokens in 00:05 "
+                        f"({first5 / 5:,.0f} tokens/s)")
+    assert "built the demo corpus" in lines[-1] and len(lines) == 5
+
+
+def test_diloco_memory_line_names_the_data_parallel_size():
+    """DiLoCo at dp 2: the memory line said `no_shard at dp 1` (the wrappers' group, one
+    rank); it names dp 2 and that each replica holds whole states. Without DiLoCo the
+    sharding group's size stays."""
+    from training.arguments import parse_config
+    from training.trainer import memory_line
+
+    state = {"total": 3 << 20, "params": 1 << 20, "grads": 1 << 20, "main_params": 0,
+             "optimizer_states": 1 << 20, "strategy": "no_shard", "dp": 1, "edp": 1,
+             "predicted_total": 3 << 20, "host_total": 0, "nvme_total": 0}
+    act = {"activation_bytes_per_microbatch": 1 << 20, "activation_bytes_layers": 1 << 19,
+           "activation_bytes_layers_predicted": 1 << 19}
+    config = parse_config(["--config", "configs/tiny-llama.yaml", "--diloco-sync-every", "5"])
+    config.validate(2)
+    line = memory_line(config, state, act, [4 << 20, 4 << 20])
+    assert "no_shard at dp 2 (DiLoCo: each replica holds whole states" in line, line
+    assert "at dp 1" not in line
+    plain = parse_config(["--config", "configs/tiny-llama.yaml",
+                          "--use-distributed-optimizer"])
+    plain.validate(2)
+    line = memory_line(plain, dict(state, strategy="optim", dp=2, edp=2), act, [4 << 20, 4 << 20])
+    assert "; optim at dp 2, ZeRO formula 3.0)" in line, line
+
+
+def test_report_comm_over_a_diloco_period_prints_whole_calls():
+    """--report-comm under DiLoCo counts one outer step of H steps: the counts printed and
+    recorded are the totals (whole calls, e.g. 9 over 4 steps) beside the planner's H
+    synchronous steps, and the record says how many steps; before, per-step means printed
+    as "2.25 calls". One step: as before."""
+    from planner.communication import step_communication
+    from planner.report import comm_report, run_end_summary
+    from training.arguments import parse_config
+
+    config = parse_config(["--config", "configs/tiny-llama.yaml", "--diloco-sync-every", "5",
+                           "--eval-interval", "5"])
+    config.validate(2)
+    one = step_communication(config, False)
+    key = sorted(one)[0]
+    counted = {key: (9, 9 * 1000 + 4), ("dp", "all_gather_object"): (1, 10)}
+    rec, lines = comm_report(config, counted, 6, first_step=False, steps=4)
+    assert rec["steps"] == 4
+    row = next(r for r in rec["comm"] if (r["group"], r["op"]) == key)
+    assert (row["calls"], row["bytes"]) == (9, 9004)
+    assert (row["predicted_calls"], row["predicted_bytes"]) == (4 * one[key][0], 4 * one[key][1])
+    for line in lines[:len(rec["comm"])]:
+        counts = line.split("|")[0].split()[-4::2] + line.split("|")[1].split()[-4::2]
+        assert [c.replace(",", "").isdigit() for c in counts] == [True] * 4, line
+    assert "over the 4 counted steps" in run_end_summary(config, rec, None)[1]
+    single, _ = comm_report(config, {key: one[key]}, 2, steps=1)
+    assert single["steps"] == 1 and single["comm_ratio"] is not None
+    assert "per step" in run_end_summary(config, single, None)[1]
