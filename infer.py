@@ -344,6 +344,25 @@ def speculative(args, model, tokenizer, max_len: int):
                              compile=args.compile)
 
 
+def startup_log(rank: int):
+    """Rank 0's start-up lines (stderr, each with the seconds since this was made), or None on
+    the other ranks, which then also keep transformers' progress bars to themselves: the
+    loading reports what it reads and how far it is (inference/loading.py `load`)."""
+    if rank != 0:
+        return None
+    start = time.perf_counter()
+    return lambda line: print(f"[{time.perf_counter() - start:6.1f} s] {line}",
+                              file=sys.stderr, flush=True)
+
+
+def speculative_line(spec) -> str:
+    """The start-up line of speculative decoding (`engine.spec`, a `SpecDecoder`)."""
+    c = spec.config
+    how = (f"prompt lookup of {c.prompt_lookup_min}..{c.prompt_lookup_max}-token suffixes"
+           if c.method == "ngram" else f"draft model {c.model}")
+    return f"speculative decoding on: {c.method}, k {spec.k} ({how})"
+
+
 def run_server(args, engine, tokenizer, name: str, generation_config: dict, rank: int) -> int:
     """Serve the OpenAI-compatible API until shut down; returns the exit code (1 when a rank
     died, so that torchrun restarts the group)."""
@@ -440,14 +459,19 @@ def main(argv=None) -> int:
     ps.initialize_distributed()
     initialize_serving_grid(args.tp, args.pp, args.enable_expert_parallel)
     rank = int(os.environ.get("RANK", "0"))
+    log = startup_log(rank)
     try:
-        model, tokenizer, name = load(args.load, args.hf, args.tokenizer, args.dtype)
+        model, tokenizer, name = load(args.load, args.hf, args.tokenizer, args.dtype, log)
         cfg = model.config
         if cfg.is_encoder_decoder:  # T5: prompts are encoder inputs, ended by EOS
             from inference.seq2seq import SourceTokenizer
 
             tokenizer = SourceTokenizer(tokenizer, cfg.vocab_size) if tokenizer else None
         max_len, source_len = context_lengths(args, cfg)
+        if log is not None:
+            draft = args.speculative and args.speculative.model
+            log("building the engine (KV cache" + (f"; loading the draft model {draft}" if draft
+                                                   else "") + ")")
         engine = Engine(model, eos_token_ids=eos_token_ids(model.generation_config, tokenizer),
                         decode=tokenizer.decode if tokenizer else None,
                         max_batch_size=args.max_batch_size, max_seq_length=max_len,
@@ -458,8 +482,10 @@ def main(argv=None) -> int:
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         speculative=speculative(args, model, tokenizer, max_len),
                         compile=args.compile)
-        if rank == 0:
-            print(engine.cache_summary(), file=sys.stderr, flush=True)
+        if log is not None:
+            log(engine.cache_summary())
+            if engine.spec is not None:
+                log(speculative_line(engine.spec))
         if args.serve:
             return run_server(args, engine, tokenizer, name, model.generation_config, rank)
         requests = make_requests(args, prompts, tokenizer, cfg.is_encoder_decoder, max_len)

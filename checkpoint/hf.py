@@ -40,7 +40,7 @@ def import_hf(hf_path: str, out: str, log=print) -> str:
     if os.path.exists(out):
         raise CheckpointError(f"--out {out} already exists; pass a new folder (nothing was "
                               f"written)")
-    src, config = hfmap.open_checked(hf_path)
+    src, config = hfmap.open_checked(hf_path, log=log)
     generation = generation_config(src, config.vocab_size)
     config.name = ""
     model_type = src.config["model_type"]
@@ -59,10 +59,6 @@ def import_hf(hf_path: str, out: str, log=print) -> str:
             return
         tok.save_pretrained(folder)
 
-    log(f"importing {model_type} from {hf_path} ({src.kind}): {config.num_layers} layers, "
-        f"hidden {config.hidden_size}, heads {config.num_attention_heads}/"
-        f"{config.num_query_groups}, vocab {config.vocab_size}, "
-        f"{config.num_parameters() / 1e6:.1f}M parameters")
     return write_weights_checkpoint(
         out, config, tensors, tokenizer=save_tokenizer, generation_config=generation,
         source={"format": src.kind, "path": os.path.abspath(hf_path), "model_type": model_type,
@@ -175,20 +171,26 @@ def _save_tokenizer(tokenizer: str | None, folder: str, log) -> dict:
 
 
 @torch.no_grad()
-def load_hf_weights(src, config, chunks) -> None:
+def load_hf_weights(src, config, chunks, log=None) -> None:
     """Copy the weights of an opened HF model (`models.hf.files.open_hf`) straight into this
     rank's sharded model `chunks` (any tp/pp; no checkpoint folder is written). Each rank
     reads the dense tensors it needs one at a time and keeps its shard; for an MoE layer only
     the experts of its expert-parallel block (one HF tensor per expert, stacked, then split
-    over TP). Raises `HFConversionError` for missing or unused tensors, before any weight is
-    copied."""
+    over TP). `log`, if given, gets a line of how far it is after 5 s and every 15 s
+    (checkpoint/progress.py). Raises `HFConversionError` for missing or unused tensors,
+    before any weight is copied."""
     from layers import shard_tensor
     from layers.sharding import full_shape, tensor_parallel_rank_of, tensor_parallel_size_of
 
     from .keys import entries, logical_names
+    from .progress import ProgressLog, format_duration
 
     tensors = hfmap.to_native(config, src.config["model_type"], src.get, src.names)
-    for _, p, key, _ in entries(chunks):
+    todo = list(entries(chunks))
+    progress = ProgressLog(log, first=5.0, every=15.0)
+    for done, (_, p, key, _) in enumerate(todo):
+        progress(lambda s: f"weights: {done}/{len(todo)} tensors of this rank copied in "
+                           f"{format_duration(s)}")
         if getattr(p, "expert_parallel", False):
             block = torch.stack([tensors[name]().to(torch.float32)
                                  for name, _ in logical_names(key, p)])

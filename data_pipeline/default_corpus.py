@@ -25,6 +25,7 @@ import sysconfig
 import time
 from contextlib import contextmanager
 
+from checkpoint.progress import ProgressLog, format_duration
 from data_pipeline.indexed_dataset import IndexedDatasetBuilder
 from models.tokenizer import build_tokenizer, encode_documents, train_sentencepiece
 
@@ -92,13 +93,15 @@ def tokenizer_sha256(path: str) -> str:
 
 
 def build_corpus(folder: str, files: list[str], vocab_size: int,
-                 tokenizer: str | None = None) -> dict:
+                 tokenizer: str | None = None, say=None) -> dict:
     """Tokenize ``files`` into the indexed dataset in ``folder`` with ``tokenizer`` (a
     SentencePiece model or HF folder), or with a SentencePiece model trained here on (a capped
-    sample of) them; return the manifest dict (files, documents, tokens, vocab, seconds)."""
+    sample of) them; return the manifest dict (files, documents, tokens, vocab, seconds).
+    ``say``, if given, gets a line per step and, while tokenizing, one after 5 s and every
+    15 s with the documents and tokens done and the rate (`_tokenize_corpus`)."""
     t0 = time.time()
     if tokenizer is not None:
-        return _tokenize_corpus(folder, files, build_tokenizer(tokenizer), t0, vocab_size)
+        return _tokenize_corpus(folder, files, build_tokenizer(tokenizer), t0, vocab_size, say)
     # Tokenizer training text: every k-th file, so the sample spans the whole library.
     total = sum(os.path.getsize(f) for f in files)
     step = max(1, round(total / TRAIN_TEXT_BYTES))
@@ -107,19 +110,34 @@ def build_corpus(folder: str, files: list[str], vocab_size: int,
         for f in files[::step]:
             out.write(read_text(f))
             out.write("\n")
+    if say is not None:
+        say(f"training a SentencePiece tokenizer (vocab {vocab_size}) on "
+            f"{len(files[::step])} of the {len(files)} files")
     model = train_sentencepiece([train_txt], os.path.join(folder, "tokenizer"), vocab_size)
     os.remove(train_txt)
-    return _tokenize_corpus(folder, files, build_tokenizer(model), t0, vocab_size)
+    return _tokenize_corpus(folder, files, build_tokenizer(model), t0, vocab_size, say)
 
 
-def _tokenize_corpus(folder: str, files: list[str], tok, t0: float, vocab_size: int) -> dict:
+def _tokenize_corpus(folder: str, files: list[str], tok, t0: float, vocab_size: int,
+                     say=None) -> dict:
+    """Encode `files` into the indexed dataset of `folder`; return the manifest. `say`: as
+    `build_corpus`'s (`checkpoint.progress.ProgressLog` lines, not one per document)."""
     prefix, _ = _paths(folder)
     tokens = 0
+    if say is not None:
+        say(f"tokenizing {len(files)} files with {tok.path}")
+    progress = ProgressLog(say, first=5.0, every=15.0)
     with IndexedDatasetBuilder(prefix, vocab_size=tok.vocab_size) as builder:
         texts = (read_text(f) for f in files)
-        for ids in encode_documents(tok, texts, append_eod=True, num_threads=os.cpu_count() or 1):
+        # batches of 64 files (not 256): a progress line lands within seconds of being due
+        for done, ids in enumerate(encode_documents(tok, texts, append_eod=True,
+                                                    num_threads=os.cpu_count() or 1,
+                                                    batch_size=64), 1):
             builder.add_document(ids)
             tokens += len(ids)
+            progress(lambda s: f"tokenizing: {done}/{len(files)} documents, {tokens:,} tokens "
+                               f"in {format_duration(s)} ({tokens / max(s, 1e-9):,.0f} "
+                               f"tokens/s)")
         builder.finalize()
     return {"format": FORMAT_VERSION, "python": sys.version.split()[0], "files": len(files),
             "documents": len(files), "tokens": tokens, "vocab_size": tok.vocab_size,
@@ -181,7 +199,9 @@ def ensure_default_corpus(cache_dir: str | None = None, vocab_size: int = 8192, 
                 tmp = os.path.join(cache_dir, f"{key}.tmp-{os.getpid()}")
                 os.makedirs(tmp)
                 try:
-                    manifest = build_corpus(tmp, files_fn(), vocab_size, tokenizer)
+                    manifest = build_corpus(tmp, files_fn(), vocab_size, tokenizer,
+                                            None if quiet else
+                                            (lambda line: say(f"demo corpus: {line}")))
                     with open(os.path.join(tmp, MANIFEST_NAME), "w") as f:
                         json.dump(manifest, f, indent=1)
                     os.rename(tmp, final)

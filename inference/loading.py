@@ -142,13 +142,15 @@ def build_model(config: ModelConfig) -> GPTModel:
 
 
 def load(load: str | None = None, hf: str | None = None, tokenizer: str | None = None,
-         dtype: str = "float32") -> tuple[GPTModel, Tokenizer | None, str]:
+         dtype: str = "float32", log=None) -> tuple[GPTModel, Tokenizer | None, str]:
     """`(model stage, tokenizer or None, model name)` on the current grid; the model's
     `generation_config` attribute holds its checked generation config (models/hf/generation.py;
     `{}` for a checkpoint without one).
 
     Exactly one of `load` (native checkpoint folder, or its parent with a `latest` marker) and
     `hf` (HF folder or .gguf file). `tokenizer` overrides the one stored with the model.
+    `log`, if given (one rank's), is told each step and how far the weights are (the same
+    lines as tools/convert_hf.py's: `models.hf.open_checked`, `checkpoint.hf.load_hf_weights`).
     Raises `ValueError`, `FileNotFoundError`, `checkpoint.format.CheckpointError` or
     `models.hf.HFConversionError` naming the problem.
     """
@@ -164,8 +166,13 @@ def load(load: str | None = None, hf: str | None = None, tokenizer: str | None =
         config = ModelConfig.from_dict(read_metadata(path)["model"])
         generation = stored_generation_config(path, config.vocab_size)
         model = build_model(config)
+        if log is not None:
+            log(f"loading checkpoint {path}: {config.describe()}; checking and reading its "
+                f"files")
         load_model_weights(path, [model])
         tok_path = tokenizer or find_tokenizer(path)
+        if log is not None and tok_path:
+            log(f"loading the tokenizer {tok_path}")
         tok = Tokenizer(tok_path) if tok_path else None
         name = os.path.basename(os.path.normpath(load))
     else:
@@ -173,10 +180,16 @@ def load(load: str | None = None, hf: str | None = None, tokenizer: str | None =
         from models.hf import open_checked
 
         src, config = open_checked(hf, lambda c: _check_tp(
-            c, ps.get_tensor_model_parallel_world_size()))
+            c, ps.get_tensor_model_parallel_world_size()), log)
         generation = generation_config(src, config.vocab_size)
         model = build_model(config)
-        load_hf_weights(src, config, [model])
+        if log is not None:
+            log(f"copying the weights into this rank's share (tp "
+                f"{ps.get_tensor_model_parallel_world_size()}, pp "
+                f"{ps.get_pipeline_model_parallel_world_size()})")
+        load_hf_weights(src, config, [model], log)
+        if log is not None:
+            log(f"loading the tokenizer {tokenizer or 'of ' + hf}")
         if tokenizer:
             tok = Tokenizer(tokenizer)
         else:

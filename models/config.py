@@ -175,6 +175,15 @@ class ModelConfig:
             d["window_size"] = list(self.window_size)
         return d
 
+    def describe(self) -> str:
+        """One line of the model's size: `30 layers, hidden 576, heads 9/3, vocab 49152,
+        134.5M parameters` (heads: query/KV; T5: `6+6 encoder+decoder layers`)."""
+        layers = (f"{self.encoder_num_layers}+{self.decoder_num_layers} encoder+decoder"
+                  if self.is_encoder_decoder else f"{self.num_layers}")
+        return (f"{layers} layers, hidden {self.hidden_size}, heads "
+                f"{self.num_attention_heads}/{self.num_query_groups}, vocab {self.vocab_size}, "
+                f"{self.num_parameters() / 1e6:.1f}M parameters")
+
     # ------------------------------------------------------------------ derived sizes
     @property
     def query_projection_size(self) -> int:

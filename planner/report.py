@@ -60,12 +60,19 @@ def step_config(config, global_batch_size: int):
     return out
 
 
-def comm_report(config, counted: dict, iteration: int,
-                first_step: bool = False) -> tuple[dict, list[str]]:
+def comm_report(config, counted: dict, iteration: int, first_step: bool = False,
+                steps: int = 1) -> tuple[dict, list[str]]:
     """Counted (summed over ranks, parallel_state.comm_counter) vs predicted calls and bytes
-    of one step, per group and op: (metrics record, one line per group and op).
-    `first_step`: the counted step is the run's first (see `step_communication`)."""
+    of `steps` steps ending at `iteration` (DiLoCo: one outer step), per group and op, as
+    totals (whole calls): (metrics record, one line per group and op). The prediction is
+    `steps` synchronous steps. `first_step`: the first counted step is the run's first (see
+    `step_communication`)."""
     predicted = step_communication(config, first_step)
+    if steps > 1:
+        steady = step_communication(config, False)
+        predicted = {k: (c + (steps - 1) * steady.get(k, (0, 0))[0],
+                         b + (steps - 1) * steady.get(k, (0, 0))[1])
+                     for k, (c, b) in predicted.items()}
     rows, lines = [], []
     for key in sorted(set(counted) | set(predicted)):
         (c_calls, c_bytes), (p_calls, p_bytes) = counted.get(key, (0, 0)), \
@@ -85,21 +92,25 @@ def comm_report(config, counted: dict, iteration: int,
         lines.append("ep: the token all-to-alls depend on the routing; summed over ranks the "
                      "dropless count equals the prediction, with capacity dropping the "
                      "prediction assumes a balanced load (compare the ratio, planner/moe.py)")
-    rec = {"iteration": iteration, "event": "comm", "first_step": first_step, "comm": rows,
+    rec = {"iteration": iteration, "event": "comm", "first_step": first_step, "steps": steps,
+           "comm": rows,
            "comm_bytes": total_c,
            "comm_bytes_predicted": total_p, "comm_ratio": _ratio(total_c, total_p)}
     return rec, lines
 
 
 def log_comm(config, counts: dict, global_batch_size: int, iteration: int, logger,
-             first_step: bool) -> dict:
-    """Sum this rank's `counts` (CommCounter.stop()) over all ranks (every rank calls this)
-    and log them beside the planner's prediction, one line per group and op; returns the
-    metrics record. `global_batch_size`: the counted step's (batch ramp-up changes it)."""
+             first_step: bool, steps: int = 1) -> dict:
+    """Sum this rank's `counts` (CommCounter.stop() of the `steps` steps ending at
+    `iteration`) over all ranks (every rank calls this) and log them beside the planner's
+    prediction, one line per group and op; returns the metrics record (`comm_report`).
+    `global_batch_size`: the counted step's (batch ramp-up changes it)."""
     rec, lines = comm_report(step_config(config, global_batch_size), gather_counts(counts),
-                             iteration, first_step)
-    logger.log(rec, f"communication of step {iteration} (calls and payload bytes summed over "
-                    f"all {config.world_size} ranks; planner: planner/communication.py):\n  "
+                             iteration, first_step, steps)
+    which = f"step {iteration}" if steps == 1 else \
+        f"steps {iteration - steps + 1}..{iteration} ({steps} steps, totals)"
+    logger.log(rec, f"communication of {which} (calls and payload bytes summed over all "
+                    f"{config.world_size} ranks; planner: planner/communication.py):\n  "
                     + "\n  ".join(lines), prefix="comm")
     return rec
 
@@ -115,8 +126,11 @@ def run_end_summary(config, comm: dict | None, bubble: dict | None) -> tuple[dic
     if comm is not None:
         rec.update({k: comm[k] for k in ("comm_bytes", "comm_bytes_predicted", "comm_ratio")})
         ratio = "n/a" if comm["comm_ratio"] is None else f"{comm['comm_ratio']:.3f}"
+        steps = comm.get("steps", 1)
         parts.append(f"communication {comm['comm_bytes']:,} B counted vs "
-                     f"{comm['comm_bytes_predicted']:,} B predicted per step (ratio {ratio})")
+                     f"{comm['comm_bytes_predicted']:,} B predicted "
+                     + ("per step" if steps == 1 else f"over the {steps} counted steps")
+                     + f" (ratio {ratio})")
     if bubble is not None:
         rec["bubble_measured"] = bubble["bubble_replay"]
         parts.append(f"bubble predicted {theory:.3f}, measured (replay, per stage) "

@@ -28,9 +28,11 @@ H4 = COMMON + ["--train-iters", "6", "--diloco-sync-every", "4"]  # syncs after 
 
 
 def _dp_bytes(log_dir) -> float:
-    """--report-comm's per-step payload bytes of the dp group's all-reduces, summed over ranks."""
+    """--report-comm's per-step payload bytes of the dp group's all-reduces, summed over ranks
+    (the record holds totals over its `steps` steps: whole calls)."""
     rec = next(r for r in read_metrics(log_dir) if r.get("event") == "comm")
-    return sum(row["bytes"] for row in rec["comm"] if row["group"] == "dp")
+    assert all(type(row["calls"]) is int and type(row["bytes"]) is int for row in rec["comm"])
+    return sum(row["bytes"] for row in rec["comm"] if row["group"] == "dp") / rec["steps"]
 
 
 @pytest.fixture(scope="module")

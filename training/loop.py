@@ -319,16 +319,9 @@ def train_step(run: TrainState, iteration: int) -> StepResult:
             total[0] += calls
             total[1] += nbytes
         if iteration == run.counted_step + run.counted_steps - 1:
-            counted = _per_step(run.window_counts, run.counted_steps)
+            counted = {k: (c, b) for k, (c, b) in run.window_counts.items()}
     return StepResult(gbs, lr, data_start, loss, grad_norm, skipped, timeline, counted, data_s,
                       not_finite)
-
-
-def _per_step(counts: dict, steps: int) -> dict:
-    """--report-comm's counts of `steps` steps as per-step means (DiLoCo's period)."""
-    if steps == 1:
-        return {k: (c, b) for k, (c, b) in counts.items()}
-    return {k: (c / steps, b / steps) for k, (c, b) in counts.items()}
 
 
 def _after_step(run: TrainState, step: StepResult, iteration: int, step_start: float) -> None:
@@ -343,12 +336,12 @@ def _after_step(run: TrainState, step: StepResult, iteration: int, step_start: f
         run.profiles.append(gather_timeline(step.timeline))
     if step.counted is not None:
         run.comm = log_comm(run.config, step.counted, step.global_batch_size, iteration + 1,
-                            run.logger, first_step=iteration == run.start_iteration)
+                            run.logger, steps=run.counted_steps, first_step=(
+                                iteration + 1 - run.counted_steps == run.start_iteration))
         run.records.append(run.comm)
         if run.counted_steps > 1:
-            print_rank_0(f"(DiLoCo: the counts above are per-step means over iterations "
-                         f"{iteration + 2 - run.counted_steps}..{iteration + 1}, one outer step; "
-                         f"the planner's column is synchronous data parallelism's)")
+            print_rank_0("(DiLoCo: the counts above are totals over one outer step; the "
+                         "planner's column is synchronous data parallelism's, times the steps)")
 
 
 def _handle_skipped_step(run: TrainState, step: StepResult, it: int) -> None:

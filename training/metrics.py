@@ -21,14 +21,9 @@ import shlex
 import sys
 import time
 
+from checkpoint.progress import ProgressLog, format_duration  # noqa: F401 - re-exported
+
 RUN_START = "run_start"
-
-
-def format_duration(seconds: float) -> str:
-    seconds = int(max(seconds, 0))
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
 
 
 def purge_step(resumed_from_iteration: int | None) -> int:
@@ -185,24 +180,22 @@ class Progress:
 class EvalProgress:
     """Progress lines of a long validation (a fine-tune's can run for minutes): none while it
     is short, then after `first` seconds and every `every` seconds after that one line,
-    `<label>: <done>/<total> batches in <elapsed>, about <left> to go`. Call it with the
-    batches done after each one; `enabled` False (other ranks than 0) prints nothing."""
+    `<label>: <done>/<total> batches in <elapsed>, about <left> to go` (checkpoint/progress.py
+    `ProgressLog`). Call it with the batches done after each one; `enabled` False (other
+    ranks than 0) prints nothing."""
 
     def __init__(self, label: str, total: int, enabled: bool, first: float = 10.0,
                  every: float = 30.0, clock=time.perf_counter):
-        self.label, self.total, self.enabled = label, total, enabled
-        self.every, self.clock = every, clock
-        self.start = clock()
-        self.next_at = first
+        self.label, self.total = label, total
+        self.log = ProgressLog((lambda line: print(line, flush=True)) if enabled else None,
+                               first, every, clock)
 
     def __call__(self, done: int) -> None:
-        elapsed = self.clock() - self.start
-        if not self.enabled or done >= self.total or elapsed < self.next_at:
-            return
-        self.next_at = elapsed + self.every
-        left = elapsed / done * (self.total - done)
-        print(f"{self.label}: {done}/{self.total} batches in {format_duration(elapsed)}, "
-              f"about {format_duration(left)} to go", flush=True)
+        if done < self.total:
+            self.log(lambda elapsed: f"{self.label}: {done}/{self.total} batches in "
+                                     f"{format_duration(elapsed)}, about "
+                                     f"{format_duration(elapsed / done * (self.total - done))}"
+                                     f" to go")
 
 
 def run_start_record(config, start_iteration: int, peak, flops_per_token: float,

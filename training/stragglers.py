@@ -11,16 +11,19 @@ Synchronous training runs at the pace of its slowest rank. Each rank splits ever
 - `compute`: the rest (`step - data - waits`): forward, backward, the optimizer, Python.
 
 Every log interval the per-rank means are gathered to rank 0 (one gather_object over the
-world, between steps), which prints one line: the slowest and the fastest rank (by compute +
-data: a rank's own work) with host, per-phase times, and the fraction of their step the other
+world, between steps), which records the slowest and the fastest rank (by compute + data: a
+rank's own work) with host, per-phase times, and the fraction of their step the other
 ranks spent waiting for the slowest, estimated per rank r as min(work_slowest - work_r,
 waits_r) / step_r (time r was ahead of the slowest, bounded by what r actually spent blocked),
-averaged over the others. The same goes to metrics.jsonl (`"event": "stragglers"`) and
-TensorBoard (`straggler/...`). The named phase is the slowest rank's phase (compute or data)
+averaged over the others, in metrics.jsonl (`"event": "stragglers"`) and TensorBoard
+(`straggler/...`) every interval; a one-line summary is printed for the first interval and then
+at most every `LINE_EVERY_S` seconds (at --log-interval 1 it was a 400-character line a step). The named phase is the slowest rank's phase (compute or data)
 furthest above the median of the other ranks.
 
 --straggler-threshold R: when the same rank's compute + data is more than R times the median
-of the other ranks' in two log intervals in a row, a WARNING line names its host and rank.
+of the other ranks' in two log intervals in a row, a WARNING line names its host and rank
+(recorded every such interval; printed for a new rank at once, else at most every
+`LINE_EVERY_S` seconds).
 
 Cost: the consumer adds a dictionary update per collective (the timestamps are taken by the
 collectives layer whenever any consumer is registered, as the hang doctor's trace is by
@@ -39,8 +42,10 @@ import time
 
 import torch.distributed as dist
 
+from checkpoint.progress import ProgressLog
 from parallel_state import collectives
 
+LINE_EVERY_S = 60.0  # seconds between printed report lines (and between repeated warnings)
 TEST_ENV = "SHARDZOO_TEST_SLOW"
 PHASES = ("compute", "data")
 
@@ -114,24 +119,33 @@ def _phases(r: dict) -> dict:
             **{f"wait_{g}_s": v for g, v in r["waits"].items()}}
 
 
-def _describe(rank: int, host: str, p: dict) -> str:
-    waits = [(k[5:-2], v) for k, v in p.items() if k.startswith("wait_")]
-    return (f"rank {rank} ({host}) step {p['step_s']:.3f} s = compute {p['compute_s']:.3f} + "
-            f"data {p['data_s']:.3f} + waits {sum(v for _, v in waits):.3f}"
-            + (f" ({', '.join(f'{g} {v:.3f}' for g, v in waits)})" if waits else ""))
+def _line(rec: dict) -> str:
+    """The report's log line (about 200 characters; the per-group waits and the fastest
+    rank's phases are in the record)."""
+    slow, fast, ratio = rec["slowest_rank"], rec["fastest_rank"], rec["slowest_over_median"]
+    p, q = rec["slowest"], rec["fastest"]
+    return (f"stragglers, iters {rec['first_iteration']}-{rec['iteration']}: slowest rank "
+            f"{slow} ({rec['hosts'][slow]}) {p['compute_s'] + p['data_s']:.3f} s/step of work"
+            + (f", {ratio:.2f}x the others' median" if ratio else "") + f", most above them "
+            f"in {rec['phase']}; fastest rank {fast} {q['compute_s'] + q['data_s']:.3f} s; "
+            f"the others waited {rec['waited_fraction']:.0%} of their step for it")
 
 
 class StragglerReport:
     """Owns this rank's `StepTimes` (registered with the collectives layer) and, every log
     interval, gathers and reports them (module docstring). `threshold`: --straggler-threshold
-    (None: no warning)."""
+    (None: no warning); `clock`: seconds, for the printed lines' rate limit."""
 
-    def __init__(self, threshold: float | None):
+    def __init__(self, threshold: float | None, clock=time.perf_counter):
         self.threshold = threshold
+        # lines at most every LINE_EVERY_S (the first at once); every record is kept
+        self.lines = ProgressLog(None, first=0.0, every=LINE_EVERY_S, clock=clock)
+        self.warnings = ProgressLog(None, first=0.0, every=LINE_EVERY_S, clock=clock)
         self.times = StepTimes()
         self.host = socket.gethostname()
         self.first_it = None
         self.suspect: int | None = None  # the rank above the threshold in the last interval
+        self.warned: int | None = None  # the rank of the last warning
         collectives.add_consumer(self.times)
 
     def close(self) -> None:
@@ -157,29 +171,32 @@ class StragglerReport:
             return None
         s = summarize(ranks)
         rec = {"iteration": it, "event": "stragglers", "first_iteration": first, **s}
-        slow, fast = s["slowest_rank"], s["fastest_rank"]
-        ratio = s["slowest_over_median"]
-        logger.log(rec, f"stragglers, iters {first}-{it} (mean per step): slowest "
-                        f"{_describe(slow, s['hosts'][slow], s['slowest'])}; fastest "
-                        f"{_describe(fast, s['hosts'][fast], s['fastest'])}; the others waited "
-                        f"{s['waited_fraction']:.0%} of their step for rank {slow} ("
-                        + (f"its compute + data {ratio:.2f}x the other ranks' median; " if ratio
-                           else "") + f"furthest above them: {s['phase']})",
-                   prefix="straggler")
-        self._warn(rec, logger)
+        self.log(rec, logger)
         return rec
+
+    def log(self, rec: dict, logger) -> None:
+        """Record report `rec` (and a warning, when due) with `logger` (training/metrics.py
+        `MetricsLogger`), with a printed line when one is due (module docstring)."""
+        logger.log(rec, _line(rec) if self.lines.due() else None, prefix="straggler")
+        self._warn(rec, logger)
 
     def _warn(self, rec: dict, logger) -> None:
         ratio, slow = rec["slowest_over_median"], rec["slowest_rank"]
         above = self.threshold is not None and ratio is not None and ratio > self.threshold
         if above and self.suspect == slow:
+            show = self.warnings.due()
+            if not show and self.warned != slow:  # another rank: said at once
+                show = True
+                self.warnings.restart()
             logger.log({"iteration": rec["iteration"], "event": "straggler_warning",
                         "rank": slow, "host": rec["hosts"][slow], "ratio": ratio},
                        f"WARNING: rank {slow} on host {rec['hosts'][slow]} is a persistent "
                        f"straggler: its compute + data time was {ratio:.2f}x the other ranks' "
                        f"median for two log intervals in a row (--straggler-threshold "
                        f"{self.threshold:g}; its slow phase: {rec['phase']}); check that "
-                       f"host's load, clocks and thermals, or drain it", prefix="straggler")
+                       f"host's load, clocks and thermals, or drain it" if show else None,
+                       prefix="straggler")
+            self.warned = slow
         self.suspect = slow if above else None
 
 

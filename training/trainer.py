@@ -389,6 +389,17 @@ def log_memory(model, optimizer, dataset, config: Config, device) -> dict:
     totals = [r[0] for r in ranks]
     planner["planner_model_state_ratio_per_rank"] = [r[1] for r in ranks]
     planner["planner_activation_ratio_per_rank"] = [r[2] for r in ranks]
+    print_rank_0(memory_line(config, state, act, totals))
+    print_rank_0(line)
+    return {**act, **{f"model_state_{k}" + ("" if k in _STATE_COUNTS else "_bytes"): v
+                      for k, v in state.items()}, "memory_bytes_per_rank": totals, **planner}
+
+
+def memory_line(config: Config, state: dict, act: dict, totals: list[int]) -> str:
+    """`log_memory`'s line: rank 0's model-state bytes (`model_state_bytes` `state`) with its
+    strategy and the group it shards over, its activations (`act`), the largest of the ranks'
+    `totals`, in MiB. Under DiLoCo the replicas reduce over no group (each holds whole
+    states): the line names the data-parallel size and says so."""
     mib = lambda x: f"{x / 2**20:,.1f}"  # noqa: E731
     largest = max(range(len(totals)), key=lambda r: totals[r])
     host = f", host {mib(state['host_total'])}" if state["host_total"] else ""
@@ -397,20 +408,21 @@ def log_memory(model, optimizer, dataset, config: Config, device) -> dict:
                 if "gathered_params_predicted_peak" in state else "")
     experts = f" (experts at edp {state['edp']})" if state["edp"] != state["dp"] else ""
     over = "dp x cp" if config.train.context_parallel_size > 1 else "dp"  # the sharding group
-    print_rank_0(
+    group = f"{over} {state['dp']}{experts}"
+    if config.train.diloco_sync_every is not None:  # the wrappers' group is one rank
+        group = (f"dp {config.data_parallel_size} (DiLoCo: each replica holds whole states, "
+                 f"nothing reduced over dp between syncs)")
+    return (
         f"memory (rank 0, MiB): model states {mib(state['total'])} (weights "
         f"{mib(state['params'])}, gradients {mib(state['grads'])}, optimizer "
-        f"{mib(state['main_params'] + state['optimizer_states'])}; {state['strategy']} at {over} "
-        f"{state['dp']}{experts}, ZeRO formula {mib(state['predicted_total'])}{host}{gathered}) + "
+        f"{mib(state['main_params'] + state['optimizer_states'])}; {state['strategy']} at "
+        f"{group}, ZeRO formula {mib(state['predicted_total'])}{host}{gathered}) + "
         + ("activations not measured (T5)" if config.model.is_encoder_decoder else
            f"activations {mib(act['activation_bytes_per_microbatch'])} per microbatch (the "
            f"decoder layers' {mib(act['activation_bytes_layers'])}, predicted "
            f"{mib(act['activation_bytes_layers_predicted'])})") +
         (f"; largest rank {largest}: {mib(totals[largest])}" if len(totals) > 1 else "") +
         "; details in metrics.jsonl")
-    print_rank_0(line)
-    return {**act, **{f"model_state_{k}" + ("" if k in _STATE_COUNTS else "_bytes"): v
-                      for k, v in state.items()}, "memory_bytes_per_rank": totals, **planner}
 
 
 _STATE_COUNTS = ("psi", "psi_padded", "dp", "edp", "strategy")  # model-state fields not in bytes

