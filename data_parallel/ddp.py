@@ -158,12 +158,19 @@ class DistributedDataParallel(nn.Module):
         param_offload_device: `optim_grads_params` only: None (on the device), "cpu" or
             "nvme" (a file in a scratch folder of this process under `offload_path`, named
             for global `rank`, served by `io_threads` threads); see the module docstring.
+        param_init: `optim_grads_params` only: `param_init(name, param)` gives the values
+            (this rank's TP shard, shaped and typed as `param`) of each parameter on the meta
+            device (a model built in `layers.sharding.parameters_on_meta()`), made one unit at
+            a time so no rank holds the whole model (`name` as in `module.named_parameters()`;
+            e.g. `layers.sharding.initial_value`).
+        device: where meta-device parameters go (default: the parameters' device).
     Attributes:
         offsets: `{id(param): start}` of each parameter in the flat index space.
         numel_padded: size of the flat index space (all buckets, padding included).
     Raises:
         TypeError: parameters of several dtypes.
-        ValueError: a bad strategy (see `resolve_strategy`).
+        ValueError: a bad strategy (see `resolve_strategy`); meta-device parameters without
+            `optim_grads_params`, `param_init` and `device`.
     """
 
     def __init__(self, module: nn.Module, *, data_parallel_group=None,
@@ -173,7 +180,7 @@ class DistributedDataParallel(nn.Module):
                  fsdp_unit_modules: list[nn.Module] | None = None,
                  expert_data_parallel_group=None, param_offload_device: str | None = None,
                  offload_path: str | None = None, rank: int = 0, io_threads: int = 2,
-                 pin_memory: bool = True):
+                 pin_memory: bool = True, param_init=None, device=None):
         super().__init__()
         self.module = module
         self.group = data_parallel_group
@@ -199,7 +206,19 @@ class DistributedDataParallel(nn.Module):
                             f"{sorted({str(p.dtype) for p in params})}")
         self.params = params
         self.param_dtype = params[0].dtype if params else torch.float32
-        self.device = params[0].device if params else torch.device("cpu")
+        self.device = torch.device(device) if device is not None else \
+            params[0].device if params else torch.device("cpu")
+        meta = [n for n, p in module.named_parameters() if p.is_meta]
+        if meta and (self.strategy != "optim_grads_params" or param_init is None or
+                     self.device.type == "meta" or
+                     any(p.is_meta and not p.requires_grad for p in module.parameters())):
+            raise ValueError(f"parameters on the meta device ({meta[0]} ...) are materialized "
+                             f"only by ZeRO-3: pass data_parallel_sharding_strategy="
+                             f"'optim_grads_params', param_init and device (got "
+                             f"{self.strategy!r}, param_init {param_init}, device "
+                             f"{self.device}; every meta parameter trainable), or build the model with "
+                             f"real parameters")
+        self.param_init = param_init
         self.units = None
         if self.shard_params:
             from .fsdp import ParameterUnits

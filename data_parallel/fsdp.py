@@ -137,9 +137,12 @@ class ParameterUnits:
     @torch.no_grad()
     def build(self, buckets) -> None:
         """Move the parameters into per-unit flat buffers, copy this rank's shards into the
-        wrapper's `param_shards`, free the buffers and install the module hooks."""
+        wrapper's `param_shards`, free the buffers and install the module hooks. Parameters on
+        the meta device become views of their unit's buffer filled by `ddp.param_init`, one
+        unit at a time (at most one unit's full values exist at once)."""
         ddp = self.ddp
         unit_of = {id(p): u for u in self.order for p in u.params}
+        names = {id(p): n for n, p in ddp.module.named_parameters()}
         for b in buckets:
             b.unit = unit_of[id(b.params[0])]
             b.unit.buckets.append(b)
@@ -148,7 +151,18 @@ class ParameterUnits:
             u.full = torch.zeros(u.end - u.start, dtype=ddp.param_dtype, device=ddp.device)
             for p in u.params:
                 view = ddp._view(u.full, p, u.start)
-                view.copy_(p)
+                if p.is_meta:
+                    view.copy_(ddp.param_init(names[id(p)], p))
+                    # the same parameter object (ids key the layout and the hooks), made an
+                    # empty tensor of the device, with its own version counter (the gathers
+                    # write the buffer in place, as with `.data`); swap_tensors swaps
+                    # __dict__ too
+                    attributes = p.__dict__.copy()
+                    torch.utils.swap_tensors(p, nn.Parameter(
+                        torch.empty(0, dtype=p.dtype, device=ddp.device), p.requires_grad))
+                    p.__dict__.update(attributes)
+                else:
+                    view.copy_(p)
                 p.data = view
             for b in u.buckets:
                 lo, hi = ddp.shard_range(b)

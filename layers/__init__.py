@@ -16,7 +16,9 @@ from .moe import MoELayer  # noqa: F401
 from .norm import LayerNorm, RMSNorm, build_norm  # noqa: F401
 from .sharding import (  # noqa: F401
     full_shape,
+    initial_value,
     initialize_parameters,
+    parameters_on_meta,
     set_tensor_parallel_attributes,
     shard_tensor,
     unshard_tensors,

@@ -21,11 +21,16 @@ Every parameter of a parallel layer carries a few attributes that say how it is 
   only): rank r holds `[q heads of group r // kv_replicas, share r % kv_replicas; k; v]`.
 
 `initialize_parameters(model, seed, ...)` makes, for every parameter, the full tensor from a
-generator seeded by (seed, global name) and keeps this rank's shard. Parameter names use
-global layer numbers, so the same seed gives the same full weights at any TP/PP/VPP/DP/EP.
+generator seeded by (seed, global name) and keeps this rank's shard (`initial_value`).
+Parameter names use global layer numbers, so the same seed gives the same full weights at any
+TP/PP/VPP/DP/EP. ZeRO-3 builds the model inside `parameters_on_meta()` (no storage) and makes
+each parameter's values with `initial_value` one sharding unit at a time
+(data_parallel/fsdp.py), as FSDP2's meta-device init and DeepSpeed's `zero.Init` do: no rank
+ever holds the whole model, and the weights are those of the dense build.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 
@@ -148,10 +153,39 @@ def make_full_tensor(param: torch.Tensor, key: str, seed: int, std: float,
     return full
 
 
+def initial_value(name: str, param: torch.Tensor, seed: int, std: float,
+                  num_layers: int) -> torch.Tensor:
+    """This rank's shard of parameter `name`'s seeded full tensor (its `init_key` when it has
+    one), shaped and typed as `param` (which may be on the meta device); on the CPU."""
+    key = getattr(param, "init_key", None) or name
+    full = make_full_tensor(param, key, seed, std, num_layers)
+    return shard_tensor(full, param).to(param.dtype)
+
+
 @torch.no_grad()
 def initialize_parameters(model: nn.Module, seed: int, std: float, num_layers: int) -> None:
     """Fill every parameter with its shard of the seeded full tensor (layout-independent)."""
     for name, param in model.named_parameters():
-        key = getattr(param, "init_key", None) or name
-        full = make_full_tensor(param, key, seed, std, num_layers)
-        param.copy_(shard_tensor(full, param).to(param.dtype))
+        param.copy_(initial_value(name, param, seed, std, num_layers))
+
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Inside, every parameter a module registers is replaced by a meta-device one of the same
+    shape, dtype, `requires_grad` and attributes (no storage); buffers stay real. Tied weights
+    stay tied (a registered meta parameter is kept as is). For ZeRO-3, which materializes
+    them unit by unit (data_parallel/fsdp.py `ParameterUnits.build`)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            meta = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+            meta.__dict__.update(param.__dict__)
+            param = meta
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register

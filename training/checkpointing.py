@@ -54,6 +54,8 @@ written and before the rename; `SHARDZOO_TEST_KILL_AT=R:K` SIGKILLs rank R after
 only on the first torchrun attempt (TORCHELASTIC_RESTART_COUNT 0);
 `SHARDZOO_TEST_KILL_NODE_AT=R:K` likewise, after SIGKILLing rank R's torchrun agent (a lost
 node; R may be `*`: every rank that has the variable; tests/test_elastic.py);
+`SHARDZOO_TEST_HOLD_AT=W:K` blocks every rank after iteration K while the world has W ranks,
+until its torchrun agent stops it (a node joined) or 120 s pass (then RuntimeError);
 `SHARDZOO_TEST_SIGTERM_AT=R:K` sends SIGTERM to rank R inside step K (--exit-signal-handler).
 """
 from __future__ import annotations
@@ -86,7 +88,7 @@ from checkpoint.format import (CONFIG, LATEST, METADATA, CheckpointError, compar
 from data_parallel.distributed_optimizer import DistributedOptimizer
 
 from .diloco import load_state, save_state
-from .elastic import elastic_notice
+from .elastic import elastic_notice, rejoin_warning
 from .checkpoint_publish import prune, publish_folder, remove_debris, write_synced
 
 KINDS = ("model", "optim.exp_avg", "optim.exp_avg_sq")
@@ -117,6 +119,11 @@ def kill_hook(iteration: int) -> None:
     """Test hook after each iteration (see module docstring: SHARDZOO_TEST_KILL_AT)."""
     _hook("SHARDZOO_TEST_KILL_AT", iteration, first_attempt_only=True)
     _hook("SHARDZOO_TEST_KILL_NODE_AT", iteration, first_attempt_only=True, node=True)
+    if os.environ.get("SHARDZOO_TEST_HOLD_AT") == f"{dist.get_world_size()}:{iteration}":
+        # a node's joining restarts the group (SIGTERM); default action: the process ends
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if not threading.Event().wait(120):
+            raise RuntimeError("SHARDZOO_TEST_HOLD_AT: no node joined within 120 s")
 
 
 def signal_hook(iteration: int) -> None:
@@ -495,8 +502,9 @@ def load_checkpoint(config, chunks, model, optimizer, diloco=None) -> ResumeStat
     _print0(f"loaded checkpoint {path} at iteration {iteration} ({consumed} samples consumed)")
     notice = elastic_notice(meta, config, iteration, consumed) or \
         batch_size_notice(meta, t.global_batch_size, iteration, consumed)
-    if notice:
-        _print0(notice)
+    for line in (notice, rejoin_warning(meta, config)):
+        if line:
+            _print0(line)
     return ResumeState(iteration, position, meta)
 
 

@@ -10,6 +10,16 @@ continues from `consumed_samples`, so the run follows the loss curve of an unint
 the same global batch, up to float32 rounding of the other summation order (the RNG streams are
 reseeded; dropout masks keyed by sample are the same at any layout). `elastic_notice` is the
 one line such a resume prints.
+
+Growing back needs `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` in every agent's environment. By
+default (torch >= 2.4) the agents share one TCP store with their workers, and the rank-0 agent
+publishes its address (the MASTER_ADDR / MASTER_PORT keys of the rendezvous round) only in the
+first round it is rank 0 (torch/distributed/elastic/rendezvous/dynamic_rendezvous.py,
+`next_rendezvous`). A node that joins a later round waits for that round's MASTER_ADDR, which
+nobody writes: both agents fail with `DistStoreError: wait timeout ... MASTER_ADDR` (the
+joining node) and `... role_info` (the running one). With the variable set, rank 0 publishes a
+fresh address every round and the workers make their own store. `rejoin_warning` says so
+when a run has shrunk under the shared store.
 """
 from __future__ import annotations
 
@@ -38,3 +48,19 @@ def elastic_notice(meta: dict, config, iteration: int, consumed: int) -> str | N
             f"{iteration} resharded to tp {t.tensor_model_parallel_size} x pp "
             f"{t.pipeline_model_parallel_size} x dp {config.data_parallel_size}; the data "
             f"continues at sample {consumed}")
+
+
+def rejoin_warning(meta: dict, config) -> str | None:
+    """A warning when the world shrank (checkpoint `layout.world_size` > this run's) under
+    torchrun's shared agent store (env TORCHELASTIC_USE_AGENT_STORE "True"): a node that joins
+    later would time out (module docstring), unless every agent runs with
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1. None otherwise."""
+    old = meta.get("layout", {}).get("world_size")
+    if old is None or old <= config.world_size or \
+            os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return ("WARNING: no node can re-join this job: torchrun's agents share their TCP store "
+            "with the workers and the rank-0 agent does not publish MASTER_ADDR for later "
+            "rendezvous rounds, so a joining agent and this one would fail with DistStoreError "
+            "(wait timeout ... MASTER_ADDR); start every agent with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 to let nodes join a running job")

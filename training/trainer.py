@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import time
 from datetime import timedelta
@@ -19,9 +20,9 @@ import torch.distributed as dist
 
 import parallel_state as ps
 from checkpoint.format import CheckpointError
-from data_parallel.ddp import DistributedDataParallel
+from data_parallel.ddp import DistributedDataParallel, resolve_strategy
 from data_parallel.distributed_optimizer import DistributedOptimizer
-from layers import compile_transformer_layers
+from layers import compile_transformer_layers, initial_value, parameters_on_meta
 from layers.recompute import apply_recompute
 from models import GPTModel, T5Model
 from models.config import ConfigError
@@ -50,30 +51,52 @@ from .timeline import report_bubble
 
 
 # ---------------------------------------------------------------------- model
-def build_model(config: Config, device) -> list[GPTModel]:
-    """This rank's model chunks (one unless virtual pipelining), initialized from the seed."""
+def zero3_init(config: Config) -> bool:
+    """ZeRO-3 (--data-parallel-sharding-strategy optim_grads_params) builds the parameters on
+    the meta device and makes them one unit at a time in the DDP wrapper (`param_init`), so no
+    rank holds the whole model (data_parallel/fsdp.py)."""
     t = config.train
-    if config.model.is_encoder_decoder:
-        from run_config.checks import t5_stage_layers
+    return resolve_strategy(t.data_parallel_sharding_strategy,
+                            t.use_distributed_optimizer) == "optim_grads_params"
 
-        enc, dec = t5_stage_layers(config.model, t)[ps.get_pipeline_model_parallel_rank()]
-        chunks = [T5Model(config.model, encoder_layer_numbers=enc, decoder_layer_numbers=dec,
-                          sequence_parallel=t.sequence_parallel)]
-    else:
-        chunks = build_model_chunks(GPTModel, config.model, config.stage_num_layers(),
-                                    ps.get_pipeline_model_parallel_rank(),
-                                    t.virtual_pipeline_model_parallel_size,
-                                    sequence_parallel=t.sequence_parallel,
-                                    cp_comm_type=t.cp_comm_type)
+
+def param_init(config: Config):
+    """`param_init(name, param)` of a chunk's DDP wrapper: the seeded values of a meta-device
+    parameter, as the chunk's `init_weights` makes them (layers.sharding.initial_value)."""
+    m = config.model
+    return functools.partial(initial_value, seed=config.train.seed, std=m.init_method_std,
+                             num_layers=m.num_layers)
+
+
+def build_model(config: Config, device) -> list[GPTModel]:
+    """This rank's model chunks (one unless virtual pipelining), initialized from the seed;
+    under ZeRO-3 (`zero3_init`) with their parameters on the meta device, not initialized."""
+    t = config.train
+    meta = zero3_init(config)
+    with parameters_on_meta() if meta else contextlib.nullcontext():
+        if config.model.is_encoder_decoder:
+            from run_config.checks import t5_stage_layers
+
+            enc, dec = t5_stage_layers(config.model, t)[ps.get_pipeline_model_parallel_rank()]
+            chunks = [T5Model(config.model, encoder_layer_numbers=enc,
+                              decoder_layer_numbers=dec, sequence_parallel=t.sequence_parallel)]
+        else:
+            chunks = build_model_chunks(GPTModel, config.model, config.stage_num_layers(),
+                                        ps.get_pipeline_model_parallel_rank(),
+                                        t.virtual_pipeline_model_parallel_size,
+                                        sequence_parallel=t.sequence_parallel,
+                                        cp_comm_type=t.cp_comm_type)
     for chunk in chunks:
-        chunk.init_weights(t.seed)
+        if not meta:
+            chunk.init_weights(t.seed)
         if t.bf16:  # Megatron's Float16Module: bf16 weights (the optimizer keeps fp32 copies)
             chunk.to(torch.bfloat16)
         apply_recompute(chunk, t.recompute_granularity, t.recompute_method,
                         t.recompute_num_layers)
         if t.compile:
             compile_transformer_layers(chunk)
-    return [c.to(device) for c in chunks]
+    # meta parameters stay there (the DDP wrapper makes them on `device`); buffers move
+    return [c._apply(lambda x: x if x.is_meta else x.to(device)) for c in chunks]
 
 
 # ---------------------------------------------------------------------- the run
@@ -265,7 +288,8 @@ def setup_model_and_optimizer(config: Config, device) -> tuple[list, list, objec
                                      param_offload_device=t.param_offload_device,
                                      offload_path=t.offload_path, rank=dist.get_rank(),
                                      io_threads=t.offload_io_threads,
-                                     pin_memory=t.offload_pin_memory)
+                                     pin_memory=t.offload_pin_memory,
+                                     param_init=param_init(config), device=device)
              for c in chunks]
     if t.use_distributed_optimizer or t.bf16 or t.optimizer_cpu_offload:
         # fp32 main weights (sharded over DP: ZeRO-1/2/3), optionally in host memory
