@@ -13,7 +13,8 @@ practice of HF Trainer and Megatron's SFT recipes instead:
   should not take the full rate;
 - ``global_batch_size`` 16 sequences, rounded up to a multiple of micro batch x dp (x pp for
   the interleaved schedule) at `resolve_global_batch`, since dp is known only there;
-- ``eval_interval``: a quarter of the run (validation at the start and 4 more times), over
+- ``eval_interval``: a quarter of the run (validation at the start and up to 4 more times:
+  training/metrics.py `validates_at`), over
   ``eval_iters`` = interval / 10 batches: a forward costs a third of a training step, so
   validation takes about 3% of the run's compute, whatever its length;
 - ``log_dir`` runs/<name of --save> (else runs/<name of --load>-finetune), so the run's

@@ -254,6 +254,19 @@ def test_help_lists_every_flag():
         assert flag in text
 
 
+def test_help_says_each_default_once_and_never_none():
+    """--optimizer-offload-fraction read "(default 1.0) (default: None)": a default the text
+    already gives is not added again, and an unset (None) default is not shown."""
+    import re
+
+    text = " ".join(build_parser().format_help().split())
+    assert "default: None" not in text
+    assert "offloaded (default 1.0 with --optimizer-cpu-offload or " in text
+    for entry in re.split(r" (?=--[a-z])", text):
+        assert entry.count("default") <= 1 or "(default: " not in entry, entry
+    assert "tokens per sample (default: 128)" in text  # given defaults still shown
+
+
 # ---------------------------------------------------------------------------- named configs
 NATURAL_TP = {
     "gpt2-124m": 1, "gpt2-350m": 2, "gpt2-774m": 4, "gpt2-1.5b": 5, "llama-style-135m": 3,

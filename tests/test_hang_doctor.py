@@ -371,3 +371,25 @@ def test_debug_collectives_checks(layer):
 def test_watchdog_dumps_a_call_stuck_past_the_timeout(layer):
     for r in layer:
         assert len(r["stalled"]) == 1 and r["watchdog_dump"]
+
+
+def test_readme_worked_example_call_sites_match_the_program():
+    """The README's worked example quotes call sites `tests/hang_programs.py:N (function)`
+    (they were off by one after an edit of the program): each N is a line of that function,
+    and the line the collective is made on."""
+    import ast
+    import re
+
+    source = PROGRAMS.read_text()
+    spans = {f.name: (f.lineno, f.end_lineno) for f in ast.walk(ast.parse(source))
+             if isinstance(f, ast.FunctionDef)}
+    lines = source.splitlines()
+    calls = {"next_batch": "broadcast", "sync_grads": "all_reduce"}
+    sites = re.findall(r"tests/hang_programs\.py:(\d+) \((\w+)\)",
+                       (REPO / "README.md").read_text())
+    assert len(sites) >= 10
+    for number, function in sites:
+        first, last = spans[function]
+        assert first < int(number) <= last, (number, function)
+        if function in calls:
+            assert calls[function] in lines[int(number) - 1], (number, function)

@@ -59,6 +59,29 @@ def test_rate_and_eta_around_a_validation():
     assert ends == pytest.approx([ends[0]] * len(ends)), ends
 
 
+def test_no_validation_right_before_the_final_one():
+    """A 10-iteration fine-tune (validation every 3) validated after 9 and again after 10:
+    the final validation stays, the one it follows at once goes; the ETA counts what runs."""
+    from training.metrics import Progress, validates_at
+
+    def at(train_iters, interval):
+        return [it for it in range(1, train_iters + 1)
+                if validates_at(it, train_iters, interval)]
+
+    assert at(10, 3) == [3, 6, 10]
+    assert at(12, 3) == [3, 6, 9, 12]
+    assert at(10, 4) == [4, 8, 10]
+    assert at(11, 2) == [2, 4, 6, 8, 11]
+    assert at(5, 1) == [1, 2, 3, 4, 5]  # every iteration, as asked
+    assert at(1001, 100)[-2:] == [900, 1001]
+    p = Progress(train_iters=10, eval_interval=3, save_interval=None, save_at_end=False)
+    p.step(1.0)
+    p.step(1.0)
+    p.other("valid", 10.0)
+    assert p.eta(7) == pytest.approx(3 * 1.0 + 1 * 10.0)  # only the final validation is left
+    assert p.eta(6) == pytest.approx(4 * 1.0 + 2 * 10.0)  # the one at 6 follows its line
+
+
 def test_eta_counts_saves_and_the_final_save():
     from training.metrics import Progress
 

@@ -170,7 +170,8 @@ FLAG_HELP = {
     "data_parallel_sharding_strategy": "no_shard | optim (ZeRO-1) | optim_grads (ZeRO-2) | "
     "optim_grads_params (ZeRO-3/FSDP)",
     "optimizer_cpu_offload": "keep main weights and Adam moments in host memory, step there",
-    "optimizer_offload_fraction": "share of optimizer state offloaded (default 1.0)",
+    "optimizer_offload_fraction": "share of optimizer state offloaded (default 1.0 with "
+    "--optimizer-cpu-offload or --optimizer-offload-device)",
     "optimizer_offload_device": "cpu | nvme: where offloaded main weights and Adam moments live "
     "(nvme: raw files under --offload-path, streamed per bucket; ZeRO-Infinity); "
     "--optimizer-cpu-offload is the cpu alias",
@@ -291,11 +292,18 @@ def build_parser() -> argparse.ArgumentParser:
                 dict(type=str, nargs="+", metavar="STR") if base is list else \
                 dict(type=_argtype(f.name), metavar="INT[,INT...]" if base is tuple else
                      base.__name__.upper())
-            text = FLAG_HELP.get(f.name, "")
             group.add_argument(*flags, dest=f.name,
-                               help=f"{text} (default: {f.default})" if text else
-                               f"default: {f.default}", **kw)
+                               help=flag_help(FLAG_HELP.get(f.name, ""), f.default), **kw)
     return p
+
+
+def flag_help(text: str, default: Any) -> str | None:
+    """A flag's help: `text` with `(default: X)` added, unless the text already says its
+    default or X is None (unset: the model file's value or one derived, which the text says
+    where it matters; "(default: None)" said nothing)."""
+    if default is None or "default" in text:
+        return text or None
+    return f"{text} (default: {default})" if text else f"default: {default}"
 
 
 def _argtype(name: str):

@@ -38,7 +38,7 @@ from .diloco import DiLoCo
 from .stragglers import StragglerReport, slow_down_for_test
 from .expert_load import ExpertLoadLog
 from .memory import peak_memory_bytes
-from .metrics import EvalProgress, MetricsLogger, Progress, format_duration
+from .metrics import EvalProgress, MetricsLogger, Progress, format_duration, validates_at
 from .mfu import PeakFlops
 from .nonfinite import (NonFiniteError, StepGuard, grads_outside_norm, inject_grad_for_test,
                         inject_loss_for_test)
@@ -228,7 +228,7 @@ def train(run: TrainState) -> tuple[int, str | None]:
             if step.skipped is None and (it % t.log_interval == 0 or it == t.train_iters
                                          or it == run.start_iteration + 1):
                 training_log(run, step, it)
-            if evaluating and (it % t.eval_interval == 0 or it == t.train_iters):
+            if evaluating and validates_at(it, t.train_iters, t.eval_interval):
                 run.records.append(evaluate_and_print_results(run, it))
             if run.checkpointer and t.save_interval and it % t.save_interval == 0 and \
                     step.skipped is None:  # a save never ends a streak of skipped steps

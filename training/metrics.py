@@ -158,11 +158,16 @@ class Progress:
     def mean_step(self) -> float:
         return self.steps_time / self.steps if self.steps else (self.first_step or 0.0)
 
-    def _remaining(self, it: int, interval: int, at_end: bool) -> int:
-        """Events at iterations it..train_iters (the one at `it` follows its log line)."""
+    def _remaining(self, it: int, interval: int, at_end: bool, kind: str = "save") -> int:
+        """Events at iterations it..train_iters (the one at `it` follows its log line); a
+        validation the last one closely follows is not run (`validates_at`)."""
         n = (self.train_iters // interval - (it - 1) // interval) if interval else 0
         if at_end and not (interval and self.train_iters % interval == 0):
             n += 1
+        last = self.train_iters // interval * interval if interval else 0
+        if kind == "valid" and at_end and it <= last and \
+                not validates_at(last, self.train_iters, interval):
+            n -= 1
         return n
 
     def eta(self, it: int) -> float:
@@ -173,8 +178,19 @@ class Progress:
                                        ("save", self.save_interval, self.save_at_end)):
             spent, count = self.other_time[kind]
             if count:
-                total += self._remaining(it, interval, at_end) * spent / count
+                total += self._remaining(it, interval, at_end, kind) * spent / count
         return total
+
+
+def validates_at(it: int, train_iters: int, interval: int) -> bool:
+    """Whether a run of `train_iters` iterations validating every `interval` validates after
+    iteration `it`: at each multiple of `interval` and after the last iteration, except a
+    multiple the last one follows within half an interval or at once (10 iterations every 3:
+    after 3, 6 and 10; not after 9 and then 10 back to back)."""
+    if it == train_iters:
+        return True
+    left = train_iters - it
+    return it % interval == 0 and 2 * left >= interval and (left > 1 or interval == 1)
 
 
 class EvalProgress:
