@@ -338,10 +338,8 @@ def speculative(args, model, tokenizer, max_len: int):
         return None
     from inference.spec_decode import build_speculative
 
-    return build_speculative(args.speculative, model, tokenizer,
-                             max_batch_size=args.max_batch_size, max_seq_length=max_len,
-                             block_size=args.kv_block_size, dtype=args.dtype,
-                             compile=args.compile)
+    return build_speculative(args.speculative, model, tokenizer, max_seq_length=max_len,
+                             dtype=args.dtype, compile=args.compile)
 
 
 def startup_log(rank: int):

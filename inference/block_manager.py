@@ -34,7 +34,16 @@ import hashlib
 import struct
 from collections import OrderedDict
 
+import torch
+
 NULL_BLOCK = 0  # never allocated: table padding and padded rows' writes point here
+
+
+def block_tables(block_lists, num_blocks: int) -> torch.Tensor:
+    """`[b, num_blocks]` int64 block tables of a batch: each row's first `num_blocks`
+    blocks of `block_lists[i]`, padded with `NULL_BLOCK` past its own."""
+    return torch.tensor([blocks[:num_blocks] + [NULL_BLOCK] * (num_blocks - len(blocks))
+                         for blocks in block_lists], dtype=torch.int64).view(-1, num_blocks)
 
 
 def block_hash(parent: bytes | None, token_ids) -> bytes:

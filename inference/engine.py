@@ -132,7 +132,8 @@ class Engine(Scheduler):
             num_micro_batches) rows.
         block_size: token positions per KV cache block (--kv-block-size).
         kv_cache_memory: the cache's size on each rank, bytes (int) or a fraction of the
-            memory the rank may still allocate (float); default max_batch_size requests of
+            memory the rank may still allocate (float), a speculative draft model's pools
+            included (they share the blocks); default max_batch_size requests of
             max_seq_length tokens (`ModelRunner`).
         enable_prefix_caching: share the cached full blocks a prompt starts with.
         speculative: an `inference.spec_decode.SpecDecoder`: decode steps verify drafted
@@ -160,9 +161,13 @@ class Engine(Scheduler):
             # one block per request: the slot of the contiguous cache
             self.blocks = BlockManager(max_batch_size, max_seq_length, False, first_block=0)
             budget = max(budget, self.max_source_length)  # prompts are not chunked
-        else:
-            self.runner = ModelRunner(model, max_batch_size, max_seq_length, block_size,
-                                      kv_cache_memory, compile=compile)
+        else:  # a draft model's pools share the blocks (and the memory): sized for both
+            self.runner = ModelRunner(
+                model, max_batch_size, max_seq_length, block_size, kv_cache_memory,
+                compile=compile, shared_bytes_per_token=speculative.kv_bytes_per_token
+                if speculative is not None else 0)
+            if speculative is not None:
+                speculative.attach(self.runner.cache.num_blocks, block_size)
             self.blocks = BlockManager(self.runner.cache.num_blocks, block_size,
                                        enable_prefix_caching,
                                        region_blocks=-(-max_seq_length // block_size))
@@ -198,9 +203,12 @@ class Engine(Scheduler):
             return (f"KV cache: {bm.capacity} slots of {bm.block_size} decoder tokens "
                     f"(contiguous, T5)")
         tokens = bm.capacity * bm.block_size
+        draft = self.spec.draft.cache_bytes if self.spec and self.spec.draft else 0
+        per_token = r.bytes_per_token + (self.spec.kv_bytes_per_token if self.spec else 0)
+        of_draft = f", {draft / 2**20:,.1f} MiB of it the draft model's" if draft else ""
         line = (f"KV cache: {bm.capacity:,} blocks of {bm.block_size} tokens = {tokens:,} "
-                f"tokens ({r.cache_bytes / 2**20:,.1f} MiB on this rank, "
-                f"{r.bytes_per_token:,} bytes per token), prefix caching "
+                f"tokens ({(r.cache_bytes + draft) / 2**20:,.1f} MiB on this rank{of_draft}, "
+                f"{per_token:,} bytes per token), prefix caching "
                 f"{'on' if bm.enable_prefix_caching else 'off'}, prefill chunks of "
                 f"{self.max_num_batched_tokens} tokens")
         if tokens < self.max_seq_length:

@@ -59,6 +59,14 @@ def compile_for_inference(model) -> int:
         raise ValueError(str(e)) from None
 
 
+def kv_bytes_per_token(model) -> int:
+    """Bytes of keys and values one token position takes in the paged cache of decoder-only
+    `model`'s stage on this rank (its layers' local KV heads, in its parameters' dtype)."""
+    attn = next(iter(model.decoder.layers.values())).self_attention
+    return PagedKVCache.bytes_per_token(len(model.layer_numbers), attn.num_groups,
+                                        attn.head_dim, next(model.parameters()).dtype)
+
+
 class ModelRunner:
     """Runs this rank's model chunk for one micro-batch of rows.
 
@@ -74,15 +82,19 @@ class ModelRunner:
 
     The cache holds `num_blocks` blocks of `block_size` positions (block 0 reserved):
     `kv_cache_memory` bytes (int) or that fraction of the memory this rank may allocate
-    (float, `loading.available_memory`) over the bytes of a block on this stage, the smallest
-    over the replica's ranks (stages hold different layers; all must agree); default
+    (float, `loading.available_memory`) over the bytes of a block on this stage plus
+    `shared_bytes_per_token` x `block_size` (the pools of other caches indexed by the same
+    block tables: a speculative draft model's, inference/spec_decode.py), the smallest over
+    the replica's ranks (stages hold different layers; all must agree); default
     `max_batch_size` requests of `max_seq_length` tokens, the old slot cache's size.
+    `num_blocks` given: exactly that many (a draft model's pools, sized by its target's).
 
     `compile` (--compile): `compile_for_inference(model)`, before anything else.
     """
 
     def __init__(self, model, max_batch_size: int, max_seq_length: int, block_size: int = 16,
-                 kv_cache_memory: int | float | None = None, compile: bool = False):
+                 kv_cache_memory: int | float | None = None, compile: bool = False,
+                 shared_bytes_per_token: int = 0, num_blocks: int | None = None):
         if compile:  # wraps the layers (compiling waits for the first step): refusals first
             compile_for_inference(model)
         self.model = model.eval()
@@ -95,6 +107,7 @@ class ModelRunner:
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
         self.block_size, self.kv_cache_memory = block_size, kv_cache_memory
+        self.shared_bytes_per_token, self.num_blocks = shared_bytes_per_token, num_blocks
         self.cache = self._make_cache(attn, max_batch_size, max_seq_length)
         self.first, self.last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         self.stage = ps.get_pipeline_model_parallel_rank()
@@ -107,16 +120,18 @@ class ModelRunner:
         bs = self.block_size
         if bs < 1:
             raise ValueError(f"--kv-block-size must be >= 1, got {bs}")
-        self.bytes_per_token = PagedKVCache.bytes_per_token(
-            len(self.model.layer_numbers), attn.num_groups, attn.head_dim, self.dtype)
+        self.bytes_per_token = kv_bytes_per_token(self.model)
         memory = self.kv_cache_memory
-        if memory is None:
+        if self.num_blocks is not None:
+            blocks = self.num_blocks
+        elif memory is None:
             blocks = slots * -(-max_len // bs) + 1
         else:
             if isinstance(memory, float):
                 have, _ = available_memory(self.device)
                 memory = int(memory * have)
-            blocks = replica_min(memory // (self.bytes_per_token * bs))
+            per_block = (self.bytes_per_token + self.shared_bytes_per_token) * bs
+            blocks = replica_min(memory // per_block)
         self.cache_bytes = blocks * bs * self.bytes_per_token
         return PagedKVCache(self.model.layer_numbers, blocks, bs, attn.num_groups,
                             attn.head_dim, self.dtype, self.device)

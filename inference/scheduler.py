@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .block_manager import token_block_hashes
+from .block_manager import block_tables, token_block_hashes
 
 
 @dataclass
@@ -191,8 +191,7 @@ class Scheduler:
         starts = torch.tensor([start for _, start, _ in rows])
         bs = self.blocks.block_size
         span = -(-(int(starts.max()) + width) // bs)
-        tables = torch.tensor([r.blocks[:span] + [0] * (span - len(r.blocks))
-                               for r in batch], dtype=torch.int64)
+        tables = block_tables([r.blocks for r in batch], span)
         sampled = []
         for r, start, n in rows:
             r.num_computed = start + n

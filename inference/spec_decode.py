@@ -29,7 +29,9 @@ Proposers (`SpeculativeConfig.method`, vLLM's names):
   style, so a match close to the end continues a repeating pattern). No model runs, and no
   communication is needed: every rank holds the same tokens.
 - "draft_model": a smaller model with the same tokenizer and vocabulary, sharded over the
-  same tp x pp ranks with its own KV cache (`DraftModelProposer`), run k times per step
+  same tp x pp ranks (`DraftModelProposer`), its keys and values in pools of its own
+  indexed by the target's block tables (a block holds both models' entries of its
+  positions, as in vLLM, so --kv-cache-memory bounds the two together), run k times per step
   (its first pass feeds the tokens it has not seen: the whole prompt the first time, then
   the last one or two emitted tokens). Its drafts are `draw`n from its `filtered_probs`
   under the request's sampling parameters and keys; they are broadcast from the last stage
@@ -47,6 +49,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .block_manager import block_tables
 from .sampling import SamplingParams, draw, filtered_probs
 
 METHODS = ("ngram", "draft_model")
@@ -204,20 +207,20 @@ def pipeline_forward(runner, ids: torch.Tensor, tables: torch.Tensor, starts: to
 
 class DraftModelProposer:
     """Drafts of a smaller model with the target's vocabulary (see the module docstring),
-    sharded like the target over the replica's tp x pp ranks, with its own paged KV cache
-    (`ModelRunner` of `max_batch_size` x `max_seq_length` tokens): request slot i owns the
-    consecutive blocks 1 + i n .. (i + 1) n of it (n = blocks per `max_seq_length`), so no
-    block manager is needed. A request keeps its slot until `release` (the engine calls it
-    when the request ends); a request without one takes a free slot, or that of a request
-    not in the batch (which then starts over: its first pass re-reads its whole stream).
+    sharded like the target over the replica's tp x pp ranks. Its paged KV cache has as
+    many blocks as the target's and is indexed by the same block tables (a request's
+    `blocks`): the engine sizes the target's cache for both models' bytes per token
+    (`kv_bytes_per_token`) and then `attach`es the draft's pools, so --kv-cache-memory
+    bounds the two together and no block manager of its own is needed. `cached` counts the
+    tokens of a request's stream the draft holds; a request starts over (its first pass
+    re-reads its whole stream) after `release` (the request ended or was preempted).
 
     Raises `ValueError` when the draft cannot propose for the target: another vocabulary
     size, fewer positions than `max_seq_length`, or an encoder-decoder model.
     """
 
-    def __init__(self, model, target_config, max_batch_size: int, max_seq_length: int,
-                 block_size: int = 16, compile: bool = False):
-        from .runner import ModelRunner
+    def __init__(self, model, target_config, max_seq_length: int, compile: bool = False):
+        from .runner import kv_bytes_per_token
 
         cfg = model.config
         if getattr(cfg, "is_encoder_decoder", False):
@@ -231,40 +234,33 @@ class DraftModelProposer:
             raise ValueError(f"the speculative model holds {cfg.max_position_embeddings} "
                              f"positions, fewer than --max-model-len {max_seq_length}; lower "
                              f"--max-model-len or use another draft")
-        self.runner = ModelRunner(model, max_batch_size, max_seq_length, block_size,
-                                  compile=compile)
-        self.block_size, self.max_len = block_size, max_seq_length
-        self.per_slot = -(-max_seq_length // block_size)
-        self.free = list(range(max_batch_size))
-        self.slot: dict[str, int] = {}  # request id -> its slot
+        self.model, self.max_len, self.compile = model, max_seq_length, compile
+        self.kv_bytes_per_token = kv_bytes_per_token(model)  # on this rank
+        self.runner = None  # `attach`
         self.cached: dict[str, int] = {}  # request id -> tokens of its stream in the cache
 
+    def attach(self, num_blocks: int, block_size: int) -> None:
+        """Build the draft's runner with pools of `num_blocks` blocks of `block_size`
+        positions: the target's cache's count, indexed by its block tables."""
+        from .runner import ModelRunner
+
+        self.runner = ModelRunner(self.model, 1, self.max_len, block_size,
+                                  compile=self.compile, num_blocks=num_blocks)
+        self.block_size = block_size
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of the draft's pools on this rank (0 before `attach`)."""
+        return 0 if self.runner is None else self.runner.cache_bytes
+
     def release(self, request_id: str) -> None:
-        slot = self.slot.pop(request_id, None)
         self.cached.pop(request_id, None)
-        if slot is not None:
-            self.free.append(slot)
-            self.free.sort()
 
-    def _slots(self, batch) -> list[int]:
-        mine = {r.id for r in batch}
-        for r in batch:
-            if r.id not in self.slot:
-                if not self.free:  # evict a request that is not in this batch
-                    self.release(next(rid for rid in self.slot if rid not in mine))
-                self.slot[r.id] = self.free.pop(0)
-                self.cached[r.id] = 0
-        return [self.slot[r.id] for r in batch]
-
-    def _tables(self, slots: list[int], length: int) -> torch.Tensor:
-        """`[b, ceil(length / block_size)]` block tables of `slots`; positions past a slot's
-        blocks (padding of a longer row) go to the null block 0."""
-        width = -(-length // self.block_size)
-        own = min(width, self.per_slot)
-        t = torch.zeros(len(slots), width, dtype=torch.int64)
-        for i, s in enumerate(slots):
-            t[i, :own] = torch.arange(1 + s * self.per_slot, 1 + s * self.per_slot + own)
-        return t
+    def _tables(self, batch, length: int) -> torch.Tensor:
+        """`[b, ceil(length / block_size)]` block tables of the requests of `batch` (the
+        target's); positions past a request's blocks (padding of a longer row, drafts past
+        what it may emit) go to the null block 0."""
+        return block_tables([r.blocks for r in batch], -(-length // self.block_size))
 
     def propose(self, batch, streams: list[list[int]], k: int, wanted: list[int]
                 ) -> list[list[int]]:
@@ -276,19 +272,18 @@ class DraftModelProposer:
         k - 1 one token each."""
         from .comm import broadcast_tokens
 
-        slots = self._slots(batch)
         b = len(batch)
-        start = [self.cached[r.id] for r in batch]
+        start = [self.cached.get(r.id, 0) for r in batch]
         feed = [s[c:] for s, c in zip(streams, start)]
         starts = torch.tensor(start)
         drafts = torch.zeros(b, k, dtype=torch.int64)
         for j in range(k):
             if j == 0:
-                logits = self._first_pass(slots, feed, start)
+                logits = self._first_pass(batch, feed, start)
             else:  # the draft just made, one token per row
                 starts = starts + torch.tensor([len(f) for f in feed]) if j == 1 else starts + 1
                 logits = pipeline_forward(self.runner, drafts[:, j - 1:j].clone(),
-                                          self._tables(slots, int(starts.max()) + 1), starts,
+                                          self._tables(batch, int(starts.max()) + 1), starts,
                                           torch.zeros(b, dtype=torch.int64))
             picked = None
             if logits is not None:
@@ -302,20 +297,20 @@ class DraftModelProposer:
             self.cached[r.id] = len(streams[i]) + k - 1
         return drafts.tolist()
 
-    def _first_pass(self, slots: list[int], feed: list[list[int]], start: list[int]
+    def _first_pass(self, batch, feed: list[list[int]], start: list[int]
                     ) -> torch.Tensor | None:
         """The draft's logits `[b, V]` (last stage) at the last of each row's `feed` tokens,
         written from position `start[i]`: one right-padded forward, or one per row when the
-        padding would reach past the cache's positions (a row near the end beside one
-        catching up a long stream)."""
+        padding would reach past --max-model-len (a row near the end beside one catching up
+        a long stream)."""
         width = max(map(len, feed))
         if max(start) + width > self.max_len:
-            out = [self._first_pass([s], [f], [c]) for s, f, c in zip(slots, feed, start)]
+            out = [self._first_pass([r], [f], [c]) for r, f, c in zip(batch, feed, start)]
             return None if out[0] is None else torch.cat(out)
         ids = torch.zeros(len(feed), width, dtype=torch.int64)
         for i, f in enumerate(feed):
             ids[i, :len(f)] = torch.tensor(f)
-        return pipeline_forward(self.runner, ids, self._tables(slots, max(start) + width),
+        return pipeline_forward(self.runner, ids, self._tables(batch, max(start) + width),
                                 torch.tensor(start), torch.tensor([len(f) - 1 for f in feed]))
 
     def rewind(self, request_id: str, stream_length: int, accepted: int, k: int) -> None:
@@ -345,6 +340,18 @@ class SpecDecoder:
             if draft is None else None
         self.draft = draft
         self.stats = SpecStats()
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes per token position the draft model's KV pools add to every cache block on
+        this rank (0 for n-gram drafts): the engine sizes its cache for both models."""
+        return 0 if self.draft is None else self.draft.kv_bytes_per_token
+
+    def attach(self, num_blocks: int, block_size: int) -> None:
+        """Give the draft model pools of the target cache's `num_blocks` blocks of
+        `block_size` positions (nothing for n-gram drafts)."""
+        if self.draft is not None:
+            self.draft.attach(num_blocks, block_size)
 
     def micro_batches(self, encoder_decoder: bool, pp: int, asked: int | None,
                       default: int) -> int:
@@ -449,8 +456,7 @@ def same_tokenizer(a, b) -> str | None:
     return None
 
 
-def build_speculative(config: SpeculativeConfig, target, tokenizer, *, max_batch_size: int,
-                      max_seq_length: int, block_size: int = 16,
+def build_speculative(config: SpeculativeConfig, target, tokenizer, *, max_seq_length: int,
                       dtype: str = "float32", compile: bool = False) -> SpecDecoder:
     """The `SpecDecoder` of `config` for the `target` model stage (infer.py): for a draft
     model, its stage on the current grid, loaded from `config.model` (a .gguf file or a
@@ -479,5 +485,5 @@ def build_speculative(config: SpeculativeConfig, target, tokenizer, *, max_batch
         if differs is not None:
             raise ValueError(f"the speculative model's tokenizer is not the target's "
                              f"({differs}); use a draft trained with the target's tokenizer")
-    return SpecDecoder(config, DraftModelProposer(draft, target.config, max_batch_size,
-                                                  max_seq_length, block_size, compile))
+    return SpecDecoder(config, DraftModelProposer(draft, target.config, max_seq_length,
+                                                  compile))

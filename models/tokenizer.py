@@ -186,17 +186,24 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """Token ids of chat `messages` (`[{"role": ..., "content": ...}]`) in the HF
-        tokenizer's chat template, ending with the assistant's generation prompt.
+        tokenizer's chat template, ending with the assistant's generation prompt: the
+        template rendered as transformers' `apply_chat_template` renders it (its variables:
+        the messages, `add_generation_prompt`, the special tokens), but bounded in time and
+        size (models/chat_template.py: the template is untrusted code), then encoded
+        without special tokens added.
 
         Raises `ValueError` when the tokenizer has no chat template (SentencePiece models and
-        base models usually have none)."""
+        base models usually have none), and `chat_template.ChatTemplateError` (a
+        `ValueError`, one line) when the template fails or goes past its bounds."""
+        from .chat_template import render_chat_template
+
         if not self.has_chat_template:
             raise ValueError(f"tokenizer {self.path} has no chat template; send a plain "
                              f"completion (no --chat, /v1/completions)")
-        out = self._hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(out, dict) or hasattr(out, "keys"):  # transformers 5 returns an encoding
-            out = out["input_ids"]
-        return [int(t) for t in out]
+        text = render_chat_template(
+            self._hf.get_chat_template(), messages=messages, tools=None, documents=None,
+            add_generation_prompt=True, **self._hf.special_tokens_map)
+        return self.encode(text)
 
     def __repr__(self) -> str:
         return (f"Tokenizer({self.kind}, vocab_size={self.vocab_size}, eod={self.eod}, "

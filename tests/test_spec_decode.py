@@ -240,7 +240,7 @@ def _decoders(folders: dict, k: int = K) -> dict:
             "ngram": lambda: SpecDecoder(SpeculativeConfig(num_speculative_tokens=k)),
             "draft": lambda: SpecDecoder(
                 SpeculativeConfig(method="draft_model", model="draft", num_speculative_tokens=k),
-                DraftModelProposer(draft, target.config, 2, 64, 4)),
+                DraftModelProposer(draft, target.config, 64)),
             "model": target}
 
 
@@ -257,10 +257,10 @@ def _run(model, spec, params: list, prompts=PROMPTS, **kw):
     while engine.has_work():
         for e in engine.step():
             events[e.id].append(e)
-    bm = engine.blocks  # every block back on the free list, every draft slot free
+    bm = engine.blocks  # every block back on the free list, no request left in the draft
     assert bm.num_free == bm.capacity, "KV cache blocks leaked"
     if spec and engine.spec.draft is not None:
-        assert not engine.spec.draft.slot and len(engine.spec.draft.free) == 2
+        assert not engine.spec.draft.cached
     return reqs, events, engine
 
 
@@ -288,7 +288,8 @@ def test_greedy_equals_the_plain_engine_and_transformers(one_rank, spec_models):
     plain, plain_events, _ = _run(dec["model"], None, params)
     assert [r.output for r in plain] == ref
     for name in ("ngram", "draft"):
-        for memory in (None, 14 * 4 * 384):  # 14 blocks of 4 tokens: 3 layers, K V, 2 x 8 floats
+        # 14 blocks of 4 tokens: 3 layers, K V, 2 x 8 floats (+ the draft's 2 layers)
+        for memory in (None, 14 * 4 * (384 + 256 * (name == "draft"))):
             reqs, events, engine = _run(dec["model"], dec[name], params,
                                         kv_cache_memory=memory)
             assert [r.output for r in reqs] == ref, (name, memory)
@@ -303,6 +304,40 @@ def test_greedy_equals_the_plain_engine_and_transformers(one_rank, spec_models):
             assert [t for t, _, _ in got] == reqs[1].output
             for (t, lp, top), (_, lp0, top0) in zip(got, want):
                 assert abs(lp - lp0) < 1e-4 and [i for i, _ in top] == [i for i, _ in top0]
+
+
+def _pool_bytes(cache) -> int:
+    return sum(t.numel() * t.element_size() for pools in (cache.k, cache.v)
+               for t in pools.values())
+
+
+def test_draft_cache_comes_out_of_the_kv_cache_memory(one_rank, spec_models):
+    """With a draft model, --kv-cache-memory bounds the target's and the draft's KV pools
+    together (the draft's pools share the target's blocks), whatever --max-batch-size: at
+    64 requests of 128 tokens and a budget of 40 blocks of 4 tokens, both caches hold 40
+    blocks and their bytes are within the budget (the draft's used to be sized 64 x 128
+    tokens on its own: 2,049 blocks, 2.1 MB beside a 100 KB budget), the start-up line
+    counts both, and greedy output is still the plain engine's."""
+    from inference.engine import Engine, Request
+
+    dec = _decoders(spec_models)
+    per_token = 384 + 256  # 3 + 2 layers, K and V, 2 x 8 floats
+    budget = 40 * 4 * per_token + 100
+    engine = Engine(dec["model"], max_batch_size=64, max_seq_length=128, block_size=4,
+                    kv_cache_memory=budget, speculative=dec["draft"]())
+    target, draft = engine.runner.cache, engine.spec.draft.runner.cache
+    assert target.num_blocks == draft.num_blocks == 40, (target.num_blocks, draft.num_blocks)
+    used = _pool_bytes(target) + _pool_bytes(draft)
+    assert used == 40 * 4 * per_token <= budget, used
+    line = engine.cache_summary()
+    print(line)
+    assert f"({used / 2**20:,.1f} MiB on this rank, {_pool_bytes(draft) / 2**20:,.1f} MiB of " \
+        f"it the draft model's, {per_token} bytes per token)" in line, line
+    ref = [_hf_greedy(spec_models["target"], p, MAX_NEW) for p in PROMPTS]
+    reqs = engine.generate([Request(str(i), p, SamplingParams(max_new_tokens=MAX_NEW))
+                            for i, p in enumerate(PROMPTS)])
+    assert [r.output for r in reqs] == ref
+    assert engine.spec.stats.num_accepted_tokens > 0 and not engine.spec.draft.cached
 
 
 def _text(ids) -> str:
@@ -368,17 +403,17 @@ def test_refusals(one_rank, spec_models, tmp_path):
     draft = load(hf=spec_models["draft"])[0]
     other = type(target.config)(**{**target.config.to_dict(), "vocab_size": 102})
     with pytest.raises(ValueError, match=r"vocabulary \(101 ids\) is not the target's \(102\)"):
-        DraftModelProposer(draft, other, 2, 64)
+        DraftModelProposer(draft, other, 64)
     with pytest.raises(ValueError, match="holds 128 positions, fewer than --max-model-len 256"):
-        DraftModelProposer(draft, target.config, 2, 256)
+        DraftModelProposer(draft, target.config, 256)
     t5 = _ours_from_hf(_hf_t5(False))
     with pytest.raises(ValueError, match="encoder-decoder"):
         Engine(t5, max_batch_size=2, max_seq_length=16,
                speculative=SpecDecoder(SpeculativeConfig()))
     with pytest.raises(ValueError, match="encoder-decoder"):
-        build_speculative(SpeculativeConfig(), t5, None, max_batch_size=2, max_seq_length=16)
+        build_speculative(SpeculativeConfig(), t5, None, max_seq_length=16)
     with pytest.raises(ValueError, match="encoder-decoder"):
-        DraftModelProposer(t5, target.config, 2, 16)
+        DraftModelProposer(t5, target.config, 16)
 
 
 # seeded ids under memory pressure: 7 requests, 2 at a time, a greedy one among them
@@ -545,11 +580,11 @@ def test_draft_with_another_tokenizer_and_bad_flags_are_refused(one_rank, spec_m
     mine = Tokenizer(folders["same"])
     config = {"method": "draft_model", "num_speculative_tokens": 2}
     spec = build_speculative(SpeculativeConfig(**config, model=folders["same"]), target, mine,
-                             max_batch_size=2, max_seq_length=64)
+                             max_seq_length=64)
     assert spec.draft is not None
     with pytest.raises(ValueError, match=r"tokenizer is not the target's \(token 100 is"):
         build_speculative(SpeculativeConfig(**config, model=folders["other"]), target, mine,
-                          max_batch_size=2, max_seq_length=64)
+                          max_seq_length=64)
     for flags, msg in ((["--num-speculative-tokens", "0"], "--num-speculative-tokens must be"),
                        (["--speculative-model", "d"], "pass --num-speculative-tokens"),
                        (["--num-speculative-tokens", "2", "--prompt-lookup-min", "5"],
