@@ -90,7 +90,8 @@ class Scheduler:
         while self.waiting and len(rows) < self.micro_batch_size and \
                 len(self.running) < self.max_batch_size:
             r = self.waiting[0]
-            if r.preemptions and self.num_left == r.left_before:
+            if r.preemptions and self.num_left == r.left_before and \
+                    any(q.seq < r.seq for q in self.running):
                 break  # preempted: back once a running request has left (_preempt)
             tokens, bs = self._tokens(r), self.blocks.block_size
             cached = []
@@ -158,13 +159,14 @@ class Scheduler:
     def _preempt(self, r: Request) -> None:
         """Recompute preemption: free `r`'s blocks and queue it first among the requests
         that arrived after it, to prefill prompt + output again (prefix caching may still
-        hold its blocks). It is admitted again only after some running request has left
-        (finished or cancelled): the requests that pushed it out still hold what they took
-        and grow on, so taking the freed blocks back at once would only be preempted again
-        at their next block (25 preemptions of one request without prefix caching, each a
-        full recompute). So between two preemptions of a request one that arrived before
-        it has left, and a request is preempted at most as many times as requests arrived
-        before it (pp = 1; tests/test_paged_kv.py)."""
+        hold its blocks). While requests that arrived before it run, it is admitted again
+        only after some running request has left (finished or cancelled): the ones that
+        pushed it out still hold what they took and grow on, so taking the freed blocks back
+        at once would only be preempted again at their next block (27 preemptions of one
+        request without prefix caching, each a full recompute: docs/DECISIONS.md). So
+        between two preemptions of a request one that arrived before it has left, and a
+        request is preempted at most as many times as requests arrived before it (pp = 1:
+        the victim is never passed over for one in flight; tests/test_paged_kv.py)."""
         self.running.remove(r)
         self._release(r)
         r.preemptions += 1
