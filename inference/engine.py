@@ -21,11 +21,12 @@ as it finishes (EOS, a stop string, max_new_tokens, or cancel) and its blocks ar
 KV cache (decoder-only models): blocks of `block_size` positions (PagedKVCache); a request
 holds the blocks of the positions it has computed. With prefix caching a new request first
 takes the cached full blocks its tokens start with and prefills only the rest. When a
-request needs a block and none is free, the running request admitted last (possibly the
-one asking) is preempted by recomputation (vLLM's default): its blocks are freed, and it goes
-back to the head of the waiting queue with prompt + output so far as its prompt; what it
-generated stays generated. The request admitted first is never preempted by a later one, so
-the batch always progresses; a request that cannot fit the whole cache alone is refused by
+request needs a block and none is free, the running request that arrived last (possibly
+the one asking) is preempted by recomputation (vLLM's default): its blocks are freed, and it
+goes back to the waiting queue in its arrival order, with prompt + output so far as its
+prompt, to be admitted again once a running request has left (scheduler.py `_preempt`);
+what it generated stays generated. The request that arrived first is never preempted by a
+later one, so the batch always progresses; a request that cannot fit the whole cache alone is refused by
 `check`. T5 (inference/seq2seq.py) keeps a contiguous slot per request: one "block" of
 max_seq_length positions, no prefix caching and no chunking (its prompt is the encoder's).
 
@@ -92,6 +93,7 @@ class Request:
     num_registered: int = 0
     seq: int = 0
     preemptions: int = 0
+    left_before: int = 0  # engine.num_left when it was last preempted
 
 
 @dataclass
@@ -109,6 +111,7 @@ class Event:
     # (token id, logprob, [(id, logprob)] x N most likely, in decreasing probability)
     logprobs: list[tuple] | None = None
     queue_s: float | None = None  # on a request's first event: seconds it waited for a slot
+    preemptions: int | None = None  # on its last event: times it was preempted
 
 
 class Engine(Scheduler):
@@ -195,6 +198,7 @@ class Engine(Scheduler):
         self._last_prefill = False  # the last micro-batch started was a prefill
         # statistics (tokens looked up in / found in the prefix cache, preemptions)
         self.prefix_queries = self.prefix_hits = self.num_preemptions = 0
+        self.num_left = 0  # running requests that finished or were cancelled so far
 
     def cache_summary(self) -> str:
         """One line for the start-up log: the cache's blocks, tokens and bytes on this rank."""
@@ -397,8 +401,8 @@ class Engine(Scheduler):
                 more = self._append(r, token)
                 event.token_ids += more.token_ids
                 event.text += more.text
-                event.finish_reason, event.completion_tokens = \
-                    more.finish_reason, more.completion_tokens
+                event.finish_reason, event.completion_tokens, event.preemptions = \
+                    more.finish_reason, more.completion_tokens, more.preemptions
             if r.id in logprobs:
                 event.logprobs = logprobs[r.id][:len(event.token_ids)]
             events.append(event)
@@ -418,7 +422,8 @@ class Engine(Scheduler):
         if reason is not None:
             self._finish(r, reason)
         return Event(r.id, [token], self._new_text(r), r.finish_reason, len(r.prompt),
-                     len(r.output), queue_s=r.queue_s if len(r.output) == 1 else None)
+                     len(r.output), queue_s=r.queue_s if len(r.output) == 1 else None,
+                     preemptions=r.preemptions if reason is not None else None)
 
     def _extend_text(self, r: Request, token: int, reason: str | None) -> str | None:
         """Add `token`'s text to `r.text` (inference/detokenize.py: whole characters only;
@@ -459,6 +464,7 @@ class Engine(Scheduler):
             self.waiting.remove(r)
         if r in self.running:
             self.running.remove(r)
+            self.num_left += 1
             if r.id not in self.busy:  # else freed when its micro-batch returns
                 self._release(r)
 

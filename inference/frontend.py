@@ -59,9 +59,10 @@ class Frontend:
         self.shutdown_timeout = shutdown_timeout
         self.inbox: queue.Queue = queue.Queue()
         self.choices: dict[str, _Choice] = {}
-        # cancelled choices with no tokens yet: id -> replica, until the engine's last event
-        # for them (it carries the time they waited in the queue)
-        self.leaving: dict[str, int] = {}
+        # cancelled choices until the engine's last event for them (it carries their
+        # preemptions, and their time in the queue when no token came): id -> (replica,
+        # whether that queue time is still to be counted)
+        self.leaving: dict[str, tuple[int, bool]] = {}
         self.work = [0] * dp  # tokens still to generate at most, per replica
         self.served = [0] * dp  # choices finished, per replica (GET /health)
         self.lock = threading.Lock()
@@ -94,8 +95,7 @@ class Frontend:
                     if c is not None]
             for rid, c in gone:
                 self.work[c.replica] -= c.budget
-                if c.last is None:
-                    self.leaving[rid] = c.replica
+                self.leaving[rid] = (c.replica, c.last is None)
         if not gone:
             return
         if self.metrics is not None:
@@ -168,11 +168,7 @@ class Frontend:
             with self.lock:
                 c = self.choices.get(e.id)
                 if c is None:  # cancelled by its client, or failed above
-                    rep = self.leaving.get(e.id)
-                    if rep is not None and (e.queue_s is not None or e.finish_reason):
-                        del self.leaving[e.id]
-                        if e.queue_s is not None and self.metrics is not None:
-                            self.metrics.queued(rep, e.queue_s)
+                    self._left(e)
                     continue
                 done = c.budget if e.finish_reason is not None else len(e.token_ids)
                 c.budget -= done
@@ -192,6 +188,20 @@ class Frontend:
             for r, s in enumerate(stats):
                 if s is not None:
                     self.metrics.replica_stats(r, s)
+
+    def _left(self, e) -> None:
+        """Account an event of a cancelled choice (under `lock`)."""
+        rep, unqueued = self.leaving.get(e.id, (None, False))
+        if rep is None:
+            return
+        if self.metrics is not None and unqueued and e.queue_s is not None:
+            self.metrics.queued(rep, e.queue_s)
+        if e.finish_reason is None:
+            self.leaving[e.id] = (rep, unqueued and e.queue_s is None)
+            return
+        del self.leaving[e.id]
+        if self.metrics is not None and e.preemptions is not None:
+            self.metrics.preempted(rep, e.preemptions)
 
     def wait_for_handlers(self, timeout: float) -> None:
         end = time.monotonic() + timeout

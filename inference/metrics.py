@@ -17,11 +17,12 @@ them with the `shardzoo:` prefix, labelled by `model_name` and data-parallel `re
   0, 1, ... of their row), gauges `spec_decode_draft_acceptance_rate` (accepted / drafted)
   and `spec_decode_mean_acceptance_length` (tokens emitted per verified row, 1 + accepted /
   drafts), both over the server's life;
-- histograms (seconds): `time_to_first_token_seconds` (arrival at the HTTP layer to the first
+- histograms (seconds, but the last): `time_to_first_token_seconds` (arrival at the HTTP layer to the first
   generated token), `inter_token_latency_seconds` (between consecutive events of a request,
   per token), `request_queue_time_seconds` (waiting in the engine before its prefill; a
   request cancelled before it, e.g. its client gave up, counts with the time it waited),
-  `e2e_request_latency_seconds`.
+  `e2e_request_latency_seconds`; `request_preemptions` (times a request was preempted, at
+  its end, cancelled ones included).
 
 One registry per server (not the process-global one), so tests and several servers in one
 process do not share counts.
@@ -38,6 +39,7 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                7.5, 10.0, 20.0, 40.0, 80.0)
+PREEMPTION_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)  # preemptions of one request
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
@@ -96,6 +98,9 @@ class ServerMetrics:
                                   registry=reg)
         self.e2e = pc.Histogram(p + "e2e_request_latency_seconds", "Arrival to last token",
                                 labels, buckets=REQUEST_BUCKETS, registry=reg)
+        self.request_preemptions = pc.Histogram(p + "request_preemptions", "Times a request "
+                                                "was preempted (KV cache full)", labels,
+                                                buckets=PREEMPTION_BUCKETS, registry=reg)
         self.model_name, self.dp = model_name, dp
         self._recent = [deque() for _ in range(dp)]  # (monotonic time, tokens) per replica
         self._lock = threading.Lock()
@@ -140,11 +145,17 @@ class ServerMetrics:
             reason = "abort" if e.finish_reason == "cancelled" else e.finish_reason
             self.success.labels(*lab, reason).inc()
             self.e2e.labels(*lab).observe(now - arrival)
+            if getattr(e, "preemptions", None) is not None:
+                self.preempted(replica, e.preemptions)
 
     def queued(self, replica: int, seconds: float) -> None:
         """A request waited `seconds` in its engine's queue before its first prefill (or,
         cancelled before it, until then)."""
         self.queue.labels(self.model_name, str(replica)).observe(seconds)
+
+    def preempted(self, replica: int, times: int) -> None:
+        """A request ended after being preempted `times` times."""
+        self.request_preemptions.labels(self.model_name, str(replica)).observe(times)
 
     def aborted(self, replica: int, arrival: float) -> None:
         """A request ended before it finished: its client went away, or it failed."""

@@ -89,6 +89,9 @@ class Scheduler:
         while self.waiting and len(rows) < self.micro_batch_size and \
                 len(self.running) < self.max_batch_size:
             r = self.waiting[0]
+            if r.preemptions and self.num_left == r.left_before and \
+                    any(q.seq < r.seq for q in self.running):
+                break  # preempted: back once a running request has left (_preempt)
             tokens, bs = self._tokens(r), self.blocks.block_size
             cached = []
             if self.blocks.enable_prefix_caching:  # at least the last token is computed
@@ -140,8 +143,8 @@ class Scheduler:
 
     def _make_room(self, r: Request, num_tokens: int) -> list[Request]:
         """Give `r` blocks for positions 0..num_tokens-1, preempting the running requests
-        admitted last (not in flight) until they fit; the preempted ones (`r` itself when
-        it is the last) are returned."""
+        that arrived last (`seq`; not in flight) until they fit; the preempted ones (`r`
+        itself when it is the last) are returned."""
         gone = []
         while not self.blocks.allocate(r.blocks, num_tokens):
             victim = max((q for q in self.running if q.id not in self.busy),
@@ -155,10 +158,18 @@ class Scheduler:
     def _preempt(self, r: Request) -> None:
         """Recompute preemption: free `r`'s blocks and queue it first among the requests
         that arrived after it, to prefill prompt + output again (prefix caching may still
-        hold its blocks)."""
+        hold its blocks). While requests that arrived before it run, it is admitted again
+        only after some running request has left (finished or cancelled): the ones that
+        pushed it out still hold what they took and grow on, so taking the freed blocks back
+        at once would only be preempted again at their next block (27 preemptions of one
+        request without prefix caching, each a full recompute: docs/DECISIONS.md). So
+        between two preemptions of a request one that arrived before it has left, and a
+        request is preempted at most as many times as requests arrived before it (pp = 1:
+        the victim is never passed over for one in flight; tests/test_paged_kv.py)."""
         self.running.remove(r)
         self._release(r)
         r.preemptions += 1
+        r.left_before = self.num_left
         self.num_preemptions += 1
         at = next((i for i, q in enumerate(self.waiting) if q.seq > r.seq), len(self.waiting))
         self.waiting.insert(at, r)

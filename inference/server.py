@@ -122,7 +122,7 @@ def _loop(engine, fe: Frontend | None, my_replica: int, leader: bool) -> None:
                 waited = None if r.output else r.queue_s if r.queue_s is not None else \
                     time.monotonic() - r.arrival
                 events.append(Event(r.id, [], "", "cancelled", len(r.prompt), len(r.output),
-                                    queue_s=waited))
+                                    queue_s=waited, preemptions=r.preemptions))
         if not msg["stop"] and engine.has_work():
             events += engine.step()
         gathered = gather_to_rank0((events, engine.stats()) if leader else None)

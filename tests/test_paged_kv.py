@@ -14,6 +14,10 @@ grouped KV heads and a Mistral with a sliding window of 6); the parent compares:
 - block accounting after 200 requests of mixed lengths with shared prefixes, cancels at
   random steps and preemptions: at every step each block's reference count is the number of
   tables holding it, shared blocks are named full blocks, and in the end every block is free;
+- preemption under a load four times the cache, with and without prefix caching: the victim
+  is the running request that arrived last, preempted requests keep their arrival order,
+  all finish, and the i-th arrival is preempted at most i times (one that arrived before it
+  leaves between two of its preemptions);
 - refusals: a request the whole cache cannot hold (at `check`, naming --kv-cache-memory),
   a cache too small for one block, bad --kv-cache-memory / --kv-block-size flags.
 """
@@ -256,6 +260,85 @@ def test_paged_cache_prefix_caching_chunks_and_preemption(models):
     assert "holds no block of 4 tokens; raise --kv-cache-memory" in no_block, no_block
 
 
+def _overload(prefix_caching: bool) -> dict:
+    """In a worker: 24 requests (prompts of 4-11 tokens, 60-109 new tokens) arriving one
+    every 3 steps at 8 slots over a cache of 40 blocks of 4 (about 2 requests' worth), each
+    preemption recorded. Returns per request (in arrival order) its preemptions, the
+    engine's `num_left` at each, its finish reason and steps from arrival to end; the
+    victims that were not the running request that arrived last; steps where the waiting
+    queue was out of arrival order."""
+    from inference.engine import Engine, Request
+    from inference.sampling import SamplingParams
+    from models import GPTModel, ModelConfig
+
+    torch.manual_seed(0)
+    model = GPTModel(ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2,
+                                 vocab_size=64, seq_length=128, max_position_embeddings=128))
+    per_token = Engine(model, max_batch_size=1, max_seq_length=8).runner.bytes_per_token
+    engine = Engine(model, max_batch_size=8, max_seq_length=128, block_size=4,
+                    max_num_batched_tokens=32, kv_cache_memory=41 * 4 * per_token,
+                    enable_prefix_caching=prefix_caching)
+    rng = random.Random(0)
+    reqs = [Request(str(i), [rng.randrange(64) for _ in range(rng.randrange(4, 12))],
+                    SamplingParams(max_new_tokens=rng.randrange(60, 110), ignore_eos=True))
+            for i in range(24)]
+    at, by_id = {r.id: [] for r in reqs}, {r.id: r for r in reqs}
+    wrong_victims, disorder = [], []
+    preempt = engine._preempt
+
+    def recorded(r):
+        latest = max(q.seq for q in engine.running if q.id not in engine.busy)
+        if r.seq != latest:
+            wrong_victims.append((r.seq, latest))
+        at[r.id].append(engine.num_left)
+        preempt(r)
+    engine._preempt = recorded
+    pending, arrived, ended, step = list(reqs), {}, {}, 0
+    while pending or engine.has_work():
+        if pending and step % 3 == 0:
+            arrived[pending[0].id] = step
+            engine.add(pending.pop(0))
+        for e in engine.step():
+            if e.finish_reason is not None:
+                ended[e.id] = step
+                assert e.preemptions == by_id[e.id].preemptions
+        if [q.seq for q in engine.waiting] != sorted(q.seq for q in engine.waiting):
+            disorder.append(step)
+        step += 1
+        assert step < 20_000, "the load did not finish"
+    return {"requests": [(at[r.id], r.finish_reason, ended[r.id] - arrived[r.id])
+                         for r in reqs],
+            "wrong_victims": wrong_victims, "disorder": disorder, "steps": step}
+
+
+def test_preemption_is_first_come_first_served_and_bounded():
+    """Under a load the cache holds a quarter of, with and without prefix caching: the
+    victim is always the running request that arrived last, a preempted request keeps its
+    place in arrival order, every request finishes, and a request is preempted at most once
+    while the same requests run before it: between two of its preemptions a running request
+    (one that arrived before it) has left, so the i-th arrival is preempted at most i times.
+    (Re-admitted at once, the request that arrived last was pushed out again at each block
+    the ones before it took: without prefix caching up to 27 times, each a full
+    recompute.)"""
+    for prefix_caching, out in zip((False, True), run_distributed(
+            _overload_both, 1, timeout=600)[0]):
+        reqs = out["requests"]
+        where = f"prefix caching {prefix_caching}"
+        assert all(reason == "length" for _, reason, _ in reqs), where
+        assert not out["wrong_victims"] and not out["disorder"], (where, out)
+        counts = [len(at) for at, _, _ in reqs]
+        assert sum(counts) > 0, where  # the load does preempt
+        for i, (at, _, _) in enumerate(reqs):
+            assert all(a < b for a, b in zip(at, at[1:])), (where, i, at)
+            assert len(at) <= i, (where, i, at)
+        print(f"{where}: {out['steps']} steps, preemptions per request {counts}, steps "
+              f"from arrival to end at most {max(w for _, _, w in reqs)}")
+
+
+def _overload_both() -> list:
+    return [_overload(False), _overload(True)]
+
+
 def test_block_manager_sharing_and_lru_eviction():
     """Reference counts, names of full blocks only, LRU eviction of cached blocks (a prefix
     outlives its tail), placement never evicting, and allocation that changes nothing when
@@ -333,6 +416,16 @@ def test_prefix_cache_metrics():
     assert values["shardzoo:prefix_cache_hit_rate"] == 0.6
     assert values["shardzoo:num_preemptions_total"] == 1
     assert values["shardzoo:kv_cache_usage_perc"] == 0.5
+    # per request, at its end: the times it was preempted
+    from inference.engine import Event
+
+    for times in (3, 0):
+        m.event(0, Event("a", [5], "x", "length", 4, 9, preemptions=times), 0.0, 0.0)
+    samples = {(s.name, s.labels.get("le")): s.value
+               for f in text_string_to_metric_families(m.render().decode()) for s in f.samples}
+    assert samples["shardzoo:request_preemptions_count", None] == 2
+    assert samples["shardzoo:request_preemptions_sum", None] == 3
+    assert samples["shardzoo:request_preemptions_bucket", "2.0"] == 1
 
 
 def test_compile_without_cpp_compiler_is_a_usage_error(no_grid, no_cpp_compiler):

@@ -364,7 +364,8 @@ def test_disconnected_non_streaming_client_is_cancelled_and_metrics(server):
     for name in ("shardzoo:time_to_first_token_seconds_count",
                  "shardzoo:inter_token_latency_seconds_count",
                  "shardzoo:request_queue_time_seconds_count",
-                 "shardzoo:e2e_request_latency_seconds_count", "shardzoo:prompt_tokens_total"):
+                 "shardzoo:e2e_request_latency_seconds_count", "shardzoo:prompt_tokens_total",
+                 "shardzoo:request_preemptions_count"):
         assert _metric(port, name, replica="0", model_name="chain") > 0, name
     assert _metric(port, "shardzoo:kv_cache_usage_perc", replica="0") == 0.0
     assert _metric(port, "shardzoo:request_errors_total") > 0  # the limits test's 4xx
