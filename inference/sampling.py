@@ -131,16 +131,17 @@ _K_SEED, _K_POS, _K_HI, _K_LO = 0x243F6A89, 0x85A308D3, 0x13198A2F, 0x03707345
 
 def uniforms(seed: int, position: int, ids: torch.Tensor) -> torch.Tensor:
     """`[n]` float64 uniforms in (0, 1), one per id of `ids [n]` (int64 in [0, 2^32)), a pure
-    function of (seed (64-bit signed), position (in [0, 2^32)), id): 53 bits per id from two
+    function of (seed (64-bit signed), position (in [0, 2^32)), id): 53 bits per id from
     32-bit hashes of the id under keys mixed from the seed and position, with the
     counter-based integer mixer of layers/dropout.py (`mix32`; Salmon et al. 2011's idea:
     no generator state). Integer arithmetic, so the same on CPU and CUDA; distinct ids of
     one key never share a value (the mixer is a bijection)."""
     key = mix32_int(mix32_int((seed & MASK32) ^ _K_SEED) ^ ((seed >> 32) & MASK32))
     key = mix32_int(key ^ (position & MASK32) ^ _K_POS)
-    hi = mix32(mix32(ids ^ mix32_int(key ^ _K_HI)) ^ key) >> 11  # 21 bits
-    lo = mix32(mix32(ids ^ mix32_int(key ^ _K_LO)) ^ key)  # 32 bits
-    return (hi.double() * 2.0 ** 32 + lo.double() + 0.5) * 2.0 ** -53
+    h = mix32(ids ^ key)  # distinct per id; two keyed rounds more give 21 + 32 bits
+    hi = mix32(h ^ mix32_int(key ^ _K_HI)).bitwise_right_shift_(11)
+    lo = mix32(h.bitwise_xor_(mix32_int(key ^ _K_LO)))
+    return hi.double().mul_(2.0 ** 32).add_(lo).add_(0.5).mul_(2.0 ** -53)
 
 
 def draw(weights: torch.Tensor, seed: int, position: int) -> int:

@@ -196,7 +196,7 @@ class Scheduler:
             ids[:, 0] = torch.tensor([(r.output or r.prompt)[-1] for r in batch])
             if self.spec is not None:
                 drafts, padded = self.spec.plan(batch, [self._tokens(r) for r in batch],
-                                                   self.max_seq_length)
+                                                self.max_seq_length)
                 ids = torch.cat([ids, padded], dim=1)
                 width = ids.shape[1]
         starts = torch.tensor([start for _, start, _ in rows])

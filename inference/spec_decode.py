@@ -38,8 +38,8 @@ Proposers (`SpeculativeConfig.method`, vLLM's names):
   like sampled ids.
 
 Each row drafts k_i tokens (at most `num_speculative_tokens` and the tokens it may still
-emit less one; n-gram: fewer when its match is short or missing). The rows of a micro-batch are
-verified in one forward of k_b + 1 positions (k_b = the largest k_i); a shorter row is
+emit less one; n-gram: fewer when its match is short or missing). The rows of a micro-batch
+are verified in one forward of k_b + 1 positions (k_b = the largest k_i); a shorter row is
 padded with its last token, whose positions are computed and never read. k_b must keep every
 row's positions before --max-model-len, so a row that close to the end caps its batch.
 """

@@ -7,8 +7,8 @@ grouped KV heads and a Mistral with a sliding window of 6); the parent compares:
   chunks; a cache too small for the load, so requests are preempted and recomputed; the
   layers compiled, --compile, without a graph break) equal transformers' `generate`, each
   prompt alone, and the second pass over the same prompts hits the prefix cache;
-- seeded sampling gives the same ids with chunks and preemption as without (a chunk that is
-  not sampled draws nothing from the request's generator);
+- seeded sampling gives the same ids with chunks and preemption as without (an id is keyed
+  by the request's seed and its output position);
 - chunked prefill: no forward holds more prompt tokens than the budget, and a running
   request waits at most one prefill between two of its tokens;
 - block accounting after 200 requests of mixed lengths with shared prefixes, cancels at
