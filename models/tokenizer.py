@@ -61,10 +61,12 @@ class Tokenizer:
         self.pad = int(self._sp.pad_id())
 
     def _init_hf(self, path: str, **kwargs) -> None:
-        from transformers import AutoTokenizer
+        from models.hf.tokenizer_files import TokenizerFileError, load_hf_tokenizer
 
         try:
-            self._hf = AutoTokenizer.from_pretrained(path, local_files_only=True, **kwargs)
+            self._hf = load_hf_tokenizer(path, **kwargs)  # its files checked first
+        except TokenizerFileError:
+            raise  # a file of it is refused: the message names it
         except (OSError, ValueError) as e:
             raise ValueError(
                 f"could not load a Hugging Face tokenizer from folder {path} ({e}); it must "
