@@ -13,6 +13,8 @@ import hashlib
 import os
 import re
 
+from models.hf.files import link_outside
+
 LATEST = "latest_checkpointed_iteration.txt"
 METADATA = "metadata.json"
 CONFIG = "config.yaml"
@@ -55,3 +57,37 @@ def file_problem(path: str, entry: dict, checksums: bool = True) -> str | None:
         return (f"{fpath}: sha256 differs from metadata.json (the file is corrupt or was "
                 f"replaced by another); {fix}")
     return None
+
+
+def unlisted_problems(path: str, files: list[dict], under: str | None = None) -> list[str]:
+    """What in checkpoint folder `path` (or only in its file or subfolder `under`) the
+    metadata.json entries `files` do not vouch for, each naming the file and the fix: a file
+    they do not list (metadata.json aside: no check covers its bytes, and a reader such as
+    the tokenizer's would open it), and a link whose target lies outside the folder
+    (`models.hf.files.link_outside`, as an HF folder's are refused). Every file a loader
+    reads is then listed, and so checked by `file_problem`."""
+    listed = {os.path.normpath(f["name"]) for f in files} | {METADATA}
+    top = os.path.join(path, under) if under else path
+    if not os.path.lexists(top):
+        return []
+    found = [os.path.relpath(top, path)] if not os.path.isdir(top) or os.path.islink(top) \
+        else []
+    for d, dirs, names in os.walk(top):  # links to folders are listed, not descended
+        found += [os.path.relpath(os.path.join(d, n), path) for n in dirs + names]
+    problems, unlisted = [], []
+    for rel in sorted(found):
+        full = os.path.join(path, rel)
+        real = link_outside(path, rel) if os.path.islink(full) else None
+        if real is not None:
+            problems.append(f"{full} is a link to {real}, outside the checkpoint folder; copy "
+                            f"the file into the folder")
+        elif rel not in listed and not os.path.isdir(full):
+            unlisted.append(full)
+    if unlisted:
+        shown = ", ".join(unlisted[:5]) + (f" and {len(unlisted) - 5} more"
+                                           if len(unlisted) > 5 else "")
+        problems.append(f"{shown} {'is' if len(unlisted) == 1 else 'are'} not listed in "
+                        f"{os.path.join(path, METADATA)} (added after the save: no size or "
+                        f"sha256 check covers {'it' if len(unlisted) == 1 else 'them'}); remove "
+                        f"{'it' if len(unlisted) == 1 else 'them'}, or {damage_fix(path)}")
+    return problems

@@ -26,16 +26,20 @@ Every failure is a `CheckpointError` naming the file, what is wrong and the fix.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 
+from models.hf.files import UntrustedJSONError, load_json
+
 from .files import (CONFIG, DCP_METADATA, LATEST, METADATA, SHARD, CheckpointError,
-                    file_problem, sha256_file)
+                    file_problem, sha256_file, unlisted_problems)
 from .keys import dense_tensors, tensor_problems
 from .safe_dcp import read_dcp_metadata
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+# metadata.json lists one entry (~130 bytes) per file: 16 MiB is over 100,000 shard files,
+# and bounds what parsing a hostile one can allocate
+MAX_METADATA_BYTES = 16 * 2**20
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 
 
@@ -144,9 +148,10 @@ def require_checkpoint(load: str) -> str:
 
 def read_metadata(path: str, check: bool = True) -> dict:
     """metadata.json of checkpoint folder `path`; `CheckpointError` if missing, unreadable or
-    malformed. With `check`, also what is cheap to know before anything is built from it:
-    every listed file present at its recorded size (`file_problem`) and a model that fits in
-    the shard files (`model_config`)."""
+    malformed (it is read only up to `MAX_METADATA_BYTES`). With `check`, also what is cheap
+    to know before anything is built from it: every listed file present at its recorded size
+    (`file_problem`), no file it does not list and no link out of the folder
+    (`unlisted_problems`), and a model that fits in the shard files (`model_config`)."""
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint folder {path} does not exist; check --load")
     meta_path = os.path.join(path, METADATA)
@@ -156,9 +161,11 @@ def read_metadata(path: str, check: bool = True) -> dict:
             f"partially copied save); load the previous one (--load <save dir> follows "
             f"{LATEST}) or copy it again from the --save-replica location")
     try:
-        with open(meta_path) as f:
-            meta = json.load(f)
+        meta = load_json(meta_path, MAX_METADATA_BYTES)
         problem = _malformed(meta)
+    except UntrustedJSONError as e:  # too large, not JSON, nested too deep
+        raise CheckpointError(f"{e}; restore the checkpoint from --save-replica or load an "
+                              f"earlier one (nothing was built from it)") from None
     except (ValueError, KeyError, TypeError) as e:
         problem = f"{type(e).__name__}: {e}"
     if problem:
@@ -169,7 +176,7 @@ def read_metadata(path: str, check: bool = True) -> dict:
         meta["model"]["window_size"] = [window - 1, 0]
     if check:
         problems = [p for p in (file_problem(path, f, checksums=False) for f in meta["files"])
-                    if p]
+                    if p] + unlisted_problems(path, meta["files"])
         if problems:
             raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(problems))
         model_config(path, meta)
@@ -266,7 +273,9 @@ def verify_files(path: str, meta: dict, *, rank: int = 0, world: int = 1,
     """Problems with the files of checkpoint `path` (empty list: OK), each naming the file.
 
     Rank `rank` of `world` checks every `world`-th file of metadata.json (so a job verifies in
-    parallel). Rank 0 also reads `.metadata` as untrusted input (`safe_dcp.read_dcp_metadata`:
+    parallel). Rank 0 also refuses files metadata.json does not list and links out of the
+    folder (`unlisted_problems`: what a loader reads is then listed and checked), and reads
+    `.metadata` as untrusted input (`safe_dcp.read_dcp_metadata`:
     its size and sha256 first, whatever `checksums` says); given `tensors(config)` -> the
     `model.*` tensors a reader of metadata.json's model needs (`keys.expected_tensors`), it
     checks the model fits in the files (`model_config`) and compares those tensors with the
@@ -276,6 +285,7 @@ def verify_files(path: str, meta: dict, *, rank: int = 0, world: int = 1,
                 if i % world == rank and entry["name"] != DCP_METADATA
                 for p in [file_problem(path, entry, checksums)] if p]
     if rank == 0:
+        problems += unlisted_problems(path, meta["files"])
         problems += _structure_problems(path, meta, tensors)
     return problems
 

@@ -20,7 +20,9 @@ import shutil
 import torch
 
 from models import hf as hfmap
+from models.hf import HFConversionError
 from models.hf.generation import generation_config, write_generation_config
+from models.hf.tokenizer_files import TokenizerFileError, load_hf_tokenizer
 
 from .format import CheckpointError, require_checkpoint
 from .model_io import (TOKENIZER_DIR, TOKENIZER_MODEL, find_tokenizer, read_dense_weights,
@@ -46,23 +48,31 @@ def import_hf(hf_path: str, out: str, log=print) -> str:
     model_type = src.config["model_type"]
     tensors = hfmap.to_native(config, model_type, src.get, src.names)
 
-    def save_tokenizer(folder: str) -> None:
-        from transformers import AutoTokenizer
+    tok = _source_tokenizer(src, log)  # before any weight: a refused file stops the import
 
-        where, kw = src.tokenizer_source()
-        try:
-            tok = AutoTokenizer.from_pretrained(where, local_files_only=True,
-                                                trust_remote_code=False, **kw)
-        except (OSError, ValueError, TypeError) as e:
-            log(f"note: no tokenizer in {where} ({type(e).__name__}); the checkpoint has none, "
-                f"pass --tokenizer-model when training on it")
-            return
-        tok.save_pretrained(folder)
+    def save_tokenizer(folder: str) -> None:
+        if tok is not None:
+            tok.save_pretrained(folder)
 
     return write_weights_checkpoint(
         out, config, tensors, tokenizer=save_tokenizer, generation_config=generation,
         source={"format": src.kind, "path": os.path.abspath(hf_path), "model_type": model_type,
                 "architectures": src.config.get("architectures")})
+
+
+def _source_tokenizer(src, log):
+    """The tokenizer of opened HF model `src` (transformers'), or None when it has none (a
+    note says so). Raises `HFConversionError` naming a tokenizer file that is refused
+    (models/hf/tokenizer_files.py)."""
+    where, kw = src.tokenizer_source()
+    try:
+        return load_hf_tokenizer(where, **kw)
+    except TokenizerFileError as e:
+        raise HFConversionError(str(e)) from None
+    except (OSError, ValueError, TypeError) as e:
+        log(f"note: no tokenizer in {where} ({type(e).__name__}); the checkpoint has none, "
+            f"pass --tokenizer-model when training on it")
+        return None
 
 
 def _shard_plan(config, max_shard_bytes: int, itemsize: int) -> list[list[tuple[str, tuple]]]:
@@ -159,12 +169,12 @@ def _save_tokenizer(tokenizer: str | None, folder: str, log) -> dict:
         ids = {"bos_token_id": sp.bos_id(), "eos_token_id": sp.eos_id(), "pad_token_id": sp.pad_id()}
         return {k: v for k, v in ids.items() if v >= 0}
     assert os.path.basename(tokenizer) == TOKENIZER_DIR
-    from transformers import AutoTokenizer
-
+    try:
+        tok = load_hf_tokenizer(tokenizer)  # verified with the checkpoint; its files checked
+    except (TokenizerFileError, OSError, ValueError) as e:
+        raise HFConversionError(f"the checkpoint's tokenizer cannot be exported: {e}") from None
     for name in os.listdir(tokenizer):
         shutil.copy(os.path.join(tokenizer, name), os.path.join(folder, name))
-    tok = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True,
-                                        trust_remote_code=False)
     ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
            "pad_token_id": tok.pad_token_id}
     return {k: v for k, v in ids.items() if v is not None}

@@ -38,8 +38,8 @@ from models.hf.generation import GENERATION_CONFIG, generation_config, write_gen
 from parallel_state import collectives
 
 from . import safe_dcp
-from .files import (CONFIG, FORMAT_VERSION, METADATA, CheckpointError, damage_fix,
-                    file_problem)
+from .files import (CONFIG, FORMAT_VERSION, METADATA, CheckpointError, file_problem,
+                    unlisted_problems)
 from .format import describe_files, read_metadata, verify_files
 from .keys import (buffer_entries, dense_logical_tensors, dense_tensors, entries,
                    expected_tensors, load_buffers, part_keys, piece_dim, read_plan, rebuild)
@@ -306,16 +306,11 @@ def _verify_stored(folder: str, name: str) -> None:
     (every file listed, at its size and sha256), when the folder has one (a checkpoint)."""
     if not os.path.isfile(os.path.join(folder, METADATA)):
         return
-    path = os.path.join(folder, name)
-    listed = [f for f in read_metadata(folder, check=False)["files"]
-              if f["name"] == name or f["name"].startswith(name + "/")]
-    on_disk = {os.path.relpath(os.path.join(d, n), folder) for d, _, names in
-               os.walk(path) for n in names} if os.path.isdir(path) else {name}
-    unlisted = sorted(on_disk - {f["name"] for f in listed})
+    files = read_metadata(folder, check=False)["files"]
+    unlisted = unlisted_problems(folder, files, under=name)
     if unlisted:
-        raise CheckpointError(f"{os.path.join(folder, unlisted[0])} is not listed in "
-                              f"{os.path.join(folder, METADATA)}; {damage_fix(folder)}")
-    for entry in listed:
+        raise CheckpointError(unlisted[0])
+    for entry in (f for f in files if f["name"] == name or f["name"].startswith(name + "/")):
         problem = file_problem(folder, entry)
         if problem:
             raise CheckpointError(problem)

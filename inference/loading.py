@@ -193,9 +193,13 @@ def load(load: str | None = None, hf: str | None = None, tokenizer: str | None =
         if tokenizer:
             tok = Tokenizer(tokenizer)
         else:
+            from models.hf.tokenizer_files import TokenizerFileError
+
             where, kw = src.tokenizer_source()
             try:
                 tok = Tokenizer(where, **kw)
+            except TokenizerFileError:
+                raise  # a file of it is refused (not: no tokenizer there)
             except ValueError:
                 tok = None
         name = os.path.basename(os.path.normpath(hf))

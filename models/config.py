@@ -216,7 +216,9 @@ class ModelConfig:
         else:
             norms = 2 + self.post_self_attn_layernorm + self.post_mlp_layernorm
             total = L * (attn + mlp + norms * norm) + norm
-            total += sum(self._moe_parameters() - mlp for n in range(L) if self.is_moe_layer(n))
+            moe_layers = self.num_moe_layers()
+            if moe_layers:
+                total += moe_layers * (self._moe_parameters() - mlp)
         if not self.is_encoder_decoder:
             total += L * self._qk_norm_parameters() - (0 if self.pre_layernorm else 2 * L * norm)
         if include_embedding:
@@ -250,6 +252,17 @@ class ModelConfig:
             n += self._mlp_parameters(self.moe_shared_expert_intermediate_size)
             n += h if self.moe_shared_expert_gate else 0
         return n
+
+    def num_moe_layers(self) -> int:
+        """How many of the `num_layers` layers have an MoE MLP (`is_moe_layer`), counted
+        without a loop over the layers: a checkpoint's metadata may claim any number of them,
+        and is refused by the size this count gives (`checkpoint.format.model_config`)."""
+        if self.num_moe_experts is None:
+            return 0
+        freq = self.moe_layer_freq
+        if isinstance(freq, list):  # one 0/1 per layer (validate), as long as its file allows
+            return sum(1 for v in freq[:self.num_layers] if v)
+        return -(-self.num_layers // freq)  # layers 0, N, 2N, ... below num_layers
 
     def is_moe_layer(self, layer_number: int) -> bool:
         """Whether the 0-based global layer `layer_number` has an MoE MLP (Megatron-Core's

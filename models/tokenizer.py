@@ -61,12 +61,12 @@ class Tokenizer:
         self.pad = int(self._sp.pad_id())
 
     def _init_hf(self, path: str, **kwargs) -> None:
-        from transformers import AutoTokenizer
+        from models.hf.tokenizer_files import TokenizerFileError, load_hf_tokenizer
 
-        try:  # trust_remote_code=False: refuse an auto_map's code without asking (the
-            # default, None, asks "run the custom code? [y/N]" on stdin)
-            self._hf = AutoTokenizer.from_pretrained(path, local_files_only=True,
-                                                     trust_remote_code=False, **kwargs)
+        try:
+            self._hf = load_hf_tokenizer(path, **kwargs)  # its files checked first
+        except TokenizerFileError:
+            raise  # a file of it is refused: the message names it
         except (OSError, ValueError) as e:
             if "trust_remote_code" in str(e):
                 raise ValueError(

@@ -78,3 +78,37 @@ def read_until(proc: subprocess.Popen, lines: list[str], text: str, count: int =
         if sum(text in x for x in lines) >= count:
             return
     raise AssertionError(f"no '{text}' in the output:\n" + "".join(lines[-60:]))
+
+
+_MEASURED = """import resource, runpy, sys
+sys.argv = sys.argv[1:]
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+finally:
+    print(f"\\npeak_rss_kib {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}", file=sys.stderr)
+"""
+
+
+def start_measured(argv: list[str], env: dict | None = None) -> subprocess.Popen:
+    """`python *argv` (a script of the repository and its arguments) in the repository, its
+    stdout and stderr together; `finish_measured` waits for it. Started from a shell, not
+    forked from this process: a process forked from a large one starts its peak memory
+    (getrusage ru_maxrss) at the parent's size, exec or not."""
+    return subprocess.Popen(["/bin/sh", "-c", '"$@"; exit $?', "sh", sys.executable, "-c",
+                             _MEASURED, *argv], cwd=REPO, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def finish_measured(proc: subprocess.Popen, timeout: int = 180) -> tuple[int, str, float]:
+    """(exit code, output, peak resident memory of the process in MiB: its getrusage
+    ru_maxrss, what /usr/bin/time reports) of a `start_measured` process; one that runs past
+    `timeout` seconds (a hang) is killed and AssertionError raised."""
+    try:
+        out = proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out = proc.communicate()[0]
+        raise AssertionError(f"{proc.args[7:]} still ran after {timeout} s:\n{out[-2000:]}")
+    body, _, peak = out.rpartition("peak_rss_kib ")
+    return proc.returncode, body.rstrip(), int(peak) / 1024

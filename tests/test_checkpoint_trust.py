@@ -2,8 +2,10 @@
 infer.py --load, tools/convert_hf.py export, tools/checkpoint_info.py) a crafted `.metadata`
 pickle is refused without running (a marker file it would create never appears), and a shard
 swapped for another checkpoint's, a flipped byte, a truncated shard and a metadata.json whose
-num_layers is not the checkpoint's are each refused naming the file, and so is a stored
-tokenizer with a flipped byte (before it is parsed).
+num_layers is not the checkpoint's are each refused naming the file, and so are a stored
+tokenizer with a flipped byte (before it is parsed), a tokenizer folder metadata.json does not
+list, and a link out of the folder. A metadata.json claiming 10^9 layers, nested 200,000
+deep or larger than its cap is refused in one line, in bounded time and memory.
 
 One tiny-llama run (1 process, saved at iterations 1 and 2) is trained once; each case damages
 its own copy of iteration 2. Every path is called in-process for every case (train.main in one
@@ -25,16 +27,19 @@ import pytest
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from launch import REPO, read_metrics, run_train
+from launch import REPO, finish_measured, read_metrics, run_train, start_measured
 
 TRAIN = ["--config", "configs/tiny-llama.yaml", "--train-iters", "2", "--eval-interval", "0",
          "--log-interval", "1", "--peak-tflops", "1"]
-CASES = ("pickle", "swapped", "flipped", "truncated", "num_layers", "tokenizer")
+CASES = ("pickle", "swapped", "flipped", "truncated", "num_layers", "tokenizer", "unlisted",
+         "link")
 SHARD = "__0_0.distcp"
 # the file each case must be refused by, and a word of its problem
 NAMED = {"pickle": (".metadata", "refused"), "swapped": (SHARD, "sha256"),
          "flipped": (SHARD, "sha256"), "truncated": (SHARD, "truncated"),
-         "num_layers": ("metadata.json", "extra"), "tokenizer": ("tokenizer.model", "sha256")}
+         "num_layers": ("metadata.json", "extra"), "tokenizer": ("tokenizer.model", "sha256"),
+         "unlisted": ("tokenizer/added_tokens.json", "not listed"),
+         "link": ("tokenizer.model", "outside the checkpoint folder")}
 
 
 class _Payload:
@@ -74,6 +79,17 @@ def _damage(case: str, folder: Path, save: Path, marker: Path) -> None:
         data = bytearray((folder / "tokenizer.model").read_bytes())
         data[len(data) // 2] ^= 0x01
         (folder / "tokenizer.model").write_bytes(bytes(data))
+    elif case == "unlisted":  # an HF tokenizer folder (found before tokenizer.model) that
+        # metadata.json does not list, with added tokens and a chat template
+        from test_data import hf_tokenizer_dir
+
+        hf_tokenizer_dir(folder / "tokenizer", ["a tokenizer nobody listed " * 20])
+        (folder / "tokenizer" / "added_tokens.json").write_text('{"<unlisted>": 400}')
+        (folder / "tokenizer" / "chat_template.jinja").write_text("{{ 'rendered' }}")
+    elif case == "link":  # the same bytes, through a link out of the folder
+        outside = folder.parent / "elsewhere.model"
+        (folder / "tokenizer.model").rename(outside)
+        (folder / "tokenizer.model").symlink_to(outside)
     elif case == "truncated":
         with open(shard, "r+b") as f:
             f.truncate(shard.stat().st_size // 2)
@@ -365,3 +381,47 @@ def test_model_field_of_the_wrong_type_is_refused(hostile, tmp_path, field, valu
     (folder / "metadata.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match=f"{field} is {value!r}"):
         read_metadata(str(folder))
+
+
+def _metadata_case(case: str, folder: Path) -> None:
+    meta_path = folder / "metadata.json"
+    meta = json.loads(meta_path.read_text())
+    if case == "layers":  # each size used to be looped over before any check
+        meta["model"]["num_layers"] = 10**9
+    elif case == "moe_layers":
+        meta["model"].update(num_layers=10**9, num_moe_experts=4, moe_ffn_hidden_size=64,
+                             moe_layer_freq=2)
+    elif case == "large":  # past the cap: refused by its size, never parsed
+        meta["padding"] = " " * (16 * 2**20)
+    text = json.dumps(meta)
+    if case == "nested":
+        text = "[" * 200_000 + text + "]" * 200_000
+    meta_path.write_text(text)
+
+
+def test_metadata_sizes_and_nesting_are_bounded(hostile, tmp_path):
+    """tools/checkpoint_info.py and infer.py --load on a metadata.json whose model claims 10^9
+    (dense or MoE) layers, one nested 200,000 deep and one past the size cap: each exits with
+    one line naming metadata.json within the timeout (10^9 layers used to hang in
+    `ModelConfig.num_parameters`, the nesting raised RecursionError), under 400 MiB."""
+    _, _, save = hostile
+    expect = {"layers": "1000000000 layers", "moe_layers": "1000000000 layers",
+              "nested": "RecursionError", "large": "more than the 16,777,216 accepted"}
+    procs = {}
+    for case in expect:
+        folder = tmp_path / case / "iter_0000002"
+        shutil.copytree(save / "iter_0000002", folder)
+        _metadata_case(case, folder)
+        procs[case, "info"] = start_measured(["tools/checkpoint_info.py", str(folder)])
+        procs[case, "infer"] = start_measured(["infer.py", "--load", str(folder), "--prompt",
+                                               "hi", "--max-new-tokens", "1"])
+    missed = []
+    for (case, tool), proc in procs.items():
+        code, out, peak = finish_measured(proc, timeout=300)
+        line = next((x for x in out.splitlines() if "metadata.json" in x), "")
+        if code not in (1, 2) or "Traceback" in out or expect[case] not in line or \
+                str(tmp_path / case / "iter_0000002" / "metadata.json") not in line:
+            missed.append(f"{case} {tool}: exit {code}: {out[-1500:]}")
+        if peak >= 400:
+            missed.append(f"{case} {tool}: peak {peak:.0f} MiB")
+    assert not missed, "\n".join(missed)

@@ -21,9 +21,10 @@ beta1 = beta2 = 0 and eps far above |g|, which is SGD with step lr / eps).
 
 Communication over dp: one all-reduce of the local parameters' float32 bytes per H steps
 instead of the gradient buckets' every step (what --report-comm counts over an H-step window).
-The non-finite guard's per-step exchange over the world (4 floats per rank: training/nonfinite.py)
-stays, also with --no-check-for-nan-in-loss-and-grad: each replica's loss and gradient norm are
-its own, and the exchange keeps every replica's skip decision, and so the run's stop, the same.
+The non-finite guard's per-step exchange over the world (2 floats per rank:
+training/nonfinite.py) stays, also with --no-check-for-nan-in-loss-and-grad: each replica's
+loss and gradient norm are its own, and the exchange keeps every replica's skip decision, and
+so the run's stop, the same.
 
 Checkpoints (training/checkpointing.py): `model.*` holds the global copy (so a DiLoCo checkpoint
 is an ordinary, layout-free model), `optim.*` the dp mean of the inner moments,

@@ -6,12 +6,13 @@ value) and the global loss (summed over the pipeline and data-parallel groups, l
 same everywhere), a step whose loss or norm is NaN or infinite skips the optimizer. The norm
 counts a TP-replicated parameter's gradient on one TP rank only (and a pipeline copy on one
 stage), so each rank also checks the few gradients it holds that the norm does not count, and
-the world agrees on the verdict (one all-reduce of four floats per rank: its local loss sum,
-its loss, its norm and its outside-the-norm gradients' norm): a value that is not finite on
-any rank skips the step everywhere. Under DiLoCo (training/diloco.py) there is no per-step
-gradient all-reduce, so the loss and norm are each replica's own: the same exchange makes a
-NaN gradient on one replica skip the step on all of them (and, unchecked, stop them all), so
-the ranks never reach different collectives. Skipping: weights,
+the world agrees on the verdict (one all-reduce of two floats per rank: whether its local
+loss sum is finite, and bits of what else it saw not finite: its loss, its norm, a gradient
+outside the norm): a value that is not finite on any rank skips the step everywhere. Under
+DiLoCo (training/diloco.py) there is no per-step gradient all-reduce, so the loss and norm
+are each replica's own: the same exchange makes a NaN gradient on one replica skip the step
+on all of them (and, unchecked, stop them all), so the ranks never reach different
+collectives. Skipping: weights,
 Adam moments and the step count stay as they were; the data of the step is consumed (the
 next step reads the next samples, as Megatron does after an fp16 overflow) and the learning
 rate schedule follows the iteration. The log line of the step says what was not finite.
@@ -47,10 +48,6 @@ class NonFiniteError(FloatingPointError):
     """Training cannot go on: too many consecutive non-finite steps (or one, unchecked)."""
 
 
-def _describe(value: float) -> str:
-    return "NaN" if math.isnan(value) else f"{value:+}"
-
-
 class StepGuard:
     """Decides whether a step is applied, and stops the run after too many skipped ones.
 
@@ -83,22 +80,9 @@ class StepGuard:
         the gradients this rank holds that the norm does not count (`grads_outside_norm`).
         Collective over the world (when checked, or `replica_local`); unchecked and
         synchronous, every value is already global and nothing is exchanged."""
-        if not self.exchange:
-            bad = [f"{what} is {_describe(v)}" for what, v in
-                   (("loss", loss), ("grad norm", grad_norm)) if not math.isfinite(v)]
-            return " and ".join(bad) or None
-        table = _exchange(local_loss, loss, grad_norm, grads)
-        bad = []
-        loss_ranks = _ranks(table[:, 0])
-        if loss_ranks:
-            bad.append(f"loss not finite on rank(s) {loss_ranks}")
-        elif _ranks(table[:, 1]):  # finite on every rank, a sum that overflowed
-            bad.append(_verdict("loss", table[:, 1]))
-        if _ranks(table[:, 2]):
-            bad.append(_verdict("grad norm", table[:, 2]))
-        elif _ranks(table[:, 3]):
-            bad.append(f"a gradient on rank(s) {_ranks(table[:, 3])} is not finite")
-        return " and ".join(bad) or None
+        if not self.exchange:  # every value is global: this rank's view is everyone's
+            return _verdicts([0], [_bits(loss, grad_norm)])
+        return _verdicts(*_exchange(local_loss, loss, grad_norm, grads))
 
     def skip_reason(self, not_finite: str | None) -> str | None:
         """Why this step must not be applied (`not_finite`'s text), or None to apply it."""
@@ -144,36 +128,63 @@ def grads_outside_norm(optimizer, params) -> list[torch.Tensor]:
     return [p.grad for p in params if p.grad is not None and not counts_toward_norm(p)]
 
 
+# what a rank saw not finite, as bits of one float (exact up to 2^24)
+_LOSS_NAN, _LOSS_INF, _NORM_NAN, _NORM_INF, _OUTSIDE = 1, 2, 4, 8, 16
+
+
+def _bits(loss: float, grad_norm: float) -> int:
+    """The `_LOSS_*` and `_NORM_*` bits of this rank's view of the loss and gradient norm."""
+    return sum(bit for v, bits in ((loss, (_LOSS_NAN, _LOSS_INF)),
+                                   (grad_norm, (_NORM_NAN, _NORM_INF)))
+               for bit, hit in zip(bits, (math.isnan(v), math.isinf(v))) if hit)
+
+
 def _exchange(local_loss: torch.Tensor, loss: float, grad_norm: float,
-              grads: list[torch.Tensor]) -> torch.Tensor:
-    """`[world, 4]` float32 on the CPU, row r: rank r's local loss sum, its view of the loss
-    and of the gradient norm, and the norm of its gradients outside the norm (0 when none).
-    One all-reduce (sum) of a table where each rank fills its own row: x + 0 is x for every
-    float, NaN and inf included, so each row arrives as its rank wrote it."""
+              grads: list[torch.Tensor]) -> tuple[list[int], list[int]]:
+    """(per global rank: 1 if its local loss sum is NaN or infinite, else 0; per rank: the
+    bits of what else it saw not finite: its view of the loss and of the norm, `_OUTSIDE`
+    for a gradient outside the norm), the same lists on every rank. One all-reduce (sum) of
+    2 floats per rank, each rank writing only its own column."""
     grads = [g for g in grads if g.numel()]
     device = grads[0].device if grads else ps.get_device()
-    table = torch.zeros(dist.get_world_size(), 4, dtype=torch.float32, device=device)
-    row = table[dist.get_rank()]
-    row[0] = local_loss.detach().float()
-    row[1], row[2] = loss, grad_norm
+    flags = torch.zeros(2, dist.get_world_size(), dtype=torch.float32, device=device)
+    rank = dist.get_rank()
+    flags[0, rank] = (~torch.isfinite(local_loss.detach().float())).float()
+    flags[1, rank] = _bits(loss, grad_norm)
     if grads:
-        row[3] = torch.stack(torch._foreach_norm(grads)).float().sum()
-    collectives.all_reduce(table)
-    return table.cpu()
+        local = torch.stack(torch._foreach_norm(grads)).sum()
+        flags[1, rank] += _OUTSIDE * (~torch.isfinite(local)).float()
+    collectives.all_reduce(flags)
+    flags = flags.cpu().int()
+    return flags[0].tolist(), flags[1].tolist()
 
 
-def _ranks(column: torch.Tensor) -> list[int]:
-    """The ranks whose value in `column` is NaN or infinite."""
-    return torch.nonzero(~torch.isfinite(column)).flatten().tolist()
+def _verdicts(loss_flags: list[int], bits: list[int]) -> str | None:
+    """What was not finite, from `_exchange`'s lists (the same text on every rank), or None."""
+    def ranks(mask: int) -> list[int]:
+        return [r for r, b in enumerate(bits) if b & mask]
+
+    bad = []
+    loss_ranks = [r for r, f in enumerate(loss_flags) if f]
+    if loss_ranks:
+        bad.append(f"loss not finite on rank(s) {loss_ranks}")
+    elif ranks(_LOSS_NAN | _LOSS_INF):  # finite on every rank, a sum that overflowed
+        bad.append(_verdict("loss", [b & (_LOSS_NAN | _LOSS_INF) for b in bits], _LOSS_NAN))
+    if ranks(_NORM_NAN | _NORM_INF):
+        bad.append(_verdict("grad norm", [b & (_NORM_NAN | _NORM_INF) for b in bits],
+                            _NORM_NAN))
+    elif ranks(_OUTSIDE):
+        bad.append(f"a gradient on rank(s) {ranks(_OUTSIDE)} is not finite")
+    return " and ".join(bad) or None
 
 
-def _verdict(what: str, column: torch.Tensor) -> str:
-    """`what` is not finite somewhere in `column` (one value per rank): "grad norm is NaN"
-    when every rank saw the same value (a global one), else the ranks that saw one."""
-    ranks = _ranks(column)
-    if len(ranks) == column.numel() and len({_describe(float(v)) for v in column}) == 1:
-        return f"{what} is {_describe(float(column[0]))}"
-    return f"{what} not finite on rank(s) {ranks}"
+def _verdict(what: str, seen: list[int], nan: int) -> str:
+    """`what` is not finite somewhere; `seen`: per rank its NaN or inf bit (`nan`: the NaN
+    one), 0 when finite. "grad norm is NaN" when every rank saw the same (a global value),
+    else the ranks that saw one (DiLoCo: a replica's own)."""
+    if len(set(seen)) == 1:
+        return f"{what} is {'NaN' if seen[0] == nan else 'infinite'}"
+    return f"{what} not finite on rank(s) {[r for r, b in enumerate(seen) if b]}"
 
 
 def _test_iterations(kind: str) -> set[int]:

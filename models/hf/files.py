@@ -134,24 +134,48 @@ class InvalidJSON(HFConversionError):
     """A file that is not valid JSON (`read_json`); callers that may ignore it catch this."""
 
 
-def read_json(path: str, max_bytes: int):
-    """The parsed JSON of untrusted file `path`, refused (`HFConversionError` naming the file)
-    when it is larger than `max_bytes` (checked before and while reading), not UTF-8, not
-    valid JSON or nested too deep to parse."""
+class UntrustedJSONError(ValueError):
+    """`load_json` refused a file; the message names it and the problem (the caller adds the
+    fix). `too_large`: refused by its size, before it was parsed."""
+
+    def __init__(self, message: str, too_large: bool):
+        super().__init__(message)
+        self.too_large = too_large
+
+
+def load_json(path: str, max_bytes: int):
+    """The parsed JSON of untrusted file `path` (an HF folder's, a checkpoint's metadata.json,
+    a tokenizer's), read only when it is at most `max_bytes` (checked before and while
+    reading, so memory stays bounded). Raises `UntrustedJSONError` when it is larger, not
+    UTF-8, not valid JSON or nested too deep to parse (what `json` raises then: ValueError,
+    RecursionError), and `OSError` when it cannot be read."""
     size = os.path.getsize(path)
     if size > max_bytes:
-        raise HFConversionError(f"{path} is {size:,} bytes, more than the {max_bytes:,} "
-                                f"accepted for this file; it is not a real model's (replace "
-                                f"it with the model's own)")
+        raise UntrustedJSONError(f"{path} is {size:,} bytes, more than the {max_bytes:,} "
+                                 f"accepted for this file", too_large=True)
     with open(path, "rb") as f:
         data = f.read(max_bytes + 1)
     if len(data) > max_bytes:
-        raise HFConversionError(f"{path} grew past {max_bytes:,} bytes while being read")
+        raise UntrustedJSONError(f"{path} grew past {max_bytes:,} bytes while being read",
+                                 too_large=True)
     try:
         return json.loads(data.decode("utf-8"))
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-        raise InvalidJSON(f"{path} is not valid JSON ({type(e).__name__}: "
-                                f"{str(e)[:200]}); replace it with the model's own") from None
+        raise UntrustedJSONError(f"{path} is not valid JSON ({type(e).__name__}: "
+                                 f"{str(e)[:200]})", too_large=False) from None
+
+
+def read_json(path: str, max_bytes: int):
+    """`load_json` for a file of an HF model folder: refused (`HFConversionError` naming the
+    file, `InvalidJSON` when it does not parse) when it is larger than `max_bytes`, not
+    UTF-8, not valid JSON or nested too deep to parse."""
+    try:
+        return load_json(path, max_bytes)
+    except UntrustedJSONError as e:
+        if e.too_large:
+            raise HFConversionError(f"{e}; it is not a real model's (replace it with the "
+                                    f"model's own)") from None
+        raise InvalidJSON(f"{e}; replace it with the model's own") from None
 
 
 def _weight_map(folder: str, index: str) -> dict[str, str]:
@@ -176,6 +200,19 @@ def _weight_map(folder: str, index: str) -> dict[str, str]:
     return weight_map
 
 
+def link_outside(folder: str, name: str) -> str | None:
+    """The real path of `folder/name` (symlinks followed) when it lies outside `folder` and,
+    where `folder` is a Hugging Face cache's `snapshots/<revision>`, outside that cache
+    repository's `blobs/` (where its snapshot links point); None when it stays inside.
+    `name` is relative to `folder`."""
+    real = os.path.realpath(os.path.join(folder, name))
+    roots = [os.path.realpath(folder)]
+    parent = os.path.dirname(roots[0])
+    if os.path.basename(parent) == "snapshots":  # hub cache: snapshots/<rev>/f -> ../../blobs/
+        roots.append(os.path.join(os.path.dirname(parent), "blobs"))
+    return None if any(real.startswith(root + os.sep) for root in roots) else real
+
+
 def _inside(folder: str, name: str, listed_by: str | None = None) -> str:
     """`folder/name`, refused (`HFConversionError`) unless `name` is a relative path without
     `..` whose real path (symlinks followed) stays in `folder`, or in the `blobs/` of the
@@ -187,12 +224,8 @@ def _inside(folder: str, name: str, listed_by: str | None = None) -> str:
         raise HFConversionError(f"{where} names the file {name!r}, outside the model folder "
                                 f"{folder}; weight files must be plain names inside it")
     full = os.path.join(folder, norm)
-    real = os.path.realpath(full)
-    roots = [os.path.realpath(folder)]
-    parent = os.path.dirname(roots[0])
-    if os.path.basename(parent) == "snapshots":  # hub cache: snapshots/<rev>/f -> ../../blobs/
-        roots.append(os.path.join(os.path.dirname(parent), "blobs"))
-    if not any(real.startswith(root + os.sep) for root in roots):
+    real = link_outside(folder, norm)
+    if real is not None:
         listed = f" (listed by {where})" if listed_by else ""
         raise HFConversionError(f"{full}{listed} is a link to {real}, outside the model "
                                 f"folder; copy the file into the folder")
@@ -281,7 +314,7 @@ def _read(handle, kind: str, name: str, where: str) -> torch.Tensor:
     return handle.get_tensor(name) if kind == "safetensors" else tensor
 
 
-def _one_line(e: Exception) -> str:
+def one_line(e: Exception) -> str:
     """The first 300 characters of `e`'s message on one line (transformers' validation errors
     span lines)."""
     return " ".join(str(e).split())[:300]
@@ -323,7 +356,7 @@ def _open_gguf(path: str, log: Callable[[str], None] | None = None) -> HFSource:
         raise HFConversionError(f"{path}: {e}") from None
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds here
         raise HFConversionError(f"transformers cannot read {path} as GGUF "
-                                f"({type(e).__name__}: {_one_line(e)})") from None
+                                f"({type(e).__name__}: {one_line(e)})") from None
     state: dict[str, torch.Tensor] = {}
 
     def load() -> dict[str, torch.Tensor]:
@@ -356,7 +389,7 @@ def _load_gguf(path: str, folder: str, name: str, hf_config,
                 output_loading_info=True)
     except Exception as e:  # noqa: BLE001 - shape mismatches are RuntimeErrors, ...
         raise HFConversionError(f"transformers cannot load the tensors of {path} "
-                                f"({type(e).__name__}: {_one_line(e)}); the file's tensors do "
+                                f"({type(e).__name__}: {one_line(e)}); the file's tensors do "
                                 f"not match its metadata") from None
     finally:
         logging.set_verbosity(level)
