@@ -265,32 +265,39 @@ def settle_vocab(config: Config, tokenizer) -> None:
         m.validate(t.tensor_model_parallel_size)
 
 
+def wrap_model(config: Config, chunks: list, device) -> list[DistributedDataParallel]:
+    """Each chunk in its DistributedDataParallel wrapper, as the config says (sharding
+    strategy, offload, bucket size; ZeRO-3 materializes meta-device parameters: `param_init`)."""
+    t = config.train
+    # routed experts reduce (and shard) over the expert-data-parallel group (the dp group at
+    # ep 1, where nothing is split): data_parallel/ddp.py
+    # dense weights reduce (and shard) over dp x cp: context-parallel ranks hold the same weights
+    # DiLoCo: no gradient reduction over dp (the cp group: one rank, as cp 1 is required)
+    diloco = t.diloco_sync_every is not None
+    return [DistributedDataParallel(c, data_parallel_group=ps.get_context_parallel_group()
+                                    if diloco else ps.get_data_parallel_group(True),
+                                    expert_data_parallel_group=(
+                                        ps.get_context_parallel_group() if diloco else
+                                        ps.get_expert_data_parallel_group()),
+                                    bucket_size=t.ddp_bucket_size,
+                                    overlap_grad_reduce=t.overlap_grad_reduce,
+                                    data_parallel_sharding_strategy=(
+                                        t.data_parallel_sharding_strategy),
+                                    param_offload_device=t.param_offload_device,
+                                    offload_path=t.offload_path, rank=dist.get_rank(),
+                                    io_threads=t.offload_io_threads,
+                                    pin_memory=t.offload_pin_memory,
+                                    param_init=param_init(config), device=device)
+            for c in chunks]
+
+
 def setup_model_and_optimizer(config: Config, device) -> tuple[list, list, object]:
     """(this rank's model chunks, their DistributedDataParallel wrappers, the optimizer):
     the DistributedOptimizer under --use-distributed-optimizer, --bf16 or
     --optimizer-cpu-offload, else AdamW."""
     t = config.train
     chunks = build_model(config, device)
-    # routed experts reduce (and shard) over the expert-data-parallel group (the dp group at
-    # ep 1, where nothing is split): data_parallel/ddp.py
-    # dense weights reduce (and shard) over dp x cp: context-parallel ranks hold the same weights
-    # DiLoCo: no gradient reduction over dp (the cp group: one rank, as cp 1 is required)
-    diloco = t.diloco_sync_every is not None
-    model = [DistributedDataParallel(c, data_parallel_group=ps.get_context_parallel_group()
-                                     if diloco else ps.get_data_parallel_group(True),
-                                     expert_data_parallel_group=(
-                                         ps.get_context_parallel_group() if diloco else
-                                         ps.get_expert_data_parallel_group()),
-                                     bucket_size=t.ddp_bucket_size,
-                                     overlap_grad_reduce=t.overlap_grad_reduce,
-                                     data_parallel_sharding_strategy=(
-                                         t.data_parallel_sharding_strategy),
-                                     param_offload_device=t.param_offload_device,
-                                     offload_path=t.offload_path, rank=dist.get_rank(),
-                                     io_threads=t.offload_io_threads,
-                                     pin_memory=t.offload_pin_memory,
-                                     param_init=param_init(config), device=device)
-             for c in chunks]
+    model = wrap_model(config, chunks, device)
     if t.use_distributed_optimizer or t.bf16 or t.optimizer_cpu_offload:
         # fp32 main weights (sharded over DP: ZeRO-1/2/3), optionally in host memory
         optimizer = DistributedOptimizer(
