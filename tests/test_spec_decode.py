@@ -446,10 +446,12 @@ def _under_load(folders: dict) -> dict:
     for name in ("plain", "ngram", "draft"):
         for label, kw in LOAD_CONFIGS.items():
             kw = dict(kw)
-            if "blocks" in kw:
-                kw["kv_cache_memory"] = kw.pop("blocks") * per_block
-            reqs, _, engine = _run(dec["model"], dec[name], LOAD_PARAMS, prompts=LOAD_PROMPTS,
-                                   **kw)
+            spec = dec[name]() if dec[name] else None
+            if "blocks" in kw:  # a draft model's pools come out of the same budget
+                extra = 4 * spec.kv_bytes_per_token if spec else 0
+                kw["kv_cache_memory"] = kw.pop("blocks") * (per_block + extra)
+            reqs, _, engine = _run(dec["model"], (lambda: spec) if spec else None, LOAD_PARAMS,
+                                   prompts=LOAD_PROMPTS, **kw)
             s = engine.spec.stats if engine.spec else SpecStats()
             out[(name, label)] = ([r.output for r in reqs], engine.num_preemptions,
                                   (s.num_draft_tokens, s.num_accepted_tokens))
