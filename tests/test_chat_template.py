@@ -18,11 +18,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 PEAK_MB = 400
 
-# name -> (template, what its refusal says)
+# a loop that writes text meets the time bound or the output bound first, as fast as the
+# machine runs: either refusal is right
+TIME_OR_SIZE = ("ran for more than 2 s", "the chat template rendered a text of")
+
+# name -> (template, what its refusal says: one text, or a tuple of which one will do)
 HOSTILE = {
     "nested range loops": (
         "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
-        "ran for more than 2 s"),
+        TIME_OR_SIZE),
     "silent nested loops": (
         "{% for m in messages %}{% for i in range(100000) %}{% for j in range(100000) %}"
         "{% endfor %}{% endfor %}{% endfor %}", "ran for more than 2 s"),
@@ -118,8 +122,13 @@ def test_hostile_templates_are_refused_in_one_line(tmp_path):
     for name, (_, expected) in HOSTILE.items():
         error, seconds, peak = got[name]
         print(f"{name}: {seconds:.2f} s, peak {peak:.0f} MB: {error}")
-        assert error is not None and expected in error and "\n" not in error, (name, error)
+        assert error is not None and _says(error, expected) and "\n" not in error, (name, error)
         assert seconds < 60 and peak < PEAK_MB, (name, seconds, peak)
+
+
+def _says(error: str, expected) -> bool:
+    """Whether `error` holds `expected` (a text, or any text of a tuple)."""
+    return any(e in error for e in (expected if isinstance(expected, tuple) else (expected,)))
 
 
 def test_templates_render_as_transformers_renders_them(tmp_path):
@@ -173,15 +182,14 @@ def test_infer_chat_and_server_refuse_a_hostile_template(tmp_path):
 
     folder = _chat_folder(tmp_path)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for prompt, expected in (("loop", "ran for more than 2 s"),
-                             ("escape", "tried to reach Python objects")):
+    for prompt, expected in (("loop", TIME_OR_SIZE), ("escape", "tried to reach Python objects")):
         proc = subprocess.run([sys.executable, "infer.py", "--hf", folder, "--chat",
                                "--prompt", prompt, "--max-new-tokens", "2"], cwd=REPO,
                               env=env, capture_output=True, text=True, timeout=300)
         err = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and err[-1].startswith("infer.py: error: the chat "
                                                            "template"), proc.stderr[-2000:]
-        assert expected in err[-1] and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert _says(err[-1], expected) and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     port = free_port()
     server = subprocess.Popen([sys.executable, "infer.py", "--hf", folder, "--serve",
                                "--port", str(port), "--served-model-name", "chat"], cwd=REPO,
@@ -189,10 +197,10 @@ def test_infer_chat_and_server_refuse_a_hostile_template(tmp_path):
                               text=True)
     try:
         read_until(server, [], "serving chat on")
-        for prompt, expected in (("loop", "ran for more than 2 s"),
+        for prompt, expected in (("loop", TIME_OR_SIZE),
                                  ("escape", "tried to reach Python objects")):
             status, body = _post(port, prompt)
-            assert status == 400 and expected in body["error"]["message"], (status, body)
+            assert status == 400 and _says(body["error"]["message"], expected), (status, body)
             assert body["error"]["param"] == "messages", body
         status, body = _post(port, "hello")
         assert status == 200 and body["choices"][0]["finish_reason"], body
