@@ -116,6 +116,7 @@ def test_engine_text_and_stop_strings_with_multibyte_characters():
     engine = Engine.__new__(Engine)  # only the text path: no model needed
     engine.decode, engine.eos, engine.encoder_decoder = decode, {2}, False
     engine.waiting, engine.running, engine.busy, engine.spec = [], [], set(), None
+    engine.num_left = 0
     # the prompt is the context of the first token: its leading space stays (as in vLLM)
     for stop, want, reason in (([], " ab 😀 é 好 x", "length"), (["好"], " ab 😀 é ", "stop"),
                                (["😀 é"], " ab ", "stop")):
