@@ -319,9 +319,10 @@ def test_infer_serves_t5_checkpoint(tmp_path, corpus_env, no_grid):
 
 
 def test_infer_caps_a_t5_checkpoints_lengths(tmp_path, corpus_env, no_grid):
-    """T5's relative positions set no hard length, so a metadata.json claiming 1e8-token
-    sequences must not size the KV cache (it asked for 409 GB): the default is capped at 2048
-    as a GPT's is. Run under an 8 GB address-space limit, so the old code fails fast."""
+    """T5's relative positions set no hard length, so a metadata.json claiming 16M-token
+    sequences (under the 2**24 positions any config may claim) must not size the KV cache
+    (1e8 asked for 409 GB): the default is capped at 2048 as a GPT's is. Run under an 8 GB
+    address-space limit, so the old code fails fast."""
     import json
     import resource
     import subprocess
@@ -340,7 +341,7 @@ def test_infer_caps_a_t5_checkpoints_lengths(tmp_path, corpus_env, no_grid):
     import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"), log=lambda *a: None)
     meta_path = tmp_path / "ckpt" / "metadata.json"
     meta = json.loads(meta_path.read_text())
-    meta["model"].update(seq_length=100_000_000, decoder_seq_length=100_000_000)
+    meta["model"].update(seq_length=16_000_000, decoder_seq_length=16_000_000)
     meta_path.write_text(json.dumps(meta))
 
     def limit():
