@@ -1,0 +1,190 @@
+"""`QuantizedWeight`: one linear weight `[out, in]` held in a low-bit format (formats.py).
+
+The parallel linears hold either a float weight or one of these; shard it (`narrow`), save it
+(`state` / `from_state`), multiply by it (`linear`) and de-quantize it (`dequantize`) without
+knowing the format. Every constructor checks the storage's sizes against the shape before
+anything is allocated from them (the tensors may come from an untrusted file).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import formats
+from .formats import FORMATS, GGUF_FORMATS, INT4_GROUP_SIZES
+
+# rows de-quantized at a time by the reference `linear` (a bounded float32 slab, never the
+# whole weight): 256 rows of SmolLM2's widest input (1536) are 1.5 MiB
+SLAB_ROWS = 256
+
+
+class QuantizedWeight:
+    """A `[out, in]` weight in format `fmt` (formats.FORMATS) with storage `tensors` (the
+    format's named tensors, formats.py). Raises ValueError when the storage does not match
+    the shape, naming the tensor and the sizes."""
+
+    def __init__(self, fmt: str, shape: tuple[int, int], tensors: dict[str, torch.Tensor]):
+        if fmt not in FORMATS:
+            raise ValueError(f"unknown weight format {fmt!r}; supported: {', '.join(FORMATS)}")
+        out, inp = (int(s) for s in shape)
+        expected = storage_shapes(fmt, (out, inp), group_size_of(fmt, tensors, inp))
+        if set(tensors) != set(expected):
+            raise ValueError(f"a {fmt} weight holds {sorted(expected)}, not {sorted(tensors)}")
+        for name, (size, dtype) in expected.items():
+            t = tensors[name]
+            if tuple(t.shape) != size or t.dtype != dtype:
+                raise ValueError(f"{fmt} weight [{out}, {inp}]: {name} is {t.dtype} "
+                                 f"{list(t.shape)}, expected {dtype} {list(size)}")
+        self.format, self.shape, self.tensors = fmt, torch.Size((out, inp)), dict(tensors)
+
+    # ---- what it is
+    @property
+    def block_size(self) -> int:
+        """Input elements per quantization block / group (int8: the whole row)."""
+        return group_size_of(self.format, self.tensors, self.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the storage holds."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.tensors.values())).device
+
+    def __repr__(self) -> str:
+        return (f"QuantizedWeight({self.format}, [{self.shape[0]}, {self.shape[1]}], "
+                f"block {self.block_size}, {self.nbytes:,} bytes)")
+
+    # ---- values
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The exact weight `[out, in]` in `dtype` (tests, export, and small shapes)."""
+        return formats.dequantize(self.format, self.tensors, tuple(self.shape)).to(dtype)
+
+    def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The float32 weight rows `rows` (int64 `[n]`) -> `[n, in]`: an embedding lookup
+        from a quantized table reads only the rows it needs."""
+        picked = {k: v.index_select(0, rows) for k, v in self.tensors.items()}
+        return formats.dequantize(self.format, picked, (rows.numel(), self.shape[1]))
+
+    # ---- sharding
+    def narrow(self, dim: int, start: int, length: int) -> "QuantizedWeight":
+        """The sub-weight `w[start:start+length]` (dim 0, output rows) or `w[:, start:
+        start+length]` (dim 1, input columns; start and length must be multiples of the
+        block size, else ValueError). Views, no copy."""
+        out, inp = self.shape
+        if dim == 0:
+            return QuantizedWeight(self.format, (length, inp),
+                                   {k: v.narrow(0, start, length) for k, v in self.tensors.items()})
+        block = self.block_size
+        if self.format == "int8":  # per-row scales: every column slice keeps them whole
+            return QuantizedWeight("int8", (out, length),
+                                   {"qweight": self.tensors["qweight"].narrow(1, start, length),
+                                    "scales": self.tensors["scales"]})
+        if start % block or length % block:
+            raise ValueError(f"cutting columns [{start}, {start + length}) of a {self.format} "
+                             f"weight would split its blocks of {block}")
+        parts = {}
+        for k, v in self.tensors.items():
+            per = v.shape[1] * block // inp  # storage columns per block
+            parts[k] = v.narrow(1, start // block * per, length // block * per)
+        return QuantizedWeight(self.format, (out, length), parts)
+
+    def split_sizes_ok(self, dim: int, parts: int) -> bool:
+        """Whether `narrow(dim, ...)` into `parts` equal pieces keeps every block whole."""
+        size = self.shape[dim]
+        if size % parts:
+            return False
+        return dim == 0 or self.format == "int8" or (size // parts) % self.block_size == 0
+
+    # ---- files
+    def state(self) -> dict[str, torch.Tensor]:
+        """The storage as plain tensors (safetensors / torch.distributed.checkpoint)."""
+        return {k: v.contiguous() for k, v in self.tensors.items()}
+
+    @classmethod
+    def from_state(cls, fmt: str, shape: tuple[int, int], tensors: dict[str, torch.Tensor]
+                   ) -> "QuantizedWeight":
+        """Rebuild from `state()`; sizes are checked (ValueError)."""
+        return cls(fmt, shape, tensors)
+
+    @classmethod
+    def from_gguf(cls, ggml_type: str, raw: torch.Tensor, shape: tuple[int, int]
+                  ) -> "QuantizedWeight":
+        """A GGUF tensor of type `ggml_type` ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K") whose
+        data `raw` is `uint8 [out, row_bytes]` (the file's rows, verbatim). ValueError for
+        another type (naming the supported ones) or a size that does not match."""
+        f = formats.BY_GGML_TYPE.get(ggml_type)
+        if f is None:
+            raise ValueError(f"GGUF tensor type {ggml_type} is not supported as a low-bit weight "
+                             f"(supported: {', '.join(formats.BY_GGML_TYPE)}; "
+                             f"or de-quantize it with --quantization none)")
+        return cls(f.name, shape, {"blocks": raw})
+
+    def to_gguf(self) -> tuple[str, torch.Tensor]:
+        """(ggml type name, `uint8 [out, row_bytes]`) for a GGUF format (ValueError else)."""
+        if self.format not in GGUF_FORMATS:
+            raise ValueError(f"a {self.format} weight has no GGUF block form")
+        return GGUF_FORMATS[self.format].ggml_type, self.tensors["blocks"].contiguous()
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, fmt: str, group_size: int = 128,
+                 symmetric: bool = True) -> "QuantizedWeight":
+        """Round-to-nearest quantization of a float `[out, in]` weight (formats.quantize)."""
+        return cls(fmt, tuple(weight.shape), formats.quantize(weight, fmt, group_size, symmetric))
+
+    @classmethod
+    def from_int4(cls, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+                  ) -> "QuantizedWeight":
+        """An int4 weight from unpacked values `q [out, in]` (0..15), `scales [out, in / g]`
+        and zero points `zeros [out, in / g]` (quantized units): weight = scale (q - zero).
+        GPTQ and AWQ checkpoints are unpacked into this."""
+        out, inp = q.shape
+        if q.numel() and (int(q.min()) < 0 or int(q.max()) > 15):
+            raise ValueError("int4 values must lie in 0..15")
+        return cls("int4", (out, inp), {"qweight": formats.pack_int4(q),
+                                        "scales": scales.float().contiguous(),
+                                        "zeros": zeros.float().contiguous()})
+
+    # ---- compute
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`x [..., in] @ w^T (+ bias)` -> `[..., out]` in x's dtype, de-quantizing
+        `SLAB_ROWS` output rows at a time (never a float32 copy of the whole weight)."""
+        x2 = x.reshape(-1, x.shape[-1]).float()
+        out = x2.new_empty(x2.shape[0], self.shape[0])
+        for start in range(0, self.shape[0], SLAB_ROWS):
+            n = min(SLAB_ROWS, self.shape[0] - start)
+            out[:, start:start + n] = x2 @ self.narrow(0, start, n).dequantize().t()
+        if bias is not None:
+            out += bias.float()
+        return out.to(x.dtype).view(*x.shape[:-1], self.shape[0])
+
+
+def group_size_of(fmt: str, tensors: dict[str, torch.Tensor], inp: int) -> int:
+    """The block / group size of a weight in `fmt` with input size `inp`."""
+    if fmt == "int8":
+        return inp
+    if fmt == "int4":
+        groups = tensors["scales"].shape[1] if "scales" in tensors and \
+            tensors["scales"].dim() == 2 else 0
+        if not groups or inp % groups or inp // groups not in INT4_GROUP_SIZES:
+            raise ValueError(f"int4 weight with input size {inp}: scales must be [out, in / g] "
+                             f"with g in {INT4_GROUP_SIZES}")
+        return inp // groups
+    return FORMATS[fmt].block
+
+
+def storage_shapes(fmt: str, shape: tuple[int, int], group: int
+                   ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The storage tensors' (shape, dtype) of a `[out, in]` weight in `fmt`. ValueError when
+    the input size is not a multiple of the block size."""
+    out, inp = shape
+    if out < 0 or inp <= 0 or inp % group:
+        raise ValueError(f"a {fmt} weight needs an input size divisible by {group}, not {inp}")
+    if fmt == "int8":
+        return {"qweight": ((out, inp), torch.int8), "scales": ((out, 1), torch.float32)}
+    if fmt == "int4":
+        return {"qweight": ((out, inp // 2), torch.uint8),
+                "scales": ((out, inp // group), torch.float32),
+                "zeros": ((out, inp // group), torch.float32)}
+    f = GGUF_FORMATS[fmt]
+    return {"blocks": ((out, inp // f.block * f.block_bytes), torch.uint8)}
