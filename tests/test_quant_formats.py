@@ -69,6 +69,10 @@ def test_splits_keep_blocks_whole_and_sum_to_the_whole(fmt):
     assert torch.allclose(summed, full, atol=1e-4, rtol=1e-5)
     rows = torch.cat([w.narrow(0, 0, 40).linear(x), w.narrow(0, 40, 24).linear(x)], -1)
     assert torch.allclose(rows, full, atol=1e-4, rtol=1e-5)
+    fused = QuantizedWeight.cat_rows([w.narrow(0, 40, 24), w.narrow(0, 0, 40)])
+    order = torch.cat([torch.arange(40, 64), torch.arange(40)])
+    assert torch.equal(fused.dequantize(), w.dequantize()[order])
+    assert torch.equal(w.index_select_rows(order).dequantize(), fused.dequantize())
     cut = 48 if fmt != "int8" else None
     if cut:
         with pytest.raises(ValueError, match="split its blocks"):

@@ -89,6 +89,26 @@ class QuantizedWeight:
             parts[k] = v.narrow(1, start // block * per, length // block * per)
         return QuantizedWeight(self.format, (out, length), parts)
 
+    def index_select_rows(self, rows: torch.Tensor) -> "QuantizedWeight":
+        """The weight's output rows `rows` (int64 `[n]`), in that order: a row permutation
+        (GGUF's interleaved q/k rows back to HF's order) or a gather."""
+        return QuantizedWeight(self.format, (rows.numel(), self.shape[1]),
+                               {k: v.index_select(0, rows) for k, v in self.tensors.items()})
+
+    @staticmethod
+    def cat_rows(weights: list["QuantizedWeight"]) -> "QuantizedWeight":
+        """Stack weights of one format and input size along the output dim (a fused QKV or
+        gate/up weight). ValueError when formats, input sizes or block sizes differ."""
+        first = weights[0]
+        for w in weights[1:]:
+            if (w.format, w.shape[1], w.block_size) != (first.format, first.shape[1],
+                                                        first.block_size):
+                raise ValueError(f"cannot fuse {w!r} with {first!r}: fused weights need one "
+                                 f"format, input size and block size")
+        return QuantizedWeight(first.format, (sum(w.shape[0] for w in weights), first.shape[1]),
+                               {k: torch.cat([w.tensors[k] for w in weights])
+                                for k in first.tensors})
+
     def split_sizes_ok(self, dim: int, parts: int) -> bool:
         """Whether `narrow(dim, ...)` into `parts` equal pieces keeps every block whole."""
         size = self.shape[dim]
