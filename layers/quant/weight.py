@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import formats
+from . import formats, kernels
 from .formats import FORMATS, GGUF_FORMATS, INT4_GROUP_SIZES
 
 # rows de-quantized at a time by the reference `linear` (a bounded float32 slab, never the
@@ -167,16 +167,28 @@ class QuantizedWeight:
 
     # ---- compute
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """`x [..., in] @ w^T (+ bias)` -> `[..., out]` in x's dtype, de-quantizing
-        `SLAB_ROWS` output rows at a time (never a float32 copy of the whole weight)."""
-        x2 = x.reshape(-1, x.shape[-1]).float()
-        out = x2.new_empty(x2.shape[0], self.shape[0])
-        for start in range(0, self.shape[0], SLAB_ROWS):
-            n = min(SLAB_ROWS, self.shape[0] - start)
-            out[:, start:start + n] = x2 @ self.narrow(0, start, n).dequantize().t()
-        if bias is not None:
-            out += bias.float()
-        return out.to(x.dtype).view(*x.shape[:-1], self.shape[0])
+        """`x [..., in] @ w^T (+ bias)` -> `[..., out]` in x's dtype (float32 or bfloat16),
+        by the CPU kernels of kernels.py (never a float32 copy of the whole weight; under
+        torch.compile the opaque op `shardzoo::quant_linear`). Float32 accumulation of the
+        exact de-quantized weight times x widened to float32."""
+        return kernels.linear(self.format, tuple(self.shape), self.block_size, self.tensors,
+                              x, bias)
+
+
+def reference_linear(fmt: str, shape: tuple[int, int], tensors: dict[str, torch.Tensor],
+                     x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference product `x [..., in] @ w^T (+ bias)` in x's dtype, de-quantizing
+    `SLAB_ROWS` output rows at a time with formats.dequantize (the fallback where the kernels
+    cannot be built, and the tests' baseline)."""
+    w = QuantizedWeight(fmt, shape, tensors)
+    x2 = x.reshape(-1, x.shape[-1]).float()
+    out = x2.new_empty(x2.shape[0], w.shape[0])
+    for start in range(0, w.shape[0], SLAB_ROWS):
+        n = min(SLAB_ROWS, w.shape[0] - start)
+        out[:, start:start + n] = x2 @ w.narrow(0, start, n).dequantize().t()
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype).view(*x.shape[:-1], w.shape[0])
 
 
 def group_size_of(fmt: str, tensors: dict[str, torch.Tensor], inp: int) -> int:

@@ -1,0 +1,280 @@
+// Weight-only low-bit matmuls on CPU for layers/quant (kernels.py builds this at first use).
+//
+// y[m, n] = sum_k x[m, k] w[n, k] with w held in one of formats.py's layouts. Activations stay
+// float32 (bf16 inputs are widened by the caller): each weight row is de-quantized into a
+// float32 row buffer of `in` elements (L1/L2-resident) and dotted with every input row, so a
+// weight byte is read once per call whatever the row count. Parallel over output rows.
+// AVX2 + FMA + F16C code where the compiler targets them (-mavx2 -mfma -mf16c), portable
+// scalar code otherwise; the de-quantization loops are plain loops the compiler vectorizes.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define SZ_AVX2 1
+#else
+#define SZ_AVX2 0
+#endif
+
+namespace {
+
+enum Fmt { INT8 = 0, INT4 = 1, Q8_0 = 2, Q4_0 = 3, Q4_1 = 4, Q4_K = 5, Q6_K = 6 };
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if SZ_AVX2
+  return _cvtsh_ss(h);
+#else
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+#endif
+}
+
+// One weight's storage, as raw row pointers and row strides (in elements of each tensor).
+struct QW {
+  int fmt;
+  int64_t in;
+  int64_t group;  // int4 group size
+  const uint8_t* p0; int64_t s0;   // qweight / blocks
+  const float* p1; int64_t s1;     // scales (int8, int4)
+  const float* p2; int64_t s2;     // zeros (int4)
+};
+
+// De-quantize output row n into buf[0..in): exactly formats.dequantize's values.
+void dequant_row(const QW& w, int64_t n, float* __restrict buf) {
+  const int64_t K = w.in;
+  switch (w.fmt) {
+    case INT8: {
+      const int8_t* q = reinterpret_cast<const int8_t*>(w.p0 + n * w.s0);
+      const float s = w.p1[n * w.s1];
+      for (int64_t k = 0; k < K; ++k) buf[k] = static_cast<float>(q[k]) * s;
+      break;
+    }
+    case INT4: {
+      const uint8_t* q = w.p0 + n * w.s0;
+      const float* sc = w.p1 + n * w.s1;
+      const float* ze = w.p2 + n * w.s2;
+      const int64_t g = w.group;
+      for (int64_t b = 0; b < K / g; ++b) {
+        const float s = sc[b], z = ze[b];
+        const uint8_t* qb = q + b * g / 2;
+        float* o = buf + b * g;
+        for (int64_t i = 0; i < g / 2; ++i) {
+          o[2 * i] = (static_cast<float>(qb[i] & 0xF) - z) * s;
+          o[2 * i + 1] = (static_cast<float>(qb[i] >> 4) - z) * s;
+        }
+      }
+      break;
+    }
+    case Q8_0: {
+      const uint8_t* r = w.p0 + n * w.s0;
+      for (int64_t b = 0; b < K / 32; ++b) {
+        const uint8_t* blk = r + b * 34;
+        const float d = half_to_float(blk);
+        const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+        float* o = buf + b * 32;
+        for (int i = 0; i < 32; ++i) o[i] = d * static_cast<float>(q[i]);
+      }
+      break;
+    }
+    case Q4_0:
+    case Q4_1: {
+      const bool has_min = w.fmt == Q4_1;
+      const int bb = has_min ? 20 : 18, off = has_min ? 4 : 2;
+      const uint8_t* r = w.p0 + n * w.s0;
+      for (int64_t b = 0; b < K / 32; ++b) {
+        const uint8_t* blk = r + b * bb;
+        const float d = half_to_float(blk);
+        const uint8_t* q = blk + off;
+        float* o = buf + b * 32;
+        if (has_min) {
+          const float m = half_to_float(blk + 2);
+          for (int i = 0; i < 16; ++i) {
+            o[i] = d * static_cast<float>(q[i] & 0xF) + m;
+            o[i + 16] = d * static_cast<float>(q[i] >> 4) + m;
+          }
+        } else {
+          for (int i = 0; i < 16; ++i) {
+            o[i] = d * (static_cast<float>(q[i] & 0xF) - 8.0f);
+            o[i + 16] = d * (static_cast<float>(q[i] >> 4) - 8.0f);
+          }
+        }
+      }
+      break;
+    }
+    case Q4_K: {
+      const uint8_t* r = w.p0 + n * w.s0;
+      for (int64_t b = 0; b < K / 256; ++b) {
+        const uint8_t* blk = r + b * 144;
+        const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
+        const uint8_t* sc = blk + 4;
+        const uint8_t* q = blk + 16;
+        float* o = buf + b * 256;
+        for (int j = 0; j < 8; ++j) {  // ggml's get_scale_min_k4
+          int s, m;
+          if (j < 4) { s = sc[j] & 63; m = sc[j + 4] & 63; }
+          else {
+            s = (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4);
+            m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+          }
+          const float ds = d * static_cast<float>(s), dm = dmin * static_cast<float>(m);
+          const uint8_t* qq = q + (j / 2) * 32;
+          const int shift = (j & 1) * 4;
+          float* oo = o + j * 32;
+          for (int i = 0; i < 32; ++i)
+            oo[i] = ds * static_cast<float>((qq[i] >> shift) & 0xF) - dm;
+        }
+      }
+      break;
+    }
+    case Q6_K: {
+      const uint8_t* r = w.p0 + n * w.s0;
+      for (int64_t b = 0; b < K / 256; ++b) {
+        const uint8_t* blk = r + b * 210;
+        const uint8_t* ql = blk;
+        const uint8_t* qh = blk + 128;
+        const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+        const float d = half_to_float(blk + 208);
+        float* o = buf + b * 256;
+        for (int h = 0; h < 2; ++h) {
+          const uint8_t* l = ql + 64 * h;
+          const uint8_t* hb = qh + 32 * h;
+          float* oh = o + 128 * h;
+          const int8_t* sh = sc + 8 * h;
+          for (int i = 0; i < 32; ++i) {
+            const int q1 = ((l[i] & 0xF) | ((hb[i] & 3) << 4)) - 32;
+            const int q2 = ((l[i + 32] & 0xF) | (((hb[i] >> 2) & 3) << 4)) - 32;
+            const int q3 = ((l[i] >> 4) | (((hb[i] >> 4) & 3) << 4)) - 32;
+            const int q4 = ((l[i + 32] >> 4) | (((hb[i] >> 6) & 3) << 4)) - 32;
+            const int is = i / 16;
+            oh[i] = d * static_cast<float>(sh[is]) * static_cast<float>(q1);
+            oh[i + 32] = d * static_cast<float>(sh[is + 2]) * static_cast<float>(q2);
+            oh[i + 64] = d * static_cast<float>(sh[is + 4]) * static_cast<float>(q3);
+            oh[i + 96] = d * static_cast<float>(sh[is + 6]) * static_cast<float>(q4);
+          }
+        }
+      }
+      break;
+    }
+    default:
+      TORCH_CHECK(false, "unknown low-bit format code ", w.fmt);
+  }
+}
+
+// dot products of one float row `a` (length K) with R rows of x (row stride ldx): out[r].
+template <int R>
+inline void dot_rows(const float* __restrict a, const float* __restrict x, int64_t ldx,
+                     int64_t K, float* out) {
+#if SZ_AVX2
+  __m256 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) { acc0[r] = _mm256_setzero_ps(); acc1[r] = _mm256_setzero_ps(); }
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const __m256 a0 = _mm256_loadu_ps(a + k), a1 = _mm256_loadu_ps(a + k + 8);
+    for (int r = 0; r < R; ++r) {
+      acc0[r] = _mm256_fmadd_ps(a0, _mm256_loadu_ps(x + r * ldx + k), acc0[r]);
+      acc1[r] = _mm256_fmadd_ps(a1, _mm256_loadu_ps(x + r * ldx + k + 8), acc1[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m256 s = _mm256_add_ps(acc0[r], acc1[r]);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    float v = _mm_cvtss_f32(h);
+    for (int64_t kk = k; kk < K; ++kk) v += a[kk] * x[r * ldx + kk];
+    out[r] = v;
+  }
+#else
+  for (int r = 0; r < R; ++r) {
+    float v0 = 0.f, v1 = 0.f, v2 = 0.f, v3 = 0.f;
+    int64_t k = 0;
+    for (; k + 4 <= K; k += 4) {
+      v0 += a[k] * x[r * ldx + k]; v1 += a[k + 1] * x[r * ldx + k + 1];
+      v2 += a[k + 2] * x[r * ldx + k + 2]; v3 += a[k + 3] * x[r * ldx + k + 3];
+    }
+    for (; k < K; ++k) v0 += a[k] * x[r * ldx + k];
+    out[r] = (v0 + v1) + (v2 + v3);
+  }
+#endif
+}
+
+QW make_qw(int64_t fmt, int64_t in, int64_t group, const at::Tensor& t0,
+           const c10::optional<at::Tensor>& t1, const c10::optional<at::Tensor>& t2) {
+  TORCH_CHECK(t0.device().is_cpu() && t0.dim() == 2 && t0.stride(1) == 1,
+              "low-bit kernel: storage must be 2-D CPU tensors with unit column stride");
+  QW w{static_cast<int>(fmt), in, group, nullptr, 0, nullptr, 0, nullptr, 0};
+  w.p0 = static_cast<const uint8_t*>(t0.data_ptr());
+  w.s0 = t0.stride(0) * t0.element_size();
+  if (t1.has_value()) {
+    TORCH_CHECK(t1->scalar_type() == at::kFloat && t1->stride(1) == 1);
+    w.p1 = t1->data_ptr<float>(); w.s1 = t1->stride(0);
+  }
+  if (t2.has_value()) {
+    TORCH_CHECK(t2->scalar_type() == at::kFloat && t2->stride(1) == 1);
+    w.p2 = t2->data_ptr<float>(); w.s2 = t2->stride(0);
+  }
+  return w;
+}
+
+}  // namespace
+
+// x: float32 [M, in] (row stride arbitrary, unit column stride); returns float32 [M, out].
+at::Tensor gemv(const at::Tensor& x, int64_t fmt, int64_t out_features, int64_t group,
+                const at::Tensor& t0, const c10::optional<at::Tensor>& t1,
+                const c10::optional<at::Tensor>& t2, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
+              "low-bit kernel: x must be float32 [M, in] with unit column stride");
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  const QW w = make_qw(fmt, K, group, t0, t1, t2);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  float* yp = y.data_ptr<float>();
+  const float* bp = nullptr;
+  at::Tensor b;
+  if (bias.has_value()) { b = bias->to(at::kFloat).contiguous(); bp = b.data_ptr<float>(); }
+  // grain: enough rows that a thread's share is worth the fork (~64K weights)
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    std::vector<float> buf(K + 16);
+    float acc[4];
+    for (int64_t n = n0; n < n1; ++n) {
+      dequant_row(w, n, buf.data());
+      const float bn = bp ? bp[n] : 0.f;
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) {
+        dot_rows<4>(buf.data(), xp + m * ldx, ldx, K, acc);
+        for (int r = 0; r < 4; ++r) yp[(m + r) * N + n] = acc[r] + bn;
+      }
+      for (; m < M; ++m) {
+        dot_rows<1>(buf.data(), xp + m * ldx, ldx, K, acc);
+        yp[m * N + n] = acc[0] + bn;
+      }
+    }
+  });
+  return y;
+}
+
+// The float32 rows [start, start + rows) of the weight: [rows, in].
+at::Tensor dequant(int64_t fmt, int64_t in, int64_t group, int64_t start, int64_t rows,
+                   const at::Tensor& t0, const c10::optional<at::Tensor>& t1,
+                   const c10::optional<at::Tensor>& t2) {
+  const QW w = make_qw(fmt, in, group, t0, t1, t2);
+  at::Tensor y = at::empty({rows, in}, at::kFloat);
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / in), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) dequant_row(w, start + r, yp + r * in);
+  });
+  return y;
+}
+
+int64_t simd() { return SZ_AVX2; }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gemv", &gemv);
+  m.def("dequant", &dequant);
+  m.def("simd", &simd);
+}

@@ -1,0 +1,139 @@
+"""The CPU kernels behind `QuantizedWeight.linear`: built from kernels.cpp at first use.
+
+`linear(fmt, shape, group, tensors, x, bias)` computes `x [M, in] @ w^T (+ bias)` for every
+format in formats.py without a float32 copy of the whole weight:
+
+- up to `GEMV_ROWS` rows (decode): kernels.cpp's `gemv` de-quantizes one weight row at a time
+  into a float32 buffer of `in` elements and dots it with every input row, so each weight
+  byte is read once per call (parallel over output rows, AVX2/FMA/F16C where the CPU has
+  them, portable C++ otherwise);
+- more rows (prefill): `SLAB_BYTES` of float32 weight rows at a time are de-quantized by the
+  same code and multiplied by oneDNN's GEMM (layers/gemm.py), a bounded buffer however wide
+  the weight.
+
+Activations stay float32 (a bfloat16 input is widened, the result rounded back once), so the
+result is the float product with the de-quantized weight up to float32 summation order
+(docs/DECISIONS.md, "Low-bit matmuls keep float activations").
+
+The extension is compiled by `torch.utils.cpp_extension.load` (g++ and ninja) into torch's
+extensions cache, once per machine: `-mavx2 -mfma -mf16c` when torch reports AVX2 or AVX-512,
+plain `-O3` else (the cache name carries the choice). If it cannot be built, every call falls
+back to the de-quantizing slabs of `reference_linear`, after one warning.
+
+Under `torch.compile` the product is one opaque op, `shardzoo::quant_linear` with a fake
+(meta) implementation, so inductor compiles the code around it (as layers/gemm.py does for
+oneDNN's GEMM).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+
+import torch
+
+from .. import gemm
+
+# input rows up to which the row-by-row kernel beats de-quantized slabs + GEMM (bench/
+# quant_matmul.py; docs/PERFORMANCE.md)
+GEMV_ROWS = 16
+# float32 bytes of weight rows de-quantized at a time for a GEMM (prefill)
+SLAB_BYTES = 4 << 20
+FORMAT_CODES = {"int8": 0, "int4": 1, "q8_0": 2, "q4_0": 3, "q4_1": 4, "q4_k": 5, "q6_k": 6}
+
+_EXT = None
+_TRIED = False
+_LOCK = threading.Lock()
+
+
+def _build():
+    from torch.utils import cpp_extension
+    simd = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    flags = ["-O3", "-fopenmp"] + (["-mavx2", "-mfma", "-mf16c"] if simd else [])
+    return cpp_extension.load(
+        name="shardzoo_quant_" + ("avx2" if simd else "generic"),
+        sources=[os.path.join(os.path.dirname(__file__), "kernels.cpp")],
+        extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def extension():
+    """The compiled kernels, or None when they cannot be built here (warned once)."""
+    global _EXT, _TRIED
+    if not _TRIED:
+        with _LOCK:
+            if not _TRIED:
+                try:
+                    _EXT = _build()
+                except Exception as e:  # no compiler, no ninja, a failed build
+                    warnings.warn(f"shardzoo's low-bit matmul kernels could not be built "
+                                  f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else e});"
+                                  f" quantized linears de-quantize slabs of rows instead "
+                                  f"(slower). Install g++ and ninja to build them.",
+                                  stacklevel=3)
+                    _EXT = None
+                _TRIED = True
+    return _EXT
+
+
+def _storage(fmt, tensors):
+    if fmt == "int8":
+        return tensors["qweight"], tensors["scales"], None
+    if fmt == "int4":
+        return tensors["qweight"], tensors["scales"], tensors["zeros"]
+    return tensors["blocks"], None, None
+
+
+def _kernel_linear(ext, x2, fmt, out_features, group, t0, t1, t2, bias):
+    """float32 `[M, in]` -> float32 `[M, out]` by the compiled kernels."""
+    code = FORMAT_CODES[fmt]
+    if x2.shape[0] <= GEMV_ROWS:
+        return ext.gemv(x2, code, out_features, group, t0, t1, t2, bias)
+    inp = x2.shape[1]
+    rows = max(64, SLAB_BYTES // (4 * inp))
+    y = x2.new_empty(x2.shape[0], out_features)
+    for start in range(0, out_features, rows):
+        n = min(rows, out_features - start)
+        w = ext.dequant(code, inp, group, start, n, t0, t1, t2)
+        b = None if bias is None else bias[start:start + n].float()
+        y[:, start:start + n] = gemm.linear_nt(x2, w, b) if gemm.available() \
+            else torch.nn.functional.linear(x2, w, b)
+    return y
+
+
+def _quant_linear_impl(x, fmt, out_features, group, t0, t1, t2, bias):
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.dtype != torch.float32 or x2.stride(-1) != 1:
+        x2 = x2.float().contiguous()
+    ext = extension()
+    if ext is None or x2.device.type != "cpu":
+        from .weight import reference_linear
+        tensors = {"int8": ("qweight", "scales"), "int4": ("qweight", "scales", "zeros")}.get(
+            fmt, ("blocks",))
+        y = reference_linear(fmt, (out_features, x2.shape[1]),
+                             dict(zip(tensors, (t0, t1, t2))), x2, bias)
+    else:
+        y = _kernel_linear(ext, x2, fmt, out_features, group, t0, t1, t2, bias)
+    return y.to(x.dtype).view(*x.shape[:-1], out_features)
+
+
+def _quant_linear_fake(x, fmt, out_features, group, t0, t1, t2, bias):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+_LIB = torch.library.Library("shardzoo", "FRAGMENT")
+_LIB.define("quant_linear(Tensor x, str fmt, int out_features, int group, Tensor t0, "
+            "Tensor? t1, Tensor? t2, Tensor? bias) -> Tensor")
+_LIB.impl("quant_linear", _quant_linear_impl, "CompositeExplicitAutograd")
+torch.library.register_fake("shardzoo::quant_linear", _quant_linear_fake, lib=_LIB)
+_OP = torch.ops.shardzoo.quant_linear.default
+
+
+def linear(fmt: str, shape: tuple[int, int], group: int, tensors: dict[str, torch.Tensor],
+           x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x [..., in] @ w^T (+ bias)` -> `[..., out]` in x's dtype for a weight of `shape`
+    `[out, in]` in `fmt` with storage `tensors` (formats.py) and block / group size `group`.
+    Under torch.compile: the opaque op `shardzoo::quant_linear`."""
+    t0, t1, t2 = _storage(fmt, tensors)
+    if torch.compiler.is_compiling():
+        return _OP(x, fmt, shape[0], group, t0, t1, t2, bias)
+    return _quant_linear_impl(x, fmt, shape[0], group, t0, t1, t2, bias)
