@@ -9,6 +9,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 #include <vector>
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -201,6 +202,143 @@ inline void dot_rows(const float* __restrict a, const float* __restrict x, int64
 #endif
 }
 
+#if SZ_AVX2
+// Fused AVX2 path for the formats of 32-element blocks (q8_0, q4_0, q4_1, int4, int8 with
+// in % 32 == 0): each block is decoded to 4 vectors of its integer values q (as floats) and
+// contributes a * sum_i q_i x_i + c * sum_i x_i, with (a, c) = (d, 0) q8_0, (d, -8 d) q4_0,
+// (d, m) q4_1, (s, -s z) int4 (x permuted so each byte's low nibbles meet the even elements),
+// (1, 0) int8 (its row scale applied at the end). xs holds the inputs' block sums.
+inline __m256 cvt8(__m128i bytes_lo8_unsigned) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes_lo8_unsigned));
+}
+
+template <int R>
+void fused_row(const QW& w, int64_t n, const float* x, int64_t ldx, const float* xs,
+               int64_t nblk, float* out) {
+  const int64_t K = w.in;
+  __m256 acc[R];
+  float cacc[R];
+  for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); cacc[r] = 0.f; }
+  const uint8_t* row = w.p0 + n * w.s0;
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  for (int64_t b = 0; b < K / 32; ++b) {
+    __m256 q0, q1, q2, q3;
+    float a, c;
+    if (w.fmt == Q8_0 || w.fmt == INT8) {
+      const int8_t* q = w.fmt == Q8_0 ? reinterpret_cast<const int8_t*>(row + b * 34 + 2)
+                                      : reinterpret_cast<const int8_t*>(row + b * 32);
+      const __m128i v0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+      const __m128i v1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16));
+      q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v0));
+      q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v0, 8)));
+      q2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v1));
+      q3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v1, 8)));
+      a = w.fmt == Q8_0 ? half_to_float(row + b * 34) : 1.f;
+      c = 0.f;
+    } else {
+      const uint8_t* q;
+      if (w.fmt == INT4) {
+        q = row + b * 16;
+        const int64_t g = (b * 32) / w.group;
+        a = w.p1[n * w.s1 + g];
+        c = -a * w.p2[n * w.s2 + g];
+      } else if (w.fmt == Q4_0) {
+        q = row + b * 18 + 2;
+        a = half_to_float(row + b * 18);
+        c = -8.f * a;
+      } else {  // Q4_1
+        q = row + b * 20 + 4;
+        a = half_to_float(row + b * 20);
+        c = half_to_float(row + b * 20 + 2);
+      }
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+      const __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+      q0 = cvt8(lo); q1 = cvt8(_mm_srli_si128(lo, 8));
+      q2 = cvt8(hi); q3 = cvt8(_mm_srli_si128(hi, 8));
+    }
+    const __m256 va = _mm256_set1_ps(a);
+    for (int r = 0; r < R; ++r) {
+      const float* xr = x + r * ldx + b * 32;
+      __m256 t = _mm256_mul_ps(q0, _mm256_loadu_ps(xr));
+      t = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xr + 8), t);
+      t = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xr + 16), t);
+      t = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xr + 24), t);
+      acc[r] = _mm256_fmadd_ps(va, t, acc[r]);
+      cacc[r] += c * xs[r * nblk + b];
+    }
+  }
+  const float rs = w.fmt == INT8 ? w.p1[n * w.s1] : 1.f;
+  for (int r = 0; r < R; ++r) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    out[r] = (_mm_cvtss_f32(h) + cacc[r]) * rs;
+  }
+}
+#endif
+
+#if SZ_AVX2
+// 8-bit-activation path (llama.cpp's scheme: ggml's vec_dot_q4_1_q8_1 and relatives): each
+// input row is quantized per 32-block to xq = round(x / dx), dx = max|x| / 127, and a block
+// contributes a dx sum_i q_i xq_i + c sx (sx = dx sum_i xq_i), the integer sums by AVX2's
+// u8 x s8 multiply-adds. (a, c) as for fused_row.
+template <int R>
+void q8_row(const QW& w, int64_t n, const int8_t* xq, int64_t K, const float* dx,
+            const float* sx, int64_t nblk, float* out) {
+  __m256 acc[R];
+  float cacc[R];
+  for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); cacc[r] = 0.f; }
+  const uint8_t* row = w.p0 + n * w.s0;
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const bool is_signed = w.fmt == Q8_0 || w.fmt == INT8;
+  for (int64_t b = 0; b < nblk; ++b) {
+    __m256i bx;
+    float a, c;
+    if (is_signed) {
+      const uint8_t* q = w.fmt == Q8_0 ? row + b * 34 + 2 : row + b * 32;
+      bx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+      a = w.fmt == Q8_0 ? half_to_float(row + b * 34) : 1.f;
+      c = 0.f;
+    } else {
+      const uint8_t* q;
+      if (w.fmt == INT4) {
+        q = row + b * 16;
+        const int64_t g = (b * 32) / w.group;
+        a = w.p1[n * w.s1 + g];
+        c = -a * w.p2[n * w.s2 + g];
+      } else if (w.fmt == Q4_0) {
+        q = row + b * 18 + 2;
+        a = half_to_float(row + b * 18);
+        c = -8.f * a;
+      } else {
+        q = row + b * 20 + 4;
+        a = half_to_float(row + b * 20);
+        c = half_to_float(row + b * 20 + 2);
+      }
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+      bx = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), m4);
+    }
+    const __m256i ax = is_signed ? _mm256_sign_epi8(bx, bx) : bx;
+    for (int r = 0; r < R; ++r) {
+      __m256i by = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + b * 32));
+      if (is_signed) by = _mm256_sign_epi8(by, bx);
+      const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, by), ones);
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(a * dx[r * nblk + b]), _mm256_cvtepi32_ps(p),
+                               acc[r]);
+      cacc[r] += c * sx[r * nblk + b];
+    }
+  }
+  const float rs = w.fmt == INT8 ? w.p1[n * w.s1] : 1.f;
+  for (int r = 0; r < R; ++r) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    out[r] = (_mm_cvtss_f32(h) + cacc[r]) * rs;
+  }
+}
+#endif
+
 QW make_qw(int64_t fmt, int64_t in, int64_t group, const at::Tensor& t0,
            const c10::optional<at::Tensor>& t1, const c10::optional<at::Tensor>& t2) {
   TORCH_CHECK(t0.device().is_cpu() && t0.dim() == 2 && t0.stride(1) == 1,
@@ -238,6 +376,53 @@ at::Tensor gemv(const at::Tensor& x, int64_t fmt, int64_t out_features, int64_t 
   if (bias.has_value()) { b = bias->to(at::kFloat).contiguous(); bp = b.data_ptr<float>(); }
   // grain: enough rows that a thread's share is worth the fork (~64K weights)
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1));
+#if SZ_AVX2
+  const int f = w.fmt;
+  if ((f == Q8_0 || f == Q4_0 || f == Q4_1 || f == INT4 || f == INT8) && K % 32 == 0) {
+    // block sums of x, and for int4 x with each 32-block's even elements first
+    const int64_t nblk = K / 32;
+    std::vector<float> xs(M * nblk), xperm;
+    const float* xuse = xp;
+    int64_t ldu = ldx;
+    if (f == INT4) {
+      xperm.resize(M * K);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t b = 0; b < nblk; ++b)
+          for (int i = 0; i < 16; ++i) {
+            xperm[m * K + b * 32 + i] = xp[m * ldx + b * 32 + 2 * i];
+            xperm[m * K + b * 32 + 16 + i] = xp[m * ldx + b * 32 + 2 * i + 1];
+          }
+      xuse = xperm.data();
+      ldu = K;
+    }
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t b = 0; b < nblk; ++b) {
+        float t = 0.f;
+        for (int i = 0; i < 32; ++i) t += xuse[m * ldu + b * 32 + i];
+        xs[m * nblk + b] = t;
+      }
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+      float acc[4];
+      for (int64_t n = n0; n < n1; ++n) {
+        const float bn = bp ? bp[n] : 0.f;
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4) {
+          fused_row<4>(w, n, xuse + m * ldu, ldu, xs.data() + m * nblk, nblk, acc);
+          for (int r = 0; r < 4; ++r) yp[(m + r) * N + n] = acc[r] + bn;
+        }
+        for (; m + 2 <= M; m += 2) {
+          fused_row<2>(w, n, xuse + m * ldu, ldu, xs.data() + m * nblk, nblk, acc);
+          for (int r = 0; r < 2; ++r) yp[(m + r) * N + n] = acc[r] + bn;
+        }
+        for (; m < M; ++m) {
+          fused_row<1>(w, n, xuse + m * ldu, ldu, xs.data() + m * nblk, nblk, acc);
+          yp[m * N + n] = acc[0] + bn;
+        }
+      }
+    });
+    return y;
+  }
+#endif
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     std::vector<float> buf(K + 16);
     float acc[4];
@@ -255,6 +440,68 @@ at::Tensor gemv(const at::Tensor& x, int64_t fmt, int64_t out_features, int64_t 
       }
     }
   });
+  return y;
+}
+
+// As gemv, with x quantized to 8 bits per 32-block first (q8_row). Only for the 32-block
+// formats with in % 32 == 0 on AVX2 (the caller checks `q8_supported`).
+at::Tensor gemv_q8(const at::Tensor& x, int64_t fmt, int64_t out_features, int64_t group,
+                   const at::Tensor& t0, const c10::optional<at::Tensor>& t1,
+                   const c10::optional<at::Tensor>& t2, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
+              "low-bit kernel: x must be float32 [M, in] with unit column stride");
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  TORCH_CHECK(K % 32 == 0, "8-bit activations need in % 32 == 0");
+  const QW w = make_qw(fmt, K, group, t0, t1, t2);
+  at::Tensor y = at::empty({M, N}, x.options());
+#if SZ_AVX2
+  const float* xp = x.data_ptr<float>();
+  const int64_t ldx = x.stride(0), nblk = K / 32;
+  float* yp = y.data_ptr<float>();
+  at::Tensor b;
+  const float* bp = nullptr;
+  if (bias.has_value()) { b = bias->to(at::kFloat).contiguous(); bp = b.data_ptr<float>(); }
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> dx(M * nblk), sx(M * nblk);
+  float tmp[32];
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t bb = 0; bb < nblk; ++bb) {
+      const float* src = xp + m * ldx + bb * 32;
+      for (int i = 0; i < 32; ++i)  // int4: each block's even elements first (its nibbles)
+        tmp[i] = w.fmt == INT4 ? src[i < 16 ? 2 * i : 2 * (i - 16) + 1] : src[i];
+      float amax = 0.f;
+      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(tmp[i]));
+      const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+      int sum = 0;
+      for (int i = 0; i < 32; ++i) {
+        const int v = static_cast<int>(std::nearbyint(tmp[i] * id));
+        xq[m * K + bb * 32 + i] = static_cast<int8_t>(v);
+        sum += v;
+      }
+      dx[m * nblk + bb] = d;
+      sx[m * nblk + bb] = d * static_cast<float>(sum);
+    }
+  const int64_t grain = std::max<int64_t>(1, 65536 / K);
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    float acc[4];
+    for (int64_t n = n0; n < n1; ++n) {
+      const float bn = bp ? bp[n] : 0.f;
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) {
+        q8_row<4>(w, n, xq.data() + m * K, K, dx.data() + m * nblk, sx.data() + m * nblk,
+                  nblk, acc);
+        for (int r = 0; r < 4; ++r) yp[(m + r) * N + n] = acc[r] + bn;
+      }
+      for (; m < M; ++m) {
+        q8_row<1>(w, n, xq.data() + m * K, K, dx.data() + m * nblk, sx.data() + m * nblk,
+                  nblk, acc);
+        yp[m * N + n] = acc[0] + bn;
+      }
+    }
+  });
+#else
+  TORCH_CHECK(false, "8-bit activations need the AVX2 build");
+#endif
   return y;
 }
 
@@ -277,4 +524,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv);
   m.def("dequant", &dequant);
   m.def("simd", &simd);
+  m.def("gemv_q8", &gemv_q8);
 }

@@ -11,9 +11,14 @@ format in formats.py without a float32 copy of the whole weight:
   same code and multiplied by oneDNN's GEMM (layers/gemm.py), a bounded buffer however wide
   the weight.
 
-Activations stay float32 (a bfloat16 input is widened, the result rounded back once), so the
-result is the float product with the de-quantized weight up to float32 summation order
-(docs/DECISIONS.md, "Low-bit matmuls keep float activations").
+Activations stay float32 by default (a bfloat16 input is widened, the result rounded back
+once), so the result is the float product with the de-quantized weight up to float32
+summation order. `SHARDZOO_QUANT_ACTIVATIONS=int8` takes llama.cpp's scheme instead for the
+formats of 32-element blocks (int8 and int4 with `in % 32 == 0`, q8_0, q4_0, q4_1) at every
+row count: each input row is rounded to 8 bits per 32-block (scale max|x| / 127) and the
+integer dot products run on AVX2's u8 x s8 multiply-adds, about twice as fast at one row,
+with an added error of at most half a step per input element (docs/DECISIONS.md, "Low-bit
+matmuls keep float activations").
 
 The extension is compiled by `torch.utils.cpp_extension.load` (g++ and ninja) into torch's
 extensions cache, once per machine: `-mavx2 -mfma -mf16c` when torch reports AVX2 or AVX-512,
@@ -40,6 +45,22 @@ GEMV_ROWS = 16
 # float32 bytes of weight rows de-quantized at a time for a GEMM (prefill)
 SLAB_BYTES = 4 << 20
 FORMAT_CODES = {"int8": 0, "int4": 1, "q8_0": 2, "q4_0": 3, "q4_1": 4, "q4_k": 5, "q6_k": 6}
+# the formats whose 32-element blocks the 8-bit-activation kernel multiplies
+Q8_FORMATS = ("int8", "int4", "q8_0", "q4_0", "q4_1")
+ENV_SWITCH = "SHARDZOO_QUANT_ACTIVATIONS"
+ACTIVATION_CHOICES = ("float", "int8")
+
+
+def _activations() -> str:
+    choice = os.environ.get(ENV_SWITCH, "float").strip().lower()
+    if choice not in ACTIVATION_CHOICES:
+        raise ValueError(f"{ENV_SWITCH}={choice!r}: expected one of "
+                         f"{', '.join(ACTIVATION_CHOICES)} (float: exact float32 products, "
+                         f"the default; int8: llama.cpp's 8-bit activations, faster decode)")
+    return choice
+
+
+ACTIVATIONS = _activations()
 
 _EXT = None
 _TRIED = False
@@ -86,6 +107,8 @@ def _storage(fmt, tensors):
 def _kernel_linear(ext, x2, fmt, out_features, group, t0, t1, t2, bias):
     """float32 `[M, in]` -> float32 `[M, out]` by the compiled kernels."""
     code = FORMAT_CODES[fmt]
+    if ACTIVATIONS == "int8" and ext.simd() and fmt in Q8_FORMATS and x2.shape[1] % 32 == 0:
+        return ext.gemv_q8(x2, code, out_features, group, t0, t1, t2, bias)
     if x2.shape[0] <= GEMV_ROWS:
         return ext.gemv(x2, code, out_features, group, t0, t1, t2, bias)
     inp = x2.shape[1]

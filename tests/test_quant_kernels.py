@@ -1,0 +1,183 @@
+"""The low-bit matmul kernels behind `QuantizedWeight.linear` (layers/quant/kernels.py)
+against the float64 product with the exact de-quantized weight.
+
+Tolerance. The kernel multiplies x (float32, or bfloat16 widened exactly) by the weight in
+float32, each weight as scale * q plus an offset term (q4_0: -8 d, q4_1: m, int4: -s z,
+q4_k: -dmin m_j; the others none), the offset possibly summed separately against the block
+sums of x. Every term is a product of such parts, each rounded a few times, and the sum of
+K terms in any order (AVX2 lanes, oneDNN's blocking) adds at most K - 1 roundings of partial
+sums (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., eq. 3.5:
+|fl(x.w) - x.w| <= gamma_K sum |x_k||w_k|, gamma_K = K u / (1 - K u)), where the magnitude
+is that of the terms actually summed: |scale q| + |offset| <= |w| + 2 |offset|. So with
+u = 2^-24 every output is within (K + 3) u sum_k |x_k| (|w_k| + 2 |o_k|) (+ u |y| for the
+bias add), o the offset (the weight the block would have with every q zero: `offsets`).
+With 8-bit activations each x_k is first replaced by dx round(x_k / dx), dx = max|x_b| / 127
+over its 32-block b: at most 0.5 dx (+ float rounding of x / dx: 0.51 dx) away, adding
+sum_b 0.51 dx_b sum_{k in b} |w_k| to the error. A bfloat16 result is then rounded once more
+to nearest (u_bf16 = 2^-8): + 2^-8 (|y| + the bound). `bound` computes that per output."""
+import warnings
+
+import pytest
+import torch
+
+from layers.quant import FORMATS, QuantizedWeight, kernels
+from test_quant_formats import random_blocks
+
+U32, U16 = 2.0 ** -24, 2.0 ** -8
+
+
+def make_weight(fmt: str, out: int, inp: int, seed: int = 0, group: int = 32
+                ) -> QuantizedWeight:
+    """A weight of `fmt`: round-to-nearest of a random float one, or random k-quant blocks."""
+    if fmt in ("q4_k", "q6_k"):
+        return QuantizedWeight.from_gguf(fmt.upper(), random_blocks(fmt, out, inp, seed),
+                                         (out, inp))
+    w = torch.randn(out, inp, generator=torch.Generator().manual_seed(seed))
+    return QuantizedWeight.quantize(w, fmt, group_size=group, symmetric=seed % 2 == 0)
+
+
+def offsets(qw: QuantizedWeight) -> torch.Tensor:
+    """|o| `[out, in]`: the de-quantized weight with every quantized value q set to 0."""
+    zeroed = {k: v.clone() for k, v in qw.tensors.items()}
+    payload = {"int4": ("qweight", None), "q4_0": ("blocks", (2, 18, 18)),
+               "q4_1": ("blocks", (4, 20, 20)), "q4_k": ("blocks", (16, 144, 144))}
+    if qw.format not in payload:
+        return torch.zeros(qw.shape, dtype=torch.float64)
+    name, span = payload[qw.format]
+    t = zeroed[name]
+    if span is None:
+        t.zero_()
+    else:
+        start, stop, size = span
+        t.view(t.shape[0], -1, size)[..., start:stop] = 0
+    return QuantizedWeight(qw.format, tuple(qw.shape), zeroed).dequantize().double().abs()
+
+
+def bound(x: torch.Tensor, qw: QuantizedWeight, bias, ref: torch.Tensor, dtype) -> torch.Tensor:
+    """The per-element error bound of the module docstring."""
+    k = x.shape[-1]
+    w = qw.dequantize().double().abs()
+    xa = x.double().abs().reshape(-1, k)
+    mag = xa @ (w + 2 * offsets(qw)).t()
+    tol = (k + 3) * U32 * mag
+    if kernels.ACTIVATIONS == "int8" and qw.format in kernels.Q8_FORMATS and k % 32 == 0:
+        dx = xa.view(xa.shape[0], k // 32, 32).amax(-1) / 127  # [rows, blocks]
+        wb = w.view(w.shape[0], k // 32, 32).sum(-1)  # [out, blocks]
+        tol = tol + 0.51 * (dx @ wb.t())
+    tol = tol.view(ref.shape) + U32 * ref.abs()
+    if dtype == torch.bfloat16:
+        tol = tol + U16 * (ref.abs() + tol)
+    return tol + 1e-30
+
+
+def check(qw: QuantizedWeight, x: torch.Tensor, bias=None):
+    w = qw.dequantize()
+    ref = x.double() @ w.double().t()
+    if bias is not None:
+        ref = ref + bias.double()
+    y = qw.linear(x, bias)
+    assert y.dtype == x.dtype and y.shape == (*x.shape[:-1], qw.shape[0])
+    err = (y.double() - ref).abs()
+    tol = bound(x, qw, bias, ref, x.dtype)
+    assert (err <= tol).all(), f"{qw}: max excess {(err - tol).max().item():.3g}"
+    return y
+
+
+# (format, out, in): odd output sizes (not multiples of 8 or 16, and 1), inputs of the
+# formats' smallest blocks and a tail the kernel's 16-wide loop does not cover (int8: 40)
+SHAPES = [("int8", 13, 40), ("int8", 1, 576), ("int4", 13, 96), ("int4", 1, 128),
+          ("q8_0", 13, 96), ("q8_0", 1, 64), ("q4_0", 21, 96), ("q4_1", 13, 96),
+          ("q4_1", 1, 576), ("q4_k", 13, 512), ("q4_k", 1, 256), ("q6_k", 13, 512),
+          ("q6_k", 1, 256)]
+
+
+@pytest.mark.parametrize("fmt,out,inp", SHAPES)
+def test_each_format_matches_the_dequantized_product(fmt, out, inp):
+    qw = make_weight(fmt, out, inp)
+    g = torch.Generator().manual_seed(3)
+    bias = torch.randn(out, generator=g)
+    for rows in (1, 3, 8, 17, 200):  # the row-by-row kernel (<= 16 rows) and the slabs
+        x = torch.randn(rows, inp, generator=g)
+        x[rows // 2] = 0  # a zero row: exactly the bias
+        for dtype in (torch.float32, torch.bfloat16):
+            xd = x.to(dtype)
+            check(qw, xd)
+            y = check(qw, xd, bias.to(dtype) if dtype == torch.float32 else bias)
+            assert torch.equal(y[rows // 2].float(), bias.to(dtype).float())
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_groups_and_leading_dims(group):
+    qw = make_weight("int4", 19, 256, seed=1, group=group)
+    x = torch.randn(2, 3, 256)  # [..., in]
+    y = check(qw, x)
+    assert y.shape == (2, 3, 19)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_non_contiguous_inputs_and_column_shards(fmt):
+    inp = 512
+    qw = make_weight(fmt, 24, inp, seed=2)
+    for rows in (5, 40):
+        wide = torch.randn(rows, 2 * inp)
+        check(qw, wide[:, ::2])  # unit stride broken
+        check(qw, wide[:, inp:])  # row stride > in
+        check(qw, torch.randn(inp, rows).t())  # transposed
+    # a row-parallel shard: the storage is a column view with a longer row stride
+    block = 128 if fmt == "int8" else qw.block_size
+    check(qw.narrow(1, block, block), torch.randn(3, block))
+    check(qw.narrow(0, 5, 7), torch.randn(2, inp))
+
+
+@pytest.mark.parametrize("fmt", kernels.Q8_FORMATS)
+def test_8_bit_activations_stay_within_their_bound(fmt, monkeypatch):
+    monkeypatch.setattr(kernels, "ACTIVATIONS", "int8")
+    qw = make_weight(fmt, 13, 128, seed=4)
+    g = torch.Generator().manual_seed(5)
+    bias = torch.randn(13, generator=g)
+    for rows in (1, 3, 8, 17):
+        x = torch.randn(rows, 128, generator=g)
+        x[0] = 0
+        for dtype in (torch.float32, torch.bfloat16):
+            y = check(qw, x.to(dtype), bias)
+            assert torch.equal(y[0].float(), bias.to(dtype).float())
+    # the rounding is real (not the float path): some output moves by more than float error
+    x = torch.randn(4, 128, generator=g)
+    monkeypatch.setattr(kernels, "ACTIVATIONS", "float")
+    exact = qw.linear(x)
+    monkeypatch.setattr(kernels, "ACTIVATIONS", "int8")
+    assert (qw.linear(x) - exact).abs().max() > 1e-4 * exact.abs().max()
+    check(qw, torch.randn(64, 256)[:, ::2])
+
+
+def test_a_bad_activation_switch_is_refused(monkeypatch):
+    monkeypatch.setenv(kernels.ENV_SWITCH, "fp8")
+    with pytest.raises(ValueError, match="SHARDZOO_QUANT_ACTIVATIONS='fp8': expected one of"):
+        kernels._activations()
+
+
+def test_the_compiled_op_matches_eager():
+    qw = make_weight("q4_1", 37, 96)
+    bias = torch.randn(37)
+
+    def f(x):
+        return torch.relu(qw.linear(x, bias)) * 2
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=False)
+    for rows in (1, 20):
+        x = torch.randn(rows, 96)
+        torch.testing.assert_close(compiled(x), f(x), rtol=0, atol=0)
+
+
+def test_without_a_compiler_it_warns_once_and_falls_back(monkeypatch):
+    def no_compiler():
+        raise RuntimeError("g++: command not found")
+    monkeypatch.setattr(kernels, "_build", no_compiler)
+    monkeypatch.setattr(kernels, "_EXT", None)
+    monkeypatch.setattr(kernels, "_TRIED", False)
+    qw = make_weight("q8_0", 9, 64)
+    with pytest.warns(UserWarning, match="could not be built.*g\\+\\+: command not found"):
+        check(qw, torch.randn(2, 64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check(qw, torch.randn(20, 64), torch.randn(9))
