@@ -1,7 +1,8 @@
 """Low-bit weight matmuls on CPU: us per call of `QuantizedWeight.linear` per format against
 oneDNN's float32 GEMM on the packed weight (layers/gemm.py) and, where they apply, aten's
 weight-only kernels (`_weight_int8pack_mm` with bf16 activations and scales,
-`_weight_int4pack_mm_for_cpu` with bf16 activations, group 32/64/128).
+`_weight_int4pack_mm_for_cpu` with bf16 activations, group 32/128); "i8act" rows are the same
+format with 8-bit activations (SHARDZOO_QUANT_ACTIVATIONS=int8).
 
     python bench/quant_matmul.py [--rows 1 8] [--rounds 7] [--calls 10] [--threads 2]
         [--shapes 960x576 576x576 3072x576 576x1536 49152x576] [--dtype float32|bfloat16]
@@ -61,6 +62,10 @@ def methods(out: int, inp: int, dtype: torch.dtype):
         return make
     for fmt in FORMATS:
         found[fmt] = ours(fmt)
+    for fmt in ("int8", "int4/32", "q8_0", "q4_0", "q4_1"):  # llama.cpp's 8-bit activations
+        make = found.get(fmt)
+        if make is not None:
+            found[fmt + " i8act"] = int8_activations(make)
 
     def aten_int8():
         q = torch.randint(-127, 128, (out, inp), dtype=torch.int8)
@@ -82,6 +87,21 @@ def methods(out: int, inp: int, dtype: torch.dtype):
     for g in (32, 128):
         found[f"aten int4/{g} (bf16)"] = aten_int4(g)
     return {k: v for k, v in found.items() if v is not None}
+
+
+def int8_activations(make):
+    """`make` with its calls under SHARDZOO_QUANT_ACTIVATIONS=int8."""
+    def made():
+        fn, nbytes = make()
+
+        def call(x):
+            kernels.ACTIVATIONS = "int8"
+            try:
+                return fn(x)
+            finally:
+                kernels.ACTIVATIONS = "float"
+        return call, nbytes
+    return made
 
 
 def bench_shape(out, inp, rows, dtype, rounds, calls, warm):

@@ -212,6 +212,40 @@ inline __m256 cvt8(__m128i bytes_lo8_unsigned) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes_lo8_unsigned));
 }
 
+inline float hsum(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+
+// Block b (32 elements) of output row n of a 4-bit 32-block format (int4, q4_0, q4_1): its
+// 16 bytes of nibbles and (a, c) such that the block's weights are a q + c.
+inline const uint8_t* nibble_block(const QW& w, int64_t n, int64_t b, float* a, float* c) {
+  const uint8_t* row = w.p0 + n * w.s0;
+  if (w.fmt == INT4) {
+    const int64_t g = (b * 32) / w.group;
+    *a = w.p1[n * w.s1 + g];
+    *c = -*a * w.p2[n * w.s2 + g];
+    return row + b * 16;
+  }
+  if (w.fmt == Q4_0) {
+    *a = half_to_float(row + b * 18);
+    *c = -8.f * *a;
+    return row + b * 18 + 2;
+  }
+  *a = half_to_float(row + b * 20);
+  *c = half_to_float(row + b * 20 + 2);
+  return row + b * 20 + 4;
+}
+
+template <int R>
+inline void finish_rows(const QW& w, int64_t n, const __m256* acc, const float* cacc,
+                        float* out) {
+  const float rs = w.fmt == INT8 ? w.p1[n * w.s1] : 1.f;
+  for (int r = 0; r < R; ++r) out[r] = (hsum(acc[r]) + cacc[r]) * rs;
+}
+
 template <int R>
 void fused_row(const QW& w, int64_t n, const float* x, int64_t ldx, const float* xs,
                int64_t nblk, float* out) {
@@ -236,21 +270,7 @@ void fused_row(const QW& w, int64_t n, const float* x, int64_t ldx, const float*
       a = w.fmt == Q8_0 ? half_to_float(row + b * 34) : 1.f;
       c = 0.f;
     } else {
-      const uint8_t* q;
-      if (w.fmt == INT4) {
-        q = row + b * 16;
-        const int64_t g = (b * 32) / w.group;
-        a = w.p1[n * w.s1 + g];
-        c = -a * w.p2[n * w.s2 + g];
-      } else if (w.fmt == Q4_0) {
-        q = row + b * 18 + 2;
-        a = half_to_float(row + b * 18);
-        c = -8.f * a;
-      } else {  // Q4_1
-        q = row + b * 20 + 4;
-        a = half_to_float(row + b * 20);
-        c = half_to_float(row + b * 20 + 2);
-      }
+      const uint8_t* q = nibble_block(w, n, b, &a, &c);
       const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
       const __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
       q0 = cvt8(lo); q1 = cvt8(_mm_srli_si128(lo, 8));
@@ -267,13 +287,7 @@ void fused_row(const QW& w, int64_t n, const float* x, int64_t ldx, const float*
       cacc[r] += c * xs[r * nblk + b];
     }
   }
-  const float rs = w.fmt == INT8 ? w.p1[n * w.s1] : 1.f;
-  for (int r = 0; r < R; ++r) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    out[r] = (_mm_cvtss_f32(h) + cacc[r]) * rs;
-  }
+  finish_rows<R>(w, n, acc, cacc, out);
 }
 #endif
 
@@ -301,21 +315,7 @@ void q8_row(const QW& w, int64_t n, const int8_t* xq, int64_t K, const float* dx
       a = w.fmt == Q8_0 ? half_to_float(row + b * 34) : 1.f;
       c = 0.f;
     } else {
-      const uint8_t* q;
-      if (w.fmt == INT4) {
-        q = row + b * 16;
-        const int64_t g = (b * 32) / w.group;
-        a = w.p1[n * w.s1 + g];
-        c = -a * w.p2[n * w.s2 + g];
-      } else if (w.fmt == Q4_0) {
-        q = row + b * 18 + 2;
-        a = half_to_float(row + b * 18);
-        c = -8.f * a;
-      } else {
-        q = row + b * 20 + 4;
-        a = half_to_float(row + b * 20);
-        c = half_to_float(row + b * 20 + 2);
-      }
+      const uint8_t* q = nibble_block(w, n, b, &a, &c);
       const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
       bx = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), m4);
     }
@@ -329,13 +329,7 @@ void q8_row(const QW& w, int64_t n, const int8_t* xq, int64_t K, const float* dx
       cacc[r] += c * sx[r * nblk + b];
     }
   }
-  const float rs = w.fmt == INT8 ? w.p1[n * w.s1] : 1.f;
-  for (int r = 0; r < R; ++r) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    out[r] = (_mm_cvtss_f32(h) + cacc[r]) * rs;
-  }
+  finish_rows<R>(w, n, acc, cacc, out);
 }
 #endif
 
@@ -444,7 +438,7 @@ at::Tensor gemv(const at::Tensor& x, int64_t fmt, int64_t out_features, int64_t 
 }
 
 // As gemv, with x quantized to 8 bits per 32-block first (q8_row). Only for the 32-block
-// formats with in % 32 == 0 on AVX2 (the caller checks `q8_supported`).
+// formats with in % 32 == 0 on AVX2 (kernels.py checks).
 at::Tensor gemv_q8(const at::Tensor& x, int64_t fmt, int64_t out_features, int64_t group,
                    const at::Tensor& t0, const c10::optional<at::Tensor>& t1,
                    const c10::optional<at::Tensor>& t2, const c10::optional<at::Tensor>& bias) {
