@@ -207,8 +207,12 @@ def check_tensor_data(path: str, meta: dict, table: tuple[int, list[TensorInfo]]
             raise HFConversionError(f"{path}: tensor {t.name!r} starts at offset {t.offset}, "
                                     f"not a multiple of the alignment {align}; {fix}")
         kind = gguf.GGMLQuantizationType(t.ggml_type).name
-        ranges.append((start + t.offset, start + t.offset + count // block * size,
-                       f"{t.name!r} ({kind} {list(t.dims)})"))
+        begin, end = start + t.offset, start + t.offset + count // block * size
+        what = f"{t.name!r} ({kind} {list(t.dims)})"
+        if end > file_size:
+            raise HFConversionError(f"{path}: tensor {what} (bytes {begin:,}-{end:,}) runs "
+                                    f"past the end of the file ({file_size:,} bytes); {fix}")
+        ranges.append((begin, end, what))
     in_order = [(begin, end) for begin, end, _ in ranges]
     ranges.sort()
     cursor, before = start, "the tensor table"
@@ -222,9 +226,6 @@ def check_tensor_data(path: str, meta: dict, table: tuple[int, list[TensorInfo]]
             raise HFConversionError(f"{path}: {before} ends at byte {cursor:,} but {at} at "
                                     f"byte {begin:,}: the declared type or dimensions do not "
                                     f"match the data; {fix}")
-        if end > file_size:
-            raise HFConversionError(f"{path}: tensor {what} (bytes {begin:,}-{end:,}) runs "
-                                    f"past the end of the file ({file_size:,} bytes); {fix}")
         cursor, before = end, f"tensor {what}"
     return in_order
 
