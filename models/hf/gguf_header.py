@@ -35,6 +35,7 @@ from .rules import HFConversionError
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
             12: "d"}
 _STRING, _ARRAY = 8, 9
+GGML_MAX_DIMS = 4  # ggml.h: a tensor has at most 4 dimensions
 MAX_STRING = 64 * 2**10  # a kept string value (names, types); longer ones are skipped
 # llama.cpp architecture -> the HF model type it holds, for those transformers' reader
 # does not know by that name (models/hf families; transformers renames these too)
@@ -111,11 +112,12 @@ class _Reader:
                                 f"defines; the file is corrupt or from a newer format")
 
 
-def read_header(path: str) -> tuple[dict, list[str], dict]:
+def read_header(path: str) -> tuple[dict, list[str], dict, tuple[int, list["TensorInfo"]]]:
     """`({metadata key: scalar value}, [tensor names], {metadata key: array length},
     (end of the tensor table in bytes, [TensorInfo]))` of GGUF file `path` (array values are
     left out, their lengths kept). Raises `HFConversionError` naming the file for what is
-    not GGUF v2/v3."""
+    not GGUF v2/v3, and naming the tensor for one of more than ggml's `GGML_MAX_DIMS`
+    (4) dimensions."""
     with open(path, "rb") as f:
         if os.path.getsize(path) < 24:
             raise HFConversionError(f"{path} is too short to be a GGUF file")
@@ -143,8 +145,10 @@ def read_header(path: str) -> tuple[dict, list[str], dict]:
             for _ in range(tensors):
                 names.append(r.string())
                 dims = r.scalar("I")
-                if dims > len(buf):
-                    r.take(len(buf))  # raises: more dimensions than bytes
+                if dims > GGML_MAX_DIMS:
+                    raise HFConversionError(f"{path}: tensor {names[-1]!r} has {dims} "
+                                            f"dimensions, more than ggml's {GGML_MAX_DIMS}; "
+                                            f"the file is corrupt, convert or download it again")
                 shape = struct.unpack_from(f"<{dims}Q", buf, r.take(8 * dims))
                 table.append(TensorInfo(names[-1], shape, r.scalar("I"), r.scalar("Q")))
             end = r.pos
@@ -162,15 +166,18 @@ class TensorInfo(NamedTuple):
 
 
 def check_tensor_data(path: str, meta: dict, table: tuple[int, list[TensorInfo]],
-                      file_size: int) -> None:
-    """Refuse (`HFConversionError`, one line naming the tensor) a tensor table whose data
+                      file_size: int) -> list[tuple[int, int]]:
+    """`[(first byte, end byte)]` of each tensor's data in the file, in table order, after
+    refusing (`HFConversionError`, one line naming the tensor) a tensor table whose data
     ranges are not exactly the file's data section: each tensor's range, its element count
-    times its ggml type's size (gguf's `GGML_QUANT_SIZES`), starts at an offset aligned to
-    `general.alignment` (default 32), lies within the file and ends where the next tensor
-    starts (up to that alignment's padding; the last one at the end of the file), so no two
-    overlap. A tensor whose declared type was changed (F32 -> F16: half the bytes) leaves
-    a gap and is refused here; transformers' reader would read its bytes as the new type.
-    (A tensor under twice the alignment can shrink into its own padding unseen.)"""
+    (every dimension at least 1) divided by its ggml type's block size and times its block's
+    bytes (gguf's `GGML_QUANT_SIZES`: whole blocks along the first dimension), starts at an
+    offset aligned to `general.alignment` (default 32), lies within the file and ends where
+    the next tensor starts (up to that alignment's padding; the last one at the end of the
+    file), so no two overlap. A tensor whose declared type was changed (F32 -> F16: half
+    the bytes) leaves a gap and is refused here; transformers' reader would read its bytes
+    as the new type. (A tensor under twice the alignment can shrink into its own padding
+    unseen.) Nothing is allocated from the table before this returns."""
     import gguf
 
     header_end, tensors = table
@@ -190,15 +197,23 @@ def check_tensor_data(path: str, meta: dict, table: tuple[int, list[TensorInfo]]
         count = 1
         for d in t.dims:
             count *= d
-        if not t.dims or t.dims[0] % block:
+        if not t.dims or min(t.dims) < 1:
+            raise HFConversionError(f"{path}: tensor {t.name!r} has dimensions {t.dims}, not "
+                                    f"1 to {GGML_MAX_DIMS} sizes of at least 1; {fix}")
+        if t.dims[0] % block:
             raise HFConversionError(f"{path}: tensor {t.name!r} of dimensions {t.dims} does not "
                                     f"fill whole blocks of {block} of its type; {fix}")
         if t.offset % align:
             raise HFConversionError(f"{path}: tensor {t.name!r} starts at offset {t.offset}, "
                                     f"not a multiple of the alignment {align}; {fix}")
         kind = gguf.GGMLQuantizationType(t.ggml_type).name
-        ranges.append((start + t.offset, start + t.offset + count // block * size,
-                       f"{t.name!r} ({kind} {list(t.dims)})"))
+        begin, end = start + t.offset, start + t.offset + count // block * size
+        what = f"{t.name!r} ({kind} {list(t.dims)})"
+        if end > file_size:
+            raise HFConversionError(f"{path}: tensor {what} (bytes {begin:,}-{end:,}) runs "
+                                    f"past the end of the file ({file_size:,} bytes); {fix}")
+        ranges.append((begin, end, what))
+    in_order = [(begin, end) for begin, end, _ in ranges]
     ranges.sort()
     cursor, before = start, "the tensor table"
     for begin, end, what in ranges + [(file_size, file_size, None)]:
@@ -211,10 +226,8 @@ def check_tensor_data(path: str, meta: dict, table: tuple[int, list[TensorInfo]]
             raise HFConversionError(f"{path}: {before} ends at byte {cursor:,} but {at} at "
                                     f"byte {begin:,}: the declared type or dimensions do not "
                                     f"match the data; {fix}")
-        if end > file_size:
-            raise HFConversionError(f"{path}: tensor {what} (bytes {begin:,}-{end:,}) runs "
-                                    f"past the end of the file ({file_size:,} bytes); {fix}")
         cursor, before = end, f"tensor {what}"
+    return in_order
 
 
 def hf_model_type(arch: str) -> str:
@@ -319,15 +332,8 @@ def check_tensor_names(path: str, meta: dict, names: list[str]) -> None:
     `<arch>.block_count` blocks, plus `.weight` / `.bias`): transformers' reader skips such a
     tensor without a word, so a renamed `output.weight` would silently make an untied output
     layer the tied embedding."""
-    import gguf
-
     arch = meta["general.architecture"]
-    arch_id = next((k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), None)
-    if arch_id is None:  # check_architecture admits only what transformers reads
-        raise HFConversionError(f"{path}: GGUF architecture {arch!r} is not one the installed "
-                                f"gguf package names; pip install -U gguf")
-    known = {name for _, name in
-             gguf.get_tensor_name_map(arch_id, meta[f"{arch}.block_count"]).mapping.values()}
+    known = {name for _, name in tensor_name_map(path, meta).mapping.values()}
     for name in names:
         base, dot, suffix = (name or "").rpartition(".")
         if not (dot and suffix in ("weight", "bias") and base in known):
@@ -335,3 +341,18 @@ def check_tensor_names(path: str, meta: dict, names: list[str]) -> None:
                                     f"model (gguf's name map), so transformers' reader would "
                                     f"drop it; the file is corrupt or was edited, convert or "
                                     f"download it again")
+
+
+def tensor_name_map(path: str, meta: dict):
+    """gguf's own `TensorNameMap` (HF module names -> GGUF tensor names, the table llama.cpp's
+    converter and transformers' reader use) of the architecture and `<arch>.block_count` in
+    header `meta`; `HFConversionError` when the installed gguf package lacks the
+    architecture."""
+    import gguf
+
+    arch = meta["general.architecture"]
+    arch_id = next((k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), None)
+    if arch_id is None:  # check_architecture admits only what transformers reads
+        raise HFConversionError(f"{path}: GGUF architecture {arch!r} is not one the installed "
+                                f"gguf package names; pip install -U gguf")
+    return gguf.get_tensor_name_map(arch_id, meta[f"{arch}.block_count"])
