@@ -179,3 +179,154 @@ def test_gptq_zero_offset_and_act_order(tmp_path):
         open_hf(folder, quantization="keep").get("l.weight")
     msg = str(info.value)
     assert "desc_act" in msg and "--quantization none" in msg and "\n" not in msg
+
+
+def _tiny_hf(kind: str):
+    """A tiny random transformers model: Llama with GQA and an untied head, or Qwen2 with q/k/v
+    biases and a tied head (every linear's input a multiple of 128)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    common = dict(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    cfg = (LlamaConfig(tie_word_embeddings=False, **common) if kind == "llama" else
+           Qwen2Config(tie_word_embeddings=True, **common))
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def quantized_pair(root, kind: str, method: str, group: int = 128):
+    """(quantized folder, float folder): every decoder linear of a tiny model replaced by
+    random 4-bit values packed as `method` in one, by their exact de-quantization (float32)
+    in the other; the other tensors equal."""
+    model = _tiny_hf(kind)
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    gen = torch.Generator().manual_seed(7)
+    floats, packed = dict(sd), dict(sd)
+    for name, w in sd.items():
+        if ".layers." in name and name.endswith("proj.weight"):
+            out, inp = w.shape
+            q, zeros, scales = random_layer(gen, out, inp, group, sym=False, lo_zero=1)
+            g_idx = torch.arange(inp) // group
+            floats[name] = reference(q, zeros, scales, g_idx)
+            del packed[name]
+            packed.update(packed_tensors(method, name[:-len(".weight")], q, zeros, scales,
+                                         g_idx if method == "gptq" else None))
+    config = {k: v for k, v in model.config.to_dict().items() if k not in ("dtype",
+                                                                         "torch_dtype")}
+    config["architectures"] = [type(model).__name__]
+    qfolder = write_folder(root / f"{kind}-{method}", {**config, "quantization_config":
+                                                       qconfig(method, group)}, packed)
+    return qfolder, write_folder(root / f"{kind}-{method}-float", config, floats)
+
+
+@pytest.mark.parametrize("kind,method", [("llama", "gptq"), ("qwen2", "awq")])
+def test_tiny_model_loads_like_its_float_twin(tmp_path, kind, method):
+    """A Llama/Qwen2-shaped GPTQ/AWQ folder through the HF import path (open_checked: config
+    and tensor shapes checked): with quantization "keep" each decoder linear is an int4
+    QuantizedWeight that de-quantizes to the float twin's tensor bitwise, the other tensors
+    are the twin's; with "none" every native parameter (fused QKV, gate/up) equals the
+    twin's bitwise. Before: config.json's quantization_config was refused."""
+    from layers.quant import QuantizedWeight
+    from models.hf import open_checked, to_native
+
+    qfolder, ffolder = quantized_pair(tmp_path, kind, method)
+    fsrc, fconfig = open_checked(ffolder)
+    ksrc, kconfig = open_checked(qfolder, quantization="keep")
+    assert kconfig == fconfig and sorted(ksrc.names) == sorted(fsrc.names)
+    packed = 0
+    for name in fsrc.names:
+        got, want = ksrc.get(name), fsrc.get(name)
+        if isinstance(got, QuantizedWeight):
+            packed += 1
+            assert got.format == "int4" and got.block_size == 128
+            got = got.dequantize()
+        assert torch.equal(got, want), name
+    assert packed == 14  # 7 linears in each of 2 layers
+    nsrc, nconfig = open_checked(qfolder)  # quantization "none"
+    ours = to_native(nconfig, kind, nsrc.get, nsrc.names)
+    twin = to_native(fconfig, kind, fsrc.get, fsrc.names)
+    assert ours.keys() == twin.keys()
+    for name in ours:
+        assert torch.equal(ours[name](), twin[name]()), name
+
+
+def _tripwire(*a, **k):
+    raise AssertionError("packed data was read for a refused checkpoint")
+
+
+def test_hostile_and_unsupported_checkpoints_are_refused_in_one_line(tmp_path, monkeypatch):
+    """Each broken or unsupported quantized folder gets one HFConversionError line naming the
+    tensor / field (and what is supported) from import_hf, before any packed data is read
+    (a tripwire on the unpacking and on raw reads; a g_idx is read, in int32 values, and
+    checked before the rest) and without creating the output folder."""
+    from checkpoint.hf import import_hf
+    from models.hf import HFConversionError
+    from models.hf import files, quantized
+    from safetensors.torch import load_file
+
+    qfolder, _ = quantized_pair(tmp_path, "llama", "gptq")
+    cfg = json.load(open(os.path.join(qfolder, "config.json")))
+    good = load_file(os.path.join(qfolder, "model.safetensors"))
+    p = "model.layers.1.mlp.down_proj"  # [128, 256]: qweight [32, 128], 2 groups
+
+    def variant(name, quant=None, change=None, drop=()):
+        t = {k: v for k, v in good.items() if k not in drop}
+        t.update(change or {})
+        c = dict(cfg, quantization_config={**cfg["quantization_config"], **(quant or {})})
+        return write_folder(tmp_path / name, c, t)
+
+    shape_cases = {
+        f"'{p}.qzeros' has shape [2, 15]": variant(
+            "qzeros", change={f"{p}.qzeros": good[f"{p}.qzeros"][:, :15]}),
+        f"'{p}.scales' has dtype I32": variant(
+            "scales_dtype", change={f"{p}.scales": good[f"{p}.scales"].int()}),
+        f"'{p}.qweight' has dtype F16, not I32": variant(
+            "qweight_dtype", change={f"{p}.qweight": good[f"{p}.qweight"].half()}),
+        f"'{p}.qzeros' has shape [2, 16], but qweight [16, 128] with group_size 128 "
+        f"needs [1, 16]": variant("qweight_rows", change={f"{p}.qweight":
+                                                          good[f"{p}.qweight"][:16]}),
+        f"'{p}.weight' has shape [128, 128] in the weight files, config.json needs "
+        f"[128, 256]": variant("in_128", change={f"{p}.qweight": good[f"{p}.qweight"][:16],
+                                                  f"{p}.qzeros": good[f"{p}.qzeros"][:1],
+                                                  f"{p}.scales": good[f"{p}.scales"][:1],
+                                                  f"{p}.g_idx": good[f"{p}.g_idx"][:128]}),
+        "group_size 96 does not divide the input size 128": variant(
+            "group96", quant={"group_size": 96}),
+        f"'{p}' has no scales tensor": variant("noscales", drop=[f"{p}.scales"]),
+        "bits 8 (only 4-bit checkpoints are read)": variant("bits8", quant={"bits": 8}),
+        "checkpoint_format 'marlin'": variant("marlin", quant={"checkpoint_format": "marlin"}),
+        "'bitsandbytes') is not supported: a method shardzoo does not read": variant(
+            "bnb", quant={"quant_method": "bitsandbytes"}),
+        "'compressed-tensors') is not supported": variant(
+            "ct", quant={"quant_method": "compressed-tensors"}),
+        "'fp8') is not supported yet": variant("fp8", quant={"quant_method": "fp8"}),
+        "version 'gemv' (only AWQ's gemm layout is read)": variant(
+            "gemv", quant={"quant_method": "awq", "version": "gemv"}),
+        "zero_point False": variant("awq_nozero", quant={"quant_method": "awq",
+                                                         "zero_point": False}),
+    }
+    monkeypatch.setattr(quantized, "unpack_int32", _tripwire)
+    monkeypatch.setattr(files.HFSource, "raw", _tripwire)
+    for expected, folder in shape_cases.items():
+        out = tmp_path / f"out-{os.path.basename(folder)}"
+        with pytest.raises(HFConversionError) as info:
+            import_hf(folder, str(out), log=lambda *a: None)
+        msg = str(info.value)
+        assert expected in msg and "\n" not in msg, (expected, msg)
+        assert "gptq (bits 4" in msg or "nothing was allocated" in msg, msg  # the fix
+        assert msg.startswith(folder), msg  # names the checkpoint
+        assert not out.exists()
+    monkeypatch.undo()
+    monkeypatch.setattr(quantized, "unpack_int32", _tripwire)
+    g_idx = good[f"{p}.g_idx"].clone()
+    g_idx[5] = 2  # the layer has groups 0 and 1
+    folder = variant("g_idx", change={f"{p}.g_idx": g_idx})
+    for mode in ("keep", "none"):
+        with pytest.raises(HFConversionError, match=f"'{p}.g_idx' holds group 2, outside"):
+            files.open_hf(folder, quantization=mode).get(f"{p}.weight")
+    monkeypatch.undo()  # the layers before it load
+    with pytest.raises(HFConversionError, match="outside the layer's 2 groups"):
+        import_hf(folder, str(tmp_path / "out-g"), log=lambda *a: None)
+    assert not (tmp_path / "out-g").exists()

@@ -276,7 +276,10 @@ def open_quantized(src, quantization: str = "none"):
 
     if quantization not in MODES:
         raise ValueError(f"quantization {quantization!r} is not one of {MODES}")
-    scheme = quant_scheme(src.config)
+    try:
+        scheme = quant_scheme(src.config)
+    except HFConversionError as e:
+        raise HFConversionError(f"{src.path}: {e}") from None
     if scheme is None:
         return src
     names = src.names
