@@ -330,3 +330,60 @@ def test_hostile_and_unsupported_checkpoints_are_refused_in_one_line(tmp_path, m
     with pytest.raises(HFConversionError, match="outside the layer's 2 groups"):
         import_hf(folder, str(tmp_path / "out-g"), log=lambda *a: None)
     assert not (tmp_path / "out-g").exists()
+
+
+# run in the python of SHARDZOO_GPTQMODEL_PYTHON: transformers' own reading of a GPTQ/AWQ
+# folder (optimum + gptqmodel, CPU kernels), its de-quantized weights and logits saved
+_TRANSFORMERS_DUMP = r"""
+import sys, torch
+from transformers import AutoModelForCausalLM
+folder, ids, out = sys.argv[1], torch.tensor(eval(sys.argv[2])), sys.argv[3]
+m = AutoModelForCausalLM.from_pretrained(folder, device_map="cpu", dtype=torch.float32)
+res = {"weights": {}}
+for name, mod in m.named_modules():
+    if hasattr(mod, "qweight"):
+        w = mod.dequantize_weight() if hasattr(mod, "dequantize_weight") else \
+            mod.awq_weight_dequantize("cpu", torch.float32)
+        w = (w[0] if isinstance(w, tuple) else w).float()
+        assert tuple(w.shape) == (mod.in_features, mod.out_features), w.shape
+        res["weights"][name + ".weight"] = w.t().contiguous()
+with torch.no_grad():
+    res["logits"] = m(ids).logits.float()
+torch.save(res, out)
+"""
+
+
+@pytest.mark.parametrize("kind,method", [("llama", "gptq"), ("qwen2", "awq")])
+def test_against_transformers_own_dequantization(tmp_path, kind, method, no_grid):
+    """transformers reads GPTQ / AWQ through optimum + gptqmodel, which are not dependencies:
+    with SHARDZOO_GPTQMODEL_PYTHON naming a python that has them (a separate virtual
+    environment), its de-quantized weights must be ours rounded to float16 (it computes
+    scale (q - zero) in float16; ours is the exact float32 value) and its logits within 1e-2
+    of ours (it multiplies in bfloat16 on CPU; measured 1.2e-3 on 2026-12-05)."""
+    import subprocess
+    import sys
+
+    from inference.loading import load
+    from models.hf.files import open_hf
+
+    python = os.environ.get("SHARDZOO_GPTQMODEL_PYTHON")
+    if not python:
+        pytest.skip("SHARDZOO_GPTQMODEL_PYTHON is not set (a python with transformers, "
+                    "optimum and gptqmodel, e.g. a virtual environment: pip install optimum "
+                    "gptqmodel)")
+    qfolder, _ = quantized_pair(tmp_path, kind, method)
+    ids = [[1, 5, 9, 33, 100, 7, 250, 3], [2, 4, 6, 8, 10, 12, 14, 16]]
+    dump = tmp_path / "theirs.pt"
+    proc = subprocess.run([python, "-c", _TRANSFORMERS_DUMP, qfolder, repr(ids), str(dump)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    theirs = torch.load(dump, weights_only=True)
+    src = open_hf(qfolder, quantization="keep")
+    assert len(theirs["weights"]) == 14
+    for name, w in theirs["weights"].items():
+        assert torch.equal(src.get(name).dequantize().half().float(), w), name
+    model, _, _ = load(hf=qfolder)
+    with torch.no_grad():
+        ours = model(torch.tensor(ids))
+    ours = (ours if torch.is_tensor(ours) else ours[0])[..., :theirs["logits"].shape[-1]]
+    torch.testing.assert_close(ours, theirs["logits"], rtol=0, atol=1e-2)

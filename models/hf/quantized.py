@@ -54,8 +54,9 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # value j of an int32 holds column 8c + AW
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column 8c + k is value AWQ_REVERSE_ORDER[k]
 NATURAL_ORDER = tuple(range(8))
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
-# int32 values unpacked at a time (bounds the int32 temporaries of a large layer to ~128 MiB)
-_CHUNK = 2**22
+# int32 values unpacked at a time (bounds the temporaries of a large layer to ~64 MiB; the
+# result, uint8 [out, in], is twice the layer's int4 storage)
+_CHUNK = 2**20
 
 
 @dataclass(frozen=True)
