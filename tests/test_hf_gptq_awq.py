@@ -295,6 +295,8 @@ def test_hostile_and_unsupported_checkpoints_are_refused_in_one_line(tmp_path, m
         "group_size 96 does not divide the input size 128": variant(
             "group96", quant={"group_size": 96}),
         f"'{p}' has no scales tensor": variant("noscales", drop=[f"{p}.scales"]),
+        f"'{p}' has no g_idx, which desc_act true needs": variant(
+            "no_g_idx", quant={"desc_act": True}, drop=[f"{p}.g_idx"]),
         "bits 8 (only 4-bit checkpoints are read)": variant("bits8", quant={"bits": 8}),
         "checkpoint_format 'marlin'": variant("marlin", quant={"checkpoint_format": "marlin"}),
         "'bitsandbytes') is not supported: a method shardzoo does not read": variant(

@@ -44,8 +44,8 @@ from .rules import HFConversionError
 # how a GPTQ/AWQ folder's quantized linears are read (`open_quantized`, `files.open_hf`)
 MODES = ("none", "keep")
 SUPPORTED = ("gptq (bits 4; group_size 32, 64, 128, a multiple of 32 or -1; sym true or "
-             "false; checkpoint_format gptq or gptq_v2; desc_act false, or true with a g_idx "
-             "in group order) and awq (version gemm, bits 4, zero_point true)")
+             "false; checkpoint_format gptq or gptq_v2; desc_act true is de-quantized exactly, "
+             "kept as int4 when its g_idx keeps columns in group order) and awq (version gemm, bits 4, zero_point true)")
 # methods another piece of work will read; each named "not yet" when refused
 NOT_YET = ("fp8", "fbgemm_fp8")
 PACKED = ("qweight", "qzeros", "scales", "g_idx")
@@ -171,6 +171,9 @@ def check_layer(src, scheme: QuantScheme, prefix: str, names: set[str]) -> Packe
     for part in ("qzeros", "scales"):
         if part not in have:
             raise fail(f"the quantized layer {prefix!r} has no {part} tensor")
+    if scheme.desc_act and "g_idx" not in have:
+        raise fail(f"the quantized layer {prefix!r} has no g_idx, which desc_act true needs "
+                   f"(its columns' groups)")
     if scheme.method == "awq" and "g_idx" in have:
         raise fail(f"{have['g_idx']!r} is a GPTQ tensor in an AWQ checkpoint")
     shapes = {p: tuple(src.shape(n)) for p, n in have.items()}
