@@ -180,6 +180,16 @@ def test_gptq_zero_offset_and_act_order(tmp_path):
     msg = str(info.value)
     assert "desc_act" in msg and "--quantization none" in msg and "\n" not in msg
 
+    inp = 200  # per-channel (group_size -1) over an input no int4 group size divides
+    q, zeros, scales = random_layer(gen, out, inp, -1, sym=False, lo_zero=1)
+    folder = write_folder(tmp_path / "odd", {"model_type": "llama", "quantization_config":
+                                             qconfig("gptq", -1)},
+                          packed_tensors("gptq", "l", q, zeros, scales))
+    assert torch.equal(open_hf(folder).get("l.weight"),
+                       reference(q, zeros, scales, torch.zeros(inp, dtype=torch.long)))
+    with pytest.raises(HFConversionError, match="groups of 200 input columns, which int4"):
+        open_hf(folder, quantization="keep").get("l.weight")
+
 
 def _tiny_hf(kind: str):
     """A tiny random transformers model: Llama with GQA and an untied head, or Qwen2 with q/k/v

@@ -147,13 +147,14 @@ def unpack_int32(packed: torch.Tensor, order: tuple[int, ...] = NATURAL_ORDER) -
 @dataclass(frozen=True)
 class PackedLayer:
     """One quantized linear `prefix` of an HF folder: its `[out, inp]` weight and the group
-    size `group` it is held in as int4 (the file's, or a divisor of it in INT4_GROUP_SIZES)."""
+    size `group` it is held in as int4 (the largest of INT4_GROUP_SIZES dividing the file's;
+    None when none does: de-quantized only)."""
 
     prefix: str
     out: int
     inp: int
     groups: int  # scale rows in the file
-    group: int
+    group: int | None
     has_g_idx: bool
 
 
@@ -203,9 +204,6 @@ def check_layer(src, scheme: QuantScheme, prefix: str, names: set[str]) -> Packe
                        f"{list(shapes['qweight'])} with group_size {scheme.group_size} needs "
                        f"{list(s)}")
     ours = next((s for s in sorted(INT4_GROUP_SIZES, reverse=True) if g % s == 0), None)
-    if ours is None:
-        raise fail(f"{prefix!r} has groups of {g} input columns; int4 groups are "
-                   f"{INT4_GROUP_SIZES} columns, which must divide it")
     return PackedLayer(prefix, out, inp, groups, ours, "g_idx" in have)
 
 
@@ -257,6 +255,11 @@ def quantized_layer(src, scheme: QuantScheme, layer: PackedLayer) -> QuantizedWe
     """`layer` as an int4 `QuantizedWeight` (groups of `layer.group`: a file group of G
     columns repeats its scale and zero point G / group times, exactly). Raises
     `HFConversionError` for an act-order g_idx (columns of one group not consecutive)."""
+    if layer.group is None:
+        raise HFConversionError(
+            f"{src.path}: {layer.prefix!r} has groups of {layer.inp // layer.groups} input "
+            f"columns, which int4 groups of {INT4_GROUP_SIZES} do not divide; load it "
+            f"de-quantized (--quantization none: exact)")
     q, scales, zeros, g_idx = unpack_layer(src, scheme, layer)
     if g_idx is not None:
         raise HFConversionError(
