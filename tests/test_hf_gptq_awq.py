@@ -399,3 +399,24 @@ def test_against_transformers_own_dequantization(tmp_path, kind, method, no_grid
         ours = model(torch.tensor(ids))
     ours = (ours if torch.is_tensor(ours) else ours[0])[..., :theirs["logits"].shape[-1]]
     torch.testing.assert_close(ours, theirs["logits"], rtol=0, atol=1e-2)
+
+
+def test_unpacking_reads_both_byte_orders_like_the_packers(monkeypatch):
+    """`unpack_int32` (the int32s' bytes on a little-endian machine, shifts elsewhere) gives
+    back the values the packers above put in, in natural and in AWQ's order, across chunks."""
+    from types import SimpleNamespace
+
+    from models.hf import quantized
+
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 16, (64, 40), generator=gen)
+    zeros = torch.randint(0, 16, (2, 40), generator=gen)
+    gptq, _ = pack_gptq(q.numpy(), zeros.numpy(), v1=False)
+    awq, _ = pack_awq(q.numpy(), zeros.numpy())
+    monkeypatch.setattr(quantized, "_CHUNK", 7)  # several chunks, one ragged
+    for order in ("little", "big"):
+        monkeypatch.setattr(quantized, "sys", SimpleNamespace(byteorder=order))
+        got = quantized.unpack_int32(torch.from_numpy(gptq).t())
+        assert torch.equal(got, q.t().to(torch.uint8)), order
+        got = quantized.unpack_int32(torch.from_numpy(awq), quantized.AWQ_REVERSE_ORDER)
+        assert torch.equal(got, q.to(torch.uint8)), order

@@ -31,6 +31,7 @@ de-quantizes it exactly.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -131,16 +132,24 @@ def quant_scheme(d: dict) -> QuantScheme | None:
 
 def unpack_int32(packed: torch.Tensor, order: tuple[int, ...] = NATURAL_ORDER) -> torch.Tensor:
     """`int32 [rows, cols]` -> `uint8 [rows, cols * 8]` 4-bit values: column 8c + k of the
-    result is value `order[k]` (bits 4 order[k] .. +3) of `packed[:, c]`. Unpacked `_CHUNK`
-    values at a time; `packed` may be a non-contiguous view."""
+    result is value `order[k]` (bits 4 order[k] .. +3) of `packed[:, c]`. Read through the
+    int32s' bytes (byte b holds values 2b, 2b + 1 in its low and high nibble: little-endian),
+    `_CHUNK` int32s at a time; `packed` may be a non-contiguous view."""
     rows, cols = packed.shape
     out = torch.empty(rows, cols * 8, dtype=torch.uint8)
-    idx = torch.tensor(order)
+    idx = None if order == NATURAL_ORDER else torch.tensor(order)
     step = max(1, _CHUNK // max(cols, 1))
     for r in range(0, rows, step):
-        part = packed[r:r + step]
-        values = (part.unsqueeze(2) >> _SHIFTS) & 0xF  # [n, cols, 8] int32, value j at j
-        out[r:r + part.shape[0]] = values.index_select(2, idx).reshape(part.shape[0], -1)
+        part = packed[r:r + step].contiguous()
+        n = part.shape[0]
+        if sys.byteorder == "little":
+            b = part.view(torch.uint8)  # [n, cols * 4]
+            values = torch.stack([b & 0xF, b >> 4], -1).view(n, cols, 8)
+        else:
+            values = ((part.unsqueeze(2) >> _SHIFTS) & 0xF).to(torch.uint8)
+        if idx is not None:
+            values = values.index_select(2, idx)
+        out[r:r + n] = values.reshape(n, -1)
     return out
 
 
