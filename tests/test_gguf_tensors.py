@@ -1,5 +1,5 @@
 """A GGUF file read with its quantization kept (models/hf/gguf_tensors.py, `open_hf(path,
-quantization="gguf")`) against transformers' de-quantizing reader of the same file:
+quantization="keep")`) against transformers' de-quantizing reader of the same file:
 
 - tiny files of the families imported from GGUF (Llama with llama.cpp's q/k row order,
   Qwen3, Qwen3-MoE and Qwen2-MoE with stacked experts, Phi-3's fused tensors, Gemma 2 / 3's
@@ -86,7 +86,7 @@ def test_kept_blocks_equal_transformers_dequantized(files):
     from models.hf.files import open_hf
 
     for (name, kind), (path, original) in files.items():
-        kept, theirs = open_hf(path, quantization="gguf"), open_hf(path)
+        kept, theirs = open_hf(path, quantization="keep"), open_hf(path)
         assert kept.quantization == "gguf" and theirs.quantization == "none"
         assert sorted(kept.names) == sorted(theirs.names), (name, kind)
         blocks = 0
@@ -115,7 +115,7 @@ def test_qk_rows_are_the_original_rows_quantized(files):
     from models.hf.files import open_hf
 
     path, original = files["llama", "Q8_0"]
-    kept = open_hf(path, quantization="gguf")
+    kept = open_hf(path, quantization="keep")
     state = original.state_dict()
     for proj in ("q_proj", "k_proj"):
         n = f"model.layers.1.self_attn.{proj}.weight"
@@ -185,7 +185,7 @@ def test_smollm2_q4_1_equals_transformers_in_its_file_size():
 
     from models.hf.files import open_hf
 
-    kept = open_hf(path, quantization="gguf")
+    kept = open_hf(path, quantization="keep")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(
             os.path.dirname(path), gguf_file=os.path.basename(path)))
@@ -265,7 +265,7 @@ def _refusals(root: str) -> dict:
     for case, (path, expected) in sorted(cases.items(), key=lambda c: c[1][1] is None):
         error = None
         try:
-            src = open_hf(path, quantization="none" if "none" in case else "gguf")
+            src = open_hf(path, quantization="none" if "none" in case else "keep")
             src.names  # the de-quantizing reader loads here
         except ValueError as e:  # HFConversionError is a ValueError
             error = f"{type(e).__name__}: {e}"

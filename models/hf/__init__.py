@@ -3,7 +3,7 @@ architecture, both directions, beside our model families (`GPTModel`, `T5Model`)
 
 - `config_from_hf(config_dict) -> ModelConfig`, refusing (with `HFConversionError`) every
   field we cannot represent: another model_type, MoE, unknown RoPE scaling, a quantization
-  config other than GGUF, ...; and, config.json being untrusted, a missing field or a value
+  config other than GGUF and 4-bit GPTQ / AWQ (models/hf/quantized.py), ...; and, config.json being untrusted, a missing field or a value
   of the wrong JSON type (`_field_problem`), before any family reads the dict.
 - `open_checked(path) -> (HFSource, ModelConfig)`: the above, plus `check_weights`: the
   model the config describes against the tensors the files hold (their number bounds the
@@ -33,6 +33,7 @@ import torch
 from models.config import MAX_COUNT, MAX_POSITIONS, ConfigError, ModelConfig
 
 from . import gemma, gpt2, llama, moe, olmo2, phi3, t5
+from .quantized import quant_scheme
 from .rules import HFConversionError, Rule  # noqa: F401
 
 FAMILIES = {mt: fam for fam in (gpt2, llama, t5, moe, gemma) for mt in fam.MODEL_TYPES}
@@ -147,12 +148,7 @@ def config_from_hf(d: dict, tensor_count: int | None = None) -> ModelConfig:
         if d.get(field):
             raise HFConversionError(f"config.json {field}={d[field]}: mixture-of-experts models "
                                     f"are not supported")
-    quant = d.get("quantization_config")
-    if quant and (quant.get("quant_method") if isinstance(quant, dict) else quant) != "gguf":
-        method = quant.get("quant_method") if isinstance(quant, dict) else quant
-        raise HFConversionError(
-            f"config.json quantization_config (quant_method {method!r}) is not supported: "
-            f"convert the unquantized (or GGUF) model")
+    quant_scheme(d)  # GPTQ / AWQ 4-bit read (models/hf/quantized.py), others refused
     try:
         config = FAMILIES[mt].config_from_hf(d)
     except HFConversionError:
@@ -178,11 +174,10 @@ def open_checked(path: str, check_config: Callable[[ModelConfig], None] | None =
     infer.py's "does it split over this tp") and held against the weight files
     (`check_weights`) before anything is allocated. `log`, if given, is told what is being
     read, with the model's size (`ModelConfig.describe`) once the config is checked (rank 0 of
-    infer.py, tools/convert_hf.py; see `open_hf`). `quantization`: "gguf" keeps a GGUF
-    file's low-bit blocks (`get` gives `QuantizedWeight` values), "none" de-quantizes
-    (`open_hf`). Raises `FileNotFoundError` or
-    `HFConversionError` naming the file, the field and the fix (and what `check_config`
-    raises)."""
+    infer.py, tools/convert_hf.py; see `open_hf`). `quantization`: "keep" reads a GGUF file's
+    low-bit blocks and a GPTQ/AWQ folder's int4 layers as `QuantizedWeight` values, "none"
+    de-quantizes them (`open_hf`). Raises `FileNotFoundError` or `HFConversionError` naming
+    the file, the field and the fix (and what `check_config` raises)."""
     from .files import open_hf
 
     src = open_hf(path, log, quantization)
@@ -193,8 +188,9 @@ def open_checked(path: str, check_config: Callable[[ModelConfig], None] | None =
     if check_config is not None:
         check_config(config)
     if log is not None:
-        log(f"loading {src.config['model_type']} from {path} ({src.kind}): "
-            f"{config.describe()}")
+        scheme = quant_scheme(src.config)
+        log(f"loading {src.config['model_type']} from {path} ({src.kind}"
+            f"{', ' + scheme.describe() if scheme else ''}): {config.describe()}")
     check_weights(config, src)
     return src, config
 

