@@ -138,7 +138,7 @@ def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """`[out, in]` integers 0..15 -> `uint8 [out, in / 2]` (the inverse of `unpack_int4`)."""
     q = q.to(torch.uint8)
-    return q[..., 0::2] | (q[..., 1::2] << 4)
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).contiguous()
 
 
 def dequantize(fmt: str, tensors: dict[str, torch.Tensor], shape: tuple[int, int]

@@ -34,6 +34,9 @@ class QuantizedWeight:
             if tuple(t.shape) != size or t.dtype != dtype:
                 raise ValueError(f"{fmt} weight [{out}, {inp}]: {name} is {t.dtype} "
                                  f"{list(t.shape)}, expected {dtype} {list(size)}")
+        # the kernels read rows with unit column stride (a transposed view is copied once)
+        tensors = {k: t if t.dim() < 2 or t.stride(-1) == 1 or t.shape[-1] == 1
+                   else t.contiguous() for k, t in tensors.items()}
         self.format, self.shape, self.tensors = fmt, torch.Size((out, inp)), dict(tensors)
 
     # ---- what it is
