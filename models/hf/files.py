@@ -49,6 +49,10 @@ class HFSource:
     _get: Callable[[str], torch.Tensor] = field(repr=False)
     gguf_file: str | None = None
     _shape: Callable[[str], tuple[int, ...]] | None = field(default=None, repr=False)
+    # `(format, block size)` of a tensor `get` returns as a low-bit `QuantizedWeight`
+    # (layers/quant), None for a float one; read from the files' headers, no data
+    _quantization: Callable[[str], tuple[str, int] | None] | None = field(default=None,
+                                                                          repr=False)
 
     @property
     def names(self) -> list[str]:
@@ -63,6 +67,12 @@ class HFSource:
         """Shape of tensor `name` as its file's header records it (no data read); None for
         GGUF, whose tensors transformers dequantizes into the architecture's shapes."""
         return None if self._shape is None else self._shape(name)
+
+    def quantization(self, name: str) -> tuple[str, int] | None:
+        """`(format, block size)` when `get(name)` returns a low-bit `QuantizedWeight`
+        `[out, in]` (a linear weight kept in its file's quantization: layers/quant), None
+        when it returns a float tensor. Known without reading the tensor's data."""
+        return None if self._quantization is None else self._quantization(name)
 
     def tokenizer_source(self) -> tuple[str, dict]:
         """`(folder, from_pretrained kwargs)` to load this model's tokenizer."""
