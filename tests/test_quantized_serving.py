@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
+from test_data import hf_tokenizer_dir
 
 PROMPTS = [[5, 17, 99, 3, 42], [7, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11], [200, 100]]
 NEW = 8
@@ -33,7 +34,7 @@ VARIANTS = {
 def _configs() -> dict:
     from transformers import LlamaConfig, MixtralConfig
 
-    common = dict(vocab_size=300, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+    common = dict(vocab_size=400, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=64, initializer_range=0.2, bos_token_id=None,
                   eos_token_id=None)
     return {
@@ -60,6 +61,7 @@ def folders(tmp_path_factory):
         path = str(root / name)
         AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
         out[name] = path
+    hf_tokenizer_dir(out["llama"], [open(os.__file__).read()])  # for infer.py's prompts
     return out
 
 
@@ -186,3 +188,110 @@ def test_quantized_greedy_identical_across_layouts_and_dequantized(folders):
     assert out["spec_ngram"] == out["q4_1", "tp1pp1"]
     assert out["draft_is_quantized"]
     assert out["spec_draft"] == out["q4_1", "tp1pp1"]
+
+
+def _q4_k_source(folder: str):
+    """`folder`'s source with every linear weight a random q4_k `QuantizedWeight` whose data
+    must never be read (the refusal comes from the header's formats alone)."""
+    from models.hf.files import open_hf
+
+    src = open_hf(folder)
+
+    def never(name):
+        raise AssertionError(f"{name} was read before the layout was refused")
+    src._get = never
+    src._quantization = lambda n: ("q4_k", 256) if n.endswith(LINEAR) else None
+    return src
+
+
+def _int8_bytes(c, tp: int) -> tuple[int, int, int]:
+    """(low-bit, float, float32) bytes of tp rank 0 of the int8 llama (from its sizes)."""
+    h, f, heads, kv, d = c.hidden_size, c.intermediate_size, 4, 2, 16
+    vocab = 512  # 400 padded to a multiple of 128 x tp
+    linears = [((heads + 2 * kv) * d // tp, h), (h, heads * d // tp), (2 * f // tp, h),
+               (h, f // tp)] * c.num_hidden_layers + [(vocab // tp, h)]
+    low = sum(o * i + 4 * o for o, i in linears)
+    floats = vocab // tp * h + (2 * c.num_hidden_layers + 1) * h
+    return low, 4 * floats, 4 * (floats + sum(o * i for o, i in linears))
+
+
+def _refusals_experts_bytes(folders: dict) -> dict:
+    """In a world of 2: the tp refusals, a quantized Mixtral at tp 1 / tp 2 / ep 2, and the
+    weight bytes of the start-up line."""
+    import parallel_state as ps
+    from inference.engine import Engine
+    from inference.loading import initialize_serving_grid, load
+    from layers.quantized import Quantization, QuantizedExperts, weight_bytes
+    from models.config import ConfigError
+
+    out = {}
+    for tp, ep in ((1, False), (2, False), (2, True)):
+        ps.destroy_model_parallel()
+        initialize_serving_grid(tp, 1, ep)
+        model = load(hf=folders["mixtral"], quantization=Quantization("int4", 32))[0]
+        experts = model.decoder.layers["1"].mlp.experts
+        out["experts", tp, ep] = (type(experts.linear_fc1.weight) is QuantizedExperts,
+                                  tuple(experts.linear_fc2.weight.shape))
+        out["mixtral", tp, ep] = _greedy(Engine(model, max_batch_size=3, max_seq_length=32))
+        lines = []
+        model = load(hf=folders["llama"], quantization=Quantization("int8"), log=lines.append)[0]
+        out["bytes", tp, ep] = weight_bytes(model)
+        out["line", tp, ep] = [x for x in lines if x.startswith("weights on this rank")]
+        if tp == 2 and not ep:
+            for case, (src, q) in {"q4_k": (_q4_k_source(folders["llama_256"]), None),
+                                   "group": (folders["llama"], Quantization("int4", 128))
+                                   }.items():
+                try:
+                    load(hf=src, quantization=q)
+                    out[case] = None
+                except ConfigError as e:
+                    out[case] = str(e)
+    return out if torch.distributed.get_rank() == 0 else None
+
+
+def test_refusals_experts_and_weight_bytes(folders):
+    from transformers import AutoConfig
+
+    out = run_distributed(_refusals_experts_bytes, 2, folders, timeout=300)[0]
+    assert out["q4_k"] == (
+        "--tp 2 would cut the q4_k blocks of 256 input columns of "
+        "decoder.layers.0.self_attention.linear_proj.weight (256 inputs, 128 per rank); use "
+        "--tp 1, or --quantization none")
+    assert out["group"] == ("--quantization int4 with groups of 128 cannot quantize "
+                            "decoder.layers.0.self_attention.linear_qkv.weight (input size 64); "
+                            "use --quantization-group-size 32 or 64")
+    # Mixtral's experts held as one int4 weight each, split over tp (fc2's inputs) or whole
+    # at expert parallel 2 (2 of the 4 experts per rank); the same greedy ids everywhere
+    assert out["experts", 1, False] == (True, (4, 64, 64))
+    assert out["experts", 2, False] == (True, (4, 64, 32))
+    assert out["experts", 2, True] == (True, (2, 64, 64))
+    base = out["mixtral", 1, False]
+    assert len(set(base[0])) > 1
+    assert out["mixtral", 2, False] == base and out["mixtral", 2, True] == base
+    c = AutoConfig.from_pretrained(folders["llama"])
+    for tp, ep in ((1, False), (2, False)):
+        low, floats, f32 = _int8_bytes(c, tp)
+        assert out["bytes", tp, ep] == (low, floats, f32)
+        mib = 2**20
+        assert out["line", tp, ep] == [
+            f"weights on this rank: {(low + floats) / mib:,.1f} MiB ({low / mib:,.1f} MiB "
+            f"low-bit + {floats / mib:,.1f} MiB float; {f32 / mib:,.1f} MiB in float32)"]
+
+
+def test_infer_quantization_flag(folders):
+    """infer.py --quantization int4 on a float model: the start-up line counts low-bit bytes,
+    and a flag the file cannot take is one line."""
+    run = lambda *flags: subprocess.run(  # noqa: E731
+        [sys.executable, "infer.py", "--hf", folders["llama"], "--prompt", "def main",
+         "--max-new-tokens", "4", *flags], capture_output=True, text=True, timeout=180,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    ok = run("--quantization", "int4", "--quantization-group-size", "32")
+    assert ok.returncode == 0, ok.stderr
+    line = next(x for x in ok.stderr.splitlines() if "weights on this rank" in x)
+    assert "low-bit" in line and "0.0 MiB low-bit" not in line, line
+    bad = run("--quantization", "int4")  # groups of 128 do not divide the hidden size 64
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines()[-1] == (
+        "infer.py: error: --quantization int4 with groups of 128 cannot quantize "
+        "decoder.layers.0.self_attention.linear_qkv.weight (input size 64); use "
+        "--quantization-group-size 32 or 64")
