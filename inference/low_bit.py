@@ -1,7 +1,7 @@
 """Which weights a model is served with in low-bit form, checked before anything is loaded.
 
 `LowBitPlan.of(config, src, quantization)` lists, from the model's shapes on the meta device
-and the source's headers (`HFSource.quantization`: the format and block size of each tensor
+and the source's headers (`HFSource.weight_format`: the format and block size of each tensor
 it returns as a `QuantizedWeight`, no data read), every parameter this rank's model will hold
 quantized (layers/quantized.py): the source's low-bit linear weights (and a low-bit
 embedding), or every linear weight `--quantization int8|int4` quantizes on load.
@@ -68,7 +68,7 @@ class LowBitPlan:
             if expert:  # any one expert's tensors tell the format
                 head, _, tail = key.rpartition(".experts.")
                 key = f"{head}.experts.0.{tail}"
-            stored = [src.quantization(spelled[h]) for h in sources.get(key, ())
+            stored = [src.weight_format(spelled[h]) for h in sources.get(key, ())
                       if h in spelled]
             stored = next((s for s in stored if s), None)
             if stored and holds:

@@ -90,7 +90,7 @@ def source(folder: str, fmt: str | None, embedding: bool = False, dequantized: d
             else read(n)
     elif fmt is not None:
         src._get = lambda n: quantized(n) if _quantized_names(n, embedding) else read(n)
-        src._quantization = lambda n: (fmt, 32) if _quantized_names(n, embedding) else None
+        src._weight_format = lambda n: (fmt, 32) if _quantized_names(n, embedding) else None
     return src
 
 
@@ -200,7 +200,7 @@ def _q4_k_source(folder: str):
     def never(name):
         raise AssertionError(f"{name} was read before the layout was refused")
     src._get = never
-    src._quantization = lambda n: ("q4_k", 256) if n.endswith(LINEAR) else None
+    src._weight_format = lambda n: ("q4_k", 256) if n.endswith(LINEAR) else None
     return src
 
 

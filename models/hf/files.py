@@ -51,8 +51,8 @@ class HFSource:
     _shape: Callable[[str], tuple[int, ...]] | None = field(default=None, repr=False)
     # `(format, block size)` of a tensor `get` returns as a low-bit `QuantizedWeight`
     # (layers/quant), None for a float one; read from the files' headers, no data
-    _quantization: Callable[[str], tuple[str, int] | None] | None = field(default=None,
-                                                                          repr=False)
+    _weight_format: Callable[[str], tuple[str, int] | None] | None = field(default=None,
+                                                                           repr=False)
 
     @property
     def names(self) -> list[str]:
@@ -68,11 +68,11 @@ class HFSource:
         GGUF, whose tensors transformers dequantizes into the architecture's shapes."""
         return None if self._shape is None else self._shape(name)
 
-    def quantization(self, name: str) -> tuple[str, int] | None:
+    def weight_format(self, name: str) -> tuple[str, int] | None:
         """`(format, block size)` when `get(name)` returns a low-bit `QuantizedWeight`
         `[out, in]` (a linear weight kept in its file's quantization: layers/quant), None
         when it returns a float tensor. Known without reading the tensor's data."""
-        return None if self._quantization is None else self._quantization(name)
+        return None if self._weight_format is None else self._weight_format(name)
 
     def tokenizer_source(self) -> tuple[str, dict]:
         """`(folder, from_pretrained kwargs)` to load this model's tokenizer."""
