@@ -133,6 +133,8 @@ def refuse_quantized(model: nn.Module, what: str) -> None:
 
 
 QUANTIZATION_METHODS = ("none", "int8", "int4")
+# float32 bytes of a weight's rows quantized at a time on load (`Quantization.quantize`)
+QUANTIZE_SLAB = 16 * 2**20
 
 
 @dataclass(frozen=True)
@@ -188,8 +190,18 @@ class Quantization:
                 return value.dequantize(torch.float32)
             return value
         if self.quantizes and linear:
-            return QuantizedWeight.quantize(value, self.method, self.group_size, self.symmetric)
+            return self.quantize(value)
         return value
+
+    def quantize(self, weight: torch.Tensor) -> QuantizedWeight:
+        """`QuantizedWeight.quantize` of float `[out, in]` `weight`, `QUANTIZE_SLAB` float32
+        bytes of rows at a time (every format quantizes rows independently): round-to-
+        nearest's float temporaries stay a few slabs, not a few copies of the weight."""
+        rows = max(1, QUANTIZE_SLAB // (4 * weight.shape[1]))
+        parts = [QuantizedWeight.quantize(weight[i:i + rows], self.method, self.group_size,
+                                          self.symmetric)
+                 for i in range(0, weight.shape[0], rows)]
+        return parts[0] if len(parts) == 1 else QuantizedWeight.cat_rows(parts)
 
 
 def holds_quantized(module: nn.Module) -> tuple[bool, bool]:
