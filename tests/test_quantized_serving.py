@@ -295,3 +295,17 @@ def test_infer_quantization_flag(folders):
         "infer.py: error: --quantization int4 with groups of 128 cannot quantize "
         "decoder.layers.0.self_attention.linear_qkv.weight (input size 64); use "
         "--quantization-group-size 32 or 64")
+
+
+def _compiled(folders: dict) -> tuple:
+    from inference.engine import Engine
+
+    model = _load(folders, "int4_g32")
+    eager = _greedy(Engine(model, max_batch_size=3, max_seq_length=32))
+    return eager, _greedy(Engine(model, max_batch_size=3, max_seq_length=32, compile=True))
+
+
+def test_compiled_layers_on_int4_weights(folders):
+    """--compile traces the layers through `QuantizedWeight.linear`: the eager greedy ids."""
+    eager, compiled = run_distributed(_compiled, 1, folders, timeout=400)[0]
+    assert compiled == eager and len(eager[0]) == NEW
