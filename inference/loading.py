@@ -120,7 +120,8 @@ def _check_memory(config: ModelConfig, tp: int, pp: int, saved: int = 0) -> None
     if need > have:
         raise ConfigError(
             f"the model ({config.num_parameters():,} parameters) needs about "
-            f"{need / 2**20:,.1f} MiB of weights on each of the tp x pp = {tp * pp} "
+            f"{need / 2**20:,.1f} MiB of {'float32' if not saved else 'low-bit and float'} "
+            f"weights on each of the tp x pp = {tp * pp} "
             f"ranks, more than the {have / 2**20:,.1f} MiB this rank has ({what}); raise --tp "
             f"or --pp, or run on more hosts")
 
