@@ -72,7 +72,14 @@ class HFSource:
         """`(format, block size)` when `get(name)` returns a low-bit `QuantizedWeight`
         `[out, in]` (a linear weight kept in its file's quantization: layers/quant), None
         when it returns a float tensor. Known without reading the tensor's data."""
-        return None if self._weight_format is None else self._weight_format(name)
+        if self._weight_format is not None:
+            return self._weight_format(name)
+        if self.kind == "gguf":  # its tensors are in memory (or mapped) once opened: look
+            from layers.quant import QuantizedWeight
+
+            t = self.get(name)
+            return (t.format, t.block_size) if isinstance(t, QuantizedWeight) else None
+        return None
 
     def tokenizer_source(self) -> tuple[str, dict]:
         """`(folder, from_pretrained kwargs)` to load this model's tokenizer."""
