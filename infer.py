@@ -27,6 +27,17 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--tokenizer", help="tokenizer (HF folder or SentencePiece .model); "
                                          "default: the model's own")
     src.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    src.add_argument("--quantization", "-q", choices=["none", "int8", "int4"], default=None,
+                     help="low-bit weights (vLLM's flag): default, as the file holds them (a "
+                          "GGUF's blocks stay packed); none: de-quantize to --dtype; int8 "
+                          "(per output channel) / int4 (groups of --quantization-group-size "
+                          "input columns): quantize every linear weight of the layers and the "
+                          "output layer of an --hf model on load, round-to-nearest")
+    src.add_argument("--quantization-group-size", type=int, default=128, choices=[32, 64, 128],
+                     help="input columns per int4 scale (default 128, as GPTQ / AWQ)")
+    src.add_argument("--quantization-asymmetric", action="store_true",
+                     help="int4 with a zero point per group (scale (q - zero), as GPTQ / AWQ) "
+                          "instead of symmetric (zero 8)")
 
 
 def _add_parallelism_args(p: argparse.ArgumentParser) -> None:
@@ -236,6 +247,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if (args.load is None) == (args.hf is None):
         p.error("pass exactly one of --load CKPT and --hf PATH")
+    if args.load is not None and args.quantization in ("int8", "int4"):
+        p.error(f"--quantization {args.quantization} quantizes an --hf model's weights as "
+                f"they load; a --load checkpoint is served in float: drop --quantization")
     if not args.serve and not args.prompt and not args.prompt_file:
         p.error("nothing to do: pass --prompt TEXT, --prompt-file FILE or --serve")
     _check_sizes(p, args)
@@ -339,7 +353,16 @@ def speculative(args, model, tokenizer, max_len: int):
     from inference.spec_decode import build_speculative
 
     return build_speculative(args.speculative, model, tokenizer, max_seq_length=max_len,
-                             dtype=args.dtype, compile=args.compile)
+                             dtype=args.dtype, compile=args.compile,
+                             quantization=quantization(args))
+
+
+def quantization(args):
+    """The `layers.quantized.Quantization` of the --quantization flags."""
+    from layers.quantized import Quantization
+
+    return Quantization(args.quantization, args.quantization_group_size,
+                        not args.quantization_asymmetric)
 
 
 def startup_log(rank: int):
@@ -459,7 +482,8 @@ def main(argv=None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     log = startup_log(rank)
     try:
-        model, tokenizer, name = load(args.load, args.hf, args.tokenizer, args.dtype, log)
+        model, tokenizer, name = load(args.load, args.hf, args.tokenizer, args.dtype, log,
+                                      quantization(args))
         cfg = model.config
         if cfg.is_encoder_decoder:  # T5: prompts are encoder inputs, ended by EOS
             from inference.seq2seq import SourceTokenizer

@@ -19,12 +19,15 @@ import shutil
 
 import torch
 
+import parallel_state as ps
+from layers.quantized import install, is_quantized
 from models import hf as hfmap
 from models.hf import HFConversionError
 from models.hf.generation import generation_config, write_generation_config
 from models.hf.tokenizer_files import TokenizerFileError, load_hf_tokenizer
 
 from .format import CheckpointError, require_checkpoint
+from .progress import ProgressLog, format_duration
 from .model_io import (TOKENIZER_DIR, TOKENIZER_MODEL, find_tokenizer, read_dense_weights,
                        stored_generation_config, write_weights_checkpoint)
 
@@ -181,38 +184,94 @@ def _save_tokenizer(tokenizer: str | None, folder: str, log) -> dict:
 
 
 @torch.no_grad()
-def load_hf_weights(src, config, chunks, log=None) -> None:
+def load_hf_weights(src, config, chunks, log=None, quantization=None) -> None:
     """Copy the weights of an opened HF model (`models.hf.files.open_hf`) straight into this
     rank's sharded model `chunks` (any tp/pp; no checkpoint folder is written). Each rank
     reads the dense tensors it needs one at a time and keeps its shard; for an MoE layer only
     the experts of its expert-parallel block (one HF tensor per expert, stacked, then split
     over TP). `log`, if given, gets a line of how far it is after 5 s and every 15 s
     (checkpoint/progress.py). Raises `HFConversionError` for missing or unused tensors,
-    before any weight is copied."""
-    from layers import shard_tensor
-    from layers.sharding import full_shape, tensor_parallel_rank_of, tensor_parallel_size_of
+    before any weight is copied.
 
-    from .keys import entries, logical_names
-    from .progress import ProgressLog, format_duration
+    Low-bit weights (layers/quantized.py): a tensor the source returns as a
+    `QuantizedWeight`, or a float linear weight `quantization` (a
+    `layers.quantized.Quantization`) quantizes, is sharded in its packed form and installed
+    in its layer in place of the parameter; a parameter still on the meta device (a model
+    built with `layers.parameters_on_meta`, so that no float copy of a quantized weight is
+    ever allocated) is materialized on `device` as it is filled. Peak memory: the weights
+    loaded so far plus one dense source tensor and its quantized copy."""
+    from layers.quantized import Quantization, holds_quantized
 
+    from .keys import entries
+
+    quantization = quantization or Quantization()
     tensors = hfmap.to_native(config, src.config["model_type"], src.get, src.names)
     todo = list(entries(chunks))
     progress = ProgressLog(log, first=5.0, every=15.0)
-    for done, (_, p, key, _) in enumerate(todo):
+    device = ps.get_device() if ps.model_parallel_is_initialized() else torch.device("cpu")
+    for done, (name, p, key, tied_copy) in enumerate(todo):
         progress(lambda s: f"weights: {done}/{len(todo)} tensors of this rank copied in "
                            f"{format_duration(s)}")
-        if getattr(p, "expert_parallel", False):
-            block = torch.stack([tensors[name]().to(torch.float32)
-                                 for name, _ in logical_names(key, p)])
-            p.copy_(shard_tensor(block, _WithoutExperts(p), tensor_parallel_rank_of(p),
-                                 tensor_parallel_size_of(p)).to(p.device, p.dtype))
+        chunk = next(c for c in chunks if _has_parameter(c, name))
+        module_name, _, attr = name.rpartition(".")
+        module = chunk.get_submodule(module_name)
+        linear, holds = holds_quantized(module)
+        value = _load_one(tensors, key, p, quantization, linear and not tied_copy, holds)
+        if is_quantized(value):
+            install(module, attr, value)
             continue
-        full = tensors[key]().to(torch.float32)
-        if getattr(p, "full_rows", None):  # pad the vocabulary rows with zeros
-            padded = torch.zeros(full_shape(p), dtype=torch.float32)
-            padded[:full.shape[0]] = full
-            full = padded
-        p.copy_(shard_tensor(full, p).to(p.device, p.dtype))
+        if p.is_meta:
+            param = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                       requires_grad=p.requires_grad)
+            param.__dict__.update(p.__dict__)
+            module._parameters[attr] = p = param
+        p.copy_(value.to(p.device, p.dtype))
+
+
+def _has_parameter(chunk, name: str) -> bool:
+    module_name, _, attr = name.rpartition(".")
+    try:
+        return attr in chunk.get_submodule(module_name)._parameters
+    except AttributeError:
+        return False
+
+
+def _load_one(tensors, key: str, p, quantization, linear: bool, holds: bool):
+    """This rank's shard of parameter `p` (checkpoint key `key`): a float tensor, or a
+    low-bit `QuantizedWeight` / `QuantizedExperts` (`Quantization.prepare`)."""
+    from layers import shard_tensor
+    from layers.quantized import QuantizedExperts, zero_rows
+    from layers.sharding import full_shape, tensor_parallel_rank_of, tensor_parallel_size_of
+    from layers.quant import QuantizedWeight
+
+    from .keys import logical_names
+
+    if getattr(p, "expert_parallel", False):
+        experts = [quantization.prepare(tensors[name](), linear, holds)
+                   for name, _ in logical_names(key, p)]
+        if all(isinstance(e, QuantizedWeight) for e in experts):
+            return QuantizedExperts([shard_tensor(e, p, tensor_parallel_rank_of(p),
+                                                  tensor_parallel_size_of(p))
+                                     for e in experts])
+        block = torch.stack([_as_float(e) for e in experts])
+        return shard_tensor(block, _WithoutExperts(p), tensor_parallel_rank_of(p),
+                            tensor_parallel_size_of(p))
+    full = quantization.prepare(tensors[key](), linear, holds)
+    if isinstance(full, QuantizedWeight):
+        pad = full_shape(p)[0] - full.shape[0] if getattr(p, "full_rows", None) else 0
+        if pad:  # the vocabulary's padding rows: zeros
+            full = QuantizedWeight.cat_rows([full, zero_rows(full, pad)])
+        return shard_tensor(full, p)
+    full = full.to(torch.float32)
+    if getattr(p, "full_rows", None):  # pad the vocabulary rows with zeros
+        padded = torch.zeros(full_shape(p), dtype=torch.float32)
+        padded[:full.shape[0]] = full
+        full = padded
+    return shard_tensor(full, p)
+
+
+def _as_float(t):
+    return t.dequantize(torch.float32) if is_quantized(t) else t.to(torch.float32)
 
 
 class _WithoutExperts:

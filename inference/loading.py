@@ -8,10 +8,14 @@ import os
 import torch
 
 import parallel_state as ps
+from layers import parameters_on_meta
+from layers.quantized import Quantization
 from models import GPTModel, T5Model
 from models.config import ConfigError, ModelConfig
 from models.hf.generation import generation_config
 from models.pipeline import build_model_chunks
+
+from .low_bit import LowBitPlan, check_low_bit_layout, weight_bytes_line
 from models.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -107,30 +111,41 @@ def _check_experts(config: ModelConfig, ep: int) -> None:
                           f"is then split over the tp ranks)")
 
 
-def _check_memory(config: ModelConfig, tp: int, pp: int) -> None:
+def _check_memory(config: ModelConfig, tp: int, pp: int, saved: int = 0) -> None:
     """Refuse (`ConfigError`) a model whose float32 weights on this rank (its 1 / (tp x pp)
-    share of `num_parameters`) exceed the memory it may allocate (`available_memory`), before
-    anything is built."""
-    need = 4 * config.num_parameters() // (tp * pp)
+    share of `num_parameters`, less the `saved` bytes its low-bit weights spare: `LowBitPlan`)
+    exceed the memory it may allocate (`available_memory`), before anything is built."""
+    need = (4 * config.num_parameters() - saved) // (tp * pp)
     have, what = available_memory(ps.get_device())
     if need > have:
         raise ConfigError(
             f"the model ({config.num_parameters():,} parameters) needs about "
-            f"{need / 2**20:,.1f} MiB of float32 weights on each of the tp x pp = {tp * pp} "
+            f"{need / 2**20:,.1f} MiB of {'float32' if not saved else 'low-bit and float'} "
+            f"weights on each of the tp x pp = {tp * pp} "
             f"ranks, more than the {have / 2**20:,.1f} MiB this rank has ({what}); raise --tp "
             f"or --pp, or run on more hosts")
 
 
-def build_model(config: ModelConfig) -> GPTModel:
+def build_model(config: ModelConfig, low_bit: "LowBitPlan | None" = None) -> GPTModel:
     """This rank's `GPTModel` stage on the current grid (KV heads replicated when tp >
     num_query_groups), or a `T5Model` stage (`t5_stage_layers`), weights uninitialized.
-    Raises `models.config.ConfigError` (a tp the heads do not split over names the ones they
-    do; experts that do not spread over the expert-parallel ranks; float32 weights larger
-    than the memory this rank has, `_check_memory`)."""
+    With a `low_bit` plan that quantizes anything, the parameters are built on the meta
+    device (`layers.parameters_on_meta`): the loader makes each as it fills it, and a
+    quantized one never exists in float. Raises `models.config.ConfigError` (a tp the heads
+    do not split over names the ones they do; experts that do not spread over the
+    expert-parallel ranks; weights larger than the memory this rank has, `_check_memory`)."""
     _check_tp(config, ps.get_tensor_model_parallel_world_size())
     _check_experts(config, ps.get_expert_model_parallel_world_size())
     pp = ps.get_pipeline_model_parallel_world_size()
-    _check_memory(config, ps.get_tensor_model_parallel_world_size(), pp)
+    _check_memory(config, ps.get_tensor_model_parallel_world_size(), pp,
+                  low_bit.saved_bytes() if low_bit else 0)
+    if low_bit is not None and low_bit.weights:
+        with parameters_on_meta():
+            return _build(config, pp)
+    return _build(config, pp)
+
+
+def _build(config: ModelConfig, pp: int):
     if config.is_encoder_decoder:  # T5: the encoder on the first pp // 2 stages
         enc, dec = t5_stage_layers(config, pp)[ps.get_pipeline_model_parallel_rank()]
         with torch.device(ps.get_device()):
@@ -141,17 +156,23 @@ def build_model(config: ModelConfig) -> GPTModel:
                                   kv_replication=True)[0]
 
 
-def load(load: str | None = None, hf: str | None = None, tokenizer: str | None = None,
-         dtype: str = "float32", log=None) -> tuple[GPTModel, Tokenizer | None, str]:
+def load(load: str | None = None, hf=None, tokenizer: str | None = None,
+         dtype: str = "float32", log=None, quantization: Quantization | None = None
+         ) -> tuple[GPTModel, Tokenizer | None, str]:
     """`(model stage, tokenizer or None, model name)` on the current grid; the model's
     `generation_config` attribute holds its checked generation config (models/hf/generation.py;
     `{}` for a checkpoint without one).
 
     Exactly one of `load` (native checkpoint folder, or its parent with a `latest` marker) and
-    `hf` (HF folder or .gguf file). `tokenizer` overrides the one stored with the model.
-    `log`, if given (one rank's), is told each step and how far the weights are (the same
-    lines as tools/convert_hf.py's: `models.hf.open_checked`, `checkpoint.hf.load_hf_weights`).
-    Raises `ValueError`, `FileNotFoundError`, `checkpoint.format.CheckpointError` or
+    `hf` (HF folder or .gguf file, or an opened `models.hf.files.HFSource`). `tokenizer`
+    overrides the one stored with the model. `log`, if given (one rank's), is told each step
+    and how far the weights are (the same lines as tools/convert_hf.py's:
+    `models.hf.open_checked`, `checkpoint.hf.load_hf_weights`), then the weight bytes on
+    this rank (`low_bit.weight_bytes_line`). `quantization` (layers/quantized.py, infer.py
+    `--quantization`): low-bit weights as the file holds them, de-quantized ("none"), or
+    float linear weights quantized on load ("int8", "int4"; `--hf` models only); a tp that
+    would cut a quantization block is refused before anything is built
+    (`low_bit.check_low_bit_layout`). Raises `ValueError`, `FileNotFoundError`, `checkpoint.format.CheckpointError` or
     `models.hf.HFConversionError` naming the problem.
     """
     if (load is None) == (hf is None):
@@ -162,6 +183,10 @@ def load(load: str | None = None, hf: str | None = None, tokenizer: str | None =
         from checkpoint.model_io import (find_tokenizer, load_model_weights,
                                          stored_generation_config)
 
+        if quantization is not None and quantization.quantizes:
+            raise ValueError(f"--quantization {quantization.method} quantizes a Hugging Face "
+                             f"model's weights as they load (--hf); a native checkpoint "
+                             f"(--load) is served in float: drop --quantization")
         path = require_checkpoint(load)
         config = ModelConfig.from_dict(read_metadata(path)["model"])
         generation = stored_generation_config(path, config.vocab_size)
@@ -179,17 +204,29 @@ def load(load: str | None = None, hf: str | None = None, tokenizer: str | None =
         from checkpoint.hf import load_hf_weights
         from models.hf import open_checked
 
+        quantization = quantization or Quantization()
+        # a GGUF file's blocks and a GPTQ/AWQ folder's int4 layers are read as stored unless
+        # --quantization none de-quantizes them (int8/int4 over them is refused below)
         src, config = open_checked(hf, lambda c: _check_tp(
-            c, ps.get_tensor_model_parallel_world_size()), log)
+            c, ps.get_tensor_model_parallel_world_size()), log,
+            "none" if quantization.method == "none" else "keep")
+        if config.is_encoder_decoder and quantization.quantizes:
+            raise ValueError(f"--quantization {quantization.method} is for decoder-only "
+                             f"models; serve this encoder-decoder model without it")
         generation = generation_config(src, config.vocab_size)
-        model = build_model(config)
+        low_bit = LowBitPlan.of(config, src, quantization)
+        check_low_bit_layout(low_bit, [t for t in range(1, config.num_attention_heads + 1)
+                                       if _tp_error(config, t) is None])
+        model = build_model(config, low_bit)
         if log is not None:
             log(f"copying the weights into this rank's share (tp "
                 f"{ps.get_tensor_model_parallel_world_size()}, pp "
-                f"{ps.get_pipeline_model_parallel_world_size()})")
-        load_hf_weights(src, config, [model], log)
+                f"{ps.get_pipeline_model_parallel_world_size()}" +
+                (f"; {len(low_bit.weights)} weights low-bit: {quantization.describe()}"
+                 if low_bit.weights else "") + ")")
+        load_hf_weights(src, config, [model], log, quantization)
         if log is not None:
-            log(f"loading the tokenizer {tokenizer or 'of ' + hf}")
+            log(f"loading the tokenizer {tokenizer or 'of ' + src.path}")
         if tokenizer:
             tok = Tokenizer(tokenizer)
         else:
@@ -202,10 +239,13 @@ def load(load: str | None = None, hf: str | None = None, tokenizer: str | None =
                 raise  # a file of it is refused (not: no tokenizer there)
             except ValueError:
                 tok = None
-        name = os.path.basename(os.path.normpath(hf))
+        name = os.path.basename(os.path.normpath(src.path))
         if name.endswith(".gguf"):
             name = name[:-5]
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     model.generation_config = generation
-    return model.to(DTYPES[dtype]).eval(), tok, name
+    model = model.to(DTYPES[dtype]).eval()
+    if log is not None:
+        log(weight_bytes_line(model))
+    return model, tok, name

@@ -457,7 +457,8 @@ def same_tokenizer(a, b) -> str | None:
 
 
 def build_speculative(config: SpeculativeConfig, target, tokenizer, *, max_seq_length: int,
-                      dtype: str = "float32", compile: bool = False) -> SpecDecoder:
+                      dtype: str = "float32", compile: bool = False,
+                      quantization=None) -> SpecDecoder:
     """The `SpecDecoder` of `config` for the `target` model stage (infer.py): for a draft
     model, its stage on the current grid, loaded from `config.model` (a .gguf file or a
     folder with config.json: Hugging Face; else a native checkpoint) in `dtype`.
@@ -465,7 +466,9 @@ def build_speculative(config: SpeculativeConfig, target, tokenizer, *, max_seq_l
     Raises `ValueError` (also for the loader's errors) when the configuration is bad, the
     target is an encoder-decoder, or the draft's vocabulary or tokenizer is not the
     target's. `compile`: the draft model's layers are compiled too
-    (`runner.compile_for_inference`)."""
+    (`runner.compile_for_inference`). `quantization` (layers/quantized.py `Quantization`,
+    infer.py's --quantization): how a Hugging Face draft's weights load, as the target's;
+    a native checkpoint draft is served in float."""
     import os
 
     config.validate()
@@ -478,8 +481,8 @@ def build_speculative(config: SpeculativeConfig, target, tokenizer, *, max_seq_l
 
     path = config.model
     hf = path.endswith(".gguf") or os.path.isfile(os.path.join(path, "config.json"))
-    draft, draft_tokenizer, _ = load(hf=path, dtype=dtype) if hf else \
-        load(load=path, dtype=dtype)
+    draft, draft_tokenizer, _ = load(hf=path, dtype=dtype, quantization=quantization) if hf \
+        else load(load=path, dtype=dtype)
     if tokenizer is not None and draft_tokenizer is not None:
         differs = same_tokenizer(tokenizer, draft_tokenizer)
         if differs is not None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from parallel_state import (
@@ -21,6 +20,7 @@ from parallel_state import (
 )
 
 from .dropout import add_dropout_site, hidden_dropout, sub_site
+from .quantized import embedding_rows
 from .sharding import set_tensor_parallel_attributes
 
 
@@ -46,16 +46,27 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start_index, self.vocab_end_index = rank * per_rank, (rank + 1) * per_rank
         self.reduce_scatter_embeddings = reduce_scatter_embeddings and tp > 1
         self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim, dtype=params_dtype))
+        self.float_dtype = params_dtype
         set_tensor_parallel_attributes(self.weight, partition_dim=0, init="normal",
                                        full_rows=self.vocab_size)
+
+    def dtype(self) -> torch.dtype:
+        """The float dtype of the rows it returns: its weight's, or for a low-bit table
+        (layers/quantized.py) the model's (`float_dtype`, set by `Module.to`; float32)."""
+        return getattr(self.weight, "dtype", None) or self.float_dtype
+
+    def _apply(self, fn, recurse=True):
+        self.float_dtype = fn(torch.empty((), dtype=self.float_dtype)).dtype
+        return super()._apply(fn, recurse)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if get_tensor_model_parallel_world_size() > 1:
             outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
             local = (ids - self.vocab_start_index).masked_fill(outside, 0)
-            out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+            out = embedding_rows(local, self.weight, self.dtype()).masked_fill(
+                outside.unsqueeze(-1), 0.0)
         else:
-            out = F.embedding(ids, self.weight)
+            out = embedding_rows(ids, self.weight, self.dtype())
         if self.reduce_scatter_embeddings:
             return reduce_scatter_to_sequence_parallel_region(out)
         return reduce_from_tensor_model_parallel_region(out)

@@ -29,6 +29,7 @@ from parallel_state.mappings import (
 )
 
 from . import gemm
+from .quant import QuantizedWeight
 from .sharding import set_tensor_parallel_attributes
 
 
@@ -102,7 +103,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     result rounded to its dtype once; one row stays torch's narrow matrix-vector product,
     which reads half the bytes); where the GEMM is MKL's,
     under no-grad with 2..FEW_ROWS rows, it is computed as `(W X^T)^T` (one row: MKL's
-    matrix-vector product either way, and `F.linear` measured faster)."""
+    matrix-vector product either way, and `F.linear` measured faster). A low-bit weight
+    (`layers.quant.QuantizedWeight`, inference only) multiplies through its own
+    `QuantizedWeight.linear`."""
+    if isinstance(weight, QuantizedWeight):
+        return weight.linear(x, bias)
     if gemm.uses_onednn(x, weight) and x.dim() >= 2:
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                         or (bias is not None and bias.requires_grad)):
@@ -132,13 +137,14 @@ def pack_weights(model: nn.Module, extra: tuple[torch.Tensor, ...] = ()) -> int:
     ColumnParallelLinear and RowParallelLinear in `model`, and the `extra` weights (a tied
     output layer's, which lives in the embedding), oneDNN's pre-packed copy
     (`layers.gemm.pack`: float32, or bf16 / fp16 where the CPU multiplies those natively),
-    which `linear` then reads under no-grad. Nothing happens where the GEMM is not oneDNN's.
-    Returns the bytes the copies take."""
+    which `linear` then reads under no-grad. Nothing happens where the GEMM is not oneDNN's;
+    low-bit weights (layers/quantized.py) are left as they are. Returns the bytes the copies
+    take."""
     weights = [m.weight for m in model.modules()
                if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.weight is not None]
     total, seen = 0, set()
     for w in weights + list(extra):
-        if id(w) not in seen and gemm.packable(w):
+        if id(w) not in seen and isinstance(w, torch.Tensor) and gemm.packable(w):
             seen.add(id(w))
             total += gemm.pack(w)
     return total

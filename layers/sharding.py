@@ -37,6 +37,7 @@ import zlib
 import torch
 from torch import nn
 
+from .quant import QuantizedWeight
 from parallel_state import (
     get_expert_model_parallel_rank,
     get_expert_model_parallel_world_size,
@@ -94,7 +95,10 @@ def shard_tensor(full: torch.Tensor, param: torch.Tensor, rank: int | None = Non
                  size: int | None = None) -> torch.Tensor:
     """This rank's shard of the dense tensor `full`, following `param`'s attributes (`rank`,
     `size`: TP's, or expert TP's for an expert weight; an expert-parallel tensor's EP block
-    is this rank's)."""
+    is this rank's). `full` may be a low-bit weight `[out, in]` (layers/quant
+    `QuantizedWeight`, one expert's for an expert weight): `_shard_quantized`."""
+    if isinstance(full, QuantizedWeight):
+        return _shard_quantized(full, param, rank, size)
     if getattr(param, "expert_parallel", False):
         ep = get_expert_model_parallel_world_size()
         full = full.chunk(ep, dim=0)[get_expert_model_parallel_rank()] if ep > 1 else full
@@ -110,6 +114,43 @@ def shard_tensor(full: torch.Tensor, param: torch.Tensor, rank: int | None = Non
     dim, parts = param.partition_dim, getattr(param, "num_fused_parts", 1)
     blocks = full.chunk(parts, dim=dim)
     return torch.cat([b.chunk(size, dim=dim)[rank] for b in blocks], dim=dim)
+
+
+def _shard_quantized(full: QuantizedWeight, param, rank: int | None, size: int | None
+                     ) -> QuantizedWeight:
+    """`shard_tensor` of a low-bit weight: the output rows this rank holds (a fused QKV's
+    with its GQA layout and replicated KV heads, a fused [gate; up]'s parts: whatever
+    `shard_tensor` keeps of a row index, `index_select_rows`), or its block of input columns
+    (`narrow`; ValueError when that would cut a quantization block). An expert weight's
+    `partition_dim` counts the stacked experts' dim: one expert's weight is split on
+    `partition_dim - 1`."""
+    size = size or tensor_parallel_size_of(param)
+    rank = tensor_parallel_rank_of(param) if rank is None else rank
+    if not getattr(param, "tensor_model_parallel", False) or size == 1:
+        return full
+    dim = param.partition_dim - (1 if getattr(param, "expert_parallel", False) else 0)
+    if dim == 0:
+        rows = torch.arange(full.shape[0])
+        if getattr(param, "expert_parallel", False):
+            rows = rows[None]  # one expert of the stack; its EP block is the caller's
+            rows = shard_tensor(rows, _OneExpert(param), rank, size)[0]
+        else:
+            rows = shard_tensor(rows, param, rank, size)
+        return full.index_select_rows(rows)
+    if getattr(param, "num_fused_parts", 1) != 1:
+        raise ValueError("a fused weight split on its input dim has no low-bit form")
+    per = full.shape[1] // size
+    return full.narrow(1, rank * per, per)
+
+
+class _OneExpert:
+    """The TP attributes of an expert weight without its expert-parallel tag, for one
+    expert's `[1, out, ...]` row index."""
+
+    def __init__(self, p):
+        self.tensor_model_parallel = True
+        self.partition_dim = p.partition_dim
+        self.num_fused_parts = getattr(p, "num_fused_parts", 1)
 
 
 def unshard_tensors(shards: list[torch.Tensor], param: torch.Tensor) -> torch.Tensor:

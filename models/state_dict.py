@@ -15,6 +15,7 @@ import torch.distributed as dist
 import parallel_state as ps
 from parallel_state import collectives
 from layers import unshard_tensors
+from layers.quantized import refuse_quantized
 from layers.sharding import tensor_parallel_size_of
 
 
@@ -24,8 +25,11 @@ def gather_full_state_dict(chunks) -> dict[str, torch.Tensor]:
 
     `chunks` are this rank's model chunks. The tied embedding's second copy on the last stage
     (`output_layer.weight` tagged `shared_embedding`) is left out: it equals the embedding.
+    Raises ValueError for low-bit weights (layers/quantized.py `refuse_quantized`).
     """
     local: dict[str, torch.Tensor] = {}
+    for chunk in chunks:
+        refuse_quantized(chunk, "gathering the dense float weights")
     for chunk in chunks:
         for name, p in chunk.named_parameters():
             if getattr(p, "shared_embedding", False) and name.startswith("output_layer"):

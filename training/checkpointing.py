@@ -86,6 +86,7 @@ from checkpoint.format import (CONFIG, LATEST, METADATA, CheckpointError, compar
                                 describe_files, iter_dir_name, read_metadata, resolve_checkpoint,
                                 verify_files)
 from data_parallel.distributed_optimizer import DistributedOptimizer
+from layers.quantized import refuse_quantized
 
 from .diloco import load_state, save_state
 from .elastic import elastic_notice, rejoin_warning
@@ -319,7 +320,10 @@ class Checkpointer:
     def save(self, iteration: int, chunks, model, optimizer, position: "DataPosition") -> None:
         """Write checkpoint `iteration` (completed steps) at data `position`; returns when
         written (sync) or when the state is copied (async). Raises `CheckpointError` from a
-        previous async save."""
+        previous async save, ValueError (one line) for a model holding low-bit weights
+        (inference-only, layers/quantized.py), before anything is written."""
+        for chunk in chunks:
+            refuse_quantized(chunk, "saving a training checkpoint")
         self.wait()
         position = dataclasses.replace(position)  # the async writer keeps its own copy
         state = state_to_save(self.config, chunks, model, optimizer, iteration,

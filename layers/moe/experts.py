@@ -25,6 +25,7 @@ from parallel_state import get_expert_tensor_parallel_world_size
 
 from .. import gemm
 from ..mlp import GATED, activate
+from ..quant import QuantizedWeight
 from ..sharding import set_tensor_parallel_attributes
 
 
@@ -39,7 +40,10 @@ def _spans(counts: list[int]) -> list[tuple[int, int, int]]:
 
 
 def _mm_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """`a @ b^T`: oneDNN on CPU float32 (layers/gemm.py), else torch."""
+    """`a @ b^T`: oneDNN on CPU float32 (layers/gemm.py), else torch; a low-bit expert
+    weight (layers/quantized.py `QuantizedExperts`) through `QuantizedWeight.linear`."""
+    if isinstance(b, QuantizedWeight):
+        return b.linear(a)
     return gemm.linear_nt(a, b) if gemm.uses_onednn(a, b) else a @ b.t()
 
 
@@ -81,7 +85,9 @@ class GroupedLinear(nn.Module):
     nn.Linear's `[out, in]`); `forward(x [N, in], counts)` with `counts[e]` consecutive rows
     for expert e (sum N) -> `[N, out]`. `partition_dim` 1 splits `out` over expert TP (fc1,
     with `num_fused_parts` blocks split separately), 2 splits `in` (fc2). Tagged
-    `expert_parallel`: dim 0 holds this rank's slice of the layer's experts."""
+    `expert_parallel`: dim 0 holds this rank's slice of the layer's experts. For inference
+    the weight may be a `QuantizedExperts` (layers/quantized.py), one low-bit weight per
+    expert."""
 
     def __init__(self, num_local_experts: int, input_size: int, output_size: int, *,
                  partition_dim: int, init: str, num_fused_parts: int = 1):

@@ -170,17 +170,19 @@ def config_from_hf(d: dict, tensor_count: int | None = None) -> ModelConfig:
 def open_checked(path: str, check_config: Callable[[ModelConfig], None] | None = None,
                  log: Callable[[str], None] | None = None, quantization: str = "none"):
     """`(HFSource, ModelConfig)` of the HF folder or `.gguf` file `path` (models/hf/files.py
-    `open_hf`), the config checked (`config_from_hf`, then `check_config(config)` if given:
+    `open_hf`; or an `HFSource` already opened, e.g. a loader's dict of low-bit tensors),
+    the config checked (`config_from_hf`, then `check_config(config)` if given:
     infer.py's "does it split over this tp") and held against the weight files
     (`check_weights`) before anything is allocated. `log`, if given, is told what is being
     read, with the model's size (`ModelConfig.describe`) once the config is checked (rank 0 of
-    infer.py, tools/convert_hf.py; see `open_hf`). `quantization`: "keep" reads a GGUF file's
-    low-bit blocks and a GPTQ/AWQ folder's int4 layers as `QuantizedWeight` values, "none"
-    de-quantizes them (`open_hf`). Raises `FileNotFoundError` or `HFConversionError` naming
-    the file, the field and the fix (and what `check_config` raises)."""
-    from .files import open_hf
+    infer.py, tools/convert_hf.py; see `open_hf`). `path` may be an `HFSource` already
+    opened. `quantization`: "keep" reads a GGUF file's low-bit blocks and a GPTQ/AWQ folder's
+    int4 layers as `QuantizedWeight` values, "none" de-quantizes them (`open_hf`). Raises
+    `FileNotFoundError` or `HFConversionError` naming the file, the field and the fix (and
+    what `check_config` raises)."""
+    from .files import HFSource, open_hf
 
-    src = open_hf(path, log, quantization)
+    src = path if isinstance(path, HFSource) else open_hf(path, log, quantization)
     try:
         config = config_from_hf(src.config, None if src.kind == "gguf" else len(src.names))
     except HFConversionError as e:

@@ -65,6 +65,10 @@ class HFSource:
     # whatever the dtype (the packed integers of a GPTQ/AWQ layer): folders only
     _dtype: Callable[[str], str] | None = field(default=None, repr=False)
     _raw: Callable[[str], torch.Tensor] | None = field(default=None, repr=False)
+    # `(format, block size)` of a tensor `get` returns as a low-bit `QuantizedWeight`
+    # (layers/quant), None for a float one; read from the files' headers, no data
+    _weight_format: Callable[[str], tuple[str, int] | None] | None = field(default=None,
+                                                                           repr=False)
     # what was kept: "none" (every `get` is a float tensor), "gguf" (a GGUF file's block
     # types), "gptq" / "awq": a quantized linear's `get` is a `layers.quant.QuantizedWeight`
     quantization: str = "none"
@@ -96,6 +100,18 @@ class HFSource:
         if self._raw is None:
             raise HFConversionError(f"{self.path}: a {self.kind} source has no raw tensors")
         return self._raw(name)
+    def weight_format(self, name: str) -> tuple[str, int] | None:
+        """`(format, block size)` when `get(name)` returns a low-bit `QuantizedWeight`
+        `[out, in]` (a linear weight kept in its file's quantization: layers/quant), None
+        when it returns a float tensor. Known without reading the tensor's data."""
+        if self._weight_format is not None:
+            return self._weight_format(name)
+        if self.quantization != "none":  # GGUF: mapped once opened; GPTQ/AWQ: one layer read
+            from layers.quant import QuantizedWeight
+
+            t = self.get(name)
+            return (t.format, t.block_size) if isinstance(t, QuantizedWeight) else None
+        return None
 
     def tokenizer_source(self) -> tuple[str, dict]:
         """`(folder, from_pretrained kwargs)` to load this model's tokenizer."""
