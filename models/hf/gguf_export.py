@@ -186,11 +186,14 @@ def add_vocab(w, tok, folder: str, vocab_size: int, log) -> None:
     backend = getattr(tok, "backend_tokenizer", None)
     spec = json.loads(backend.to_str()) if backend is not None else {}
     model, decoder = spec.get("model") or {}, spec.get("decoder") or {}
-    if model.get("type") != "BPE" or decoder.get("type") != "ByteLevel" or \
-            model.get("byte_fallback"):
+    pre = spec.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    byte_level = decoder.get("type") == "ByteLevel" or any(
+        isinstance(p, dict) and p.get("type") == "ByteLevel" for p in steps)
+    if model.get("type") != "BPE" or not byte_level or model.get("byte_fallback"):
         raise HFConversionError(
-            f"the checkpoint's tokenizer ({type(tok).__name__}, model "
-            f"{model.get('type')!r}, decoder {decoder.get('type')!r}) is not a byte-level BPE "
+            f"the checkpoint's tokenizer ({type(tok).__name__}, model {model.get('type')!r}, "
+            f"decoder {decoder.get('type')!r}) is not a byte-level BPE "
             f"tokenizer, the only one GGUF export writes (tokenizer.ggml.model gpt2); export "
             f"to HF and convert with llama.cpp's convert_hf_to_gguf.py")
     by_id = {i: t for t, i in tok.get_vocab().items()}
