@@ -33,10 +33,12 @@ REPO = os.path.dirname(HERE)
 LLAMACPP_PYTHON = os.environ.get("SHARDZOO_LLAMACPP_PYTHON", "/work/peers/L/bin/python")
 OUTTYPES = ("f32", "f16", "q8_0", "q4_0")
 NEW_TOKENS = 32
-# how far llama.cpp may part from our engine on the same weights: it rounds activations to
-# 8 bits (q8_0 / q4_0 weights) or 16 (f16) inside its dot products, so where our top two
-# logits are closer than this its argmax may pick the other one (measured gaps in the README)
-PART_GAP = {"f32": 1e-3, "f16": 0.05, "q8_0": 0.1, "q4_0": 0.2}
+# how far llama.cpp's logits may lie from ours on the same weights (largest |difference| over
+# the positions compared): it rounds activations to 8 bits inside q8_0 / q4_0 dot products and
+# to 16 inside f16 ones. Measured (2-core CPU, llama.cpp 0.3.36 build): SmolLM2 q8_0 1.20,
+# f16 0.052; the tiny model 2e-4 (f32, f16), 5e-3 (q8_0, q4_0). Greedy ids may part only
+# where our top two logits are closer than twice this.
+LOGIT_BOUND = {"f32": 1e-3, "f16": 0.1, "q8_0": 2.0, "q4_0": 2.0}
 
 
 def _quiet(*_):
@@ -265,17 +267,17 @@ def _compare(model, path: str, prompt: list[int], outtype: str, tmp) -> dict:
     logits = _logits(model, prompt + theirs)[len(prompt) - 1:-1]  # our logits on their path
     assert logits.argmax(-1)[:1].tolist() == ours[:1]
     part = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
-    same = slice(0, NEW_TOKENS if part is None else part)
-    diff = float((logits[same] - torch.from_numpy(their_logits[same])).abs().max()) \
-        if part != 0 else None
+    upto = NEW_TOKENS if part is None else part + 1  # the parting row included
+    diff = float((logits[:upto] - torch.from_numpy(their_logits[:upto])).abs().max())
     out = {"outtype": outtype, "agree": part is None, "first_parted": part,
-           "max_logit_diff_before": diff}
+           "max_logit_diff": diff}
+    assert diff <= LOGIT_BOUND[outtype], out
     if part is not None:
         row = logits[part]
         ours_at = int(row.argmax())
         out.update(ours=ours_at, theirs=theirs[part],
                    gap=float(row[ours_at] - row[theirs[part]]))
-        assert out["gap"] <= PART_GAP[outtype], out
+        assert out["gap"] <= 2 * LOGIT_BOUND[outtype], out
     return out
 
 
@@ -308,10 +310,10 @@ def test_llamacpp_answers_smollm2_reexported(tmp_path, world):
     ckpt = str(tmp_path / "smol")
     import_hf(gguf_path, ckpt, log=_quiet)
     tok = load_hf_tokenizer(os.path.join(ckpt, "tokenizer"))
-    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of "
-                                       "France? Answer in one sentence."}],
-                                     add_generation_prompt=True, tokenize=True)
-    prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+    text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of "
+                                     "France? Answer in one sentence."}],
+                                   add_generation_prompt=True, tokenize=False)
+    prompt = tok(text, add_special_tokens=False)["input_ids"]
     results = []
     for outtype in ("q8_0", "f16"):
         path = str(tmp_path / f"smol-{outtype}.gguf")
