@@ -244,8 +244,8 @@ def world():
 def _llamacpp_available() -> str | None:
     """Why llama.cpp cannot be run here (None: it can)."""
     if not os.path.isfile(LLAMACPP_PYTHON):
-        return (f"no llama.cpp python at {LLAMACPP_PYTHON} (set SHARDZOO_LLAMACPP_PYTHON to a "
-                f"venv's python with llama-cpp-python; recipe in bench/README.md)")
+        return (f"no llama.cpp python at {LLAMACPP_PYTHON} (set SHARDZOO_LLAMACPP_PYTHON to "
+                f"the python of a separate venv with llama-cpp-python installed)")
     probe = subprocess.run([LLAMACPP_PYTHON, "-c", "import llama_cpp"], capture_output=True)
     return None if probe.returncode == 0 else f"{LLAMACPP_PYTHON} cannot import llama_cpp"
 
