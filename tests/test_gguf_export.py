@@ -217,7 +217,16 @@ def test_export_refusals_write_nothing(trained, tmp_path):
     write_weights_checkpoint(bare, config, read_dense_weights(trained)[1])
     with pytest.raises(HFConversionError, match="holds no tokenizer"):
         export_gguf(bare, str(tmp_path / "z.gguf"), "f16", log=_quiet)
-    assert sorted(os.listdir(tmp_path)) == ["bare", "x.gguf"]
+    from tokenizers import Tokenizer, models as tok_models
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(tok_models.WordLevel({f"w{i}": i for i in range(400)}, unk_token="w0"))
+    wordlevel = str(tmp_path / "wordlevel")
+    write_weights_checkpoint(wordlevel, config, read_dense_weights(trained)[1], tokenizer=lambda
+                             f: PreTrainedTokenizerFast(tokenizer_object=words).save_pretrained(f))
+    with pytest.raises(HFConversionError, match="model 'WordLevel'.*not a byte-level BPE"):
+        export_gguf(wordlevel, str(tmp_path / "z.gguf"), "f16", log=_quiet)
+    assert sorted(os.listdir(tmp_path)) == ["bare", "wordlevel", "x.gguf"]
     proc = subprocess.run([sys.executable, "tools/convert_hf.py", "export-gguf", "--load", bare,
                            "--out", str(tmp_path / "z.gguf")], cwd=REPO, capture_output=True,
                           text=True)

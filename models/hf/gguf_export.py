@@ -2,8 +2,10 @@
 names, row order, tensor types and the tokenizer, for checkpoint/hf.py's `export_gguf`.
 
 Exported: the Llama architecture (llama.cpp's `llama`: pre-norm RMSNorm, SwiGLU, RoPE of any
-base without scaling, GQA, tied or untied output, no biases, no sliding window; SmolLM2,
-TinyLlama, Llama 2 shapes). `check_exportable` refuses anything else in one line.
+base without scaling, GQA, tied or untied output, no biases, no sliding window) with a
+byte-level BPE tokenizer (SmolLM2's kind; the SentencePiece-style tokenizers of Llama 2 /
+TinyLlama, byte-fallback BPE, are refused). `check_exportable` and `add_vocab` refuse
+anything else in one line.
 
 The file is written as llama.cpp's convert_hf_to_gguf.py writes a Llama:
 
