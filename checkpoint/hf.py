@@ -17,6 +17,7 @@ import os
 import secrets
 import shutil
 
+import numpy as np
 import torch
 
 import parallel_state as ps
@@ -147,6 +148,76 @@ def export_hf(load: str, out: str, dtype: str = "float32",
         raise
     log(f"exported {kwargs['architectures'][0]} ({config.num_parameters() / 1e6:.1f}M "
         f"parameters, {dtype}, {len(files)} safetensors file(s)) from {path} to {out}")
+    return out
+
+
+def export_gguf(load: str, out: str, outtype: str = "f16", log=print) -> str:
+    """Write the GGUF file `out` (llama.cpp's format, models/hf/gguf_export.py) from
+    checkpoint `load` (a --save folder or iter_XXXXXXX); returns `out`. `outtype`: "f32",
+    "f16", "q8_0" or "q4_0" (gguf_export.OUTTYPES; norms stay float32, q4_0 keeps the
+    embedding / output at q8_0). Streams one tensor at a time: the file is written as
+    `out.tmp-*` and renamed when complete. Raises `ValueError` (outtype), `CheckpointError`
+    (`out` exists, a damaged checkpoint) or `HFConversionError` (a model or tokenizer GGUF
+    export does not write) before anything is written."""
+    import gguf
+
+    from models.hf import gguf_export
+
+    if outtype not in gguf_export.OUTTYPES:
+        raise ValueError(f"--outtype must be one of {', '.join(gguf_export.OUTTYPES)}, got "
+                         f"{outtype!r}")
+    if os.path.exists(out):
+        raise CheckpointError(f"--out {out} already exists; pass a new file (nothing was "
+                              f"written)")
+    path = require_checkpoint(load)
+    config, dense = read_dense_weights(path)
+    gguf_export.check_exportable(config)
+    tokenizer = find_tokenizer(path)
+    if tokenizer is None or os.path.basename(tokenizer) != TOKENIZER_DIR:
+        raise HFConversionError(
+            f"{path} holds {'no tokenizer' if tokenizer is None else 'a SentencePiece model'}"
+            f"; GGUF export needs an HF byte-level BPE tokenizer folder in the checkpoint "
+            f"(llama.cpp reads the vocabulary from the file)")
+    try:
+        tok = load_hf_tokenizer(tokenizer)  # its files checked before anything parses them
+    except (TokenizerFileError, OSError, ValueError) as e:
+        raise HFConversionError(f"the checkpoint's tokenizer cannot be exported: {e}") from None
+    plan = gguf_export.tensor_plan(config, hfmap.hf_shapes(config), outtype)
+    tmp = f"{os.path.abspath(out)}.tmp-{secrets.token_hex(4)}"
+    writer = gguf.GGUFWriter(tmp, gguf_export.ARCH)
+    try:
+        gguf_export.add_metadata(writer, config, os.path.basename(os.path.normpath(path)),
+                                 outtype)
+        gguf_export.add_vocab(writer, tok, tokenizer, config.vocab_size, log)
+        for _, name, shape, kind, _ in plan:
+            nbytes = gguf_export.tensor_nbytes(shape, kind)
+            quantized = kind not in ("f32", "f16")
+            writer.add_tensor_info(
+                name, (shape[0], nbytes // shape[0]) if quantized else shape,
+                np.dtype(np.uint8 if quantized else np.float32 if kind == "f32" else np.float16),
+                nbytes, raw_dtype=gguf.GGMLQuantizationType[kind.upper()] if quantized else None)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        stream = hfmap.to_hf(config, lambda n: dense[n]())
+        for hf_name, name, shape, kind, heads in plan:
+            got, t = next(stream)
+            assert got == hf_name and tuple(t.shape) == shape, (got, hf_name, t.shape, shape)
+            if heads is not None:
+                t = gguf_export.permute_rows(t, heads)
+            writer.write_tensor_data(gguf_export.encode(t, kind)[0])
+        writer.close()
+        _as_created(tmp)
+        os.rename(tmp, out)
+    except BaseException:
+        writer.close()
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    kinds = sorted({kind for *_, kind, _ in plan})
+    log(f"exported llama ({config.num_parameters() / 1e6:.1f}M parameters, {outtype}: tensors "
+        f"{', '.join(kinds)}; {len(plan)} tensors, {os.path.getsize(out) / 2**20:,.1f} MiB) "
+        f"from {path} to {out}")
     return out
 
 

@@ -146,14 +146,15 @@ def test_export_refuses(hostile, tmp_path, capsys):
     cases, marker, _ = hostile
     missed = []
     for case, folder in cases.items():
-        out = tmp_path / case
-        try:
-            code = convert_hf.main(["export", "--load", str(folder), "--out", str(out)])
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 - a traceback: a miss
-            code = repr(e)
-        err = capsys.readouterr().err
-        missed += _missed(case, folder, err, marker) + (
-            [] if code == 1 and not out.exists() else [f"{case}: exit {code}"])
+        for command in ("export", "export-gguf"):  # an HF folder, a GGUF file
+            out = tmp_path / f"{case}-{command}"
+            try:
+                code = convert_hf.main([command, "--load", str(folder), "--out", str(out)])
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - a traceback: a miss
+                code = repr(e)
+            err = capsys.readouterr().err
+            missed += _missed(case, folder, err, marker) + (
+                [] if code == 1 and not out.exists() else [f"{case} {command}: exit {code}"])
     assert not missed, "\n".join(missed)
 
 

