@@ -91,8 +91,7 @@ class LlamaCpp:
         import numpy as np
 
         self.L, self.np = L, np
-        L.llama_backend_init()
-        L.llama_log_set(L.llama_log_callback(lambda level, text, data: None), None)
+        L.llama_backend_init()  # its log goes to stderr: the bench's log file of this worker
         t0 = time.perf_counter()
         mparams = L.llama_model_default_params()
         self.model = L.llama_model_load_from_file(config["model"].encode(), mparams)
