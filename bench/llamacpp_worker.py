@@ -7,9 +7,10 @@ llama_cpp, numpy and the standard library only, and llama_cpp only inside `main`
 
 The second form writes a requantized copy (llama.cpp's `llama_model_quantize`, requantizing
 allowed) and prints one JSON line. The first loads the model (`llama_model_load_from_file`,
-then a context with `n_threads = n_threads_batch = threads`, `n_seq_max` sequences in one
-unified KV cache) and answers each stdin line, one JSON job, with one JSON line on stdout
-until stdin closes (`serve_jobs`; bench/vllm_peer.py's `Worker` drives it):
+then a context of `n_ctx` tokens with `n_threads = n_threads_batch = threads`, `n_seq_max`
+sequences in one unified KV cache, `n_batch = n_ctx`, llama.cpp's default `n_ubatch`) and
+answers each stdin line, one JSON job, with one JSON line on stdout until stdin closes
+(`serve_jobs`; bench/vllm_peer.py's `Worker` drives it):
 
 - `{"job": "ready"}` -> `{"ready": true, "load_s": s, "rss": bytes, "system": info}`
 - `{"job": "run", "requests": [{"prompt": [ids], "max_tokens": n}, ...]}`: every request
@@ -98,7 +99,8 @@ class LlamaCpp:
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {config['model']}")
         cparams = L.llama_context_default_params()
-        cparams.n_ctx = cparams.n_batch = cparams.n_ubatch = config.get("n_ctx", 2048)
+        cparams.n_ctx = cparams.n_batch = config.get("n_ctx", 2048)  # tokens a decode takes
+        cparams.n_ubatch = min(cparams.n_ctx, 512)  # llama.cpp's default physical batch
         cparams.n_seq_max = config.get("n_seq_max", 8)
         cparams.kv_unified = True
         cparams.n_threads = cparams.n_threads_batch = config["threads"]
