@@ -237,3 +237,33 @@ def test_zb_h1_matches_1f1b_and_single_process(case, references, case_results):
     k_step = training_chain_terms(FAMILIES[case[1]] + COMMON + case[3])
     assert_losses_close(zb["losses"], ref["losses"], k_step)
     assert not weights_mismatch(zb["state"], ref["state"], 5 * k_step)
+
+
+def test_profiled_zb_h1_timeline_has_w_blocks_and_the_table_s_bubble(tmp_path, corpus_env):
+    """--profile-pipeline under ZB-H1 (pp 4, m 8): every rank records 8 F, 8 B and 8 W
+    blocks; re-timed with equal costs the recorded order has the table's bubble (p-1)/(3m) on
+    every rank, a third of 1F1B's; the activations held at peak, counted from the timeline,
+    equal the table's (pp on every rank)."""
+    import json
+
+    from launch import read_metrics, run_train
+    from training.timeline import Span, replay
+
+    args = ["--config", "configs/tiny-llama.yaml", "--pp", "4", "--num-layers", "8",
+            "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "2",
+            "--eval-interval", "0", "--profile-pipeline", "--no-tensorboard"] + ZB
+    run_train(4, args, tmp_path, env=corpus_env)
+    record = [r for r in read_metrics(tmp_path) if "bubble_theory" in r][0]
+    assert record["schedule"] == "zb-h1"
+    assert record["bubble_theory"] == pytest.approx(3 / (3 * 8))
+    assert record["in_flight_peak"] == record["in_flight_peak_predicted"] == [4, 4, 4, 4]
+    assert len(record["bubble_predicted"]) == 4 and record["pass_costs"][2] > 0
+    trace = json.loads((tmp_path / "pipeline_timeline.json").read_text())["traceEvents"]
+    per_rank = [[] for _ in range(4)]
+    for e in sorted(trace, key=lambda e: e["ts"]):
+        if e["cat"] in "FBW":
+            _, chunk, mb = e["name"].split()
+            per_rank[e["tid"]].append(Span(e["cat"], int(chunk[1:]), int(mb[2:]), 0, 0, 1.0))
+    assert all(sorted(s.kind for s in spans) == ["B"] * 8 + ["F"] * 8 + ["W"] * 8
+               for spans in per_rank)
+    assert replay(per_rank, 4, 1) == pytest.approx([3 / (3 * 8)] * 4, abs=1e-9)
