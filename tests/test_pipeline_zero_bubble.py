@@ -267,3 +267,22 @@ def test_profiled_zb_h1_timeline_has_w_blocks_and_the_table_s_bubble(tmp_path, c
     assert all(sorted(s.kind for s in spans) == ["B"] * 8 + ["F"] * 8 + ["W"] * 8
                for spans in per_rank)
     assert replay(per_rank, 4, 1) == pytest.approx([3 / (3 * 8)] * 4, abs=1e-9)
+
+
+def test_resume_across_schedules_gives_the_uninterrupted_curve(tmp_path, corpus_env):
+    """pp 2 with dropout: 1F1B saves at iteration 2, ZB-H1 resumes to 5; and the reverse.
+    Both continue the uninterrupted runs' losses bit for bit (a checkpoint does not depend on
+    the schedule that wrote it)."""
+    base = LLAMA + COMMON + ["--pp", "2"]
+    save_a, save_b = str(tmp_path / "a"), str(tmp_path / "b")
+    runs = [base, base + ZB,
+            base + ["--save", save_a, "--save-interval", "2", "--exit-interval", "2"],
+            base + ZB + ["--load", save_a],
+            base + ZB + ["--save", save_b, "--save-interval", "2", "--exit-interval", "2"],
+            base + ["--load", save_b]]
+    out = run_distributed(_train_worker, 2, runs, str(tmp_path / "logs"),
+                          corpus_env["SHARDZOO_CACHE"], timeout=900)[1]  # the loss stage
+    whole_1f1b, whole_zb = out[0]["losses"], out[1]["losses"]
+    assert whole_1f1b == whole_zb and len(whole_1f1b) == 5
+    for first, resumed in ((out[2], out[3]), (out[4], out[5])):
+        assert first["losses"] + resumed["losses"] == whole_1f1b
