@@ -153,38 +153,27 @@ def _zbv(pp: int, m: int, rank: int) -> list[Action]:
     b = [0, 0]
     w = [0, 0]
 
-    def add(kind: str, c: int) -> None:
-        count = {"F": f, "B": b, "W": w}[kind]
-        out.append(Action(kind, c, count[c]))
-        count[c] += 1
+    def add(*steps: str) -> None:  # "F0": the next forward of chunk 0, ...
+        for step in steps:
+            kind, c = step[0], int(step[1])
+            count = {"F": f, "B": b, "W": w}[kind]
+            out.append(Action(kind, c, count[c]))
+            count[c] += 1
 
-    for _ in range(2 * (pp - rank) - 1):
-        add("F", 0)
+    for _ in range(2 * (pp - rank) - 1):  # warm-up: chunk 0's forwards, then both chunks
+        add("F0")
     for _ in range(rank):
-        add("F", 1)
-        add("F", 0)
+        add("F1", "F0")
+    for _ in range(pp - rank):  # chunk 1's first backwards, at the bottom of the V
+        add("F1", "B1", "W1")
+    while f[1] < f[0] or f[0] < n:  # steady state
+        add(*(["F0"] if f[0] < n else []), "B0", "W0", "F1", "B1", "W1")
+    for _ in range(rank):  # cool-down: backwards first, the W's they leave at the end
+        add("B0", "B1")
     for _ in range(pp - rank):
-        add("F", 1)
-        add("B", 1)
-        add("W", 1)
-    while f[1] < f[0] or f[0] < n:
-        if f[0] < n:
-            add("F", 0)
-        add("B", 0)
-        add("W", 0)
-        add("F", 1)
-        add("B", 1)
-        add("W", 1)
-    for _ in range(rank):
-        add("B", 0)
-        add("B", 1)
-    for _ in range(pp - rank):
-        add("B", 0)
-        add("W", 0)
-    while w[1] < b[1]:
-        add("W", 1)
-    while w[0] < b[0]:
-        add("W", 0)
+        add("B0", "W0")
+    add(*["W1"] * (b[1] - w[1]))
+    add(*["W0"] * (b[0] - w[0]))
     return [a for a in out if a.microbatch < m]
 
 
