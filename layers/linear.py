@@ -87,9 +87,7 @@ class _LinearWithGrad(torch.autograd.Function):
             reduce = all_reduce_async(grad_input)
         grad_weight = None
         if need_weight:
-            total_2d = total.reshape(-1, total.shape[-1])
-            grad_weight = gemm.weight_grad(grad_2d, total_2d) if ctx.onednn \
-                else grad_2d.t().matmul(total_2d)
+            grad_weight = _LinearWithGrad._weight_gemm(ctx, grad_2d, total)
         grad_bias = grad_2d.sum(0) if need_bias else None
         if reduce is not None:
             reduce.wait()
@@ -103,12 +101,16 @@ class _LinearWithGrad(torch.autograd.Function):
         out = []
         if need_weight:
             total = all_gather_sequence(x) if ctx.sequence_parallel else x
-            total_2d = total.reshape(-1, total.shape[-1])
-            out.append(gemm.weight_grad(grad_2d, total_2d) if ctx.onednn
-                       else grad_2d.t().matmul(total_2d))
+            out.append(_LinearWithGrad._weight_gemm(ctx, grad_2d, total))
         if need_bias:
             out.append(grad_2d.sum(0))
         return tuple(out)
+
+    @staticmethod
+    def _weight_gemm(ctx, grad_2d, total) -> torch.Tensor:
+        """`dW = dY^T X` over all tokens: `grad_2d [n, out]`, `total [..., in]` -> `[out, in]`."""
+        total_2d = total.reshape(-1, total.shape[-1])
+        return gemm.weight_grad(grad_2d, total_2d) if ctx.onednn else grad_2d.t().matmul(total_2d)
 
 
 # Inference on CPU with 2 to this many rows (decode: one token per sequence) computes
