@@ -307,6 +307,10 @@ def _check_pipeline_schedule(m: ModelConfig, t: TrainConfig) -> None:
         if m.is_encoder_decoder:
             raise ConfigError("--pipeline-schedule zb-h1 runs decoder-only models; use 1f1b "
                               "for an encoder-decoder model")
+        if t.compile:
+            raise ConfigError("--pipeline-schedule zb-h1 splits the backward in the layers' "
+                              "own autograd functions, which a compiled layer traces once; "
+                              "drop --compile or use 1f1b")
     t.pipeline_schedule = name if t.pipeline_model_parallel_size > 1 else t.pipeline_schedule
 
 

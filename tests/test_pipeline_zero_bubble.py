@@ -156,7 +156,9 @@ def test_pipeline_schedule_flag_is_checked():
                          (["--pp", "2", "--vpp", "2", "--pipeline-schedule", "zb-h1"],
                           "one model chunk"),
                          (["--pp", "4", "--pipeline-schedule", "interleaved"], "add --virtual"),
-                         (["--pipeline-schedule", "zb-h1"], "pipeline-model-parallel-size")):
+                         (["--pipeline-schedule", "zb-h1"], "pipeline-model-parallel-size"),
+                         (["--pp", "4", "--pipeline-schedule", "zb-h1", "--compile"],
+                          "drop --compile")):
         with pytest.raises(ConfigError, match=match):
             validate(*flags)
 
