@@ -335,14 +335,14 @@ class ParameterUnits:
         for u in self.order:
             if u.pending:
                 self._free(u)
-            u.pending, u.reduced = 0, 0
+            u.pending, u.reduced, u.in_backward = 0, 0, False
 
     def invalidate(self, prefetch: bool) -> None:
         """The shards changed (optimizer step, checkpoint load): drop every gathered copy and
         optionally start gathering the first unit for the next forward."""
         for u in self.order:
             self._free(u)
-            u.pending, u.reduced = 0, 0
+            u.pending, u.reduced, u.in_backward = 0, 0, False
             if u.stage is not None:  # read before the shards changed
                 u.stage[1].result()
                 u.stage = None
