@@ -69,7 +69,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel_state import collectives
+from parallel_state import collectives, weight_grads
 from parallel_state.collectives import all_gather_single, reduce_scatter_single
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -424,6 +424,8 @@ class DistributedDataParallel(nn.Module):
 
     # ------------------------------------------------------------------ hooks and sync
     def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if weight_grads.is_deferred(param):
+            return  # a zero-bubble B deferred this gradient: its W calls again with it
         if self.shard_grads:
             self._accumulate_sharded(param)
             return
@@ -466,7 +468,7 @@ class DistributedDataParallel(nn.Module):
         self._reductions.append((bucket, full, handle))
         while len(self._reductions) > _MAX_REDUCTIONS_IN_FLIGHT:
             self._drain()
-        if self.units is not None:
+        if self.units is not None and not self._in_weight_pass():
             self.units.bucket_reduced(bucket)
 
     def _drain(self) -> None:
@@ -486,8 +488,14 @@ class DistributedDataParallel(nn.Module):
         for bucket in self.buffer.buckets:
             if bucket.grad_full is not None:
                 self._reduce_scatter(bucket)
-        if self.units is not None:
-            self.units.end_of_backward()
+        if self.units is not None and not self._in_weight_pass():
+            self.units.end_of_backward(split=weight_grads.splitting())
+
+    @staticmethod
+    def _in_weight_pass() -> bool:
+        """A zero-bubble W runs: it reads no parameters, so ZeRO-3 units are not its business
+        (B already released them)."""
+        return weight_grads.splitting() and not weight_grads.collecting()
 
     def _launch(self, bucket: _Bucket) -> None:
         if bucket.handle is not None or bucket.comm.size == 1:

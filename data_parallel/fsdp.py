@@ -82,6 +82,7 @@ class _Unit:
     reshard_after_forward: bool = True
     pending: int = 0  # forwards with autograd whose backward has not finished (kept units)
     reduced: int = 0  # buckets reduce-scattered in the running backward
+    in_backward: bool = False  # gathered by the running backward, not yet released
     stage: tuple | None = None  # NVMe parameter offload: (host buffer, read future)
     stage_in_use: torch.Tensor | None = None  # the buffer its running all-gather reads
 
@@ -300,6 +301,7 @@ class ParameterUnits:
         return self._after_forward(self.root, module(*args, **kwargs))
 
     def _pre_backward(self, u: _Unit) -> None:
+        u.in_backward = True
         self._use(u, self._next(u, backward=True), backward=True)
 
     def bucket_reduced(self, bucket) -> None:
@@ -311,17 +313,19 @@ class ParameterUnits:
             self._post_backward(u)
 
     def _post_backward(self, u: _Unit) -> None:
-        u.reduced = 0
+        u.reduced, u.in_backward = 0, False
         if not u.reshard_after_forward:
             u.pending = max(u.pending - 1, 0)
             if u.pending:
                 return
         self._free(u)
 
-    def end_of_backward(self) -> None:
-        """A unit with some buckets never reduced in this backward (no gradients) is done."""
+    def end_of_backward(self, split: bool = False) -> None:
+        """A unit with some buckets never reduced in this backward (no gradients) is done;
+        with `split` (a zero-bubble B, whose weight gradients come later) so is every unit
+        this backward gathered, reduced or not."""
         for u in self.order:
-            if u.reduced:
+            if u.reduced or (split and u.in_backward):
                 self._post_backward(u)
 
     # ------------------------------------------------------------------ step boundaries
@@ -331,14 +335,14 @@ class ParameterUnits:
         for u in self.order:
             if u.pending:
                 self._free(u)
-            u.pending, u.reduced = 0, 0
+            u.pending, u.reduced, u.in_backward = 0, 0, False
 
     def invalidate(self, prefetch: bool) -> None:
         """The shards changed (optimizer step, checkpoint load): drop every gathered copy and
         optionally start gathering the first unit for the next forward."""
         for u in self.order:
             self._free(u)
-            u.pending, u.reduced = 0, 0
+            u.pending, u.reduced, u.in_backward = 0, 0, False
             if u.stage is not None:  # read before the shards changed
                 u.stage[1].result()
                 u.stage = None

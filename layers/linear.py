@@ -9,6 +9,8 @@ the row layer reduce-scatters its output back to a sequence shard.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,6 +23,7 @@ from parallel_state import (
     reduce_scatter_to_sequence_parallel_region,
 )
 
+from parallel_state import weight_grads
 from parallel_state.mappings import (
     all_gather_sequence,
     all_gather_sequence_async,
@@ -49,6 +52,7 @@ class _LinearWithGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, sequence_parallel, grad_all_reduce, onednn):
         ctx.save_for_backward(x, weight)
+        ctx.params = (weight, bias)  # leaves whose deferred gradients W accumulates
         ctx.has_bias, ctx.sequence_parallel = bias is not None, sequence_parallel
         ctx.grad_all_reduce, ctx.onednn = grad_all_reduce, onednn
         total = all_gather_sequence(x) if sequence_parallel else x
@@ -60,7 +64,15 @@ class _LinearWithGrad(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         need_input, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        total, gather = all_gather_sequence_async(x) if ctx.sequence_parallel else (x, None)
+        need_bias = ctx.has_bias and ctx.needs_input_grad[2]
+        if (need_weight or need_bias) and weight_grads.defer(
+                functools.partial(_LinearWithGrad._weight_grads, ctx, x, grad, need_weight,
+                                  need_bias),
+                [t for t, need in zip(ctx.params, (need_weight, need_bias)) if need]):
+            need_weight = need_bias = False  # a zero-bubble B: W computes them later
+            total, gather = x, None
+        else:
+            total, gather = all_gather_sequence_async(x) if ctx.sequence_parallel else (x, None)
         grad_2d = grad.reshape(-1, grad.shape[-1])
         grad_input = reduce = None
         if need_input:
@@ -76,13 +88,30 @@ class _LinearWithGrad(torch.autograd.Function):
             reduce = all_reduce_async(grad_input)
         grad_weight = None
         if need_weight:
-            total_2d = total.reshape(-1, total.shape[-1])
-            grad_weight = gemm.weight_grad(grad_2d, total_2d) if ctx.onednn \
-                else grad_2d.t().matmul(total_2d)
-        grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+            grad_weight = _LinearWithGrad._weight_gemm(ctx, grad_2d, total)
+        grad_bias = grad_2d.sum(0) if need_bias else None
         if reduce is not None:
             reduce.wait()
         return grad_input, grad_weight, grad_bias, None, None, None
+
+    @staticmethod
+    def _weight_grads(ctx, x, grad, need_weight: bool, need_bias: bool) -> tuple:
+        """The deferred W of one call: `(dY^T X, sum dY)` for the wanted ones, X gathered
+        over the sequence under sequence parallelism (the same GEMM as the joint backward)."""
+        grad_2d = grad.reshape(-1, grad.shape[-1])
+        out = []
+        if need_weight:
+            total = all_gather_sequence(x) if ctx.sequence_parallel else x
+            out.append(_LinearWithGrad._weight_gemm(ctx, grad_2d, total))
+        if need_bias:
+            out.append(grad_2d.sum(0))
+        return tuple(out)
+
+    @staticmethod
+    def _weight_gemm(ctx, grad_2d, total) -> torch.Tensor:
+        """`dW = dY^T X` over all tokens: `grad_2d [n, out]`, `total [..., in]` -> `[out, in]`."""
+        total_2d = total.reshape(-1, total.shape[-1])
+        return gemm.weight_grad(grad_2d, total_2d) if ctx.onednn else grad_2d.t().matmul(total_2d)
 
 
 # Inference on CPU with 2 to this many rows (decode: one token per sequence) computes
@@ -105,9 +134,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     under no-grad with 2..FEW_ROWS rows, it is computed as `(W X^T)^T` (one row: MKL's
     matrix-vector product either way, and `F.linear` measured faster). A low-bit weight
     (`layers.quant.QuantizedWeight`, inference only) multiplies through its own
-    `QuantizedWeight.linear`."""
+    `QuantizedWeight.linear`. Under `weight_grads.split_backward()` (zero-bubble schedules)
+    a graph is built through `_LinearWithGrad`, whose backward can defer the weight
+    gradient."""
     if isinstance(weight, QuantizedWeight):
         return weight.linear(x, bias)
+    if weight_grads.splitting() and torch.is_grad_enabled() and weight.requires_grad \
+            and x.dim() >= 2 and not torch.is_autocast_enabled(x.device.type):
+        return _LinearWithGrad.apply(x, weight, bias, False, False, gemm.uses_onednn(x, weight))
     if gemm.uses_onednn(x, weight) and x.dim() >= 2:
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                         or (bias is not None and bias.requires_grad)):

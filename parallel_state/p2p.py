@@ -96,6 +96,33 @@ def communicate(spec: TensorSpec, *, send_next: Tensors | None = None,
     return from_prev, from_next
 
 
+def isend(spec: TensorSpec, tensors: Tensors, *, to_next: bool) -> list:
+    """Post the sends of `tensors` to the next stage (activations, tag 0) or the previous one
+    (gradients, tag 1) and return without waiting: `(requests, buffers)` for `wait_sends`.
+    Schedules given as action tables (zero bubble) send this way and receive when an action
+    needs its input, so a rank never waits on a send while its peer waits on it."""
+    group = ps.get_pipeline_model_parallel_group()
+    peer = ps.get_pipeline_model_parallel_next_rank() if to_next else \
+        ps.get_pipeline_model_parallel_prev_rank()
+    tag = FORWARD_TAG if to_next else BACKWARD_TAG
+    keep = [t.detach().to(spec.dtype).contiguous() for t in tensors]
+    ops = [dist.P2POp(dist.isend, t, peer, group=group, tag=tag) for t in keep]
+    return [collectives.batch_isend_irecv(ops), keep]
+
+
+def wait_sends(pending: list, completed_only: bool = False) -> None:
+    """Wait for the sends `isend` posted and drop them from `pending` (freeing their
+    buffers); with `completed_only`, only those already complete (never blocks)."""
+    keep = []
+    for reqs, buffers in pending:
+        if completed_only and not all(req.is_completed() for req in reqs):
+            keep.append((reqs, buffers))
+            continue
+        for req in reqs:
+            req.wait()
+    pending[:] = keep
+
+
 def recv_forward(spec: TensorSpec) -> Tensors | None:
     if ps.is_pipeline_first_stage():
         return None

@@ -14,9 +14,14 @@ Activations per microbatch, for a stage's chunks:
   the shard `[s/t, b, h]` under SP), the cross entropy's float32 softmax `[b, s, V/t]` plus
   its int64 target, two bool masks and the column mask, and the loss mask `[b, s]` float32.
 
-Microbatches in flight on pipeline rank `r` (Narayanan et al. 2021, sec. 2.2; Megatron's
-warm-up counts): 1F1B keeps `min(p - r, m)`; the interleaved schedule keeps
-`min((p - r - 1) 2 + (v - 1) p + 1, m v)` chunk-microbatches, each one chunk's activations.
+Microbatches in flight on pipeline rank `r`: the schedule table's peak
+(parallel_state/schedule_tables.py `simulate`, equal pass costs), which is Megatron's warm-up
+count for 1F1B, `min(p - r, m)`, and for the interleaved schedule,
+`min((p - r - 1) 2 + (v - 1) p + 1, m v)` chunk-microbatches (Narayanan et al. 2021, sec.
+2.2), each one chunk's activations; ZB-H1 keeps `min(p, m)` on every rank (Qi et al. 2024,
+sec. 3.1: 1F1B's rank-0 peak), counting a microbatch from its forward to its W. Between B and
+W a zero-bubble microbatch holds less than its activations (the linears' inputs and output
+gradients only), so the count is an upper bound there.
 
 Transient: ZeRO-2/3 keep up to two float32 buckets being reduce-scattered; ZeRO-3 the
 gathered units (`gathered_peak_bytes`); at cp > 1 one attention call's K/V blocks in flight
@@ -24,6 +29,8 @@ gathered units (`gathered_peak_bytes`); at cp > 1 one attention call's K/V block
 (planner/context_parallel.py `attention_buffer_bytes`).
 """
 from __future__ import annotations
+
+from parallel_state import schedule_tables
 
 from .activations import model_chunk_bytes, norm_bytes
 from .context_parallel import attention_buffer_bytes
@@ -79,11 +86,29 @@ def gathered_peak_bytes(config, chunks) -> int:
     return total
 
 
-def in_flight(pp: int, vpp: int, num_microbatches: int, pp_rank: int) -> int:
-    """Chunk-microbatches whose activations pipeline rank `pp_rank` holds at its peak."""
-    if vpp > 1:
-        return min((pp - pp_rank - 1) * 2 + (vpp - 1) * pp + 1, num_microbatches * vpp)
-    return min(pp - pp_rank, num_microbatches)
+def _simulation(pp: int, vpp: int, num_microbatches: int, schedule: str | None):
+    name = schedule or ("interleaved" if vpp > 1 else "1f1b")
+    return schedule_tables.simulate(schedule_tables.build(name, pp, num_microbatches, vpp))
+
+
+def in_flight(pp: int, vpp: int, num_microbatches: int, pp_rank: int,
+              schedule: str | None = None) -> int:
+    """Chunk-microbatches whose activations pipeline rank `pp_rank` holds at its peak under
+    `schedule` (--pipeline-schedule; None: interleaved at vpp > 1, else 1f1b)."""
+    if pp == 1:
+        return 1
+    return _simulation(pp, vpp, num_microbatches, schedule).peak_activations[pp_rank]
+
+
+def pipeline_bubble(config) -> float:
+    """Idle / compute of the slowest pipeline rank under the run's schedule, equal F / B / W
+    passes (0 without pipelining)."""
+    t = config.train
+    if t.pipeline_model_parallel_size == 1:
+        return 0.0
+    return max(_simulation(t.pipeline_model_parallel_size,
+                           t.virtual_pipeline_model_parallel_size or 1,
+                           config.num_microbatches, t.pipeline_schedule).bubble)
 
 
 def rank_memory(config, pp_rank: int) -> dict:
@@ -100,7 +125,7 @@ def rank_memory(config, pp_rank: int) -> dict:
                                         pp_rank == pp - 1 and c == v - 1)["total"]
                  for c, params in enumerate(chunks)]
     per_mb = sum(per_chunk)
-    held = in_flight(pp, v, config.num_microbatches, pp_rank)
+    held = in_flight(pp, v, config.num_microbatches, pp_rank, t.pipeline_schedule)
     activations = per_mb * held / v
     transient = 0
     strategy = t.data_parallel_sharding_strategy

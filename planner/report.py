@@ -10,7 +10,7 @@ from parallel_state.comm_counter import gather_counts
 
 from . import moe
 from .communication import step_communication
-from .memory import rank_memory
+from .memory import pipeline_bubble, rank_memory
 
 
 def _mib(x: float) -> str:
@@ -117,10 +117,9 @@ def log_comm(config, counts: dict, global_batch_size: int, iteration: int, logge
 
 def run_end_summary(config, comm: dict | None, bubble: dict | None) -> tuple[dict, str]:
     """The closing comparison: counted vs predicted bytes of the counted step, and the
-    predicted bubble (p-1)/(v*m) beside the measured one (--profile-pipeline's replay)."""
-    t = config.train
-    pp, v = t.pipeline_model_parallel_size, t.virtual_pipeline_model_parallel_size or 1
-    theory = (pp - 1) / (v * config.num_microbatches)
+    predicted bubble of the run's schedule (planner/memory.py `pipeline_bubble`) beside the
+    measured one (--profile-pipeline's replay)."""
+    theory = pipeline_bubble(config)
     rec = {"event": "planner_vs_measured", "bubble_predicted": theory}
     parts = []
     if comm is not None:

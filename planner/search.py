@@ -1,8 +1,8 @@
 """Every layout of a model on a GPU count: validated as train.py validates it, predicted
 (memory, communication, bubble, step time, MFU) and ranked.
 
-A layout is (tp, pp, vpp, cp, dp, micro batch, sharding strategy, recompute, sequence
-parallel, and for an MoE model the expert-parallel size ep: every divisor of num_moe_experts
+A layout is (tp, pp, vpp and pipeline schedule -- 1f1b or zb-h1 at vpp 1, interleaved
+above --, cp, dp, micro batch, sharding strategy, recompute, sequence parallel, and for an MoE model the expert-parallel size ep: every divisor of num_moe_experts
 that divides dp, expert TP = TP; the context-parallel size cp: every divisor of the GPUs left
 by tp x pp with seq_length divisible by 2 cp, dense models only, in the comm type asked
 for); `enumerate_layouts` builds each one as a
@@ -22,7 +22,9 @@ sec. 5.1) at `peak x matmul_efficiency` per GPU:
               hide: the ring's transfers overlap the attention core's FLOPs (forward,
               backward, recompute) of the microbatch, so max(0, ring - core) is exposed; the
               all_gather type's collectives are all exposed
-    t_pipe  = (m + (p - 1) / v) t_mb                (the bubble: (p - 1) / (v m) of m t_mb)
+    t_pipe  = m t_mb (1 + bubble)                  bubble: the schedule table's, equal
+              F / B / W passes (parallel_state/schedule_tables.py): (p - 1) / (v m) for 1F1B
+              and interleaved, (p - 1) / (3 m) for ZB-H1 at m >= p
     t_step  = t_pipe + p2p + exposed DP + embedding and norm all-reduces
 
 DP gradient reductions (over dp x cp; the expert gradients' over edp) overlap the last
@@ -57,6 +59,7 @@ from run_config.config import Config
 from run_config.train_config import TrainConfig
 
 from . import moe
+from .memory import pipeline_bubble
 from .flops import GPU_PEAK_BF16_TFLOPS, layer_forward_flops, training_flops_per_token
 from .communication import (attention_layers, communication_per_rank, communication_seconds,
                             context_parallel_communication, step_communication)
@@ -123,6 +126,7 @@ def layout_fields(config: Config) -> dict:
             "ep": t.expert_model_parallel_size, "cp": t.context_parallel_size,
             "cp_comm_type": t.cp_comm_type,
             "vpp": t.virtual_pipeline_model_parallel_size or 1, "dp": config.data_parallel_size,
+            "schedule": t.pipeline_schedule or "none",
             "micro_batch_size": t.micro_batch_size, "num_microbatches": config.num_microbatches,
             "sequence_parallel": t.sequence_parallel,
             "sharding": t.data_parallel_sharding_strategy,
@@ -137,6 +141,8 @@ def flags(layout: dict) -> str:
     out = [f"--tp {layout['tp']}", f"--pp {layout['pp']}"]
     if layout["vpp"] > 1:
         out.append(f"--vpp {layout['vpp']}")
+    if layout.get("schedule") == "zb-h1":
+        out.append("--pipeline-schedule zb-h1")
     if layout.get("ep", 1) > 1:
         out.append(f"--expert-model-parallel-size {layout['ep']}")
     if layout.get("cp", 1) > 1:
@@ -179,7 +185,7 @@ def enumerate_layouts(model, gpus: int, global_batch_size: int, *, bf16: bool = 
     (optimizer, parameters) offload devices (`offload_choices`; parameters: ZeRO-3 only)."""
     base = base or TrainConfig()
     choices = [(None, None)] if offload is None else offload
-    for tp, pp, vpp, sp, e, c in _parallel_sizes(model, gpus, ep, cp):
+    for tp, pp, vpp, schedule, sp, e, c in _parallel_sizes(model, gpus, ep, cp):
         for mbs in MICRO_BATCH_SIZES:
             for strategy in STRATEGIES if offload is None else ("optim_grads",
                                                                 "optim_grads_params"):
@@ -189,7 +195,7 @@ def enumerate_layouts(model, gpus: int, global_batch_size: int, *, bf16: bool = 
                             continue
                         yield _candidate(model, gpus, global_batch_size, base, bf16,
                                          node_size, tp, pp, vpp, sp, mbs, strategy, recompute,
-                                         e, c, opt, par)
+                                         e, c, opt, par, schedule)
 
 
 _RECOMPUTE = (None, "selective", "full")
@@ -215,20 +221,22 @@ def context_parallel_sizes(model, ranks: int) -> list[int]:
 
 def _parallel_sizes(model, gpus: int, ep: int | None = None,
                     cp: int | None = None) -> list[tuple]:
-    """Every (tp, pp, vpp, sequence parallel, ep, cp) the search tries for `gpus` (`ep`,
-    `cp`: only that expert-parallel / context-parallel size)."""
+    """Every (tp, pp, vpp, pipeline schedule, sequence parallel, ep, cp) the search tries for
+    `gpus` (`ep`, `cp`: only that expert-parallel / context-parallel size): at pp > 1 and
+    vpp 1 both 1f1b and zb-h1, at vpp > 1 interleaved."""
     out = []
     for tp in _divisors(gpus):
         for pp in _divisors(gpus // tp):
             per_stage = model.num_layers // pp if model.num_layers % pp == 0 else 0
-            vpps = [None] + [v for v in _divisors(per_stage) if 1 < v <= MAX_VPP] \
-                if pp > 1 and per_stage else [None]
+            vpps = [(None, "1f1b"), (None, "zb-h1")] + [
+                (v, "interleaved") for v in _divisors(per_stage) if 1 < v <= MAX_VPP] \
+                if pp > 1 and per_stage else [(None, None)]
             for c in context_parallel_sizes(model, gpus // (tp * pp)):
                 if cp is not None and c != cp:
                     continue
                 eps = [e for e in expert_parallel_sizes(model, gpus // (tp * pp * c))
                        if ep is None or e == ep]
-                out += [(tp, pp, vpp, sp, e, c) for vpp in vpps
+                out += [(tp, pp, vpp, schedule, sp, e, c) for vpp, schedule in vpps
                         for sp in ((False, True) if tp > 1 else (False,)) for e in eps]
     return out
 
@@ -240,10 +248,12 @@ def layout_count(model, gpus: int, ep: int | None = None, cp: int | None = None)
 
 
 def _candidate(model, gpus, gbs, base, bf16, node_size, tp, pp, vpp, sp, mbs, strategy,
-               recompute, ep=1, cp=1, optimizer_offload=None, param_offload=None):
+               recompute, ep=1, cp=1, optimizer_offload=None, param_offload=None,
+               schedule=None):
     train = dataclasses.replace(
         base, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp, num_layers_per_virtual_pipeline_stage=None,
+        pipeline_schedule=schedule,
         sequence_parallel=sp, micro_batch_size=mbs, global_batch_size=gbs,
         data_parallel_sharding_strategy=strategy, use_distributed_optimizer=False,
         recompute_granularity=recompute, recompute_method=None, recompute_num_layers=None,
@@ -254,7 +264,7 @@ def _candidate(model, gpus, gbs, base, bf16, node_size, tp, pp, vpp, sp, mbs, st
         offload_path="DIR" if "nvme" in (optimizer_offload, param_offload) else None,
         bf16=bf16, log_dir="", save=None, save_replica=None, tensorboard=False)
     fields = {"tp": tp, "pp": pp, "ep": ep, "cp": cp, "cp_comm_type": train.cp_comm_type,
-              "vpp": vpp or 1, "dp": gpus // (tp * pp * cp),
+              "vpp": vpp or 1, "schedule": schedule or "none", "dp": gpus // (tp * pp * cp),
               "micro_batch_size": mbs, "sequence_parallel": sp, "sharding": strategy,
               "zero_stage": ZERO_STAGE[strategy], "recompute": recompute or "none",
               "optimizer_offload": optimizer_offload, "param_offload": param_offload}
@@ -337,8 +347,8 @@ def predict(config: Config, hw: Hardware) -> dict:
     # TP/SP collectives and the MoE all-to-alls sit between dependent matmuls
     t_stage = t_mb + (seconds.get("tp", 0.0) + seconds.get("sp", 0.0)
                       + seconds.get("ep", 0.0)) / mb + exposed_cp
-    bubble = (pp - 1) / (v * mb)
-    t_pipe = (mb + (pp - 1) / v) * t_stage
+    bubble = pipeline_bubble(config)
+    t_pipe = mb * t_stage * (1 + bubble)
     data = ("dp", "edp", "cp", "dp-cp")  # gradient groups (cp: dp x cp at dp 1)
     grad_keys = [k for k in rest
                  if k[0] in data and k[1] in ("all_reduce", "reduce_scatter_single")]

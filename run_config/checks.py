@@ -41,6 +41,7 @@ def validate(m: ModelConfig, t: TrainConfig, world_size: int) -> tuple[int, int]
             raise ConfigError("--pipeline-model-parallel-split-rank is for encoder-decoder "
                               "models (--model-type t5); drop it for a GPT model")
         _check_pipeline(m, t)
+    _check_pipeline_schedule(m, t)
     num_microbatches = _check_batch(t, dp)
     check_batch_schedule(t, t.micro_batch_size * dp,
                          t.pipeline_model_parallel_size,
@@ -282,6 +283,35 @@ def _check_pipeline(m: ModelConfig, t: TrainConfig) -> None:
                               f"layers of each pipeline stage {stages} (not {bad[0]})")
         if t.num_layers_per_virtual_pipeline_stage is None and len(set(stages)) == 1:
             t.num_layers_per_virtual_pipeline_stage = stages[0] // vpp
+
+
+PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1")  # what training runs (--pipeline-schedule)
+
+
+def _check_pipeline_schedule(m: ModelConfig, t: TrainConfig) -> None:
+    """Resolve --pipeline-schedule (None: interleaved with vpp > 1, else 1f1b) and check it
+    against pp, vpp and the model."""
+    _check_choice("pipeline_schedule", t.pipeline_schedule, (None,) + PIPELINE_SCHEDULES)
+    vpp = t.virtual_pipeline_model_parallel_size or 1
+    name = t.pipeline_schedule or ("interleaved" if vpp > 1 else "1f1b")
+    if name == "interleaved" and vpp < 2:
+        raise ConfigError("--pipeline-schedule interleaved runs several model chunks per "
+                          "stage; add --virtual-pipeline-model-parallel-size 2 (or more)")
+    if name in ("1f1b", "zb-h1") and vpp > 1:
+        raise ConfigError(f"--pipeline-schedule {name} runs one model chunk per stage; drop "
+                          f"--virtual-pipeline-model-parallel-size {vpp} or use interleaved")
+    if name == "zb-h1":
+        if t.pipeline_model_parallel_size < 2:
+            raise ConfigError("--pipeline-schedule zb-h1 needs --pipeline-model-parallel-size"
+                              " > 1 (without pipelining there is no bubble to fill)")
+        if m.is_encoder_decoder:
+            raise ConfigError("--pipeline-schedule zb-h1 runs decoder-only models; use 1f1b "
+                              "for an encoder-decoder model")
+        if t.compile:
+            raise ConfigError("--pipeline-schedule zb-h1 splits the backward in the layers' "
+                              "own autograd functions, which a compiled layer traces once; "
+                              "drop --compile or use 1f1b")
+    t.pipeline_schedule = name if t.pipeline_model_parallel_size > 1 else t.pipeline_schedule
 
 
 def _check_batch(t: TrainConfig, dp: int) -> int:

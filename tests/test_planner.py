@@ -252,15 +252,15 @@ def test_plan_says_what_it_does_on_a_terminal():
     err = err.decode()
     status = err.index("\r\x1b[Kplan.py: loading train.py's checks and the planner (torch)")
     assert status < re.search(r"\| +torch\r\n", err).start()  # said before torch is imported
-    assert "plan.py: checking 672 layouts ..." in err and err.endswith("\r\x1b[K")
+    assert "plan.py: checking 864 layouts ..." in err and err.endswith("\r\x1b[K")
     assert out.startswith("tiny-gpt: ") and "plan.py:" not in out
 
     model = parse_config(["--model", "tiny-gpt"]).model
     seen = []
     hw = search.Hardware(gpus=4, gpu_memory=2e9, network=search.Network(node_size=4))
     result = search.plan(model, hw, 16, progress=lambda n, fit: seen.append((n, fit)))
-    assert search.layout_count(model, 4) == 672 == len(result["fits"]) + len(result["rejected"])
-    assert [n for n, _ in seen] == list(range(672)) and seen[-1][1] <= len(result["fits"])
+    assert search.layout_count(model, 4) == 864 == len(result["fits"]) + len(result["rejected"])
+    assert [n for n, _ in seen] == list(range(864)) and seen[-1][1] <= len(result["fits"])
 
 
 @pytest.mark.parametrize("activation", ["gelu", "swiglu", "geglu", "relu"])

@@ -103,7 +103,7 @@ def global_loss_sum(loss_sum: torch.Tensor, group=None) -> torch.Tensor:
 def evaluate(chunks, dataset, config: Config, device, progress=None) -> float:
     """Mean token loss (nats) over `eval_iters` global batches of the validation split;
     `progress(batches done)`, if given, is called after each (metrics.EvalProgress)."""
-    forward_backward = get_forward_backward_func()
+    forward_backward = get_forward_backward_func(config.train.pipeline_schedule)
     spec = pipeline_spec(config, device)
     for c in chunks:
         c.eval()

@@ -1,6 +1,6 @@
 """Microbatch schedules: forward and backward over the microbatches of one global batch.
 
-Three schedules behind one signature, chosen by `get_forward_backward_func()` from the grid:
+Four schedules behind one signature, chosen by `get_forward_backward_func()` from the grid:
 
 - no pipelining: gradient accumulation over microbatches on one stage;
 - 1F1B (PipeDream-Flush, Narayanan et al. 2021, SC21, sec. 2.2.1): warm-up forwards, then
@@ -8,7 +8,11 @@ Three schedules behind one signature, chosen by `get_forward_backward_func()` fr
   of activations are alive per stage;
 - interleaved 1F1B (same paper, sec. 2.2.2): each rank holds `vpp` model chunks and runs the
   1F1B pattern over virtual stages, shrinking the bubble from (p-1)/m to (p-1)/(v*m). It needs
-  `num_microbatches % pp == 0` (checked by the config).
+  `num_microbatches % pp == 0` (checked by the config);
+- ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", sec. 3.1; `--pipeline-schedule
+  zb-h1`): 1F1B with each backward split into B (input gradient, sent upstream at once) and
+  W (weight gradient, run later where 1F1B idles), from the table in
+  parallel_state/schedule_tables.py; about a third of 1F1B's bubble at its memory.
 
 Each takes `model` (a list of model chunks, each a DistributedDataParallel wrapper), the
 microbatches (dicts with `tokens`, `labels`, `loss_mask`), `loss_scale` = 1 / tokens of the
@@ -24,7 +28,7 @@ from typing import Callable
 import torch
 
 import parallel_state as ps
-from parallel_state import p2p
+from parallel_state import p2p, schedule_tables, weight_grads
 
 
 def loss_from_batch(model, batch: dict, hidden_states=None):
@@ -83,16 +87,27 @@ class _Runner:
 
     def backward(self, chunk: int, mb: int, inputs, outputs, output_grads):
         """Backpropagate `outputs` (with `output_grads`, None for the loss); returns the
-        gradients of `inputs` (None on the first stage)."""
+        gradients of `inputs` (None on the first stage). Inside
+        `weight_grads.input_gradients_only()` this is a zero-bubble B."""
         self.backwards_left[chunk] -= 1
-        ddp = self.model[chunk]
-        if hasattr(ddp, "sync_enabled"):
-            ddp.sync_enabled = self.backwards_left[chunk] == 0  # last backward of this chunk
+        self._sync(chunk, self.backwards_left[chunk] == 0)  # last backward of this chunk
         with self._timed("B", chunk, mb):
             torch.autograd.backward(outputs, grad_tensors=output_grads)
         if inputs is None:
             return None
         return tuple(t.grad for t in inputs)
+
+    def weight_pass(self, chunk: int, mb: int, deferred, last: bool) -> None:
+        """Run the W of microbatch `mb` on `chunk` (`deferred`: what its B queued); `last`:
+        the chunk's last W, during which the DP gradient sync may start (its B already
+        counted the gradients computed in B)."""
+        self._sync(chunk, last)
+        with self._timed("W", chunk, mb):
+            deferred.run()
+
+    def _sync(self, chunk: int, enabled: bool) -> None:
+        if hasattr(self.model[chunk], "sync_enabled"):
+            self.model[chunk].sync_enabled = enabled
 
 
 def forward_backward_no_pipelining(*, model, microbatches, loss_scale, spec=None,
@@ -331,10 +346,72 @@ def forward_backward_pipelining_with_interleaving(
     return run.total
 
 
-def get_forward_backward_func() -> Callable:
-    """The schedule for the current grid; pass `timeline=` to record its spans."""
+def forward_backward_pipelining_zero_bubble(
+        *, model, microbatches, loss_scale, spec, forward_only=False,
+        timeline=None) -> torch.Tensor:
+    """ZB-H1 (Qi et al. 2024, sec. 3.1): this rank's table of F / B / W actions
+    (`parallel_state.schedule_tables.build("zb-h1", pp, m)`), run in order. B computes input
+    gradients only (`weight_grads.input_gradients_only`); the linears' weight gradients it
+    queues run at the W of the same microbatch, exactly once. Sends are posted without
+    waiting (`p2p.isend`) and an action receives its input when it runs, so any table that
+    `schedule_tables.check` accepts runs without deadlock. Forward-only runs 1F1B's forwards.
+
+    Raises:
+        RuntimeError: the table left a forward without backward or a B without W.
+    """
+    if forward_only:
+        return forward_backward_pipelining_without_interleaving(
+            model=model, microbatches=microbatches, loss_scale=loss_scale, spec=spec,
+            forward_only=True, timeline=timeline)
+    pp, rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    table = schedule_tables.build("zb-h1", pp, len(microbatches)).actions[rank]
+    run = _Runner(model, microbatches, loss_scale, False, timeline)
+    with weight_grads.split_backward():
+        _run_table(run, spec, table)
+    return run.total
+
+
+def _run_table(run: _Runner, spec, actions) -> None:
+    """Run one rank's actions (one model chunk per rank)."""
+    first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+    kept, deferred, sends = {}, {}, []
+    weights_left = [len(run.microbatches)] * len(run.model)
+    try:
+        for a in actions:
+            key = (a.chunk, a.microbatch)
+            p2p.wait_sends(sends, completed_only=True)
+            if a.kind == "F":
+                inputs = None if first else p2p.communicate(spec, recv_prev=True)[0]
+                outputs = run.forward(a.chunk, a.microbatch, inputs)
+                if not last:
+                    sends.append(p2p.isend(spec, outputs, to_next=True))
+                kept[key] = (inputs, outputs)
+            elif a.kind == "B":
+                grads = None if last else p2p.communicate(spec, recv_next=True)[1]
+                inputs, outputs = kept.pop(key)
+                with weight_grads.input_gradients_only() as w:
+                    input_grads = run.backward(a.chunk, a.microbatch, inputs, outputs, grads)
+                deferred[key] = w
+                if not first:
+                    sends.append(p2p.isend(spec, input_grads, to_next=False))
+            else:
+                weights_left[a.chunk] -= 1
+                run.weight_pass(a.chunk, a.microbatch, deferred.pop(key),
+                                last=weights_left[a.chunk] == 0)
+    finally:
+        p2p.wait_sends(sends)
+    if kept or deferred:
+        raise RuntimeError(f"pipeline table left forwards {sorted(kept)} without B and B's "
+                           f"{sorted(deferred)} without W")
+
+
+def get_forward_backward_func(schedule_name: str | None = None) -> Callable:
+    """The schedule for the current grid (`schedule_name`: --pipeline-schedule; None picks
+    interleaved with vpp > 1, else 1F1B); pass `timeline=` to record its spans."""
     if ps.get_pipeline_model_parallel_world_size() == 1:
         schedule = forward_backward_no_pipelining
+    elif schedule_name == "zb-h1":
+        schedule = forward_backward_pipelining_zero_bubble
     elif (ps.get_virtual_pipeline_model_parallel_world_size() or 1) > 1:
         schedule = forward_backward_pipelining_with_interleaving
     else:

@@ -1,9 +1,14 @@
 """Pipeline schedule timeline (`--profile-pipeline`): what each rank did when, and the bubble.
 
-Each rank records the start and end of every forward (F), backward (B) and communication
-(C) span of one training step, with wall-clock times and this thread's CPU time. Rank 0 gathers
-all ranks' spans and reports, per pipeline rank, the bubble fraction beside the theory of
-Narayanan et al. 2021 (SC21), sec. 2.2: bubble time / ideal compute time = (p - 1) / (v * m).
+Each rank records the start and end of every forward (F), backward (B: the whole backward,
+or under a zero-bubble schedule its input-gradient part), weight-gradient (W, zero-bubble
+schedules only) and communication (C) span of one training step, with wall-clock times and
+this thread's CPU time. Rank 0 gathers all ranks' spans and reports, per pipeline rank, the
+bubble fraction beside the schedule's prediction: its table (parallel_state/schedule_tables.py)
+run with equal pass costs, which gives Narayanan et al. 2021 (SC21), sec. 2.2's (p - 1) / (v m)
+for 1F1B and interleaved 1F1B (B = 2 passes) and Qi et al. 2024, sec. 3.1's (p - 1) / (3 m)
+for ZB-H1. It also reports each rank's peak of chunk-microbatches whose activations are held
+(from a forward to the end of its backward, or of its W), beside the table's.
 
 Two measurements are reported:
 
@@ -30,12 +35,12 @@ import numpy as np
 import torch.distributed as dist
 
 import parallel_state as ps
-from parallel_state import collectives
+from parallel_state import collectives, schedule_tables
 
 
 @dataclass
 class Span:
-    kind: str  # "F", "B" or "C"
+    kind: str  # "F", "B", "W" or "C"
     chunk: int
     microbatch: int
     start: float  # wall seconds
@@ -59,14 +64,35 @@ class Timeline:
                                    time.thread_time() - c0))
 
 
-def theoretical_bubble(pp: int, vpp: int, num_microbatches: int) -> float:
-    """(p - 1) / (v * m), Narayanan et al. 2021, sec. 2.2.2."""
-    return (pp - 1) / (vpp * num_microbatches)
+def schedule_name(schedule: str | None, vpp: int) -> str:
+    """--pipeline-schedule as resolved (None: interleaved with vpp > 1, else 1f1b)."""
+    return schedule or ("interleaved" if vpp > 1 else "1f1b")
+
+
+def predicted(schedule: str | None, pp: int, vpp: int, num_microbatches: int,
+              costs: tuple[float, float, float] = (1.0, 1.0, 1.0)):
+    """The schedule table's `Simulation` with pass costs `costs` = (F, B, W) (an unsplit B
+    costs B + W): by default equal, which gives the bubble per rank (p - 1) / (v m) for 1F1B
+    / interleaved (Narayanan et al. 2021, sec. 2.2) and (p - 1) / (3 m) for ZB-H1 at m >= p
+    (Qi et al. 2024, sec. 3.1), and the peak in-flight chunk-microbatches per rank; without
+    pipelining no bubble and one microbatch at a time."""
+    if pp == 1:
+        return schedule_tables.Simulation([0.0], [1], [0.0], 0.0)
+    return schedule_tables.simulate(schedule_tables.build(
+        schedule_name(schedule, vpp), pp, num_microbatches, vpp), *costs)
+
+
+def pass_costs(per_rank: list[list[Span]]) -> tuple[float, float, float]:
+    """Median CPU seconds of an F, a B and a W span over all ranks (W 0 when none ran: B then
+    holds the whole backward)."""
+    med = lambda k: float(np.median([s.cpu for spans in per_rank for s in spans  # noqa: E731
+                                     if s.kind == k] or [0.0]))
+    return med("F"), med("B"), med("W")
 
 
 def wall_bubble(spans: list[Span]) -> float:
     """(step time - compute time) / compute time from wall clocks of one rank."""
-    compute = [s for s in spans if s.kind in "FB"]
+    compute = [s for s in spans if s.kind in "FBW"]
     busy = sum(s.end - s.start for s in compute)
     total = max(s.end for s in spans) - min(s.start for s in spans)
     return (total - busy) / busy
@@ -77,11 +103,11 @@ def replay(per_rank: list[list[Span]], pp: int, vpp: int) -> list[float]:
 
     `per_rank[r]` are pipeline rank r's spans in execution order. Virtual stage of chunk c on
     rank r is c * pp + r; F(vs, j) needs F(vs - 1, j) done, B(vs, j) needs B(vs + 1, j) done
-    (and, on the last virtual stage, its own F).
+    (and, on the last virtual stage, its own F), W(vs, j) its own B.
     """
     last_vs = pp * vpp - 1
     done: dict[tuple[str, int, int], float] = {}
-    queues = [[s for s in spans if s.kind in "FB"] for spans in per_rank]
+    queues = [[s for s in spans if s.kind in "FBW"] for spans in per_rank]
     clock, busy = [0.0] * pp, [0.0] * pp
     pos = [0] * pp
     while any(pos[r] < len(queues[r]) for r in range(pp)):
@@ -93,6 +119,8 @@ def replay(per_rank: list[list[Span]], pp: int, vpp: int) -> list[float]:
             vs = s.chunk * pp + r
             if s.kind == "F":
                 dep = ("F", vs - 1, s.microbatch) if vs > 0 else None
+            elif s.kind == "W":
+                dep = ("B", vs, s.microbatch)
             else:
                 dep = ("B", vs + 1, s.microbatch) if vs < last_vs else ("F", vs, s.microbatch)
             if dep is not None and dep not in done:
@@ -111,7 +139,21 @@ def replay(per_rank: list[list[Span]], pp: int, vpp: int) -> list[float]:
 
 def stage_compute(per_rank: list[list[Span]]) -> list[float]:
     """CPU seconds of forward and backward work of each pipeline rank (what replay times)."""
-    return [sum(s.cpu for s in spans if s.kind in "FB") for spans in per_rank]
+    return [sum(s.cpu for s in spans if s.kind in "FBW") for spans in per_rank]
+
+
+def peak_in_flight(spans: list[Span]) -> int:
+    """Most chunk-microbatches one rank held activations for at once: from a forward's start
+    to the end of its W (split schedules) or of its backward."""
+    split = any(s.kind == "W" for s in spans)
+    live = peak = 0
+    for s in spans:
+        if s.kind == "F":
+            live += 1
+            peak = max(peak, live)
+        elif s.kind == ("W" if split else "B"):
+            live -= 1
+    return peak
 
 
 def suggest_split(compute: list[float], layers: list[int], vpp: int = 1,
@@ -174,15 +216,22 @@ def suggest_split(compute: list[float], layers: list[int], vpp: int = 1,
 
 
 def report(per_rank: list[list[Span]], pp: int, vpp: int, num_microbatches: int,
-           log_dir: str | None) -> dict:
+           log_dir: str | None, schedule: str | None = None) -> dict:
     """Bubble numbers per pipeline rank (`per_rank` ordered by pipeline rank), written to
     `<log_dir>/pipeline_timeline.json` (+ PNG) when log_dir is given."""
-    theory = theoretical_bubble(pp, vpp, num_microbatches)
+    sim = predicted(schedule, pp, vpp, num_microbatches)
+    costs = pass_costs(per_rank)
     wall = [wall_bubble(s) for s in per_rank]
     replayed = replay(per_rank, pp, vpp)
     result = {"pp": pp, "vpp": vpp, "num_microbatches": num_microbatches,
-              "bubble_theory": theory, "bubble_wall": wall, "bubble_replay": replayed,
-              "compute": stage_compute(per_rank)}
+              "schedule": schedule_name(schedule, vpp),
+              "bubble_theory": max(sim.bubble), "pass_costs": costs,
+              "bubble_predicted": predicted(schedule, pp, vpp, num_microbatches,
+                                            costs).bubble,
+              "bubble_wall": wall, "bubble_replay": replayed,
+              "compute": stage_compute(per_rank),
+              "in_flight_peak": [peak_in_flight(s) for s in per_rank],
+              "in_flight_peak_predicted": sim.peak_activations}
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
         t0 = min(s.start for spans in per_rank for s in spans)
@@ -206,7 +255,7 @@ def _maybe_png(per_rank: list[list[Span]], t0: float, path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:  # the PNG is optional
         return
-    colors = {"F": "tab:blue", "B": "tab:green", "C": "lightgray"}
+    colors = {"F": "tab:blue", "B": "tab:green", "W": "tab:orange", "C": "lightgray"}
     fig, ax = plt.subplots(figsize=(12, 0.6 * len(per_rank) + 1))
     for r, spans in enumerate(per_rank):
         for s in spans:
@@ -218,7 +267,7 @@ def _maybe_png(per_rank: list[list[Span]], t0: float, path: str) -> None:
     ax.set_yticks(range(len(per_rank)), [f"stage {r}" for r in range(len(per_rank))])
     ax.invert_yaxis()
     ax.set_xlabel("seconds (wall)")
-    ax.set_title("pipeline timeline: F blue, B green, communication gray")
+    ax.set_title("pipeline timeline: F blue, B green, W orange, communication gray")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -235,13 +284,14 @@ def gather_timeline(timeline: Timeline):
 
 
 def report_bubble(profiles, config, logger) -> dict:
-    """Median bubble per stage over the profiled steps, beside (p-1)/(v*m), each stage's share
+    """Median bubble per stage over the profiled steps, beside the schedule's theory and its
+    prediction from the measured pass costs, the activations held at peak, each stage's share
     of the compute (the theory assumes equal shares) and, when the stages are unbalanced, the
     --decoder-first/last-pipeline-num-layers that would balance them; logged on rank 0."""
     t = config.train
     pp, vpp = t.pipeline_model_parallel_size, t.virtual_pipeline_model_parallel_size or 1
     steps = [report(p, pp, vpp, config.num_microbatches,
-                             t.log_dir if i == len(profiles) - 1 else None)
+                    t.log_dir if i == len(profiles) - 1 else None, t.pipeline_schedule)
              for i, p in enumerate(profiles)]
     med = lambda xs: float(np.median(xs))  # noqa: E731
     compute = [med([s["compute"][r] for s in steps]) for r in range(pp)]
@@ -251,7 +301,12 @@ def report_bubble(profiles, config, logger) -> dict:
            "bubble_replay": [med([s["bubble_replay"][r] for s in steps]) for r in range(pp)],
            "compute_share": [c / sum(compute) for c in compute], "stage_layers": layers,
            "profiled_steps": len(steps), "pp": pp, "vpp": vpp,
-           "num_microbatches": config.num_microbatches}
+           "num_microbatches": config.num_microbatches, "schedule": steps[0]["schedule"],
+           "bubble_predicted": [med([s["bubble_predicted"][r] for s in steps])
+                                for r in range(pp)],
+           "pass_costs": [med([s["pass_costs"][k] for s in steps]) for k in range(3)],
+           "in_flight_peak": steps[-1]["in_flight_peak"],
+           "in_flight_peak_predicted": steps[-1]["in_flight_peak_predicted"]}
     fmt = lambda xs: " ".join(f"{x:.3f}" for x in xs)  # noqa: E731
     hint = suggest_split(compute, layers, vpp)
     share = rec["compute_share"]
@@ -266,10 +321,14 @@ def report_bubble(profiles, config, logger) -> dict:
                     f"--decoder-last-pipeline-num-layers {hint['last']} would give shares "
                     f"{fmt(hint['predicted_share'])}" if hint["better"] else
                     f"no other split of the {sum(layers)} layers is faster")
-    logger.log(rec, f"pipeline bubble (idle / compute, median of {len(steps)} steps) for pp={pp} "
-                    f"vpp={vpp} m={config.num_microbatches}: theory (p-1)/(v*m) = "
-                    f"{rec['bubble_theory']:.3f} for equal stages | replayed per stage: "
+    logger.log(rec, f"pipeline bubble (idle / compute, median of {len(steps)} steps) of "
+                    f"{rec['schedule']} for pp={pp} vpp={vpp} m={config.num_microbatches}: "
+                    f"theory {rec['bubble_theory']:.3f} for equal stages and passes | predicted "
+                    f"from the measured F/B/W costs: {fmt(rec['bubble_predicted'])} | "
+                    f"replayed per stage: "
                     f"{fmt(rec['bubble_replay'])} | wall per stage: {fmt(rec['bubble_wall'])} "
+                    f"| activations held at peak (chunk-microbatches) per stage: "
+                    f"{rec['in_flight_peak']} (table: {rec['in_flight_peak_predicted']}) "
                     f"| compute share per stage: {fmt(rec['compute_share'])} ({layers} layers): "
                     f"{balance} | timeline: {os.path.join(t.log_dir, 'pipeline_timeline.json')}",
                prefix="pipeline")

@@ -322,7 +322,7 @@ def _start_run(config: Config, device, run_start, tokenizer, train_ds, valid_ds,
     logger with its run_start record."""
     t, m = config.train, config.model
     params = [p for c in chunks for p in c.parameters() if p.requires_grad]
-    forward_backward = get_forward_backward_func()
+    forward_backward = get_forward_backward_func(config.train.pipeline_schedule)
     spec = pipeline_spec(config, device)
 
     flops_per_token = training_flops_per_token(m)

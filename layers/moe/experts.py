@@ -12,7 +12,8 @@ whole outputs of its own experts) and the MoE layer reduces once, after combinin
 two backward, the weight gradient of all experts written into one stacked tensor (autograd
 through per-expert views would allocate a full-size gradient per expert). An expert with no
 tokens costs nothing and gets a zero gradient, so every expert weight has a gradient every
-step whatever the routing (a missing gradient would stall a bucketed gradient sync).
+step whatever the routing (a missing gradient would stall a bucketed gradient sync). Inside a
+zero-bubble B pass the weight gradient is deferred to W (parallel_state/weight_grads.py).
 `torch._grouped_mm` is not used: on CPU in float32 the loop's oneDNN GEMMs are the faster
 path (layers/gemm.py) and they give every layout the same per-expert products.
 """
@@ -21,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from parallel_state import get_expert_tensor_parallel_world_size
+from parallel_state import get_expert_tensor_parallel_world_size, weight_grads
 
 from .. import gemm
 from ..mlp import GATED, activate
@@ -53,7 +54,7 @@ class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, counts):
         ctx.save_for_backward(x, weight)
-        ctx.counts = counts
+        ctx.counts, ctx.weight = counts, weight  # the leaf a deferred W accumulates into
         return _grouped_forward(x, weight, counts)
 
     @staticmethod
@@ -65,12 +66,19 @@ class _GroupedLinear(torch.autograd.Function):
             grad_x = torch.empty_like(x)
             for e, lo, hi in spans:  # dX = dY W
                 grad_x[lo:hi] = _mm_nt(grad[lo:hi], weight[e].t())
-        if ctx.needs_input_grad[1]:
-            grad_w = torch.zeros_like(weight)
-            for e, lo, hi in spans:  # dW = dY^T X
-                g, xe = grad[lo:hi], x[lo:hi]
-                grad_w[e] = gemm.weight_grad(g, xe) if gemm.uses_onednn(g, xe) else g.t() @ xe
+        if ctx.needs_input_grad[1] and not weight_grads.defer(
+                lambda: (_weight_grad(x, grad, weight, spans),), [ctx.weight]):
+            grad_w = _weight_grad(x, grad, weight, spans)  # else a zero-bubble W computes it
         return grad_x, grad_w, None
+
+
+def _weight_grad(x, grad, weight, spans) -> torch.Tensor:
+    """`dW[e] = dY[rows of e]^T X[rows of e]`, zero for experts without rows."""
+    grad_w = torch.zeros_like(weight)
+    for e, lo, hi in spans:
+        g, xe = grad[lo:hi], x[lo:hi]
+        grad_w[e] = gemm.weight_grad(g, xe) if gemm.uses_onednn(g, xe) else g.t() @ xe
+    return grad_w
 
 
 def _grouped_forward(x, weight, counts):
