@@ -331,6 +331,16 @@ def context_lengths(args, cfg) -> tuple[int, int | None]:
     return args.max_seq_length or min(limit, 2048), None
 
 
+def grammar_backend(args, tokenizer, cfg):
+    """The server's structured-outputs backend (inference/structured.py; None offline or
+    without a tokenizer)."""
+    if not args.serve or tokenizer is None:
+        return None
+    from inference.structured import backend
+
+    return backend(tokenizer, cfg.vocab_size)
+
+
 def speculative(args, model, tokenizer, max_len: int):
     """The engine's `SpecDecoder` for the speculative flags (None without them); a draft
     model is loaded here, on this rank's grid."""
@@ -479,7 +489,7 @@ def main(argv=None) -> int:
                         enable_prefix_caching=args.enable_prefix_caching,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         speculative=speculative(args, model, tokenizer, max_len),
-                        compile=args.compile)
+                        compile=args.compile, grammar=grammar_backend(args, tokenizer, cfg))
         if log is not None:
             log(engine.cache_summary())
             if engine.spec is not None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from .logprobs import LogprobsFormat
 from .sampling import MAX_LOGPROBS, SamplingError, SamplingParams
+from .structured import GrammarError, grammar_of
 
 MAX_N = 16
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -22,7 +23,8 @@ DEFAULT_CHAT_TOKENS = 512  # chat: at most this, or what is left of the context
 # null / false / 0 / empty.
 UNSUPPORTED = {name: () for name in ("echo", "prompt_logprobs", "suffix", "logit_bias", "tools",
                                      "tool_choice", "functions", "function_call")}
-UNSUPPORTED.update(best_of=(1,), response_format=({"type": "text"},))
+UNSUPPORTED.update(best_of=(1,))
+STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")  # vLLM's fields
 ROLES = ("system", "developer", "user", "assistant")  # developer: OpenAI's newer system
 
 
@@ -209,6 +211,7 @@ def _sampling(body: dict, chat: bool, prompts: list[list[int]], n: int, check,
     seed = body.get("seed")
     ignore_eos = _field(body, "ignore_eos", bool, False)  # vLLM's extra parameter
     top = _logprobs(body, chat)
+    grammar = structured_grammar(body)
     params = []
     for prompt in prompts:
         for j in range(n):
@@ -217,9 +220,11 @@ def _sampling(body: dict, chat: bool, prompts: list[list[int]], n: int, check,
                 top_k=_or(body, "top_k", d, 0) or 0, top_p=_or(body, "top_p", d, 1.0),
                 seed=(seed + j if isinstance(seed, int) and not isinstance(seed, bool)
                       else seed if seed is not None else seed_source()),
-                stop=stop, ignore_eos=ignore_eos, logprobs=top)
+                stop=stop, ignore_eos=ignore_eos, logprobs=top, grammar=grammar)
             try:
                 check(prompt, sp)
+            except GrammarError as e:
+                raise APIError(400, str(e), "response_format") from None
             except SamplingError as e:
                 raise APIError(400, str(e), e.param) from None
             except ValueError as e:
@@ -229,6 +234,46 @@ def _sampling(body: dict, chat: bool, prompts: list[list[int]], n: int, check,
                     from None
             params.append(sp)
     return params, top
+
+
+def structured_grammar(body: dict) -> str | None:
+    """The llguidance grammar a request holds its output to (inference/structured.py), from
+    OpenAI's `response_format` (`{"type": "json_object"}`, `{"type": "json_schema",
+    "json_schema": {"name", "schema", "strict"}}`) or vLLM's `structured_outputs` (one of
+    `json`, `regex`, `choice`, `grammar` (Lark), `json_object`); None: free text. A schema
+    or grammar llguidance refuses, or a missing llguidance, is a 400 with the reason."""
+    fmt, so = body.get("response_format"), body.get("structured_outputs")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise APIError(400, "'response_format' must be an object such as {\"type\": "
+                            "\"json_object\"}", "response_format")
+    kind = (fmt or {}).get("type", "text")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise APIError(400, f"'response_format.type' must be 'text', 'json_object' or "
+                            f"'json_schema', got {kind!r}", "response_format")
+    param, value = "response_format", None
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+            raise APIError(400, "'response_format.json_schema' must be an object with a "
+                                "'schema' (a JSON schema object)", param)
+        kind, value = "json", spec["schema"]
+    if so is not None:
+        if kind != "text":
+            raise APIError(400, "send either 'response_format' or 'structured_outputs', not "
+                                "both", "structured_outputs")
+        given = [k for k in STRUCTURED_KEYS if isinstance(so, dict) and
+                 so.get(k) not in (None, False)]
+        if len(given) != 1:
+            raise APIError(400, f"'structured_outputs' must set exactly one of "
+                                f"{list(STRUCTURED_KEYS)}, got {given or so!r}",
+                           "structured_outputs")
+        param, kind, value = "structured_outputs", given[0], so[given[0]]
+    if kind == "text":
+        return None
+    try:
+        return grammar_of(kind, value)
+    except GrammarError as e:
+        raise APIError(400, f"invalid {param}: {e}", param) from None
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
