@@ -159,6 +159,10 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                      help="seconds a stream may go without bytes (queued, prefilling, between "
                           "tokens) before the server sends an SSE comment line ': keep-alive', "
                           "so proxies and clients with idle timeouts keep it open (0: never)")
+    srv.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3"], default=None,
+                     help="chat answers of a reasoning model: the text between <think> and "
+                          "</think> as the message's reasoning_content (streamed as deltas), "
+                          "the rest as content (vLLM's flag)")
 
 
 def _check_sizes(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -382,7 +386,8 @@ def run_server(args, engine, tokenizer, name: str, generation_config: dict, rank
               args.api_key, shutdown_timeout=args.shutdown_timeout,
               max_request_bytes=args.max_request_bytes,
               max_request_choices=args.max_request_choices,
-              sampling_defaults=defaults, sse_keep_alive_interval=args.sse_keep_alive_interval)
+              sampling_defaults=defaults, sse_keep_alive_interval=args.sse_keep_alive_interval,
+              reasoning_parser=args.reasoning_parser)
     except RuntimeError as e:  # a rank died: exit non-zero so torchrun restarts us
         print(f"infer.py: error: {e}", file=sys.stderr, flush=True)
         return 1

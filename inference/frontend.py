@@ -52,8 +52,9 @@ class Frontend:
 
     def __init__(self, engine, tokenizer, model_name: str, api_key: str | None, dp: int,
                  metrics=None, shutdown_timeout: float = 20.0,
-                 sampling_defaults: dict | None = None):
+                 sampling_defaults: dict | None = None, reasoning_parser: str | None = None):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.reasoning_parser = reasoning_parser  # --reasoning-parser (inference/reasoning.py)
         self.sampling_defaults = sampling_defaults or {}
         self.api_key, self.dp, self.metrics = api_key, dp, metrics
         self.shutdown_timeout = shutdown_timeout

@@ -52,6 +52,7 @@ class Parsed:
     stream: bool
     include_usage: bool
     logprobs: LogprobsFormat | None = None  # None: the request asked for no logprobs
+    reasoning_parser: str | None = None  # chat: --reasoning-parser (inference/reasoning.py)
 
 
 def _field(body: dict, name: str, kinds, default):
@@ -156,10 +157,15 @@ def _chat_prompt(body: dict, tokenizer, n: int, max_choices: int,
         raise APIError(400, f"n ({n}) is more than this server's "
                             f"--max-request-choices ({max_choices})", "n")
     _check_text("".join(m["content"] for m in messages), max_prompt_chars, "messages")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict) or "messages" in kwargs:
+        raise APIError(400, "'chat_template_kwargs' must be an object of the template's "
+                            "variables (e.g. {\"enable_thinking\": false}), without "
+                            "'messages'", "chat_template_kwargs")
     try:
         return [tokenizer.apply_chat_template(
             [{"role": "system" if m["role"] == "developer" else m["role"],
-              "content": m["content"]} for m in messages])]
+              "content": m["content"]} for m in messages], **kwargs)]
     except ValueError as e:
         raise APIError(400, str(e), "messages") from None
     except Exception as e:  # noqa: BLE001 - a template may reject roles in its own way
@@ -323,6 +329,70 @@ def sampling_defaults(generation_config: dict) -> dict:
             if generation_config.get(hf) is not None}
 
 
+def tokenize(raw: bytes, *, tokenizer, model_names: list[str], max_seq_length: int,
+             max_prompt_chars: int | None = None) -> dict:
+    """POST /tokenize (vLLM's): `{"prompt": text}` or `{"messages": [...]}` (the chat
+    template's ids, `add_generation_prompt` true) -> `{"count", "max_model_len", "tokens",
+    "token_strs"}`; the ids are those /v1/completions or /v1/chat/completions feed the model
+    (`add_special_tokens` defaults to false here, as those endpoints add none; true adds
+    the tokenizer's own, BOS for Llama-style ones). `return_token_strs`: each id's
+    `logprobs.token_text`. The model name is optional (vLLM's)."""
+    body = _tool_body(raw, model_names)
+    if tokenizer is None:
+        raise APIError(400, "this server has no tokenizer")
+    special = _field(body, "add_special_tokens", bool, False)
+    if "messages" in body:
+        if body.get("add_generation_prompt") is False:
+            raise APIError(400, "'add_generation_prompt': false is not supported; the chat "
+                                "ids end with the assistant's prompt", "add_generation_prompt")
+        ids = _chat_prompt(body, tokenizer, 1, 1, max_prompt_chars)[0]
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise APIError(400, "'prompt' must be a string (or send 'messages')", "prompt")
+        _check_text(prompt, max_prompt_chars, "prompt")
+        ids = tokenizer._hf(prompt, add_special_tokens=True)["input_ids"] \
+            if special and getattr(tokenizer, "_hf", None) is not None else \
+            tokenizer.encode(prompt)
+    strs = None
+    if _field(body, "return_token_strs", bool, False):
+        from .logprobs import token_text
+
+        strs = [token_text(tokenizer.token_bytes(i), i) for i in ids]
+    return {"count": len(ids), "max_model_len": max_seq_length, "tokens": list(ids),
+            "token_strs": strs}
+
+
+def detokenize(raw: bytes, *, tokenizer, model_names: list[str], vocab_size: int) -> dict:
+    """POST /detokenize (vLLM's): `{"tokens": [ids]}` -> `{"prompt": text}` (special tokens
+    dropped, as in generated text)."""
+    body = _tool_body(raw, model_names)
+    if tokenizer is None:
+        raise APIError(400, "this server has no tokenizer")
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise APIError(400, "'tokens' must be a list of token ids", "tokens")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise APIError(400, f"token id {bad[0]} is not in [0, {vocab_size})", "tokens")
+    return {"prompt": tokenizer.decode(ids)}
+
+
+def _tool_body(raw: bytes, model_names: list[str]) -> dict:
+    """The JSON object of a /tokenize or /detokenize request (its model, if named, served)."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise APIError(400, f"the request body is not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    if body.get("model") not in (None, "", *model_names):
+        raise APIError(404, f"the model {body['model']!r} does not exist; this server serves "
+                            f"{model_names}", "model", "model_not_found")
+    return body
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
@@ -339,9 +409,8 @@ def response(rid: str, parsed: Parsed, texts: list[str], reasons: list[str],
     lps = [_logprobs_of(parsed, i, logprobs[i] if logprobs else None)
            for i in range(len(texts))]
     if parsed.chat:
-        choices = [{"index": i, "message": {"role": "assistant", "content": t},
-                    "logprobs": lps[i], "finish_reason": r}
-                   for i, (t, r) in enumerate(zip(texts, reasons))]
+        choices = [{"index": i, "message": _message(parsed, t), "logprobs": lps[i],
+                    "finish_reason": r} for i, (t, r) in enumerate(zip(texts, reasons))]
         obj = "chat.completion"
     else:
         choices = [{"index": i, "text": t, "logprobs": lps[i], "finish_reason": r}
@@ -351,14 +420,29 @@ def response(rid: str, parsed: Parsed, texts: list[str], reasons: list[str],
             "choices": choices, "usage": usage_}
 
 
+def _message(parsed: Parsed, text: str) -> dict:
+    """The assistant message of a whole chat answer (thinking apart with a reasoning
+    parser)."""
+    if parsed.reasoning_parser is None:
+        return {"role": "assistant", "content": text}
+    from .reasoning import ReasoningSplitter
+
+    reasoning, content = ReasoningSplitter(parsed.reasoning_parser).split(text)
+    return {"role": "assistant", "content": content, "reasoning_content": reasoning}
+
+
 def chunk(rid: str, parsed: Parsed, index: int, text: str | None, reason: str | None,
-          first: bool = False, logprobs: list | None = None) -> dict:
-    """One streamed chunk for choice `index` (text delta and/or finish reason; `logprobs`:
-    the `Event.logprobs` of the tokens it carries, when the request asked)."""
+          first: bool = False, logprobs: list | None = None,
+          reasoning: str | None = None) -> dict:
+    """One streamed chunk for choice `index` (text delta, reasoning delta (chat with a
+    reasoning parser) and/or finish reason; `logprobs`: the `Event.logprobs` of the tokens
+    it carries, when the request asked)."""
     lp = _logprobs_of(parsed, index, logprobs) if logprobs else None
     if parsed.chat:
         delta = {"role": "assistant", "content": ""} if first else \
             ({"content": text} if text else {})
+        if reasoning:
+            delta["reasoning_content"] = reasoning
         choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
         obj = "chat.completion.chunk"
     else:
