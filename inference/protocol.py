@@ -21,11 +21,11 @@ DEFAULT_CHAT_TOKENS = 512  # chat: at most this, or what is left of the context
 # OpenAI fields this server does not implement: refused when set to anything but an "off"
 # value (SDKs send those), never silently ignored. Field -> its own off values beyond
 # null / false / 0 / empty.
-UNSUPPORTED = {name: () for name in ("echo", "prompt_logprobs", "suffix", "logit_bias", "tools",
-                                     "tool_choice", "functions", "function_call")}
+UNSUPPORTED = {name: () for name in ("echo", "prompt_logprobs", "suffix", "logit_bias",
+                                     "functions", "function_call")}
 UNSUPPORTED.update(best_of=(1,))
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")  # vLLM's fields
-ROLES = ("system", "developer", "user", "assistant")  # developer: OpenAI's newer system
+ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: OpenAI's newer system
 
 
 class APIError(Exception):
@@ -53,6 +53,7 @@ class Parsed:
     include_usage: bool
     logprobs: LogprobsFormat | None = None  # None: the request asked for no logprobs
     reasoning_parser: str | None = None  # chat: --reasoning-parser (inference/reasoning.py)
+    tool_parser: str | None = None  # chat with tools (inference/tool_calls.py): its format
 
 
 def _field(body: dict, name: str, kinds, default):
@@ -89,30 +90,62 @@ def _check_text(text: str, limit: int | None, param: str) -> None:
 
 def parse(raw: bytes, *, chat: bool, tokenizer, model_names: list[str], check,
           max_seq_length: int, seed_source, max_choices: int = 256,
-          max_prompt_chars: int | None = None, defaults: dict | None = None) -> Parsed:
+          max_prompt_chars: int | None = None, defaults: dict | None = None,
+          tool_parser: str | None = None, auto_tools: bool = False) -> Parsed:
     """Validate a request body. `check(prompt, params)` is the engine's own check (raises
     ValueError / SamplingError); `seed_source()` gives a seed when the request has none.
     `max_choices` bounds prompts x n; `max_prompt_chars` a text prompt's characters (both
     checked before tokenizing). `defaults` (`sampling_defaults`) replace OpenAI's defaults of
-    temperature, top_p, top_k and max_tokens when the request leaves them out."""
+    temperature, top_p, top_k and max_tokens when the request leaves them out.
+    `tool_parser` / `auto_tools`: the server's --tool-call-parser and
+    --enable-auto-tool-choice (inference/tool_calls.py)."""
     body, model = _body(raw, model_names)
+    tools, forced, parser = _tools(body, chat, tool_parser, auto_tools)
     n = _field(body, "n", int, 1)
     if not 1 <= n <= MAX_N:
         raise APIError(400, f"'n' must be in [1, {MAX_N}], got {n}", "n")
     if tokenizer is None:
         raise APIError(400, "this server has no tokenizer; it cannot read text prompts")
-    prompts = _chat_prompt(body, tokenizer, n, max_choices, max_prompt_chars) if chat else \
+    prompts = _chat_prompt(body, tokenizer, n, max_choices, max_prompt_chars, tools) if chat else \
         _completion_prompts(body, tokenizer, n, max_choices, max_prompt_chars)
     if any(not p for p in prompts):
         raise APIError(400, "the prompt is empty; send at least one token",
                        "messages" if chat else "prompt")
     params, top = _sampling(body, chat, prompts, n, check, max_seq_length, seed_source,
-                            defaults or {})
+                            defaults or {}, forced)
     stream = _field(body, "stream", bool, False)
     stream_options = body.get("stream_options") or {}
     return Parsed(chat, model, prompts, n, params, stream,
                   bool(isinstance(stream_options, dict) and stream_options.get("include_usage")),
-                  None if top is None else LogprobsFormat(top, chat, tokenizer.token_bytes))
+                  None if top is None else LogprobsFormat(top, chat, tokenizer.token_bytes),
+                  tool_parser=parser)
+
+
+def _tools(body: dict, chat: bool, parser: str | None, auto: bool):
+    """(tools for the template, the forced call's grammar or None, the parser reading the
+    answer's calls or None) of a request."""
+    from .tool_calls import ToolError, check_tools, forced_grammar
+
+    if body.get("tools") in (None, []):
+        if body.get("tool_choice") not in (None, "none", "auto"):
+            raise APIError(400, "'tool_choice' needs 'tools'", "tool_choice")
+        return None, None, None
+    if not chat:
+        raise APIError(400, "'tools' is a /v1/chat/completions field", "tools")
+    try:
+        tools, choice = check_tools(body["tools"], body.get("tool_choice"), parser, auto)
+    except ToolError as e:
+        raise APIError(400, str(e), e.param) from None
+    if choice == "none":
+        return tools, None, None
+    forced = forced_grammar(tools, choice, parser)
+    if forced is not None:
+        try:
+            forced = grammar_of("grammar", forced)
+        except GrammarError as e:
+            raise APIError(400, f"a function's 'parameters' schema cannot be used: {e}",
+                           "tools") from None
+    return tools, forced, parser
 
 
 def _body(raw: bytes, model_names: list[str]) -> tuple[dict, str]:
@@ -141,14 +174,17 @@ def _body(raw: bytes, model_names: list[str]) -> tuple[dict, str]:
 
 
 def _chat_prompt(body: dict, tokenizer, n: int, max_choices: int,
-                 max_prompt_chars: int | None) -> list[list[int]]:
-    """The token ids of /v1/chat/completions' messages in the chat template."""
+                 max_prompt_chars: int | None, tools: list | None = None) -> list[list[int]]:
+    """The token ids of /v1/chat/completions' messages in the chat template (`tools` shown
+    to it)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and
-            isinstance(m.get("content"), str) for m in messages):
+            isinstance(m, dict) and isinstance(m.get("role"), str) and (
+                isinstance(m.get("content"), str) or
+                (m.get("content") is None and m.get("tool_calls"))) for m in messages):
         raise APIError(400, "'messages' must be a non-empty list of {role, content} "
-                            "objects with string content", "messages")
+                            "objects with string content (null only beside an assistant's "
+                            "tool_calls)", "messages")
     roles = {m["role"] for m in messages} - set(ROLES)
     if roles:
         raise APIError(400, f"unsupported message role(s) {sorted(roles)}; use one of "
@@ -156,21 +192,48 @@ def _chat_prompt(body: dict, tokenizer, n: int, max_choices: int,
     if n > max_choices:
         raise APIError(400, f"n ({n}) is more than this server's "
                             f"--max-request-choices ({max_choices})", "n")
-    _check_text("".join(m["content"] for m in messages), max_prompt_chars, "messages")
+    _check_text("".join(m.get("content") or "" for m in messages), max_prompt_chars, "messages")
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict) or "messages" in kwargs:
         raise APIError(400, "'chat_template_kwargs' must be an object of the template's "
                             "variables (e.g. {\"enable_thinking\": false}), without "
                             "'messages'", "chat_template_kwargs")
     try:
-        return [tokenizer.apply_chat_template(
-            [{"role": "system" if m["role"] == "developer" else m["role"],
-              "content": m["content"]} for m in messages], **kwargs)]
+        return [tokenizer.apply_chat_template([_template_message(m) for m in messages],
+                                              tools=tools, **kwargs)]
     except ValueError as e:
         raise APIError(400, str(e), "messages") from None
     except Exception as e:  # noqa: BLE001 - a template may reject roles in its own way
         raise APIError(400, f"the chat template rejected the messages: {e}",
                        "messages") from None
+
+
+def _template_message(m: dict) -> dict:
+    """A message as chat templates read it: developer as system; an assistant's tool calls
+    with their `arguments` as objects (transformers' form; OpenAI sends JSON text); a tool
+    result with its `tool_call_id` and `name`."""
+    out = {"role": "system" if m["role"] == "developer" else m["role"],
+           "content": m.get("content")}
+    for key in ("tool_call_id", "name"):
+        if isinstance(m.get(key), str):
+            out[key] = m[key]
+    calls = m.get("tool_calls")
+    if calls:
+        if not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls):
+            raise APIError(400, "'tool_calls' of a message must be a list of {id, type, "
+                                "function: {name, arguments}}", "messages")
+        out["tool_calls"] = []
+        for c in calls:
+            f = dict(c["function"])
+            if isinstance(f.get("arguments"), str):
+                try:
+                    f["arguments"] = json.loads(f["arguments"])
+                except ValueError:
+                    raise APIError(400, "a tool call's 'arguments' must be JSON text",
+                                   "messages") from None
+            out["tool_calls"].append({**c, "function": f})
+    return out
 
 
 def _completion_prompts(body: dict, tokenizer, n: int, max_choices: int,
@@ -201,7 +264,8 @@ def _completion_prompts(body: dict, tokenizer, n: int, max_choices: int,
 
 
 def _sampling(body: dict, chat: bool, prompts: list[list[int]], n: int, check,
-              max_seq_length: int, seed_source, d: dict) -> tuple[list, int | None]:
+              max_seq_length: int, seed_source, d: dict,
+              forced: str | None = None) -> tuple[list, int | None]:
     """`SamplingParams` of every choice (prompt-major), each checked by the engine, and the
     logprobs alternatives asked for (None: no logprobs)."""
     stop = body.get("stop")
@@ -218,6 +282,11 @@ def _sampling(body: dict, chat: bool, prompts: list[list[int]], n: int, check,
     ignore_eos = _field(body, "ignore_eos", bool, False)  # vLLM's extra parameter
     top = _logprobs(body, chat)
     grammar = structured_grammar(body)
+    if forced is not None:  # a forced tool call's grammar
+        if grammar is not None:
+            raise APIError(400, "a forced tool call ('tool_choice') cannot be combined with "
+                                "'response_format' or 'structured_outputs'", "tool_choice")
+        grammar = forced
     params = []
     for prompt in prompts:
         for j in range(n):
@@ -331,8 +400,8 @@ def sampling_defaults(generation_config: dict) -> dict:
 
 def tokenize(raw: bytes, *, tokenizer, model_names: list[str], max_seq_length: int,
              max_prompt_chars: int | None = None) -> dict:
-    """POST /tokenize (vLLM's): `{"prompt": text}` or `{"messages": [...]}` (the chat
-    template's ids, `add_generation_prompt` true) -> `{"count", "max_model_len", "tokens",
+    """POST /tokenize (vLLM's): `{"prompt": text}` or `{"messages": [...], "tools"?}` (the
+    chat template's ids, `add_generation_prompt` true) -> `{"count", "max_model_len", "tokens",
     "token_strs"}`; the ids are those /v1/completions or /v1/chat/completions feed the model
     (`add_special_tokens` defaults to false here, as those endpoints add none; true adds
     the tokenizer's own, BOS for Llama-style ones). `return_token_strs`: each id's
@@ -345,7 +414,11 @@ def tokenize(raw: bytes, *, tokenizer, model_names: list[str], max_seq_length: i
         if body.get("add_generation_prompt") is False:
             raise APIError(400, "'add_generation_prompt': false is not supported; the chat "
                                 "ids end with the assistant's prompt", "add_generation_prompt")
-        ids = _chat_prompt(body, tokenizer, 1, 1, max_prompt_chars)[0]
+        tools = body.get("tools")
+        if tools is not None and not (isinstance(tools, list) and
+                                      all(isinstance(t, dict) for t in tools)):
+            raise APIError(400, "'tools' must be a list of tool objects", "tools")
+        ids = _chat_prompt(body, tokenizer, 1, 1, max_prompt_chars, tools or None)[0]
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
@@ -409,8 +482,12 @@ def response(rid: str, parsed: Parsed, texts: list[str], reasons: list[str],
     lps = [_logprobs_of(parsed, i, logprobs[i] if logprobs else None)
            for i in range(len(texts))]
     if parsed.chat:
-        choices = [{"index": i, "message": _message(parsed, t), "logprobs": lps[i],
-                    "finish_reason": r} for i, (t, r) in enumerate(zip(texts, reasons))]
+        choices = []
+        for i, (t, r) in enumerate(zip(texts, reasons)):
+            message = _message(parsed, t)
+            choices.append({"index": i, "message": message, "logprobs": lps[i],
+                            "finish_reason": "tool_calls" if message.get("tool_calls") and
+                            r == "stop" else r})
         obj = "chat.completion"
     else:
         choices = [{"index": i, "text": t, "logprobs": lps[i], "finish_reason": r}
@@ -423,17 +500,24 @@ def response(rid: str, parsed: Parsed, texts: list[str], reasons: list[str],
 def _message(parsed: Parsed, text: str) -> dict:
     """The assistant message of a whole chat answer (thinking apart with a reasoning
     parser)."""
-    if parsed.reasoning_parser is None:
-        return {"role": "assistant", "content": text}
-    from .reasoning import ReasoningSplitter
+    out = {"role": "assistant", "content": text}
+    if parsed.reasoning_parser is not None:
+        from .reasoning import ReasoningSplitter
 
-    reasoning, content = ReasoningSplitter(parsed.reasoning_parser).split(text)
-    return {"role": "assistant", "content": content, "reasoning_content": reasoning}
+        reasoning, out["content"] = ReasoningSplitter(parsed.reasoning_parser).split(text)
+        out["reasoning_content"] = reasoning
+    if parsed.tool_parser is not None:
+        from .tool_calls import parse as parse_calls
+
+        content, calls = parse_calls(out["content"] or "", parsed.tool_parser)
+        if calls:
+            out["content"], out["tool_calls"] = content, calls
+    return out
 
 
 def chunk(rid: str, parsed: Parsed, index: int, text: str | None, reason: str | None,
           first: bool = False, logprobs: list | None = None,
-          reasoning: str | None = None) -> dict:
+          reasoning: str | None = None, tool_calls: list | None = None) -> dict:
     """One streamed chunk for choice `index` (text delta, reasoning delta (chat with a
     reasoning parser) and/or finish reason; `logprobs`: the `Event.logprobs` of the tokens
     it carries, when the request asked)."""
@@ -443,6 +527,8 @@ def chunk(rid: str, parsed: Parsed, index: int, text: str | None, reason: str | 
             ({"content": text} if text else {})
         if reasoning:
             delta["reasoning_content"] = reasoning
+        if tool_calls:
+            delta["tool_calls"] = [{"index": j, **c} for j, c in enumerate(tool_calls)]
         choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
         obj = "chat.completion.chunk"
     else:

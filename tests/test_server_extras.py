@@ -37,37 +37,62 @@ FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCH
                                                  "strict": True}}
 
 
-QWEN3_STYLE = (  # Qwen3's template in short: ChatML turns, an empty think block when off
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+QWEN3_STYLE = (  # Qwen3's template in short: ChatML turns, Hermes <tool_call> blocks, tool
+    # results as <tool_response> in a user turn, an empty think block when thinking is off
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}\n"
+    "{{ t | tojson }}{% endfor %}\n</tools>\nCall as <tool_call>\n{\"name\": ..., "
+    "\"arguments\": ...}\n</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n"
+    "{{ m.content }}\n</tool_response><|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n"
+    "{% if m.content %}{{ m.content }}{% endif %}{% for c in m.tool_calls or [] %}"
+    "<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    "{{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>"
     "\n\n{% endif %}{% endif %}")
+LLAMA3_STYLE = (  # Llama 3.1's template in short: JSON calls with "parameters", ipython role
+    "{{ bos_token }}{% if tools %}<|start_header_id|>system<|end_header_id|>\n\nRespond "
+    "with {\"name\": function name, \"parameters\": dictionary}.\n{% for t in tools %}"
+    "{{ t | tojson(indent=4) }}\n{% endfor %}<|eot_id|>{% endif %}{% for m in messages %}"
+    "{% if m.tool_calls %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+    "{% for c in m.tool_calls %}{\"name\": \"{{ c.function.name }}\", \"parameters\": "
+    "{{ c.function.arguments | tojson }}}{% endfor %}<|eot_id|>{% elif m.role == 'tool' %}"
+    "<|start_header_id|>ipython<|end_header_id|>\n\n{{ m.content }}<|eot_id|>{% else %}"
+    "<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content }}<|eot_id|>{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>"
+    "\n\n{% endif %}")
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "pattern": "^[A-Z][a-z]{1,8}$"},
+        "unit": {"enum": ["C", "F"]}}, "required": ["city", "unit"],
+        "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
 
 
-def _model(folder: str) -> None:
-    """test_server's tiny model with 128 positions (its byte-level tokens are short: an
-    answer to SCHEMA takes up to ~60 of them) and a Qwen3-style chat template."""
+def _model(folder: str, template: str = QWEN3_STYLE) -> None:
+    """test_server's tiny model with 1024 positions (its byte-level tokens are short: an
+    answer to SCHEMA takes up to ~60 of them) and a chat template (Qwen3-style)."""
     _make_model(folder)
     path = os.path.join(folder, "config.json")
     config = json.load(open(path))
-    json.dump({**config, "max_position_embeddings": 128}, open(path, "w"))
+    json.dump({**config, "max_position_embeddings": 1024}, open(path, "w"))
     with open(os.path.join(folder, "chat_template.jinja"), "w") as f:  # transformers 5's
-        f.write(QWEN3_STYLE)
+        f.write(template)
     path = os.path.join(folder, "tokenizer_config.json")
     config = json.load(open(path))
     config.pop("chat_template", None)
     json.dump(config, open(path, "w"))
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    folder = str(tmp_path_factory.mktemp("structured") / "tiny")
-    _model(folder)
+def _serve(folder: str, *flags):
+    """(process, port) of a one-process server of `folder` once it is up."""
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
            os.path.join(REPO, "infer.py"), "--hf", folder, "--serve", "--port", str(port),
-           "--served-model-name", "tiny", "--max-batch-size", "8",
-           "--reasoning-parser", "qwen3"]
+           "--served-model-name", "tiny", "--max-batch-size", "8", *flags]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
                             start_new_session=True)
@@ -78,12 +103,26 @@ def server(tmp_path_factory):
             break
     else:
         raise AssertionError("server did not start:\n" + "".join(lines[-40:]))
-    yield folder, port
+    return proc, port
+
+
+def _stop(proc) -> None:
     proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """Qwen3-style: --reasoning-parser qwen3, hermes tool calls with auto choice."""
+    folder = str(tmp_path_factory.mktemp("structured") / "tiny")
+    _model(folder)
+    proc, port = _serve(folder, "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes",
+                        "--enable-auto-tool-choice")
+    yield folder, port
+    _stop(proc)
 
 
 def _client(port):
@@ -211,7 +250,7 @@ def test_engine_grammar_with_speculative_decoding(tmp_path):
         for name, spec in (("plain", None), ("ngram", SpeculativeConfig(
                 num_speculative_tokens=3))):
             engine = Engine(model, eos_token_ids=[tok.eod], decode=tok.decode,
-                            max_batch_size=4, max_seq_length=128, block_size=4, grammar=be,
+                            max_batch_size=4, max_seq_length=1024, block_size=4, grammar=be,
                             speculative=SpecDecoder(spec) if spec else None)
             reqs = [Request(str(i), prompt, SamplingParams(
                 max_new_tokens=100, temperature=1.0 if i else 0.0, seed=i, grammar=grammar))
@@ -277,7 +316,7 @@ def test_chat_template_kwargs_and_tokenize_round_trip(server):
                       key=None)
     assert code == 200 and obj["count"] == len(obj["tokens"]) > len(text) // 4, obj
     assert obj["tokens"] == tok(text, add_special_tokens=False)["input_ids"]
-    assert obj["max_model_len"] == 128 and len(obj["token_strs"]) == obj["count"]
+    assert obj["max_model_len"] == 1024 and len(obj["token_strs"]) == obj["count"]
     code, back = _post(port, "/detokenize", {"model": "tiny", "tokens": obj["tokens"]},
                        key=None)
     assert code == 200 and back == {"prompt": text}, back
@@ -291,3 +330,88 @@ def test_chat_template_kwargs_and_tokenize_round_trip(server):
         assert code == 400 and obj["error"]["param"] == param, (body, obj)
     code, obj = _post(port, "/tokenize", {"model": "other", "prompt": "x"}, key=None)
     assert code == 404, obj
+
+
+def _round_trip(folder: str, port: int, marker: str):
+    """call (forced: valid from a random model) -> tool result -> final answer, with the
+    openai client; the prompts the template built hold the call and its result."""
+    client = _client(port)
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    kw = dict(model="tiny", tools=[WEATHER, TIME], temperature=1.0, max_tokens=150)
+    for seed in range(3):
+        out = client.chat.completions.create(messages=messages, tool_choice="required",
+                                             seed=seed, **kw).choices[0]
+        assert out.finish_reason == "tool_calls", out.message.content
+        (call,) = out.message.tool_calls
+        args = json.loads(call.function.arguments)
+        fn = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]
+        jsonschema.validate(args, fn["parameters"])
+        assert call.id and call.type == "function"
+    named = client.chat.completions.create(  # a named function, streamed and not
+        messages=messages, seed=7, tool_choice={"type": "function", "function": {
+            "name": "get_weather"}}, **kw).choices[0]
+    (call,) = named.message.tool_calls
+    assert call.function.name == "get_weather" and named.message.content is None
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    deltas = [c.choices[0] for c in client.chat.completions.create(
+        messages=messages, seed=7, stream=True, tool_choice={"type": "function", "function": {
+            "name": "get_weather"}}, **kw) if c.choices]
+    streamed = [t for d in deltas for t in d.delta.tool_calls or []]
+    assert [(t.index, t.function.name, t.function.arguments) for t in streamed] == \
+        [(0, "get_weather", call.function.arguments)]
+    assert deltas[-1].finish_reason == "tool_calls"
+    assert not "".join(d.delta.content or "" for d in deltas)
+    # the tool's result goes back; the final answer is text
+    messages += [named.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "22 degrees"}]
+    final = client.chat.completions.create(messages=messages, tool_choice="none", seed=1,
+                                           **kw).choices[0]
+    assert final.finish_reason in ("stop", "length") and not final.message.tool_calls
+    assert isinstance(final.message.content, str)
+    code, obj = _post(port, "/tokenize", {"messages": messages, "tools": [WEATHER]}, key=None)
+    from transformers import AutoTokenizer
+
+    text = AutoTokenizer.from_pretrained(folder).decode(obj["tokens"])
+    assert code == 200 and marker in text and "22 degrees" in text, text
+    assert json.loads(call.function.arguments)["city"] in text and '"get_weather"' in text
+    return client
+
+
+def test_tool_call_round_trip_hermes(server):
+    folder, port = server
+    client = _round_trip(folder, port, "<tool_response>\n22 degrees")
+    # auto: whatever the model writes is parsed (a regex makes it write a call after text)
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    out = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "time?"}], tools=[WEATHER, TIME],
+        max_tokens=150, extra_body={"structured_outputs": {"regex": "Sure[.] " + re.escape(
+            call).replace("\\\n", "\n")}}).choices[0]
+    assert out.finish_reason == "tool_calls", out
+    assert out.message.content == "Sure." and out.message.tool_calls[0].function.name == \
+        "get_time" and json.loads(out.message.tool_calls[0].function.arguments) == {
+            "zone": "UTC"}
+    good = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    for extra, param in (({"tools": [{"type": "function"}]}, "tools"),
+                         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {
+                             "name": "nope"}}}, "tool_choice"),
+                         ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+                         ({"tool_choice": "required"}, "tool_choice"),
+                         ({"tools": [WEATHER], "tool_choice": "required",
+                           "response_format": {"type": "json_object"}}, "tool_choice")):
+        code, obj = _post(port, "/v1/chat/completions", {**good, **extra}, key=None)
+        assert code == 400 and obj["error"]["param"] == param, (extra, obj)
+
+
+def test_tool_call_round_trip_llama3(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("llama3") / "tiny")
+    _model(folder, LLAMA3_STYLE)
+    proc, port = _serve(folder, "--tool-call-parser", "llama3_json")
+    try:
+        _round_trip(folder, port, "ipython<|end_header_id|>\n\n22 degrees")
+        # no --enable-auto-tool-choice: 'auto' (OpenAI's default with tools) is refused
+        code, obj = _post(port, "/v1/chat/completions", {
+            "model": "tiny", "messages": [{"role": "user", "content": "x"}],
+            "tools": [WEATHER]}, key=None)
+        assert code == 400 and "--enable-auto-tool-choice" in obj["error"]["message"], obj
+    finally:
+        _stop(proc)
