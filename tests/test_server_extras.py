@@ -1,15 +1,19 @@
 """The OpenAI / vLLM extras of `infer.py --serve` through the official `openai` client:
-structured outputs, the reasoning split, chat_template_kwargs, /tokenize and /detokenize.
+structured outputs, tool calls, the reasoning split, chat_template_kwargs, /tokenize and
+/detokenize.
 
 Structured outputs (inference/structured.py): a tiny random model writes garbage, so only
-the grammar makes its answers valid. json_schema answers of 20 seeded requests at temperature 1 (batched, n > 1,
-streamed) parse and validate with `jsonschema`; json_object, vLLM's choice / regex / Lark
-grammar; bad schemas and grammars get a 400 with llguidance's reason, and a server without
+the grammar makes its answers valid. json_schema answers of 20 seeded requests at
+temperature 1 (batched, n > 1, streamed) parse and validate with `jsonschema`;
+json_object, vLLM's choice / regex / Lark grammar; bad schemas and grammars get a 400 with llguidance's reason, and a server without
 llguidance refuses with a 400 naming it. The engine-level checks (speculative decoding gives
 the plain engine's seeded answers, the grammar's end finishes a request) run in-process.
-The server runs with `--reasoning-parser qwen3` and a Qwen3-style template: a regex makes
-the model write a think block, which comes back as reasoning_content, streamed or not.
-One server for the module."""
+The server runs with `--reasoning-parser qwen3 --tool-call-parser hermes
+--enable-auto-tool-choice` and a Qwen3-style template: a regex makes the model write a
+think block, which comes back as reasoning_content, streamed or not; a forced tool call
+(required, named) is valid from a random model, its result goes back as a tool message and
+the final answer follows (a second server: a Llama-3-style template, llama3_json). One
+server per template."""
 from __future__ import annotations
 
 import json
