@@ -6,8 +6,9 @@ Structured outputs (inference/structured.py): a tiny random model writes garbage
 the grammar makes its answers valid. json_schema answers of 20 seeded requests at
 temperature 1 (batched, n > 1, streamed) parse and validate with `jsonschema`;
 json_object, vLLM's choice / regex / Lark grammar; bad schemas and grammars get a 400 with
-llguidance's reason, and a server without llguidance refuses with a 400 naming it. The engine-level checks (speculative decoding gives
-the plain engine's seeded answers, the grammar's end finishes a request) run in-process.
+llguidance's reason, and a server without llguidance refuses with a 400 naming it. The
+engine-level checks (speculative decoding gives the plain engine's seeded answers, the
+grammar's end finishes a request) run in-process.
 The server runs with `--reasoning-parser qwen3 --tool-call-parser hermes
 --enable-auto-tool-choice` and a Qwen3-style template: a regex makes the model write a
 think block, which comes back as reasoning_content, streamed or not; a forced tool call
