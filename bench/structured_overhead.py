@@ -7,8 +7,8 @@ tokens (greedy by default) twice: free text, then held to a JSON schema whose on
 field is long enough that no answer ends before `--tokens` (both runs decode the same
 number of tokens). Decode tokens/s
 count the tokens of every step after the prefill; rounds alternate the two modes and the
-median of each is printed with their ratio, per second of wall time and per second of the
-process's CPU time (steadier on a machine shared with other jobs).
+median of each is printed with their ratio. Wall times move with the machine's other jobs:
+run nothing else of your own beside it.
 
     python bench/structured_overhead.py            # ~3 min on 2 busy cores
     python bench/structured_overhead.py --batch 8 --tokens 64 --rounds 3
@@ -31,17 +31,15 @@ SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "minLeng
           "required": ["answer"]}
 
 
-def decode_rate(engine, requests) -> tuple[float, float]:
-    """Generated tokens per second of wall time and of the process's CPU time (all its
-    threads, the grammar's worker included) over the steps after the first (the
-    prefill)."""
+def decode_rate(engine, requests) -> float:
+    """Generated tokens per second over the steps after the first (the prefill)."""
     for r in requests:
         engine.add(r)
     engine.step()  # prefill: every prompt, first ids
-    tokens, start, cpu = 0, time.perf_counter(), time.process_time()
+    tokens, start = 0, time.perf_counter()
     while engine.has_work():
         tokens += sum(len(e.token_ids) for e in engine.step())
-    return tokens / (time.perf_counter() - start), tokens / (time.process_time() - cpu)
+    return tokens / (time.perf_counter() - start)
 
 
 def main() -> None:
@@ -85,15 +83,13 @@ def main() -> None:
                 max_new_tokens=args.tokens, temperature=args.temperature, seed=i, ignore_eos=True,
                 grammar=grammar if mode == "json_schema" else None))
                 for i in range(args.batch)]
-            wall, cpu = decode_rate(engine, reqs)
+            rate = decode_rate(engine, reqs)
             if rnd >= 0:
-                rates[mode].append((wall, cpu))
-            print(f"round {rnd}: {mode:12s} {wall:7.1f} decode tokens/s, {cpu:7.1f} per CPU "
-                  f"second", flush=True)
-    for j, what in enumerate(("wall", "CPU")):
-        free, held = (statistics.median(r[j] for r in rates[m]) for m in rates)
-        print(f"median ({what} time): free {free:.1f}, json_schema {held:.1f} tokens/s; "
-              f"overhead {100 * (1 - held / free):.1f}%")
+                rates[mode].append(rate)
+            print(f"round {rnd}: {mode:12s} {rate:7.1f} decode tokens/s", flush=True)
+    free, held = (statistics.median(rates[m]) for m in rates)
+    print(f"median: free {free:.1f}, json_schema {held:.1f} tokens/s; overhead "
+          f"{100 * (1 - held / free):.1f}%")
     ps.destroy_model_parallel()
 
 
