@@ -358,6 +358,9 @@ async def _stream(life, rid: str, parsed, keep_alive: float = 0.0):
         if parsed.chat:
             for i in range(len(life.ids)):
                 yield _sse(protocol.chunk(rid, parsed, i, None, None, first=True))
+        elif parsed.echo:  # the prompt's text comes first
+            for i in range(len(life.ids)):
+                yield _sse(protocol.chunk(rid, parsed, i, parsed.echo[i // parsed.n], None))
         left = len(life.ids)
         while left:
             wait = max(0.0, sent + keep_alive - clock()) if keep_alive else None

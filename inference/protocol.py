@@ -21,7 +21,7 @@ DEFAULT_CHAT_TOKENS = 512  # chat: at most this, or what is left of the context
 # OpenAI fields this server does not implement: refused when set to anything but an "off"
 # value (SDKs send those), never silently ignored. Field -> its own off values beyond
 # null / false / 0 / empty.
-UNSUPPORTED = {name: () for name in ("echo", "prompt_logprobs", "suffix", "logit_bias",
+UNSUPPORTED = {name: () for name in ("prompt_logprobs", "suffix", "logit_bias",
                                      "functions", "function_call")}
 UNSUPPORTED.update(best_of=(1,))
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")  # vLLM's fields
@@ -54,6 +54,7 @@ class Parsed:
     logprobs: LogprobsFormat | None = None  # None: the request asked for no logprobs
     reasoning_parser: str | None = None  # chat: --reasoning-parser (inference/reasoning.py)
     tool_parser: str | None = None  # chat with tools (inference/tool_calls.py): its format
+    echo: list[str] | None = None  # /v1/completions `echo`: each prompt's text, put first
 
 
 def _field(body: dict, name: str, kinds, default):
@@ -114,11 +115,29 @@ def parse(raw: bytes, *, chat: bool, tokenizer, model_names: list[str], check,
     params, top = _sampling(body, chat, prompts, n, check, max_seq_length, seed_source,
                             defaults or {}, forced)
     stream = _field(body, "stream", bool, False)
+    echo = _echo(body, chat, top, prompts, tokenizer)
     stream_options = body.get("stream_options") or {}
     return Parsed(chat, model, prompts, n, params, stream,
                   bool(isinstance(stream_options, dict) and stream_options.get("include_usage")),
                   None if top is None else LogprobsFormat(top, chat, tokenizer.token_bytes),
-                  tool_parser=parser)
+                  tool_parser=parser, echo=echo)
+
+
+def _echo(body: dict, chat: bool, top, prompts: list[list[int]], tokenizer):
+    """/v1/completions `echo`: the prompts' texts (decoded from their ids, as vLLM echoes a
+    token-id prompt) put before each answer; None when not asked."""
+    if not _field(body, "echo", bool, False):
+        return None
+    if chat:
+        raise APIError(400, "'echo' is a /v1/completions field", "echo")
+    if top is not None:
+        raise APIError(400, "'echo' with 'logprobs' needs the prompt's log-probabilities, "
+                            "which this server does not compute; leave one of them out",
+                       "echo")
+    texts = body["prompt"] if isinstance(body["prompt"], list) and all(
+        isinstance(p, str) for p in body["prompt"]) else [body["prompt"]] \
+        if isinstance(body["prompt"], str) else None
+    return texts if texts is not None else [tokenizer.decode(p) for p in prompts]
 
 
 def _tools(body: dict, chat: bool, parser: str | None, auto: bool):
@@ -490,8 +509,9 @@ def response(rid: str, parsed: Parsed, texts: list[str], reasons: list[str],
                             r == "stop" else r})
         obj = "chat.completion"
     else:
-        choices = [{"index": i, "text": t, "logprobs": lps[i], "finish_reason": r}
-                   for i, (t, r) in enumerate(zip(texts, reasons))]
+        echo = parsed.echo or [""] * len(parsed.prompts)
+        choices = [{"index": i, "text": echo[i // parsed.n] + t, "logprobs": lps[i],
+                    "finish_reason": r} for i, (t, r) in enumerate(zip(texts, reasons))]
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": parsed.model,
             "choices": choices, "usage": usage_}

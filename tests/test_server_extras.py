@@ -420,3 +420,27 @@ def test_tool_call_round_trip_llama3(tmp_path_factory):
         assert code == 400 and "--enable-auto-tool-choice" in obj["error"]["message"], obj
     finally:
         _stop(proc)
+
+
+def test_echo(server):
+    _, port = server
+    client = _client(port)
+    prompt = "héllo 日本 "
+    out = client.completions.create(model="tiny", prompt=[prompt, "def x"], echo=True, n=2,
+                                    max_tokens=5, temperature=0)
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=5,
+                                      temperature=0)
+    assert [c.text[:len(prompt)] for c in out.choices[:2]] == [prompt, prompt]
+    assert out.choices[0].text == prompt + plain.choices[0].text
+    assert out.choices[2].text.startswith("def x")
+    parts = {}
+    for c in client.completions.create(model="tiny", prompt=prompt, echo=True, max_tokens=5,
+                                       temperature=0, stream=True):
+        for ch in c.choices:
+            parts[ch.index] = parts.get(ch.index, "") + ch.text
+    assert parts == {0: out.choices[0].text}
+    code, obj = _post(port, "/tokenize", {"prompt": prompt}, key=None)
+    ids = obj["tokens"]
+    by_ids = client.completions.create(model="tiny", prompt=ids, echo=True, max_tokens=5,
+                                       temperature=0)
+    assert by_ids.choices[0].text == out.choices[0].text
