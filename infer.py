@@ -170,6 +170,17 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                      help="seconds a stream may go without bytes (queued, prefilling, between "
                           "tokens) before the server sends an SSE comment line ': keep-alive', "
                           "so proxies and clients with idle timeouts keep it open (0: never)")
+    srv.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3"], default=None,
+                     help="chat answers of a reasoning model: the text between <think> and "
+                          "</think> as the message's reasoning_content (streamed as deltas), "
+                          "the rest as content (vLLM's flag)")
+    srv.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "mistral"],
+                     default=None, help="the chat template's tool-call format, parsed into "
+                     "OpenAI tool_calls (hermes: Qwen2.5/Qwen3; llama3_json: Llama 3.1/3.2; "
+                     "mistral); needed for tool_choice other than 'none' (vLLM's flag)")
+    srv.add_argument("--enable-auto-tool-choice", action="store_true",
+                     help="allow tool_choice 'auto' (the model decides; needs "
+                          "--tool-call-parser)")
 
 
 def _check_sizes(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -194,6 +205,9 @@ def _check_sizes(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--shutdown-timeout must be a number of seconds >= 0")
     if not 0 <= args.sse_keep_alive_interval < float("inf"):
         p.error("--sse-keep-alive-interval must be a number of seconds >= 0 (0: no keep-alive)")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        p.error("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json, "
+                "mistral)")
     if args.inference_micro_batches is not None and args.inference_micro_batches < 1:
         p.error("--inference-micro-batches must be >= 1")
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -345,6 +359,16 @@ def context_lengths(args, cfg) -> tuple[int, int | None]:
     return args.max_seq_length or min(limit, 2048), None
 
 
+def grammar_backend(args, tokenizer, cfg):
+    """The server's structured-outputs backend (inference/structured.py; None offline or
+    without a tokenizer)."""
+    if not args.serve or tokenizer is None:
+        return None
+    from inference.structured import backend
+
+    return backend(tokenizer, cfg.vocab_size)
+
+
 def speculative(args, model, tokenizer, max_len: int):
     """The engine's `SpecDecoder` for the speculative flags (None without them); a draft
     model is loaded here, on this rank's grid."""
@@ -395,7 +419,9 @@ def run_server(args, engine, tokenizer, name: str, generation_config: dict, rank
               args.api_key, shutdown_timeout=args.shutdown_timeout,
               max_request_bytes=args.max_request_bytes,
               max_request_choices=args.max_request_choices,
-              sampling_defaults=defaults, sse_keep_alive_interval=args.sse_keep_alive_interval)
+              sampling_defaults=defaults, sse_keep_alive_interval=args.sse_keep_alive_interval,
+              reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+              enable_auto_tool_choice=args.enable_auto_tool_choice)
     except RuntimeError as e:  # a rank died: exit non-zero so torchrun restarts us
         print(f"infer.py: error: {e}", file=sys.stderr, flush=True)
         return 1
@@ -503,7 +529,7 @@ def main(argv=None) -> int:
                         enable_prefix_caching=args.enable_prefix_caching,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         speculative=speculative(args, model, tokenizer, max_len),
-                        compile=args.compile)
+                        compile=args.compile, grammar=grammar_backend(args, tokenizer, cfg))
         if log is not None:
             log(engine.cache_summary())
             if engine.spec is not None:

@@ -1,5 +1,6 @@
 """The HTTP API of `infer.py --serve` (FastAPI, in rank 0's HTTP thread): POST /v1/completions,
-POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics.
+POST /v1/chat/completions, POST /tokenize, POST /detokenize, GET /v1/models, GET /health,
+GET /metrics.
 
 Every answer that is not a success is an OpenAI error object `{"error": {"message", "type",
 "param", "code"}}` with a 4xx/5xx status, the router's own errors and unexpected exceptions
@@ -55,6 +56,7 @@ def build_app(fe: Frontend, limits: Limits = Limits(), sse_keep_alive_interval: 
     app.add_middleware(LingeringClose)  # outside the API key's middleware: its 401 too
     _status_routes(app, fe)
     _generation_routes(app, fe, limits, err, sse_keep_alive_interval)
+    _tokenizer_routes(app, fe, limits, err)
     return app
 
 
@@ -128,7 +130,8 @@ def _install_errors_and_auth(app, fe: Frontend, err) -> None:
         where = f"{req.method} {req.url.path}"
         allow = {k.lower(): v for k, v in (exc.headers or {}).items()}.get("allow")
         message = {404: f"no route {where}; this server has POST /v1/completions, POST "
-                        f"/v1/chat/completions, GET /v1/models, GET /health and GET /metrics",
+                        f"/v1/chat/completions, POST /tokenize, POST /detokenize, GET "
+                        f"/v1/models, GET /health and GET /metrics",
                    405: f"{where} is not allowed; use {allow or 'another method'}"}.get(
             exc.status_code, str(exc.detail))
         return err(protocol.APIError(exc.status_code, message), headers=exc.headers)
@@ -231,9 +234,12 @@ def _generation_routes(app, fe: Frontend, limits: Limits, err, keep_alive: float
                     max_seq_length=fe.engine.max_seq_length,
                     seed_source=lambda: secrets.randbits(62),
                     max_choices=limits.max_request_choices, max_prompt_chars=max_chars,
-                    defaults=fe.sampling_defaults)
+                    defaults=fe.sampling_defaults, tool_parser=fe.tool_call_parser,
+                    auto_tools=fe.enable_auto_tool_choice)
             except protocol.APIError as e:
                 return err(e)
+            if chat:
+                parsed.reasoning_parser = fe.reasoning_parser
             rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
             prompts = [p for p in parsed.prompts for _ in range(parsed.n)]
             ids = [f"{rid}-{i}" for i in range(len(prompts))]
@@ -252,6 +258,32 @@ def _generation_routes(app, fe: Frontend, limits: Limits, err, keep_alive: float
     @app.post("/v1/chat/completions")
     async def chat_completions(req: HTTPRequest):
         return await handle(req, chat=True)
+
+
+def _tokenizer_routes(app, fe: Frontend, limits: Limits, err) -> None:
+    """POST /tokenize and /detokenize (vLLM's): the server's own ids for a text or chat."""
+    from fastapi import Request as HTTPRequest
+
+    max_chars = protocol.max_prompt_chars(fe.tokenizer, fe.engine.max_seq_length)
+    vocab = fe.engine.runner.config.vocab_size
+
+    async def run(req, work):
+        try:
+            raw = await _read_body(req, limits.max_request_bytes)
+            return await asyncio.to_thread(work, raw)
+        except protocol.APIError as e:
+            return err(e)
+
+    @app.post("/tokenize")
+    async def tokenize(req: HTTPRequest):
+        return await run(req, lambda raw: protocol.tokenize(
+            raw, tokenizer=fe.tokenizer, model_names=[fe.model_name],
+            max_seq_length=fe.engine.max_seq_length, max_prompt_chars=max_chars))
+
+    @app.post("/detokenize")
+    async def detokenize(req: HTTPRequest):
+        return await run(req, lambda raw: protocol.detokenize(
+            raw, tokenizer=fe.tokenizer, model_names=[fe.model_name], vocab_size=vocab))
 
 
 async def _client_gone(req) -> None:
@@ -309,6 +341,16 @@ async def _stream(life, rid: str, parsed, keep_alive: float = 0.0):
     skip and proxies or clients with read timeouts count as traffic. A client that goes away
     cancels its choices (Lifetime.close)."""
     index = {cid: i for i, cid in enumerate(life.ids)}
+    splitters = None
+    if parsed.reasoning_parser is not None:
+        from .reasoning import ReasoningSplitter
+
+        splitters = [ReasoningSplitter(parsed.reasoning_parser) for _ in life.ids]
+    calls = None
+    if parsed.tool_parser is not None:  # content up to a call streams; calls at the end
+        from .tool_calls import ToolStream
+
+        calls = [ToolStream(parsed.tool_parser) for _ in life.ids]
     tokens = 0
     clock = asyncio.get_running_loop().time
     sent = clock()  # when the last bytes went out
@@ -316,6 +358,9 @@ async def _stream(life, rid: str, parsed, keep_alive: float = 0.0):
         if parsed.chat:
             for i in range(len(life.ids)):
                 yield _sse(protocol.chunk(rid, parsed, i, None, None, first=True))
+        elif parsed.echo:  # the prompt's text comes first
+            for i in range(len(life.ids)):
+                yield _sse(protocol.chunk(rid, parsed, i, parsed.echo[i // parsed.n], None))
         left = len(life.ids)
         while left:
             wait = max(0.0, sent + keep_alive - clock()) if keep_alive else None
@@ -330,14 +375,28 @@ async def _stream(life, rid: str, parsed, keep_alive: float = 0.0):
                                                                  kind=e.kind)))
                 break
             i = index[e.id]
-            if e.text or e.logprobs:
+            text, thought = e.text, None
+            if splitters:  # --reasoning-parser: the thinking as reasoning_content deltas
+                thought, text = splitters[i].add(text)
+                if e.finish_reason is not None:
+                    more = splitters[i].finish()
+                    thought, text = thought + more[0], text + more[1]
+            found, reason = None, e.finish_reason
+            if calls:
+                text = calls[i].add(text)
+                if e.finish_reason is not None:
+                    rest, found = calls[i].finish()
+                    text += rest
+                    reason = "tool_calls" if found and reason == "stop" else reason
+            if text or thought or e.logprobs or found:
                 sent = clock()
-                yield _sse(protocol.chunk(rid, parsed, i, e.text, None, logprobs=e.logprobs))
+                yield _sse(protocol.chunk(rid, parsed, i, text, None, logprobs=e.logprobs,
+                                          reasoning=thought, tool_calls=found))
             if e.finish_reason is not None:
                 left -= 1
                 tokens += e.completion_tokens
                 sent = clock()
-                yield _sse(protocol.chunk(rid, parsed, i, None, e.finish_reason))
+                yield _sse(protocol.chunk(rid, parsed, i, None, reason))
         else:
             if parsed.include_usage:
                 body = protocol.chunk(rid, parsed, 0, None, None)

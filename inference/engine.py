@@ -94,6 +94,7 @@ class Request:
     seq: int = 0
     preemptions: int = 0
     left_before: int = 0  # engine.num_left when it was last preempted
+    matcher: object = None  # structured outputs: its grammar's `structured.Matcher`
 
 
 @dataclass
@@ -144,6 +145,9 @@ class Engine(Scheduler):
             time); None = one token per step.
         compile: `torch.compile` the model's layers (`runner.compile_for_inference`;
             decoder-only models).
+        grammar: an `inference.structured.GrammarBackend` for requests with a grammar
+            (`SamplingParams.grammar`); None = such requests are refused by `check`. Their
+            masks are computed on the last stage in a worker thread while the forward runs.
     Raises `ValueError` for num_micro_batches, block_size or max_num_batched_tokens < 1, a
     cache too small to hold one block, or `compile` with an encoder-decoder model.
     """
@@ -152,7 +156,8 @@ class Engine(Scheduler):
                  max_seq_length: int = 2048, max_num_batched_tokens: int | None = None,
                  num_micro_batches: int | None = None, max_source_length: int | None = None,
                  block_size: int = 16, kv_cache_memory: int | float | None = None,
-                 enable_prefix_caching: bool = True, speculative=None, compile: bool = False):
+                 enable_prefix_caching: bool = True, speculative=None, compile: bool = False,
+                 grammar=None):
         self.encoder_decoder = getattr(model.config, "is_encoder_decoder", False)
         self.max_source_length = max_source_length or max_seq_length
         budget = 2048 if max_num_batched_tokens is None else max_num_batched_tokens
@@ -179,6 +184,9 @@ class Engine(Scheduler):
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
         self.max_num_batched_tokens = budget
         self.spec = speculative
+        self.grammar = grammar
+        self._masks: dict = {}  # launch tick -> future of its sampled rows' grammar masks
+        self._mask_pool = None  # one worker thread, started by the first grammar row
         m = self.runner.pp if num_micro_batches is None else num_micro_batches
         if speculative is not None:  # T5 refused; a draft model at pp > 1: one at a time
             m = speculative.micro_batches(self.encoder_decoder, self.runner.pp,
@@ -224,6 +232,13 @@ class Engine(Scheduler):
     def check(self, prompt: list[int], params: SamplingParams) -> None:
         """Raise `ValueError` (`SamplingError` for a sampling field) if the request cannot run."""
         params.validate()
+        if params.grammar is not None:
+            from .structured import GrammarError
+
+            why = "this server has no tokenizer for structured outputs" \
+                if self.grammar is None else self.grammar.unavailable
+            if why:
+                raise GrammarError(why)
         if not prompt:
             raise ValueError("the prompt is empty; send at least one token")
         vocab = self.runner.config.vocab_size
@@ -257,6 +272,8 @@ class Engine(Scheduler):
         self.check(request.prompt, request.params)
         seed = request.params.seed
         request.seed = seed if seed is not None else int(torch.randint(0, 2**62, ()))
+        if request.params.grammar is not None and request.matcher is None:
+            request.matcher = self.grammar.matcher(request.params.grammar)
         request.arrival = time.monotonic()
         self._arrivals += 1
         request.seq = self._arrivals
@@ -303,6 +320,8 @@ class Engine(Scheduler):
         flight = self._launch(t)
         if flight is not None:
             self.in_flight[t] = flight
+            if runner.last and flight.drafts is None:
+                self._start_masks(t, flight)
             self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
         mine = self.in_flight.get(t - runner.stage)
         out = None
@@ -355,10 +374,17 @@ class Engine(Scheduler):
         if not batch:  # prompt chunks only
             return torch.zeros(0, dtype=torch.int64), {}
         tokens = values = None
+        masks = self._masks.pop(done.tick, None)
         if logits is not None:
             if len(rows) < len(done.batch):
                 logits = logits[torch.tensor(rows, device=logits.device)]
-            tokens = sample(logits, [r.params for r in batch], [r.seed for r in batch],
+            allowed = logits
+            if masks is not None:  # structured outputs: refused ids to -inf (logprobs: raw)
+                from .structured import apply_masks
+
+                allowed = apply_masks(logits.float().clone(), [m for m, s in zip(
+                    masks.result(), done.sampled) if s])
+            tokens = sample(allowed, [r.params for r in batch], [r.seed for r in batch],
                             [len(r.output) for r in batch])
             if asked:
                 idx = torch.tensor(asked, device=logits.device)
@@ -369,6 +395,20 @@ class Engine(Scheduler):
         values, ids = broadcast_logprobs(values, len(asked), k).tolist(), tokens.tolist()
         return tokens, {batch[i].id: unpack_logprobs(row, ids[i], batch[i].params.logprobs)
                         for i, row in zip(asked, values)}
+
+    def _start_masks(self, tick: int, flight: _Flight) -> None:
+        """Compute the grammar masks of `flight`'s sampled rows in the worker thread (the
+        matchers do not move until the micro-batch returns: its requests are busy)."""
+        rows = [r.matcher if s and r.matcher is not None else None
+                for r, s in zip(flight.batch, flight.sampled)]
+        if not any(m is not None for m in rows):
+            return
+        if self._mask_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._masks[tick] = self._mask_pool.submit(
+            lambda: [None if m is None else m.mask() for m in rows])
 
     def generate(self, requests: list[Request]) -> list[Request]:
         """Run `requests` to completion (continuous batching when they outnumber the slots)."""
@@ -413,7 +453,11 @@ class Engine(Scheduler):
         if r.ttft_s is None:
             r.ttft_s = time.monotonic() - r.arrival
         reason = None
+        if r.matcher is not None:
+            r.matcher.accept(token)
         if token in self.eos and not r.params.ignore_eos:
+            reason = "stop"
+        elif r.matcher is not None and r.matcher.done:  # the grammar is complete
             reason = "stop"
         elif len(r.output) >= r.params.max_new_tokens:
             reason = "length"

@@ -52,8 +52,13 @@ class Frontend:
 
     def __init__(self, engine, tokenizer, model_name: str, api_key: str | None, dp: int,
                  metrics=None, shutdown_timeout: float = 20.0,
-                 sampling_defaults: dict | None = None):
+                 sampling_defaults: dict | None = None, reasoning_parser: str | None = None,
+                 tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.reasoning_parser = reasoning_parser  # --reasoning-parser (inference/reasoning.py)
+        # --tool-call-parser, --enable-auto-tool-choice (inference/tool_calls.py)
+        self.tool_call_parser, self.enable_auto_tool_choice = \
+            tool_call_parser, enable_auto_tool_choice
         self.sampling_defaults = sampling_defaults or {}
         self.api_key, self.dp, self.metrics = api_key, dp, metrics
         self.shutdown_timeout = shutdown_timeout

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from .logprobs import LogprobsFormat
 from .sampling import MAX_LOGPROBS, SamplingError, SamplingParams
+from .structured import GrammarError, grammar_of
 
 MAX_N = 16
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -20,10 +21,11 @@ DEFAULT_CHAT_TOKENS = 512  # chat: at most this, or what is left of the context
 # OpenAI fields this server does not implement: refused when set to anything but an "off"
 # value (SDKs send those), never silently ignored. Field -> its own off values beyond
 # null / false / 0 / empty.
-UNSUPPORTED = {name: () for name in ("echo", "prompt_logprobs", "suffix", "logit_bias", "tools",
-                                     "tool_choice", "functions", "function_call")}
-UNSUPPORTED.update(best_of=(1,), response_format=({"type": "text"},))
-ROLES = ("system", "developer", "user", "assistant")  # developer: OpenAI's newer system
+UNSUPPORTED = {name: () for name in ("prompt_logprobs", "suffix", "logit_bias",
+                                     "functions", "function_call")}
+UNSUPPORTED.update(best_of=(1,))
+STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")  # vLLM's fields
+ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: OpenAI's newer system
 
 
 class APIError(Exception):
@@ -50,6 +52,9 @@ class Parsed:
     stream: bool
     include_usage: bool
     logprobs: LogprobsFormat | None = None  # None: the request asked for no logprobs
+    reasoning_parser: str | None = None  # chat: --reasoning-parser (inference/reasoning.py)
+    tool_parser: str | None = None  # chat with tools (inference/tool_calls.py): its format
+    echo: list[str] | None = None  # /v1/completions `echo`: each prompt's text, put first
 
 
 def _field(body: dict, name: str, kinds, default):
@@ -86,30 +91,80 @@ def _check_text(text: str, limit: int | None, param: str) -> None:
 
 def parse(raw: bytes, *, chat: bool, tokenizer, model_names: list[str], check,
           max_seq_length: int, seed_source, max_choices: int = 256,
-          max_prompt_chars: int | None = None, defaults: dict | None = None) -> Parsed:
+          max_prompt_chars: int | None = None, defaults: dict | None = None,
+          tool_parser: str | None = None, auto_tools: bool = False) -> Parsed:
     """Validate a request body. `check(prompt, params)` is the engine's own check (raises
     ValueError / SamplingError); `seed_source()` gives a seed when the request has none.
     `max_choices` bounds prompts x n; `max_prompt_chars` a text prompt's characters (both
     checked before tokenizing). `defaults` (`sampling_defaults`) replace OpenAI's defaults of
-    temperature, top_p, top_k and max_tokens when the request leaves them out."""
+    temperature, top_p, top_k and max_tokens when the request leaves them out.
+    `tool_parser` / `auto_tools`: the server's --tool-call-parser and
+    --enable-auto-tool-choice (inference/tool_calls.py)."""
     body, model = _body(raw, model_names)
+    tools, forced, parser = _tools(body, chat, tool_parser, auto_tools)
     n = _field(body, "n", int, 1)
     if not 1 <= n <= MAX_N:
         raise APIError(400, f"'n' must be in [1, {MAX_N}], got {n}", "n")
     if tokenizer is None:
         raise APIError(400, "this server has no tokenizer; it cannot read text prompts")
-    prompts = _chat_prompt(body, tokenizer, n, max_choices, max_prompt_chars) if chat else \
+    prompts = _chat_prompt(body, tokenizer, n, max_choices, max_prompt_chars, tools) if chat else \
         _completion_prompts(body, tokenizer, n, max_choices, max_prompt_chars)
     if any(not p for p in prompts):
         raise APIError(400, "the prompt is empty; send at least one token",
                        "messages" if chat else "prompt")
     params, top = _sampling(body, chat, prompts, n, check, max_seq_length, seed_source,
-                            defaults or {})
+                            defaults or {}, forced)
     stream = _field(body, "stream", bool, False)
+    echo = _echo(body, chat, top, prompts, tokenizer)
     stream_options = body.get("stream_options") or {}
     return Parsed(chat, model, prompts, n, params, stream,
                   bool(isinstance(stream_options, dict) and stream_options.get("include_usage")),
-                  None if top is None else LogprobsFormat(top, chat, tokenizer.token_bytes))
+                  None if top is None else LogprobsFormat(top, chat, tokenizer.token_bytes),
+                  tool_parser=parser, echo=echo)
+
+
+def _echo(body: dict, chat: bool, top, prompts: list[list[int]], tokenizer):
+    """/v1/completions `echo`: the prompts' texts (decoded from their ids, as vLLM echoes a
+    token-id prompt) put before each answer; None when not asked."""
+    if not _field(body, "echo", bool, False):
+        return None
+    if chat:
+        raise APIError(400, "'echo' is a /v1/completions field", "echo")
+    if top is not None:
+        raise APIError(400, "'echo' with 'logprobs' needs the prompt's log-probabilities, "
+                            "which this server does not compute; leave one of them out",
+                       "echo")
+    texts = body["prompt"] if isinstance(body["prompt"], list) and all(
+        isinstance(p, str) for p in body["prompt"]) else [body["prompt"]] \
+        if isinstance(body["prompt"], str) else None
+    return texts if texts is not None else [tokenizer.decode(p) for p in prompts]
+
+
+def _tools(body: dict, chat: bool, parser: str | None, auto: bool):
+    """(tools for the template, the forced call's grammar or None, the parser reading the
+    answer's calls or None) of a request."""
+    from .tool_calls import ToolError, check_tools, forced_grammar
+
+    if body.get("tools") in (None, []):
+        if body.get("tool_choice") not in (None, "none", "auto"):
+            raise APIError(400, "'tool_choice' needs 'tools'", "tool_choice")
+        return None, None, None
+    if not chat:
+        raise APIError(400, "'tools' is a /v1/chat/completions field", "tools")
+    try:
+        tools, choice = check_tools(body["tools"], body.get("tool_choice"), parser, auto)
+    except ToolError as e:
+        raise APIError(400, str(e), e.param) from None
+    if choice == "none":
+        return tools, None, None
+    forced = forced_grammar(tools, choice, parser)
+    if forced is not None:
+        try:
+            forced = grammar_of("grammar", forced)
+        except GrammarError as e:
+            raise APIError(400, f"a function's 'parameters' schema cannot be used: {e}",
+                           "tools") from None
+    return tools, forced, parser
 
 
 def _body(raw: bytes, model_names: list[str]) -> tuple[dict, str]:
@@ -138,14 +193,17 @@ def _body(raw: bytes, model_names: list[str]) -> tuple[dict, str]:
 
 
 def _chat_prompt(body: dict, tokenizer, n: int, max_choices: int,
-                 max_prompt_chars: int | None) -> list[list[int]]:
-    """The token ids of /v1/chat/completions' messages in the chat template."""
+                 max_prompt_chars: int | None, tools: list | None = None) -> list[list[int]]:
+    """The token ids of /v1/chat/completions' messages in the chat template (`tools` shown
+    to it)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and
-            isinstance(m.get("content"), str) for m in messages):
+            isinstance(m, dict) and isinstance(m.get("role"), str) and (
+                isinstance(m.get("content"), str) or
+                (m.get("content") is None and m.get("tool_calls"))) for m in messages):
         raise APIError(400, "'messages' must be a non-empty list of {role, content} "
-                            "objects with string content", "messages")
+                            "objects with string content (null only beside an assistant's "
+                            "tool_calls)", "messages")
     roles = {m["role"] for m in messages} - set(ROLES)
     if roles:
         raise APIError(400, f"unsupported message role(s) {sorted(roles)}; use one of "
@@ -153,16 +211,48 @@ def _chat_prompt(body: dict, tokenizer, n: int, max_choices: int,
     if n > max_choices:
         raise APIError(400, f"n ({n}) is more than this server's "
                             f"--max-request-choices ({max_choices})", "n")
-    _check_text("".join(m["content"] for m in messages), max_prompt_chars, "messages")
+    _check_text("".join(m.get("content") or "" for m in messages), max_prompt_chars, "messages")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict) or "messages" in kwargs:
+        raise APIError(400, "'chat_template_kwargs' must be an object of the template's "
+                            "variables (e.g. {\"enable_thinking\": false}), without "
+                            "'messages'", "chat_template_kwargs")
     try:
-        return [tokenizer.apply_chat_template(
-            [{"role": "system" if m["role"] == "developer" else m["role"],
-              "content": m["content"]} for m in messages])]
+        return [tokenizer.apply_chat_template([_template_message(m) for m in messages],
+                                              tools=tools, **kwargs)]
     except ValueError as e:
         raise APIError(400, str(e), "messages") from None
     except Exception as e:  # noqa: BLE001 - a template may reject roles in its own way
         raise APIError(400, f"the chat template rejected the messages: {e}",
                        "messages") from None
+
+
+def _template_message(m: dict) -> dict:
+    """A message as chat templates read it: developer as system; an assistant's tool calls
+    with their `arguments` as objects (transformers' form; OpenAI sends JSON text); a tool
+    result with its `tool_call_id` and `name`."""
+    out = {"role": "system" if m["role"] == "developer" else m["role"],
+           "content": m.get("content")}
+    for key in ("tool_call_id", "name"):
+        if isinstance(m.get(key), str):
+            out[key] = m[key]
+    calls = m.get("tool_calls")
+    if calls:
+        if not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls):
+            raise APIError(400, "'tool_calls' of a message must be a list of {id, type, "
+                                "function: {name, arguments}}", "messages")
+        out["tool_calls"] = []
+        for c in calls:
+            f = dict(c["function"])
+            if isinstance(f.get("arguments"), str):
+                try:
+                    f["arguments"] = json.loads(f["arguments"])
+                except ValueError:
+                    raise APIError(400, "a tool call's 'arguments' must be JSON text",
+                                   "messages") from None
+            out["tool_calls"].append({**c, "function": f})
+    return out
 
 
 def _completion_prompts(body: dict, tokenizer, n: int, max_choices: int,
@@ -193,7 +283,8 @@ def _completion_prompts(body: dict, tokenizer, n: int, max_choices: int,
 
 
 def _sampling(body: dict, chat: bool, prompts: list[list[int]], n: int, check,
-              max_seq_length: int, seed_source, d: dict) -> tuple[list, int | None]:
+              max_seq_length: int, seed_source, d: dict,
+              forced: str | None = None) -> tuple[list, int | None]:
     """`SamplingParams` of every choice (prompt-major), each checked by the engine, and the
     logprobs alternatives asked for (None: no logprobs)."""
     stop = body.get("stop")
@@ -209,6 +300,12 @@ def _sampling(body: dict, chat: bool, prompts: list[list[int]], n: int, check,
     seed = body.get("seed")
     ignore_eos = _field(body, "ignore_eos", bool, False)  # vLLM's extra parameter
     top = _logprobs(body, chat)
+    grammar = structured_grammar(body)
+    if forced is not None:  # a forced tool call's grammar
+        if grammar is not None:
+            raise APIError(400, "a forced tool call ('tool_choice') cannot be combined with "
+                                "'response_format' or 'structured_outputs'", "tool_choice")
+        grammar = forced
     params = []
     for prompt in prompts:
         for j in range(n):
@@ -217,9 +314,11 @@ def _sampling(body: dict, chat: bool, prompts: list[list[int]], n: int, check,
                 top_k=_or(body, "top_k", d, 0) or 0, top_p=_or(body, "top_p", d, 1.0),
                 seed=(seed + j if isinstance(seed, int) and not isinstance(seed, bool)
                       else seed if seed is not None else seed_source()),
-                stop=stop, ignore_eos=ignore_eos, logprobs=top)
+                stop=stop, ignore_eos=ignore_eos, logprobs=top, grammar=grammar)
             try:
                 check(prompt, sp)
+            except GrammarError as e:
+                raise APIError(400, str(e), "response_format") from None
             except SamplingError as e:
                 raise APIError(400, str(e), e.param) from None
             except ValueError as e:
@@ -229,6 +328,46 @@ def _sampling(body: dict, chat: bool, prompts: list[list[int]], n: int, check,
                     from None
             params.append(sp)
     return params, top
+
+
+def structured_grammar(body: dict) -> str | None:
+    """The llguidance grammar a request holds its output to (inference/structured.py), from
+    OpenAI's `response_format` (`{"type": "json_object"}`, `{"type": "json_schema",
+    "json_schema": {"name", "schema", "strict"}}`) or vLLM's `structured_outputs` (one of
+    `json`, `regex`, `choice`, `grammar` (Lark), `json_object`); None: free text. A schema
+    or grammar llguidance refuses, or a missing llguidance, is a 400 with the reason."""
+    fmt, so = body.get("response_format"), body.get("structured_outputs")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise APIError(400, "'response_format' must be an object such as {\"type\": "
+                            "\"json_object\"}", "response_format")
+    kind = (fmt or {}).get("type", "text")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise APIError(400, f"'response_format.type' must be 'text', 'json_object' or "
+                            f"'json_schema', got {kind!r}", "response_format")
+    param, value = "response_format", None
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+            raise APIError(400, "'response_format.json_schema' must be an object with a "
+                                "'schema' (a JSON schema object)", param)
+        kind, value = "json", spec["schema"]
+    if so is not None:
+        if kind != "text":
+            raise APIError(400, "send either 'response_format' or 'structured_outputs', not "
+                                "both", "structured_outputs")
+        given = [k for k in STRUCTURED_KEYS if isinstance(so, dict) and
+                 so.get(k) not in (None, False)]
+        if len(given) != 1:
+            raise APIError(400, f"'structured_outputs' must set exactly one of "
+                                f"{list(STRUCTURED_KEYS)}, got {given or so!r}",
+                           "structured_outputs")
+        param, kind, value = "structured_outputs", given[0], so[given[0]]
+    if kind == "text":
+        return None
+    try:
+        return grammar_of(kind, value)
+    except GrammarError as e:
+        raise APIError(400, f"invalid {param}: {e}", param) from None
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
@@ -278,6 +417,74 @@ def sampling_defaults(generation_config: dict) -> dict:
             if generation_config.get(hf) is not None}
 
 
+def tokenize(raw: bytes, *, tokenizer, model_names: list[str], max_seq_length: int,
+             max_prompt_chars: int | None = None) -> dict:
+    """POST /tokenize (vLLM's): `{"prompt": text}` or `{"messages": [...], "tools"?}` (the
+    chat template's ids, `add_generation_prompt` true) -> `{"count", "max_model_len", "tokens",
+    "token_strs"}`; the ids are those /v1/completions or /v1/chat/completions feed the model
+    (`add_special_tokens` defaults to false here, as those endpoints add none; true adds
+    the tokenizer's own, BOS for Llama-style ones). `return_token_strs`: each id's
+    `logprobs.token_text`. The model name is optional (vLLM's)."""
+    body = _tool_body(raw, model_names)
+    if tokenizer is None:
+        raise APIError(400, "this server has no tokenizer")
+    special = _field(body, "add_special_tokens", bool, False)
+    if "messages" in body:
+        if body.get("add_generation_prompt") is False:
+            raise APIError(400, "'add_generation_prompt': false is not supported; the chat "
+                                "ids end with the assistant's prompt", "add_generation_prompt")
+        tools = body.get("tools")
+        if tools is not None and not (isinstance(tools, list) and
+                                      all(isinstance(t, dict) for t in tools)):
+            raise APIError(400, "'tools' must be a list of tool objects", "tools")
+        ids = _chat_prompt(body, tokenizer, 1, 1, max_prompt_chars, tools or None)[0]
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise APIError(400, "'prompt' must be a string (or send 'messages')", "prompt")
+        _check_text(prompt, max_prompt_chars, "prompt")
+        ids = tokenizer._hf(prompt, add_special_tokens=True)["input_ids"] \
+            if special and getattr(tokenizer, "_hf", None) is not None else \
+            tokenizer.encode(prompt)
+    strs = None
+    if _field(body, "return_token_strs", bool, False):
+        from .logprobs import token_text
+
+        strs = [token_text(tokenizer.token_bytes(i), i) for i in ids]
+    return {"count": len(ids), "max_model_len": max_seq_length, "tokens": list(ids),
+            "token_strs": strs}
+
+
+def detokenize(raw: bytes, *, tokenizer, model_names: list[str], vocab_size: int) -> dict:
+    """POST /detokenize (vLLM's): `{"tokens": [ids]}` -> `{"prompt": text}` (special tokens
+    dropped, as in generated text)."""
+    body = _tool_body(raw, model_names)
+    if tokenizer is None:
+        raise APIError(400, "this server has no tokenizer")
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise APIError(400, "'tokens' must be a list of token ids", "tokens")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise APIError(400, f"token id {bad[0]} is not in [0, {vocab_size})", "tokens")
+    return {"prompt": tokenizer.decode(ids)}
+
+
+def _tool_body(raw: bytes, model_names: list[str]) -> dict:
+    """The JSON object of a /tokenize or /detokenize request (its model, if named, served)."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise APIError(400, f"the request body is not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    if body.get("model") not in (None, "", *model_names):
+        raise APIError(404, f"the model {body['model']!r} does not exist; this server serves "
+                            f"{model_names}", "model", "model_not_found")
+    return body
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
@@ -294,26 +501,54 @@ def response(rid: str, parsed: Parsed, texts: list[str], reasons: list[str],
     lps = [_logprobs_of(parsed, i, logprobs[i] if logprobs else None)
            for i in range(len(texts))]
     if parsed.chat:
-        choices = [{"index": i, "message": {"role": "assistant", "content": t},
-                    "logprobs": lps[i], "finish_reason": r}
-                   for i, (t, r) in enumerate(zip(texts, reasons))]
+        choices = []
+        for i, (t, r) in enumerate(zip(texts, reasons)):
+            message = _message(parsed, t)
+            choices.append({"index": i, "message": message, "logprobs": lps[i],
+                            "finish_reason": "tool_calls" if message.get("tool_calls") and
+                            r == "stop" else r})
         obj = "chat.completion"
     else:
-        choices = [{"index": i, "text": t, "logprobs": lps[i], "finish_reason": r}
-                   for i, (t, r) in enumerate(zip(texts, reasons))]
+        echo = parsed.echo or [""] * len(parsed.prompts)
+        choices = [{"index": i, "text": echo[i // parsed.n] + t, "logprobs": lps[i],
+                    "finish_reason": r} for i, (t, r) in enumerate(zip(texts, reasons))]
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": parsed.model,
             "choices": choices, "usage": usage_}
 
 
+def _message(parsed: Parsed, text: str) -> dict:
+    """The assistant message of a whole chat answer (thinking apart with a reasoning
+    parser)."""
+    out = {"role": "assistant", "content": text}
+    if parsed.reasoning_parser is not None:
+        from .reasoning import ReasoningSplitter
+
+        reasoning, out["content"] = ReasoningSplitter(parsed.reasoning_parser).split(text)
+        out["reasoning_content"] = reasoning
+    if parsed.tool_parser is not None:
+        from .tool_calls import parse as parse_calls
+
+        content, calls = parse_calls(out["content"] or "", parsed.tool_parser)
+        if calls:
+            out["content"], out["tool_calls"] = content, calls
+    return out
+
+
 def chunk(rid: str, parsed: Parsed, index: int, text: str | None, reason: str | None,
-          first: bool = False, logprobs: list | None = None) -> dict:
-    """One streamed chunk for choice `index` (text delta and/or finish reason; `logprobs`:
-    the `Event.logprobs` of the tokens it carries, when the request asked)."""
+          first: bool = False, logprobs: list | None = None,
+          reasoning: str | None = None, tool_calls: list | None = None) -> dict:
+    """One streamed chunk for choice `index` (text delta, reasoning delta (chat with a
+    reasoning parser) and/or finish reason; `logprobs`: the `Event.logprobs` of the tokens
+    it carries, when the request asked)."""
     lp = _logprobs_of(parsed, index, logprobs) if logprobs else None
     if parsed.chat:
         delta = {"role": "assistant", "content": ""} if first else \
             ({"content": text} if text else {})
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if tool_calls:
+            delta["tool_calls"] = [{"index": j, **c} for j, c in enumerate(tool_calls)]
         choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
         obj = "chat.completion.chunk"
     else:

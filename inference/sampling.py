@@ -60,6 +60,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    grammar: str | None = None
 
     def validate(self) -> "SamplingParams":
         """Raise `SamplingError` naming the first bad field and its range."""

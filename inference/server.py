@@ -40,7 +40,9 @@ FLUSH_S = 5.0  # how long rank 0 waits for the HTTP layer to send error bodies b
 def serve(engine, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, log=print, *, shutdown_timeout: float = 20.0,
           max_request_bytes: int = 4 << 20, max_request_choices: int = 256,
-          sampling_defaults: dict | None = None, sse_keep_alive_interval: float = 15.0) -> None:
+          sampling_defaults: dict | None = None, sse_keep_alive_interval: float = 15.0,
+          reasoning_parser: str | None = None, tool_call_parser: str | None = None,
+          enable_auto_tool_choice: bool = False) -> None:
     """Run the server until SIGTERM / Ctrl-C (collective: every rank of the world calls it).
 
     `shutdown_timeout`: seconds in-flight requests may still run after the first signal.
@@ -49,6 +51,8 @@ def serve(engine, tokenizer, model_name: str, host: str = "127.0.0.1", port: int
     `sampling_defaults`: a request's defaults (protocol.sampling_defaults) instead of OpenAI's.
     `sse_keep_alive_interval`: seconds without bytes before a stream gets an SSE comment
     line (0: none).
+    `reasoning_parser`: chat answers' thinking as `reasoning_content` (inference/reasoning.py).
+    `tool_call_parser`, `enable_auto_tool_choice`: tool calls (inference/tool_calls.py).
     Raises `RuntimeError` when a collective fails (a rank died), after rank 0 has answered
     every open request with an error body."""
     rank = dist.get_rank()
@@ -72,7 +76,8 @@ def serve(engine, tokenizer, model_name: str, host: str = "127.0.0.1", port: int
         from .metrics import ServerMetrics
 
         fe = Frontend(engine, tokenizer, model_name, api_key, dp,
-                      ServerMetrics(model_name, dp), shutdown_timeout, sampling_defaults)
+                      ServerMetrics(model_name, dp), shutdown_timeout, sampling_defaults,
+                      reasoning_parser, tool_call_parser, enable_auto_tool_choice)
         app = build_app(fe, Limits(max_request_bytes, max_request_choices),
                         sse_keep_alive_interval)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning",

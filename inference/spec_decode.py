@@ -414,8 +414,13 @@ class SpecDecoder:
             packed = torch.zeros(b, k + 2, dtype=torch.int64)
             for i, r in enumerate(batch):
                 n = len(drafts[i])
-                run = verify_row(logits[i, :n + 1], drafts[i], r.params, r.seed,
-                                 len(r.output))
+                rows = logits[i, :n + 1]
+                if r.matcher is not None:  # structured: each position's grammar mask
+                    from .structured import apply_masks
+
+                    masks = r.matcher.masks_for(drafts[i])
+                    rows = apply_masks(rows.float().clone(), masks + [None] * (n + 1 - len(masks)))
+                run = verify_row(rows, drafts[i], r.params, r.seed, len(r.output))
                 packed[i, 0] = len(run)
                 packed[i, 1:1 + len(run)] = torch.tensor(run)
         packed = broadcast_tokens(None if packed is None else packed.flatten(),

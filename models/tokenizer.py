@@ -184,13 +184,16 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self.kind == "hf" and bool(getattr(self._hf, "chat_template", None))
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            **template_kwargs) -> list[int]:
         """Token ids of chat `messages` (`[{"role": ..., "content": ...}]`) in the HF
         tokenizer's chat template, ending with the assistant's generation prompt: the
         template rendered as transformers' `apply_chat_template` renders it (its variables:
         the messages, `add_generation_prompt`, the special tokens), but bounded in time and
         size (models/chat_template.py: the template is untrusted code), then encoded
-        without special tokens added.
+        without special tokens added. `tools` (OpenAI's function list) and `template_kwargs`
+        (a request's `chat_template_kwargs`, e.g. `enable_thinking`) are the template's
+        variables too.
 
         Raises `ValueError` when the tokenizer has no chat template (SentencePiece models and
         base models usually have none), and `chat_template.ChatTemplateError` (a
@@ -201,8 +204,9 @@ class Tokenizer:
             raise ValueError(f"tokenizer {self.path} has no chat template; send a plain "
                              f"completion (no --chat, /v1/completions)")
         text = render_chat_template(
-            self._hf.get_chat_template(), messages=messages, tools=None, documents=None,
-            add_generation_prompt=True, **self._hf.special_tokens_map)
+            self._hf.get_chat_template(), **{
+                **self._hf.special_tokens_map, "tools": tools, "documents": None,
+                "add_generation_prompt": True, **template_kwargs, "messages": messages})
         return self.encode(text)
 
     def __repr__(self) -> str:

@@ -210,7 +210,8 @@ def test_bad_inputs_then_good_request(server):
         ("/v1/completions", {**good, "model": 5}, None, 400),
         ("/v1/completions", {**good, "seed": 2**70}, None, 400),  # torch's generator: 64 bits
         ("/v1/completions", {**good, "seed": 2**63 - 1, "n": 2}, None, 400),  # seed + 1
-        ("/v1/completions", {**good, "echo": True}, None, 400),  # not implemented: refused
+        ("/v1/completions", {**good, "echo": True, "logprobs": 1}, None, 400),  # no prompt
+        ("/v1/chat/completions", {**chat, "echo": True}, None, 400),  # logprobs; chat
         ("/v1/completions", {**good, "prompt_logprobs": 1}, None, 400),
         # logprobs: OpenAI's types and ranges per endpoint (vLLM's max, 20)
         ("/v1/completions", {**good, "logprobs": 21}, None, 400),
@@ -223,7 +224,7 @@ def test_bad_inputs_then_good_request(server):
         ("/v1/chat/completions", {**chat, "logprobs": 3}, None, 400),
         ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 21}, None, 400),
         ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 1.5}, None, 400),
-        ("/v1/completions", {**good, "response_format": {"type": "json_object"}}, None, 400),
+        ("/v1/completions", {**good, "response_format": {"type": "yaml"}}, None, 400),
     ]
     for path, body, raw, status in cases:
         code, obj = _post(port, path, body, raw)
