@@ -196,7 +196,8 @@ class ColumnParallelLinear(nn.Module):
     Input `[s, b, in]` (or `[s/tp, b, in]` with sequence_parallel); output `[s, b, out/tp]`, or
     `[s, b, out]` with gather_output. `num_fused_parts` > 1 marks a weight made of that many
     blocks stacked on the output dim, each split separately (SwiGLU's [gate; up]).
-    `forward(x, weight=...)` uses an external weight (tied output layer).
+    `forward(x, weight=...)` uses an external weight (tied output layer). `lora`: LoRA
+    adapters whose term is added before the gather (layers/lora.py), or None.
     """
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = True,
@@ -224,6 +225,7 @@ class ColumnParallelLinear(nn.Module):
                                            num_fused_parts=num_fused_parts)
         else:
             self.bias = None
+        self.lora = None  # LoRA adapters (layers/lora.py `add_lora`)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         weight = self.weight if weight is None else weight
@@ -238,6 +240,8 @@ class ColumnParallelLinear(nn.Module):
                                       gemm.uses_onednn(x, weight))
         else:  # one TP rank, no graph, or autocast (whose casts F.linear's backward knows)
             y = linear(copy_to_tensor_model_parallel_region(x), weight, self.bias)
+        if self.lora is not None:
+            y = y + self.lora(x, self.sequence_parallel)
         if not self.gather_output:
             return y
         y = gather_from_tensor_model_parallel_region(y)
@@ -256,7 +260,7 @@ class RowParallelLinear(nn.Module):
 
     Input `[s, b, in/tp]` (already split, as a column layer leaves it); output `[s, b, out]`
     summed over TP, or `[s/tp, b, out]` reduce-scattered with sequence_parallel. The bias is
-    added once, after the reduction.
+    added once, after the reduction (and after the `lora` adapters' term, layers/lora.py).
     """
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = True,
@@ -276,6 +280,7 @@ class RowParallelLinear(nn.Module):
                                            sequence_parallel=self.sequence_parallel)
         else:
             self.bias = None
+        self.lora = None  # LoRA adapters (layers/lora.py `add_lora`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight)
@@ -283,6 +288,8 @@ class RowParallelLinear(nn.Module):
             y = reduce_scatter_to_sequence_parallel_region(y)
         else:
             y = reduce_from_tensor_model_parallel_region(y)
+        if self.lora is not None:
+            y = y + self.lora(x, self.sequence_parallel)
         return y + self.bias.to(y.dtype) if self.bias is not None else y
 
     def extra_repr(self) -> str:

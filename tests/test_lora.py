@@ -1,0 +1,125 @@
+"""LoRA adapters on the parallel linear layers (layers/lora.py): the loss, the adapters'
+gradients and the dropout masks of a tiny GQA SwiGLU model at tp 2 (with and without sequence
+parallelism) equal one process's; the base path is untouched without adapters; bad targets
+are refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed import run_distributed
+
+B, S = 2, 8
+
+
+def _cfg():
+    from models.config import ModelConfig
+
+    return ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=4, num_query_groups=2,
+                       ffn_hidden_size=24, vocab_size=64, seq_length=S,
+                       max_position_embeddings=S, position_embedding_type="rope",
+                       normalization="RMSNorm", activation="swiglu", add_bias_linear=False,
+                       hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def _run(sp: bool, targets: str, dropout: float) -> dict:
+    """Loss and dense adapter grads of the tiny model with adapters (B seeded non-zero)."""
+    import parallel_state as ps
+    from layers import unshard_tensors
+    from layers.lora import add_lora, lora_parameters
+    from layers.sharding import make_full_tensor, shard_tensor
+    from models.gpt import GPTModel
+    from parallel_state import collectives
+
+    torch.manual_seed(0)
+    model = GPTModel(_cfg(), sequence_parallel=sp)
+    add_lora(model, rank=4, alpha=8.0, dropout=dropout, target_modules=targets)
+    model.init_weights(5)
+    params = lora_parameters(model)
+    with torch.no_grad():
+        for name, p in params.items():
+            if name.split(".")[-2] == "B":  # non-zero B, the same dense tensor at any tp
+                p.init = "normal"
+                p.copy_(shard_tensor(make_full_tensor(p, name, 9, 0.5, 1), p))
+                p.init = "zeros"
+    ids = torch.randint(0, 64, (B, S), generator=torch.Generator().manual_seed(3))
+    model.train()
+    with ps.dropout_sample_ids(torch.arange(B) + 10):
+        loss = model(ids, labels=ids.roll(-1, 1)).mean()
+    loss.backward()
+    tp = ps.get_tensor_model_parallel_world_size()
+    grads = {}
+    for name, p in params.items():
+        g = p.grad
+        if tp > 1 and p.tensor_model_parallel:
+            parts = [torch.empty_like(g) for _ in range(tp)]
+            collectives.all_gather(parts, g.contiguous(),
+                                   group=ps.get_tensor_model_parallel_group())
+            g = unshard_tensors(parts, p)
+        grads[name] = g.clone()
+    frozen = [n for n, p in model.named_parameters() if p.requires_grad != (n in params)]
+    base_grads = [n for n, p in model.named_parameters() if n not in params and p.grad is not None]
+    return {"loss": loss.detach(), "grads": grads, "frozen_wrong": frozen,
+            "base_grads": base_grads}
+
+
+def _suite():
+    return {(sp, t, d): _run(sp, t, d) for sp in (False, True)
+            for t, d in (("all-linear", 0.3), ("q_proj,v_proj,down_proj", 0.0))}
+
+
+def test_lora_at_tp2_with_and_without_sp_matches_one_process(no_grid):
+    results = run_distributed(_suite, 2, tp=2)
+    for (sp, targets, dropout), got in results[0].items():
+        ref = _run(False, targets, dropout)
+        what = f"tp2 sp={sp} targets={targets} dropout={dropout}"
+        assert not got["frozen_wrong"] and not got["base_grads"], what
+        assert set(got["grads"]) == set(ref["grads"]), what
+        torch.testing.assert_close(got["loss"], ref["loss"], rtol=1e-5, atol=1e-6, msg=what)
+        for name, g in ref["grads"].items():
+            assert g.abs().sum() > 0, f"{name}: zero gradient ({what})"
+            torch.testing.assert_close(got["grads"][name], g, rtol=1e-4, atol=1e-6,
+                                       msg=f"{name} grad, {what}")
+        other = results[1][(sp, targets, dropout)]
+        for name, g in other["grads"].items():  # a replicated gradient is whole on both ranks
+            torch.testing.assert_close(g, got["grads"][name], rtol=0, atol=0)
+
+
+def test_targets_parts_and_shapes(no_grid):
+    from layers.lora import add_lora, lora_parameters, resolve_targets
+    from models.gpt import GPTModel
+
+    assert resolve_targets("linear_qkv,o_proj") == ("q_proj", "k_proj", "v_proj", "o_proj")
+    assert len(resolve_targets("all-linear")) == 7
+    with pytest.raises(ValueError, match="unknown module 'qkv'"):
+        resolve_targets("qkv")
+    with pytest.raises(ValueError, match="names no module"):
+        resolve_targets(" , ")
+    model = GPTModel(_cfg())
+    add_lora(model, rank=4, alpha=4.0, target_modules="k_proj,gate_proj")
+    names = sorted(lora_parameters(model))
+    assert names[:4] == ["decoder.layers.0.mlp.linear_fc1.lora.A.gate_proj",
+                         "decoder.layers.0.mlp.linear_fc1.lora.B.gate_proj",
+                         "decoder.layers.0.self_attention.linear_qkv.lora.A.k_proj",
+                         "decoder.layers.0.self_attention.linear_qkv.lora.B.k_proj"]
+    qkv = model.decoder.layers["0"].self_attention.linear_qkv
+    assert qkv.lora.A["k_proj"].shape == (4, 16) and qkv.lora.B["k_proj"].shape == (8, 4)
+    assert model.decoder.layers["0"].self_attention.linear_proj.lora is None
+    with pytest.raises(ValueError, match="--lora-rank must be >= 1"):
+        add_lora(GPTModel(_cfg()), rank=0, alpha=1.0)
+
+
+def test_zero_b_leaves_the_base_output(no_grid):
+    """At init (B = 0) the adapted model computes the base model's logits exactly."""
+    from layers.lora import add_lora
+    from models.gpt import GPTModel
+
+    ids = torch.randint(0, 64, (B, S), generator=torch.Generator().manual_seed(1))
+    base = GPTModel(_cfg())
+    base.init_weights(5)
+    adapted = GPTModel(_cfg())
+    add_lora(adapted, rank=4, alpha=8.0)
+    adapted.init_weights(5)
+    assert sum(p.requires_grad for p in adapted.parameters()) == 2 * 7 * 2
+    with torch.no_grad():
+        assert torch.equal(base(ids), adapted(ids))
