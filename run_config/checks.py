@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from data_pipeline.data_path import parse_data_path
+from layers.lora import resolve_targets
 from layers.transformer import cpp_compiler_problem
 from models.config import ConfigError, ModelConfig
 from .batch_schedule import check_batch_schedule
@@ -54,7 +55,26 @@ def validate(m: ModelConfig, t: TrainConfig, world_size: int) -> tuple[int, int]
     _check_data(t)
     _check_run(t)
     _check_profile(t, world_size)
+    _check_lora(m, t)
     return dp, num_microbatches
+
+
+def _check_lora(m: ModelConfig, t: TrainConfig) -> None:
+    """The LoRA flags (layers/lora.py): a rank >= 0, a dropout in [0, 1), known targets, a
+    decoder-only model."""
+    if t.lora_rank < 0:
+        raise ConfigError(f"--lora-rank {t.lora_rank} must be >= 1 (or 0: no adapters)")
+    if not t.lora_rank:
+        return
+    if not 0.0 <= t.lora_dropout < 1.0:
+        raise ConfigError(f"--lora-dropout {t.lora_dropout} must be in [0, 1)")
+    try:
+        resolve_targets(t.lora_target_modules)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if m.is_encoder_decoder:
+        raise ConfigError("--lora-rank is built for decoder-only models; drop it for "
+                          "--model-type t5")
 
 
 def _check_positive(t: TrainConfig, world_size: int) -> None:

@@ -123,3 +123,101 @@ def test_zero_b_leaves_the_base_output(no_grid):
     assert sum(p.requires_grad for p in adapted.parameters()) == 2 * 7 * 2
     with torch.no_grad():
         assert torch.equal(base(ids), adapted(ids))
+
+
+# --- training at every layout ---------------------------------------------------------------
+
+LORA = ["--config", "configs/tiny-llama.yaml", "--num-layers", "2", "--seq-length", "32",
+        "--train-iters", "4", "--log-interval", "1", "--eval-interval", "0",
+        "--micro-batch-size", "2", "--global-batch-size", "8", "--no-tensorboard",
+        "--peak-tflops", "1", "--no-untie-embeddings-and-output-weights", "--lr", "3e-3",
+        "--lora-rank", "4", "--lora-alpha", "8", "--lora-dropout", "0.2"]
+TRAIN_LAYOUTS = {1: [[]],
+                 2: [["--tp", "2", "--sequence-parallel"],
+                     ["--pp", "2", "--recompute-granularity", "full"],
+                     ["--use-distributed-optimizer", "--data-parallel-sharding-strategy",
+                      "optim_grads"], ["--context-parallel-size", "2"],
+                     ["--data-parallel-sharding-strategy", "optim_grads_params"]]}
+
+
+def _base_digest(chunks) -> str:
+    """sha256 of the dense frozen weights (every parameter but the adapters), by name."""
+    import hashlib
+
+    from models.state_dict import gather_full_state_dict
+
+    full = gather_full_state_dict(chunks)
+    h = hashlib.sha256()
+    for name in sorted(full):
+        if ".lora." not in name:
+            h.update(name.encode() + full[name].numpy().tobytes())
+    return h.hexdigest()
+
+
+def _train_lora(runs: list[list[str]], log_dir: str, cache: str) -> list:
+    """pretrain() once per argument list: (losses, grad norms, base digest after training,
+    the trainable parameters' names)."""
+    import os
+
+    import parallel_state as ps
+    from training.arguments import parse_config
+    from training.trainer import pretrain
+
+    os.environ["SHARDZOO_CACHE"] = cache
+    out = []
+    for i, args in enumerate(runs):
+        ps.destroy_model_parallel()
+        seen = {}
+
+        def on_end(chunks):
+            seen["trainable"] = sorted(n for c in chunks for n, p in c.named_parameters()
+                                       if p.requires_grad)
+            return _base_digest(chunks)
+
+        records = pretrain(parse_config(args + ["--log-dir", f"{log_dir}/{i}"]), on_end=on_end)
+        steps = [r for r in records if "loss" in r]
+        digest = next(r["on_end"] for r in records if "on_end" in r)
+        out.append(([r["loss"] for r in steps], [r["grad_norm"] for r in steps], digest,
+                    seen["trainable"]))
+    return out
+
+
+def test_lora_training_on_every_layout_matches_one_process(tmp_path, corpus_env, no_grid):
+    """Loss and gradient-norm curves with LoRA dropout on at tp 2 + SP, pp 2 (tied
+    embeddings; full recompute), dp 2 with ZeRO-2 and ZeRO-3 and cp 2 equal one process's; only adapters train (the base
+    after training is bitwise the seeded initial base, at every layout)."""
+    from models.gpt import GPTModel
+    from tolerances import assert_losses_close, training_chain_terms
+    from training.arguments import parse_config
+
+    cache = corpus_env["SHARDZOO_CACHE"]
+    res = {w: run_distributed(_train_lora, w, [LORA + f for f in flags], str(tmp_path / str(w)),
+                              cache, timeout=600)[0] for w, flags in TRAIN_LAYOUTS.items()}
+    ref_losses, ref_norms, ref_digest, trainable = res[1][0]
+    config = parse_config(list(LORA))
+    fresh = GPTModel(config.model)
+    fresh.init_weights(config.train.seed)
+    assert ref_digest == _base_digest([fresh]), "the base changed during LoRA training"
+    assert trainable and all(".lora." in n for n in trainable), trainable
+    assert ref_losses[-1] < ref_losses[0], ref_losses
+    k_step = training_chain_terms(LORA)
+    for flags, (losses, norms, digest, _) in zip(TRAIN_LAYOUTS[2], res[2], strict=True):
+        assert_losses_close(losses, ref_losses, k_step, f"losses at {flags}")
+        assert_losses_close(norms, ref_norms, k_step, f"grad norms at {flags}")
+        assert digest == ref_digest, f"base changed at {flags}"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--lora-rank", "-1"], "--lora-rank -1 must be >= 1"),
+    (["--lora-rank", "4", "--lora-dropout", "1"], "--lora-dropout 1.0 must be in"),
+    (["--lora-rank", "4", "--lora-target-modules", "qkv"], "unknown module 'qkv'"),
+    (["--config", "configs/t5-demo.yaml", "--lora-rank", "4"], "built for decoder-only"),
+])
+def test_bad_lora_flags_are_refused_before_the_run(extra, message):
+    from models.config import ConfigError
+    from training.arguments import parse_config
+
+    config = parse_config((["--config", "configs/tiny-llama.yaml"] if "--config" not in extra
+                           else []) + extra)
+    with pytest.raises(ConfigError, match=message):
+        config.validate(1)

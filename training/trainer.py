@@ -23,6 +23,7 @@ from checkpoint.format import CheckpointError
 from data_parallel.ddp import DistributedDataParallel, resolve_strategy
 from data_parallel.distributed_optimizer import DistributedOptimizer
 from layers import compile_transformer_layers, initial_value, parameters_on_meta
+from layers.lora import add_lora
 from layers.recompute import apply_recompute
 from models import GPTModel, T5Model
 from models.config import ConfigError
@@ -69,10 +70,12 @@ def param_init(config: Config):
 
 
 def build_model(config: Config, device) -> list[GPTModel]:
-    """This rank's model chunks (one unless virtual pipelining), initialized from the seed;
-    under ZeRO-3 (`zero3_init`) with their parameters on the meta device, not initialized."""
+    """This rank's model chunks (one unless virtual pipelining), initialized from the seed,
+    with LoRA adapters on a frozen base under --lora-rank; under ZeRO-3 (`zero3_init`) with
+    their parameters on the meta device, not initialized (a LoRA run's base is built whole:
+    frozen, it has nothing ZeRO shards; its adapters are sharded)."""
     t = config.train
-    meta = zero3_init(config)
+    meta = zero3_init(config) and not t.lora_rank  # LoRA: the frozen base stays whole
     with parameters_on_meta() if meta else contextlib.nullcontext():
         if config.model.is_encoder_decoder:
             from run_config.checks import t5_stage_layers
@@ -86,6 +89,10 @@ def build_model(config: Config, device) -> list[GPTModel]:
                                         t.virtual_pipeline_model_parallel_size,
                                         sequence_parallel=t.sequence_parallel,
                                         cp_comm_type=t.cp_comm_type)
+        if t.lora_rank:  # adapters on the frozen base: only they train (layers/lora.py)
+            for chunk in chunks:
+                add_lora(chunk, t.lora_rank, t.lora_alpha, t.lora_dropout,
+                         t.lora_target_modules, t.use_rslora)
     for chunk in chunks:
         if not meta:
             chunk.init_weights(t.seed)
@@ -448,6 +455,7 @@ def memory_line(config: Config, state: dict, act: dict, totals: list[int]) -> st
         f"{mib(state['params'])}, gradients {mib(state['grads'])}, optimizer "
         f"{mib(state['main_params'] + state['optimizer_states'])}; {state['strategy']} at "
         f"{group}, ZeRO formula {mib(state['predicted_total'])}{host}{gathered}) + "
+        + (f"frozen base {mib(state['frozen_params'])} + " if state.get("frozen_params") else "")
         + ("activations not measured (T5)" if config.model.is_encoder_decoder else
            f"activations {mib(act['activation_bytes_per_microbatch'])} per microbatch (the "
            f"decoder layers' {mib(act['activation_bytes_layers'])}, predicted "
