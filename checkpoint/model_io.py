@@ -212,10 +212,10 @@ def verify_checkpoint(path: str, meta: dict, tensors=None) -> None:
         raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(problems))
 
 
-def model_tensors(chunks) -> dict:
+def model_tensors(chunks, part: str = "saved") -> dict:
     """`keys.expected_tensors` of the model whose chunks the ranks of the world hold (each
     rank passes its own; gathered, so collective when there is a process group)."""
-    mine = expected_tensors(chunks)
+    mine = expected_tensors(chunks, part)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return mine
     everyone = [None] * dist.get_world_size()
@@ -263,14 +263,15 @@ def read_dense_weights(path: str) -> tuple[ModelConfig, dict[str, Callable[[], t
 
 
 @torch.no_grad()
-def load_model_weights(path: str, chunks) -> dict:
+def load_model_weights(path: str, chunks, part: str = "saved") -> dict:
     """Load checkpoint folder `path`'s weights (and persistent buffers) into this rank's
-    model `chunks` (any tp/pp/ep layout), verified first (`open_checkpoint`); returns its
+    model `chunks` (any tp/pp/ep layout; `part` "base": a LoRA model's frozen base, from its
+    base checkpoint; keys.entries), verified first (`open_checkpoint`); returns its
     metadata. Collective: every rank of the world calls it (the verification's gather,
     DCP's load)."""
-    expected = model_tensors(chunks)
+    expected = model_tensors(chunks, part)
     meta, md = open_checkpoint(path, lambda config: expected)
-    items = entries(chunks)
+    items = entries(chunks, part)
     sd, plan = read_plan(path, md.state_dict_metadata, items, ("model",), buffer_entries(chunks))
     with _single_process():
         safe_dcp.load(sd, path, md, no_dist=not dist.is_initialized())

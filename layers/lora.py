@@ -52,6 +52,7 @@ from parallel_state import (
 )
 
 from .context_parallel import local_positions
+from .mlp import GATED
 from .dropout import add_dropout_site, assign_dropout_sites, feature_dropout, sub_site
 from .sharding import set_tensor_parallel_attributes
 
@@ -220,6 +221,22 @@ def add_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0,
                          f"this model")
     assign_dropout_sites(model)
     return count
+
+
+def adapter_num_parameters(config, rank: int, target_modules="all-linear") -> int:
+    """How many parameters `add_lora(model, rank, ..., target_modules)` adds to a model of
+    `config` (a ModelConfig): `rank * (in + out)` per adapted HF module, the attention's in
+    every layer, the MLP's in dense (not MoE) layers. ValueError for unknown targets."""
+    targets = resolve_targets(target_modules)
+    h, f = config.hidden_size, config.ffn_hidden_size
+    q, kv = config.query_projection_size, config.kv_projection_size
+    attention = {"q_proj": h + q, "k_proj": h + kv, "v_proj": h + kv, "o_proj": q + h}
+    mlp = {"up_proj": h + f, "down_proj": f + h}
+    if config.activation in GATED:
+        mlp["gate_proj"] = h + f
+    dense = sum(not config.is_moe_layer(i) for i in range(config.num_layers))
+    return int(rank) * (config.num_layers * sum(n for k, n in attention.items() if k in targets)
+                        + dense * sum(n for k, n in mlp.items() if k in targets))
 
 
 def lora_parameters(model: nn.Module) -> dict[str, nn.Parameter]:

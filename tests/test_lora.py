@@ -127,11 +127,12 @@ def test_zero_b_leaves_the_base_output(no_grid):
 
 # --- training at every layout ---------------------------------------------------------------
 
-LORA = ["--config", "configs/tiny-llama.yaml", "--num-layers", "2", "--seq-length", "32",
+BASE = ["--config", "configs/tiny-llama.yaml", "--num-layers", "2", "--seq-length", "32",
         "--train-iters", "4", "--log-interval", "1", "--eval-interval", "0",
         "--micro-batch-size", "2", "--global-batch-size", "8", "--no-tensorboard",
-        "--peak-tflops", "1", "--no-untie-embeddings-and-output-weights", "--lr", "3e-3",
-        "--lora-rank", "4", "--lora-alpha", "8", "--lora-dropout", "0.2"]
+        "--peak-tflops", "1", "--no-untie-embeddings-and-output-weights", "--lr", "3e-3"]
+ADAPTERS = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-dropout", "0.2"]
+LORA = BASE + ADAPTERS
 TRAIN_LAYOUTS = {1: [[]],
                  2: [["--tp", "2", "--sequence-parallel"],
                      ["--pp", "2", "--recompute-granularity", "full"],
@@ -221,3 +222,78 @@ def test_bad_lora_flags_are_refused_before_the_run(extra, message):
                            else []) + extra)
     with pytest.raises(ConfigError, match=message):
         config.validate(1)
+
+
+# --- checkpoints: adapters only, resumed at another layout, onto the recorded base only ------
+
+def _runs_or_errors(runs: list[list[str]], cache: str) -> list:
+    """pretrain() per argument list: its losses, or the text of the exception it raised."""
+    import os
+
+    import parallel_state as ps
+    from training.arguments import parse_config
+    from training.trainer import pretrain
+
+    os.environ["SHARDZOO_CACHE"] = cache
+    out = []
+    for args in runs:
+        ps.destroy_model_parallel()
+        try:
+            records = pretrain(parse_config(args))
+        except Exception as e:  # noqa: BLE001 - the test reads the message
+            out.append(f"{type(e).__name__}: {e}")
+            continue
+        out.append([r["loss"] for r in records if "loss" in r])
+    return out
+
+
+def test_lora_checkpoint_holds_adapters_resumes_at_tp2_and_refuses_another_base(
+        tmp_path, corpus_env, no_grid):
+    import json
+    import shutil
+
+    from tolerances import assert_losses_close, training_chain_terms
+
+    cache = corpus_env["SHARDZOO_CACHE"]
+    base, other, ckpt = tmp_path / "base", tmp_path / "other", tmp_path / "lora"
+    log = lambda name: ["--log-dir", str(tmp_path / "logs" / name)]  # noqa: E731
+    one = run_distributed(_runs_or_errors, 1, [
+        BASE + ["--train-iters", "1", "--lr-warmup-iters", "0", "--save", str(base)] + log("base"),
+        BASE + ["--train-iters", "1", "--lr-warmup-iters", "0", "--seed", "7", "--save",
+                str(other)] + log("other"),
+        LORA + ["--load", str(base)] + log("whole"),
+        LORA + ["--load", str(base), "--save", str(ckpt), "--exit-interval", "2"] + log("half"),
+    ], cache, timeout=600)[0]
+    assert all(isinstance(r, list) for r in one), one
+    whole, half = one[2], one[3]
+    assert len(whole) == 4 and half == whole[:2], (whole, half)
+    assert whole[-1] < whole[0], whole
+    saved = ckpt / "iter_0000002"
+    meta = json.loads((saved / "metadata.json").read_text())
+    assert meta["lora"]["rank"] == 4 and meta["lora"]["base"]["path"] == str(
+        base / "iter_0000001") and len(meta["lora"]["base"]["sha256"]) == 64
+    adapters_bytes = sum(f["bytes"] for f in meta["files"] if f["name"].endswith(".distcp"))
+    base_bytes = sum(f["bytes"] for f in json.loads(
+        (base / "iter_0000001" / "metadata.json").read_text())["files"]
+        if f["name"].endswith(".distcp"))
+    assert adapters_bytes * 5 < base_bytes, (adapters_bytes, base_bytes)  # no base weights
+
+    resume = LORA + ["--load", str(ckpt), "--tp", "2", "--sequence-parallel"]
+    shutil.copytree(ckpt, tmp_path / "lora-copy")
+    two = run_distributed(_runs_or_errors, 2, [
+        resume + log("resumed"),
+        BASE + ["--load", str(ckpt)] + log("no-lora"),
+        BASE + ["--lora-rank", "8", "--load", str(ckpt)] + log("rank8"),
+    ], cache, timeout=600)[0]
+    assert isinstance(two[0], list) and len(two[0]) == 2, two[0]
+    assert_losses_close(two[0], whole[2:], training_chain_terms(LORA) * 2, "resumed at tp2")
+    assert "holds LoRA adapters only" in two[1] and "--lora-" in two[1], two[1]
+    assert "rank: checkpoint 4, this run 8" in two[2], two[2]
+
+    # the recorded base folder now holds other weights: refused before any step
+    shutil.rmtree(base / "iter_0000001")
+    shutil.copytree(other / "iter_0000001", base / "iter_0000001")
+    three = run_distributed(_runs_or_errors, 1, [
+        LORA + ["--load", str(tmp_path / "lora-copy")] + log("other-base")], cache,
+        timeout=300)[0]
+    assert "CheckpointError" in three[0] and "now holds other weights" in three[0], three[0]

@@ -352,6 +352,8 @@ def _start_run(config: Config, device, run_start, tokenizer, train_ds, valid_ds,
         print_rank_0(note)
     checkpointer = Checkpointer(config, tokenizer=tokenizer.path, diloco=diloco) \
         if t.save else None
+    if checkpointer is not None:
+        checkpointer.lora_base = resume.lora_base
     is_logger = dist.get_rank() == 0
     logger = MetricsLogger(t.log_dir, enabled=is_logger, tensorboard=t.tensorboard is not False,
                            run_start=run_start_record(config, start_iteration, peak,
