@@ -18,6 +18,7 @@ are then read through `safe_dcp.load`.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import secrets
@@ -250,16 +251,21 @@ def read_dense_weights(path: str) -> tuple[ModelConfig, dict[str, Callable[[], t
             raise CheckpointError(f"{path}: the checkpoint has no tensor {absent[0]!r}; it is "
                                   f"damaged or not a checkpoint of the model in metadata.json")
 
-        def read(keys=keys, p=p):
-            sd = {k: torch.empty(saved[k].size, dtype=torch.float32) for k in keys}
-            with _single_process():
-                safe_dcp.load(sd, path, md, no_dist=True)
-            t = sd[keys[0]] if len(keys) == 1 else torch.cat([sd[k] for k in keys],
-                                                             piece_dim(p))
-            rows = getattr(p, "full_rows", None)
-            return t[:rows].contiguous() if rows else t
-        out[name] = read
+        out[name] = functools.partial(read_dense_tensor, path, md, keys, p)
     return config, out
+
+
+def read_dense_tensor(path: str, md, keys: list[str], p) -> torch.Tensor:
+    """The dense float32 tensor of parameter `p` (its fused parts joined, vocab padding cut)
+    stored under DCP `keys` (`keys.part_keys`) in checkpoint `path` whose checked DCP
+    metadata is `md`; one process."""
+    saved = md.state_dict_metadata
+    sd = {k: torch.empty(saved[k].size, dtype=torch.float32) for k in keys}
+    with _single_process():
+        safe_dcp.load(sd, path, md, no_dist=True)
+    t = sd[keys[0]] if len(keys) == 1 else torch.cat([sd[k] for k in keys], piece_dim(p))
+    rows = getattr(p, "full_rows", None)
+    return t[:rows].contiguous() if rows else t
 
 
 @torch.no_grad()

@@ -297,3 +297,88 @@ def test_lora_checkpoint_holds_adapters_resumes_at_tp2_and_refuses_another_base(
         LORA + ["--load", str(tmp_path / "lora-copy")] + log("other-base")], cache,
         timeout=300)[0]
     assert "CheckpointError" in three[0] and "now holds other weights" in three[0], three[0]
+
+
+# --- peft's files: export-adapter and merge ---------------------------------------------------
+
+def _hf_base(kind: str, folder):
+    """A tiny random transformers Llama or Qwen3 (vocab 8192: the test corpus's) saved."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    common = dict(vocab_size=8192, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**common)) if kind == "llama" else \
+        Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common))
+    model.save_pretrained(folder)
+    return model
+
+
+def _our_logits(base: str, adapters: str, ids: torch.Tensor) -> torch.Tensor:
+    """Logits `[b, s, vocab]` of our model: the base checkpoint's weights + the adapters."""
+    import json
+
+    from checkpoint.format import require_checkpoint
+    from checkpoint.model_io import load_model_weights
+    from models.config import ModelConfig
+
+    path = require_checkpoint(adapters)
+    meta = json.loads(open(f"{path}/metadata.json").read())
+    config, lora = ModelConfig.from_dict(meta["model"]), meta["lora"]
+    from layers.lora import add_lora
+    from models.gpt import GPTModel
+
+    model = GPTModel(config)
+    add_lora(model, lora["rank"], lora["alpha"], lora["dropout"], lora["target_modules"],
+             lora["use_rslora"])
+    load_model_weights(require_checkpoint(base), [model], part="base")
+    load_model_weights(path, [model])
+    model.eval()
+    with torch.no_grad():
+        return model(ids)[..., :config.vocab_size]
+
+
+@pytest.mark.parametrize("kind, targets", [("llama", "all-linear"),
+                                           ("qwen3", "q_proj,v_proj,o_proj,up_proj")])
+def test_exported_adapter_loads_in_peft_and_merge_folds_it(kind, targets, tmp_path, corpus_env,
+                                                           no_grid):
+    import json
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tools.convert_hf import main as convert
+
+    hf = _hf_base(kind, tmp_path / "hf")
+    assert convert(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "base")]) == 0
+    ckpt = tmp_path / "lora"
+    run = run_distributed(_runs_or_errors, 2, [
+        ["--config", str(tmp_path / "base" / "config.yaml"), "--load", str(tmp_path / "base"),
+         "--save", str(ckpt), "--seq-length", "32", "--micro-batch-size", "2",
+         "--global-batch-size", "4", "--eval-interval", "0", "--no-tensorboard",
+         "--peak-tflops", "1", "--tp", "2", "--train-iters", "2", "--lr", "2e-2", "--lr-warmup-iters", "0",
+                "--lora-rank", "4", "--lora-alpha", "16", "--use-rslora",
+                "--lora-target-modules", targets,
+                "--log-dir", str(tmp_path / "log")]], corpus_env["SHARDZOO_CACHE"],
+        timeout=300)[0]
+    assert isinstance(run[0], list), run[0]
+    out = tmp_path / "adapter"
+    assert convert(["export-adapter", "--load", str(ckpt), "--out", str(out)]) == 0
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    assert cfg["r"] == 4 and cfg["use_rslora"] is True
+    ids = torch.randint(0, 8192, (2, 12), generator=torch.Generator().manual_seed(4))
+    ours = _our_logits(str(tmp_path / "base"), str(ckpt), ids)
+    with torch.no_grad():
+        base_logits = hf(ids).logits
+        peft_logits = PeftModel.from_pretrained(hf, str(out)).eval()(ids).logits
+    assert (peft_logits - base_logits).abs().max() > 1e-3, "the adapters change nothing"
+    torch.testing.assert_close(peft_logits, ours, rtol=1e-4, atol=1e-4)
+
+    merged = tmp_path / "merged"
+    assert convert(["merge", "--load", str(ckpt), "--out", str(merged)]) == 0
+    plain = AutoModelForCausalLM.from_pretrained(str(merged), dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ids).logits, ours, rtol=1e-4, atol=1e-4)
+    assert convert(["export-adapter", "--load", str(tmp_path / "base"), "--out",
+                    str(tmp_path / "x")]) == 1  # not a LoRA checkpoint: refused

@@ -19,22 +19,15 @@ with other adapter settings, or onto a base whose files changed is refused with 
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 
 import torch.distributed as dist
 
 from checkpoint.format import CheckpointError, compare_model, read_metadata
+from checkpoint.lora_files import base_digest
 from checkpoint.model_io import load_model_weights
 
 LORA_FIELDS = ("rank", "alpha", "dropout", "target_modules", "use_rslora")
-
-
-def base_digest(meta: dict) -> str:
-    """sha256 over a checkpoint's metadata.json file list (name, bytes, sha256 of each)."""
-    files = sorted((f["name"], f["bytes"], f["sha256"]) for f in meta["files"])
-    return hashlib.sha256(json.dumps(files).encode()).hexdigest()
 
 
 def lora_settings(t) -> dict:
