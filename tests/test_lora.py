@@ -12,18 +12,19 @@ from distributed import run_distributed
 B, S = 2, 8
 
 
-def _cfg():
+def _cfg(**kw):
     from models.config import ModelConfig
 
-    return ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=4, num_query_groups=2,
-                       ffn_hidden_size=24, vocab_size=64, seq_length=S,
-                       max_position_embeddings=S, position_embedding_type="rope",
-                       normalization="RMSNorm", activation="swiglu", add_bias_linear=False,
-                       hidden_dropout=0.0, attention_dropout=0.0)
+    return ModelConfig(**{**dict(
+        num_layers=2, hidden_size=16, num_attention_heads=4, num_query_groups=2,
+        ffn_hidden_size=24, vocab_size=64, seq_length=S, max_position_embeddings=S,
+        position_embedding_type="rope", normalization="RMSNorm", activation="swiglu",
+        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0), **kw})
 
 
-def _run(sp: bool, targets: str, dropout: float) -> dict:
-    """Loss and dense adapter grads of the tiny model with adapters (B seeded non-zero)."""
+def _run(sp: bool, targets: str, dropout: float, fmt: str | None = None) -> dict:
+    """Loss and dense adapter grads of the tiny model with adapters (B seeded non-zero);
+    `fmt`: the base's linears held in that low-bit format (QLoRA), hidden 64, ffn 128."""
     import parallel_state as ps
     from layers import unshard_tensors
     from layers.lora import add_lora, lora_parameters
@@ -31,10 +32,15 @@ def _run(sp: bool, targets: str, dropout: float) -> dict:
     from models.gpt import GPTModel
     from parallel_state import collectives
 
+    from layers.quantized import quantize_layer_linears
+
     torch.manual_seed(0)
-    model = GPTModel(_cfg(), sequence_parallel=sp)
+    model = GPTModel(_cfg(**(dict(hidden_size=64, ffn_hidden_size=128) if fmt else {})),
+                     sequence_parallel=sp)
     add_lora(model, rank=4, alpha=8.0, dropout=dropout, target_modules=targets)
     model.init_weights(5)
+    if fmt:  # each rank's shard quantized: the dense blocks of 32, split whole over TP
+        quantize_layer_linears(model, fmt)
     params = lora_parameters(model)
     with torch.no_grad():
         for name, p in params.items():
@@ -63,16 +69,21 @@ def _run(sp: bool, targets: str, dropout: float) -> dict:
             "base_grads": base_grads}
 
 
+CASES = [(sp, t, d, None) for sp in (False, True)
+         for t, d in (("all-linear", 0.3), ("q_proj,v_proj,down_proj", 0.0))] + \
+    [(sp, "all-linear", 0.3, "int4") for sp in (False, True)]
+
+
 def _suite():
-    return {(sp, t, d): _run(sp, t, d) for sp in (False, True)
-            for t, d in (("all-linear", 0.3), ("q_proj,v_proj,down_proj", 0.0))}
+    return {case: _run(*case) for case in CASES}
 
 
 def test_lora_at_tp2_with_and_without_sp_matches_one_process(no_grid):
+    """Also with an int4 base (QLoRA): its input gradients through the low-bit shards."""
     results = run_distributed(_suite, 2, tp=2)
-    for (sp, targets, dropout), got in results[0].items():
-        ref = _run(False, targets, dropout)
-        what = f"tp2 sp={sp} targets={targets} dropout={dropout}"
+    for (sp, targets, dropout, fmt), got in results[0].items():
+        ref = _run(False, targets, dropout, fmt)
+        what = f"tp2 sp={sp} targets={targets} dropout={dropout} base={fmt or 'float'}"
         assert not got["frozen_wrong"] and not got["base_grads"], what
         assert set(got["grads"]) == set(ref["grads"]), what
         torch.testing.assert_close(got["loss"], ref["loss"], rtol=1e-5, atol=1e-6, msg=what)
@@ -80,7 +91,7 @@ def test_lora_at_tp2_with_and_without_sp_matches_one_process(no_grid):
             assert g.abs().sum() > 0, f"{name}: zero gradient ({what})"
             torch.testing.assert_close(got["grads"][name], g, rtol=1e-4, atol=1e-6,
                                        msg=f"{name} grad, {what}")
-        other = results[1][(sp, targets, dropout)]
+        other = results[1][(sp, targets, dropout, fmt)]
         for name, g in other["grads"].items():  # a replicated gradient is whole on both ranks
             torch.testing.assert_close(g, got["grads"][name], rtol=0, atol=0)
 
@@ -382,3 +393,61 @@ def test_exported_adapter_loads_in_peft_and_merge_folds_it(kind, targets, tmp_pa
         torch.testing.assert_close(plain(ids).logits, ours, rtol=1e-4, atol=1e-4)
     assert convert(["export-adapter", "--load", str(tmp_path / "base"), "--out",
                     str(tmp_path / "x")]) == 1  # not a LoRA checkpoint: refused
+
+
+# --- QLoRA: a low-bit frozen base --------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", ["int4", "q4_0"])
+def test_qlora_trains_without_dequantizing_a_whole_weight(fmt, monkeypatch, no_grid):
+    """Adapters over an int4 / GGUF q4_0 base: the input gradient goes through the low-bit
+    weights (a slab of rows de-quantized at a time, never a whole weight), the loss falls,
+    the quantized base is untouched, and the gradients match those through the float
+    de-quantized base."""
+    import layers.quant.weight as qw
+    from layers.lora import add_lora, lora_parameters
+    from layers.quant import QuantizedWeight
+    from layers.quantized import quantize_layer_linears, quantized_weights
+    from models.gpt import GPTModel
+
+    cfg = dict(hidden_size=64, ffn_hidden_size=96)  # blocks of 32 divide every input
+    model = GPTModel(_cfg(**cfg))
+    add_lora(model, rank=4, alpha=8.0)
+    model.init_weights(5)
+    assert quantize_layer_linears(model, fmt) == 8
+    with pytest.raises(ValueError, match="only a frozen base"):
+        quantize_layer_linears(GPTModel(_cfg(**cfg)), fmt)
+    frozen = {n: {k: v.clone() for k, v in w.tensors.items()}
+              for n, w in quantized_weights(model)}
+    reference = GPTModel(_cfg(**cfg))  # the same model with the de-quantized weights as floats
+    add_lora(reference, rank=4, alpha=8.0)
+    reference.init_weights(5)
+    with torch.no_grad():
+        for n, w in quantized_weights(model):
+            reference.get_parameter(n).copy_(w.dequantize())
+    rows = []
+    dequantize = QuantizedWeight.dequantize
+    monkeypatch.setattr(qw, "SLAB_ROWS", 8)
+    monkeypatch.setattr(QuantizedWeight, "dequantize",
+                        lambda self, *a: rows.append(self.shape[0]) or dequantize(self, *a))
+    ids = torch.randint(0, 64, (B, S), generator=torch.Generator().manual_seed(3))
+    params = lora_parameters(model)
+    opt = torch.optim.AdamW(params.values(), lr=1e-2)
+    losses = []
+    for step in range(8):
+        loss = model(ids, labels=ids.roll(-1, 1)).mean()
+        opt.zero_grad()
+        loss.backward()
+        if step == 1:  # B is non-zero after one step: A's gradients flow through the base
+            ref_params = lora_parameters(reference)
+            with torch.no_grad():
+                for n, p in params.items():
+                    ref_params[n].copy_(p)
+            reference(ids, labels=ids.roll(-1, 1)).mean().backward()
+            for n, p in params.items():
+                torch.testing.assert_close(p.grad, ref_params[n].grad, rtol=1e-4, atol=1e-6)
+        opt.step()
+        losses.append(float(loss))
+    assert losses[-1] < losses[0] - 0.05, losses
+    assert rows and max(rows) <= 8, max(rows)  # slabs only (weights have 64..192 rows)
+    for n, w in quantized_weights(model):
+        assert all(torch.equal(v, frozen[n][k]) for k, v in w.tensors.items()), n
