@@ -12,8 +12,10 @@ Tensor parallelism (as Megatron-Bridge's ParallelLinearAdapter and peft's tp_lay
   summed over TP in backward (`copy_to_tensor_model_parallel_region`, an all-reduce of
   `[s, b, r]`), so `A`'s gradient is whole on every rank (no replicated-gradient all-reduce
   afterwards) and the adapter's input gradient `A^T du` is the whole one too, added beside the
-  base's own all-reduced input gradient. Under sequence parallelism the adapter all-gathers
-  the sequence shard itself; backward keeps this rank's slice.
+  base's own all-reduced input gradient. Under sequence parallelism `A` multiplies the
+  sequence shard and `u` is all-gathered (`[s/tp, b, r]`, not the `[s/tp, b, h]` input);
+  backward reduce-scatters `du`, and `A`'s gradient, partial over the shards, is summed over
+  TP after backward as a norm weight's (its `sequence_parallel` attribute).
 - row-parallel base (`W` split on its input): `A` is split on its input like `W`, `B` is
   whole. `u = sum over TP of A_r x_r` (an all-reduce of `[s, b, r]` in forward), then `B u`
   `[s, b, out]` on every rank (its sequence shard kept under sequence parallelism), so `B`'s
@@ -28,7 +30,8 @@ targeted adds nothing to its rows. Adapted: the self-attention and dense-MLP pro
 every transformer layer; MoE layers (routed and shared experts) and cross-attention keep no
 adapters.
 
-Dropout on the adapter's input is keyed (layers/dropout.py `feature_dropout`): element
+Dropout on the adapter's input is keyed (layers/dropout.py `hidden_dropout`,
+`feature_dropout`): element
 `(position, sample, feature)` of part k of a module keeps the same mask at every layout, a
 row-parallel input shard drawing its columns of the whole input's mask.
 
@@ -53,7 +56,8 @@ from parallel_state import (
 
 from .context_parallel import local_positions
 from .mlp import GATED
-from .dropout import add_dropout_site, assign_dropout_sites, feature_dropout, sub_site
+from .dropout import (add_dropout_site, assign_dropout_sites, feature_dropout,
+                      hidden_dropout, sub_site)
 from .sharding import set_tensor_parallel_attributes
 
 # our module -> the HF modules (peft target names) its adapters stand for, in fused order
@@ -117,6 +121,9 @@ class LoRA(nn.Module):
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"--lora-dropout must be in [0, 1) (got {dropout})")
         self.column = not hasattr(host, "input_size_per_partition")
+        # a column base under SP: A meets sequence shards, so its gradient is summed over TP
+        # after backward as a norm weight's (parallel_state.all_reduce_sequence_parallel_grads)
+        self.sp = self.column and host.sequence_parallel
         self.parts, self.groups, self.rank = parts, groups, rank
         self.scale, self.dropout = lora_scale(rank, alpha, use_rslora), dropout
         self.tp = ps.get_tensor_model_parallel_world_size()
@@ -129,17 +136,18 @@ class LoRA(nn.Module):
             a = nn.Parameter(torch.empty(rank, self.in_local, dtype=dtype))
             b = nn.Parameter(torch.empty(groups * rows, rank, dtype=dtype))
             set_tensor_parallel_attributes(a, partition_dim=None if self.column else 1,
-                                           init="kaiming_uniform")
+                                           init="kaiming_uniform", sequence_parallel=self.sp)
             set_tensor_parallel_attributes(b, partition_dim=0 if self.column else None,
                                            init="zeros")
             self.A[name], self.B[name] = a, b
         add_dropout_site(self)
 
     def _input(self, x: torch.Tensor, k: int, positions) -> torch.Tensor:
-        """Part k's dropped-out input (keyed masks; the row layer's columns of the whole)."""
+        """Part k's dropped-out input (keyed masks: a sequence shard's rows, or the row
+        layer's columns, of the whole input's mask)."""
         if self.column:
-            return feature_dropout(x, self.dropout, self.training, sub_site(self.dropout_site, k),
-                                   positions=positions)
+            return hidden_dropout(x, self.dropout, self.training, sub_site(self.dropout_site, k),
+                                  self.sp, positions)
         off = self.in_local * ps.get_tensor_model_parallel_rank()
         return feature_dropout(x, self.dropout, self.training, sub_site(self.dropout_site, k),
                                off, self.in_local * self.tp, positions)
@@ -147,9 +155,8 @@ class LoRA(nn.Module):
     def forward(self, x: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
         """`x`: the host's input (`[s(/tp), b, in]` column, `[s, b, in/tp]` row) -> the
         adapters' term of the host's output, shaped as the host's output before its bias."""
-        if self.column and sequence_parallel:  # backward keeps this rank's slice
-            x = gather_from_sequence_parallel_region(x, False)
-        positions = _cp_positions(x.shape[0]) if self.dropout and self.training else None
+        seq = x.shape[0] * (self.tp if self.sp else 1)  # the whole sequence (of this CP rank)
+        positions = _cp_positions(seq) if self.dropout and self.training else None
         if not self.column:
             name = self.parts[0][0]
             u = F.linear(self._input(x, 0, positions), self.A[name])
@@ -157,14 +164,16 @@ class LoRA(nn.Module):
             y = F.linear(u * self.scale, self.B[name])
             return scatter_to_sequence_parallel_region(y) if sequence_parallel else y
         pieces = []
-        for k, (name, rows) in enumerate(self.parts):
+        for k, (name, width) in enumerate(self.parts):
             if name not in self.A:
-                pieces.append(x.new_zeros(*x.shape[:-1], self.groups, rows))
+                pieces.append(x.new_zeros(seq, *x.shape[1:-1], self.groups, width))
                 continue
             u = F.linear(self._input(x, k, positions), self.A[name]) * self.scale
-            if self.tp > 1:  # the whole dL/du on every rank: A's gradient is whole
+            if self.sp:  # [s/tp, b, r] -> [s, b, r]; backward reduce-scatters dL/du
+                u = gather_from_sequence_parallel_region(u)
+            elif self.tp > 1:  # the whole dL/du on every rank: A's gradient is whole
                 u = copy_to_tensor_model_parallel_region(u)
-            pieces.append(F.linear(u, self.B[name]).unflatten(-1, (self.groups, rows)))
+            pieces.append(F.linear(u, self.B[name]).unflatten(-1, (self.groups, width)))
         y = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
         return y.flatten(-2)
 

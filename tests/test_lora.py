@@ -53,6 +53,7 @@ def _run(sp: bool, targets: str, dropout: float, fmt: str | None = None) -> dict
     with ps.dropout_sample_ids(torch.arange(B) + 10):
         loss = model(ids, labels=ids.roll(-1, 1)).mean()
     loss.backward()
+    ps.all_reduce_sequence_parallel_grads(params.values())  # as the training loop does
     tp = ps.get_tensor_model_parallel_world_size()
     grads = {}
     for name, p in params.items():
