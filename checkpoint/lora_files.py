@@ -137,6 +137,9 @@ def merge_adapter(load: str, out: str, dtype: str = "float32",
     if base_digest(read_metadata(base["path"])) != base.get("sha256"):
         raise CheckpointError(f"{load}: its base {base['path']} now holds other weights than "
                               f"the adapters were trained on (sha256 differs); restore it")
+    if lora.get("base_quantization", "none") != "none":
+        log(f"note: the adapters were trained on the base held as {lora['base_quantization']} "
+            f"(QLoRA); they are folded into its float weights")
     scale = lora_scale(lora["rank"], lora["alpha"], lora["use_rslora"])
     deltas = {module + ".weight": (a, b) for module, (a, b) in adapters.items()}
 

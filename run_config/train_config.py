@@ -97,6 +97,7 @@ class TrainConfig:
     lora_dropout: float = 0.0  # dropout on each adapter's input (keyed masks)
     lora_target_modules: str = "all-linear"  # q_proj,...,down_proj | linear_qkv,... | all-linear
     use_rslora: bool = False  # scale alpha / sqrt(rank) (rsLoRA)
+    lora_base_quantization: str = "none"  # QLoRA: none | int8 | int4 | q8_0 | q4_0 | q4_1
     override_opt_param_scheduler: bool = False  # resume: this command line's LR schedule
     use_checkpoint_opt_param_scheduler: bool = False  # resume: the checkpoint's LR schedule
     override_data_config: bool = False  # resume onto other data: start it from its beginning

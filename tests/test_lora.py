@@ -225,6 +225,10 @@ def test_lora_training_on_every_layout_matches_one_process(tmp_path, corpus_env,
     (["--lora-rank", "4", "--lora-dropout", "1"], "--lora-dropout 1.0 must be in"),
     (["--lora-rank", "4", "--lora-target-modules", "qkv"], "unknown module 'qkv'"),
     (["--config", "configs/t5-demo.yaml", "--lora-rank", "4"], "built for decoder-only"),
+    (["--lora-base-quantization", "int4"], "add --lora-rank"),
+    (["--lora-rank", "4", "--lora-base-quantization", "nf4"], "lora-base-quantization"),
+    (["--lora-rank", "4", "--lora-base-quantization", "q4_0", "--hidden-size", "48"],
+     "do not divide --hidden-size = 48"),
 ])
 def test_bad_lora_flags_are_refused_before_the_run(extra, message):
     from models.config import ConfigError
@@ -452,3 +456,29 @@ def test_qlora_trains_without_dequantizing_a_whole_weight(fmt, monkeypatch, no_g
     assert rows and max(rows) <= 8, max(rows)  # slabs only (weights have 64..192 rows)
     for n, w in quantized_weights(model):
         assert all(torch.equal(v, frozen[n][k]) for k, v in w.tensors.items()), n
+
+
+def test_qlora_training_run_at_tp2_sp_matches_one_process(tmp_path, corpus_env, no_grid):
+    """train.py --lora-base-quantization int4: the loaded base held low-bit on every rank;
+    tp 2 + SP reproduces one process's curve (the shards quantize the dense blocks), the loss
+    falls, and the run saves its adapters; q4_0 (a GGUF block format) trains too."""
+    import json
+
+    from tolerances import assert_losses_close, training_chain_terms
+
+    cache = corpus_env["SHARDZOO_CACHE"]
+    qlora = LORA + ["--lora-base-quantization", "int4", "--lr", "1e-2"]
+    log = lambda name: ["--log-dir", str(tmp_path / name)]  # noqa: E731
+    one = run_distributed(_runs_or_errors, 1, [
+        qlora + log("one"),
+        LORA + ["--lora-base-quantization", "q4_0", "--lr", "1e-2"] + log("q4_0")], cache,
+        timeout=300)[0]
+    two = run_distributed(_runs_or_errors, 2, [
+        qlora + ["--tp", "2", "--sequence-parallel", "--save", str(tmp_path / "ckpt")]
+        + log("two")], cache, timeout=300)[0]
+    assert all(isinstance(r, list) for r in one + two), (one, two)
+    assert one[0][-1] < one[0][0] and one[1][-1] < one[1][0], one
+    assert one[0] != one[1]  # another base format, another curve
+    assert_losses_close(two[0], one[0], training_chain_terms(qlora), "QLoRA at tp2 + SP")
+    meta = json.loads((tmp_path / "ckpt" / "iter_0000004" / "metadata.json").read_text())
+    assert meta["lora"]["rank"] == 4

@@ -326,8 +326,9 @@ class Checkpointer:
         written (sync) or when the state is copied (async). Raises `CheckpointError` from a
         previous async save, ValueError (one line) for a model holding low-bit weights
         (inference-only, layers/quantized.py), before anything is written."""
-        for chunk in chunks:
-            refuse_quantized(chunk, "saving a training checkpoint")
+        for chunk in chunks:  # a LoRA run saves its float adapters (a QLoRA base is named)
+            if not self.config.train.lora_rank:
+                refuse_quantized(chunk, "saving a training checkpoint")
         self.wait()
         position = dataclasses.replace(position)  # the async writer keeps its own copy
         state = state_to_save(self.config, chunks, model, optimizer, iteration,

@@ -2,7 +2,8 @@
 
 A LoRA run's checkpoint holds its adapters (with their AdamW moments), the usual iteration,
 data position and RNG, and in metadata.json `lora`: the adapter settings (`rank`, `alpha`,
-`dropout`, `target_modules`, `use_rslora`) and the base's identity `base`:
+`dropout`, `target_modules`, `use_rslora`, `base_quantization`: QLoRA's format of the frozen
+base) and the base's identity `base`:
 
 - `{"path": <absolute iter_XXXXXXX folder>, "sha256": <digest>}` for a base loaded from a
   checkpoint (`--load BASE`): the digest is sha256 over the base's metadata.json file list
@@ -27,13 +28,11 @@ from checkpoint.format import CheckpointError, compare_model, read_metadata
 from checkpoint.lora_files import base_digest
 from checkpoint.model_io import load_model_weights
 
-LORA_FIELDS = ("rank", "alpha", "dropout", "target_modules", "use_rslora")
-
-
 def lora_settings(t) -> dict:
     """The adapter settings of TrainConfig `t`, as metadata.json `lora` records them."""
     return {"rank": t.lora_rank, "alpha": t.lora_alpha, "dropout": t.lora_dropout,
-            "target_modules": t.lora_target_modules, "use_rslora": t.use_rslora}
+            "target_modules": t.lora_target_modules, "use_rslora": t.use_rslora,
+            "base_quantization": t.lora_base_quantization}
 
 
 def refuse_lora_checkpoint(meta: dict, path: str) -> None:

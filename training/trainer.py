@@ -24,6 +24,7 @@ from data_parallel.ddp import DistributedDataParallel, resolve_strategy
 from data_parallel.distributed_optimizer import DistributedOptimizer
 from layers import compile_transformer_layers, initial_value, parameters_on_meta
 from layers.lora import add_lora
+from layers.quantized import quantize_layer_linears, quantized_weights
 from layers.recompute import apply_recompute
 from models import GPTModel, T5Model
 from models.config import ConfigError
@@ -341,6 +342,8 @@ def _start_run(config: Config, device, run_start, tokenizer, train_ds, valid_ds,
         print_rank_0(diloco.describe())
     # iteration 0: from scratch
     resume = load_checkpoint(config, chunks, model, optimizer, diloco=diloco)
+    if t.lora_base_quantization != "none":  # QLoRA: the loaded base, held low-bit
+        print_rank_0(quantize_base(chunks, t.lora_base_quantization))
     start_iteration, position = resume.iteration, resume.position
     batches = BatchSchedule(t.global_batch_size, rampup_of(t))
     if t.train_samples:  # the steps left to reach --train-samples from where we are
@@ -406,6 +409,20 @@ def _finish_run(run: TrainState, last: int, stop: str | None, on_end) -> list[di
     for ddp in run.model:
         ddp.close_offload()
     return records
+
+
+def quantize_base(chunks, fmt: str) -> str:
+    """Hold the frozen base's layer linears of this rank's `chunks` in `fmt` (QLoRA;
+    layers/quantized.py `quantize_layer_linears`, groups of 32 for int4); the line saying
+    what it did (rank 0's bytes before and after)."""
+    before = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters()
+                 if not p.requires_grad)
+    count = sum(quantize_layer_linears(c, fmt) for c in chunks)
+    after = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters()
+                if not p.requires_grad) + sum(w.nbytes for c in chunks
+                                              for _, w in quantized_weights(c))
+    return (f"QLoRA: {count} frozen base weights of this rank held as {fmt}; the frozen base "
+            f"{before / 2**20:,.1f} -> {after / 2**20:,.1f} MiB (rank 0)")
 
 
 def log_memory(model, optimizer, dataset, config: Config, device) -> dict:
