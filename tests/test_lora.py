@@ -145,13 +145,15 @@ BASE = ["--config", "configs/tiny-llama.yaml", "--num-layers", "2", "--seq-lengt
         "--peak-tflops", "1", "--no-untie-embeddings-and-output-weights", "--lr", "3e-3"]
 ADAPTERS = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-dropout", "0.2"]
 LORA = BASE + ADAPTERS
-TRAIN_LAYOUTS = {1: [[]],
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+       "--moe-layer-freq", "2"]  # layer 1 MoE (no adapters on its MLP), layer 0 dense
+TRAIN_LAYOUTS = {1: [[], MOE],  # the references: dense, MoE
                  2: [["--tp", "2", "--sequence-parallel"],
                      ["--pp", "2", "--recompute-granularity", "full"],
                      ["--use-distributed-optimizer", "--data-parallel-sharding-strategy",
                       "optim_grads"], ["--context-parallel-size", "2"],
-                     ["--data-parallel-sharding-strategy", "optim_grads_params"]]}
-
+                     ["--data-parallel-sharding-strategy", "optim_grads_params"],
+                     MOE + ["--ep", "2"]]}
 
 def _base_digest(chunks) -> str:
     """sha256 of the dense frozen weights (every parameter but the adapters), by name."""
@@ -197,8 +199,9 @@ def _train_lora(runs: list[list[str]], log_dir: str, cache: str) -> list:
 
 def test_lora_training_on_every_layout_matches_one_process(tmp_path, corpus_env, no_grid):
     """Loss and gradient-norm curves with LoRA dropout on at tp 2 + SP, pp 2 (tied
-    embeddings; full recompute), dp 2 with ZeRO-2 and ZeRO-3 and cp 2 equal one process's; only adapters train (the base
-    after training is bitwise the seeded initial base, at every layout)."""
+    embeddings; full recompute), dp 2 with ZeRO-2 and ZeRO-3, cp 2, and ep 2 (an MoE model)
+    equal one process's; only adapters train (the base after training is bitwise the seeded
+    initial base, at every layout)."""
     from models.gpt import GPTModel
     from tolerances import assert_losses_close, training_chain_terms
     from training.arguments import parse_config
@@ -206,15 +209,16 @@ def test_lora_training_on_every_layout_matches_one_process(tmp_path, corpus_env,
     cache = corpus_env["SHARDZOO_CACHE"]
     res = {w: run_distributed(_train_lora, w, [LORA + f for f in flags], str(tmp_path / str(w)),
                               cache, timeout=600)[0] for w, flags in TRAIN_LAYOUTS.items()}
-    ref_losses, ref_norms, ref_digest, trainable = res[1][0]
-    config = parse_config(list(LORA))
-    fresh = GPTModel(config.model)
-    fresh.init_weights(config.train.seed)
-    assert ref_digest == _base_digest([fresh]), "the base changed during LoRA training"
-    assert trainable and all(".lora." in n for n in trainable), trainable
-    assert ref_losses[-1] < ref_losses[0], ref_losses
-    k_step = training_chain_terms(LORA)
+    for flags, (losses, _, digest, trainable) in zip(TRAIN_LAYOUTS[1], res[1]):
+        config = parse_config(LORA + flags)
+        fresh = GPTModel(config.model)
+        fresh.init_weights(config.train.seed)
+        assert digest == _base_digest([fresh]), f"the base changed in training ({flags})"
+        assert trainable and all(".lora." in n for n in trainable), trainable
+        assert losses[-1] < losses[0], losses
     for flags, (losses, norms, digest, _) in zip(TRAIN_LAYOUTS[2], res[2], strict=True):
+        ref_losses, ref_norms, ref_digest, _ = res[1][int(flags[:len(MOE)] == MOE)]
+        k_step = training_chain_terms(LORA + flags)
         assert_losses_close(losses, ref_losses, k_step, f"losses at {flags}")
         assert_losses_close(norms, ref_norms, k_step, f"grad norms at {flags}")
         assert digest == ref_digest, f"base changed at {flags}"
