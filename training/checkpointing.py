@@ -452,7 +452,8 @@ def completed_checkpoint(train_config) -> tuple[str, int] | None:
     if path is None:
         return None
     meta = read_metadata(path, check=False)  # the iteration only; load_checkpoint checks
-    if meta.get("optimizer_state", True) is False or (t.lora_rank and not meta.get("lora")):
+    if meta.get("optimizer_state", True) is False or (
+            getattr(t, "lora_rank", 0) and not meta.get("lora")):
         return None  # weights only, or the base of a new LoRA run
     return path, int(meta["iteration"])
 
