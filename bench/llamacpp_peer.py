@@ -160,7 +160,8 @@ def ours_main(config: dict) -> None:
         key = (len(reqs), max(len(r["prompt"]) + r["max_tokens"] for r in reqs))
         if key not in engines:  # built once per shape, reused as a server's engine is
             engines[key] = Engine(model, max_batch_size=key[0], max_seq_length=key[1],
-                                  enable_prefix_caching=False)
+                                  enable_prefix_caching=False,
+                                  compile=bool(config.get("compile")))
         return run_ours(engines[key], reqs)
 
     @torch.inference_mode()
@@ -199,7 +200,8 @@ def part_llamacpp(args, path: str, tokenizer, text: str) -> None:
           f"(chat template: {tokenizer.has_chat_template}), {args.new_tokens} new, "
           f"{args.threads} threads, greedy, {args.repeats} alternated rounds; perplexity over "
           f"the first {len(window)} tokens of {source}; our --quantization "
-          f"{args.quantization or '(engine default)'}", flush=True)
+          f"{args.quantization or '(engine default)'}, compiled {args.compile}, low-bit "
+          f"activations {args.quant_activations or 'float'}", flush=True)
     scratch = tempfile.mkdtemp(prefix="llamacpp-bench-")
     try:
         files = [path]
@@ -234,12 +236,15 @@ def start_workers(args, exe: str, path: str, n_ctx: int, scratch: str):
 
     threads = str(args.threads)
     env = {**os.environ, "OMP_NUM_THREADS": threads}
+    if args.quant_activations:  # layers/quant/kernels.py's switch, for our process only
+        env["SHARDZOO_QUANT_ACTIVATIONS"] = args.quant_activations
     logs = {}
     workers = []
     try:
         for who, python, script, config in (
                 ("shardzoo", sys.executable, "llamacpp_peer.py",
-                 {"model": path, "threads": args.threads, "quantization": args.quantization}),
+                 {"model": path, "threads": args.threads, "quantization": args.quantization,
+                  "compile": args.compile}),
                 ("llama.cpp", exe, "llamacpp_worker.py",
                  {"model": path, "threads": args.threads, "n_ctx": n_ctx,
                   "n_seq_max": max(args.batches)})):
