@@ -86,7 +86,8 @@ class LoRAManager:
         """Read the PEFT adapter folder `path` into a free slot as `name`. Raises `LoRAError`
         (400) for a name already loaded, no free slot, or an adapter refused by
         `read_peft_adapter`; nothing changes then."""
-        from models.hf.peft_adapter import AdapterError, read_peft_adapter
+        from models.hf.peft_adapter import read_peft_adapter
+        from models.hf.rules import HFConversionError
 
         if not isinstance(name, str) or not name:
             raise LoRAError("lora_name must be a non-empty string")
@@ -102,7 +103,7 @@ class LoRAManager:
         try:
             adapter = read_peft_adapter(path, self.config, self.max_rank, self.max_rank,
                                         self.dtype)
-        except (AdapterError, OSError) as e:
+        except (HFConversionError, OSError) as e:  # AdapterError, a refused file
             raise LoRAError(f"cannot load LoRA adapter {name!r}: {e}") from None
         slot = free[0]
         for module, layer in self.layers.items():

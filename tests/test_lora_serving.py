@@ -12,7 +12,8 @@ import shutil
 import pytest
 import torch
 
-from distributed import run_distributed
+from distributed import free_port, run_distributed
+from test_data import hf_tokenizer_dir
 
 pytest.importorskip("peft")
 
@@ -27,7 +28,7 @@ ADAPTER_OF = ["a", "b", None, "c", "a", "b", "c", None]
 def _config(kind: str):
     from transformers import LlamaConfig, Qwen3Config
 
-    common = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+    common = dict(vocab_size=400, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=96, num_hidden_layers=2, max_position_embeddings=64,
                   initializer_range=0.2, bos_token_id=None, eos_token_id=None,
                   tie_word_embeddings=False)
@@ -63,6 +64,7 @@ def folders(tmp_path_factory):
         path = str(root / kind)
         AutoModelForCausalLM.from_config(_config(kind)).save_pretrained(path)
         out[kind] = path
+    hf_tokenizer_dir(out["llama"], [open(os.__file__).read()])  # for the server's text
     base = out["llama"]
     out["a"] = _make_adapter(base, str(root / "a"), 1, 4, ["q_proj", "v_proj"], 8)
     out["b"] = _make_adapter(base, str(root / "b"), 2, 8, "all-linear", 16, rslora=True)
@@ -146,15 +148,7 @@ def _layouts(folders: dict) -> dict:
 
 
 def test_mixed_adapter_batch_equals_alone_and_peft(folders):
-    import parallel_state as ps
-    from inference.loading import initialize_serving_grid
-
-    ps.initialize_distributed("cpu") if not torch.distributed.is_initialized() else None
-    initialize_serving_grid(1, 1)
-    try:
-        out = _serve_all(folders)
-    finally:
-        ps.destroy_model_parallel()
+    out = _in_one_process(_serve_all, folders)
     ref = [_peft_greedy(folders["llama"], a and folders[a], p)[0]
            for p, a in zip(PROMPTS, ADAPTER_OF)]
     assert out["mixed"] == ref
@@ -166,6 +160,19 @@ def test_mixed_adapter_batch_equals_alone_and_peft(folders):
     assert out["shared_hits"] == 0
     # the same prompt under the same adapter again: its full blocks are shared
     assert out["again"] == out["shared"][1] and out["again_hits"] == 8
+    # a Qwen3 base (q/k norms) and an all-linear adapter: peft's ids too
+    q = _in_one_process(lambda: _run(_engine(*_qwen3(folders)), PROMPTS[:3], ["q"] * 3))
+    assert q == [_peft_greedy(folders["qwen3"], folders["q"], p)[0] for p in PROMPTS[:3]]
+
+
+def _qwen3(folders):
+    from inference.loading import load
+    from inference.lora import LoRAManager
+
+    model = load(hf=folders["qwen3"])[0]
+    lora = LoRAManager(model, max_loras=1, max_lora_rank=4)
+    lora.load("q", folders["q"])
+    return model, lora
 
 
 def test_tp2_and_pp2_give_the_same_ids(folders):
@@ -176,3 +183,95 @@ def test_tp2_and_pp2_give_the_same_ids(folders):
         assert out[layout]["mixed"] == ref, layout
         assert out[layout]["chunked"] == ref, layout
         assert out[layout]["shared_hits"] == 0, layout
+
+
+def _in_one_process(fn, *args):
+    import parallel_state as ps
+    from inference.loading import initialize_serving_grid
+
+    if not torch.distributed.is_initialized():
+        ps.initialize_distributed("cpu")
+    initialize_serving_grid(1, 1)
+    try:
+        return fn(*args)
+    finally:
+        ps.destroy_model_parallel()
+
+
+def _hostile(folders: dict, tmp) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from inference.engine import Request
+    from inference.loading import load
+    from inference.lora import LoRAError, LoRAManager
+    from inference.sampling import SamplingParams
+
+    model = load(hf=folders["llama"])[0]
+    lora = LoRAManager(model, max_loras=2, max_lora_rank=4)
+    weights = "adapter_model.safetensors"
+    good = load_file(os.path.join(folders["a"], weights))
+    key = next(k for k in good if "q_proj.lora_A" in k)
+
+    def variant(name, tensors=None, config=None, drop=False):
+        path = str(tmp / name)
+        shutil.copytree(folders["a"], path)
+        if tensors is not None:
+            save_file(tensors, os.path.join(path, weights))
+        if config is not None:
+            cfg = json.load(open(os.path.join(path, "adapter_config.json")))
+            with open(os.path.join(path, "adapter_config.json"), "w") as f:
+                json.dump({**cfg, **config}, f)
+        if drop:
+            os.remove(os.path.join(path, weights))
+        return path
+
+    truncated = variant("truncated")
+    with open(os.path.join(truncated, weights), "r+b") as f:
+        f.truncate(os.path.getsize(os.path.join(truncated, weights)) // 2)
+    pickled = variant("pickled", drop=True)
+    torch.save(good, os.path.join(pickled, "adapter_model.bin"))
+    nan = dict(good)
+    nan[key] = nan[key].clone()
+    nan[key][0, 0] = float("nan")
+    cases = {
+        truncated: "not a readable safetensors file",
+        variant("shape", {**good, key: good[key][:, :32].contiguous()}): "has shape",
+        pickled: "only a pickle adapter_model.bin",
+        folders["b"]: "rank 8 exceeds --max-lora-rank 4",
+        variant("nan", nan): "NaN or infinite",
+        variant("unknown", {**good, key.replace("q_proj", "foo_proj"): good[key].clone()}):
+            "not a LoRA weight of a linear this model has",
+        variant("ints", {**good, key: good[key].to(torch.int32)}): "dtype I32",
+        variant("half", {k: v for k, v in good.items() if "q_proj.lora_B" not in k}):
+            "but not lora_B",
+        variant("dora", config={"use_dora": True}): "use_dora=True is not supported",
+        str(tmp / "missing"): "is not a folder",
+    }
+    for path, why in cases.items():
+        with pytest.raises(LoRAError, match=why) as e:
+            lora.load("x", path)
+        assert "\n" not in str(e.value)
+    assert not lora.adapters and all(not m.a.any() and not m.b.any()
+                                     for m in lora.layers.values())
+    # capacity, names, and an adapter in use
+    lora.load("a", folders["a"])
+    lora.load("a2", folders["a"])
+    with pytest.raises(LoRAError, match="all 2 adapter slots are taken"):
+        lora.load("c", folders["c"])
+    with pytest.raises(LoRAError, match="is loaded already"):
+        lora.load("a", folders["a"])
+    engine = _engine(model, lora)
+    engine.add(Request("r", PROMPTS[0], SamplingParams(max_new_tokens=2), lora_name="a"))
+    with pytest.raises(LoRAError, match="in use by 1 request") as e:
+        engine.unload_lora("a")
+    assert e.value.status == 409
+    with pytest.raises(LoRAError, match="no LoRA adapter named 'zz'"):
+        engine.add(Request("q", PROMPTS[0], SamplingParams(max_new_tokens=2), lora_name="zz"))
+    engine.generate([])
+    engine.unload_lora("a")
+    lora.load("c", folders["c"])  # the freed slot
+    assert lora.adapters["c"].slot == 1 and lora.adapters["c"].load_id == 3
+
+
+def test_hostile_adapter_files_refused(folders, tmp_path):
+    _in_one_process(_hostile, folders, tmp_path)
