@@ -275,3 +275,91 @@ def _hostile(folders: dict, tmp) -> None:
 
 def test_hostile_adapter_files_refused(folders, tmp_path):
     _in_one_process(_hostile, folders, tmp_path)
+
+
+def _expected_text(folders, adapter, prompt) -> str:
+    """The text the server streams for peft's greedy ids (the engine's detokenizer)."""
+    from inference.detokenize import IncrementalDetokenizer
+    from models.tokenizer import Tokenizer
+
+    ids = _peft_greedy(folders["llama"], adapter and folders[adapter], prompt)[0]
+    d = IncrementalDetokenizer(Tokenizer(folders["llama"]).decode, prompt)
+    return "".join(d.add(t) for t in ids) + d.finish()
+
+
+def test_server_picks_adapters_by_model_and_loads_at_run_time(folders):
+    """infer.py --serve at tp 2 with two adapters: the official openai client picks them by
+    `model` (requests in flight together), /v1/models lists them, unknown models get 404,
+    and adapters load and unload at run time (capacity and bad folders refused)."""
+    import signal
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           os.path.join(repo, "infer.py"), "--hf", folders["llama"], "--tp", "2", "--serve",
+           "--port", str(port), "--served-model-name", "tiny", "--max-batch-size", "8",
+           "--enable-lora", "--lora-modules", f"a={folders['a']}", f"b={folders['b']}",
+           "--max-loras", "3", "--max-lora-rank", "8", "--allow-runtime-lora-updating"]
+    proc = subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            start_new_session=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "serving tiny on" in line:
+                break
+        else:
+            raise AssertionError("server did not start:\n" + "".join(lines[-40:]))
+        assert any("LoRA: 3 adapter slots of rank <= 8" in x for x in lines), lines
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                               timeout=120, max_retries=0)
+        models = {m.id: m for m in client.models.list().data}
+        assert set(models) == {"tiny", "a", "b"}
+        assert models["a"].parent == "tiny" and models["tiny"].parent is None
+
+        def complete(model, prompt):
+            return client.completions.create(model=model, prompt=prompt, max_tokens=NEW,
+                                             temperature=0, extra_body={"ignore_eos": True}
+                                             ).choices[0].text
+
+        asks = list(zip(["a", "b", "tiny", "a", "b"], PROMPTS[:5]))
+        with ThreadPoolExecutor(len(asks)) as pool:
+            got = list(pool.map(lambda x: complete(*x), asks))
+        want = [_expected_text(folders, None if m == "tiny" else m, p) for m, p in asks]
+        assert got == want
+        with pytest.raises(openai.NotFoundError, match="does not exist"):
+            complete("c", PROMPTS[0])
+
+        def post(path, body):
+            r = client._client.post(f"http://127.0.0.1:{port}{path}", json=body)
+            return r.status_code, r.text
+
+        assert post("/v1/load_lora_adapter", {"lora_name": "c", "lora_path": folders["c"]})[0] \
+            == 200
+        assert complete("c", PROMPTS[3]) == _expected_text(folders, "c", PROMPTS[3])
+        status, text = post("/v1/load_lora_adapter", {"lora_name": "d",
+                                                      "lora_path": folders["a"]})
+        assert status == 400 and "all 3 adapter slots are taken" in text
+        assert post("/v1/unload_lora_adapter", {"lora_name": "b"})[0] == 200
+        status, text = post("/v1/load_lora_adapter", {"lora_name": "d",
+                                                      "lora_path": folders["a"] + "/nope"})
+        assert status == 400 and "is not a folder" in text
+        with pytest.raises(openai.NotFoundError):
+            complete("b", PROMPTS[0])
+        status, text = post("/v1/unload_lora_adapter", {"lora_name": "b"})
+        assert status == 404 and json.loads(text)["error"]["message"]
+        assert {m.id for m in client.models.list().data} == {"tiny", "a", "c"}
+        assert complete("a", PROMPTS[0]) == want[0]  # the others are untouched
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
