@@ -42,7 +42,7 @@ class LoRAManager:
 
     Args:
         model: this rank's `GPTModel` stage (decoder-only), weights loaded.
-        max_loras: adapters held at once (--max-loras); slot 0 is the base.
+        max_loras: adapters held at once (--max-loras), in slots 1..max_loras (0: the base).
         max_lora_rank: the largest adapter rank accepted (--max-lora-rank); every HF part of
             a targeted linear gets a block of this many ranks.
     Raises `LoRAError` for max_loras or max_lora_rank < 1, or a model family adapters are not
@@ -66,7 +66,7 @@ class LoRAManager:
         for name, target in targets.items():
             if name in modules:  # this stage's layers only
                 self.layers[name] = MultiLoRA(modules[name], len(target.parts) * max_lora_rank,
-                                              max_loras + 1, self.batch)
+                                              max_loras, self.batch)
         p = next(model.parameters())
         self.dtype = p.dtype if p.is_floating_point() else torch.float32
         self.adapters: dict[str, LoadedAdapter] = {}
@@ -111,7 +111,7 @@ class LoRAManager:
             if a is not None:
                 w = layer.layer.weight
                 a, b = (shard_tensor(a, w), b) if layer.row else (a, shard_tensor(b, w))
-            layer.set(slot, a, b)
+            layer.set(slot - 1, a, b)
         self.loads += 1
         loaded = LoadedAdapter(name, path, slot, self.loads, adapter.rank)
         self.adapters[name] = loaded
@@ -125,7 +125,7 @@ class LoRAManager:
                             f"{sorted(self.adapters)})", status=404)
         a = self.adapters.pop(name)
         for layer in self.layers.values():
-            layer.set(a.slot, None, None)
+            layer.set(a.slot - 1, None, None)
 
     def get(self, name: str | None) -> LoadedAdapter | None:
         """The adapter `name` (None: the base). Raises `LoRAError` (404) for an unknown one."""
@@ -137,5 +137,4 @@ class LoRAManager:
 
     def bind(self, slots: list[int], device) -> None:
         """The slots of the next forward's rows (0: base); all 0 skips the adapters."""
-        self.batch.slots = torch.tensor(slots, dtype=torch.int64, device=device) \
-            if any(slots) else None
+        self.batch.bind([s - 1 for s in slots], device)

@@ -1,12 +1,16 @@
 """Many LoRA adapters over one frozen linear layer, one adapter per batch row (serving:
 inference/lora.py).
 
-Each targeted linear holds `slots` stacked adapters: `A [slots, R, in]` and `B [slots, out,
-R]` (slot 0 all zeros: the base model); a forward's rows name their slot in `LoRABatch.slots
-[b]`, and the delta `B_slot (A_slot x)` of every row is computed at once: the rows' A and B
-are gathered and multiplied with two batched GEMMs (`torch.bmm`), as Punica's BGMV kernel
-does for decode (Chen et al. 2023; S-LoRA, Sheng et al. 2023) -- whatever mix of adapters the
-batch holds, the cost is two GEMM calls per linear, never one pass per adapter.
+Each targeted linear holds `slots` stacked adapters, `A [slots, R, in]` and `B [out, slots,
+R]`; a forward's rows name their adapter in `LoRABatch` (or none: the base), and the deltas
+`B_k (A_k x)` of every row are computed at once with two GEMMs over the stacked ranks of the
+adapters the batch uses: `X [n, in] @ A_used^T -> [n, k R]`, each row's columns outside its
+own adapter's block zeroed by a mask, then `@ B_used^T -> [n, out]`. Each adapter in use is
+read once per step whatever the rows (the weights, not the FLOPs, bound decode); no pass per
+adapter and no per-row copy of the weights (Punica's BGMV gathers per row, Chen et al. 2023;
+S-LoRA's MBGMM, Sheng et al. 2023, reads each adapter once per segment). The adapters used
+are the contiguous range of slots from the lowest to the highest one named (slots are
+handed out lowest first, so this is usually exactly them): a view, never a copy.
 
 Tensor parallelism (as peft's tp_layer and Megatron-Bridge shard LoRA): over a
 column-parallel base the rank holds A whole and its rows of B (the base's output shard);
@@ -25,29 +29,54 @@ from .linear import ColumnParallelLinear, RowParallelLinear
 
 
 class LoRABatch:
-    """The slot of each row of the forward in progress: `slots [b]` int64 (on the model's
-    device), or None when no row uses an adapter (the hooks then do nothing)."""
+    """The adapters of the rows of the forward in progress (`bind`); `used` None when no row
+    names one (the hooks then do nothing)."""
 
     def __init__(self):
-        self.slots: torch.Tensor | None = None
+        self.used: tuple[int, int] | None = None  # slot range [lo, hi) the rows use
+        self.rows: torch.Tensor | None = None  # [b] each row's slot - lo (-1: base)
+        self._masks: dict = {}
+
+    def bind(self, slots: list[int], device) -> None:
+        """Row i uses adapter slot `slots[i]` (0-based), or none (-1)."""
+        used = [x for x in slots if x >= 0]
+        self._masks = {}
+        if not used:
+            self.used = self.rows = None
+            return
+        lo, hi = min(used), max(used) + 1
+        self.used = (lo, hi)
+        self.rows = torch.tensor([x - lo if x >= 0 else -1 for x in slots], device=device)
+
+    def mask(self, seq: int, rank: int, dtype) -> torch.Tensor:
+        """`[seq x b, (hi - lo) x rank]`: 1 where a token's row uses the column's slot (row
+        `t b + i` is position t of batch row i, as `[s, b, ...]` flattens)."""
+        key = (seq, rank, dtype)
+        if key not in self._masks:
+            lo, hi = self.used
+            cols = torch.arange(hi - lo, device=self.rows.device).repeat_interleave(rank)
+            self._masks[key] = (self.rows.repeat(seq)[:, None] == cols[None, :]).to(dtype)
+        return self._masks[key]
 
 
-def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
-               reduce: bool = False) -> torch.Tensor:
-    """`delta[t, i] = B[slots[i]] A[slots[i]] x[t, i]` for `x [s, b, in]`, `a [slots, R, in]`,
-    `b [slots, out, R]`, `slots [b]` -> `[s, b, out]`; `reduce`: the shrunk `A x` summed over
-    TP first (a row-parallel base)."""
-    xa = torch.bmm(x.transpose(0, 1), a[slots].transpose(1, 2))  # [b, s, R]
+def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor,
+               reduce: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`delta[t] = (mask[t] * (A x[t])) B^T` for `x [..., in]` (n tokens), the used adapters'
+    `a [k R, in]` and `b [out, k R]`, `mask [n, k R]` -> `[n, out]`; `reduce`: the shrunk
+    `A x` summed over TP first (a row-parallel base). `out` `[n, out]`: added into it in place
+    (one fused GEMM + add, no new tensor) and returned."""
+    xa = x.reshape(-1, x.shape[-1]) @ a.t()  # [n, k R]
     if reduce:
         xa = reduce_from_tensor_model_parallel_region(xa)
-    return torch.bmm(xa, b[slots].transpose(1, 2)).transpose(0, 1)  # [b, s, out] -> [s, b, out]
+    xa = xa * mask
+    return xa @ b.t() if out is None else out.addmm_(xa, b.t())
 
 
 class MultiLoRA:
     """The stacked adapters of one linear `layer` (a `ColumnParallelLinear` without
-    gather_output, or a `RowParallelLinear`): `a [slots, R, in/tp or in]`, `b [slots, out/tp
-    or out, R]`, zeros until `set` fills a slot. Attaches a forward hook adding `lora_delta`
-    for `batch.slots`. Raises `ValueError` for another kind of layer."""
+    gather_output, or a `RowParallelLinear`): `a [slots, R, in/tp or in]`, `b [out/tp or out,
+    slots, R]`, zeros until `set` fills a slot. Attaches a forward hook adding `lora_delta`
+    for the rows `batch` binds. Raises `ValueError` for another kind of layer."""
 
     def __init__(self, layer, rank: int, slots: int, batch: LoRABatch):
         if isinstance(layer, ColumnParallelLinear) and not layer.gather_output:
@@ -57,11 +86,13 @@ class MultiLoRA:
         else:
             raise ValueError(f"LoRA slots go on a column- or row-parallel linear, not "
                              f"{type(layer).__name__}")
-        w = layer.weight
-        dtype = w.dtype if w.is_floating_point() else torch.float32
+        w = layer.weight  # a float tensor, or a low-bit `QuantizedWeight` (then float32)
+        dtype = w.dtype if isinstance(w, torch.Tensor) and w.is_floating_point() \
+            else torch.float32
         self.layer, self.batch = layer, batch
         self.a = torch.zeros(slots, rank, in_f, dtype=dtype, device=w.device)
-        self.b = torch.zeros(slots, out_f, rank, dtype=dtype, device=w.device)
+        self.b = torch.zeros(out_f, slots, rank, dtype=dtype, device=w.device)
+        self.rank = rank
         self.handle = layer.register_forward_hook(self._hook)
 
     @property
@@ -72,14 +103,22 @@ class MultiLoRA:
         """Slot `slot` holds `a [R, in local]`, `b [out local, R]` (this rank's shards; None:
         zeros, the adapter does not target this layer)."""
         self.a[slot].zero_()
-        self.b[slot].zero_()
+        self.b[:, slot].zero_()
         if a is not None:
             self.a[slot].copy_(a)
-            self.b[slot].copy_(b)
+            self.b[:, slot].copy_(b)
 
     def _hook(self, layer, args, out):
-        slots = self.batch.slots
-        if slots is None:
+        used = self.batch.used
+        if used is None:
             return out
-        x = args[0]
-        return out + lora_delta(x.to(self.a.dtype), self.a, self.b, slots, self.row).to(out.dtype)
+        x, (lo, hi) = args[0], used
+        a = self.a[lo:hi].flatten(0, 1)  # views: the slots are contiguous blocks
+        b = self.b[:, lo:hi].flatten(1)
+        mask = self.batch.mask(x.numel() // x.shape[-1] // self.batch.rows.numel(), self.rank,
+                               self.a.dtype)
+        x = x.to(self.a.dtype)
+        if out.dtype == self.a.dtype and not torch.is_grad_enabled():  # serving: in place
+            lora_delta(x, a, b, mask, self.row, out.view(-1, out.shape[-1]))
+            return out
+        return out + lora_delta(x, a, b, mask, self.row).view(out.shape).to(out.dtype)
