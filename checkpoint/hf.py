@@ -94,18 +94,26 @@ def _shard_plan(config, max_shard_bytes: int, itemsize: int) -> list[list[tuple[
     return shards
 
 
-def export_hf(load: str, out: str, dtype: str = "float32",
-              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, log=print) -> str:
-    """Write the HF folder `out` from checkpoint `load` (a --save folder or iter_XXXXXXX);
-    returns `out`. Raises `CheckpointError` / `HFConversionError` before `out` exists."""
-    from safetensors.torch import save_file
-    from transformers import AutoConfig
-
+def check_export_target(out: str, dtype: str) -> None:
+    """Refuse an export `--dtype` not in DTYPES (ValueError) or an `--out` that exists
+    (`CheckpointError`), before anything is read or written."""
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if os.path.exists(out):
         raise CheckpointError(f"--out {out} already exists; pass a new folder (nothing was "
                               f"written)")
+
+
+def export_hf(load: str, out: str, dtype: str = "float32",
+              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, log=print, adjust=None) -> str:
+    """Write the HF folder `out` from checkpoint `load` (a --save folder or iter_XXXXXXX);
+    returns `out`. `adjust(hf name, tensor) -> tensor`, when given, changes each HF tensor
+    before its cast (LoRA adapters folded in: checkpoint/lora_files.py). Raises
+    `CheckpointError` / `HFConversionError` before `out` exists."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    check_export_target(out, dtype)
     path = require_checkpoint(load)
     config, dense = read_dense_weights(path)
     kwargs = hfmap.config_to_hf(config)  # raises if the model has no HF equivalent
@@ -125,6 +133,7 @@ def export_hf(load: str, out: str, dtype: str = "float32",
             for want, _ in names:
                 name, t = next(stream)
                 assert name == want, (name, want)
+                t = adjust(name, t) if adjust is not None else t
                 shard[name] = t.to(torch_dtype).contiguous()
                 total += shard[name].numel() * shard[name].element_size()
                 weight_map[name] = fname

@@ -80,12 +80,12 @@ def dense_logical_tensors(config) -> dict[str, tuple[torch.Tensor, int | None]]:
     return out
 
 
-def expected_tensors(chunks) -> dict[str, Expected]:
+def expected_tensors(chunks, part: str = "saved") -> dict[str, Expected]:
     """`{model.* DCP key: Expected}` that this rank's model `chunks` read (parameters, one key
-    per expert and fused part, and persistent buffers); a tied copy reads the embedding's
-    key, left to its owner."""
+    per expert and fused part, and persistent buffers; `part` as in `entries`); a tied copy
+    reads the embedding's key, left to its owner."""
     out = {}
-    for _, p, key_name, tied_copy in entries(chunks):
+    for _, p, key_name, tied_copy in entries(chunks, part):
         if not tied_copy:
             for key, _, want in _parts(p, "model", key_name, "meta"):
                 out[key] = Expected(tuple(want), getattr(p, "full_rows", None))
@@ -140,14 +140,21 @@ def _few(keys: list[str], n: int = 3) -> str:
             + (f", ... (+{len(keys) - n} more)" if len(keys) > n else ""))
 
 
-def entries(chunks) -> list[tuple[str, torch.nn.Parameter, str, bool]]:
+def entries(chunks, part: str = "saved") -> list[tuple[str, torch.nn.Parameter, str, bool]]:
     """`[(name, param, key_name, tied_copy)]` of this rank's chunks; the tied embedding's
-    last-stage copy maps to the embedding's key (read from it, never saved)."""
+    last-stage copy maps to the embedding's key (read from it, never saved). `part`: "saved",
+    what a checkpoint of the model holds (every parameter; a LoRA model's adapters only,
+    layers/lora.py: its frozen base stays in the base's checkpoint), or "base", the frozen
+    parameters a LoRA model reads from its base checkpoint (every parameter without
+    adapters)."""
+    named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
+    lora = any(".lora." in n for n, _ in named)
     out = []
-    for chunk in chunks:
-        for name, p in chunk.named_parameters():
-            tied_copy = getattr(p, "shared_embedding", False) and name.startswith("output_layer")
-            out.append((name, p, EMBEDDING if tied_copy else name, tied_copy))
+    for name, p in named:
+        if lora and (".lora." in name) != (part == "saved"):
+            continue
+        tied_copy = getattr(p, "shared_embedding", False) and name.startswith("output_layer")
+        out.append((name, p, EMBEDDING if tied_copy else name, tied_copy))
     return out
 
 

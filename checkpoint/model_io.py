@@ -18,6 +18,7 @@ are then read through `safe_dcp.load`.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import secrets
@@ -212,10 +213,10 @@ def verify_checkpoint(path: str, meta: dict, tensors=None) -> None:
         raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(problems))
 
 
-def model_tensors(chunks) -> dict:
+def model_tensors(chunks, part: str = "saved") -> dict:
     """`keys.expected_tensors` of the model whose chunks the ranks of the world hold (each
     rank passes its own; gathered, so collective when there is a process group)."""
-    mine = expected_tensors(chunks)
+    mine = expected_tensors(chunks, part)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return mine
     everyone = [None] * dist.get_world_size()
@@ -250,27 +251,33 @@ def read_dense_weights(path: str) -> tuple[ModelConfig, dict[str, Callable[[], t
             raise CheckpointError(f"{path}: the checkpoint has no tensor {absent[0]!r}; it is "
                                   f"damaged or not a checkpoint of the model in metadata.json")
 
-        def read(keys=keys, p=p):
-            sd = {k: torch.empty(saved[k].size, dtype=torch.float32) for k in keys}
-            with _single_process():
-                safe_dcp.load(sd, path, md, no_dist=True)
-            t = sd[keys[0]] if len(keys) == 1 else torch.cat([sd[k] for k in keys],
-                                                             piece_dim(p))
-            rows = getattr(p, "full_rows", None)
-            return t[:rows].contiguous() if rows else t
-        out[name] = read
+        out[name] = functools.partial(read_dense_tensor, path, md, keys, p)
     return config, out
 
 
+def read_dense_tensor(path: str, md, keys: list[str], p) -> torch.Tensor:
+    """The dense float32 tensor of parameter `p` (its fused parts joined, vocab padding cut)
+    stored under DCP `keys` (`keys.part_keys`) in checkpoint `path` whose checked DCP
+    metadata is `md`; one process."""
+    saved = md.state_dict_metadata
+    sd = {k: torch.empty(saved[k].size, dtype=torch.float32) for k in keys}
+    with _single_process():
+        safe_dcp.load(sd, path, md, no_dist=True)
+    t = sd[keys[0]] if len(keys) == 1 else torch.cat([sd[k] for k in keys], piece_dim(p))
+    rows = getattr(p, "full_rows", None)
+    return t[:rows].contiguous() if rows else t
+
+
 @torch.no_grad()
-def load_model_weights(path: str, chunks) -> dict:
+def load_model_weights(path: str, chunks, part: str = "saved") -> dict:
     """Load checkpoint folder `path`'s weights (and persistent buffers) into this rank's
-    model `chunks` (any tp/pp/ep layout), verified first (`open_checkpoint`); returns its
+    model `chunks` (any tp/pp/ep layout; `part` "base": a LoRA model's frozen base, from its
+    base checkpoint; keys.entries), verified first (`open_checkpoint`); returns its
     metadata. Collective: every rank of the world calls it (the verification's gather,
     DCP's load)."""
-    expected = model_tensors(chunks)
+    expected = model_tensors(chunks, part)
     meta, md = open_checkpoint(path, lambda config: expected)
-    items = entries(chunks)
+    items = entries(chunks, part)
     sd, plan = read_plan(path, md.state_dict_metadata, items, ("model",), buffer_entries(chunks))
     with _single_process():
         safe_dcp.load(sd, path, md, no_dist=not dist.is_initialized())

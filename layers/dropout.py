@@ -115,10 +115,13 @@ def _apply(x: torch.Tensor, hashes: torch.Tensor, p: float) -> torch.Tensor:
     return apply_keep(x, _keep(hashes, p), p)
 
 
-def _counters(rows: torch.Tensor, cols: int, device) -> torch.Tensor:
-    """Mixed counters `[len(rows), cols]` of the elements `row * cols + col`."""
+def _counters(rows: torch.Tensor, cols: int, device, offset: int = 0,
+              count: int | None = None) -> torch.Tensor:
+    """Mixed counters `[len(rows), count]` of the elements `row * cols + col` for columns
+    `offset .. offset + count` (default all `cols`)."""
     c = rows.to(device=device, dtype=torch.int64)[:, None] * cols
-    return mix32(c.add(torch.arange(cols, device=device)).bitwise_and_(MASK32))
+    cols_here = torch.arange(offset, offset + (cols if count is None else count), device=device)
+    return mix32(c.add(cols_here).bitwise_and_(MASK32))
 
 
 def hidden_dropout(x: torch.Tensor, p: float, training: bool, site: torch.Tensor | int,
@@ -132,19 +135,42 @@ def hidden_dropout(x: torch.Tensor, p: float, training: bool, site: torch.Tensor
     `x` itself when `p == 0` or not `training`; masks as in the module docstring."""
     if p == 0.0 or not training:
         return x
+    start = x.shape[0] * ps.get_tensor_model_parallel_rank() if sequence_parallel else 0
+    return _keyed_dropout(x, p, site, start, positions, 0, x.shape[-1], sequence_parallel)
+
+
+def feature_dropout(x: torch.Tensor, p: float, training: bool, site: torch.Tensor | int,
+                    feature_offset: int = 0, num_features: int | None = None,
+                    positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Dropout on `x [s, b, f]` holding features `feature_offset .. feature_offset + f` of a
+    tensor `num_features` wide (default f): a row-parallel layer's input shard
+    `[s, b, in/tp]` draws the masks of those columns of the whole `[s, b, in]` (a LoRA
+    adapter's input; layers/lora.py). `positions` `[s]` int64 as in `hidden_dropout`. Without
+    sample ids a feature shard draws from the TP stream, a whole tensor from the default one."""
+    if p == 0.0 or not training:
+        return x
+    width = num_features or x.shape[-1]
+    return _keyed_dropout(x, p, site, 0, positions, feature_offset, width,
+                          width != x.shape[-1])
+
+
+def _keyed_dropout(x: torch.Tensor, p: float, site, start: int, positions, feature_offset: int,
+                   width: int, sharded: bool) -> torch.Tensor:
+    """The sample-keyed masks of `x [s, b, f]`: rows `start ..` of `positions` (default the
+    row numbers), columns `feature_offset ..` of a `width`-wide counter grid; stream
+    dropout (`sharded` picks the stream) without sample ids."""
     ids = ps.get_dropout_sample_ids()
     if ids is None:
-        return _stream_dropout(x, p, sharded=sequence_parallel)
+        return _stream_dropout(x, p, sharded=sharded)
     s, b, h = x.shape
     if ids.numel() != b:
         raise ValueError(f"dropout: {ids.numel()} sample ids for a batch of {b}")
-    start = s * ps.get_tensor_model_parallel_rank() if sequence_parallel else 0
     rows = torch.arange(start, start + s) if positions is None else \
         positions.to(torch.int64)[start: start + s]
     if rows.numel() != s:
         raise ValueError(f"dropout: {positions.numel()} positions do not cover the {s} rows "
-                         f"of this {'sequence shard' if sequence_parallel else 'sequence'}")
-    counters = _counters(rows, h, x.device)  # [s, h]
+                         f"of this {'sequence shard' if start else 'sequence'}")
+    counters = _counters(rows, width, x.device, feature_offset, h)  # [s, h]
     keys = _row_keys(ids.to(x.device), site)
     return _apply(x, mix32(counters[:, None, :] ^ keys[None, :, None]), p)
 

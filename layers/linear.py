@@ -17,6 +17,7 @@ from torch import nn
 
 from parallel_state import (
     copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     get_tensor_model_parallel_world_size,
     reduce_from_tensor_model_parallel_region,
@@ -114,6 +115,25 @@ class _LinearWithGrad(torch.autograd.Function):
         return gemm.weight_grad(grad_2d, total_2d) if ctx.onednn else grad_2d.t().matmul(total_2d)
 
 
+class _QuantizedLinear(torch.autograd.Function):
+    """`Y = X W^T + b` of a frozen low-bit weight (`QuantizedWeight`) whose input needs a
+    gradient (QLoRA: adapters below it train): forward by `QuantizedWeight.linear`, backward
+    `dX = dY W` by `QuantizedWeight.input_grad` (slabs of rows; the weight is never
+    de-quantized whole) and `db = sum dY` when the bias trains."""
+
+    @staticmethod
+    def forward(ctx, x, bias, weight):
+        ctx.weight, ctx.has_bias = weight, bias is not None
+        return weight.linear(x, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_x = ctx.weight.input_grad(grad) if ctx.needs_input_grad[0] else None
+        grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) \
+            if ctx.has_bias and ctx.needs_input_grad[1] else None
+        return grad_x, grad_b, None
+
+
 # Inference on CPU with 2 to this many rows (decode: one token per sequence) computes
 # `Y^T = W X^T` instead of `Y = X W^T` where torch's MKL does the GEMM: the same product, but
 # MKL streams the large weight as the left operand: a SmolLM2 decode step at batch 8 ran 1.40x
@@ -133,11 +153,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     which reads half the bytes); where the GEMM is MKL's,
     under no-grad with 2..FEW_ROWS rows, it is computed as `(W X^T)^T` (one row: MKL's
     matrix-vector product either way, and `F.linear` measured faster). A low-bit weight
-    (`layers.quant.QuantizedWeight`, inference only) multiplies through its own
-    `QuantizedWeight.linear`. Under `weight_grads.split_backward()` (zero-bubble schedules)
+    (`layers.quant.QuantizedWeight`, frozen) multiplies through its own
+    `QuantizedWeight.linear`, with a graph to `x` when `x` needs a gradient (QLoRA:
+    `_QuantizedLinear`). Under `weight_grads.split_backward()` (zero-bubble schedules)
     a graph is built through `_LinearWithGrad`, whose backward can defer the weight
     gradient."""
     if isinstance(weight, QuantizedWeight):
+        if torch.is_grad_enabled() and (x.requires_grad or (
+                bias is not None and bias.requires_grad)):
+            return _QuantizedLinear.apply(x, bias, weight)
         return weight.linear(x, bias)
     if weight_grads.splitting() and torch.is_grad_enabled() and weight.requires_grad \
             and x.dim() >= 2 and not torch.is_autocast_enabled(x.device.type):
@@ -196,7 +220,8 @@ class ColumnParallelLinear(nn.Module):
     Input `[s, b, in]` (or `[s/tp, b, in]` with sequence_parallel); output `[s, b, out/tp]`, or
     `[s, b, out]` with gather_output. `num_fused_parts` > 1 marks a weight made of that many
     blocks stacked on the output dim, each split separately (SwiGLU's [gate; up]).
-    `forward(x, weight=...)` uses an external weight (tied output layer).
+    `forward(x, weight=...)` uses an external weight (tied output layer). `lora`: LoRA
+    adapters whose term is added before the gather (layers/lora.py), or None.
     """
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = True,
@@ -224,20 +249,26 @@ class ColumnParallelLinear(nn.Module):
                                            num_fused_parts=num_fused_parts)
         else:
             self.bias = None
+        self.lora = None  # LoRA adapters (layers/lora.py `add_lora`)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         weight = self.weight if weight is None else weight
         if weight is None:
             raise ValueError("ColumnParallelLinear built with skip_weight needs forward(x, weight)")
-        if self.sequence_parallel:
+        low_bit = isinstance(weight, QuantizedWeight)  # frozen: its own product (`linear`)
+        if self.sequence_parallel and low_bit:
+            y = linear(gather_from_sequence_parallel_region(x), weight, self.bias)
+        elif self.sequence_parallel:
             y = _LinearWithGrad.apply(x, weight, self.bias, True, False,
                                       gemm.uses_onednn(x, weight))
-        elif self.tensor_parallel and torch.is_grad_enabled() \
+        elif self.tensor_parallel and torch.is_grad_enabled() and not low_bit \
                 and not torch.is_autocast_enabled(x.device.type):
             y = _LinearWithGrad.apply(x, weight, self.bias, False, True,
                                       gemm.uses_onednn(x, weight))
         else:  # one TP rank, no graph, or autocast (whose casts F.linear's backward knows)
             y = linear(copy_to_tensor_model_parallel_region(x), weight, self.bias)
+        if self.lora is not None:
+            y = y + self.lora(x, self.sequence_parallel)
         if not self.gather_output:
             return y
         y = gather_from_tensor_model_parallel_region(y)
@@ -256,7 +287,7 @@ class RowParallelLinear(nn.Module):
 
     Input `[s, b, in/tp]` (already split, as a column layer leaves it); output `[s, b, out]`
     summed over TP, or `[s/tp, b, out]` reduce-scattered with sequence_parallel. The bias is
-    added once, after the reduction.
+    added once, after the reduction (and after the `lora` adapters' term, layers/lora.py).
     """
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = True,
@@ -276,6 +307,7 @@ class RowParallelLinear(nn.Module):
                                            sequence_parallel=self.sequence_parallel)
         else:
             self.bias = None
+        self.lora = None  # LoRA adapters (layers/lora.py `add_lora`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight)
@@ -283,6 +315,8 @@ class RowParallelLinear(nn.Module):
             y = reduce_scatter_to_sequence_parallel_region(y)
         else:
             y = reduce_from_tensor_model_parallel_region(y)
+        if self.lora is not None:
+            y = y + self.lora(x, self.sequence_parallel)
         return y + self.bias.to(y.dtype) if self.bias is not None else y
 
     def extra_repr(self) -> str:

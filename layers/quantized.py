@@ -212,3 +212,27 @@ def holds_quantized(module: nn.Module) -> tuple[bool, bool]:
 
     linear = isinstance(module, (ColumnParallelLinear, RowParallelLinear, GroupedLinear))
     return linear, linear or isinstance(module, VocabParallelEmbedding)
+
+
+def quantize_layer_linears(model: nn.Module, fmt: str, group_size: int = 32,
+                           symmetric: bool = True) -> int:
+    """QLoRA's base (Dettmers et al. 2023, sec. 3): replace the weight of every column- and
+    row-parallel linear inside `model`'s transformer layers (`...layers.<n>...`; not the
+    embedding or output layer) by its round-to-nearest `fmt` form (`QuantizedWeight.quantize`,
+    this rank's shard). The weights must be frozen (ValueError otherwise: a low-bit weight
+    has no gradient); LoRA adapters under them (layers/lora.py) train, their input gradient
+    passing through `QuantizedWeight.input_grad`. Returns the number of weights replaced."""
+    from .linear import ColumnParallelLinear, RowParallelLinear
+
+    count = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)) or \
+                ".layers." not in f".{name}" or not isinstance(module.weight, nn.Parameter):
+            continue
+        if module.weight.requires_grad:
+            raise ValueError(f"{name}.weight trains; only a frozen base (LoRA's) can be held "
+                             f"low-bit")
+        install(module, "weight", QuantizedWeight.quantize(module.weight.detach(), fmt,
+                                                           group_size, symmetric))
+        count += 1
+    return count

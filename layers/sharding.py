@@ -9,7 +9,8 @@ Every parameter of a parallel layer carries a few attributes that say how it is 
 - `sequence_parallel` (bool): replicated, but used on sequence shards, so its gradient is summed
   over TP after backward;
 - `init` (str): "normal", "scaled_normal" (std / sqrt(2 * num_layers), GPT-2 / Megatron
-  output projections), "zeros" or "ones";
+  output projections), "zeros", "ones" or "kaiming_uniform" (U(-1/sqrt(in), 1/sqrt(in)) of
+  the dense `[out, in]`: torch's nn.Linear default, a LoRA A's init);
 - `full_rows` (int, optional): rows of the real tensor before vocab padding (padding rows are 0);
 - `init_key` (str, optional): the name that seeds its init (tied copies share one key).
 - `expert_parallel` (bool): dim 0 indexes an MoE layer's experts and is split over the
@@ -183,6 +184,10 @@ def make_full_tensor(param: torch.Tensor, key: str, seed: int, std: float,
         return torch.zeros(shape)
     if kind == "ones":
         return torch.ones(shape)
+    if kind == "kaiming_uniform":  # torch's nn.Linear default, a = sqrt(5): U(+-1/sqrt(in))
+        bound = 1.0 / math.sqrt(shape[-1])
+        gen = torch.Generator().manual_seed(_seed_for(seed, key))
+        return torch.empty(shape).uniform_(-bound, bound, generator=gen)
     if kind not in ("normal", "scaled_normal"):
         raise ValueError(f"unknown init {kind!r} for parameter {key}")
     if kind == "scaled_normal":

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from data_pipeline.data_path import parse_data_path
+from layers.lora import resolve_targets
 from layers.transformer import cpp_compiler_problem
 from models.config import ConfigError, ModelConfig
 from .batch_schedule import check_batch_schedule
@@ -54,7 +55,43 @@ def validate(m: ModelConfig, t: TrainConfig, world_size: int) -> tuple[int, int]
     _check_data(t)
     _check_run(t)
     _check_profile(t, world_size)
+    _check_lora(m, t)
     return dp, num_microbatches
+
+
+QLORA_FORMATS = ("none", "int8", "int4", "q8_0", "q4_0", "q4_1")  # round-to-nearest makes them
+
+
+def _check_lora(m: ModelConfig, t: TrainConfig) -> None:
+    """The LoRA flags (layers/lora.py): a rank >= 0, a dropout in [0, 1), known targets, a
+    decoder-only model, and a QLoRA base format whose blocks divide every layer input."""
+    if t.lora_rank < 0:
+        raise ConfigError(f"--lora-rank {t.lora_rank} must be >= 1 (or 0: no adapters)")
+    _check_choice("lora_base_quantization", t.lora_base_quantization, QLORA_FORMATS)
+    if not t.lora_rank:
+        if t.lora_base_quantization != "none":
+            raise ConfigError("--lora-base-quantization holds a frozen LoRA base; add "
+                              "--lora-rank (a full fine-tune trains float weights)")
+        return
+    if t.lora_base_quantization not in ("none", "int8"):  # blocks of 32 input columns
+        tp = t.tensor_model_parallel_size
+        inputs = {"--hidden-size": m.hidden_size, "--ffn-hidden-size / tp":
+                  m.ffn_hidden_size // tp, "query projection size / tp":
+                  m.query_projection_size // tp}
+        bad = [f"{k} = {v}" for k, v in inputs.items() if v % 32]
+        if bad:
+            raise ConfigError(f"--lora-base-quantization {t.lora_base_quantization} quantizes "
+                              f"blocks of 32 input columns, which do not divide {', '.join(bad)}"
+                              f"; use --lora-base-quantization int8 or another tp")
+    if not 0.0 <= t.lora_dropout < 1.0:
+        raise ConfigError(f"--lora-dropout {t.lora_dropout} must be in [0, 1)")
+    try:
+        resolve_targets(t.lora_target_modules)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if m.is_encoder_decoder:
+        raise ConfigError("--lora-rank is built for decoder-only models; drop it for "
+                          "--model-type t5")
 
 
 def _check_positive(t: TrainConfig, world_size: int) -> None:

@@ -92,6 +92,12 @@ class TrainConfig:
     load_rng: bool = True  # --no-load-rng: keep the fresh seeds on resume
     load_optim: bool = True  # --no-load-optim: weights only (fresh AdamW moments)
     finetune: bool = False  # --load weights only; iteration, optimizer and RNG start fresh
+    lora_rank: int = 0  # LoRA adapters of this rank on a frozen base (0: every weight trains)
+    lora_alpha: float = 8.0  # adapter scale alpha / rank (peft's default alpha)
+    lora_dropout: float = 0.0  # dropout on each adapter's input (keyed masks)
+    lora_target_modules: str = "all-linear"  # q_proj,...,down_proj | linear_qkv,... | all-linear
+    use_rslora: bool = False  # scale alpha / sqrt(rank) (rsLoRA)
+    lora_base_quantization: str = "none"  # QLoRA: none | int8 | int4 | q8_0 | q4_0 | q4_1
     override_opt_param_scheduler: bool = False  # resume: this command line's LR schedule
     use_checkpoint_opt_param_scheduler: bool = False  # resume: the checkpoint's LR schedule
     override_data_config: bool = False  # resume onto other data: start it from its beginning

@@ -86,6 +86,15 @@ def test_model_bytes_counts_tied_weights_once():
     total, dtypes = llamacpp_peer.model_bytes(m)
     assert total == 10 * 4 * 4 + 3 * 8
     assert dtypes == "float32 0.0 MB, int64 0.0 MB"
+    from layers.quant import QuantizedWeight
+    from layers.quantized import install
+
+    m.low = torch.nn.Linear(64, 64, bias=False)
+    q = QuantizedWeight.quantize(torch.randn(64, 64), "q8_0")
+    install(m.low, "weight", q)  # a low-bit weight is no parameter: counted by its blocks
+    total, dtypes = llamacpp_peer.model_bytes(m)
+    assert total == 10 * 4 * 4 + 3 * 8 + q.nbytes == 10 * 4 * 4 + 3 * 8 + 64 * 64 // 32 * 34
+    assert dtypes == "float32 0.0 MB, int64 0.0 MB, q8_0 0.0 MB"
 
 
 def test_alternated_pairs_alternate_and_describe_pairs():

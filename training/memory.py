@@ -179,7 +179,8 @@ def model_state_bytes(model, optimizer) -> dict:
     Rajbhandari et al. 2020, sec. 3.1), beside their formulas.
 
     Measured (bytes): `params` (the persistent weights: the parameters, the flat parameter
-    buffer of ZeRO-1/2 or the parameter shards of ZeRO-3), `grads` (the float32 gradient
+    buffer of ZeRO-1/2 or the parameter shards of ZeRO-3), `frozen_params` (parameters that
+    do not train: a LoRA run's base, whole on every rank of its TP/PP shard), `grads` (the float32 gradient
     buffer, or the gradient shards of ZeRO-2/3), `main_params` (float32 copies separate from
     the weights), `optimizer_states` (AdamW moments), their sum `total`, and in host memory
     (--optimizer-cpu-offload) `host_main_params`, `host_optimizer_states`, `host_grads` and
@@ -212,7 +213,12 @@ def model_state_bytes(model, optimizer) -> dict:
            "host_params": sum(size(d.param_shards) for d in model if d.param_offload == "cpu"),
            "nvme_params": sum(d.param_file.nbytes for d in model if d.param_file is not None),
            "grads": sum(size(d.grad_shards) if d.shard_grads else size(d.buffer.data)
-                        for d in model)}
+                        for d in model),
+           # a LoRA run's frozen base (no gradients, no optimizer state; not in `total`,
+           # whose ZeRO formula counts the trained parameters)
+           "frozen_params": sum(size(p) for p in {id(p): p for d in model
+                                                  for p in d.module.parameters()
+                                                  if not p.requires_grad}.values())}
     if isinstance(optimizer, DistributedOptimizer):
         out.update(optimizer.state_bytes())
         n_host = sum(s.hi - s.lo for s in optimizer.shards if s.host)

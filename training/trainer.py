@@ -23,6 +23,8 @@ from checkpoint.format import CheckpointError
 from data_parallel.ddp import DistributedDataParallel, resolve_strategy
 from data_parallel.distributed_optimizer import DistributedOptimizer
 from layers import compile_transformer_layers, initial_value, parameters_on_meta
+from layers.lora import add_lora
+from layers.quantized import quantize_layer_linears, quantized_weights
 from layers.recompute import apply_recompute
 from models import GPTModel, T5Model
 from models.config import ConfigError
@@ -69,10 +71,12 @@ def param_init(config: Config):
 
 
 def build_model(config: Config, device) -> list[GPTModel]:
-    """This rank's model chunks (one unless virtual pipelining), initialized from the seed;
-    under ZeRO-3 (`zero3_init`) with their parameters on the meta device, not initialized."""
+    """This rank's model chunks (one unless virtual pipelining), initialized from the seed,
+    with LoRA adapters on a frozen base under --lora-rank; under ZeRO-3 (`zero3_init`) with
+    their parameters on the meta device, not initialized (a LoRA run's base is built whole:
+    frozen, it has nothing ZeRO shards; its adapters are sharded)."""
     t = config.train
-    meta = zero3_init(config)
+    meta = zero3_init(config) and not t.lora_rank  # LoRA: the frozen base stays whole
     with parameters_on_meta() if meta else contextlib.nullcontext():
         if config.model.is_encoder_decoder:
             from run_config.checks import t5_stage_layers
@@ -86,6 +90,10 @@ def build_model(config: Config, device) -> list[GPTModel]:
                                         t.virtual_pipeline_model_parallel_size,
                                         sequence_parallel=t.sequence_parallel,
                                         cp_comm_type=t.cp_comm_type)
+        if t.lora_rank:  # adapters on the frozen base: only they train (layers/lora.py)
+            for chunk in chunks:
+                add_lora(chunk, t.lora_rank, t.lora_alpha, t.lora_dropout,
+                         t.lora_target_modules, t.use_rslora)
     for chunk in chunks:
         if not meta:
             chunk.init_weights(t.seed)
@@ -334,6 +342,8 @@ def _start_run(config: Config, device, run_start, tokenizer, train_ds, valid_ds,
         print_rank_0(diloco.describe())
     # iteration 0: from scratch
     resume = load_checkpoint(config, chunks, model, optimizer, diloco=diloco)
+    if t.lora_base_quantization != "none":  # QLoRA: the loaded base, held low-bit
+        print_rank_0(quantize_base(chunks, t.lora_base_quantization))
     start_iteration, position = resume.iteration, resume.position
     batches = BatchSchedule(t.global_batch_size, rampup_of(t))
     if t.train_samples:  # the steps left to reach --train-samples from where we are
@@ -345,6 +355,8 @@ def _start_run(config: Config, device, run_start, tokenizer, train_ds, valid_ds,
         print_rank_0(note)
     checkpointer = Checkpointer(config, tokenizer=tokenizer.path, diloco=diloco) \
         if t.save else None
+    if checkpointer is not None:
+        checkpointer.lora_base = resume.lora_base
     is_logger = dist.get_rank() == 0
     logger = MetricsLogger(t.log_dir, enabled=is_logger, tensorboard=t.tensorboard is not False,
                            run_start=run_start_record(config, start_iteration, peak,
@@ -399,6 +411,20 @@ def _finish_run(run: TrainState, last: int, stop: str | None, on_end) -> list[di
     return records
 
 
+def quantize_base(chunks, fmt: str) -> str:
+    """Hold the frozen base's layer linears of this rank's `chunks` in `fmt` (QLoRA;
+    layers/quantized.py `quantize_layer_linears`, groups of 32 for int4); the line saying
+    what it did (rank 0's bytes before and after)."""
+    before = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters()
+                 if not p.requires_grad)
+    count = sum(quantize_layer_linears(c, fmt) for c in chunks)
+    after = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters()
+                if not p.requires_grad) + sum(w.nbytes for c in chunks
+                                              for _, w in quantized_weights(c))
+    return (f"QLoRA: {count} frozen base weights of this rank held as {fmt}; the frozen base "
+            f"{before / 2**20:,.1f} -> {after / 2**20:,.1f} MiB (rank 0)")
+
+
 def log_memory(model, optimizer, dataset, config: Config, device) -> dict:
     """Measure model-state and activation bytes on every rank; print one plain line on rank 0
     and return the detailed accounting (beside the ZeRO and Korthikanti et al. formulas) for
@@ -448,6 +474,7 @@ def memory_line(config: Config, state: dict, act: dict, totals: list[int]) -> st
         f"{mib(state['params'])}, gradients {mib(state['grads'])}, optimizer "
         f"{mib(state['main_params'] + state['optimizer_states'])}; {state['strategy']} at "
         f"{group}, ZeRO formula {mib(state['predicted_total'])}{host}{gathered}) + "
+        + (f"frozen base {mib(state['frozen_params'])} + " if state.get("frozen_params") else "")
         + ("activations not measured (T5)" if config.model.is_encoder_decoder else
            f"activations {mib(act['activation_bytes_per_microbatch'])} per microbatch (the "
            f"decoder layers' {mib(act['activation_bytes_layers'])}, predicted "

@@ -177,6 +177,17 @@ class QuantizedWeight:
         return kernels.linear(self.format, tuple(self.shape), self.block_size, self.tensors,
                               x, bias)
 
+    def input_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """`grad [..., out] @ w` -> `[..., in]` in grad's dtype: the input gradient of
+        `linear` (a frozen low-bit base under LoRA adapters, layers/lora.py), de-quantizing
+        `SLAB_ROWS` output rows at a time (never the whole weight), float32 accumulation."""
+        g2 = grad.reshape(-1, grad.shape[-1]).float()
+        out = g2.new_zeros(g2.shape[0], self.shape[1])
+        for start in range(0, self.shape[0], SLAB_ROWS):
+            n = min(SLAB_ROWS, self.shape[0] - start)
+            out += g2[:, start:start + n] @ self.narrow(0, start, n).dequantize()
+        return out.to(grad.dtype).view(*grad.shape[:-1], self.shape[1])
+
 
 def reference_linear(fmt: str, shape: tuple[int, int], tensors: dict[str, torch.Tensor],
                      x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,89 @@
+"""Checkpoints of a LoRA run (`--lora-rank`, layers/lora.py): the adapters, not the base.
+
+A LoRA run's checkpoint holds its adapters (with their AdamW moments), the usual iteration,
+data position and RNG, and in metadata.json `lora`: the adapter settings (`rank`, `alpha`,
+`dropout`, `target_modules`, `use_rslora`, `base_quantization`: QLoRA's format of the frozen
+base) and the base's identity `base`:
+
+- `{"path": <absolute iter_XXXXXXX folder>, "sha256": <digest>}` for a base loaded from a
+  checkpoint (`--load BASE`): the digest is sha256 over the base's metadata.json file list
+  (each file's name, size and sha256, sorted by name), so it names the exact weight files, and
+  loading checks every file against its listed sha256 before any tensor is read;
+- `{"path": null, "seed": S}` for a base made from `--seed S` (no `--load`).
+
+`--load` of a LoRA run takes either a plain checkpoint (the base: its weights go into the
+frozen parameters, the adapters start from their init, iteration 0) or a LoRA checkpoint (the
+base is read again from its recorded path and must have the recorded digest, then the
+adapters and optimizer resume, at any layout). A LoRA checkpoint loaded without `--lora-rank`,
+with other adapter settings, or onto a base whose files changed is refused with a
+`CheckpointError` naming the fix.
+"""
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+
+from checkpoint.format import CheckpointError, compare_model, read_metadata
+from checkpoint.lora_files import base_digest
+from checkpoint.model_io import load_model_weights
+
+def lora_settings(t) -> dict:
+    """The adapter settings of TrainConfig `t`, as metadata.json `lora` records them."""
+    return {"rank": t.lora_rank, "alpha": t.lora_alpha, "dropout": t.lora_dropout,
+            "target_modules": t.lora_target_modules, "use_rslora": t.use_rslora,
+            "base_quantization": t.lora_base_quantization}
+
+
+def refuse_lora_checkpoint(meta: dict, path: str) -> None:
+    """A run without --lora-rank must not resume a LoRA checkpoint (it holds no base)."""
+    if meta.get("lora"):
+        lora = meta["lora"]
+        raise CheckpointError(
+            f"{path} holds LoRA adapters only (rank {lora.get('rank')}, targets "
+            f"{lora.get('target_modules')!r}, base {lora.get('base', {}).get('path')}); resume "
+            f"it with its run's --lora-* flags (see its config.yaml), or export it with "
+            f"tools/convert_hf.py export-adapter / merge")
+
+
+def load_base(config, chunks, path: str, meta: dict) -> dict:
+    """Load the frozen base of a LoRA run into `chunks` (collective) and return its identity
+    (metadata.json `lora.base`). `path`/`meta`: the checkpoint `--load` names: the base itself
+    (a plain checkpoint) or a LoRA checkpoint recording its base. Raises `CheckpointError` for
+    other adapter settings, a missing base, or a base whose files are not the recorded ones."""
+    t = config.train
+    lora = meta.get("lora")
+    if not lora:
+        load_model_weights(path, chunks, part="base")
+        return {"path": os.path.abspath(path), "sha256": base_digest(meta)}
+    diffs = [f"{k}: checkpoint {lora.get(k)!r}, this run {v!r}"
+             for k, v in lora_settings(t).items() if lora.get(k) != v]
+    if diffs:
+        raise CheckpointError(f"{path}: its adapters differ from this run's --lora-* flags "
+                              f"({'; '.join(diffs)}); pass the checkpoint's values (see its "
+                              f"config.yaml)")
+    base = lora.get("base") or {}
+    if base.get("path") is None:
+        if base.get("seed") != t.seed:
+            raise CheckpointError(f"{path}: its adapters were trained on the base made from "
+                                  f"--seed {base.get('seed')}, not this run's --seed {t.seed}; "
+                                  f"pass --seed {base.get('seed')}")
+        return base
+    base_path = str(base["path"])
+    try:
+        base_meta = read_metadata(base_path)
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: the base checkpoint it was trained on cannot be read "
+                              f"({e}); restore {base_path}") from None
+    if base_digest(base_meta) != base.get("sha256"):
+        raise CheckpointError(
+            f"{path}: its adapters were trained on the base {base_path} with sha256 "
+            f"{base.get('sha256')}, but that folder now holds other weights (sha256 "
+            f"{base_digest(base_meta)}); adapters only fit the base they were trained on: "
+            f"restore that base, or start a new LoRA run on this one")
+    compare_model(base_meta, config.model.to_dict(), base_path)
+    load_model_weights(base_path, chunks, part="base")
+    if dist.get_rank() == 0:
+        print(f"LoRA base: {base_path} (sha256 {base['sha256'][:12]}... as recorded)",
+              flush=True)
+    return base
