@@ -33,19 +33,17 @@ def write_adapter(config, folder: str, rank: int, seed: int) -> str:
     """A random PEFT LoRA adapter of `rank` on every linear of a model of `config`."""
     from safetensors.torch import save_file
 
-    from models.hf.peft_adapter import PEFT_PREFIX, lora_targets
+    from models.hf.peft_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, lora_targets, peft_key
 
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for target in lora_targets(config).values():
         for part, (out_f, in_f) in zip(target.parts, target.shapes):
-            tensors[f"{PEFT_PREFIX}{part}.lora_A.weight"] = torch.randn(rank, in_f, generator=g) \
-                / in_f ** 0.5
-            tensors[f"{PEFT_PREFIX}{part}.lora_B.weight"] = torch.randn(out_f, rank, generator=g) \
-                * 0.01
+            tensors[peft_key(part, "A")] = torch.randn(rank, in_f, generator=g) / in_f ** 0.5
+            tensors[peft_key(part, "B")] = torch.randn(out_f, rank, generator=g) * 0.01
     os.makedirs(folder)
-    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
-    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+    save_file(tensors, os.path.join(folder, ADAPTER_WEIGHTS))
+    with open(os.path.join(folder, ADAPTER_CONFIG), "w") as f:
         json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank}, f)
     return folder
 

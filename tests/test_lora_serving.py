@@ -5,6 +5,7 @@ greedy ids it gets alone and peft's; tp 2 and pp 2 the same ids; the prefix cach
 shared across adapters; hostile adapter folders refused with one-line errors."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from distributed import free_port, run_distributed
+from launch import read_until
 from test_data import hf_tokenizer_dir
 
 pytest.importorskip("peft")
@@ -74,8 +76,13 @@ def folders(tmp_path_factory):
     return out
 
 
-def _peft_greedy(base: str, adapter: str | None, prompt: list[int]) -> tuple[list, torch.Tensor]:
-    """peft's greedy ids for `prompt` and its logits of the prompt's last token."""
+def _peft_greedy(base: str, adapter: str | None, prompt: list[int]) -> list[int]:
+    """peft's greedy ids for `prompt` (computed once per base, adapter and prompt)."""
+    return list(_peft_greedy_cached(base, adapter, tuple(prompt)))
+
+
+@functools.lru_cache(maxsize=None)
+def _peft_greedy_cached(base: str, adapter: str | None, prompt: tuple) -> tuple:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -84,11 +91,10 @@ def _peft_greedy(base: str, adapter: str | None, prompt: list[int]) -> tuple[lis
         model = PeftModel.from_pretrained(model, adapter)
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        logits = model(ids).logits[0, -1]
         for _ in range(NEW):
             nxt = model(ids).logits[0, -1].argmax()
             ids = torch.cat([ids, nxt.view(1, 1)], 1)
-    return ids[0, len(prompt):].tolist(), logits
+    return tuple(ids[0, len(prompt):].tolist())
 
 
 def _engine(model, lora, **kw):
@@ -149,7 +155,7 @@ def _layouts(folders: dict) -> dict:
 
 def test_mixed_adapter_batch_equals_alone_and_peft(folders):
     out = _in_one_process(_serve_all, folders)
-    ref = [_peft_greedy(folders["llama"], a and folders[a], p)[0]
+    ref = [_peft_greedy(folders["llama"], a and folders[a], p)
            for p, a in zip(PROMPTS, ADAPTER_OF)]
     assert out["mixed"] == ref
     assert out["alone"] == ref
@@ -162,7 +168,7 @@ def test_mixed_adapter_batch_equals_alone_and_peft(folders):
     assert out["again"] == out["shared"][1] and out["again_hits"] == 8
     # a Qwen3 base (q/k norms) and an all-linear adapter: peft's ids too
     q = _in_one_process(lambda: _run(_engine(*_qwen3(folders)), PROMPTS[:3], ["q"] * 3))
-    assert q == [_peft_greedy(folders["qwen3"], folders["q"], p)[0] for p in PROMPTS[:3]]
+    assert q == [_peft_greedy(folders["qwen3"], folders["q"], p) for p in PROMPTS[:3]]
 
 
 def _qwen3(folders):
@@ -177,7 +183,7 @@ def _qwen3(folders):
 
 def test_tp2_and_pp2_give_the_same_ids(folders):
     out = run_distributed(_layouts, 2, folders, timeout=300)[0]
-    ref = [_peft_greedy(folders["llama"], a and folders[a], p)[0]
+    ref = [_peft_greedy(folders["llama"], a and folders[a], p)
            for p, a in zip(PROMPTS, ADAPTER_OF)]
     for layout in ("tp2pp1", "tp1pp2"):
         assert out[layout]["mixed"] == ref, layout
@@ -282,7 +288,7 @@ def _expected_text(folders, adapter, prompt) -> str:
     from inference.detokenize import IncrementalDetokenizer
     from models.tokenizer import Tokenizer
 
-    ids = _peft_greedy(folders["llama"], adapter and folders[adapter], prompt)[0]
+    ids = _peft_greedy(folders["llama"], adapter and folders[adapter], prompt)
     d = IncrementalDetokenizer(Tokenizer(folders["llama"]).decode, prompt)
     return "".join(d.add(t) for t in ids) + d.finish()
 
@@ -310,12 +316,7 @@ def test_server_picks_adapters_by_model_and_loads_at_run_time(folders):
                             start_new_session=True)
     lines = []
     try:
-        for line in proc.stdout:
-            lines.append(line)
-            if "serving tiny on" in line:
-                break
-        else:
-            raise AssertionError("server did not start:\n" + "".join(lines[-40:]))
+        read_until(proc, lines, "serving tiny on")
         assert any("LoRA: 3 adapter slots of rank <= 8" in x for x in lines), lines
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
                                timeout=120, max_retries=0)

@@ -13,8 +13,11 @@ linears, and a fused linear (QKV, SwiGLU's [gate; up]) gets one rank block per p
 the parts' A stacked `[parts x R, in]`, its B the parts' B each in its own block of columns,
 put into our fused row order by the rule (`Rule.to_native` only permutes and stacks rows, so
 it takes any number of columns). Blocks are padded with zeros to `block_rank` (the server's
---max-lora-rank), which changes nothing in `B A`. The scaling (`lora_alpha / r`, Hu et al.
-2021; `lora_alpha / sqrt(r)` with `use_rslora`, Kalajdzievski 2023) is folded into B.
+--max-lora-rank), which changes nothing in `B A`. The scaling (layers/lora.py `lora_scale`:
+`lora_alpha / r`, or `lora_alpha / sqrt(r)` with `use_rslora`) is folded into B.
+
+The PEFT names here (file names, `peft_key`, `lora_targets`, `PLAIN_LORA`) are the ones
+checkpoint/lora_files.py writes a trained adapter with.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from layers.lora import ADAPTED_LINEARS, ALL_PARTS, lora_scale
 from models.config import ModelConfig
 
 from .rules import HFConversionError
@@ -32,10 +36,17 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 MAX_ADAPTER_CONFIG_BYTES = 1 << 20
 PEFT_PREFIX = "base_model.model."
-# our linear layers an adapter may target (their weights' rule names end so)
-LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
-           "mlp.linear_fc2")
+# adapter_config.json fields of a plain LoRA adapter (peft's LoraConfig) and their values;
+# another value (DoRA, biases, per-module ranks, ...) is not plain LoRA
+PLAIN_LORA = {"use_dora": False, "fan_in_fan_out": False, "bias": "none", "lora_bias": False,
+              "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {}}
 _FLOAT = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def peft_key(module: str, half: str) -> str:
+    """peft's tensor name of half `half` ("A": `[r, in]`, "B": `[out, r]`) of the adapter on
+    HF module `module` (e.g. `model.layers.0.self_attn.q_proj`)."""
+    return f"{PEFT_PREFIX}{module}.lora_{half}.weight"
 
 
 class AdapterError(HFConversionError):
@@ -58,20 +69,20 @@ class Target:
 def lora_targets(config: ModelConfig) -> dict[str, Target]:
     """`{our module name: Target}` for every linear an adapter may target in a model of
     `config` (all layers). Raises `AdapterError` for a family whose HF linears are not
-    `[out, in]` nn.Linear weights (GPT-2's Conv1D, T5) or a mixture-of-experts model's
-    experts (only their attention is targetable)."""
+    `[out, in]` nn.Linear weights (GPT-2's Conv1D, T5). A mixture-of-experts model's
+    experts take none (layers/lora.py: MoE layers keep no adapters), their attention does."""
     from . import family_for, hf_shapes
 
     fam = family_for(config)
     name = fam.__name__.rsplit(".", 1)[-1]
     if name in ("gpt2", "t5"):
-        raise AdapterError(f"LoRA adapters are served for the Llama-style families (Llama, "
+        raise AdapterError(f"PEFT LoRA adapters map onto the Llama-style families (Llama, "
                            f"Mistral, Qwen2/3, Phi-3, OLMo2, Gemma, MoE attention), not {name}")
     shapes = hf_shapes(config)
     out = {}
     for rule in fam.rules(config):
         module = rule.native.removesuffix(".weight")
-        if rule.native.endswith(".weight") and module.endswith(LINEARS) and \
+        if rule.native.endswith(".weight") and module.endswith(ADAPTED_LINEARS) and \
                 all(h.endswith(".weight") for h in rule.hf):
             out[module] = Target(module, tuple(h.removesuffix(".weight") for h in rule.hf),
                                  rule.to_native, tuple(shapes[h] for h in rule.hf))
@@ -110,10 +121,7 @@ def _config(path: str, max_rank: int) -> tuple[int, float]:
                            f"{max_rank}; restart the server with --max-lora-rank {r} or more")
     if type(alpha) not in (int, float) or not math.isfinite(alpha):
         raise AdapterError(f"{where}: lora_alpha {alpha!r} must be a finite number")
-    unsupported = {"use_dora": False, "fan_in_fan_out": False, "bias": "none",
-                   "lora_bias": False, "modules_to_save": None, "rank_pattern": {},
-                   "alpha_pattern": {}}
-    for key, plain in unsupported.items():
+    for key, plain in PLAIN_LORA.items():
         value = d.get(key, plain)
         if value not in (plain, None, [], {}, False, "none"):
             raise AdapterError(f"{where}: {key}={value!r} is not supported for serving (plain "
@@ -121,7 +129,7 @@ def _config(path: str, max_rank: int) -> tuple[int, float]:
     rslora = d.get("use_rslora", False)
     if type(rslora) is not bool:
         raise AdapterError(f"{where}: use_rslora {rslora!r} must be true or false")
-    return r, alpha / (math.sqrt(r) if rslora else r)
+    return r, lora_scale(r, alpha, rslora)
 
 
 def read_peft_adapter(path: str, config: ModelConfig, max_rank: int,
@@ -157,8 +165,7 @@ def read_peft_adapter(path: str, config: ModelConfig, max_rank: int,
         if not key.startswith(PEFT_PREFIX) or half not in ("A.weight", "B.weight") or \
                 module not in part_of:
             raise AdapterError(f"{where}: tensor {key!r} is not a LoRA weight of a linear this "
-                               f"model has (targetable: q_proj, k_proj, v_proj, o_proj, "
-                               f"gate_proj, up_proj, down_proj of layers "
+                               f"model has (targetable: {', '.join(ALL_PARTS)} of layers "
                                f"0..{config.num_layers - 1}); use an adapter made for this base")
         target, i = part_of[module]
         out_f, in_f = target.shapes[i]
