@@ -183,6 +183,49 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                           "--tool-call-parser)")
 
 
+def _add_lora_args(p: argparse.ArgumentParser) -> None:
+    """Many LoRA adapters over the base (vLLM's flags; inference/lora.py)."""
+    lo = p.add_argument_group("LoRA adapters (inference/lora.py)")
+    lo.add_argument("--enable-lora", action="store_true",
+                    help="serve PEFT LoRA adapters over the base model: a request's `model` "
+                         "names its adapter; one batch mixes adapters")
+    lo.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                    help="adapters to load at start: served name = PEFT adapter folder "
+                         "(adapter_config.json + adapter_model.safetensors)")
+    lo.add_argument("--max-loras", type=int, default=1,
+                    help="adapters held at once (slots on every targeted linear)")
+    lo.add_argument("--max-lora-rank", type=int, default=16,
+                    help="the largest adapter rank accepted (the slots' rank)")
+    lo.add_argument("--allow-runtime-lora-updating", action="store_true",
+                    help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                         "(vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
+
+
+def _check_lora(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`args.lora_modules` as `[(name, path)]`, checked; exits 2 naming the flag."""
+    if not args.enable_lora:
+        if args.lora_modules or args.allow_runtime_lora_updating:
+            p.error("--lora-modules / --allow-runtime-lora-updating need --enable-lora")
+        return
+    if args.max_loras < 1 or args.max_lora_rank < 1:
+        p.error("--max-loras and --max-lora-rank must be >= 1")
+    if args.compile or args.num_speculative_tokens is not None:
+        p.error("--enable-lora runs without --compile and speculative decoding; drop them")
+    pairs = []
+    for item in args.lora_modules:
+        name, eq, path = item.partition("=")
+        if not eq or not name or not path:
+            p.error(f"--lora-modules takes NAME=PATH items, got {item!r}")
+        pairs.append((name, path))
+    names = [n for n, _ in pairs]
+    if len(set(names)) < len(names):
+        p.error(f"--lora-modules names an adapter twice: {names}")
+    if len(pairs) > args.max_loras:
+        p.error(f"--lora-modules gives {len(pairs)} adapters, more than --max-loras "
+                f"{args.max_loras}; raise --max-loras")
+    args.lora_modules = pairs
+
+
 def _check_sizes(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Counts and limits in range, and tp x pp (x dp) fitting $WORLD_SIZE; exits 2 if not."""
     for name in ("tp", "pp", "max_batch_size", "max_new_tokens", "kv_block_size",
@@ -256,7 +299,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     for add in (_add_model_args, _add_parallelism_args, _add_generation_args, _add_cache_args,
-                _add_speculative_args, _add_server_args):
+                _add_speculative_args, _add_server_args, _add_lora_args):
         add(p)
     args = p.parse_args(argv)
     if (args.load is None) == (args.hf is None):
@@ -270,6 +313,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     _check_prompts(p, args)
     _check_sampling(p, args)
     _check_speculative(p, args)
+    _check_lora(p, args)
     return args
 
 
@@ -408,6 +452,23 @@ def speculative_line(spec) -> str:
     return f"speculative decoding on: {c.method}, k {spec.k} ({how})"
 
 
+def lora_manager(args, model, log):
+    """The `LoRAManager` of --enable-lora with the --lora-modules adapters loaded (None
+    without it); raises `inference.lora.LoRAError` (a ValueError) naming a refused one."""
+    if not args.enable_lora:
+        return None
+    from inference.lora import LoRAManager
+
+    lora = LoRAManager(model, args.max_loras, args.max_lora_rank)
+    for name, path in args.lora_modules:
+        a = lora.load(name, path)
+        if log is not None:
+            log(f"LoRA adapter {name}: {path} (rank {a.rank}, slot {a.slot})")
+    if log is not None:
+        log(lora.summary())
+    return lora
+
+
 def run_server(args, engine, tokenizer, name: str, generation_config: dict, rank: int) -> int:
     """Serve the OpenAI-compatible API until shut down; returns the exit code (1 when a rank
     died, so that torchrun restarts the group)."""
@@ -421,7 +482,8 @@ def run_server(args, engine, tokenizer, name: str, generation_config: dict, rank
               max_request_choices=args.max_request_choices,
               sampling_defaults=defaults, sse_keep_alive_interval=args.sse_keep_alive_interval,
               reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
-              enable_auto_tool_choice=args.enable_auto_tool_choice)
+              enable_auto_tool_choice=args.enable_auto_tool_choice,
+              allow_lora_updates=args.allow_runtime_lora_updating)
     except RuntimeError as e:  # a rank died: exit non-zero so torchrun restarts us
         print(f"infer.py: error: {e}", file=sys.stderr, flush=True)
         return 1
@@ -520,6 +582,7 @@ def main(argv=None) -> int:
             draft = args.speculative and args.speculative.model
             log("building the engine (KV cache" + (f"; loading the draft model {draft}" if draft
                                                    else "") + ")")
+        lora = lora_manager(args, model, log)
         engine = Engine(model, eos_token_ids=eos_token_ids(model.generation_config, tokenizer),
                         decode=tokenizer.decode if tokenizer else None,
                         max_batch_size=args.max_batch_size, max_seq_length=max_len,
@@ -529,7 +592,8 @@ def main(argv=None) -> int:
                         enable_prefix_caching=args.enable_prefix_caching,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         speculative=speculative(args, model, tokenizer, max_len),
-                        compile=args.compile, grammar=grammar_backend(args, tokenizer, cfg))
+                        compile=args.compile, grammar=grammar_backend(args, tokenizer, cfg),
+                        lora=lora)
         if log is not None:
             log(engine.cache_summary())
             if engine.spec is not None:

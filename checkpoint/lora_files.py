@@ -3,7 +3,8 @@
 `export_adapter`: `adapter_config.json` + `adapter_model.safetensors` in peft's format
 (`peft.PeftModel.from_pretrained(<transformers base>, folder)` loads them): each adapter of
 ours is `base_model.model.<HF module>.lora_A.weight` `[r, in]` and `.lora_B.weight`
-`[out, r]`, the HF module named by the model family's conversion rules (models/hf/): our fused
+`[out, r]`, the HF module named by the model family's conversion rules (the PEFT names of
+models/hf/peft_adapter.py, which reads such folders back for serving): our fused
 QKV's adapters are `q_proj`, `k_proj`, `v_proj`, fc1's `gate_proj`, `up_proj`. peft scales by
 `lora_alpha / r` (`alpha / sqrt(r)` with `use_rslora`), as we do.
 
@@ -20,14 +21,13 @@ import shutil
 import torch
 
 from layers.lora import LoRA, add_lora, lora_scale
-from models import hf as hfmap
 from models.hf import HFConversionError
+from models.hf.peft_adapter import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, PLAIN_LORA, AdapterError,
+                                    lora_targets, peft_key)
 
 from .format import CheckpointError, read_metadata, require_checkpoint
 from .keys import _dense_model, expected_tensors, part_keys
 from .model_io import open_checkpoint, read_dense_tensor
-
-ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
 
 def base_digest(meta: dict) -> str:
@@ -59,27 +59,29 @@ def read_adapters(load: str) -> tuple[object, dict, dict[str, torch.Tensor]]:
                  lora["use_rslora"])
     expected = expected_tensors([model])
     meta, md = open_checkpoint(path, lambda _: expected)
-    rules = {r.native: r for r in hfmap.rules_for(config)}
+    try:
+        targets = lora_targets(config)  # HF modules of each of our linears, peft's names
+    except AdapterError:  # a family without nn.Linear modules (GPT-2): said per module below
+        targets = {}
     out = {}
     for prefix, module in model.named_modules():
         if not isinstance(module, LoRA):
             continue
         host = prefix[: -len(".lora")]
-        rule = rules.get(host + ".weight")
+        hf_parts = targets[host].parts if host in targets else ()
         for k, (part, _) in enumerate(module.parts):
             if part not in module.A:
                 continue
-            hf = rule.hf[k] if rule is not None and len(rule.hf) == len(module.parts) else ""
-            if hf.rsplit(".", 2)[-2:] != [part, "weight"]:
+            hf = hf_parts[k] if len(hf_parts) == len(module.parts) else ""
+            if hf.rsplit(".", 1)[-1] != part:
                 raise HFConversionError(
-                    f"{host}: its HF form ({', '.join(rule.hf) if rule else 'none'}) has no "
-                    f"{part} module for a peft adapter; export the merged model instead "
-                    f"(`merge`)")
+                    f"{host}: its HF form ({', '.join(hf_parts) or 'none'}) has no {part} "
+                    f"module for a peft adapter; export the merged model instead (`merge`)")
             tensors = []
             for kind in ("A", "B"):
                 name, p = f"{prefix}.{kind}.{part}", getattr(module, kind)[part]
                 tensors.append(read_dense_tensor(path, md, part_keys("model", name, p), p))
-            out[hf[: -len(".weight")]] = tuple(tensors)
+            out[hf] = tuple(tensors)
     return config, lora, out
 
 
@@ -94,15 +96,14 @@ def export_adapter(load: str, out: str, dtype: str = "float32", log=print) -> st
     config, lora, adapters = read_adapters(load)
     weights = {}
     for module, (a, b) in adapters.items():
-        weights[f"base_model.model.{module}.lora_A.weight"] = a.to(DTYPES[dtype]).contiguous()
-        weights[f"base_model.model.{module}.lora_B.weight"] = b.to(DTYPES[dtype]).contiguous()
+        weights[peft_key(module, "A")] = a.to(DTYPES[dtype]).contiguous()
+        weights[peft_key(module, "B")] = b.to(DTYPES[dtype]).contiguous()
     targets = sorted({m.rsplit(".", 1)[-1] for m in adapters})
     adapter_config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora["rank"],
         "lora_alpha": lora["alpha"], "lora_dropout": lora["dropout"],
-        "target_modules": targets, "use_rslora": lora["use_rslora"], "bias": "none",
-        "fan_in_fan_out": False, "use_dora": False, "init_lora_weights": True,
-        "modules_to_save": None, "inference_mode": True,
+        "target_modules": targets, "use_rslora": lora["use_rslora"], **PLAIN_LORA,
+        "init_lora_weights": True, "inference_mode": True,
         "base_model_name_or_path": (lora.get("base") or {}).get("path")}
     tmp = f"{os.path.abspath(out)}.tmp-{secrets.token_hex(4)}"
     os.makedirs(tmp)

@@ -1,6 +1,6 @@
 """The HTTP API of `infer.py --serve` (FastAPI, in rank 0's HTTP thread): POST /v1/completions,
 POST /v1/chat/completions, POST /tokenize, POST /detokenize, GET /v1/models, GET /health,
-GET /metrics.
+GET /metrics, and with --enable-lora POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter.
 
 Every answer that is not a success is an OpenAI error object `{"error": {"message", "type",
 "param", "code"}}` with a 4xx/5xx status, the router's own errors and unexpected exceptions
@@ -57,6 +57,7 @@ def build_app(fe: Frontend, limits: Limits = Limits(), sse_keep_alive_interval: 
     _status_routes(app, fe)
     _generation_routes(app, fe, limits, err, sse_keep_alive_interval)
     _tokenizer_routes(app, fe, limits, err)
+    _lora_routes(app, fe, limits, err)
     return app
 
 
@@ -175,9 +176,16 @@ def _status_routes(app, fe: Frontend) -> None:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": fe.model_name, "object": "model",
-                                            "created": 0, "owned_by": "shardzoo",
-                                            "max_model_len": fe.engine.max_seq_length}]}
+        """The base model and its LoRA adapters (`parent`: the base, `root`: the adapter's
+        folder, as vLLM lists them)."""
+        base = {"id": fe.model_name, "object": "model", "created": 0, "owned_by": "shardzoo",
+                "root": fe.model_name, "parent": None,
+                "max_model_len": fe.engine.max_seq_length}
+        with fe.lock:
+            adapters = sorted(fe.adapters.items())
+        return {"object": "list", "data": [base] + [
+            {**base, "id": name, "root": path, "parent": fe.model_name}
+            for name, path in adapters]}
 
 
 async def _read_body(req, cap: int) -> bytes:
@@ -230,7 +238,7 @@ def _generation_routes(app, fe: Frontend, limits: Limits, err, keep_alive: float
                 raw = await _read_body(req, limits.max_request_bytes)
                 parsed = await asyncio.to_thread(
                     protocol.parse, raw, chat=chat, tokenizer=fe.tokenizer,
-                    model_names=[fe.model_name], check=fe.engine.check,
+                    model_names=[fe.model_name, *fe.adapters], check=fe.engine.check,
                     max_seq_length=fe.engine.max_seq_length,
                     seed_source=lambda: secrets.randbits(62),
                     max_choices=limits.max_request_choices, max_prompt_chars=max_chars,
@@ -243,7 +251,12 @@ def _generation_routes(app, fe: Frontend, limits: Limits, err, keep_alive: float
             rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
             prompts = [p for p in parsed.prompts for _ in range(parsed.n)]
             ids = [f"{rid}-{i}" for i in range(len(prompts))]
-            life = fe.open(list(zip(ids, prompts, parsed.params)))
+            try:
+                life = fe.open(list(zip(ids, prompts, parsed.params)),
+                               None if parsed.model == fe.model_name else parsed.model)
+            except LookupError as e:  # unloaded between parsing and here
+                return err(protocol.APIError(404, f"{e}; list the models with GET /v1/models",
+                                             "model", "model_not_found"))
             if parsed.stream:
                 fe.handlers += 1  # the stream's own; this handler's ends below
                 return Stream(life, _stream(life, rid, parsed, keep_alive))
@@ -284,6 +297,46 @@ def _tokenizer_routes(app, fe: Frontend, limits: Limits, err) -> None:
     async def detokenize(req: HTTPRequest):
         return await run(req, lambda raw: protocol.detokenize(
             raw, tokenizer=fe.tokenizer, model_names=[fe.model_name], vocab_size=vocab))
+
+
+def _lora_routes(app, fe: Frontend, limits: Limits, err) -> None:
+    """POST /v1/load_lora_adapter {lora_name, lora_path} and /v1/unload_lora_adapter
+    {lora_name} (vLLM's): answered once every rank has done it; 403 without
+    --allow-runtime-lora-updating."""
+    from fastapi import Request as HTTPRequest
+    from fastapi.responses import PlainTextResponse
+
+    async def command(req, op: str):
+        if not fe.allow_lora_updates:
+            return err(protocol.APIError(403, "run-time LoRA updates are off; start the server "
+                                              "with --enable-lora --allow-runtime-lora-updating",
+                                         kind="permission_error"))
+        try:
+            raw = await _read_body(req, limits.max_request_bytes)
+            body = protocol.lora_request(raw, op == "load")
+        except protocol.APIError as e:
+            return err(e)
+        name = body["lora_name"]
+        if name == fe.model_name:
+            return err(protocol.APIError(400, f"'{name}' is the base model's name; pick "
+                                              f"another lora_name", "lora_name"))
+        try:
+            future = fe.lora_command(op, name, body.get("lora_path"))
+        except ValueError as e:  # in use
+            return err(protocol.APIError(409, str(e), "lora_name"))
+        error = await future
+        if error is not None:
+            return err(protocol.APIError(error[0], error[1], "lora_name"))
+        done = "added" if op == "load" else "removed"
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' {done} successfully.")
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(req: HTTPRequest):
+        return await command(req, "load")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(req: HTTPRequest):
+        return await command(req, "unload")
 
 
 async def _client_gone(req) -> None:

@@ -53,11 +53,14 @@ def block_hash(parent: bytes | None, token_ids) -> bytes:
     return hashlib.sha256((parent or b"") + data).digest()[:16]
 
 
-def token_block_hashes(tokens, block_size: int, known: list[bytes]) -> list[bytes]:
+def token_block_hashes(tokens, block_size: int, known: list[bytes],
+                       root: bytes | None = None) -> list[bytes]:
     """`known` (the names of the first full blocks of `tokens`, computed before) extended in
-    place to every full block of `tokens`; returns it."""
+    place to every full block of `tokens`; returns it. `root`: the first block's parent
+    name (a request's LoRA adapter, inference/lora.py: the same tokens under another root
+    never share a block)."""
     for i in range(len(known), len(tokens) // block_size):
-        known.append(block_hash(known[-1] if known else None,
+        known.append(block_hash(known[-1] if known else root,
                                 tokens[i * block_size:(i + 1) * block_size]))
     return known
 

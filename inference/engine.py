@@ -95,6 +95,9 @@ class Request:
     preemptions: int = 0
     left_before: int = 0  # engine.num_left when it was last preempted
     matcher: object = None  # structured outputs: its grammar's `structured.Matcher`
+    lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
+    lora_slot: int = 0  # its adapter's slot (inference/lora.py; 0: the base), set by `add`
+    cache_salt: bytes | None = None  # roots its prefix-cache block names (its adapter's)
 
 
 @dataclass
@@ -148,6 +151,8 @@ class Engine(Scheduler):
         grammar: an `inference.structured.GrammarBackend` for requests with a grammar
             (`SamplingParams.grammar`); None = such requests are refused by `check`. Their
             masks are computed on the last stage in a worker thread while the forward runs.
+        lora: an `inference.lora.LoRAManager` (infer.py --enable-lora): a request's
+            `lora_name` picks its adapter; rows of different adapters share a forward.
     Raises `ValueError` for num_micro_batches, block_size or max_num_batched_tokens < 1, a
     cache too small to hold one block, or `compile` with an encoder-decoder model.
     """
@@ -157,7 +162,7 @@ class Engine(Scheduler):
                  num_micro_batches: int | None = None, max_source_length: int | None = None,
                  block_size: int = 16, kv_cache_memory: int | float | None = None,
                  enable_prefix_caching: bool = True, speculative=None, compile: bool = False,
-                 grammar=None):
+                 grammar=None, lora=None):
         self.encoder_decoder = getattr(model.config, "is_encoder_decoder", False)
         self.max_source_length = max_source_length or max_seq_length
         budget = 2048 if max_num_batched_tokens is None else max_num_batched_tokens
@@ -179,6 +184,10 @@ class Engine(Scheduler):
             self.blocks = BlockManager(self.runner.cache.num_blocks, block_size,
                                        enable_prefix_caching,
                                        region_blocks=-(-max_seq_length // block_size))
+        if lora is not None and (self.encoder_decoder or speculative is not None):
+            raise ValueError("--enable-lora serves decoder-only models without speculative "
+                             "decoding; drop --enable-lora or --speculative-config")
+        self.lora = lora
         self.eos = set(int(e) for e in eos_token_ids)
         self.decode = decode
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
@@ -270,6 +279,13 @@ class Engine(Scheduler):
     def add(self, request: Request) -> None:
         """Queue `request` (checked with `check`); it joins the batch at the next step."""
         self.check(request.prompt, request.params)
+        if request.lora_name is not None:
+            if self.lora is None:
+                raise ValueError(f"the model {request.lora_name!r} is a LoRA adapter, but "
+                                 f"this server runs without --enable-lora")
+            adapter = self.lora.get(request.lora_name)
+            request.lora_slot = adapter.slot
+            request.cache_salt = f"lora:{adapter.load_id}".encode()
         seed = request.params.seed
         request.seed = seed if seed is not None else int(torch.randint(0, 2**62, ()))
         if request.params.grammar is not None and request.matcher is None:
@@ -288,6 +304,29 @@ class Engine(Scheduler):
                     self._finish(r, "cancelled")
                     return r
         return None
+
+    def load_lora(self, name: str, path: str):
+        """Load the PEFT adapter folder `path` as `name` (`LoRAManager.load`; raises
+        `inference.lora.LoRAError`, also without --enable-lora)."""
+        from .lora import LoRAError
+
+        if self.lora is None:
+            raise LoRAError("this server runs without --enable-lora; restart it with "
+                            "--enable-lora to serve adapters")
+        return self.lora.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Unload adapter `name`; refused (`LoRAError`, 409) while a queued or running
+        request uses it."""
+        from .lora import LoRAError
+
+        if self.lora is None:
+            raise LoRAError("this server runs without --enable-lora", status=404)
+        users = [r.id for r in self.waiting + self.running if r.lora_name == name]
+        if users:
+            raise LoRAError(f"the LoRA adapter {name!r} is in use by {len(users)} request(s); "
+                            f"unload it once they have finished", status=409)
+        self.lora.unload(name)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.in_flight)
@@ -328,6 +367,8 @@ class Engine(Scheduler):
         if mine is not None:
             hidden, self._received = self._received, None
             extra = {"sources": mine.sources} if self.encoder_decoder else {}
+            if self.lora is not None:
+                self.lora.bind([r.lora_slot for r in mine.batch], runner.device)
             out = runner.forward(mine.ids, mine.tables, mine.starts, mine.last, hidden, **extra)
         if runner.pp > 1:  # hand the output on, take the next tick's input
             ahead = self.in_flight.get(t + 1 - runner.stage)

@@ -34,6 +34,7 @@ class _Choice:
     arrival: float  # time.monotonic() at `open`
     queue: object  # (loop, asyncio.Queue)
     last: float | None = None  # time of its previous event with tokens
+    lora: str | None = None  # the LoRA adapter it runs with (None: the base)
 
 
 class Lifetime:
@@ -53,8 +54,16 @@ class Frontend:
     def __init__(self, engine, tokenizer, model_name: str, api_key: str | None, dp: int,
                  metrics=None, shutdown_timeout: float = 20.0,
                  sampling_defaults: dict | None = None, reasoning_parser: str | None = None,
-                 tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False):
+                 tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
+                 allow_lora_updates: bool = False):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        # LoRA adapters served (inference/lora.py): name -> folder, as rank 0 last saw them;
+        # run-time loads and unloads (--allow-runtime-lora-updating) wait for their ticket
+        lora = getattr(engine, "lora", None)
+        self.adapters = {n: a.path for n, a in lora.adapters.items()} if lora else {}
+        self.allow_lora_updates = allow_lora_updates
+        self.lora_waiting: dict[int, tuple] = {}  # ticket -> (loop, future)
+        self.tickets = 0
         self.reasoning_parser = reasoning_parser  # --reasoning-parser (inference/reasoning.py)
         # --tool-call-parser, --enable-auto-tool-choice (inference/tool_calls.py)
         self.tool_call_parser, self.enable_auto_tool_choice = \
@@ -77,20 +86,59 @@ class Frontend:
         self.handlers = 0  # HTTP handlers still answering (the exit waits for them)
 
     # ---------------------------------------------------------------- HTTP thread side
-    def open(self, items: list[tuple[str, list[int], object]]) -> Lifetime:
+    def open(self, items: list[tuple[str, list[int], object]], lora: str | None = None
+             ) -> Lifetime:
         """Register and route each choice `(id, prompt ids, SamplingParams)` to the replica
-        with the least work: tokens it still has to generate at most."""
+        with the least work: tokens it still has to generate at most. `lora`: the adapter
+        the choices run with (None: the base); `LookupError` when it is no longer served."""
         loop, q = asyncio.get_running_loop(), asyncio.Queue()
         now = time.monotonic()
         with self.lock:
+            if lora is not None and lora not in self.adapters:
+                raise LookupError(f"the LoRA adapter '{lora}' was unloaded")
             adds = []
             for rid, prompt, params in items:
                 rep = min(range(self.dp), key=lambda r: self.work[r])
                 self.work[rep] += params.max_new_tokens
-                self.choices[rid] = _Choice(rep, params.max_new_tokens, now, (loop, q))
-                adds.append((rep, rid, prompt, params))
+                self.choices[rid] = _Choice(rep, params.max_new_tokens, now, (loop, q),
+                                            lora=lora)
+                adds.append((rep, rid, prompt, params, lora))
         self.inbox.put(("add", adds))
         return Lifetime(self, [rid for rid, _, _ in items], q)
+
+    def lora_command(self, op: str, name: str, path: str | None = None):
+        """Queue a run-time adapter command ("load" name from path, "unload" name) for every
+        rank; returns an asyncio future of its error, (HTTP status, message), or None: done. An unload of an
+        adapter some open request uses is refused here (`ValueError`), and once accepted no
+        new request may name it."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self.lock:
+            if op == "unload":
+                users = sum(c.lora == name for c in self.choices.values())
+                if users:
+                    raise ValueError(f"the LoRA adapter '{name}' is in use by {users} "
+                                     f"request(s); unload it once they have finished")
+                self.adapters.pop(name, None)
+            self.tickets += 1
+            ticket = self.tickets
+            self.lora_waiting[ticket] = (loop, future)
+        self.inbox.put(("lora", [(ticket, op, name, path)]))
+        return future
+
+    def lora_done(self, ticket: int, op: str, name: str, path: str | None,
+                  error: tuple[int, str] | None) -> None:
+        """The control loop ran command `ticket` on rank 0 (`error`: (HTTP status, why it
+        failed))."""
+        with self.lock:
+            if op == "load" and error is None:
+                self.adapters[name] = path
+            loop, future = self.lora_waiting.pop(ticket, (None, None))
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(lambda: future.done() or future.set_result(error))
+            except RuntimeError:
+                pass
 
     def forget(self, ids: list[str]) -> None:
         """Cancel those of `ids` still open in their engines; their remaining events go
@@ -135,7 +183,7 @@ class Frontend:
         if self.stopping == 2:
             self.fail_all(Failure(503, "the server was stopped before this request "
                                        "finished; retry on another server"))
-        msg = {"add": [], "cancel": [], "stop": False}
+        msg = {"add": [], "cancel": [], "lora": [], "stop": False}
         try:
             idle = not self.choices and not self.stopping
             items = [self.inbox.get(timeout=IDLE_S) if idle else self.inbox.get_nowait()]

@@ -471,14 +471,30 @@ def detokenize(raw: bytes, *, tokenizer, model_names: list[str], vocab_size: int
     return {"prompt": tokenizer.decode(ids)}
 
 
-def _tool_body(raw: bytes, model_names: list[str]) -> dict:
-    """The JSON object of a /tokenize or /detokenize request (its model, if named, served)."""
+def _json_object(raw: bytes) -> dict:
+    """The request body as a JSON object (400 when it is not one)."""
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise APIError(400, f"the request body is not valid JSON ({e})") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    return body
+
+
+def lora_request(raw: bytes, load: bool) -> dict:
+    """The body of POST /v1/load_lora_adapter `{lora_name, lora_path}` (`load`) or
+    /v1/unload_lora_adapter `{lora_name}` (vLLM's fields), each a non-empty string."""
+    body = _json_object(raw)
+    for field in ("lora_name", "lora_path") if load else ("lora_name",):
+        if not isinstance(body.get(field), str) or not body[field]:
+            raise APIError(400, f"'{field}' must be a non-empty string", field)
+    return body
+
+
+def _tool_body(raw: bytes, model_names: list[str]) -> dict:
+    """The JSON object of a /tokenize or /detokenize request (its model, if named, served)."""
+    body = _json_object(raw)
     if body.get("model") not in (None, "", *model_names):
         raise APIError(404, f"the model {body['model']!r} does not exist; this server serves "
                             f"{model_names}", "model", "model_not_found")

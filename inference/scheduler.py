@@ -96,7 +96,7 @@ class Scheduler:
             cached = []
             if self.blocks.enable_prefix_caching:  # at least the last token is computed
                 usable = (len(tokens) - 1) // bs
-                token_block_hashes(tokens, bs, r.hashes)
+                token_block_hashes(tokens, bs, r.hashes, r.cache_salt)
                 cached = self.blocks.match(r.hashes, usable)
                 if len(cached) < usable and r.hashes[len(cached)] in computing:
                     break  # a row above computes its next block: share it next step
@@ -209,7 +209,7 @@ class Scheduler:
             sampled.append(r.num_computed == self._length(r))
             full = r.num_computed // bs
             if self.blocks.enable_prefix_caching and full > r.num_registered:
-                token_block_hashes(self._tokens(r), bs, r.hashes)
+                token_block_hashes(self._tokens(r), bs, r.hashes, r.cache_salt)
                 self.blocks.register(r.blocks, r.hashes, r.num_registered, full)
                 r.num_registered = full
         self.busy.update(r.id for r in batch)

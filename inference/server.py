@@ -42,7 +42,7 @@ def serve(engine, tokenizer, model_name: str, host: str = "127.0.0.1", port: int
           max_request_bytes: int = 4 << 20, max_request_choices: int = 256,
           sampling_defaults: dict | None = None, sse_keep_alive_interval: float = 15.0,
           reasoning_parser: str | None = None, tool_call_parser: str | None = None,
-          enable_auto_tool_choice: bool = False) -> None:
+          enable_auto_tool_choice: bool = False, allow_lora_updates: bool = False) -> None:
     """Run the server until SIGTERM / Ctrl-C (collective: every rank of the world calls it).
 
     `shutdown_timeout`: seconds in-flight requests may still run after the first signal.
@@ -53,6 +53,8 @@ def serve(engine, tokenizer, model_name: str, host: str = "127.0.0.1", port: int
     line (0: none).
     `reasoning_parser`: chat answers' thinking as `reasoning_content` (inference/reasoning.py).
     `tool_call_parser`, `enable_auto_tool_choice`: tool calls (inference/tool_calls.py).
+    `allow_lora_updates`: POST /v1/load_lora_adapter and /v1/unload_lora_adapter work
+    (--allow-runtime-lora-updating); every rank then loads / unloads in the same iteration.
     Raises `RuntimeError` when a collective fails (a rank died), after rank 0 has answered
     every open request with an error body."""
     rank = dist.get_rank()
@@ -77,7 +79,8 @@ def serve(engine, tokenizer, model_name: str, host: str = "127.0.0.1", port: int
 
         fe = Frontend(engine, tokenizer, model_name, api_key, dp,
                       ServerMetrics(model_name, dp), shutdown_timeout, sampling_defaults,
-                      reasoning_parser, tool_call_parser, enable_auto_tool_choice)
+                      reasoning_parser, tool_call_parser, enable_auto_tool_choice,
+                      allow_lora_updates)
         app = build_app(fe, Limits(max_request_bytes, max_request_choices),
                         sse_keep_alive_interval)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning",
@@ -118,9 +121,9 @@ def _loop(engine, fe: Frontend | None, my_replica: int, leader: bool) -> None:
     while True:
         msg = broadcast_control(fe.collect() if fe is not None else None)
         events = []
-        for rep, rid, prompt, params in msg["add"]:
+        for rep, rid, prompt, params, lora in msg["add"]:
             if rep == my_replica:
-                engine.add(Request(rid, prompt, params))
+                engine.add(Request(rid, prompt, params, lora_name=lora))
         for rid in msg["cancel"]:
             r = engine.cancel(rid)
             if r is not None:  # not yet admitted: its wait so far is its queue time
@@ -128,6 +131,14 @@ def _loop(engine, fe: Frontend | None, my_replica: int, leader: bool) -> None:
                     time.monotonic() - r.arrival
                 events.append(Event(r.id, [], "", "cancelled", len(r.prompt), len(r.output),
                                     queue_s=waited, preemptions=r.preemptions))
+        for ticket, op, name, path in msg["lora"]:  # after the cancels: their users are gone
+            error = None
+            try:
+                engine.load_lora(name, path) if op == "load" else engine.unload_lora(name)
+            except ValueError as e:  # inference.lora.LoRAError: the same on every rank
+                error = (getattr(e, "status", 400), str(e))
+            if fe is not None:
+                fe.lora_done(ticket, op, name, path, error)
         if not msg["stop"] and engine.has_work():
             events += engine.step()
         gathered = gather_to_rank0((events, engine.stats()) if leader else None)

@@ -65,6 +65,8 @@ MODULE_PARTS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o
                 "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
 ALL_PARTS = tuple(p for parts in MODULE_PARTS.values() for p in parts)
 _HOSTS = {"self_attention": ("linear_qkv", "linear_proj"), "mlp": ("linear_fc1", "linear_fc2")}
+# the linears of a transformer layer that take adapters, as their module paths end
+ADAPTED_LINEARS = tuple(f"{kind}.{attr}" for kind, attrs in _HOSTS.items() for attr in attrs)
 
 
 def lora_scale(rank: int, alpha: float, use_rslora: bool = False) -> float:
