@@ -12,6 +12,7 @@ digest checked) exported as a plain HF folder with `W + s B A` folded into each 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
@@ -37,6 +38,20 @@ def base_digest(meta: dict) -> str:
 
     files = sorted((f["name"], f["bytes"], f["sha256"]) for f in meta["files"])
     return hashlib.sha256(json.dumps(files).encode()).hexdigest()
+
+
+def is_gguf(path) -> bool:
+    """Whether `path` names a GGUF file (a LoRA run's base read with its blocks kept)."""
+    return bool(path) and str(path).endswith(".gguf") and os.path.isfile(path)
+
+
+def file_digest(path: str) -> str:
+    """sha256 of the file `path` (a GGUF base's identity), read in 16 MiB pieces."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for piece in iter(lambda: f.read(16 * 2**20), b""):
+            h.update(piece)
+    return h.hexdigest()
 
 
 def read_adapters(load: str) -> tuple[object, dict, dict[str, torch.Tensor]]:
@@ -134,6 +149,11 @@ def merge_adapter(load: str, out: str, dtype: str = "float32",
         raise CheckpointError(f"{load}: its base was made from --seed {base.get('seed')}, not "
                               f"loaded from a checkpoint, so there are no base weights to "
                               f"merge into; export the adapters with export-adapter")
+    if base.get("format") == "gguf":
+        raise CheckpointError(f"{load}: its base is the GGUF file {base['path']}, which merge "
+                              f"cannot write back; export the adapters with export-adapter and "
+                              f"merge them with peft (merge_and_unload) onto its transformers "
+                              f"model (nothing was written)")
     if base_digest(read_metadata(base["path"])) != base.get("sha256"):
         raise CheckpointError(f"{load}: its base {base['path']} now holds other weights than "
                               f"the adapters were trained on (sha256 differs); restore it")
