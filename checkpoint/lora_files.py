@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 
@@ -98,6 +99,19 @@ def read_adapters(load: str) -> tuple[object, dict, dict[str, torch.Tensor]]:
     return config, lora, out
 
 
+def _moe_blocks(config) -> list[str]:
+    """The HF module names of `config`'s MoE blocks (the parent of each MoE layer's router,
+    e.g. `model.layers.1.mlp`), whose routers, experts and shared experts hold no adapters
+    (layers/lora.py); [] for a dense model."""
+    rules = {r.native: r for r in hfmap.rules_for(config)}
+    out = []
+    for n in range(config.num_layers):
+        rule = rules.get(f"decoder.layers.{n}.mlp.router.weight")
+        if config.is_moe_layer(n) and rule is not None:
+            out.append(rule.hf[0].rsplit(".", 2)[0])
+    return out
+
+
 def export_adapter(load: str, out: str, dtype: str = "float32", log=print) -> str:
     """Write peft's adapter folder `out` from LoRA checkpoint `load`; returns `out`. Raises
     `CheckpointError` / `HFConversionError` before `out` exists."""
@@ -119,6 +133,10 @@ def export_adapter(load: str, out: str, dtype: str = "float32", log=print) -> st
         "fan_in_fan_out": False, "use_dora": False, "init_lora_weights": True,
         "modules_to_save": None, "inference_mode": True,
         "base_model_name_or_path": (lora.get("base") or {}).get("path")}
+    moe_blocks = _moe_blocks(config)
+    if moe_blocks:  # peft would give the experts (fused or not) fresh adapters of these names
+        adapter_config["exclude_modules"] = "(" + "|".join(map(re.escape, moe_blocks)) + \
+            r")(\..*)?"
     tmp = f"{os.path.abspath(out)}.tmp-{secrets.token_hex(4)}"
     os.makedirs(tmp)
     try:
@@ -129,6 +147,11 @@ def export_adapter(load: str, out: str, dtype: str = "float32", log=print) -> st
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if moe_blocks and {"gate_proj", "up_proj", "down_proj"} & set(targets):
+        log("note: this MoE model's dense MLP layers have gate_proj / up_proj / down_proj "
+            "adapters; peft on transformers 5 reads those target names as the fused experts' "
+            "parameters and does not load them (transformers 4's per-expert modules are kept "
+            "out by exclude_modules)")
     log(f"exported {len(adapters)} LoRA adapters (rank {lora['rank']}, {', '.join(targets)}) "
         f"of {config.num_layers} layers to {out}")
     return out
