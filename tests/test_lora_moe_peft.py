@@ -15,8 +15,7 @@ import json
 
 import torch
 
-from distributed import run_distributed
-from test_lora import _our_logits, _runs_or_errors
+from test_lora import _import_and_train, _our_logits
 
 
 def _qwen3_moe(folder):
@@ -39,16 +38,8 @@ def test_moe_adapter_loads_in_peft_with_our_logits(tmp_path, corpus_env, no_grid
     from tools.convert_hf import main as convert
 
     hf = _qwen3_moe(tmp_path / "hf")
-    assert convert(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "base")]) == 0
     ckpt = tmp_path / "lora"
-    run = run_distributed(_runs_or_errors, 2, [
-        ["--config", str(tmp_path / "base" / "config.yaml"), "--load", str(tmp_path / "base"),
-         "--save", str(ckpt), "--seq-length", "32", "--micro-batch-size", "2",
-         "--global-batch-size", "4", "--eval-interval", "0", "--no-tensorboard",
-         "--peak-tflops", "1", "--tp", "2", "--train-iters", "2", "--lr", "2e-2",
-         "--lr-warmup-iters", "0", "--lora-rank", "4", "--lora-alpha", "16",
-         "--lora-target-modules", "all-linear", "--log-dir", str(tmp_path / "log")]],
-        corpus_env["SHARDZOO_CACHE"], timeout=300)[0]
+    run = _import_and_train(tmp_path, corpus_env, "all-linear")
     assert isinstance(run[0], list), run[0]
     out = tmp_path / "adapter"
     assert convert(["export-adapter", "--load", str(ckpt), "--out", str(out)]) == 0
