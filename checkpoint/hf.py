@@ -264,7 +264,8 @@ def _save_tokenizer(tokenizer: str | None, folder: str, log) -> dict:
 
 
 @torch.no_grad()
-def load_hf_weights(src, config, chunks, log=None, quantization=None) -> None:
+def load_hf_weights(src, config, chunks, log=None, quantization=None, part: str = "saved"
+                    ) -> None:
     """Copy the weights of an opened HF model (`models.hf.files.open_hf`) straight into this
     rank's sharded model `chunks` (any tp/pp; no checkpoint folder is written). Each rank
     reads the dense tensors it needs one at a time and keeps its shard; for an MoE layer only
@@ -279,14 +280,16 @@ def load_hf_weights(src, config, chunks, log=None, quantization=None) -> None:
     in its layer in place of the parameter; a parameter still on the meta device (a model
     built with `layers.parameters_on_meta`, so that no float copy of a quantized weight is
     ever allocated) is materialized on `device` as it is filled. Peak memory: the weights
-    loaded so far plus one dense source tensor and its quantized copy."""
+    loaded so far plus one dense source tensor and its quantized copy. `part`: the
+    parameters to fill (`checkpoint.keys.entries`: "base" fills a LoRA model's frozen base
+    and leaves its adapters as they are)."""
     from layers.quantized import Quantization, holds_quantized
 
     from .keys import entries
 
     quantization = quantization or Quantization()
     tensors = hfmap.to_native(config, src.config["model_type"], src.get, src.names)
-    todo = list(entries(chunks))
+    todo = list(entries(chunks, part))
     progress = ProgressLog(log, first=5.0, every=15.0)
     device = ps.get_device() if ps.model_parallel_is_initialized() else torch.device("cpu")
     for done, (name, p, key, tied_copy) in enumerate(todo):

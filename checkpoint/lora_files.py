@@ -13,8 +13,10 @@ digest checked) exported as a plain HF folder with `W + s B A` folded into each 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 
@@ -37,6 +39,20 @@ def base_digest(meta: dict) -> str:
 
     files = sorted((f["name"], f["bytes"], f["sha256"]) for f in meta["files"])
     return hashlib.sha256(json.dumps(files).encode()).hexdigest()
+
+
+def is_gguf(path) -> bool:
+    """Whether `path` names a GGUF file (a LoRA run's base read with its blocks kept)."""
+    return bool(path) and str(path).endswith(".gguf") and os.path.isfile(path)
+
+
+def file_digest(path: str) -> str:
+    """sha256 of the file `path` (a GGUF base's identity), read in 16 MiB pieces."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for piece in iter(lambda: f.read(16 * 2**20), b""):
+            h.update(piece)
+    return h.hexdigest()
 
 
 def read_adapters(load: str) -> tuple[object, dict, dict[str, torch.Tensor]]:
@@ -85,6 +101,19 @@ def read_adapters(load: str) -> tuple[object, dict, dict[str, torch.Tensor]]:
     return config, lora, out
 
 
+def _moe_blocks(config) -> list[str]:
+    """The HF module names of `config`'s MoE blocks (the parent of each MoE layer's router,
+    e.g. `model.layers.1.mlp`), whose routers, experts and shared experts hold no adapters
+    (layers/lora.py); [] for a dense model."""
+    rules = {r.native: r for r in hfmap.rules_for(config)}
+    out = []
+    for n in range(config.num_layers):
+        rule = rules.get(f"decoder.layers.{n}.mlp.router.weight")
+        if config.is_moe_layer(n) and rule is not None:
+            out.append(rule.hf[0].rsplit(".", 2)[0])
+    return out
+
+
 def export_adapter(load: str, out: str, dtype: str = "float32", log=print) -> str:
     """Write peft's adapter folder `out` from LoRA checkpoint `load`; returns `out`. Raises
     `CheckpointError` / `HFConversionError` before `out` exists."""
@@ -105,6 +134,10 @@ def export_adapter(load: str, out: str, dtype: str = "float32", log=print) -> st
         "target_modules": targets, "use_rslora": lora["use_rslora"], **PLAIN_LORA,
         "init_lora_weights": True, "inference_mode": True,
         "base_model_name_or_path": (lora.get("base") or {}).get("path")}
+    moe_blocks = _moe_blocks(config)
+    if moe_blocks:  # peft would give the experts (fused or not) fresh adapters of these names
+        adapter_config["exclude_modules"] = "(" + "|".join(map(re.escape, moe_blocks)) + \
+            r")(\..*)?"
     tmp = f"{os.path.abspath(out)}.tmp-{secrets.token_hex(4)}"
     os.makedirs(tmp)
     try:
@@ -115,6 +148,11 @@ def export_adapter(load: str, out: str, dtype: str = "float32", log=print) -> st
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if moe_blocks and {"gate_proj", "up_proj", "down_proj"} & set(targets):
+        log("note: this MoE model's dense MLP layers have gate_proj / up_proj / down_proj "
+            "adapters; peft on transformers 5 reads those target names as the fused experts' "
+            "parameters and does not load them (transformers 4's per-expert modules are kept "
+            "out by exclude_modules)")
     log(f"exported {len(adapters)} LoRA adapters (rank {lora['rank']}, {', '.join(targets)}) "
         f"of {config.num_layers} layers to {out}")
     return out
@@ -135,6 +173,11 @@ def merge_adapter(load: str, out: str, dtype: str = "float32",
         raise CheckpointError(f"{load}: its base was made from --seed {base.get('seed')}, not "
                               f"loaded from a checkpoint, so there are no base weights to "
                               f"merge into; export the adapters with export-adapter")
+    if base.get("format") == "gguf":
+        raise CheckpointError(f"{load}: its base is the GGUF file {base['path']}, which merge "
+                              f"cannot write back; export the adapters with export-adapter and "
+                              f"merge them with peft (merge_and_unload) onto its transformers "
+                              f"model (nothing was written)")
     if base_digest(read_metadata(base["path"])) != base.get("sha256"):
         raise CheckpointError(f"{load}: its base {base['path']} now holds other weights than "
                               f"the adapters were trained on (sha256 differs); restore it")

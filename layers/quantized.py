@@ -214,7 +214,10 @@ def holds_quantized(module: nn.Module) -> tuple[bool, bool]:
     return linear, linear or isinstance(module, VocabParallelEmbedding)
 
 
-def quantize_layer_linears(model: nn.Module, fmt: str, group_size: int = 32,
+QLORA_GROUP_SIZE = 32  # int4 groups of a QLoRA base (q8_0 / q4_0 / q4_1 blocks are 32 too)
+
+
+def quantize_layer_linears(model: nn.Module, fmt: str, group_size: int = QLORA_GROUP_SIZE,
                            symmetric: bool = True) -> int:
     """QLoRA's base (Dettmers et al. 2023, sec. 3): replace the weight of every column- and
     row-parallel linear inside `model`'s transformer layers (`...layers.<n>...`; not the

@@ -228,7 +228,8 @@ def _byte_level_decoder() -> dict[str, int]:
 
 
 def build_tokenizer(path: str) -> Tokenizer:
-    """Load the tokenizer at ``path`` (a SentencePiece ``.model`` file or an HF folder).
+    """Load the tokenizer at ``path`` (a SentencePiece ``.model`` file, an HF folder, or a
+    ``.gguf`` file's tokenizer through transformers' GGUF reader).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -243,6 +244,9 @@ def build_tokenizer(path: str) -> Tokenizer:
             f"tokenizer {path} does not exist; pass a SentencePiece .model file or a folder "
             "with Hugging Face tokenizer files (tools/preprocess_data.py --vocab-size N "
             "trains a SentencePiece model)")
+    if path.endswith(".gguf") and os.path.isfile(path):
+        return Tokenizer(os.path.dirname(os.path.abspath(path)),
+                         gguf_file=os.path.basename(path))
     return Tokenizer(path)
 
 

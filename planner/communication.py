@@ -290,7 +290,7 @@ def context_parallel_communication(config) -> dict[tuple[str, str], tuple[int, i
     st, out = _StepShape.of(config), {}
     if st.cp > 1:
         for r in range(st.pp):
-            _context_parallel_attention(out, st, config, rank_chunks(config, r))
+            _context_parallel_attention(out, st, config, rank_chunks(config, r, base=True))
     return out
 
 
@@ -338,7 +338,7 @@ def step_communication(config, first_step: bool = False) -> dict[tuple[str, str]
     ep, etp, edp = moe.expert_layout(config)
     out: dict = {}
     for r in range(st.pp):
-        chunks = rank_chunks(config, r)
+        chunks = rank_chunks(config, r, base=True)  # the layers (a LoRA run's too)
         sets = chunk_sets(config, r)  # at ep > 1: the experts' buckets apart, over edp
         dense = [chunk[0][0] for chunk in sets]
         experts = [chunk[1][0] for chunk in sets if len(chunk) > 1]

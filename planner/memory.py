@@ -35,7 +35,8 @@ from parallel_state import schedule_tables
 from .activations import model_chunk_bytes, norm_bytes
 from .context_parallel import attention_buffer_bytes
 from .moe import expert_layout
-from .parameters import chunk_layout, chunk_sets, model_state_prediction, rank_chunks
+from .parameters import (chunk_layout, chunk_sets, frozen_base_prediction, model_state_prediction,
+                         rank_chunks)
 
 
 def chunk_activation_bytes(config, params, pre_process: bool, post_process: bool) -> dict:
@@ -111,15 +112,18 @@ def pipeline_bubble(config) -> float:
                            config.num_microbatches, t.pipeline_schedule).bubble)
 
 
-def rank_memory(config, pp_rank: int) -> dict:
+def rank_memory(config, pp_rank: int, base_formats: dict | None = None) -> dict:
     """Predicted device bytes of a rank of pipeline stage `pp_rank`: `{"model_states",
-    "activations_per_microbatch", "activations", "in_flight", "transient" (of which
-    "gathered_params"), "total", "host", "nvme"}` (host and NVMe: offloaded model states and
-    the NVMe streaming buffers)."""
+    "frozen_base", "activations_per_microbatch", "activations", "in_flight", "transient" (of
+    which "gathered_params"), "total", "host", "nvme"}` (host and NVMe: offloaded model
+    states and the NVMe streaming buffers). Under --lora-rank the model states are the
+    adapters' (weights, gradients, optimizer state) and `frozen_base` the base's bytes
+    (`planner.parameters.frozen_base_prediction`; `base_formats`: the formats of a base kept
+    as a GGUF file stores it); a full fine-tune has no frozen base (0)."""
     t = config.train
     pp, v = t.pipeline_model_parallel_size, t.virtual_pipeline_model_parallel_size or 1
     states = model_state_prediction(config, pp_rank)
-    chunks = rank_chunks(config, pp_rank)
+    chunks = rank_chunks(config, pp_rank, base=True)
     sets = chunk_sets(config, pp_rank)
     per_chunk = [chunk_activation_bytes(config, params, pp_rank == 0 and c == 0,
                                         pp_rank == pp - 1 and c == v - 1)["total"]
@@ -142,8 +146,10 @@ def rank_memory(config, pp_rank: int) -> dict:
                                             t.micro_batch_size, t.tensor_model_parallel_size,
                                             t.context_parallel_size, 2 if t.bf16 else 4,
                                             t.cp_comm_type)
-    total = states["total"] + activations + transient
-    return {"model_states": states["total"], "activations_per_microbatch": per_mb,
+    frozen = frozen_base_prediction(config, pp_rank, base_formats)
+    total = states["total"] + frozen + activations + transient
+    return {"model_states": states["total"], "frozen_base": frozen,
+            "activations_per_microbatch": per_mb,
             "activations": int(activations), "in_flight": held, "transient": transient,
             "gathered_params": gathered,
             "total": int(total), "host": states["host_total"], "nvme": states["nvme_total"]}

@@ -34,6 +34,8 @@ class ParamShape:
     sequence_parallel: bool = False
     tensor_model_parallel: bool = False
     expert_parallel: bool = False  # a routed expert's weight: reduced over edp, not dp
+    rows: int = 0  # a 2-D weight's local rows (stacked experts: all of them), else 0
+    layer_linear: bool = False  # a transformer layer's column/row-parallel linear weight
 
     def numel(self) -> int:
         return self.count
@@ -68,7 +70,8 @@ def _linear(prefix: str, out_local: int, in_local: int, unit: str, *, bias: bool
             row: bool, sp: bool) -> list[ParamShape]:
     """Column (`row=False`: output dim split, bias split) or row linear (input dim split,
     bias replicated and tagged sequence_parallel under SP)."""
-    out = [ParamShape(f"{prefix}.weight", out_local * in_local, unit, tensor_model_parallel=True)]
+    out = [ParamShape(f"{prefix}.weight", out_local * in_local, unit, tensor_model_parallel=True,
+                      rows=out_local, layer_linear=True)]
     if bias:
         out.append(ParamShape(f"{prefix}.bias", out_local, unit,
                               sequence_parallel=sp and row, tensor_model_parallel=not row))
@@ -86,9 +89,9 @@ def _moe_mlp(p: str, m, unit: str, tp: int, sp: bool, ep: int, etp: int) -> list
     out = [ParamShape(f"{p}.mlp.router.weight", m.num_moe_experts * h, unit,
                       sequence_parallel=sp),
            ParamShape(f"{p}.mlp.experts.linear_fc1.weight", local * fc1 * h, unit,
-                      tensor_model_parallel=True, expert_parallel=True),
+                      tensor_model_parallel=True, expert_parallel=True, rows=local * fc1),
            ParamShape(f"{p}.mlp.experts.linear_fc2.weight", local * h * f, unit,
-                      tensor_model_parallel=True, expert_parallel=True)]
+                      tensor_model_parallel=True, expert_parallel=True, rows=local * h)]
     shared = m.moe_shared_expert_intermediate_size
     if shared:
         fs = shared // tp
@@ -120,7 +123,7 @@ def chunk_parameters(m, tp: int, layer_numbers: list[int], pre_process: bool,
     if pre_process:
         out.append(ParamShape("embedding.word_embeddings.weight", vocab * h, emb_unit,
                               shared_embedding=tied and not post_process,
-                              tensor_model_parallel=True))
+                              tensor_model_parallel=True, rows=vocab))
         if m.position_embedding_type == "learned_absolute":
             out.append(ParamShape("embedding.position_embeddings.weight",
                                   m.max_position_embeddings * h, emb_unit, sequence_parallel=sp))
@@ -152,8 +155,65 @@ def chunk_parameters(m, tp: int, layer_numbers: list[int], pre_process: bool,
         out += _norm("decoder.final_layernorm", m, "root", sp)
         if not tied_here:
             out.append(ParamShape("output_layer.weight", vocab * h, "output",
-                                  shared_embedding=tied, tensor_model_parallel=True))
+                                  shared_embedding=tied, tensor_model_parallel=True, rows=vocab))
     return out
+
+
+def lora_parameters(m, tp: int, layer_numbers: list[int], sequence_parallel: bool, rank: int,
+                    target_modules) -> list[ParamShape]:
+    """The LoRA adapters `layers.lora.add_lora` gives one GPTModel chunk on one TP rank, in
+    registration order (the only trainable parameters of a LoRA run): per layer, the
+    attention's `linear_qkv` (A of each targeted part of q_proj, k_proj, v_proj, then their
+    B), `linear_proj` (o_proj), and in a dense (not MoE) layer the MLP's `linear_fc1`
+    (gate_proj, up_proj) and `linear_fc2` (down_proj). A column-parallel base's A is whole
+    `[r, h]` (tagged `sequence_parallel` under SP: its gradient is summed over TP) and its
+    B `[rows / tp, r]`; a row-parallel base's A is `[r, in / tp]` and its B whole `[h, r]`.
+    ValueError for unknown targets (`layers.lora.resolve_targets`)."""
+    from layers.lora import resolve_targets
+
+    targets = resolve_targets(target_modules)
+    sp = sequence_parallel and tp > 1
+    h, q, kv = m.hidden_size, m.query_projection_size // tp, m.kv_projection_size // tp
+    f = m.ffn_hidden_size // tp
+    gated = m.activation in ("swiglu", "geglu")
+    hosts = [("self_attention.linear_qkv", False, h, [("q_proj", q), ("k_proj", kv),
+                                                      ("v_proj", kv)]),
+             ("self_attention.linear_proj", True, q, [("o_proj", h)])]
+    mlp = [("mlp.linear_fc1", False, h, ([("gate_proj", f)] if gated else []) +
+            [("up_proj", f)]), ("mlp.linear_fc2", True, f, [("down_proj", h)])]
+    out: list[ParamShape] = []
+    for n in layer_numbers:
+        unit = f"layer {n}"
+        for host, row, inputs, parts in hosts + ([] if m.is_moe_layer(n) else mlp):
+            parts = [(name, rows) for name, rows in parts if name in targets]
+            prefix = f"decoder.layers.{n}.{host}.lora"
+            out += [ParamShape(f"{prefix}.A.{name}", rank * inputs, unit,
+                               sequence_parallel=sp and not row, tensor_model_parallel=row)
+                    for name, _ in parts]
+            out += [ParamShape(f"{prefix}.B.{name}", rows * rank, unit,
+                               tensor_model_parallel=not row) for name, rows in parts]
+    return out
+
+
+def base_bytes(params: list[ParamShape], weight_bytes: int, low_bit: str | None = None,
+               formats: dict | None = None) -> int:
+    """Bytes of a LoRA run's frozen base `params` (`chunk_parameters`' list): every parameter
+    in `weight_bytes` (4, or 2 under bf16), except that QLoRA's low-bit layer linears
+    (`layer_linear`: the column- and row-parallel weights of the transformer layers, not
+    routed experts, embedding or output layer) take `layers.quant.storage_bytes` of format
+    `low_bit` (int4 in groups of `layers.quantized.QLORA_GROUP_SIZE`). `formats`
+    (`{parameter name: format}`: a base read from a GGUF file as it stores it) gives the
+    format of each parameter it names instead, and the rest stay float."""
+    from layers.quant import storage_bytes
+    from layers.quantized import QLORA_GROUP_SIZE
+
+    total = 0
+    for p in params:
+        fmt = formats.get(p.name) if formats is not None else \
+            low_bit if p.layer_linear else None
+        total += weight_bytes * p.count if fmt is None else \
+            storage_bytes(fmt, p.rows, p.count // p.rows, QLORA_GROUP_SIZE)
+    return total
 
 
 _CACHE: dict = {}  # the planner asks for the same stages under many batch/recompute settings
@@ -169,25 +229,46 @@ def _cached(key, make):
     return value
 
 
-def rank_chunks(config, pp_rank: int) -> list[list[ParamShape]]:
-    """The parameters of each model chunk of pipeline rank `pp_rank` (a validated
-    run_config.config.Config). Cached by the model and the layout: treat as read-only."""
+def rank_chunks(config, pp_rank: int, base: bool = False) -> list[list[ParamShape]]:
+    """The trainable parameters of each model chunk of pipeline rank `pp_rank` (a validated
+    run_config.config.Config): every parameter, or under --lora-rank the adapters
+    (`lora_parameters`); `base`: every parameter of the chunk whatever trains (a LoRA run's
+    frozen base). Cached by the model and the layout: treat as read-only."""
     t = config.train
     pp, v = t.pipeline_model_parallel_size, t.virtual_pipeline_model_parallel_size or 1
     ep, etp, _ = expert_layout(config)
+    lora = (t.lora_rank, t.lora_target_modules) if t.lora_rank and not base else None
     key = ("chunks", repr(config.model), t.tensor_model_parallel_size, pp, v,
            t.sequence_parallel, t.decoder_first_pipeline_num_layers,
-           t.decoder_last_pipeline_num_layers, pp_rank, ep, etp)
+           t.decoder_last_pipeline_num_layers, pp_rank, ep, etp, lora)
 
     def make():
         chunks = rank_chunk_layers(config.stage_num_layers(), pp_rank,
                                    t.virtual_pipeline_model_parallel_size)
+        if lora:
+            return [lora_parameters(config.model, t.tensor_model_parallel_size, layers,
+                                    t.sequence_parallel, *lora) for layers in chunks]
         return [chunk_parameters(config.model, t.tensor_model_parallel_size, layers,
                                  pre_process=pp_rank == 0 and c == 0,
                                  post_process=pp_rank == pp - 1 and c == v - 1,
                                  sequence_parallel=t.sequence_parallel, ep=ep, etp=etp)
                 for c, layers in enumerate(chunks)]
     return _cached(key, make)
+
+
+def frozen_base_prediction(config, pp_rank: int = 0, formats: dict | None = None) -> int:
+    """Predicted bytes of a LoRA run's frozen base on a rank of pipeline stage `pp_rank`
+    (`base_bytes` over its chunks: float in the run's dtype, QLoRA's layer linears in
+    --lora-base-quantization's format, or the `formats` a GGUF base is stored in); 0 when
+    every weight trains. training/memory.py `model_state_bytes` measures it (`frozen_params`
+    + `frozen_low_bit`)."""
+    t = config.train
+    if not t.lora_rank:
+        return 0
+    low_bit = None if t.lora_base_quantization in ("none", "gguf") else \
+        t.lora_base_quantization
+    return sum(base_bytes(params, 2 if t.bf16 else 4, low_bit, formats)
+               for params in rank_chunks(config, pp_rank, base=True))
 
 
 _NO_EXPERTS: list[ParamShape] = []  # shared, so that layouts of it are cached once

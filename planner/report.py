@@ -21,12 +21,17 @@ def _ratio(measured: float, predicted: float) -> float | None:
     return measured / predicted if predicted else (1.0 if not measured else None)
 
 
-def memory_prediction(config, pp_rank: int, measured: dict) -> tuple[dict, str]:
+def memory_prediction(config, pp_rank: int, measured: dict,
+                      base_formats: dict | None = None) -> tuple[dict, str]:
     """The planner's bytes for this rank beside `measured` (trainer.log_memory's fields:
-    `model_state_total_bytes`, `activation_bytes_per_microbatch`): (record fields, line)."""
-    pred = rank_memory(config, pp_rank)
+    `model_state_total_bytes`, `activation_bytes_per_microbatch`, and a LoRA run's
+    `frozen_base_bytes`): (record fields, line). `base_formats`: `rank_memory`'s."""
+    pred = rank_memory(config, pp_rank, base_formats)
     states, act = measured["model_state_total_bytes"], measured["activation_bytes_per_microbatch"]
+    frozen = measured.get("frozen_base_bytes", 0)
     rec = {"planner_model_state_bytes": pred["model_states"],
+           "planner_frozen_base_bytes": pred["frozen_base"],
+           "planner_frozen_base_ratio": _ratio(frozen, pred["frozen_base"]),
            "planner_transient_bytes": pred["transient"],
            "planner_gathered_params_peak_bytes": pred["gathered_params"],
            "planner_activation_bytes_per_microbatch": pred["activations_per_microbatch"],
@@ -36,7 +41,9 @@ def memory_prediction(config, pp_rank: int, measured: dict) -> tuple[dict, str]:
            "planner_activation_ratio": _ratio(act, pred["activations_per_microbatch"])}
     line = (f"planner (tools/plan.py) for this rank: model states {_mib(pred['model_states'])} "
             f"MiB (measured {_mib(states)}, ratio {rec['planner_model_state_ratio']:.3f}), "
-            f"activations {_mib(pred['activations_per_microbatch'])} MiB per microbatch "
+            + (f"frozen base {_mib(pred['frozen_base'])} MiB (measured {_mib(frozen)}, ratio "
+               f"{rec['planner_frozen_base_ratio']:.3f}), " if pred["frozen_base"] else "")
+            + f"activations {_mib(pred['activations_per_microbatch'])} MiB per microbatch "
             f"(measured {_mib(act)}, ratio {rec['planner_activation_ratio']:.3f}) x "
             f"{pred['in_flight']} in flight"
             + (f" (chunk-microbatches over {config.train.virtual_pipeline_model_parallel_size} "

@@ -317,7 +317,7 @@ def _attention_core_seconds(config: Config, hw: Hardware) -> float:
     tokens = t.micro_batch_size * m.seq_length // t.context_parallel_size
     worst = 0.0
     for r in range(t.pipeline_model_parallel_size):
-        layers, recomputed = attention_layers(config, rank_chunks(config, r))
+        layers, recomputed = attention_layers(config, rank_chunks(config, r, base=True))
         worst = max(worst, (3 * layers + recomputed) * core * tokens
                     / t.tensor_model_parallel_size / rate)
     return worst

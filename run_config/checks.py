@@ -60,6 +60,7 @@ def validate(m: ModelConfig, t: TrainConfig, world_size: int) -> tuple[int, int]
 
 
 QLORA_FORMATS = ("none", "int8", "int4", "q8_0", "q4_0", "q4_1")  # round-to-nearest makes them
+# and "gguf": a GGUF file's blocks as stored (--load model.gguf)
 
 
 def _check_lora(m: ModelConfig, t: TrainConfig) -> None:
@@ -67,22 +68,30 @@ def _check_lora(m: ModelConfig, t: TrainConfig) -> None:
     decoder-only model, and a QLoRA base format whose blocks divide every layer input."""
     if t.lora_rank < 0:
         raise ConfigError(f"--lora-rank {t.lora_rank} must be >= 1 (or 0: no adapters)")
-    _check_choice("lora_base_quantization", t.lora_base_quantization, QLORA_FORMATS)
+    _check_choice("lora_base_quantization", t.lora_base_quantization, QLORA_FORMATS + ("gguf",))
+    if str(t.load or "").endswith(".gguf") and not (
+            t.lora_rank and t.lora_base_quantization == "gguf"):
+        raise ConfigError(f"--load {t.load} is a GGUF file: train LoRA adapters on it as it is "
+                          f"stored with --lora-rank R --lora-base-quantization gguf, or import "
+                          f"it first (tools/convert_hf.py import {t.load} --out DIR) and --load "
+                          f"DIR")
     if not t.lora_rank:
         if t.lora_base_quantization != "none":
             raise ConfigError("--lora-base-quantization holds a frozen LoRA base; add "
                               "--lora-rank (a full fine-tune trains float weights)")
         return
-    if t.lora_base_quantization not in ("none", "int8"):  # blocks of 32 input columns
+    if t.lora_base_quantization not in ("none", "int8"):  # blocks of (at least) 32 inputs
         tp = t.tensor_model_parallel_size
         inputs = {"--hidden-size": m.hidden_size, "--ffn-hidden-size / tp":
                   m.ffn_hidden_size // tp, "query projection size / tp":
                   m.query_projection_size // tp}
         bad = [f"{k} = {v}" for k, v in inputs.items() if v % 32]
         if bad:
-            raise ConfigError(f"--lora-base-quantization {t.lora_base_quantization} quantizes "
-                              f"blocks of 32 input columns, which do not divide {', '.join(bad)}"
-                              f"; use --lora-base-quantization int8 or another tp")
+            raise ConfigError(f"--lora-base-quantization {t.lora_base_quantization} holds "
+                              f"blocks of 32 input columns (or more), which do not divide "
+                              f"{', '.join(bad)}; use "
+                              + ("another tp" if t.lora_base_quantization == "gguf" else
+                                 "--lora-base-quantization int8 or another tp"))
     if not 0.0 <= t.lora_dropout < 1.0:
         raise ConfigError(f"--lora-dropout {t.lora_dropout} must be in [0, 1)")
     try:

@@ -359,6 +359,22 @@ def _our_logits(base: str, adapters: str, ids: torch.Tensor) -> torch.Tensor:
         return model(ids)[..., :config.vocab_size]
 
 
+def _import_and_train(tmp_path, corpus_env, targets: str, *extra: str) -> list:
+    """Import the HF model of `tmp_path/hf` into `tmp_path/base` and train 2 iterations of
+    rank-4 adapters on it at tp 2 into `tmp_path/lora`: `_runs_or_errors`' result."""
+    from tools.convert_hf import main as convert
+
+    assert convert(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "base")]) == 0
+    return run_distributed(_runs_or_errors, 2, [
+        ["--config", str(tmp_path / "base" / "config.yaml"), "--load", str(tmp_path / "base"),
+         "--save", str(tmp_path / "lora"), "--seq-length", "32", "--micro-batch-size", "2",
+         "--global-batch-size", "4", "--eval-interval", "0", "--no-tensorboard",
+         "--peak-tflops", "1", "--tp", "2", "--train-iters", "2", "--lr", "2e-2",
+         "--lr-warmup-iters", "0", "--lora-rank", "4", "--lora-alpha", "16",
+         "--lora-target-modules", targets, "--log-dir", str(tmp_path / "log"), *extra]],
+        corpus_env["SHARDZOO_CACHE"], timeout=300)[0]
+
+
 @pytest.mark.parametrize("kind, targets", [("llama", "all-linear"),
                                            ("qwen3", "q_proj,v_proj,o_proj,up_proj")])
 def test_exported_adapter_loads_in_peft_and_merge_folds_it(kind, targets, tmp_path, corpus_env,
@@ -371,17 +387,8 @@ def test_exported_adapter_loads_in_peft_and_merge_folds_it(kind, targets, tmp_pa
     from tools.convert_hf import main as convert
 
     hf = _hf_base(kind, tmp_path / "hf")
-    assert convert(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "base")]) == 0
     ckpt = tmp_path / "lora"
-    run = run_distributed(_runs_or_errors, 2, [
-        ["--config", str(tmp_path / "base" / "config.yaml"), "--load", str(tmp_path / "base"),
-         "--save", str(ckpt), "--seq-length", "32", "--micro-batch-size", "2",
-         "--global-batch-size", "4", "--eval-interval", "0", "--no-tensorboard",
-         "--peak-tflops", "1", "--tp", "2", "--train-iters", "2", "--lr", "2e-2", "--lr-warmup-iters", "0",
-                "--lora-rank", "4", "--lora-alpha", "16", "--use-rslora",
-                "--lora-target-modules", targets,
-                "--log-dir", str(tmp_path / "log")]], corpus_env["SHARDZOO_CACHE"],
-        timeout=300)[0]
+    run = _import_and_train(tmp_path, corpus_env, targets, "--use-rslora")
     assert isinstance(run[0], list), run[0]
     out = tmp_path / "adapter"
     assert convert(["export-adapter", "--load", str(ckpt), "--out", str(out)]) == 0

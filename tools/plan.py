@@ -148,6 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "limit)")
     p.add_argument("--no-offload", action="store_true",
                    help="do not search offload when nothing fits without it")
+    p.add_argument("--lora-rank", type=int, default=None, metavar="R",
+                   help="plan a LoRA fine-tune: rank-R adapters on a frozen base (train.py's "
+                        "--lora-rank; the base's bytes apart, adapters' states ZeRO-sharded)")
+    p.add_argument("--lora-target-modules", default=None,
+                   help="with --lora-rank: the adapted modules (default all-linear)")
+    p.add_argument("--lora-base-quantization", default=None,
+                   help="with --lora-rank: QLoRA's low-bit base (int8, int4, q8_0, q4_0, q4_1)")
     p.add_argument("--top", type=int, default=10, help="layouts to print (default 10)")
     p.add_argument("--json", action="store_true", help="print the whole plan as JSON")
     return p
@@ -183,6 +190,7 @@ def _inputs(args):
         check_expert_count(model, args.expert_model_parallel_size)
     _check_context_parallel(args, model)
     train = config.train
+    _lora_inputs(args, train)
     if args.cp_comm_type is not None:
         train.cp_comm_type = args.cp_comm_type
     gbs = args.global_batch_size or _search().global_batch_default(args.gpus)
@@ -202,6 +210,37 @@ def _inputs(args):
                   host_memory=None if args.host_memory is None else
                   parse_bytes(args.host_memory, "--host-memory"))
     return model, train, hw, gbs
+
+
+def _lora_inputs(args, train) -> None:
+    """--lora-rank / --lora-target-modules / --lora-base-quantization onto the TrainConfig
+    the layouts start from (checked as train.py checks them: run_config/checks.py)."""
+    if args.lora_rank is None:
+        if args.lora_target_modules or args.lora_base_quantization:
+            raise PlanError("--lora-target-modules and --lora-base-quantization plan a LoRA "
+                            "fine-tune: add --lora-rank R")
+        return
+    if args.lora_rank < 1:
+        raise PlanError(f"--lora-rank must be a positive integer, got {args.lora_rank}")
+    from layers.lora import resolve_targets
+    from run_config.checks import QLORA_FORMATS
+
+    fmt = args.lora_base_quantization
+    if fmt == "gguf":
+        raise PlanError("--lora-base-quantization gguf keeps a GGUF file's own formats; plan "
+                        "with the format its layer linears are stored in (e.g. q4_1)")
+    if fmt is not None and fmt not in QLORA_FORMATS:
+        raise PlanError(f"--lora-base-quantization {fmt} is not one of "
+                        f"{', '.join(QLORA_FORMATS)}")
+    train.lora_rank = args.lora_rank
+    if args.lora_target_modules:
+        try:
+            resolve_targets(args.lora_target_modules)
+        except ValueError as e:
+            raise PlanError(str(e)) from None
+        train.lora_target_modules = args.lora_target_modules
+    if args.lora_base_quantization:
+        train.lora_base_quantization = args.lora_base_quantization
 
 
 def _check_context_parallel(args, model) -> None:
@@ -241,12 +280,13 @@ def table(fits: list[dict], top: int) -> str:
     moe = any(p.get("ep", 1) > 1 for p in fits)
     cp = any(p.get("cp", 1) > 1 for p in fits)
     off = any(p.get("optimizer_offload") or p.get("param_offload") for p in fits)
+    lora = any(p["memory"].get("frozen_base") for p in fits)  # a LoRA fine-tune's base
     head = (f"{'#':>3} {'tp':>3} {'pp':>3} " + (f"{'ep':>3} " if moe else "") +
             (f"{'cp':>3} " if cp else "") +
             f"{'vpp':>3} {'dp':>4} {'mbs':>3} {'m':>5} {'sp':>3} "
             f"{'zero':>4} {'recompute':>9} " + (f"{'offload opt/par':>15} " if off else "") +
-            f"{'mem GB':>7} {'states':>7} {'activ':>7} "
-            f"{'bubble':>6} {'sent GB':>8} {'step s':>8} {'tok/s':>9} {'MFU':>6}")
+            f"{'mem GB':>7} {'states':>7} " + (f"{'base':>7} " if lora else "") +
+            f"{'activ':>7} {'bubble':>6} {'sent GB':>8} {'step s':>8} {'tok/s':>9} {'MFU':>6}")
     rows = [head]
     for i, p in enumerate(fits[:top], 1):
         mem = p["memory"]
@@ -259,10 +299,12 @@ def table(fits: list[dict], top: int) -> str:
                     f"{p['recompute']:>9} " +
                     (f"{(p.get('optimizer_offload') or '-') + '/' + (p.get('param_offload') or '-'):>15} "
                      if off else "") +
-                    f"{_gb(mem['total']):>7} {_gb(mem['model_states']):>7} "
+                    f"{_gb(mem['total']):>7} {_gb(mem['model_states']):>7} " +
+                    (f"{_gb(mem['frozen_base']):>7} " if lora else "") +
                     f"{_gb(mem['activations']):>7} {p['bubble']:>6.3f} {_gb(comm):>8} "
                     f"{p['step_seconds']:>8.3f} {p['tokens_per_s']:>9,.0f} {p['mfu']:>6.1%}")
-    rows.append("(mem GB: predicted peak per GPU; sent GB: bytes each GPU sends per step in "
+    rows.append("(mem GB: predicted peak per GPU" + ("; states: the adapters' weights, "
+                "gradients and optimizer; base: the frozen base" if lora else "") + "; sent GB: bytes each GPU sends per step in "
                 "ring collectives and p2p; docs/PLANNING.md)")
     return "\n".join(rows)
 
@@ -285,7 +327,9 @@ def explain(best: dict, runner: dict | None, hw, model_name: str) -> str:
              f" per step), sequence parallel {'on' if best['sequence_parallel'] else 'off'}, "
              f"ZeRO-{best['zero_stage']}, recompute {best['recompute']}."]
     parts.append(f"It needs {_gb(mem['total'])} GB per GPU of {_gb(hw.usable_memory)} usable "
-                 f"(model states {_gb(mem['model_states'])}, activations "
+                 f"(model states {_gb(mem['model_states'])}, " +
+                 (f"frozen base {_gb(mem['frozen_base'])}, " if mem.get("frozen_base") else "")
+                 + f"activations "
                  f"{_gb(mem['activations'])} for {mem['in_flight']} microbatch(es) in flight on "
                  f"stage {mem['pp_rank']}).")
     if best["tp"] > 1:
@@ -426,8 +470,11 @@ def main(argv=None) -> int:
     if result.get("offload"):
         print(offload_note(fits[0], hw))
     source = f"--model {args.model}" if args.model else f"--config {args.config}"
+    lora = (f" --lora-rank {base.lora_rank} --lora-target-modules {base.lora_target_modules}"
+            + (f" --lora-base-quantization {base.lora_base_quantization}"
+               if base.lora_base_quantization != "none" else "")) if base.lora_rank else ""
     print(f"Run it: train.py {source} {search.flags(fits[0])} --global-batch-size {gbs} "
-          f"--seq-length {model.seq_length}" + (" --bf16" if bf16 else ""))
+          f"--seq-length {model.seq_length}" + (" --bf16" if bf16 else "") + lora)
     print()
     print(rejected_summary(result["rejected"]))
     return 0

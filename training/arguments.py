@@ -396,6 +396,11 @@ def _checkpoint_defaults(load: str | None) -> tuple[dict, str | None] | None:
 
     if not load or not os.path.exists(load):
         return None
+    if str(load).endswith(".gguf") and os.path.isfile(load):  # a LoRA base kept as stored
+        from models.hf import open_checked
+
+        _, config = open_checked(load, quantization="keep")  # the header: nothing allocated
+        return config.to_dict(), load  # its tokenizer is the file's (models/tokenizer.py)
     path = resolve_checkpoint(load, newest_if_no_marker=True)  # defaults only; the loader checks
     if path is None:
         return None

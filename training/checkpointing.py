@@ -90,7 +90,9 @@ from layers.quantized import refuse_quantized
 
 from .diloco import load_state, save_state
 from .elastic import elastic_notice, rejoin_warning
-from .lora_checkpoint import load_base, lora_settings, refuse_lora_checkpoint
+from checkpoint.lora_files import is_gguf
+
+from .lora_checkpoint import load_base, load_gguf_base, lora_settings, refuse_lora_checkpoint
 from .checkpoint_publish import prune, publish_folder, remove_debris, write_synced
 
 KINDS = ("model", "optim.exp_avg", "optim.exp_avg_sq")
@@ -446,7 +448,7 @@ def completed_checkpoint(train_config) -> tuple[str, int] | None:
     weights-only checkpoint, or the base of a LoRA run (all start at iteration 0). Raises `CheckpointError` for a bad
     marker or metadata, as `load_checkpoint` would."""
     t = train_config
-    if not t.load or t.finetune:
+    if not t.load or t.finetune or is_gguf(t.load):  # a GGUF file: a LoRA run's base
         return None
     path = resume_path(t)
     if path is None:
@@ -468,6 +470,8 @@ def load_checkpoint(config, chunks, model, optimizer, diloco=None) -> ResumeStat
     t = config.train
     if not t.load:
         return ResumeState()
+    if is_gguf(t.load):  # QLoRA's base as the file stores it (run_config/checks.py)
+        return ResumeState(lora_base=load_gguf_base(config, chunks, t.load))
     path = resume_path(t)
     if path is None:
         if _same(t.save, t.load):

@@ -9,7 +9,10 @@ base) and the base's identity `base`:
   checkpoint (`--load BASE`): the digest is sha256 over the base's metadata.json file list
   (each file's name, size and sha256, sorted by name), so it names the exact weight files, and
   loading checks every file against its listed sha256 before any tensor is read;
-- `{"path": null, "seed": S}` for a base made from `--seed S` (no `--load`).
+- `{"path": null, "seed": S}` for a base made from `--seed S` (no `--load`);
+- `{"path": <absolute .gguf file>, "sha256": <the file's sha256>, "format": "gguf"}` for a
+  base read from a GGUF file with its blocks kept (`--load model.gguf
+  --lora-base-quantization gguf`, `load_gguf_base`).
 
 `--load` of a LoRA run takes either a plain checkpoint (the base: its weights go into the
 frozen parameters, the adapters start from their init, iteration 0) or a LoRA checkpoint (the
@@ -24,8 +27,8 @@ import os
 
 import torch.distributed as dist
 
-from checkpoint.format import CheckpointError, compare_model, read_metadata
-from checkpoint.lora_files import base_digest
+from checkpoint.format import SHAPE_FIELDS, CheckpointError, compare_model, read_metadata
+from checkpoint.lora_files import base_digest, file_digest, is_gguf
 from checkpoint.model_io import load_model_weights
 
 def lora_settings(t) -> dict:
@@ -53,6 +56,11 @@ def load_base(config, chunks, path: str, meta: dict) -> dict:
     other adapter settings, a missing base, or a base whose files are not the recorded ones."""
     t = config.train
     lora = meta.get("lora")
+    if t.lora_base_quantization == "gguf" and not (lora or {}).get("base", {}).get("format"):
+        raise CheckpointError(f"--lora-base-quantization gguf keeps the blocks of a GGUF "
+                              f"file, but {path} is a checkpoint; pass --load model.gguf (or "
+                              f"a LoRA checkpoint trained on one), or another "
+                              f"--lora-base-quantization")
     if not lora:
         load_model_weights(path, chunks, part="base")
         return {"path": os.path.abspath(path), "sha256": base_digest(meta)}
@@ -70,6 +78,15 @@ def load_base(config, chunks, path: str, meta: dict) -> dict:
                                   f"pass --seed {base.get('seed')}")
         return base
     base_path = str(base["path"])
+    if base.get("format") == "gguf":
+        digest = file_digest(base_path) if os.path.isfile(base_path) else None
+        if digest != base.get("sha256"):
+            raise CheckpointError(
+                f"{path}: its adapters were trained on the GGUF file {base_path} with sha256 "
+                f"{base.get('sha256')}, but that file " + ("is gone" if digest is None else
+                                                         f"now has sha256 {digest}") +
+                "; restore it, or start a new LoRA run on another base")
+        return load_gguf_base(config, chunks, base_path, digest)
     try:
         base_meta = read_metadata(base_path)
     except CheckpointError as e:
@@ -87,3 +104,33 @@ def load_base(config, chunks, path: str, meta: dict) -> dict:
         print(f"LoRA base: {base_path} (sha256 {base['sha256'][:12]}... as recorded)",
               flush=True)
     return base
+
+
+def load_gguf_base(config, chunks, path: str, digest: str | None = None) -> dict:
+    """QLoRA's frozen base as GGUF file `path` stores it: every tensor of a block format
+    (q8_0, q4_0, q4_1, q4_k, q6_k; models/hf/gguf_tensors.py) installed as this rank's
+    shard of a `QuantizedWeight` over the file's blocks, never de-quantized and
+    re-quantized; F32 / F16 tensors (norms) into the float parameters; the adapters left
+    as initialized (checkpoint/hf.py `load_hf_weights`, part "base"). Collective-free; every
+    rank reads its shards. Returns the base's identity (`digest`: the file's sha256, computed
+    when not given). Raises `CheckpointError` when the file's model is not this run's (shape
+    fields), `HFConversionError` / ValueError naming a tensor the file or the layout cannot
+    give (a tp that cuts a block)."""
+    from checkpoint.hf import load_hf_weights
+    from layers.quantized import Quantization
+    from models.hf import open_checked
+
+    src, model = open_checked(path, quantization="keep")
+    ours, theirs = config.model.to_dict(), model.to_dict()
+    diffs = [f"{k}: file {theirs[k]!r}, this run {ours[k]!r}" for k in SHAPE_FIELDS
+             if k in theirs and k in ours and theirs[k] != ours[k]]
+    if diffs:
+        raise CheckpointError(f"{path}: the GGUF file's model does not match this run's "
+                              f"({'; '.join(diffs)}); drop the flags that change the model "
+                              f"(its fields come from the file)")
+    load_hf_weights(src, config.model, chunks, quantization=Quantization(), part="base")
+    if dist.get_rank() == 0:
+        print(f"LoRA base: {path}, its blocks kept as stored (--lora-base-quantization gguf)",
+              flush=True)
+    return {"path": os.path.abspath(path), "sha256": digest or file_digest(path),
+            "format": "gguf"}

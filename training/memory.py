@@ -28,6 +28,7 @@ import parallel_state as ps
 
 from data_parallel.ddp import STRATEGIES  # ZeRO stages 0-3, in order
 from data_parallel.distributed_optimizer import DistributedOptimizer
+from layers.quantized import quantized_weights
 from layers.recompute import recompute_spans
 from planner.activations import model_chunk_bytes, paper_layer_bytes
 from planner.parameters import zero_formula_bytes
@@ -180,7 +181,9 @@ def model_state_bytes(model, optimizer) -> dict:
 
     Measured (bytes): `params` (the persistent weights: the parameters, the flat parameter
     buffer of ZeRO-1/2 or the parameter shards of ZeRO-3), `frozen_params` (parameters that
-    do not train: a LoRA run's base, whole on every rank of its TP/PP shard), `grads` (the float32 gradient
+    do not train: a LoRA run's base, whole on every rank of its TP/PP shard),
+    `frozen_low_bit` (the storage of the base's low-bit weights under QLoRA, which are not
+    parameters: layers/quantized.py), `grads` (the float32 gradient
     buffer, or the gradient shards of ZeRO-2/3), `main_params` (float32 copies separate from
     the weights), `optimizer_states` (AdamW moments), their sum `total`, and in host memory
     (--optimizer-cpu-offload) `host_main_params`, `host_optimizer_states`, `host_grads` and
@@ -218,7 +221,10 @@ def model_state_bytes(model, optimizer) -> dict:
            # whose ZeRO formula counts the trained parameters)
            "frozen_params": sum(size(p) for p in {id(p): p for d in model
                                                   for p in d.module.parameters()
-                                                  if not p.requires_grad}.values())}
+                                                  if not p.requires_grad}.values()),
+           "frozen_low_bit": sum(w.nbytes for w in {id(w): w for d in model
+                                                    for _, w in quantized_weights(d.module)
+                                                    }.values())}
     if isinstance(optimizer, DistributedOptimizer):
         out.update(optimizer.state_bytes())
         n_host = sum(s.hi - s.lo for s in optimizer.shards if s.host)

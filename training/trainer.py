@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 import parallel_state as ps
 from checkpoint.format import CheckpointError
+from checkpoint.lora_files import is_gguf
 from data_parallel.ddp import DistributedDataParallel, resolve_strategy
 from data_parallel.distributed_optimizer import DistributedOptimizer
 from layers import compile_transformer_layers, initial_value, parameters_on_meta
@@ -249,9 +250,10 @@ def settle_vocab(config: Config, tokenizer) -> None:
     Raises DataError when a model loaded from a checkpoint embeds fewer ids than the
     tokenizer has."""
     t, m = config.train, config.model
-    loads_weights = bool(t.load) and resume_path(t) is not None
+    gguf = is_gguf(t.load)  # a LoRA base kept as its GGUF file stores it: the file's vocab
+    loads_weights = bool(t.load) and (gguf or resume_path(t) is not None)
     needed = tokenizer.vocab_size + vocab_extra_ids(config)  # T5: sentinels on top
-    if loads_weights and m.vocab_size != needed:
+    if loads_weights and not gguf and m.vocab_size != needed:
         from checkpoint.format import read_metadata
 
         if read_metadata(resume_path(t))["model"].get("vocab_size") == needed:
@@ -335,15 +337,16 @@ def _start_run(config: Config, device, run_start, tokenizer, train_ds, valid_ds,
 
     flops_per_token = training_flops_per_token(m)
     peak = PeakFlops(device, torch.bfloat16 if t.bf16 else torch.float32, t.peak_tflops)
-    memory = log_memory(model, optimizer, train_ds, config, device)
     diloco = DiLoCo(params, t.diloco_sync_every, t.diloco_outer_lr, t.diloco_outer_momentum) \
         if t.diloco_sync_every else None
     if diloco is not None:
         print_rank_0(diloco.describe())
     # iteration 0: from scratch
     resume = load_checkpoint(config, chunks, model, optimizer, diloco=diloco)
-    if t.lora_base_quantization != "none":  # QLoRA: the loaded base, held low-bit
+    if t.lora_base_quantization not in ("none", "gguf"):  # QLoRA: the loaded base, low-bit
         print_rank_0(quantize_base(chunks, t.lora_base_quantization))
+    # after the base is loaded (and held low-bit): the memory it takes is what is measured
+    memory = log_memory(model, optimizer, train_ds, config, device)
     start_iteration, position = resume.iteration, resume.position
     batches = BatchSchedule(t.global_batch_size, rampup_of(t))
     if t.train_samples:  # the steps left to reach --train-samples from where we are
@@ -438,10 +441,13 @@ def log_memory(model, optimizer, dataset, config: Config, device) -> dict:
     else:
         planner, line = memory_prediction(config, ps.get_pipeline_model_parallel_rank(), {
             "model_state_total_bytes": state["total"],
-            "activation_bytes_per_microbatch": act["activation_bytes_per_microbatch"]})
+            "frozen_base_bytes": state["frozen_params"] + state["frozen_low_bit"],
+            "activation_bytes_per_microbatch": act["activation_bytes_per_microbatch"]},
+            base_formats(model, config))
     ranks = [None] * dist.get_world_size()  # (measured total, planner's two ratios) per rank
     collectives.all_gather_object(ranks, (
-        state["total"] + act["activation_bytes_per_microbatch"],
+        state["total"] + state["frozen_params"] + state["frozen_low_bit"] +
+        act["activation_bytes_per_microbatch"],
         planner["planner_model_state_ratio"], planner["planner_activation_ratio"]))
     totals = [r[0] for r in ranks]
     planner["planner_model_state_ratio_per_rank"] = [r[1] for r in ranks]
@@ -469,18 +475,30 @@ def memory_line(config: Config, state: dict, act: dict, totals: list[int]) -> st
     if config.train.diloco_sync_every is not None:  # the wrappers' group is one rank
         group = (f"dp {config.data_parallel_size} (DiLoCo: each replica holds whole states, "
                  f"nothing reduced over dp between syncs)")
+    frozen = state["frozen_params"] + state["frozen_low_bit"]
+    low_bit = f" (low-bit {mib(state['frozen_low_bit'])})" if state["frozen_low_bit"] else ""
     return (
-        f"memory (rank 0, MiB): model states {mib(state['total'])} (weights "
+        f"memory (rank 0, MiB): model states {mib(state['total'])} "
+        f"({'adapters' if config.train.lora_rank else 'weights'} "
         f"{mib(state['params'])}, gradients {mib(state['grads'])}, optimizer "
         f"{mib(state['main_params'] + state['optimizer_states'])}; {state['strategy']} at "
         f"{group}, ZeRO formula {mib(state['predicted_total'])}{host}{gathered}) + "
-        + (f"frozen base {mib(state['frozen_params'])} + " if state.get("frozen_params") else "")
+        + (f"frozen base {mib(frozen)}{low_bit} + " if frozen else "")
         + ("activations not measured (T5)" if config.model.is_encoder_decoder else
            f"activations {mib(act['activation_bytes_per_microbatch'])} per microbatch (the "
            f"decoder layers' {mib(act['activation_bytes_layers'])}, predicted "
            f"{mib(act['activation_bytes_layers_predicted'])})") +
         (f"; largest rank {largest}: {mib(totals[largest])}" if len(totals) > 1 else "") +
         "; details in metrics.jsonl")
+
+
+def base_formats(model, config: Config) -> dict | None:
+    """`{parameter name: format}` of the low-bit weights of a base kept as its GGUF file
+    stores it (--lora-base-quantization gguf), for the planner's prediction of its bytes;
+    None otherwise (the planner knows the format from the flag)."""
+    if config.train.lora_base_quantization != "gguf":
+        return None
+    return {name: w.format for d in model for name, w in quantized_weights(d.module)}
 
 
 _STATE_COUNTS = ("psi", "psi_padded", "dp", "edp", "strategy")  # model-state fields not in bytes

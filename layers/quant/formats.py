@@ -67,6 +67,20 @@ INT4_GROUP_SIZES = (32, 64, 128)
 BY_GGML_TYPE = {f.ggml_type: f for f in GGUF_FORMATS.values()}
 
 
+def storage_bytes(fmt: str, out: int, inp: int, group_size: int = 128) -> int:
+    """Bytes `quantize` (or a GGUF file) stores a `[out, in]` weight of format `fmt` in
+    (the module docstring's layouts): int8 `out in + 4 out` (int8 values, float32 row
+    scales); int4 `out in / 2 + 8 out in / g` (nibbles, float32 scale and zero point per
+    group of `group_size`); a GGUF format `out (in / block) block_bytes`. The planner
+    counts a low-bit base with it. Raises KeyError for an unknown format."""
+    if fmt == "int8":
+        return out * inp + 4 * out
+    if fmt == "int4":
+        return out * inp // 2 + 8 * out * (inp // group_size)
+    f = GGUF_FORMATS[fmt]
+    return out * (inp // f.block) * f.block_bytes
+
+
 def _f16(raw: torch.Tensor) -> torch.Tensor:
     """`uint8 [..., 2]` little-endian half floats -> float32 `[...]`."""
     return raw.contiguous().view(torch.float16).squeeze(-1).float()
