@@ -383,7 +383,7 @@ def _check_batch(t: TrainConfig, dp: int) -> int:
             f"--global-batch-size {suggest}")
     num_microbatches = t.global_batch_size // per_step
     pp, vpp = t.pipeline_model_parallel_size, t.virtual_pipeline_model_parallel_size
-    if vpp is not None and vpp > 1 and num_microbatches % pp:
+    if t.pipeline_schedule == "interleaved" and num_microbatches % pp:  # zbv runs any m
         raise ConfigError(
             f"the interleaved schedule (--virtual-pipeline-model-parallel-size {vpp}) needs the "
             f"number of microbatches ({num_microbatches}) to be a multiple of "
