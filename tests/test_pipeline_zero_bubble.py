@@ -302,11 +302,15 @@ def test_zbv_matches_single_process(case, references, case_results):
     assert not weights_mismatch(v["state"], ref["state"], 5 * k_step)
 
 
-def test_profiled_zb_h1_timeline_has_w_blocks_and_the_table_s_bubble(tmp_path, corpus_env):
-    """--profile-pipeline under ZB-H1 (pp 4, m 8): every rank records 8 F, 8 B and 8 W
-    blocks; re-timed with equal costs the recorded order has the table's bubble (p-1)/(3m) on
-    every rank, a third of 1F1B's; the activations held at peak, counted from the timeline,
-    equal the table's (pp on every rank)."""
+@pytest.mark.parametrize("schedule,chunks,bubble,peak", [("zb-h1", 1, 3 / (3 * 8), 4),
+                                                         ("zbv", 2, 1 / 16, 8)])
+def test_profiled_timeline_has_w_blocks_and_the_table_s_bubble(schedule, chunks, bubble, peak,
+                                                               tmp_path, corpus_env):
+    """--profile-pipeline under ZB-H1 and ZBV (pp 4, m 8): every rank records 8 F, 8 B and
+    8 W blocks per chunk; re-timed with equal costs the recorded order has the table's bubble
+    on every rank ((p-1)/(3m) for ZB-H1, a third of 1F1B's; 1/16 for ZBV); the activations
+    held at peak, counted from the timeline, equal the table's (pp chunk-microbatches of
+    one chunk per rank for ZB-H1, 2 pp of half a stage each for ZBV)."""
     import json
 
     from launch import read_metrics, run_train
@@ -314,12 +318,13 @@ def test_profiled_zb_h1_timeline_has_w_blocks_and_the_table_s_bubble(tmp_path, c
 
     args = ["--config", "configs/tiny-llama.yaml", "--pp", "4", "--num-layers", "8",
             "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "2",
-            "--eval-interval", "0", "--profile-pipeline", "--no-tensorboard"] + ZB
+            "--eval-interval", "0", "--profile-pipeline", "--no-tensorboard",
+            "--pipeline-schedule", schedule]
     run_train(4, args, tmp_path, env=corpus_env)
     record = [r for r in read_metrics(tmp_path) if "bubble_theory" in r][0]
-    assert record["schedule"] == "zb-h1"
-    assert record["bubble_theory"] == pytest.approx(3 / (3 * 8))
-    assert record["in_flight_peak"] == record["in_flight_peak_predicted"] == [4, 4, 4, 4]
+    assert record["schedule"] == schedule
+    assert record["bubble_theory"] == pytest.approx(bubble)
+    assert record["in_flight_peak"] == record["in_flight_peak_predicted"] == [peak] * 4
     assert len(record["bubble_predicted"]) == 4 and record["pass_costs"][2] > 0
     trace = json.loads((tmp_path / "pipeline_timeline.json").read_text())["traceEvents"]
     per_rank = [[] for _ in range(4)]
@@ -327,9 +332,10 @@ def test_profiled_zb_h1_timeline_has_w_blocks_and_the_table_s_bubble(tmp_path, c
         if e["cat"] in "FBW":
             _, chunk, mb = e["name"].split()
             per_rank[e["tid"]].append(Span(e["cat"], int(chunk[1:]), int(mb[2:]), 0, 0, 1.0))
-    assert all(sorted(s.kind for s in spans) == ["B"] * 8 + ["F"] * 8 + ["W"] * 8
-               for spans in per_rank)
-    assert replay(per_rank, 4, 1) == pytest.approx([3 / (3 * 8)] * 4, abs=1e-9)
+    assert all(sorted((s.kind, s.chunk) for s in spans) == sorted(
+        (k, c) for k in "FBW" for c in range(chunks) for _ in range(8)) for spans in per_rank)
+    assert replay(per_rank, 4, chunks, v_shape=schedule == "zbv") == \
+        pytest.approx([bubble] * 4, abs=1e-9)
 
 
 def test_resume_across_schedules_gives_the_uninterrupted_curve(tmp_path, corpus_env):
@@ -349,3 +355,25 @@ def test_resume_across_schedules_gives_the_uninterrupted_curve(tmp_path, corpus_
     assert whole_1f1b == whole_zb and len(whole_1f1b) == 5
     for first, resumed in ((out[2], out[3]), (out[4], out[5])):
         assert first["losses"] + resumed["losses"] == whole_1f1b
+
+
+def test_zbv_resumes_across_schedules(tmp_path, corpus_env):
+    """Tied GPT at pp 2 with dropout: 1F1B saves at iteration 2 and ZBV (other layers on
+    each stage, the output copy on stage 0) resumes to 5; ZBV saves and 1F1B resumes. Each
+    continues its uninterrupted run's losses bit for bit (layer numbers are global, the tied
+    copy reads the embedding), and the two uninterrupted runs agree."""
+    base = GPT + COMMON + ["--pp", "2"]
+    save_a, save_b = str(tmp_path / "a"), str(tmp_path / "b")
+    runs = [base, base + ZBV,
+            base + ["--save", save_a, "--save-interval", "2", "--exit-interval", "2"],
+            base + ZBV + ["--load", save_a],
+            base + ZBV + ["--save", save_b, "--save-interval", "2", "--exit-interval", "2"],
+            base + ["--load", save_b]]
+    out = run_distributed(_train_worker, 2, runs, str(tmp_path / "logs"),
+                          corpus_env["SHARDZOO_CACHE"], timeout=900)[0]
+    whole_1f1b, whole_zbv = out[0]["losses"], out[1]["losses"]
+    assert len(whole_1f1b) == 5
+    assert_losses_close(whole_zbv, whole_1f1b, training_chain_terms(base))
+    assert out[2]["losses"] + out[3]["losses"] == whole_zbv
+    assert out[4]["losses"] + out[5]["losses"] == whole_1f1b
+    assert all(torch.equal(out[3]["state"][k], out[1]["state"][k]) for k in out[1]["state"])
