@@ -118,6 +118,11 @@ def test_schedule_tables_checked_over_a_grid():
             list(range(2 * pp))
         assert all(st.stage_rank(pp, s.virtual_stage(r, c), True) == (r, c)
                    for r in range(pp) for c in (0, 1))
+        for acts in s.actions:  # per chunk, F and B in microbatch order: on each chunk's
+            for kind in "FB":     # group every direction carries one kind, first in first out
+                for c in (0, 1):
+                    mbs = [a.microbatch for a in acts if (a.kind, a.chunk) == (kind, c)]
+                    assert mbs == sorted(mbs)
     assert st.simulate(st.build("zbv", 4, 8, vpp=2)).bubble == pytest.approx([1 / 16] * 4)
     table = st.build("zb-h1", 4, 8).table().splitlines()
     assert table[3].startswith("rank 3: F0.0 B0.0 F0.1 B0.1 F0.2 B0.2 F0.3 B0.3 W0.0 F0.4")
