@@ -665,10 +665,15 @@ def all_reduce_embedding_grads(model) -> None:
     if ps.get_pipeline_model_parallel_world_size() == 1:
         return
     grads = grad_pieces(model, lambda p: getattr(p, "shared_embedding", False))
+    if len(grads) > 1:  # both copies on this rank (ZBV's V: stage 0): sum them here
+        grads[0].add_(sum(grads[1:]))
+        for g in grads[1:]:
+            g.copy_(grads[0])
     group = ps.get_embedding_group()
-    if group is not None and grads:
-        for g in grads:
-            collectives.all_reduce(g, group=group)
+    if group is not None and grads and dist.get_world_size(group) > 1:
+        collectives.all_reduce(grads[0], group=group)
+        for g in grads[1:]:
+            g.copy_(grads[0])
     # other parameters replicated over stages (T5's per-stack position-bias tables)
     names = sorted({p.stage_group for ddp in model for p in ddp.params
                     if getattr(p, "stage_group", None) is not None})

@@ -28,11 +28,7 @@ from parallel_state import collectives
 
 def counts_toward_norm(param: nn.Parameter) -> bool:
     """True if this rank owns `param` for the global gradient norm (see module docstring)."""
-    if getattr(param, "pipeline_duplicate", False):  # a copy another stage counts (T5)
-        return False
-    if getattr(param, "shared_embedding", False) and ps.model_parallel_is_initialized() \
-            and ps.is_pipeline_last_stage(ignore_virtual=True) \
-            and not ps.is_pipeline_first_stage(ignore_virtual=True):
+    if getattr(param, "pipeline_duplicate", False):  # a copy the embedding's stage counts
         return False
     return getattr(param, "tensor_model_parallel", False) or ps.get_tensor_model_parallel_rank() == 0
 

@@ -98,6 +98,7 @@ class GPTModel(nn.Module):
                 # all-reduce of its gradient with the first stage's copy.
                 self.output_layer.weight.init_key = WORD_EMBEDDINGS
                 self.output_layer.weight.shared_embedding = True
+                self.output_layer.weight.pipeline_duplicate = True  # the norm counts it once
         if pre_process and self.share_embeddings_and_output_weights and not post_process:
             self.embedding.word_embeddings.weight.shared_embedding = True
         assign_dropout_sites(self)

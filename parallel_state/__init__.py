@@ -47,6 +47,7 @@ from .grid import (  # noqa: F401
     initialize_distributed,
     initialize_model_parallel,
     is_pipeline_first_stage,
+    is_pipeline_v_shape,
     is_pipeline_last_stage,
     model_parallel_is_initialized,
     report_error,

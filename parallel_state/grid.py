@@ -62,6 +62,11 @@ class Grid:
     pp_rank: int = 0
     pp_ranks: list[int] = field(default_factory=list)  # global ranks of this pipeline, by stage
     virtual_pipeline_rank: int = 0  # the model chunk currently running (set by schedules)
+    # ZBV's V placement (models/pipeline.py): chunk 1 of stage s is virtual stage 2 pp - 1 - s,
+    # so stage 0 holds the loss; its chunk-1 messages travel on their own group of the same
+    # ranks (`get_pipeline_model_parallel_group(1)`)
+    pipeline_v_shape: bool = False
+    pp_v_group: dist.ProcessGroup | None = None
     # context parallel (see the module docstring): size, this rank's coordinate, its groups
     context_parallel_size: int = 1
     cp_rank: int = 0
@@ -183,6 +188,7 @@ def initialize_model_parallel(
     expert_model_parallel_size: int = 1,
     expert_tensor_parallel_size: int | None = None,
     context_parallel_size: int = 1,
+    pipeline_v_shape: bool = False,
 ) -> Grid:
     """Build the (pp, dp, cp, tp) grid over the running world and make it current.
 
@@ -194,6 +200,10 @@ def initialize_model_parallel(
     out the expert layers over each stage's dp * cp * tp ranks as etp x ep x edp (module
     docstring); edp = dp * cp * tp / (ep * etp). `context_parallel_size` (cp): ranks splitting
     each sequence (Megatron's --context-parallel-size); dp = world / (tp * cp * pp).
+    `pipeline_v_shape`: the model chunks sit in a V (ZBV, vpp 2: chunk 1 of stage s is virtual
+    stage 2 pp - 1 - s); the chunk-1 activations and gradients get a second group over the
+    pipeline's ranks, so that on NCCL (which pairs a pair's messages in posting order, tags
+    ignored) they never pair with chunk 0's, whose order between two ranks differs.
 
     Raises `GridError` when the world size is not divisible by tp * cp * pp, when etp does not
     divide dp * cp * tp or ep does not divide dp * cp * tp / etp, when a size is not positive, when the
@@ -226,6 +236,17 @@ def initialize_model_parallel(
     model_parallel_group, embedding_group, groups = _cross_stage_groups(
         tp, dpc, pp, rank, embedding_stages, stage_groups)
     pp_ranks = [(p * dpc + dpc_rank) * tp + tp_rank for p in range(pp)]
+    pp_v_group = None
+    if pipeline_v_shape:
+        if vpp != 2 or pp < 2:
+            raise GridError(f"a V placement runs 2 model chunks on each of pp >= 2 stages "
+                            f"(got vpp {vpp}, pp {pp})")
+        for d in range(dpc):
+            for t in range(tp):
+                ranks = [(p * dpc + d) * tp + t for p in range(pp)]
+                g = collectives.new_group(ranks, label="pp-v")
+                if rank in ranks:
+                    pp_v_group = g
     dp_cp_group = _dp_cp_group(mesh, tp, dp, cp, pp, rank, device)
     expert = _expert_groups(tp, dpc, pp, ep, etp, rank, mesh.get_group("tp"),
                             dp_cp_group, device)
@@ -246,6 +267,8 @@ def initialize_model_parallel(
         dp_rank=dp_rank,
         pp_rank=pp_rank,
         pp_ranks=pp_ranks,
+        pipeline_v_shape=pipeline_v_shape,
+        pp_v_group=pp_v_group,
         context_parallel_size=cp,
         cp_rank=cp_rank,
         cp_group=mesh.get_group("cp"),
@@ -482,8 +505,15 @@ def get_context_parallel_global_ranks() -> list[int]:
     return [first + c * g.tensor_model_parallel_size for c in range(g.context_parallel_size)]
 
 
-def get_pipeline_model_parallel_group():
-    return get_grid().pp_group
+def get_pipeline_model_parallel_group(chunk: int = 0):
+    """The pipeline's group; in a V placement chunk 1's messages use a second one."""
+    g = get_grid()
+    return g.pp_v_group if chunk == 1 and g.pipeline_v_shape else g.pp_group
+
+
+def is_pipeline_v_shape() -> bool:
+    """True when the model chunks sit in a V (ZBV): stage 0 holds embedding and loss."""
+    return bool(_GRID and _GRID.pipeline_v_shape)
 
 
 def get_model_parallel_group():
@@ -605,8 +635,12 @@ def is_pipeline_first_stage(ignore_virtual: bool = False) -> bool:
 
 
 def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
-    """True on the stage holding the output layer and loss (with vpp: the last chunk)."""
+    """True on the stage holding the output layer and loss (with vpp: the last chunk; in a
+    V placement chunk 1 of pipeline rank 0)."""
     vpp = get_virtual_pipeline_model_parallel_world_size()
+    if is_pipeline_v_shape():
+        return get_pipeline_model_parallel_rank() == 0 and (
+            ignore_virtual or get_virtual_pipeline_model_parallel_rank() == 1)
     if not ignore_virtual and vpp:
         if get_virtual_pipeline_model_parallel_rank() != vpp - 1:
             return False

@@ -67,7 +67,7 @@ def communicate(spec: TensorSpec, *, send_next: Tensors | None = None,
     if ps.get_pipeline_model_parallel_world_size() == 1:
         return None, None
     group = ps.get_pipeline_model_parallel_group()
-    nxt, prv = ps.get_pipeline_model_parallel_next_rank(), ps.get_pipeline_model_parallel_prev_rank()
+    nxt, prv = _peer(True), _peer(False)
     ops: list[dist.P2POp] = []
     keep = []  # contiguous send buffers must live until the ops complete
 
@@ -87,27 +87,52 @@ def communicate(spec: TensorSpec, *, send_next: Tensors | None = None,
         ops.append(dist.P2POp(dist.irecv, t, prv, group=group, tag=FORWARD_TAG))
     for t in from_next or ():
         ops.append(dist.P2POp(dist.irecv, t, nxt, group=group, tag=BACKWARD_TAG))
+    _run(ops, spec)
+    return from_prev, from_next
+
+
+def _run(ops: list, spec: TensorSpec) -> None:
+    """Post `ops` as one batch and wait for them (a communication span of a profiled run)."""
     if ops:
         with _timeline.span("C") if _timeline is not None else contextlib.nullcontext():
             for req in collectives.batch_isend_irecv(ops):
                 req.wait()
     if spec.device.type == "cuda":
         torch.cuda.synchronize()  # a received buffer is read right after (Megatron does this)
-    return from_prev, from_next
 
 
-def isend(spec: TensorSpec, tensors: Tensors, *, to_next: bool) -> list:
-    """Post the sends of `tensors` to the next stage (activations, tag 0) or the previous one
-    (gradients, tag 1) and return without waiting: `(requests, buffers)` for `wait_sends`.
-    Schedules given as action tables (zero bubble) send this way and receive when an action
-    needs its input, so a rank never waits on a send while its peer waits on it."""
-    group = ps.get_pipeline_model_parallel_group()
-    peer = ps.get_pipeline_model_parallel_next_rank() if to_next else \
+def _peer(to_next: bool) -> int:
+    return ps.get_pipeline_model_parallel_next_rank() if to_next else \
         ps.get_pipeline_model_parallel_prev_rank()
-    tag = FORWARD_TAG if to_next else BACKWARD_TAG
+
+
+def isend(spec: TensorSpec, tensors: Tensors, *, to_next: bool, gradient: bool | None = None,
+          chunk: int = 0) -> list:
+    """Post the sends of `tensors` to the next stage or the previous one and return without
+    waiting: `(requests, buffers)` for `wait_sends`. `gradient` (default: `not to_next`)
+    picks the tag: activations 0, gradients 1 (in a V placement chunk 1's activations go to
+    the previous stage); `chunk` the group (`get_pipeline_model_parallel_group`). Schedules
+    given as action tables (zero bubble) send this way and receive (`recv`) when an action
+    needs its input, so a rank never waits on a send while its peer waits on it."""
+    group = ps.get_pipeline_model_parallel_group(chunk)
+    gradient = not to_next if gradient is None else gradient
+    tag = BACKWARD_TAG if gradient else FORWARD_TAG
     keep = [t.detach().to(spec.dtype).contiguous() for t in tensors]
-    ops = [dist.P2POp(dist.isend, t, peer, group=group, tag=tag) for t in keep]
+    ops = [dist.P2POp(dist.isend, t, _peer(to_next), group=group, tag=tag) for t in keep]
     return [collectives.batch_isend_irecv(ops), keep]
+
+
+def recv(spec: TensorSpec, *, from_next: bool, gradient: bool | None = None,
+         chunk: int = 0) -> Tensors:
+    """Receive the tuple `isend` sent from the next or the previous stage (`gradient`, default
+    `from_next`, and `chunk` as there); fresh tensors of `spec`'s shapes (`next_shapes`
+    from the next stage)."""
+    group = ps.get_pipeline_model_parallel_group(chunk)
+    gradient = from_next if gradient is None else gradient
+    tag = BACKWARD_TAG if gradient else FORWARD_TAG
+    out = spec.empty(shapes=spec.next_shapes if from_next else None)
+    _run([dist.P2POp(dist.irecv, t, _peer(from_next), group=group, tag=tag) for t in out], spec)
+    return out
 
 
 def wait_sends(pending: list, completed_only: bool = False) -> None:

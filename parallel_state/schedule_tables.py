@@ -31,6 +31,24 @@ from typing import NamedTuple
 
 SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zbv")
 SPLIT_BACKWARD = ("zb-h1", "zbv")  # schedules with separate B and W
+V_SHAPED = ("zbv",)  # schedules whose second chunk runs the stages in reverse rank order
+
+
+def virtual_stage(pp: int, rank: int, chunk: int, v_shape: bool = False) -> int:
+    """Virtual stage of model chunk `chunk` on pipeline rank `rank` (0 embeds, the last one
+    holds the loss): `chunk * pp + rank` (interleaved, Narayanan et al. 2021, sec. 2.2.2), or
+    in a V (`v_shape`, two chunks) `rank` for chunk 0 and `2 pp - 1 - rank` for chunk 1, so
+    rank 0 holds the first and the last virtual stage and rank pp - 1 the two middle ones."""
+    if v_shape:
+        return rank if chunk == 0 else 2 * pp - 1 - rank
+    return chunk * pp + rank
+
+
+def stage_rank(pp: int, stage: int, v_shape: bool = False) -> tuple[int, int]:
+    """(pipeline rank, chunk) holding virtual stage `stage`; the inverse of `virtual_stage`."""
+    if v_shape:
+        return (stage, 0) if stage < pp else (2 * pp - 1 - stage, 1)
+    return stage % pp, stage // pp
 
 
 class ScheduleError(ValueError):
@@ -59,9 +77,7 @@ class Schedule:
 
     def virtual_stage(self, rank: int, chunk: int) -> int:
         """Virtual stage of `chunk` on `rank` (0 embeds, pp * vpp - 1 holds the loss)."""
-        if self.v_shape:
-            return rank if chunk == 0 else 2 * self.pp - 1 - rank
-        return chunk * self.pp + rank
+        return virtual_stage(self.pp, rank, chunk, self.v_shape)
 
     def table(self) -> str:
         """One line per rank, the actions in order (`F0.3`: forward, chunk 0, microbatch 3)."""

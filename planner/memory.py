@@ -30,6 +30,7 @@ gathered units (`gathered_peak_bytes`); at cp > 1 one attention call's K/V block
 """
 from __future__ import annotations
 
+from models.pipeline import chunk_roles
 from parallel_state import schedule_tables
 
 from .activations import model_chunk_bytes, norm_bytes
@@ -125,9 +126,9 @@ def rank_memory(config, pp_rank: int, base_formats: dict | None = None) -> dict:
     states = model_state_prediction(config, pp_rank)
     chunks = rank_chunks(config, pp_rank, base=True)
     sets = chunk_sets(config, pp_rank)
-    per_chunk = [chunk_activation_bytes(config, params, pp_rank == 0 and c == 0,
-                                        pp_rank == pp - 1 and c == v - 1)["total"]
-                 for c, params in enumerate(chunks)]
+    roles = chunk_roles(pp, pp_rank, v, t.pipeline_schedule in schedule_tables.V_SHAPED)
+    per_chunk = [chunk_activation_bytes(config, params, pre, post)["total"]
+                 for (pre, post), params in zip(roles, chunks)]
     per_mb = sum(per_chunk)
     held = in_flight(pp, v, config.num_microbatches, pp_rank, t.pipeline_schedule)
     activations = per_mb * held / v

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.pipeline import rank_chunk_layers
+from models.pipeline import chunk_roles, rank_chunk_layers
+from parallel_state.schedule_tables import V_SHAPED
 
 from data_parallel.ddp import DistributedDataParallel
 
@@ -248,11 +249,19 @@ def rank_chunks(config, pp_rank: int, base: bool = False) -> list[list[ParamShap
         if lora:
             return [lora_parameters(config.model, t.tensor_model_parallel_size, layers,
                                     t.sequence_parallel, *lora) for layers in chunks]
+
+    v_shape = t.pipeline_schedule in V_SHAPED
+    key = ("chunks", repr(config.model), t.tensor_model_parallel_size, pp, v,
+           t.sequence_parallel, t.decoder_first_pipeline_num_layers,
+           t.decoder_last_pipeline_num_layers, pp_rank, ep, etp, v_shape)
+
+    def make():
+        chunks = rank_chunk_layers(config.stage_num_layers(), pp_rank,
+                                   t.virtual_pipeline_model_parallel_size, v_shape)
         return [chunk_parameters(config.model, t.tensor_model_parallel_size, layers,
-                                 pre_process=pp_rank == 0 and c == 0,
-                                 post_process=pp_rank == pp - 1 and c == v - 1,
+                                 pre_process=pre, post_process=post,
                                  sequence_parallel=t.sequence_parallel, ep=ep, etp=etp)
-                for c, layers in enumerate(chunks)]
+                for (pre, post), layers in zip(chunk_roles(pp, pp_rank, v, v_shape), chunks)]
     return _cached(key, make)
 
 

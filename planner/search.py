@@ -2,7 +2,7 @@
 (memory, communication, bubble, step time, MFU) and ranked.
 
 A layout is (tp, pp, vpp and pipeline schedule -- 1f1b or zb-h1 at vpp 1, interleaved
-above --, cp, dp, micro batch, sharding strategy, recompute, sequence parallel, and for an MoE model the expert-parallel size ep: every divisor of num_moe_experts
+above, zbv at vpp 2 --, cp, dp, micro batch, sharding strategy, recompute, sequence parallel, and for an MoE model the expert-parallel size ep: every divisor of num_moe_experts
 that divides dp, expert TP = TP; the context-parallel size cp: every divisor of the GPUs left
 by tp x pp with seq_length divisible by 2 cp, dense models only, in the comm type asked
 for); `enumerate_layouts` builds each one as a
@@ -52,7 +52,8 @@ import math
 from dataclasses import dataclass
 
 from models.config import ConfigError
-from models.pipeline import rank_chunk_layers
+from models.pipeline import chunk_roles, rank_chunk_layers
+from parallel_state.schedule_tables import V_SHAPED
 
 from data_parallel.ddp import STRATEGIES
 from run_config.config import Config
@@ -139,10 +140,10 @@ def layout_fields(config: Config) -> dict:
 def flags(layout: dict) -> str:
     """train.py flags of a layout."""
     out = [f"--tp {layout['tp']}", f"--pp {layout['pp']}"]
-    if layout["vpp"] > 1:
+    if layout.get("schedule") in ("zb-h1", "zbv"):
+        out.append(f"--pipeline-schedule {layout['schedule']}")  # zbv sets vpp 2 itself
+    elif layout["vpp"] > 1:
         out.append(f"--vpp {layout['vpp']}")
-    if layout.get("schedule") == "zb-h1":
-        out.append("--pipeline-schedule zb-h1")
     if layout.get("ep", 1) > 1:
         out.append(f"--expert-model-parallel-size {layout['ep']}")
     if layout.get("cp", 1) > 1:
@@ -223,13 +224,14 @@ def _parallel_sizes(model, gpus: int, ep: int | None = None,
                     cp: int | None = None) -> list[tuple]:
     """Every (tp, pp, vpp, pipeline schedule, sequence parallel, ep, cp) the search tries for
     `gpus` (`ep`, `cp`: only that expert-parallel / context-parallel size): at pp > 1 and
-    vpp 1 both 1f1b and zb-h1, at vpp > 1 interleaved."""
+    vpp 1 both 1f1b and zb-h1, at vpp > 1 interleaved, at vpp 2 also zbv."""
     out = []
     for tp in _divisors(gpus):
         for pp in _divisors(gpus // tp):
             per_stage = model.num_layers // pp if model.num_layers % pp == 0 else 0
             vpps = [(None, "1f1b"), (None, "zb-h1")] + [
-                (v, "interleaved") for v in _divisors(per_stage) if 1 < v <= MAX_VPP] \
+                (v, "interleaved") for v in _divisors(per_stage) if 1 < v <= MAX_VPP] + (
+                [(2, "zbv")] if per_stage % 2 == 0 else []) \
                 if pp > 1 and per_stage else [(None, None)]
             for c in context_parallel_sizes(model, gpus // (tp * pp)):
                 if cp is not None and c != cp:
@@ -293,12 +295,16 @@ def _compute_seconds_per_microbatch(config: Config, hw: Hardware) -> float:
     tokens = t.micro_batch_size * m.seq_length // t.context_parallel_size  # a CP rank's
     stages = config.stage_num_layers()
     t_mb = 0.0
+    v_shape = t.pipeline_schedule in V_SHAPED
     for r in range(pp):
         numbers = [n for chunk in rank_chunk_layers(stages, r,
-                                                    t.virtual_pipeline_model_parallel_size)
+                                                    t.virtual_pipeline_model_parallel_size,
+                                                    v_shape)
                    for n in chunk]
         layers = sum(layer_forward_flops(m, n) for n in numbers)
-        flops = 3 * (layers + (logits if r == pp - 1 else 0))
+        loss_here = any(post for _, post in chunk_roles(
+            pp, r, t.virtual_pipeline_model_parallel_size, v_shape))
+        flops = 3 * (layers + (logits if loss_here else 0))
         if t.recompute_granularity == "full":
             flops += layers
         elif t.recompute_granularity == "selective":

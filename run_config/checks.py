@@ -41,13 +41,13 @@ def validate(m: ModelConfig, t: TrainConfig, world_size: int) -> tuple[int, int]
         if t.pipeline_model_parallel_split_rank is not None:
             raise ConfigError("--pipeline-model-parallel-split-rank is for encoder-decoder "
                               "models (--model-type t5); drop it for a GPT model")
+        _zbv_chunks(m, t)
         _check_pipeline(m, t)
     _check_pipeline_schedule(m, t)
     num_microbatches = _check_batch(t, dp)
     check_batch_schedule(t, t.micro_batch_size * dp,
                          t.pipeline_model_parallel_size,
-                         bool(t.virtual_pipeline_model_parallel_size and
-                              t.virtual_pipeline_model_parallel_size > 1))
+                         t.pipeline_schedule == "interleaved")
     _check_optimizer(t)
     _check_sharding(t)
     check_diloco(t)
@@ -331,7 +331,22 @@ def _check_pipeline(m: ModelConfig, t: TrainConfig) -> None:
             t.num_layers_per_virtual_pipeline_stage = stages[0] // vpp
 
 
-PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1")  # what training runs (--pipeline-schedule)
+PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zbv")  # --pipeline-schedule
+
+
+def _zbv_chunks(m: ModelConfig, t: TrainConfig) -> None:
+    """--pipeline-schedule zbv runs 2 chunks per stage: vpp 2 unless a vpp flag is given
+    (`_check_pipeline_schedule` refuses another), each stage's layers split in two."""
+    if t.pipeline_schedule != "zbv" or t.pipeline_model_parallel_size < 2 or \
+            t.virtual_pipeline_model_parallel_size is not None or \
+            t.num_layers_per_virtual_pipeline_stage is not None:
+        return
+    stages = stage_layers(m.num_layers, t)
+    if any(n % 2 for n in stages):
+        raise ConfigError(f"--pipeline-schedule zbv splits each pipeline stage's layers into 2 "
+                          f"chunks, but the stages hold {stages} layers; make every stage's "
+                          f"count even (--num-layers, --decoder-first/last-pipeline-num-layers)")
+    t.virtual_pipeline_model_parallel_size = 2
 
 
 def _check_pipeline_schedule(m: ModelConfig, t: TrainConfig) -> None:
@@ -346,17 +361,22 @@ def _check_pipeline_schedule(m: ModelConfig, t: TrainConfig) -> None:
     if name in ("1f1b", "zb-h1") and vpp > 1:
         raise ConfigError(f"--pipeline-schedule {name} runs one model chunk per stage; drop "
                           f"--virtual-pipeline-model-parallel-size {vpp} or use interleaved")
-    if name == "zb-h1":
+    if name in ("zb-h1", "zbv"):
         if t.pipeline_model_parallel_size < 2:
-            raise ConfigError("--pipeline-schedule zb-h1 needs --pipeline-model-parallel-size"
-                              " > 1 (without pipelining there is no bubble to fill)")
+            raise ConfigError(f"--pipeline-schedule {name} needs --pipeline-model-parallel-size"
+                              f" > 1 (without pipelining there is no bubble to fill)")
         if m.is_encoder_decoder:
-            raise ConfigError("--pipeline-schedule zb-h1 runs decoder-only models; use 1f1b "
-                              "for an encoder-decoder model")
+            raise ConfigError(f"--pipeline-schedule {name} runs decoder-only models; use 1f1b "
+                              f"for an encoder-decoder model")
         if t.compile:
-            raise ConfigError("--pipeline-schedule zb-h1 splits the backward in the layers' "
-                              "own autograd functions, which a compiled layer traces once; "
-                              "drop --compile or use 1f1b")
+            raise ConfigError(f"--pipeline-schedule {name} splits the backward in the layers' "
+                              f"own autograd functions, which a compiled layer traces once; "
+                              f"drop --compile or use 1f1b")
+    if name == "zbv" and vpp != 2:
+        raise ConfigError(f"--pipeline-schedule zbv runs exactly 2 model chunks per stage (a V);"
+                          f" drop --virtual-pipeline-model-parallel-size / --num-layers-per-"
+                          f"virtual-pipeline-stage (got vpp {vpp}; zbv sets 2) or use "
+                          f"interleaved")
     t.pipeline_schedule = name if t.pipeline_model_parallel_size > 1 else t.pipeline_schedule
 
 
@@ -372,7 +392,7 @@ def _check_batch(t: TrainConfig, dp: int) -> int:
             f"--global-batch-size {suggest}")
     num_microbatches = t.global_batch_size // per_step
     pp, vpp = t.pipeline_model_parallel_size, t.virtual_pipeline_model_parallel_size
-    if vpp is not None and vpp > 1 and num_microbatches % pp:
+    if t.pipeline_schedule == "interleaved" and num_microbatches % pp:  # zbv runs any m
         raise ConfigError(
             f"the interleaved schedule (--virtual-pipeline-model-parallel-size {vpp}) needs the "
             f"number of microbatches ({num_microbatches}) to be a multiple of "

@@ -26,7 +26,7 @@ class TrainConfig:
     decoder_last_pipeline_num_layers: int | None = None
     pipeline_model_parallel_split_rank: int | None = None  # T5: first decoder stage
     sequence_parallel: bool = False
-    pipeline_schedule: str | None = None  # 1f1b | interleaved | zb-h1 (None: by vpp)
+    pipeline_schedule: str | None = None  # 1f1b | interleaved | zb-h1 | zbv (None: by vpp)
     expert_model_parallel_size: int = 1  # EP: each MoE layer's experts split over DP ranks
     expert_tensor_parallel_size: int | None = None  # None: the TP size (the only one built)
     context_parallel_size: int = 1  # CP: each sequence split over ranks (ring attention)

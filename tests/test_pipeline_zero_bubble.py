@@ -1,8 +1,9 @@
 """Zero-bubble pipeline schedules (Qi et al. 2024): the split backward (B now, the linears'
 weight gradients W later, once, with the joint backward's numbers), the schedule tables and
-their checker, and ZB-H1 training runs that give 1F1B's bits on the same layout (so the
+their checker, ZB-H1 training runs that give 1F1B's bits on the same layout (so the
 single process's curve, which 1F1B reproduces: tests/test_pipeline.py) and the single
-process's losses and weights up to rounding."""
+process's losses and weights up to rounding, and ZBV runs (two chunks per stage in a V, the
+embedding and the loss on stage 0) that give the single process's curve."""
 from __future__ import annotations
 
 import pytest
@@ -110,6 +111,19 @@ def test_schedule_tables_checked_over_a_grid():
                 for vpp in (2, 3):
                     assert st.check(st.build("interleaved", pp, m, vpp)).bubble == \
                         pytest.approx([(pp - 1) / (vpp * m)] * pp)
+    for pp in range(2, 7):  # the V: rank 0 holds the first and the last virtual stage
+        s = st.build("zbv", pp, 2 * pp, vpp=2)
+        assert s.virtual_stage(0, 0) == 0 and s.virtual_stage(0, 1) == 2 * pp - 1
+        assert sorted(s.virtual_stage(r, c) for r in range(pp) for c in (0, 1)) == \
+            list(range(2 * pp))
+        assert all(st.stage_rank(pp, s.virtual_stage(r, c), True) == (r, c)
+                   for r in range(pp) for c in (0, 1))
+        for acts in s.actions:  # per chunk, F and B in microbatch order: on each chunk's
+            for kind in "FB":     # group every direction carries one kind, first in first out
+                for c in (0, 1):
+                    mbs = [a.microbatch for a in acts if (a.kind, a.chunk) == (kind, c)]
+                    assert mbs == sorted(mbs)
+    assert st.simulate(st.build("zbv", 4, 8, vpp=2)).bubble == pytest.approx([1 / 16] * 4)
     table = st.build("zb-h1", 4, 8).table().splitlines()
     assert table[3].startswith("rank 3: F0.0 B0.0 F0.1 B0.1 F0.2 B0.2 F0.3 B0.3 W0.0 F0.4")
     assert table[0].endswith("B0.7 W0.7")
@@ -152,12 +166,30 @@ def test_pipeline_schedule_flag_is_checked():
     assert validate("--pp", "4") == "1f1b"
     assert validate("--pp", "2", "--vpp", "2", world=2) == "interleaved"
     assert validate("--pp", "4", "--pipeline-schedule", "zb-h1") == "zb-h1"
+    assert validate("--pp", "2", "--pipeline-schedule", "zbv", world=2) == "zbv"
+    cfg = parse_config(["--config", "configs/tiny-llama.yaml", "--pp", "2", "--vpp", "2",
+                        "--pipeline-schedule", "zbv", "--global-batch-size", "2",
+                        "--micro-batch-size", "1"])
+    cfg.validate(2)  # vpp 2 may be given (zbv sets it otherwise)
+    assert cfg.train.virtual_pipeline_model_parallel_size == 2
+    cfg = parse_config(["--config", "configs/tiny-llama.yaml", "--pp", "2",
+                        "--pipeline-schedule", "zbv", "--global-batch-size", "1",
+                        "--micro-batch-size", "1"])
+    assert cfg.validate(2).num_microbatches == 1  # m < pp runs (the interleaved one refuses)
     for flags, match in ((["--pp", "4", "--pipeline-schedule", "zbh1"], "pipeline.schedule"),
                          (["--pp", "2", "--vpp", "2", "--pipeline-schedule", "zb-h1"],
                           "one model chunk"),
                          (["--pp", "4", "--pipeline-schedule", "interleaved"], "add --virtual"),
                          (["--pipeline-schedule", "zb-h1"], "pipeline-model-parallel-size"),
                          (["--pp", "4", "--pipeline-schedule", "zb-h1", "--compile"],
+                          "drop --compile"),
+                         (["--pp", "2", "--vpp", "4", "--num-layers", "8",
+                           "--pipeline-schedule", "zbv"], "exactly 2 model chunks"),
+                         (["--pp", "2", "--num-layers-per-virtual-pipeline-stage", "2",
+                           "--pipeline-schedule", "zbv"], "exactly 2 model chunks"),
+                         (["--pipeline-schedule", "zbv"], "pipeline-model-parallel-size"),
+                         (["--pp", "4", "--pipeline-schedule", "zbv"], "make every stage"),
+                         (["--pp", "2", "--pipeline-schedule", "zbv", "--compile"],
                           "drop --compile")):
         with pytest.raises(ConfigError, match=match):
             validate(*flags)
@@ -172,8 +204,10 @@ GPT = ["--config", "configs/tiny-gpt.yaml", "--num-layers", "4"] + DROPOUT  # ti
 LLAMA = ["--config", "configs/tiny-llama.yaml"] + DROPOUT  # untied, 4 layers
 MOE = ["--config", "configs/tiny-llama.yaml", "--num-experts", "4", "--moe-router-topk", "2",
        "--moe-ffn-hidden-size", "32", "--moe-layer-freq", "2"]
-FAMILIES = {"gpt": GPT, "llama": LLAMA, "moe": MOE}
+LLAMA10 = LLAMA + ["--num-layers", "10"]
+FAMILIES = {"gpt": GPT, "llama": LLAMA, "moe": MOE, "llama10": LLAMA10}
 ZB = ["--pipeline-schedule", "zb-h1"]
+ZBV = ["--pipeline-schedule", "zbv"]
 
 CASES = [  # id, family, world, layout flags; each runs with ZB-H1 and with 1F1B
     ("pp2-tied", "gpt", 2, ["--pp", "2"]),
@@ -187,6 +221,20 @@ CASES = [  # id, family, world, layout flags; each runs with ZB-H1 and with 1F1B
     ("pp2-ep2-moe", "moe", 4, ["--pp", "2", "--ep", "2"]),
     ("pp2-cp2", "llama", 4, ["--pp", "2", "--cp", "2"]),
 ]
+UNEVEN4 = ["--pp", "4", "--decoder-first-pipeline-num-layers", "2",  # stages 2 2 2 4 layers
+           "--decoder-last-pipeline-num-layers", "4"]
+ZBV_CASES = [  # id, family, world, layout flags; each runs with ZBV
+    ("pp2-tied", "gpt", 2, ["--pp", "2"]),
+    ("pp4-uneven-recompute", "llama10", 4, UNEVEN4 + ["--recompute-granularity", "full"]),
+    ("pp4-uneven-m2", "llama10", 4, UNEVEN4 + ["--micro-batch-size", "4"]),  # m 2 < pp 4
+    ("pp2-tp2-sp", "llama", 4, ["--pp", "2", "--tp", "2", "--sequence-parallel"]),
+    ("pp2-dp2-zero1-tied", "gpt", 4, ["--pp", "2", "--use-distributed-optimizer"]),
+    ("pp2-dp2-zero3", "llama", 4, ["--pp", "2", "--data-parallel-sharding-strategy",
+                                   "optim_grads_params"]),
+    ("pp2-ep2-moe", "moe", 4, ["--pp", "2", "--ep", "2"]),
+    ("pp2-cp2", "llama", 4, ["--pp", "2", "--cp", "2"]),
+]
+RUNS = [(c, "zb-h1") for c in CASES] + [(c, "zbv") for c in ZBV_CASES]
 
 
 def _train_worker(runs: list[list[str]], log_dir: str, cache: str) -> list[dict]:
@@ -218,21 +266,25 @@ def references(tmp_path_factory, corpus_env):
 
 @pytest.fixture(scope="module")
 def case_results(tmp_path_factory, corpus_env):
-    """case -> (ZB-H1 rank-0 result, 1F1B rank-0 result); a world size's cases in one world."""
-    def run_cases(world, cases):
-        runs = [FAMILIES[c[1]] + COMMON + c[3] + flags for c in cases for flags in (ZB, [])]
-        out = run_distributed(_train_worker, world, runs,
-                              str(tmp_path_factory.mktemp(f"world{world}")),
-                              corpus_env["SHARDZOO_CACHE"], timeout=300 * len(runs))[0]
-        return [(out[2 * j], out[2 * j + 1]) for j in range(len(cases))]
-    return batched_by_world(CASES, lambda c: c[2], run_cases)
+    """(case, "zb-h1") -> (ZB-H1 rank-0 result, 1F1B rank-0 result), (case, "zbv") -> (ZBV
+    rank-0 result,); a world size's runs in one world."""
+    schedules = {"zb-h1": (ZB, []), "zbv": (ZBV,)}
+
+    def run_cases(world, runs):
+        args = [FAMILIES[c[1]] + COMMON + c[3] + flags for c, name in runs
+                for flags in schedules[name]]
+        out = iter(run_distributed(_train_worker, world, args,
+                                   str(tmp_path_factory.mktemp(f"world{world}")),
+                                   corpus_env["SHARDZOO_CACHE"], timeout=300 * len(args))[0])
+        return [tuple(next(out) for _ in schedules[name]) for _, name in runs]
+    return batched_by_world(RUNS, lambda r: r[0][2], run_cases)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_zb_h1_matches_1f1b_and_single_process(case, references, case_results):
     """ZB-H1 and 1F1B on the same layout: the same bits (the split backward adds the same
     weight gradients in the same microbatch order); both the single process's curve."""
-    zb, one = case_results(case)
+    zb, one = case_results((case, "zb-h1"))
     assert zb["losses"] == one["losses"]
     assert all(torch.equal(zb["state"][k], one["state"][k]) for k in one["state"])
     ref = references[case[1]]
@@ -241,11 +293,29 @@ def test_zb_h1_matches_1f1b_and_single_process(case, references, case_results):
     assert not weights_mismatch(zb["state"], ref["state"], 5 * k_step)
 
 
-def test_profiled_zb_h1_timeline_has_w_blocks_and_the_table_s_bubble(tmp_path, corpus_env):
-    """--profile-pipeline under ZB-H1 (pp 4, m 8): every rank records 8 F, 8 B and 8 W
-    blocks; re-timed with equal costs the recorded order has the table's bubble (p-1)/(3m) on
-    every rank, a third of 1F1B's; the activations held at peak, counted from the timeline,
-    equal the table's (pp on every rank)."""
+@pytest.mark.parametrize("case", ZBV_CASES, ids=[c[0] for c in ZBV_CASES])
+def test_zbv_matches_single_process(case, references, case_results):
+    """ZBV (two chunks per stage in a V: stage 0 holds the embedding, a tied output copy
+    and the loss) gives the single process's losses and weights up to rounding, with dropout,
+    uneven stages, recompute, fewer microbatches than stages, TP + SP, ZeRO-1 / ZeRO-3, ep 2
+    and cp 2."""
+    (v,) = case_results((case, "zbv"))
+    ref = references[case[1]]
+    k_step = training_chain_terms(FAMILIES[case[1]] + COMMON + case[3])
+    assert len(v["losses"]) == 5
+    assert_losses_close(v["losses"], ref["losses"], k_step)
+    assert not weights_mismatch(v["state"], ref["state"], 5 * k_step)
+
+
+@pytest.mark.parametrize("schedule,chunks,bubble,peak", [("zb-h1", 1, 3 / (3 * 8), 4),
+                                                         ("zbv", 2, 1 / 16, 8)])
+def test_profiled_timeline_has_w_blocks_and_the_table_s_bubble(schedule, chunks, bubble, peak,
+                                                               tmp_path, corpus_env):
+    """--profile-pipeline under ZB-H1 and ZBV (pp 4, m 8): every rank records 8 F, 8 B and
+    8 W blocks per chunk; re-timed with equal costs the recorded order has the table's bubble
+    on every rank ((p-1)/(3m) for ZB-H1, a third of 1F1B's; 1/16 for ZBV); the activations
+    held at peak, counted from the timeline, equal the table's (pp chunk-microbatches of
+    one chunk per rank for ZB-H1, 2 pp of half a stage each for ZBV)."""
     import json
 
     from launch import read_metrics, run_train
@@ -253,12 +323,13 @@ def test_profiled_zb_h1_timeline_has_w_blocks_and_the_table_s_bubble(tmp_path, c
 
     args = ["--config", "configs/tiny-llama.yaml", "--pp", "4", "--num-layers", "8",
             "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "2",
-            "--eval-interval", "0", "--profile-pipeline", "--no-tensorboard"] + ZB
+            "--eval-interval", "0", "--profile-pipeline", "--no-tensorboard",
+            "--pipeline-schedule", schedule]
     run_train(4, args, tmp_path, env=corpus_env)
     record = [r for r in read_metrics(tmp_path) if "bubble_theory" in r][0]
-    assert record["schedule"] == "zb-h1"
-    assert record["bubble_theory"] == pytest.approx(3 / (3 * 8))
-    assert record["in_flight_peak"] == record["in_flight_peak_predicted"] == [4, 4, 4, 4]
+    assert record["schedule"] == schedule
+    assert record["bubble_theory"] == pytest.approx(bubble)
+    assert record["in_flight_peak"] == record["in_flight_peak_predicted"] == [peak] * 4
     assert len(record["bubble_predicted"]) == 4 and record["pass_costs"][2] > 0
     trace = json.loads((tmp_path / "pipeline_timeline.json").read_text())["traceEvents"]
     per_rank = [[] for _ in range(4)]
@@ -266,9 +337,10 @@ def test_profiled_zb_h1_timeline_has_w_blocks_and_the_table_s_bubble(tmp_path, c
         if e["cat"] in "FBW":
             _, chunk, mb = e["name"].split()
             per_rank[e["tid"]].append(Span(e["cat"], int(chunk[1:]), int(mb[2:]), 0, 0, 1.0))
-    assert all(sorted(s.kind for s in spans) == ["B"] * 8 + ["F"] * 8 + ["W"] * 8
-               for spans in per_rank)
-    assert replay(per_rank, 4, 1) == pytest.approx([3 / (3 * 8)] * 4, abs=1e-9)
+    assert all(sorted((s.kind, s.chunk) for s in spans) == sorted(
+        (k, c) for k in "FBW" for c in range(chunks) for _ in range(8)) for spans in per_rank)
+    assert replay(per_rank, 4, chunks, v_shape=schedule == "zbv") == \
+        pytest.approx([bubble] * 4, abs=1e-9)
 
 
 def test_resume_across_schedules_gives_the_uninterrupted_curve(tmp_path, corpus_env):
@@ -288,3 +360,25 @@ def test_resume_across_schedules_gives_the_uninterrupted_curve(tmp_path, corpus_
     assert whole_1f1b == whole_zb and len(whole_1f1b) == 5
     for first, resumed in ((out[2], out[3]), (out[4], out[5])):
         assert first["losses"] + resumed["losses"] == whole_1f1b
+
+
+def test_zbv_resumes_across_schedules(tmp_path, corpus_env):
+    """Tied GPT at pp 2 with dropout: 1F1B saves at iteration 2 and ZBV (other layers on
+    each stage, the output copy on stage 0) resumes to 5; ZBV saves and 1F1B resumes. Each
+    continues its uninterrupted run's losses bit for bit (layer numbers are global, the tied
+    copy reads the embedding), and the two uninterrupted runs agree."""
+    base = GPT + COMMON + ["--pp", "2"]
+    save_a, save_b = str(tmp_path / "a"), str(tmp_path / "b")
+    runs = [base, base + ZBV,
+            base + ["--save", save_a, "--save-interval", "2", "--exit-interval", "2"],
+            base + ZBV + ["--load", save_a],
+            base + ZBV + ["--save", save_b, "--save-interval", "2", "--exit-interval", "2"],
+            base + ["--load", save_b]]
+    out = run_distributed(_train_worker, 2, runs, str(tmp_path / "logs"),
+                          corpus_env["SHARDZOO_CACHE"], timeout=900)[0]
+    whole_1f1b, whole_zbv = out[0]["losses"], out[1]["losses"]
+    assert len(whole_1f1b) == 5
+    assert_losses_close(whole_zbv, whole_1f1b, training_chain_terms(base))
+    assert out[2]["losses"] + out[3]["losses"] == whole_zbv
+    assert out[4]["losses"] + out[5]["losses"] == whole_1f1b
+    assert all(torch.equal(out[3]["state"][k], out[1]["state"][k]) for k in out[1]["state"])

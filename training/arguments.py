@@ -153,9 +153,9 @@ FLAG_HELP = {
     "tensor_model_parallel_size": "TP ranks per layer (adjacent ranks)",
     "pipeline_model_parallel_size": "pipeline stages",
     "virtual_pipeline_model_parallel_size": "model chunks per stage (interleaved 1F1B)",
-    "pipeline_schedule": "1f1b, interleaved (needs vpp > 1) or zb-h1 (zero bubble, Qi et al. "
-                         "2024: split backward, 1F1B's memory); default: interleaved with "
-                         "vpp > 1, else 1f1b",
+    "pipeline_schedule": "1f1b, interleaved (needs vpp > 1), zb-h1 or zbv (zero bubble, Qi "
+                         "et al. 2024: split backward, 1F1B's memory; zbv: 2 chunks per stage "
+                         "in a V); default: interleaved with vpp > 1, else 1f1b",
     "num_layers_per_virtual_pipeline_stage": "layers per chunk (alternative to --vpp)",
     "decoder_first_pipeline_num_layers": "layers on the first stage (uneven split)",
     "decoder_last_pipeline_num_layers": "layers on the last stage (uneven split)",

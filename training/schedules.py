@@ -12,7 +12,10 @@ Four schedules behind one signature, chosen by `get_forward_backward_func()` fro
 - ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", sec. 3.1; `--pipeline-schedule
   zb-h1`): 1F1B with each backward split into B (input gradient, sent upstream at once) and
   W (weight gradient, run later where 1F1B idles), from the table in
-  parallel_state/schedule_tables.py; about a third of 1F1B's bubble at its memory.
+  parallel_state/schedule_tables.py; about a third of 1F1B's bubble at its memory;
+- ZBV (same paper, sec. 6; `--pipeline-schedule zbv`): two chunks per rank in a V (chunk 1
+  of rank r is virtual stage 2 pp - 1 - r, so rank 0 holds the embedding and the loss), the
+  same split backward and table executor; near-zero bubble at 1F1B's activation memory.
 
 Each takes `model` (a list of model chunks, each a DistributedDataParallel wrapper), the
 microbatches (dicts with `tokens`, `labels`, `loss_mask`), `loss_scale` = 1 / tokens of the
@@ -23,6 +26,7 @@ its last backward (`sync_enabled`), overlapping communication with the remaining
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Callable
 
 import torch
@@ -348,61 +352,105 @@ def forward_backward_pipelining_with_interleaving(
 
 def forward_backward_pipelining_zero_bubble(
         *, model, microbatches, loss_scale, spec, forward_only=False,
-        timeline=None) -> torch.Tensor:
-    """ZB-H1 (Qi et al. 2024, sec. 3.1): this rank's table of F / B / W actions
-    (`parallel_state.schedule_tables.build("zb-h1", pp, m)`), run in order. B computes input
-    gradients only (`weight_grads.input_gradients_only`); the linears' weight gradients it
-    queues run at the W of the same microbatch, exactly once. Sends are posted without
-    waiting (`p2p.isend`) and an action receives its input when it runs, so any table that
-    `schedule_tables.check` accepts runs without deadlock. Forward-only runs 1F1B's forwards.
+        timeline=None, schedule: str = "zb-h1") -> torch.Tensor:
+    """A zero-bubble schedule (Qi et al. 2024): ZB-H1 (sec. 3.1, one chunk per rank) or ZBV
+    (sec. 6, `len(model) == 2` chunks in a V: `parallel_state.schedule_tables.virtual_stage`).
+    This rank's table of F / B / W actions (`schedule_tables.build(schedule, pp, m, vpp)`)
+    runs in order. B computes input gradients only (`weight_grads.input_gradients_only`);
+    the linears' weight gradients it queues run at the W of the same microbatch, exactly
+    once. Sends are posted without waiting (`p2p.isend`) and an action receives its input
+    when it runs, so any table that `schedule_tables.check` accepts runs without deadlock.
+    Forward-only runs the table's forwards.
 
     Raises:
         RuntimeError: the table left a forward without backward or a B without W.
     """
-    if forward_only:
-        return forward_backward_pipelining_without_interleaving(
-            model=model, microbatches=microbatches, loss_scale=loss_scale, spec=spec,
-            forward_only=True, timeline=timeline)
     pp, rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
-    table = schedule_tables.build("zb-h1", pp, len(microbatches)).actions[rank]
-    run = _Runner(model, microbatches, loss_scale, False, timeline)
-    with weight_grads.split_backward():
-        _run_table(run, spec, table)
+    table = schedule_tables.build(schedule, pp, len(microbatches), len(model))
+    run = _Runner(model, microbatches, loss_scale, forward_only, timeline)
+    actions = table.actions[rank]
+    if forward_only:
+        _run_table(run, spec, table, [a for a in actions if a.kind == "F"])
+    else:
+        with weight_grads.split_backward():
+            _run_table(run, spec, table, actions)
     return run.total
 
 
-def _run_table(run: _Runner, spec, actions) -> None:
-    """Run one rank's actions (one model chunk per rank)."""
-    first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+class _Neighbours:
+    """Where a chunk's virtual stage exchanges with its neighbours in `table`'s placement:
+    for the stage before it (inputs, gradients sent back) and the one after it (outputs,
+    gradients received), None when there is none, "local" when this rank holds it (the
+    bottom of a V), else whether it is the next pipeline rank."""
+
+    def __init__(self, table, rank: int, chunk: int):
+        pp, v = table.pp, table.vpp
+        self.stage = table.virtual_stage(rank, chunk)
+
+        def where(k: int):
+            if not 0 <= k < pp * v:
+                return None
+            peer = schedule_tables.stage_rank(pp, k, table.v_shape)[0]
+            if peer == rank:
+                return "local"
+            return peer == (rank + 1) % pp  # at pp 2 both are the same rank (tags differ)
+        self.before, self.after = where(self.stage - 1), where(self.stage + 1)
+
+
+def _run_table(run: _Runner, spec, table, actions) -> None:
+    """Run this rank's `actions` of `table`. Activations travel down the virtual stages and
+    gradients up; between two chunks of this rank (the bottom of a V) they are handed over
+    here, the outputs detached as a received tensor would be."""
+    rank = ps.get_pipeline_model_parallel_rank()
+    nb = [_Neighbours(table, rank, c) for c in range(len(run.model))]
     kept, deferred, sends = {}, {}, []
+    handed = {}  # (kind, virtual stage, microbatch) -> tensors passed between this rank's chunks
     weights_left = [len(run.microbatches)] * len(run.model)
     try:
         for a in actions:
-            key = (a.chunk, a.microbatch)
+            key, n = (a.chunk, a.microbatch), nb[a.chunk]
             p2p.wait_sends(sends, completed_only=True)
             if a.kind == "F":
-                inputs = None if first else p2p.communicate(spec, recv_prev=True)[0]
+                if n.before is None:
+                    inputs = None
+                elif n.before == "local":
+                    inputs = handed.pop(("F", n.stage, a.microbatch))
+                else:
+                    inputs = p2p.recv(spec, from_next=n.before, gradient=False, chunk=a.chunk)
                 outputs = run.forward(a.chunk, a.microbatch, inputs)
-                if not last:
-                    sends.append(p2p.isend(spec, outputs, to_next=True))
-                kept[key] = (inputs, outputs)
+                if n.after == "local":
+                    handed[("F", n.stage + 1, a.microbatch)] = tuple(
+                        t.detach().to(spec.dtype).clone() for t in outputs)
+                elif n.after is not None:
+                    sends.append(p2p.isend(spec, outputs, to_next=n.after, gradient=False,
+                                           chunk=a.chunk))
+                if not run.forward_only:
+                    kept[key] = (inputs, outputs)
             elif a.kind == "B":
-                grads = None if last else p2p.communicate(spec, recv_next=True)[1]
+                if n.after is None:
+                    grads = None
+                elif n.after == "local":
+                    grads = handed.pop(("B", n.stage, a.microbatch))
+                else:
+                    grads = p2p.recv(spec, from_next=n.after, gradient=True, chunk=a.chunk)
                 inputs, outputs = kept.pop(key)
                 with weight_grads.input_gradients_only() as w:
                     input_grads = run.backward(a.chunk, a.microbatch, inputs, outputs, grads)
                 deferred[key] = w
-                if not first:
-                    sends.append(p2p.isend(spec, input_grads, to_next=False))
+                if n.before == "local":
+                    handed[("B", n.stage - 1, a.microbatch)] = input_grads
+                elif n.before is not None:
+                    sends.append(p2p.isend(spec, input_grads, to_next=n.before, gradient=True,
+                                           chunk=a.chunk))
             else:
                 weights_left[a.chunk] -= 1
                 run.weight_pass(a.chunk, a.microbatch, deferred.pop(key),
                                 last=weights_left[a.chunk] == 0)
     finally:
         p2p.wait_sends(sends)
-    if kept or deferred:
-        raise RuntimeError(f"pipeline table left forwards {sorted(kept)} without B and B's "
-                           f"{sorted(deferred)} without W")
+    if kept or deferred or handed:
+        raise RuntimeError(f"pipeline table left forwards {sorted(kept)} without B, B's "
+                           f"{sorted(deferred)} without W and {sorted(handed)} unused")
 
 
 def get_forward_backward_func(schedule_name: str | None = None) -> Callable:
@@ -410,8 +458,11 @@ def get_forward_backward_func(schedule_name: str | None = None) -> Callable:
     interleaved with vpp > 1, else 1F1B); pass `timeline=` to record its spans."""
     if ps.get_pipeline_model_parallel_world_size() == 1:
         schedule = forward_backward_no_pipelining
-    elif schedule_name == "zb-h1":
-        schedule = forward_backward_pipelining_zero_bubble
+    elif schedule_name in schedule_tables.SPLIT_BACKWARD:
+        schedule = functools.partial(forward_backward_pipelining_zero_bubble,
+                                     schedule=schedule_name)
+        schedule.__name__ = forward_backward_pipelining_zero_bubble.__name__
+        schedule.__doc__ = forward_backward_pipelining_zero_bubble.__doc__
     elif (ps.get_virtual_pipeline_model_parallel_world_size() or 1) > 1:
         schedule = forward_backward_pipelining_with_interleaving
     else:

@@ -98,12 +98,13 @@ def wall_bubble(spans: list[Span]) -> float:
     return (total - busy) / busy
 
 
-def replay(per_rank: list[list[Span]], pp: int, vpp: int) -> list[float]:
+def replay(per_rank: list[list[Span]], pp: int, vpp: int, v_shape: bool = False) -> list[float]:
     """Bubble per pipeline rank of the executed order re-timed with CPU durations.
 
     `per_rank[r]` are pipeline rank r's spans in execution order. Virtual stage of chunk c on
-    rank r is c * pp + r; F(vs, j) needs F(vs - 1, j) done, B(vs, j) needs B(vs + 1, j) done
-    (and, on the last virtual stage, its own F), W(vs, j) its own B.
+    rank r is c * pp + r, or in a V (`v_shape`, ZBV) r for chunk 0 and 2 pp - 1 - r for chunk
+    1 (`schedule_tables.virtual_stage`); F(vs, j) needs F(vs - 1, j) done, B(vs, j) needs
+    B(vs + 1, j) done (and, on the last virtual stage, its own F), W(vs, j) its own B.
     """
     last_vs = pp * vpp - 1
     done: dict[tuple[str, int, int], float] = {}
@@ -116,7 +117,7 @@ def replay(per_rank: list[list[Span]], pp: int, vpp: int) -> list[float]:
             if pos[r] >= len(queues[r]):
                 continue
             s = queues[r][pos[r]]
-            vs = s.chunk * pp + r
+            vs = schedule_tables.virtual_stage(pp, r, s.chunk, v_shape)
             if s.kind == "F":
                 dep = ("F", vs - 1, s.microbatch) if vs > 0 else None
             elif s.kind == "W":
@@ -222,7 +223,8 @@ def report(per_rank: list[list[Span]], pp: int, vpp: int, num_microbatches: int,
     sim = predicted(schedule, pp, vpp, num_microbatches)
     costs = pass_costs(per_rank)
     wall = [wall_bubble(s) for s in per_rank]
-    replayed = replay(per_rank, pp, vpp)
+    replayed = replay(per_rank, pp, vpp,
+                      schedule_name(schedule, vpp) in schedule_tables.V_SHAPED)
     result = {"pp": pp, "vpp": vpp, "num_microbatches": num_microbatches,
               "schedule": schedule_name(schedule, vpp),
               "bubble_theory": max(sim.bubble), "pass_costs": costs,
@@ -308,9 +310,13 @@ def report_bubble(profiles, config, logger) -> dict:
            "in_flight_peak": steps[-1]["in_flight_peak"],
            "in_flight_peak_predicted": steps[-1]["in_flight_peak_predicted"]}
     fmt = lambda xs: " ".join(f"{x:.3f}" for x in xs)  # noqa: E731
-    hint = suggest_split(compute, layers, vpp)
+    v_shape = rec["schedule"] in schedule_tables.V_SHAPED
+    hint = None if v_shape else suggest_split(compute, layers, vpp)
     share = rec["compute_share"]
-    if hint is None or max(share) * pp <= 1.1:
+    if v_shape and max(share) * pp > 1.1:  # the embedding and the output layer on stage 0
+        balance = ("unbalanced (in the V stage 0 holds the embedding and the output layer: "
+                   "--decoder-first-pipeline-num-layers moves layers off it)")
+    elif hint is None or max(share) * pp <= 1.1:
         balance = "balanced"
     else:
         rec["suggested_split"] = hint

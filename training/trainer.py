@@ -31,6 +31,7 @@ from models import GPTModel, T5Model
 from models.config import ConfigError
 from models.pipeline import build_model_chunks
 from parallel_state import collectives
+from parallel_state.schedule_tables import V_SHAPED
 from parallel_state.hang_doctor import debug_collectives, trace
 from parallel_state.transport import shm
 from planner.flops import training_flops_per_token
@@ -89,6 +90,7 @@ def build_model(config: Config, device) -> list[GPTModel]:
             chunks = build_model_chunks(GPTModel, config.model, config.stage_num_layers(),
                                         ps.get_pipeline_model_parallel_rank(),
                                         t.virtual_pipeline_model_parallel_size,
+                                        v_shape=t.pipeline_schedule in V_SHAPED,
                                         sequence_parallel=t.sequence_parallel,
                                         cp_comm_type=t.cp_comm_type)
         if t.lora_rank:  # adapters on the frozen base: only they train (layers/lora.py)
@@ -170,9 +172,12 @@ def pipeline_copies(config: Config) -> dict:
     """`initialize_model_parallel` keywords for the parameters several pipeline stages hold
     (T5 with --pipeline-model-parallel-split-rank): the embedding on the first encoder and
     first decoder stage (and the last, when tied), each position-bias table on every stage
-    of its stack. Empty for GPT (the default first + last embedding group)."""
+    of its stack. For GPT the default first + last embedding group, or under ZBV (the V
+    placement: both copies on stage 0, summed there) the embedding on stage 0 alone."""
     m, t = config.model, config.train
     split, pp = t.pipeline_model_parallel_split_rank, t.pipeline_model_parallel_size
+    if pp > 1 and t.pipeline_schedule in V_SHAPED:
+        return {"embedding_stages": [0], "pipeline_v_shape": True}
     if not m.is_encoder_decoder or pp == 1:
         return {}
     embedding = [0, split] + ([] if m.untie_embeddings_and_output_weights else [pp - 1])
