@@ -23,6 +23,7 @@ from checkpoint.format import CheckpointError
 from data_parallel.ddp import DistributedDataParallel, resolve_strategy
 from data_parallel.distributed_optimizer import DistributedOptimizer
 from layers import compile_transformer_layers, initial_value, parameters_on_meta
+from layers.fp8 import apply_fp8
 from layers.lora import add_lora
 from layers.quantized import quantize_layer_linears, quantized_weights
 from layers.recompute import apply_recompute
@@ -35,6 +36,7 @@ from parallel_state.transport import shm
 from planner.flops import training_flops_per_token
 from planner.report import memory_prediction, run_end_summary
 from run_config.batch_schedule import BatchSchedule, rampup_of
+from run_config.fp8 import fp8_layers_kept, fp8_recipe
 
 from .arguments import Config
 from .diloco import DiLoCo
@@ -94,7 +96,10 @@ def build_model(config: Config, device) -> list[GPTModel]:
             for chunk in chunks:
                 add_lora(chunk, t.lora_rank, t.lora_alpha, t.lora_dropout,
                          t.lora_target_modules, t.use_rslora)
+    recipe = fp8_recipe(t)
     for chunk in chunks:
+        if recipe is not None:  # FP8 GEMMs in the layer linears (layers/fp8.py)
+            apply_fp8(chunk, recipe, config.model.num_layers, *fp8_layers_kept(config.model, t))
         if not meta:
             chunk.init_weights(t.seed)
         if t.bf16:  # Megatron's Float16Module: bf16 weights (the optimizer keeps fp32 copies)
