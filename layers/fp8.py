@@ -34,7 +34,8 @@ Recipes (`--fp8-recipe`), each operand scaled along the GEMM's contraction dimen
   columns, 128 tokens each, for the weight gradient), weights in 128x128 blocks (one
   quantization of `W` serves both GEMMs).
 - `mxfp8` (OCP Microscaling v1.0): every operand in 1x32 tiles along the contraction
-  dimension, each scale a power of two (E8M0): `s = 2^(emax - floor(log2 amax))`.
+  dimension, each scale a power of two (E8M0), rounded so the tile's amax does not
+  saturate (`amax_to_scale`).
 
 Tensor parallelism: a scale is the one a single process computes for the whole tensor. A
 tensor-parallel shard's amax is reduced (max) over the TP group where the scale's group
@@ -54,7 +55,6 @@ emulation everywhere.
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
@@ -139,14 +139,15 @@ def group_amax(t: torch.Tensor, rows: int | None, cols: int | None) -> torch.Ten
 def amax_to_scale(amax: torch.Tensor, dtype: torch.dtype, margin: int = 0,
                   power_of_two: bool = False) -> torch.Tensor:
     """Quantization scales `s` (`q = sat(t * s)`) from amaxes: `fmax / amax / 2^margin`, or
-    with `power_of_two` (MX, E8M0 scales) `2^(emax - floor(log2 amax))`, emax the largest
-    exponent of `dtype` (8 for e4m3, 15 for e5m2). An amax of 0 (or not finite) gives 1."""
+    with `power_of_two` (MX, E8M0 scales) `2^-ceil(log2(amax / fmax))`, the largest power of
+    two that keeps `amax * s <= fmax` (the scale rounded up, as NVIDIA's MXFP8 does, rather
+    than OCP's `floor(log2 amax) - emax`, which saturates amaxes in (448, 512) x 2^e). An
+    amax of 0 (or not finite) gives 1."""
     amax = amax.float()
     ok = torch.isfinite(amax) & (amax > 0)
     safe = torch.where(ok, amax, torch.ones_like(amax))
     if power_of_two:
-        emax = math.floor(math.log2(fp8_max(dtype)))
-        scale = torch.exp2(emax - torch.floor(torch.log2(safe)))
+        scale = torch.exp2(-torch.ceil(torch.log2(safe / fp8_max(dtype))))
     else:
         scale = fp8_max(dtype) / safe / (2.0 ** margin)
     return torch.where(ok, scale, torch.ones_like(scale))
@@ -412,7 +413,14 @@ def fp8_states(chunks) -> list[tuple[str, Fp8State]]:
             if isinstance(m, Fp8State)]
 
 
-_UNION: dict = {}  # id of this rank's chunk list -> (names of every rank's delayed states)
+@torch.no_grad()
+def clear_step_amaxes(chunks) -> None:
+    """The start of a step under `delayed`: forget amaxes recorded outside training steps
+    (start-up measurements run forward and backward passes), so a step's history entry is
+    its own microbatches' only, whether the run started fresh or resumed."""
+    for _, s in fp8_states(chunks):
+        if hasattr(s, "step_amax"):
+            s.step_amax.zero_()
 
 
 @torch.no_grad()
@@ -424,8 +432,8 @@ def update_amax_histories(chunks) -> None:
     that operand's history stays as it was). Collective over the world: every rank calls it
     after each step's backward."""
     states = [(n, s) for n, s in fp8_states(chunks) if hasattr(s, "amax_history")]
-    key = tuple(id(c) for c in chunks)
-    if key not in _UNION:
+    index = getattr(chunks[0], "fp8_amax_index", None)  # every rank's names -> row
+    if index is None:
         names: list = [None] * torch.distributed.get_world_size() \
             if torch.distributed.is_initialized() else [None]
         local = sorted(n for n, _ in states)
@@ -433,8 +441,8 @@ def update_amax_histories(chunks) -> None:
             collectives.all_gather_object(names, local)
         else:
             names = [local]
-        _UNION[key] = {n: i for i, n in enumerate(sorted({n for ns in names for n in ns}))}
-    index = _UNION[key]
+        index = {n: i for i, n in enumerate(sorted({n for ns in names for n in ns}))}
+        chunks[0].fp8_amax_index = index
     if not index:
         return
     device = states[0][1].amax_history.device if states else torch.device("cpu")

@@ -74,10 +74,6 @@ def _check_tiles(m: ModelConfig, t: TrainConfig, recipe: Fp8Recipe) -> None:
     tp, tile = t.tensor_model_parallel_size, recipe.tile
     if tile is None or tp == 1:
         return
-    if m.num_query_groups and m.num_query_groups < tp:
-        raise ConfigError(f"--fp8-recipe {recipe.recipe} at --tensor-model-parallel-size {tp} "
-                          f"> --num-query-groups {m.num_query_groups} (replicated KV heads) is "
-                          f"not built; use tp <= {m.num_query_groups}")
     gated = m.activation in ("swiglu", "geglu")
     groups = m.num_query_groups or m.num_attention_heads
     qkv = m.query_projection_size + 2 * m.kv_channels * groups
