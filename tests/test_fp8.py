@@ -308,7 +308,8 @@ def test_delayed_histories_agree_across_ranks_and_resume_exactly(tmp_path, corpu
     histories; a run saved at step 2 and resumed to step 4 gives the uninterrupted run's
     losses bitwise (the histories are in the checkpoint: an empty history would scale by
     the current amax instead); a float32 checkpoint resumes into a delayed run (histories
-    start empty); another --fp8-amax-history-len is refused naming the saved one."""
+    start empty); another --fp8-amax-history-len is refused naming the saved one; a bf16
+    run keeps its histories in float32."""
     cache = corpus_env["SHARDZOO_CACHE"]
     run = BASE + _fp8("delayed") + ["--tp", "2", "--sequence-parallel"]
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
@@ -319,9 +320,11 @@ def test_delayed_histories_agree_across_ranks_and_resume_exactly(tmp_path, corpu
                     "--log-dir", str(tmp_path / "l3")],
             run + ["--train-iters", "3", "--load", b, "--log-dir", str(tmp_path / "l4")],
             run + ["--train-iters", "5", "--load", a, "--fp8-amax-history-len", "2",
-                   "--log-dir", str(tmp_path / "l5")]]
+                   "--log-dir", str(tmp_path / "l5")],
+            run + ["--train-iters", "1", "--bf16", "--log-dir", str(tmp_path / "l6")]]
     ranks = run_distributed(_train_or_error, 2, runs, cache, timeout=600)
-    whole, first, resumed, _, from_fp32, refused = ranks[0]
+    whole, first, resumed, _, from_fp32, refused, bf16 = ranks[0]
+    assert {h.dtype for h in bf16[1].values()} == {torch.float32}  # not cast with the model
     assert whole[0][:2] == first[0] and resumed[0] == whole[0][2:], (whole[0], resumed[0])
     hist0, hist1 = whole[1], ranks[1][0][1]
     assert len(hist0) == 8 and hist0.keys() == hist1.keys()  # 2 layers x 4 linears

@@ -98,12 +98,12 @@ def build_model(config: Config, device) -> list[GPTModel]:
                          t.lora_target_modules, t.use_rslora)
     recipe = fp8_recipe(t)
     for chunk in chunks:
-        if recipe is not None:  # FP8 GEMMs in the layer linears (layers/fp8.py)
-            apply_fp8(chunk, recipe, config.model.num_layers, *fp8_layers_kept(config.model, t))
         if not meta:
             chunk.init_weights(t.seed)
         if t.bf16:  # Megatron's Float16Module: bf16 weights (the optimizer keeps fp32 copies)
             chunk.to(torch.bfloat16)
+        if recipe is not None:  # FP8 GEMMs in the layer linears; float32 amax histories
+            apply_fp8(chunk, recipe, config.model.num_layers, *fp8_layers_kept(config.model, t))
         apply_recompute(chunk, t.recompute_granularity, t.recompute_method,
                         t.recompute_num_layers)
         if t.compile:
