@@ -42,6 +42,11 @@ from .files import CONFIG, CheckpointError
 EMBEDDING = "embedding.word_embeddings.weight"
 OPTIMIZER_KINDS = ("optim.exp_avg", "optim.exp_avg_sq")
 
+# Persistent buffers a run may resume without: the FP8 amax histories (layers/fp8.py) of a
+# delayed-scaling run resumed from a checkpoint saved without them (bf16/fp32, or another
+# recipe) start empty, as a fresh run's; a run without them ignores a checkpoint's.
+FRESH_IF_ABSENT = (".fp8.amax_history",)
+
 
 class Expected(NamedTuple):
     """One stored tensor a model reads: its dense `shape`, the real vocab `rows` of a
@@ -113,7 +118,10 @@ def tensor_problems(expected: dict, stored: dict[str, tuple[int, ...]]) -> list[
     tensors a model reads (`expected`, see `expected_tensors`): keys missing or extra (a
     layer count that is not the checkpoint's), shapes, and optimizer moments that are not one
     per stored model parameter tensor (buffers have none). Empty when they match."""
-    model = {k: v for k, v in stored.items() if k.startswith("model.")}
+    # FP8 amax histories are a run setting's state (read_plan checks their shapes)
+    model = {k: v for k, v in stored.items() if k.startswith("model.")
+             and not k.endswith(FRESH_IF_ABSENT)}
+    expected = {k: v for k, v in expected.items() if not k.endswith(FRESH_IF_ABSENT)}
     problems = [f"{len(keys)} {what} tensor(s) ({_few(keys)})" for what, keys in (
         ("missing", sorted(set(expected) - set(model))),
         ("extra", sorted(set(model) - set(expected)))) if keys]
@@ -274,6 +282,13 @@ def read_plan(path: str, saved: dict, items, kinds: tuple[str, ...], buffers=())
     sd, plan = {}, []
     for name, b in buffers if "model" in kinds else ():
         key = f"model.{name}"
+        if key not in saved and name.endswith(FRESH_IF_ABSENT):
+            continue  # the run starts it fresh (load_buffers leaves it as it is)
+        if name.endswith(FRESH_IF_ABSENT) and tuple(saved[key].size) != tuple(b.shape):
+            raise CheckpointError(
+                f"{path}: the checkpoint's FP8 amax history {key!r} has shape "
+                f"{tuple(saved[key].size)}, this run's {tuple(b.shape)}; pass the checkpoint's "
+                f"--fp8-amax-history-len {saved[key].size[0]} (see {os.path.join(path, CONFIG)})")
         if key not in saved or tuple(saved[key].size) != tuple(b.shape):
             found = f"shape {tuple(saved[key].size)}" if key in saved else "no such tensor"
             raise CheckpointError(
@@ -332,4 +347,5 @@ def load_buffers(values: dict, chunks) -> None:
     """Copy the loaded values (`rebuild`'s, read with `buffer_entries(chunks)`) into the
     persistent buffers of `chunks`, keeping each buffer's dtype and device."""
     for _, b in buffer_entries(chunks):
-        b.copy_(values[id(b)]["model"])
+        if id(b) in values:  # absent: a FRESH_IF_ABSENT buffer the checkpoint lacks
+            b.copy_(values[id(b)]["model"])

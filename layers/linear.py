@@ -33,6 +33,7 @@ from parallel_state.mappings import (
 )
 
 from . import gemm
+from .fp8 import fp8_linear
 from .quant import QuantizedWeight
 from .sharding import set_tensor_parallel_attributes
 
@@ -250,13 +251,18 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.bias = None
         self.lora = None  # LoRA adapters (layers/lora.py `add_lora`)
+        self.fp8 = None  # FP8 GEMMs (layers/fp8.py `apply_fp8`)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         weight = self.weight if weight is None else weight
         if weight is None:
             raise ValueError("ColumnParallelLinear built with skip_weight needs forward(x, weight)")
         low_bit = isinstance(weight, QuantizedWeight)  # frozen: its own product (`linear`)
-        if self.sequence_parallel and low_bit:
+        if self.fp8 is not None and not low_bit:  # gathered / copied, then the FP8 GEMMs
+            x_in = gather_from_sequence_parallel_region(x) if self.sequence_parallel \
+                else copy_to_tensor_model_parallel_region(x)
+            y = fp8_linear(x_in, weight, self.bias, self.fp8)
+        elif self.sequence_parallel and low_bit:
             y = linear(gather_from_sequence_parallel_region(x), weight, self.bias)
         elif self.sequence_parallel:
             y = _LinearWithGrad.apply(x, weight, self.bias, True, False,
@@ -308,9 +314,11 @@ class RowParallelLinear(nn.Module):
         else:
             self.bias = None
         self.lora = None  # LoRA adapters (layers/lora.py `add_lora`)
+        self.fp8 = None  # FP8 GEMMs (layers/fp8.py `apply_fp8`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight)
+        y = linear(x, self.weight) if self.fp8 is None or isinstance(self.weight, QuantizedWeight) \
+            else fp8_linear(x, self.weight, None, self.fp8)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y)
         else:

@@ -23,6 +23,7 @@ from layers.transformer import cpp_compiler_problem
 from models.config import ConfigError, ModelConfig
 from .batch_schedule import check_batch_schedule
 from .diloco import check_diloco
+from .fp8 import check_fp8
 from .train_config import TrainConfig
 
 
@@ -56,6 +57,7 @@ def validate(m: ModelConfig, t: TrainConfig, world_size: int) -> tuple[int, int]
     _check_run(t)
     _check_profile(t, world_size)
     _check_lora(m, t)
+    check_fp8(m, t)
     return dp, num_microbatches
 
 

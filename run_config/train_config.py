@@ -69,6 +69,14 @@ class TrainConfig:
     max_skipped_iters: int = 3  # consecutive skipped steps that stop the run (0: never stop)
     check_weight_hash_across_dp_replicas_interval: int | None = None  # replicas' weights equal?
     bf16: bool = False  # bf16 weights/activations; fp32 main weights, grads, Adam states
+    fp8_format: str | None = None  # FP8 GEMMs in the layer linears: e4m3 | hybrid (None: off)
+    fp8_recipe: str = "delayed"  # tensorwise | delayed | rowwise | blockwise | mxfp8
+    fp8_margin: int = 0  # scale = fmax / amax / 2^margin
+    fp8_amax_history_len: int = 1  # delayed: steps of amax history per tensor
+    fp8_amax_compute_algo: str = "most_recent"  # delayed: max | most_recent of the history
+    first_last_layers_bf16: bool = False  # keep the first/last layers out of FP8
+    num_layers_at_start_in_bf16: int = 1  # ... this many first layers
+    num_layers_at_end_in_bf16: int = 1  # ... and this many last layers
     data_path: list[str] | None = None  # [prefix] or [w1, prefix1, w2, prefix2, ...]
     split: str = "969,30,1"
     reset_position_ids: bool = False  # positions restart after every EOD in a sample

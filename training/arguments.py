@@ -215,6 +215,18 @@ FLAG_HELP = {
     "check_weight_hash_across_dp_replicas_interval": "every N steps compare the weights' "
     "hashes across DP replicas and across TP ranks for TP-replicated ones; stop on a mismatch",
     "bf16": "bf16 weights/activations with fp32 main weights and grads",
+    "fp8_format": "FP8 GEMMs in the transformer layers' linears (forward, input and weight "
+    "gradients): e4m3, or hybrid (e4m3 forward, e5m2 gradients); unset: off",
+    "fp8_recipe": "FP8 scaling: tensorwise (current amax per tensor), delayed (amax "
+    "history), rowwise (per row along the contraction dim), blockwise (DeepSeek-V3: 1x128 "
+    "tiles, 128x128 weight blocks), mxfp8 (1x32 tiles, power-of-two scales)",
+    "fp8_margin": "FP8 scale = fmax / amax / 2^margin",
+    "fp8_amax_history_len": "delayed: steps of amax history per tensor",
+    "fp8_amax_compute_algo": "delayed: the history's max or most_recent amax",
+    "first_last_layers_bf16": "keep the first and last transformer layers out of FP8 "
+    "(the embedding and output layer always are)",
+    "num_layers_at_start_in_bf16": "with --first-last-layers-bf16: first layers kept",
+    "num_layers_at_end_in_bf16": "with --first-last-layers-bf16: last layers kept",
     # data, logging, checkpoints
     "data_path": "PREFIX or W1 PREFIX1 W2 PREFIX2 ... (default: embedded stdlib corpus)",
     "split": "train,valid,test shares of documents",

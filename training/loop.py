@@ -25,6 +25,7 @@ from data_parallel.ddp import all_reduce_embedding_grads, all_reduce_sequence_pa
 from data_parallel.distributed_optimizer import DistributedOptimizer
 from data_parallel.fsdp import peak_gathered_bytes
 from data_parallel.grad_norm import clip_grads
+from layers.fp8 import clear_step_amaxes, update_amax_histories
 from parallel_state import collectives
 from parallel_state.comm_counter import CommCounter
 from parallel_state.p2p import TensorSpec
@@ -283,6 +284,9 @@ def train_step(run: TrainState, iteration: int) -> StepResult:
     run.moe.before_step(gbs, t.micro_batch_size)
     timeline = Timeline() if t.profile_pipeline and iteration > 0 else None
     hooks = inject_grad_for_test(iteration + 1, run.params)  # no-op unless testing
+    delayed = t.fp8_format is not None and t.fp8_recipe == "delayed"
+    if delayed:
+        clear_step_amaxes(run.chunks)
     began = time.perf_counter()
     loss_sum = run.forward_backward(model=run.model, microbatches=microbatches,
                                     loss_scale=1.0 / float(num_tokens), spec=run.spec,
@@ -292,6 +296,8 @@ def train_step(run: TrainState, iteration: int) -> StepResult:
         hook.remove()
     for ddp in run.model:
         ddp.finish_grad_sync()
+    if delayed:
+        update_amax_histories(run.chunks)  # the step's amaxes, the same on every rank
     all_reduce_sequence_parallel_grad_pieces(run.model)
     all_reduce_embedding_grads(run.model)
     loss_sum = inject_loss_for_test(iteration + 1, loss_sum)

@@ -24,6 +24,7 @@ from checkpoint.lora_files import is_gguf
 from data_parallel.ddp import DistributedDataParallel, resolve_strategy
 from data_parallel.distributed_optimizer import DistributedOptimizer
 from layers import compile_transformer_layers, initial_value, parameters_on_meta
+from layers.fp8 import apply_fp8
 from layers.lora import add_lora
 from layers.quantized import quantize_layer_linears, quantized_weights
 from layers.recompute import apply_recompute
@@ -37,6 +38,7 @@ from parallel_state.transport import shm
 from planner.flops import training_flops_per_token
 from planner.report import memory_prediction, run_end_summary
 from run_config.batch_schedule import BatchSchedule, rampup_of
+from run_config.fp8 import fp8_layers_kept, fp8_recipe
 
 from .arguments import Config
 from .diloco import DiLoCo
@@ -97,11 +99,14 @@ def build_model(config: Config, device) -> list[GPTModel]:
             for chunk in chunks:
                 add_lora(chunk, t.lora_rank, t.lora_alpha, t.lora_dropout,
                          t.lora_target_modules, t.use_rslora)
+    recipe = fp8_recipe(t)
     for chunk in chunks:
         if not meta:
             chunk.init_weights(t.seed)
         if t.bf16:  # Megatron's Float16Module: bf16 weights (the optimizer keeps fp32 copies)
             chunk.to(torch.bfloat16)
+        if recipe is not None:  # FP8 GEMMs in the layer linears; float32 amax histories
+            apply_fp8(chunk, recipe, config.model.num_layers, *fp8_layers_kept(config.model, t))
         apply_recompute(chunk, t.recompute_granularity, t.recompute_method,
                         t.recompute_num_layers)
         if t.compile:
