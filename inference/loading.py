@@ -55,20 +55,6 @@ def _tp_error(config: ModelConfig, tp: int) -> ConfigError | None:
     return None
 
 
-def check_servable(config: ModelConfig) -> None:
-    """Raise a `ConfigError` for a model the engine cannot serve: multi-head latent attention
-    (layers/mla.py), whose compressed latent KV cache is not built, and whose full K/V (query
-    and key heads of qk_nope + qk_rope dims, values of v_head_dim) the paged cache of
-    `num_query_groups x kv_channels` per token does not hold either."""
-    if config.multi_latent_attention:
-        raise ConfigError(
-            "this model uses multi-head latent attention (kv_lora_rank "
-            f"{config.kv_lora_rank}: DeepSeek-V3-style); the inference engine has no KV cache "
-            "for it yet (neither the compressed latent cache nor full K/V), so it cannot be "
-            "served here: train, convert or export it (tools/convert_hf.py) and serve the "
-            "export with transformers")
-
-
 def _check_tp(config: ModelConfig, tp: int) -> None:
     """Raise a `ConfigError` in infer.py's terms when the model cannot be split over `tp`
     ranks (heads, KV heads or FFN width not divisible), naming the tp values that work."""
@@ -203,7 +189,6 @@ def load(load: str | None = None, hf=None, tokenizer: str | None = None,
                              f"(--load) is served in float: drop --quantization")
         path = require_checkpoint(load)
         config = ModelConfig.from_dict(read_metadata(path)["model"])
-        check_servable(config)
         generation = stored_generation_config(path, config.vocab_size)
         model = build_model(config)
         if log is not None:
@@ -222,8 +207,8 @@ def load(load: str | None = None, hf=None, tokenizer: str | None = None,
         quantization = quantization or Quantization()
         # a GGUF file's blocks and a GPTQ/AWQ folder's int4 layers are read as stored unless
         # --quantization none de-quantizes them (int8/int4 over them is refused below)
-        src, config = open_checked(hf, lambda c: (check_servable(c), _check_tp(
-            c, ps.get_tensor_model_parallel_world_size())), log,
+        src, config = open_checked(hf, lambda c: _check_tp(
+            c, ps.get_tensor_model_parallel_world_size()), log,
             "none" if quantization.method == "none" else "keep")
         if config.is_encoder_decoder and quantization.quantizes:
             raise ValueError(f"--quantization {quantization.method} is for decoder-only "

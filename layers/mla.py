@@ -29,10 +29,13 @@ as they would gather `x`; the shared RoPE key is all-gathered over the sequence 
 Without sequence parallelism every rank computes the latents of the whole sequence, and the
 up-projections' input (and the RoPE key's copy) all-reduce the latents' gradients over TP.
 
-Context parallelism: the core attention is the ring / all-gather attention of
-layers/context_parallel, which needs one head dim for k and v: v is zero-padded to
-`d_n + d_r` there and the padding dropped from the output (exact). Inference's KV cache (the
-compressed latent cache) is not built: `kv_cache` raises.
+Context parallelism and inference: the ring / all-gather attention of layers/context_parallel
+and the engine's KV cache (`kv_cache`, SelfAttention's interface: `update(k, v)` of
+`[b, heads, s, d]`) take one head dim for keys and values; there q, k and v are zero-padded
+to `max(d_n + d_r, d_v)` (exact: zeros add nothing to a score, and the padded output columns
+are dropped). The cache then holds full K/V, `2 x heads x max(d_n + d_r, d_v)` values per
+token and layer, not MLA's compressed `d_c + d_r` (the latent cache with the up-projections
+absorbed, V2 sec. 2.1.2, is not built).
 """
 from __future__ import annotations
 
@@ -43,7 +46,7 @@ from parallel_state import (copy_to_tensor_model_parallel_region,
                             gather_from_sequence_parallel_region,
                             get_tensor_model_parallel_world_size)
 
-from .attention import CoreAttention, apply_rotary_pos_emb
+from .attention import LAYER_TYPES, CoreAttention, apply_rotary_pos_emb
 from .dropout import add_dropout_site
 from .linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from .norm import build_norm
@@ -73,8 +76,9 @@ class MultiLatentAttention(CoreAttention):
     the causal mask. Attention dropout is the keyed dropout of layers/dropout.py at this
     module's site; selective recompute checkpoints the core attention (`checkpoint_fn`).
 
-    Raises `ValueError` for a `kv_cache` (no latent KV cache is built) or an
-    `attention_bias`, and at construction for a tp that does not divide the heads.
+    `kv_cache`: the engine's per-layer handle (SelfAttention's), holding full padded K/V.
+    Raises `ValueError` for an `attention_bias`, a `kv_cache` or mask under context
+    parallelism, and at construction for a tp that does not divide the heads.
     """
 
     def __init__(self, config, layer_number: int, sequence_parallel: bool = False,
@@ -94,6 +98,9 @@ class MultiLatentAttention(CoreAttention):
         self.nope_dim, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
         self.v_dim, self.kv_lora_rank = config.v_head_dim, config.kv_lora_rank
         self.qk_dim = self.nope_dim + self.rope_dim
+        # the generic KV cache's view (inference/runner.py): every head its own K and V, both
+        # zero-padded to one head dim
+        self.num_groups, self.head_dim = self.num_heads, max(self.qk_dim, self.v_dim)
         self.softmax_scale = mla_softmax_scale(config)
         self.attention_dropout = config.attention_dropout
         add_dropout_site(self)  # set from the module's name (layers/dropout.py)
@@ -130,10 +137,6 @@ class MultiLatentAttention(CoreAttention):
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
                 kv_cache=None, attention_mask: torch.Tensor | None = None,
                 attention_bias: torch.Tensor | None = None) -> torch.Tensor:
-        if kv_cache is not None:
-            raise ValueError("multi-head latent attention has no inference KV cache yet "
-                             "(neither the compressed latent cache nor full K/V); run it in "
-                             "training or through transformers")
         if attention_bias is not None or rotary is None or len(rotary) != 2:
             raise ValueError("multi-head latent attention takes one RoPE (cos, sin) pair of "
                              "qk_rope_head_dim and no attention_bias")
@@ -154,18 +157,18 @@ class MultiLatentAttention(CoreAttention):
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(s, b, self.num_heads, self.rope_dim)], dim=-1)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n/tp, s, d]
-        pad = self.qk_dim - self.v_dim if self.cp_group is not None else 0
-        if pad > 0:  # context-parallel attention needs one head dim for k and v
-            v = F.pad(v, (0, pad))
-        elif pad < 0:
-            raise ValueError(f"context parallelism with v_head_dim {self.v_dim} > "
-                             f"qk_nope_head_dim + qk_rope_head_dim {self.qk_dim} is not built; "
-                             f"run at --context-parallel-size 1")
-        if self.cp_group is not None and attention_mask is not None:
+        if self.cp_group is not None and (kv_cache is not None or attention_mask is not None):
             raise ValueError("context-parallel attention is causal over the whole sequence: "
-                             "no attention_mask (--reset-attention-mask)")
+                             "no kv_cache or attention_mask (--reset-attention-mask)")
+        one_dim = self.cp_group is not None or kv_cache is not None
+        if one_dim:  # q, k, v zero-padded to one head dim (module docstring)
+            q, k, v = (F.pad(t, (0, self.head_dim - t.shape[-1])) for t in (q, k, v))
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v)
+        if isinstance(attention_mask, dict):  # the engine's masks per layer kind: no window
+            attention_mask = attention_mask[LAYER_TYPES[0]]
         out = self._run_core(q, k, v, attention_mask, None, None)
-        if pad:
+        if one_dim:
             out = out[..., :self.v_dim]
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.v_dim)
         return self.linear_proj(out)

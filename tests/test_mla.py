@@ -7,10 +7,12 @@
 - transformers' tiny random DeepseekV3ForCausalLM (two forms: low-rank query, YaRN with
   mscale, interleaved RoPE weights, n_group 2, first layer dense; and a plain q_proj, default
   RoPE not interleaved, every layer MoE) imported gives its logits at tp 1 and tp 2, and
-  exports back bitwise (transformers loads the export cleanly);
+  exports back bitwise (transformers loads the export cleanly); infer.py's loader and the
+  Engine (generic paged cache of full K/V) generate transformers' greedy ids at tp 1 and 2;
 - YaRN's frequencies and attention factor equal transformers', group-limited routing
   equals transformers' router;
-- refusals: DeepSeek-V3 fields not built, MLA config mistakes, serving an MLA model.
+- refusals: DeepSeek-V3 fields not built, multi-token-prediction weights, MLA config
+  mistakes.
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ from test_dropout import DROPOUT, _train
 from tolerances import assert_fp32_close, assert_losses_close, forward_chain_terms, \
     training_chain_terms
 
-VOCAB, B, S = 128, 2, 24
+VOCAB, B, S, NEW = 128, 2, 24, 20
+PROMPTS = [[5, 17, 99, 3, 42, 8, 61, 2, 11, 50, 7, 30], [9, 64, 3, 120, 7]]
 DEEPSEEK = ["--config", "configs/tiny-llama.yaml", "--model", "tiny-deepseek",
             "--peak-tflops", "1"] + DROPOUT
 LAYOUTS = {1: [[], ["--recompute-granularity", "selective"], ["--recompute-granularity", "full"]],
@@ -116,18 +119,37 @@ def _logits(ckpts: dict) -> dict:
     return out
 
 
-def _world(ckpts: dict, runs: list, log_dir: str, cache: str):
-    """This world's logits of the imported checkpoints, then its training runs."""
-    return _logits(ckpts), _train(runs, log_dir, cache)[:-1]
+def _generate(hf_dirs: dict) -> dict:
+    """name -> greedy ids of PROMPTS (one batch, rows of different lengths) through infer.py's
+    loader (`--hf`) and the Engine on this grid."""
+    from inference.engine import Engine, Request
+    from inference.loading import load
+    from inference.sampling import SamplingParams
+
+    out = {}
+    for name, hf_dir in hf_dirs.items():
+        model, _, _ = load(hf=hf_dir)
+        reqs = [Request(str(i), p, SamplingParams(max_new_tokens=NEW))
+                for i, p in enumerate(PROMPTS)]
+        Engine(model, max_batch_size=2, max_seq_length=64).generate(reqs)
+        out[name] = [r.output for r in reqs]
+    return out
+
+
+def _world(ckpts: dict, hf_dirs: dict, runs: list, log_dir: str, cache: str):
+    """This world's logits of the imported checkpoints, its Engine's greedy ids, then its
+    training runs."""
+    return _logits(ckpts), _generate(hf_dirs), _train(runs, log_dir, cache)[:-1]
 
 
 @pytest.fixture(scope="module")
 def worlds(models, tmp_path_factory, corpus_env):
     ckpts = {name: ckpt for name, (_, ckpt) in models.items()}
+    hf_dirs = {name: hf_dir for name, (hf_dir, _) in models.items()}
     cache, out = corpus_env["SHARDZOO_CACHE"], {}
     for world, flags in LAYOUTS.items():
         out[world] = run_distributed(
-            _world, world, ckpts, [DEEPSEEK + f for f in flags],
+            _world, world, ckpts, hf_dirs, [DEEPSEEK + f for f in flags],
             str(tmp_path_factory.mktemp("mla")), cache, tp=world, timeout=900)[0]
     return out
 
@@ -142,10 +164,24 @@ def test_logits_match_transformers(models, worlds, world):
 
 
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
+def test_greedy_generate_matches_transformers(models, worlds, world):
+    """The engine's generic paged cache (full K/V of every head, padded to one head dim)."""
+    from transformers import AutoModelForCausalLM
+
+    for name, (hf_dir, _) in models.items():
+        hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        for prompt, ours in zip(PROMPTS, worlds[world][1][name], strict=True):
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False,
+                              pad_token_id=0)[0, len(prompt):].tolist()
+            assert len(set(ref)) > 3, (name, ref)  # not one repeated id
+            assert ours == ref, f"{name} at tp {world}: greedy ids differ from transformers'"
+
+
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
 def test_training_with_dropout_matches_one_process_at_every_layout(worlds, world):
-    (ref_losses, ref_norms), = worlds[1][1][:1]
+    (ref_losses, ref_norms), = worlds[1][2][:1]
     assert ref_losses[-1] < ref_losses[0], ref_losses  # it learns
-    runs = worlds[world][1][1:] if world == 1 else worlds[world][1]
+    runs = worlds[world][2][1:] if world == 1 else worlds[world][2]
     for flags, (losses, norms) in zip(LAYOUTS[world][1:] if world == 1 else LAYOUTS[world],
                                       runs, strict=True):
         k_step = training_chain_terms(DEEPSEEK + flags)
@@ -245,13 +281,12 @@ def test_yarn_and_group_routing_equal_transformers(no_grid):
 
 def test_unsupported_fields_and_bad_configs_are_refused(models, tmp_path):
     from checkpoint.hf import import_hf
-    from inference.loading import check_servable
     from models import ModelConfig
     from models.config import ConfigError
     from models.hf import HFConversionError, config_from_hf
     from safetensors.torch import save_file
 
-    hf_dir, ckpt = models["yarn"]
+    hf_dir, _ = models["yarn"]
     base = json.load(open(os.path.join(hf_dir, "config.json")))
     bad = {"attention_bias": (True, "attention_bias"),
            "norm_topk_prob": (False, "norm_topk_prob"),
@@ -288,5 +323,3 @@ def test_unsupported_fields_and_bad_configs_are_refused(models, tmp_path):
     with pytest.raises(ConfigError, match="--moe-router-group-topk"):
         ModelConfig(**mla, num_moe_experts=8, moe_router_score_function="sigmoid",
                     moe_router_num_groups=4).validate()
-    with pytest.raises(ConfigError, match="inference engine has no KV cache"):
-        check_servable(_config(ckpt))
