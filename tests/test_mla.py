@@ -323,3 +323,22 @@ def test_unsupported_fields_and_bad_configs_are_refused(models, tmp_path):
     with pytest.raises(ConfigError, match="--moe-router-group-topk"):
         ModelConfig(**mla, num_moe_experts=8, moe_router_score_function="sigmoid",
                     moe_router_num_groups=4).validate()
+
+
+def test_planner_lists_the_mla_parameters(no_grid):
+    """planner/parameters.py's parameter list is the model's, names and sizes (with a
+    low-rank query and without), and ModelConfig.num_parameters counts them."""
+    import dataclasses
+
+    from models import GPTModel
+    from planner.parameters import chunk_parameters
+    from training.arguments import load_model_config
+
+    base = load_model_config("tiny-deepseek")
+    for q_lora_rank in (32, None):
+        c = dataclasses.replace(base, q_lora_rank=q_lora_rank)
+        model = GPTModel(c)
+        plan = chunk_parameters(c, 1, list(range(c.num_layers)), True, True, False)
+        assert [(p.name, p.count) for p in plan] == \
+            [(n, p.numel()) for n, p in model.named_parameters()]
+        assert c.num_parameters() == sum(p.numel() for p in model.parameters())
