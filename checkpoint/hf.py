@@ -268,7 +268,8 @@ def load_hf_weights(src, config, chunks, log=None, quantization=None, part: str 
                     ) -> None:
     """Copy the weights of an opened HF model (`models.hf.files.open_hf`) straight into this
     rank's sharded model `chunks` (any tp/pp; no checkpoint folder is written). Each rank
-    reads the dense tensors it needs one at a time and keeps its shard; for an MoE layer only
+    reads the dense tensors it needs one at a time and keeps its shard (and the persistent
+    buffers, a DeepSeek-V3 router's expert bias, whole); for an MoE layer only
     the experts of its expert-parallel block (one HF tensor per expert, stacked, then split
     over TP). `log`, if given, gets a line of how far it is after 5 s and every 15 s
     (checkpoint/progress.py). Raises `HFConversionError` for missing or unused tensors,
@@ -285,7 +286,7 @@ def load_hf_weights(src, config, chunks, log=None, quantization=None, part: str 
     and leaves its adapters as they are)."""
     from layers.quantized import Quantization, holds_quantized
 
-    from .keys import entries
+    from .keys import buffer_entries, entries
 
     quantization = quantization or Quantization()
     tensors = hfmap.to_native(config, src.config["model_type"], src.get, src.names)
@@ -309,6 +310,8 @@ def load_hf_weights(src, config, chunks, log=None, quantization=None, part: str 
             param.__dict__.update(p.__dict__)
             module._parameters[attr] = p = param
         p.copy_(value.to(p.device, p.dtype))
+    for name, b in buffer_entries(chunks):  # model state beside the weights (expert_bias)
+        b.copy_(tensors[name]().to(b.device, b.dtype))
 
 
 def _has_parameter(chunk, name: str) -> bool:

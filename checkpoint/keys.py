@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import parallel_state as ps
 from layers import shard_tensor
-from layers.sharding import full_shape, tensor_parallel_size_of
+from layers.sharding import full_shape, persistent_buffers, tensor_parallel_size_of
 from models import model_class
 
 from .files import CONFIG, CheckpointError
@@ -169,13 +169,7 @@ def entries(chunks, part: str = "saved") -> list[tuple[str, torch.nn.Parameter, 
 def buffer_entries(chunks) -> list[tuple[str, torch.Tensor]]:
     """`[(name, buffer)]` of the persistent buffers of this rank's chunks (model state saved
     beside the parameters, e.g. the router's `expert_bias`; non-persistent counters are not)."""
-    out = []
-    for chunk in chunks:
-        for prefix, module in chunk.named_modules():
-            for name, b in module._buffers.items():
-                if b is not None and name not in module._non_persistent_buffers_set:
-                    out.append((f"{prefix}.{name}" if prefix else name, b))
-    return out
+    return [entry for chunk in chunks for entry in persistent_buffers(chunk)]
 
 
 def logical_names(name: str, param) -> list[tuple[str, int | None]]:

@@ -25,11 +25,13 @@ from .dropout import add_dropout_site, attention_dropout, sample_keyed
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .norm import ProjectionRMSNorm, build_norm
 from .sharding import set_tensor_parallel_attributes
+from .yarn import yarn_inv_freq
 
 
 def rope_inv_freq(dim: int, base: float, scaling_type: str | None = None, factor: float = 1.0,
                   low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
-                  original_max_position: int = 8192) -> torch.Tensor:
+                  original_max_position: int = 8192, beta_fast: float = 32.0,
+                  beta_slow: float = 1.0) -> torch.Tensor:
     """RoPE inverse frequencies `[d/2]` float64: `base^(-2i/d)`, optionally scaled.
 
     "linear" (position interpolation, Chen et al. 2023, eq. 3) divides every frequency by
@@ -37,12 +39,16 @@ def rope_inv_freq(dim: int, base: float, scaling_type: str | None = None, factor
     `_compute_llama3_parameters`) keeps wavelengths shorter than
     `original_max_position / high_freq_factor`, divides those longer than
     `original_max_position / low_freq_factor` by `factor`, and blends linearly in between.
+    "yarn" (Peng et al. 2023): layers/yarn.py `yarn_inv_freq` (with `beta_fast`, `beta_slow`).
     """
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     if scaling_type is None:
         return inv_freq
     if scaling_type == "linear":
         return inv_freq / factor
+    if scaling_type == "yarn":
+        return yarn_inv_freq(inv_freq, dim, base, factor, original_max_position, beta_fast,
+                             beta_slow)
     if scaling_type != "llama3":
         raise ValueError(f"unknown RoPE scaling {scaling_type!r}")
     wavelen = 2 * math.pi / inv_freq
@@ -62,12 +68,15 @@ class RotaryEmbedding(nn.Module):
     `forward(seq_len, offset=0)` -> `(cos, sin)`, each `[s, 1, 1, d]` float32 for positions
     offset..offset+s-1, or, given `position_ids [b, s]` (one position per row and token, e.g.
     batched decoding of prompts of different lengths), `[s, b, 1, d]`; with the frequencies of `rope_inv_freq` (`scaling` holds its keyword
-    arguments: scaling_type, factor, low/high_freq_factor, original_max_position).
+    arguments: scaling_type, factor, low/high_freq_factor, original_max_position,
+    beta_fast/slow) and `attention_factor` (YaRN's, default 1: cos and sin are multiplied by
+    it, so every RoPE score term scales by its square, as transformers' rotary embeddings do).
     """
 
     def __init__(self, dim: int, base: float = 10000.0, scaling: dict | None = None):
         super().__init__()
         self.dim, self.base, self.scaling = dim, base, dict(scaling or {})
+        self.attention_factor = float(self.scaling.pop("attention_factor", 1.0))
         self._table = None  # ((seq_len, offset, device), cos, sin) of the last contiguous call
 
     def forward(self, seq_len: int, offset: int = 0, device=None,
@@ -88,6 +97,9 @@ class RotaryEmbedding(nn.Module):
             pos = position_ids.t().to(device=device, dtype=torch.float64)  # [s, b]
             freqs = (pos[..., None] * inv_freq)[:, :, None, :]  # [s, b, 1, d/2]
         emb = torch.cat([freqs, freqs], dim=-1)
+        if self.attention_factor != 1.0:
+            return (emb.cos() * self.attention_factor).float(), \
+                (emb.sin() * self.attention_factor).float()
         return emb.cos().float(), emb.sin().float()
 
 
@@ -101,7 +113,66 @@ def apply_rotary_pos_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
-class SelfAttention(nn.Module):
+class CoreAttention(nn.Module):
+    """The core attention shared by SelfAttention and MultiLatentAttention (layers/mla.py):
+    SDPA or the explicit softmax (`core_attention`), the ring / all-gather attention under
+    context parallelism, causal and sliding-window masks, keyed dropout, and the checkpoint
+    of selective recompute. A subclass sets `cp_group`, `cp_comm_type`, `causal`,
+    `window_size`, `softmax_scale`, `softcap`, `attention_dropout`, `checkpoint_fn` and
+    calls `add_dropout_site(self)`."""
+
+    @property
+    def window_size(self) -> tuple[int, int] | None:
+        """`(left, right)` when this layer slides, None when it sees every earlier key. Kept
+        as a tuple either way (`()` for None): torch 2.13's check whether one layer may reuse
+        another's compiled nested region (compile_transformer_block) takes the length of
+        whatever stands where the other layer had a tuple, and fails on a None."""
+        return self._window or None
+
+    @window_size.setter
+    def window_size(self, value: tuple[int, int] | None) -> None:
+        self._window = tuple(value) if value is not None else ()
+
+    def _run_core(self, q, k, v, attention_mask, attention_bias, window):
+        """The core attention, checkpointed under selective recompute (training only)."""
+        if self.checkpoint_fn is not None and self.training and torch.is_grad_enabled():
+            return self.checkpoint_fn(self._core_attention, q, k, v, attention_mask,
+                                      attention_bias, window)
+        return self._core_attention(q, k, v, attention_mask, attention_bias, window)
+
+    def _core_attention(self, q, k, v, attention_mask=None, attention_bias=None, window=None):
+        """Scaled dot-product attention (Vaswani et al. 2017, eq. 1), causal unless built
+        with `causal=False`.
+
+        q `[b, n, sq, d]`, k/v `[b, g, sk, d]`; when sk > sq (decoding with a cache) query i
+        sits at position sk - sq + i. `attention_mask` `[b, 1, sq, sk]` (bool, or additive
+        float), when given, is used instead of the causal mask. `window` `(left, right)` or
+        None: keys before i - left are masked too (combined with `attention_mask`).
+        `attention_bias` `[1 or b, n, sq, sk]` is added to the scores. Attention dropout:
+        layers/dropout.py. Under context parallelism q, k, v are this CP rank's parts and
+        the ring (or all-gather) attention of layers/context_parallel runs instead.
+        """
+        if self.cp_group is not None:
+            return context_parallel_attention(
+                q, k, v, group=self.cp_group, comm_type=self.cp_comm_type,
+                scale=self.softmax_scale,
+                dropout_p=self.attention_dropout if self.training else 0.0,
+                dropout_site=self.dropout_site, window_size=window, softcap=self.softcap)
+        sq, sk = q.shape[2], k.shape[2]
+        mask = attention_mask
+        # square, unbiased, full: the fused kernel's is_causal, no [sq, sk] mask to build
+        causal = mask is None and self.causal and sq == sk and attention_bias is None and \
+            window is None
+        if self.causal and (window is not None or (mask is None and sq > 1 and not causal)):
+            band = causal_window_mask(torch.arange(sk - sq, sk, device=q.device), sk, window)
+            mask = band if mask is None else _restrict(mask, band)
+        return core_attention(q, k, v, mask, attention_bias, self.softmax_scale,
+                              self.attention_dropout if self.training else 0.0, causal=causal,
+                              dropout_site=self.dropout_site, softcap=self.softcap)
+
+
+
+class SelfAttention(CoreAttention):
     """Causal (or, with `causal=False`, bidirectional) multi-head / grouped-query self-attention.
 
     `forward(x [s, b, h] (or [s/tp, b, h] with SP), rotary=(cos, sin) | None, kv_cache=None,
@@ -203,18 +274,6 @@ class SelfAttention(nn.Module):
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         return torch.cat([q, k], dim=3)
 
-    @property
-    def window_size(self) -> tuple[int, int] | None:
-        """`(left, right)` when this layer slides, None when it sees every earlier key. Kept
-        as a tuple either way (`()` for None): torch 2.13's check whether one layer may reuse
-        another's compiled nested region (compile_transformer_block) takes the length of
-        whatever stands where the other layer had a tuple, and fails on a None."""
-        return self._window or None
-
-    @window_size.setter
-    def window_size(self, value: tuple[int, int] | None) -> None:
-        self._window = tuple(value) if value is not None else ()
-
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
                 kv_cache=None, attention_mask: torch.Tensor | None = None,
                 attention_bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -251,44 +310,6 @@ class SelfAttention(nn.Module):
         out = self._run_core(q, k, v, attention_mask, attention_bias, window)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
         return self.linear_proj(out)
-
-    def _run_core(self, q, k, v, attention_mask, attention_bias, window):
-        """The core attention, checkpointed under selective recompute (training only)."""
-        if self.checkpoint_fn is not None and self.training and torch.is_grad_enabled():
-            return self.checkpoint_fn(self._core_attention, q, k, v, attention_mask,
-                                      attention_bias, window)
-        return self._core_attention(q, k, v, attention_mask, attention_bias, window)
-
-    def _core_attention(self, q, k, v, attention_mask=None, attention_bias=None, window=None):
-        """Scaled dot-product attention (Vaswani et al. 2017, eq. 1), causal unless built
-        with `causal=False`.
-
-        q `[b, n, sq, d]`, k/v `[b, g, sk, d]`; when sk > sq (decoding with a cache) query i
-        sits at position sk - sq + i. `attention_mask` `[b, 1, sq, sk]` (bool, or additive
-        float), when given, is used instead of the causal mask. `window` `(left, right)` or
-        None: keys before i - left are masked too (combined with `attention_mask`).
-        `attention_bias` `[1 or b, n, sq, sk]` is added to the scores. Attention dropout:
-        layers/dropout.py. Under context parallelism q, k, v are this CP rank's parts and
-        the ring (or all-gather) attention of layers/context_parallel runs instead.
-        """
-        if self.cp_group is not None:
-            return context_parallel_attention(
-                q, k, v, group=self.cp_group, comm_type=self.cp_comm_type,
-                scale=self.softmax_scale,
-                dropout_p=self.attention_dropout if self.training else 0.0,
-                dropout_site=self.dropout_site, window_size=window, softcap=self.softcap)
-        sq, sk = q.shape[2], k.shape[2]
-        mask = attention_mask
-        # square, unbiased, full: the fused kernel's is_causal, no [sq, sk] mask to build
-        causal = mask is None and self.causal and sq == sk and attention_bias is None and \
-            window is None
-        if self.causal and (window is not None or (mask is None and sq > 1 and not causal)):
-            band = causal_window_mask(torch.arange(sk - sq, sk, device=q.device), sk, window)
-            mask = band if mask is None else _restrict(mask, band)
-        return core_attention(q, k, v, mask, attention_bias, self.softmax_scale,
-                              self.attention_dropout if self.training else 0.0, causal=causal,
-                              dropout_site=self.dropout_site, softcap=self.softcap)
-
 
 LAYER_TYPES = ("full_attention", "sliding_attention")  # HF's names, indexed by "slides"
 
@@ -356,7 +377,9 @@ def core_attention(q, k, v, mask, bias, scale, dropout_p, causal=False,
     attn_logit_softcapping) the scaled scores become `softcap * tanh(scores / softcap)`
     before bias and mask (transformers' eager Gemma attention), in the explicit softmax.
 
-    q `[b, n, sq, d]`; k, v `[b, g, sk, d]` with n a multiple of g (grouped-query heads);
+    q `[b, n, sq, d]`; k `[b, g, sk, d]`, v `[b, g, sk, dv]` with n a multiple of g
+    (grouped-query heads; dv may differ from d: multi-latent attention's v_head_dim, the
+    result then `[b, n, sq, dv]`);
     `mask` broadcastable to `[b, n, sq, sk]`, bool (True = may attend) or float added to the
     scores (0 or -inf; what SDPA makes of a bool mask), or None; `bias` float
     broadcastable to `[b, n, sq, sk]` or None; `scale` None = 1/sqrt(d); `causal` (with mask
@@ -414,7 +437,7 @@ def _explicit_attention(q, k, v, mask, bias, scale, dropout_p, causal, dropout_s
     probs = _softmax(scores.view(b, n, sq, sk).float(), scale, softcap, bias, mask).to(q.dtype)
     if dropout_p > 0:
         probs = attention_dropout(probs, dropout_p, dropout_site)
-    return torch.matmul(probs.view(b, g, n // g * sq, sk), v).view(b, n, sq, d)
+    return torch.matmul(probs.view(b, g, n // g * sq, sk), v).view(b, n, sq, v.shape[-1])
 
 
 def _softmax(scores, scale, softcap, bias, mask) -> torch.Tensor:
@@ -449,7 +472,7 @@ def _decode_attention(q, k, v, mask, scale, softcap) -> torch.Tensor:
     scores = (qg * k.float()[:, :, None]).sum(-1)  # [b, g, n/g, sk]
     probs = _softmax(scores.view(b, n, 1, sk), scale, softcap, None, mask)
     out = (probs.view(b, g, n // g, sk, 1) * v.float()[:, :, None]).sum(-2)  # [b, g, n/g, d]
-    return out.reshape(b, n, 1, d).to(q.dtype)
+    return out.reshape(b, n, 1, v.shape[-1]).to(q.dtype)
 
 
 def relative_position_bucket(relative_position: torch.Tensor, bidirectional: bool,

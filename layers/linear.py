@@ -330,3 +330,29 @@ class RowParallelLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in={self.input_size} (per rank {self.input_size_per_partition}), "
                 f"out={self.output_size}, sp={self.sequence_parallel}")
+
+
+class ReplicatedLinear(nn.Module):
+    """`Y = X A^T` with the whole weight `[out, in]` on every TP rank (no bias): a small
+    projection whose output every rank needs whole (multi-head latent attention's
+    down-projections, layers/mla.py). No communication of its own. With `sequence_parallel`
+    the input is this rank's shard `[s/tp, b, in]` and so is the output; the weight's
+    gradient is then partial (its tokens only) and the weight is tagged `sequence_parallel`,
+    so the trainer sums it over TP after backward, like a norm's. Without it, the input is the
+    whole `[s, b, in]` on every rank, and whatever consumes the output must all-reduce its
+    gradient over TP (a column-parallel layer's input does), so the gradients are complete."""
+
+    def __init__(self, input_size: int, output_size: int, *, sequence_parallel: bool = False,
+                 init: str = "normal"):
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.weight = nn.Parameter(torch.empty(output_size, input_size))
+        set_tensor_parallel_attributes(
+            self.weight, partition_dim=None, init=init,
+            sequence_parallel=sequence_parallel and get_tensor_model_parallel_world_size() > 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)
+
+    def extra_repr(self) -> str:
+        return f"in={self.input_size}, out={self.output_size} (replicated over TP)"

@@ -63,6 +63,17 @@ def set_tensor_parallel_attributes(param: nn.Parameter, *, partition_dim: int | 
     return param
 
 
+def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """`[(name, buffer)]` of the persistent buffers of `model` (model state saved beside the
+    parameters, e.g. the MoE router's `expert_bias`; non-persistent counters are not)."""
+    out = []
+    for prefix, module in model.named_modules():
+        for name, b in module._buffers.items():
+            if b is not None and name not in module._non_persistent_buffers_set:
+                out.append((f"{prefix}.{name}" if prefix else name, b))
+    return out
+
+
 def tensor_parallel_size_of(param: torch.Tensor) -> int:
     """The number of ranks `param`'s `partition_dim` is split over: the expert-tensor-parallel
     size for a routed expert's weight (`expert_parallel`), the TP size otherwise."""

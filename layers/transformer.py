@@ -35,13 +35,16 @@ from .dropout import (
     hidden_dropout,
     sub_site,
 )
+from .mla import MultiLatentAttention
 from .mlp import MLP
 from .moe import MoELayer
 from .norm import build_norm
 
 
 class TransformerLayer(nn.Module):
-    """One pre-norm layer; its MLP is a MoELayer where `config.is_moe_layer(layer_number)`.
+    """One pre-norm layer; its MLP is a MoELayer where `config.is_moe_layer(layer_number)`,
+    its self-attention multi-head latent attention (layers/mla.py) where
+    `config.multi_latent_attention`.
     `causal=False`: bidirectional self-attention (an encoder);
     `cross_attention`: a decoder layer of an encoder-decoder model; `softmax_scale`: see
     SelfAttention (T5: 1.0). `cp_group` / `cp_comm_type`: context parallelism (see
@@ -62,9 +65,14 @@ class TransformerLayer(nn.Module):
         # no pre-norms (`pre_layernorm` False, OLMo 2): identities, the forward unchanged
         self.input_layernorm = build_norm(config, sequence_parallel=sp) \
             if config.pre_layernorm else nn.Identity()
-        self.self_attention = SelfAttention(config, layer_number, sequence_parallel=sp,
-                                            causal=causal, softmax_scale=softmax_scale,
-                                            cp_group=cp_group, cp_comm_type=cp_comm_type)
+        if getattr(config, "multi_latent_attention", False) and causal and not cross_attention:
+            self.self_attention = MultiLatentAttention(config, layer_number, sequence_parallel=sp,
+                                                       cp_group=cp_group,
+                                                       cp_comm_type=cp_comm_type)
+        else:
+            self.self_attention = SelfAttention(config, layer_number, sequence_parallel=sp,
+                                                causal=causal, softmax_scale=softmax_scale,
+                                                cp_group=cp_group, cp_comm_type=cp_comm_type)
         if cross_attention:
             self.pre_cross_attn_layernorm = build_norm(config, sequence_parallel=sp)
             self.cross_attention = CrossAttention(config, layer_number, sequence_parallel=sp,

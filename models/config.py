@@ -15,11 +15,15 @@ class ConfigError(ValueError):
     """A bad configuration value; the message names the flag and how to fix it."""
 
 
+from .config_mla import (mla_parameters, validate_group_routing, validate_mla,  # noqa: E402
+                         validate_mla_off, validate_yarn)  # (they raise ConfigError)
+
+
 _POSITION_TYPES = ("learned_absolute", "rope", "relative", "none")
 _NORMS = ("LayerNorm", "RMSNorm")
 _ACTIVATIONS = ("gelu", "swiglu", "relu", "geglu")
 _MODEL_TYPES = ("gpt", "t5")
-_ROPE_SCALING = (None, "linear", "llama3")
+_ROPE_SCALING = (None, "linear", "llama3", "yarn")
 # bounds of the counts a config may hold (files are untrusted): every size below 2**31, and
 # at most 2**24 positions (16.8M, past any released model's context)
 MAX_COUNT = 2**31 - 1
@@ -61,6 +65,20 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position_embeddings: int = 8192
+    # YaRN ("yarn", Peng et al. 2023; layers/yarn.py): the ramp's rotation bounds, and the
+    # temperature's mscale / mscale_all_dim (HF's names without the prefix; None: unset)
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float | None = None
+    rope_mscale_all_dim: float | None = None
+    # Multi-head latent attention (DeepSeek-V2/V3, layers/mla.py; HF's field names): set
+    # kv_lora_rank to use it instead of SelfAttention. q_lora_rank None: one query projection.
+    # kv_channels then defaults to qk_nope_head_dim + qk_rope_head_dim (the q/k head dim).
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
     # Sliding-window attention (Megatron-Core's fields): `window_size` (left, right) lets the
     # query at position i attend keys i - left .. i + right (right is 0: causal decoders), so
     # HF's `sliding_window` W is (W - 1, 0); `window_attn_skip_freq` says which layers keep
@@ -115,6 +133,10 @@ class ModelConfig:
     moe_router_score_function: str = "softmax"  # "softmax" or "sigmoid"
     moe_router_pre_softmax: bool = False  # softmax over all experts before top-k
     moe_router_topk_scaling_factor: float | None = None  # routing weights x this
+    # group-limited routing (DeepSeek-V3's n_group / topk_group): experts in `num_groups`
+    # equal groups, a token picks its top-k among the `group_topk` best groups only
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
     moe_ffn_hidden_size: int | None = None
     moe_shared_expert_intermediate_size: int | None = None  # None: no shared experts
     moe_shared_expert_gate: bool = False  # Qwen2-MoE's sigmoid gate on the shared output
@@ -132,6 +154,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
+        if self.kv_channels is None and self.kv_lora_rank is not None and \
+                type(self.qk_nope_head_dim) is int and type(self.qk_rope_head_dim) is int:
+            self.kv_channels = self.qk_nope_head_dim + self.qk_rope_head_dim
         if self.kv_channels is None and self.num_attention_heads:
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.ffn_hidden_size is None:
@@ -186,6 +211,16 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ derived sizes
     @property
+    def multi_latent_attention(self) -> bool:
+        """Whether the layers use multi-head latent attention (`kv_lora_rank` set)."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def rotary_dim(self) -> int:
+        """RoPE's dimension: qk_rope_head_dim under MLA, else the head dim kv_channels."""
+        return self.qk_rope_head_dim if self.multi_latent_attention else self.kv_channels
+
+    @property
     def query_projection_size(self) -> int:
         return self.kv_channels * self.num_attention_heads
 
@@ -204,6 +239,8 @@ class ModelConfig:
         qkv_out = self.query_projection_size + 2 * self.kv_projection_size
         norm = 2 * h if self.normalization == "LayerNorm" else h
         attn = h * qkv_out + self.query_projection_size * h
+        if self.multi_latent_attention:
+            attn = mla_parameters(self)
         mlp = self._mlp_parameters(f)
         if self.add_qkv_bias:
             attn += qkv_out
@@ -322,7 +359,11 @@ class ModelConfig:
         if self.activation not in _ACTIVATIONS:
             raise ConfigError(f"--activation must be one of {_ACTIVATIONS}, "
                               f"got {self.activation!r}")
-        self._validate_heads(tp, kv_replication)
+        if self.multi_latent_attention:
+            validate_mla(self, tp)
+        else:
+            validate_mla_off(self)
+            self._validate_heads(tp, kv_replication)
         if self.ffn_hidden_size % tp:
             raise ConfigError(
                 f"--ffn-hidden-size {self.ffn_hidden_size} is not divisible by "
@@ -332,7 +373,7 @@ class ModelConfig:
         self._validate_layer_norms(tp, kv_replication)
         self._validate_gemma()
         self._validate_moe(tp)
-        if self.position_embedding_type == "rope" and self.kv_channels % 2:
+        if self.position_embedding_type == "rope" and self.rotary_dim % 2:
             raise ConfigError(f"RoPE needs an even head dim, got --kv-channels {self.kv_channels}")
         if self.max_position_embeddings < self.seq_length and \
                 self.position_embedding_type == "learned_absolute":
@@ -378,11 +419,14 @@ class ModelConfig:
     def _validate_rope_scaling(self) -> None:
         """`rope_scaling_type` and its factors (linear, llama3)."""
         if self.rope_scaling_type not in _ROPE_SCALING:
-            raise ConfigError(f"--rope-scaling-type must be one of linear, llama3 (or none), "
+            raise ConfigError(f"--rope-scaling-type must be one of linear, llama3, yarn (or "
+                              f"none), "
                               f"got {self.rope_scaling_type!r}")
         if self.rope_scaling_type is not None and not self.rope_scaling_factor >= 1.0:
             raise ConfigError(f"--rope-scaling-factor must be >= 1, got "
                               f"{self.rope_scaling_factor}")
+        if self.rope_scaling_type == "yarn":
+            validate_yarn(self)
         if self.rope_scaling_type == "llama3" and \
                 not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
             raise ConfigError(f"llama3 RoPE scaling needs 0 < --rope-low-freq-factor "
@@ -548,6 +592,7 @@ class ModelConfig:
         if self.is_encoder_decoder:
             raise ConfigError("--num-experts is for decoder-only models (--model-type gpt)")
         self._validate_moe_layer_freq()
+        validate_group_routing(self)
 
     def _validate_moe_layer_freq(self) -> None:
         freq = self.moe_layer_freq

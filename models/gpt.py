@@ -21,6 +21,7 @@ from layers import (
 from layers.attention import window_attention_masks
 from layers.dropout import assign_dropout_sites
 from layers.transformer import context_parallel_positions
+from layers.yarn import yarn_attention_factor
 from parallel_state import (get_context_parallel_group, get_context_parallel_world_size,
                             get_tensor_model_parallel_world_size)
 
@@ -33,10 +34,16 @@ def rope_scaling(config: ModelConfig) -> dict:
     """Keyword arguments of `layers.attention.rope_inv_freq` for this config's RoPE scaling."""
     if config.rope_scaling_type is None:
         return {}
-    return dict(scaling_type=config.rope_scaling_type, factor=config.rope_scaling_factor,
-                low_freq_factor=config.rope_low_freq_factor,
-                high_freq_factor=config.rope_high_freq_factor,
-                original_max_position=config.rope_original_max_position_embeddings)
+    out = dict(scaling_type=config.rope_scaling_type, factor=config.rope_scaling_factor,
+               low_freq_factor=config.rope_low_freq_factor,
+               high_freq_factor=config.rope_high_freq_factor,
+               original_max_position=config.rope_original_max_position_embeddings)
+    if config.rope_scaling_type == "yarn":  # and RotaryEmbedding's factor on cos and sin
+        out.update(beta_fast=config.rope_beta_fast, beta_slow=config.rope_beta_slow,
+                   attention_factor=yarn_attention_factor(
+                       config.rope_scaling_factor, config.rope_mscale,
+                       config.rope_mscale_all_dim))
+    return out
 
 
 class GPTModel(nn.Module):
@@ -77,7 +84,7 @@ class GPTModel(nn.Module):
         if pre_process:
             self.embedding = LanguageModelEmbedding(config, self.padded_vocab_size,
                                                     sequence_parallel=self.sequence_parallel)
-        self.rotary = (RotaryEmbedding(config.kv_channels, config.rotary_base,
+        self.rotary = (RotaryEmbedding(config.rotary_dim, config.rotary_base,
                                        rope_scaling(config))
                        if config.position_embedding_type == "rope" else None)
         # Gemma 3: the sliding-window layers' own RoPE base (layers/attention.py SelfAttention)

@@ -42,11 +42,37 @@ class ParamShape:
         return self.count
 
 
-def _norm(prefix: str, m, unit: str, sp: bool) -> list[ParamShape]:
-    out = [ParamShape(f"{prefix}.weight", m.hidden_size, unit, sequence_parallel=sp)]
+def _norm(prefix: str, m, unit: str, sp: bool, size: int | None = None) -> list[ParamShape]:
+    size = size or m.hidden_size
+    out = [ParamShape(f"{prefix}.weight", size, unit, sequence_parallel=sp)]
     if m.normalization == "LayerNorm":
-        out.append(ParamShape(f"{prefix}.bias", m.hidden_size, unit, sequence_parallel=sp))
+        out.append(ParamShape(f"{prefix}.bias", size, unit, sequence_parallel=sp))
     return out
+
+
+def _mla(prefix: str, m, unit: str, tp: int, sp: bool) -> list[ParamShape]:
+    """Multi-head latent attention's weights (layers/mla.py): replicated down-projections and
+    latent norms (tagged `sequence_parallel` under SP), column-parallel up-projections over
+    heads, row-parallel output."""
+    n, h = m.num_attention_heads // tp, m.hidden_size
+    qk, kv_lora = m.qk_nope_head_dim + m.qk_rope_head_dim, m.kv_lora_rank
+
+    def replicated(name: str, rows: int) -> ParamShape:
+        return ParamShape(f"{prefix}.{name}.weight", rows * h, unit, sequence_parallel=sp)
+
+    if m.q_lora_rank is None:
+        out = _linear(f"{prefix}.linear_q_proj", n * qk, h, unit, bias=False, row=False, sp=sp)
+    else:
+        out = [replicated("linear_q_down_proj", m.q_lora_rank),
+               *_norm(f"{prefix}.q_layernorm", m, unit, sp, m.q_lora_rank),
+               *_linear(f"{prefix}.linear_q_up_proj", n * qk, m.q_lora_rank, unit, bias=False,
+                        row=False, sp=sp)]
+    return out + [replicated("linear_kv_down_proj", kv_lora + m.qk_rope_head_dim),
+                  *_norm(f"{prefix}.kv_layernorm", m, unit, sp, kv_lora),
+                  *_linear(f"{prefix}.linear_kv_up_proj", n * (m.qk_nope_head_dim + m.v_head_dim),
+                           kv_lora, unit, bias=False, row=False, sp=sp),
+                  *_linear(f"{prefix}.linear_proj", h, n * m.v_head_dim, unit, bias=False,
+                           row=True, sp=sp)]
 
 
 def _qk_norms(prefix: str, m, unit: str, tp: int) -> list[ParamShape]:
@@ -135,11 +161,14 @@ def chunk_parameters(m, tp: int, layer_numbers: list[int], pre_process: bool,
         p, unit = f"decoder.layers.{n}", f"layer {n}"
         if m.pre_layernorm:
             out += _norm(f"{p}.input_layernorm", m, unit, sp)
-        out += _linear(f"{p}.self_attention.linear_qkv", q + 2 * kv, h, unit,
-                       bias=m.add_qkv_bias, row=False, sp=sp)
-        out += _linear(f"{p}.self_attention.linear_proj", h, q, unit,
-                       bias=m.add_bias_linear, row=True, sp=sp)
-        out += _qk_norms(f"{p}.self_attention", m, unit, tp)
+        if m.multi_latent_attention:
+            out += _mla(f"{p}.self_attention", m, unit, tp, sp)
+        else:
+            out += _linear(f"{p}.self_attention.linear_qkv", q + 2 * kv, h, unit,
+                           bias=m.add_qkv_bias, row=False, sp=sp)
+            out += _linear(f"{p}.self_attention.linear_proj", h, q, unit,
+                           bias=m.add_bias_linear, row=True, sp=sp)
+            out += _qk_norms(f"{p}.self_attention", m, unit, tp)
         if m.pre_layernorm:
             out += _norm(f"{p}.pre_mlp_layernorm", m, unit, sp)
         if m.is_moe_layer(n):

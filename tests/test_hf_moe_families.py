@@ -14,7 +14,7 @@ tiny random Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE models:
   export with no missing, unexpected or mismatched tensor;
 - one train.py --finetune step at tp 2 from an import of Mixtral, Qwen2-MoE, Qwen3-MoE and
   OLMoE, exported back bitwise (lr 0);
-- refusals: router jitter, the MoE families not built (DeepSeek, ...), MoE fields on a dense
+- refusals: router jitter, the MoE families not built (gpt-oss, ...), MoE fields on a dense
   family's config, bad Qwen2-MoE layer fields, an MoE model with no HF equivalent.
 """
 from __future__ import annotations
@@ -423,7 +423,8 @@ def test_unsupported_moe_configs_are_refused(models, tmp_path):
         (dict(qwen, num_experts_per_tok=9), "--moe-router-topk"),
         (dict(mixtral, model_type="mistral", architectures=["MistralForCausalLM"]),
          "num_local_experts=4: mixture-of-experts"),
-        (dict(qwen, model_type="deepseek_v3", architectures=None), "'deepseek_v3'"),
+        (dict(qwen, model_type="deepseek_v3", architectures=None),  # no MLA fields
+         "has no kv_lora_rank, which a deepseek_v3 model needs"),
         (dict(qwen, model_type="gpt_oss", architectures=None), "'gpt_oss'"),
         (dict(mixtral, architectures=["Qwen2MoeForCausalLM"]), "architectures"),
         (dict(qwen3, attention_bias=True), "attention_bias=True"),

@@ -116,11 +116,24 @@ FLAG_HELP = {
     "make_vocab_size_divisible_by": "pad the vocab to a multiple of this x tp",
     "position_embedding_type": "learned_absolute | rope | relative (T5) | none",
     "rotary_base": "RoPE theta",
-    "rope_scaling_type": "RoPE frequency scaling: linear | llama3 (default none)",
+    "rope_scaling_type": "RoPE frequency scaling: linear | llama3 | yarn (default none)",
     "rope_scaling_factor": "RoPE context extension factor",
     "rope_low_freq_factor": "llama3 RoPE scaling: low-frequency factor",
     "rope_high_freq_factor": "llama3 RoPE scaling: high-frequency factor",
-    "rope_original_max_position_embeddings": "llama3 RoPE scaling: pretraining context",
+    "rope_original_max_position_embeddings": "llama3 / yarn RoPE scaling: pretraining context",
+    "rope_beta_fast": "yarn: pairs turning more often than this over the original context "
+    "keep their frequency",
+    "rope_beta_slow": "yarn: pairs turning less often than this are interpolated",
+    "rope_mscale": "yarn: attention temperature's mscale (cos/sin x mscale(f, m) / "
+    "mscale(f, m_all))",
+    "rope_mscale_all_dim": "yarn: mscale_all_dim; multi-latent attention's softmax scale x "
+    "mscale(f, m_all)^2",
+    # multi-head latent attention (layers/mla.py; HF's DeepSeek-V3 names)
+    "q_lora_rank": "MLA: rank of the low-rank query (unset: one query projection)",
+    "kv_lora_rank": "MLA: rank of the joint KV compression; set to use multi-latent attention",
+    "qk_nope_head_dim": "MLA: per-head query/key dims without RoPE",
+    "qk_rope_head_dim": "MLA: per-head query/key dims with RoPE (one shared RoPE key)",
+    "v_head_dim": "MLA: per-head value dim",
     "window_size": "LEFT,RIGHT sliding-window attention: a query sees the LEFT keys before it "
     "and itself (HF's sliding_window W is W-1,0; RIGHT must be 0)",
     "window_attn_skip_freq": "with --window-size: N (every Nth layer, 1-based, keeps full "
@@ -136,6 +149,10 @@ FLAG_HELP = {
     "moe_router_score_function": "softmax | sigmoid",
     "moe_router_pre_softmax": "softmax over all experts before the top-k (Switch)",
     "moe_router_topk_scaling_factor": "multiplies the routing weights (DeepSeek-V3)",
+    "moe_router_num_groups": "group-limited routing: experts in this many groups (DeepSeek-V3's "
+    "n_group; sigmoid router)",
+    "moe_router_group_topk": "group-limited routing: a token's experts come from its best "
+    "this-many groups (topk_group)",
     "moe_ffn_hidden_size": "width of each routed expert (default: ffn-hidden-size)",
     "moe_shared_expert_intermediate_size": "width of the shared experts (unset: none)",
     "moe_shared_expert_gate": "sigmoid gate on the shared experts' output (Qwen2-MoE)",

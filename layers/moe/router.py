@@ -10,6 +10,8 @@ Scores (Megatron-Core's `moe_router_score_function`, logits always in float32):
   to 1 when k > 1.
 
 `moe_router_topk_scaling_factor` then multiplies the weights (DeepSeek-V3's routed scaling).
+With `moe_router_num_groups` / `moe_router_group_topk` (sigmoid only) a token's top-k is
+taken among the experts of its best groups only (`_limit_to_groups`).
 
 Load balancing, all per microbatch (the mbs sequences one forward processes; under sequence
 parallelism their token counts are summed over the TP ranks, and under context parallelism
@@ -90,6 +92,8 @@ class TopKRouter(nn.Module):
         self.score_function = config.moe_router_score_function
         self.pre_softmax = config.moe_router_pre_softmax
         self.scaling_factor = config.moe_router_topk_scaling_factor
+        self.num_groups = getattr(config, "moe_router_num_groups", None)
+        self.group_topk = getattr(config, "moe_router_group_topk", None)
         self.aux_loss_coeff = config.moe_aux_loss_coeff or 0.0
         self.z_loss_coeff = config.moe_z_loss_coeff or 0.0
         self.bias_update_rate = config.moe_router_bias_update_rate
@@ -137,8 +141,11 @@ class TopKRouter(nn.Module):
                 probs = torch.softmax(top, dim=-1)
         else:
             scores = torch.sigmoid(logits)
-            if self.expert_bias is not None:
-                indices = (scores + self.expert_bias).topk(k, dim=-1).indices
+            choice = scores if self.expert_bias is None else scores + self.expert_bias
+            if self.num_groups is not None:
+                choice = self._limit_to_groups(choice)
+            if self.expert_bias is not None or self.num_groups is not None:
+                indices = choice.topk(k, dim=-1).indices
                 probs = scores.gather(1, indices)
             else:
                 probs, indices = scores.topk(k, dim=-1)
@@ -147,6 +154,19 @@ class TopKRouter(nn.Module):
         if self.scaling_factor:
             probs = probs * self.scaling_factor
         return probs, indices
+
+    def _limit_to_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """Group-limited routing (DeepSeek-V3's n_group / topk_group; V2 report sec.
+        2.1.2's device-limited routing): `choice [n, E]` with the experts outside each
+        token's `group_topk` best groups set to -inf. The E experts form `num_groups`
+        contiguous groups; a group's score is the sum of its two best choice scores
+        (transformers' DeepseekV3TopkRouter; ties between groups go to the lower index)."""
+        n = choice.shape[0]
+        grouped = choice.view(n, self.num_groups, -1)
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [n, groups]
+        best = group_scores.topk(self.group_topk, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        return grouped.masked_fill(~keep[..., None], float("-inf")).view(n, -1)
 
     def _losses(self, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """The weighted auxiliary + z losses of these tokens (module docstring)."""

@@ -18,7 +18,8 @@ Qwen2ForCausalLM (qwen2), Qwen3ForCausalLM (qwen3), Olmo2ForCausalLM (olmo2),
 Phi3ForCausalLM (phi3), T5ForConditionalGeneration (t5, v1.0 and v1.1), Gemma3ForCausalLM
 (gemma3_text), Gemma2ForCausalLM (gemma2), and the mixture-of-experts MixtralForCausalLM
 (mixtral), Qwen2MoeForCausalLM (qwen2_moe), Qwen3MoeForCausalLM (qwen3_moe) and
-OlmoeForCausalLM (olmoe). File formats
+OlmoeForCausalLM (olmoe), and DeepseekV3ForCausalLM (deepseek_v3: multi-head latent attention
+and sigmoid-routed MoE, models/hf/deepseek.py). File formats
 (safetensors, .bin, GGUF) are in models/hf/files.py.
 """
 from __future__ import annotations
@@ -32,12 +33,12 @@ import torch
 
 from models.config import MAX_COUNT, MAX_POSITIONS, ConfigError, ModelConfig
 
-from . import gemma, gpt2, llama, moe, olmo2, phi3, t5
+from . import deepseek, gemma, gpt2, llama, moe, olmo2, phi3, t5
 from .quantized import quant_scheme
 from .rules import HFConversionError, Rule  # noqa: F401
 
 FAMILIES = {mt: fam for fam in (gpt2, llama, t5, moe, gemma) for mt in fam.MODEL_TYPES}
-FAMILIES.update({mt: fam for fam in (olmo2, phi3) for mt in fam.MODEL_TYPES})
+FAMILIES.update({mt: fam for fam in (olmo2, phi3, deepseek) for mt in fam.MODEL_TYPES})
 # config.json fields that mean mixture-of-experts (refused for the dense families' types)
 _MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
 
@@ -49,17 +50,21 @@ _COUNTS = ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions", "n_inner"
            "num_layers", "num_decoder_layers", "num_heads", "relative_attention_num_buckets",
            "relative_attention_max_distance", "original_max_position_embeddings",
            "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-           "shared_expert_intermediate_size", "decoder_sparse_step", "sliding_window_pattern")
+           "shared_expert_intermediate_size", "decoder_sparse_step", "sliding_window_pattern",
+           "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+           "n_routed_experts", "n_shared_experts", "n_group", "topk_group")
 _POSITIONS = ("n_positions", "max_position_embeddings", "original_max_position_embeddings")
 _LAYER_COUNTS = ("n_layer", "num_hidden_layers", "num_layers", "num_decoder_layers")
 _NUMBERS = ("layer_norm_epsilon", "rms_norm_eps", "initializer_range", "initializer_factor",
             "rope_theta", "dropout_rate", "attention_dropout", "resid_pdrop", "embd_pdrop",
             "attn_pdrop", "factor", "low_freq_factor", "high_freq_factor",
             "router_jitter_noise", "router_aux_loss_coef", "query_pre_attn_scalar",
-            "rope_local_base_freq", "attn_logit_softcapping", "final_logit_softcapping")
+            "rope_local_base_freq", "attn_logit_softcapping", "final_logit_softcapping",
+            "routed_scaling_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 _FLAGS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "scale_attn_weights",
           "scale_attn_by_inverse_layer_idx", "add_cross_attention", "scale_decoder_outputs",
-          "norm_topk_prob", "output_router_logits", "qkv_bias", "use_bidirectional_attention")
+          "norm_topk_prob", "output_router_logits", "qkv_bias", "use_bidirectional_attention",
+          "rope_interleave")
 _NAMES = ("model_type", "hidden_act", "activation_function", "feed_forward_proj",
           "hidden_activation")
 _ROPE_DICTS = ("rope_scaling", "rope_parameters")
@@ -72,7 +77,7 @@ _REQUIRED = {gpt2: ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions"),
                      "intermediate_size"),
              moe: ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                    "intermediate_size")}
-_REQUIRED[olmo2] = _REQUIRED[llama]
+_REQUIRED[olmo2] = _REQUIRED[deepseek] = _REQUIRED[llama]
 _REQUIRED[phi3] = _REQUIRED[llama]
 
 
@@ -144,7 +149,7 @@ def config_from_hf(d: dict, tensor_count: int | None = None) -> ModelConfig:
     if bad:
         raise HFConversionError(f"config.json architectures {bad} is not supported for "
                                 f"model_type {mt!r} (supported: {sorted(known)})")
-    for field in _MOE_FIELDS if FAMILIES[mt] is not moe else ():
+    for field in _MOE_FIELDS if FAMILIES[mt] not in (moe, deepseek) else ():
         if d.get(field):
             raise HFConversionError(f"config.json {field}={d[field]}: mixture-of-experts models "
                                     f"are not supported")
@@ -201,14 +206,16 @@ def hf_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     """`{HF tensor name: dense shape}` of every HF weight of `c`, in write order, computed on
     the meta device (no memory; on any grid whose tp the model splits over: the dense shapes
     are rebuilt from the shards', replicated KV heads included)."""
-    from layers.sharding import full_shape
+    from layers.sharding import full_shape, persistent_buffers
 
     from models import model_class
 
     kw = {} if c.is_encoder_decoder else {"kv_replication": True}
     with torch.device("meta"):
-        params = dict(model_class(c)(c, **kw).named_parameters())
-    dense = {}
+        model = model_class(c)(c, **kw)
+        params = dict(model.named_parameters())
+    dense = {name: torch.empty(b.shape, device="meta")  # the router's expert_bias
+             for name, b in persistent_buffers(model)}
     for name, p in params.items():
         shape = list(full_shape(p))
         if getattr(p, "full_rows", None):  # the real vocabulary, not the padded one
@@ -252,6 +259,12 @@ def check_weights(c: ModelConfig, src) -> None:
 
 def family_for(c: ModelConfig):
     """The family module that can represent `c` in HF form; `HFConversionError` if none."""
+    if c.multi_latent_attention:
+        why = deepseek.conditions(c)
+        if why:
+            raise HFConversionError(f"this multi-latent attention model has no Hugging Face "
+                                    f"equivalent (DeepSeek-V3): {'; '.join(why)}")
+        return deepseek
     if c.num_moe_experts:
         why = moe.conditions(c)
         if why:

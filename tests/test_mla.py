@@ -1,0 +1,344 @@
+"""Multi-head latent attention (layers/mla.py) and the DeepSeek-V3 family (models/hf/deepseek.py):
+
+- training the tiny-deepseek model (MLA with low-rank query, YaRN, group-limited sigmoid MoE
+  with shared expert and expert bias) with hidden and attention dropout 0.1 gives the single
+  process's losses and gradient norms at tp 2 with and without SP, pp 2, cp 2, and with
+  selective and full recompute (float32 tolerance of tests/tolerances.py); its loss falls;
+- transformers' tiny random DeepseekV3ForCausalLM (two forms: low-rank query, YaRN with
+  mscale, interleaved RoPE weights, n_group 2, first layer dense; and a plain q_proj, default
+  RoPE not interleaved, every layer MoE) imported gives its logits at tp 1 and tp 2, and
+  exports back bitwise (transformers loads the export cleanly); infer.py's loader and the
+  Engine (generic paged cache of full K/V) generate transformers' greedy ids at tp 1 and 2;
+- YaRN's frequencies and attention factor equal transformers', group-limited routing
+  equals transformers' router;
+- refusals: DeepSeek-V3 fields not built, multi-token-prediction weights, MLA config
+  mistakes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+
+import pytest
+import torch
+
+import parallel_state as ps
+from distributed import run_distributed
+from test_dropout import DROPOUT, _train
+from tolerances import assert_fp32_close, assert_losses_close, forward_chain_terms, \
+    training_chain_terms
+
+VOCAB, B, S, NEW = 128, 2, 24, 20
+PROMPTS = [[5, 17, 99, 3, 42, 8, 61, 2, 11, 50, 7, 30], [9, 64, 3, 120, 7]]
+DEEPSEEK = ["--config", "configs/tiny-llama.yaml", "--model", "tiny-deepseek",
+            "--peak-tflops", "1"] + DROPOUT
+LAYOUTS = {1: [[], ["--recompute-granularity", "selective"], ["--recompute-granularity", "full"]],
+           2: [["--tp", "2", "--sequence-parallel"], ["--tp", "2", "--no-sequence-parallel"],
+               ["--pp", "2"], ["--context-parallel-size", "2"]]}
+
+
+def _hf_configs() -> dict:
+    from transformers import DeepseekV3Config
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                  num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=8,
+                  num_experts_per_tok=2, kv_lora_rank=16, qk_rope_head_dim=8,
+                  qk_nope_head_dim=16, max_position_embeddings=256, initializer_range=0.2,
+                  bos_token_id=None, eos_token_id=None)
+    return {
+        "yarn": DeepseekV3Config(
+            num_hidden_layers=3, q_lora_rank=24, v_head_dim=12, n_group=2, topk_group=1,
+            first_k_dense_replace=1, routed_scaling_factor=2.5, rope_interleave=True,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 16, "mscale": 1.0,
+                             "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1},
+            **common),
+        "plain": DeepseekV3Config(
+            num_hidden_layers=2, q_lora_rank=None, v_head_dim=20, n_group=1, topk_group=1,
+            first_k_dense_replace=0, routed_scaling_factor=1.0, rope_interleave=False,
+            n_shared_experts=2, tie_word_embeddings=True, **common)}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """name -> (hf folder, native checkpoint folder)."""
+    from checkpoint.hf import import_hf
+    from transformers import AutoModelForCausalLM
+
+    root, out = tmp_path_factory.mktemp("deepseek"), {}
+    for i, (name, cfg) in enumerate(_hf_configs().items()):
+        torch.manual_seed(50 + i)
+        model = AutoModelForCausalLM.from_config(cfg)
+        with torch.no_grad():  # random norms and expert biases, so a swapped one shows
+            for pname, p in model.named_parameters():
+                if p.dim() == 1:
+                    p.normal_(1.0 if "norm" in pname else 0.0, 0.1)
+            for bname, b in model.named_buffers():
+                if bname.endswith("e_score_correction_bias"):
+                    b.normal_(0.0, 0.1)
+        hf_dir, ckpt = str(root / name), str(root / f"{name}-ckpt")
+        model.save_pretrained(hf_dir)
+        import_hf(hf_dir, ckpt, log=lambda *a: None)
+        out[name] = (hf_dir, ckpt)
+    return out
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(0))
+
+
+def _config(ckpt: str):
+    from checkpoint.format import read_metadata
+    from models import ModelConfig
+
+    return ModelConfig.from_dict(read_metadata(ckpt)["model"])
+
+
+def _hf_logits(hf_dir: str) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(_ids()).logits
+
+
+def _logits(ckpts: dict) -> dict:
+    """name -> full logits `[B, S, VOCAB]` of each checkpoint on this grid (gathered over TP)."""
+    from checkpoint.model_io import load_model_weights
+    from models import GPTModel
+
+    out = {}
+    for name, ckpt in ckpts.items():
+        model = GPTModel(_config(ckpt)).eval()
+        load_model_weights(ckpt, [model])
+        with torch.no_grad():
+            logits = model(_ids())
+        out[name] = ps.gather_from_tensor_model_parallel_region(logits)[..., :VOCAB]
+    return out
+
+
+def _generate(hf_dirs: dict) -> dict:
+    """name -> greedy ids of PROMPTS (one batch, rows of different lengths) through infer.py's
+    loader (`--hf`) and the Engine on this grid."""
+    from inference.engine import Engine, Request
+    from inference.loading import load
+    from inference.sampling import SamplingParams
+
+    out = {}
+    for name, hf_dir in hf_dirs.items():
+        model, _, _ = load(hf=hf_dir)
+        reqs = [Request(str(i), p, SamplingParams(max_new_tokens=NEW))
+                for i, p in enumerate(PROMPTS)]
+        Engine(model, max_batch_size=2, max_seq_length=64).generate(reqs)
+        out[name] = [r.output for r in reqs]
+    return out
+
+
+def _world(ckpts: dict, hf_dirs: dict, runs: list, log_dir: str, cache: str):
+    """This world's logits of the imported checkpoints, its Engine's greedy ids, then its
+    training runs."""
+    return _logits(ckpts), _generate(hf_dirs), _train(runs, log_dir, cache)[:-1]
+
+
+@pytest.fixture(scope="module")
+def worlds(models, tmp_path_factory, corpus_env):
+    ckpts = {name: ckpt for name, (_, ckpt) in models.items()}
+    hf_dirs = {name: hf_dir for name, (hf_dir, _) in models.items()}
+    cache, out = corpus_env["SHARDZOO_CACHE"], {}
+    for world, flags in LAYOUTS.items():
+        out[world] = run_distributed(
+            _world, world, ckpts, hf_dirs, [DEEPSEEK + f for f in flags],
+            str(tmp_path_factory.mktemp("mla")), cache, tp=world, timeout=900)[0]
+    return out
+
+
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
+def test_logits_match_transformers(models, worlds, world):
+    for name, (hf_dir, ckpt) in models.items():
+        ours, ref = worlds[world][0][name], _hf_logits(hf_dir)
+        print(f"{name} tp {world}: max |logit - transformers| {(ours - ref).abs().max():.2e}")
+        assert_fp32_close(ours, ref, forward_chain_terms(_config(ckpt), S, "logits"),
+                          f"{name} at tp {world}")
+
+
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
+def test_greedy_generate_matches_transformers(models, worlds, world):
+    """The engine's generic paged cache (full K/V of every head, padded to one head dim)."""
+    from transformers import AutoModelForCausalLM
+
+    for name, (hf_dir, _) in models.items():
+        hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        for prompt, ours in zip(PROMPTS, worlds[world][1][name], strict=True):
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False,
+                              pad_token_id=0)[0, len(prompt):].tolist()
+            assert len(set(ref)) > 3, (name, ref)  # not one repeated id
+            assert ours == ref, f"{name} at tp {world}: greedy ids differ from transformers'"
+
+
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
+def test_training_with_dropout_matches_one_process_at_every_layout(worlds, world):
+    (ref_losses, ref_norms), = worlds[1][2][:1]
+    assert ref_losses[-1] < ref_losses[0], ref_losses  # it learns
+    runs = worlds[world][2][1:] if world == 1 else worlds[world][2]
+    for flags, (losses, norms) in zip(LAYOUTS[world][1:] if world == 1 else LAYOUTS[world],
+                                      runs, strict=True):
+        k_step = training_chain_terms(DEEPSEEK + flags)
+        assert len(losses) == 4, (flags, losses)
+        assert_losses_close(losses, ref_losses, k_step, f"losses at {flags}")
+        assert_losses_close(norms, ref_norms, k_step, f"grad norms at {flags}")
+
+
+def test_dropout_is_on(corpus_env, tmp_path):
+    """Without dropout the reference's losses differ (so the layouts above compare masks)."""
+    off = DEEPSEEK + ["--hidden-dropout", "0", "--attention-dropout", "0"]
+    (on_losses, _), (off_losses, _), _ = run_distributed(
+        _train, 1, [DEEPSEEK, off], str(tmp_path), corpus_env["SHARDZOO_CACHE"],
+        timeout=600)[0]
+    assert on_losses != off_losses
+
+
+def _tensors(folder: str) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(folder, "model.safetensors"))
+
+
+def test_round_trip_is_bitwise_and_transformers_loads_it(models, tmp_path):
+    from checkpoint.hf import export_hf
+    from transformers import AutoModelForCausalLM
+
+    for name, (hf_dir, ckpt) in models.items():
+        c = _config(ckpt)
+        assert c.multi_latent_attention and c.extra == {"hf_rope_interleave": name == "yarn"}
+        assert (c.moe_router_num_groups, c.moe_layer_freq) == \
+            ((2, [0, 1, 1]) if name == "yarn" else (None, 1))
+        out = str(tmp_path / name)
+        export_hf(ckpt, out, log=lambda *a: None)
+        original, back = _tensors(hf_dir), _tensors(out)
+        assert set(back) == set(original), sorted(set(back) ^ set(original))[:5]
+        for key, t in back.items():
+            assert torch.equal(t, original[key]), f"{name}: {key} differs after the round trip"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+        assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+        cfg_in = json.load(open(os.path.join(hf_dir, "config.json")))
+        cfg_out = json.load(open(os.path.join(out, "config.json")))
+        for key in ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+                    "v_head_dim", "rope_interleave", "n_group", "topk_group",
+                    "first_k_dense_replace", "routed_scaling_factor", "n_shared_experts",
+                    "n_routed_experts", "tie_word_embeddings", "rope_parameters"):
+            assert cfg_out[key] == cfg_in[key], (name, key, cfg_out[key], cfg_in[key])
+
+
+def test_yarn_and_group_routing_equal_transformers(no_grid):
+    from transformers import DeepseekV3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    from layers.attention import rope_inv_freq
+    from layers.moe.router import TopKRouter
+    from layers.yarn import yarn_attention_factor
+    from models import ModelConfig
+
+    for beta_fast, orig, mscale in ((32, 16, (1.0, 0.8)), (8, 4096, (None, None)),
+                                    (32, 4096, (0.7, 1.0))):
+        params = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                  "original_max_position_embeddings": orig, "beta_fast": beta_fast,
+                  "beta_slow": 1, "mscale": mscale[0], "mscale_all_dim": mscale[1]}
+        cfg = DeepseekV3Config(qk_rope_head_dim=64, rope_parameters=params)
+        ref, factor = ROPE_INIT_FUNCTIONS["yarn"](cfg)
+        ours = rope_inv_freq(64, 10000.0, "yarn", 40.0, original_max_position=orig,
+                             beta_fast=beta_fast, beta_slow=1)
+        torch.testing.assert_close(ours.float(), ref, rtol=1e-6, atol=0)
+        assert yarn_attention_factor(40.0, *mscale) == pytest.approx(factor, rel=1e-12)
+    hf = DeepseekV3Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+                          topk_group=2, routed_scaling_factor=2.5)
+    ref = DeepseekV3TopkRouter(hf)
+    c = ModelConfig(hidden_size=32, num_moe_experts=16, moe_router_topk=4, add_bias_linear=False,
+                    moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                    moe_router_topk_scaling_factor=2.5, moe_router_num_groups=4,
+                    moe_router_group_topk=2)
+    c.validate()
+    ours = TopKRouter(c)
+    with torch.no_grad():
+        ref.weight.normal_()
+        ref.e_score_correction_bias.normal_(0, 0.3)
+        ours.weight.copy_(ref.weight)
+        ours.expert_bias.copy_(ref.e_score_correction_bias)
+        x = torch.randn(64, 32)
+        _, ref_w, ref_i = ref(x)
+        routing = ours(x)
+    order, ref_order = routing.indices.sort(-1), ref_i.sort(-1)
+    assert torch.equal(order.values, ref_order.values)
+    torch.testing.assert_close(routing.probs.gather(1, order.indices),
+                               ref_w.gather(1, ref_order.indices))
+    groups = (routing.indices // 4)  # every token's experts come from at most 2 groups
+    assert all(len(set(row.tolist())) <= 2 for row in groups)
+
+
+def test_unsupported_fields_and_bad_configs_are_refused(models, tmp_path):
+    from checkpoint.hf import import_hf
+    from models import ModelConfig
+    from models.config import ConfigError
+    from models.hf import HFConversionError, config_from_hf
+    from safetensors.torch import save_file
+
+    hf_dir, _ = models["yarn"]
+    base = json.load(open(os.path.join(hf_dir, "config.json")))
+    bad = {"attention_bias": (True, "attention_bias"),
+           "norm_topk_prob": (False, "norm_topk_prob"),
+           "rms_norm_eps": (1e-5, "rms_norm_eps"),
+           "num_key_value_heads": (2, "num_key_value_heads"),
+           "rope_parameters": ({**base["rope_parameters"], "attention_factor": 1.2},
+                               "attention_factor"),
+           "first_k_dense_replace": (7, "first_k_dense_replace")}
+    for key, (value, words) in bad.items():
+        with pytest.raises(HFConversionError, match=words):
+            config_from_hf({**base, key: value})
+    # multi-token-prediction weights (not built) are refused, not dropped
+    folder = tmp_path / "mtp"
+    shutil.copytree(hf_dir, folder)
+    tensors = _tensors(str(folder))
+    tensors["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(HFConversionError, match="does not use"):
+        import_hf(str(folder), str(tmp_path / "out"), log=lambda *a: None)
+    assert not os.path.exists(tmp_path / "out")
+    mla = dict(num_attention_heads=4, hidden_size=64, position_embedding_type="rope",
+               normalization="RMSNorm", activation="swiglu", add_bias_linear=False,
+               kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    for change, words in ((dict(num_query_groups=2), "--num-query-groups"),
+                          (dict(qk_rope_head_dim=7), "--qk-rope-head-dim"),
+                          (dict(window_size=(7, 0)), "--window-size"),
+                          (dict(add_bias_linear=True), "--add-bias-linear"),
+                          (dict(position_embedding_type="learned_absolute"), "rope"),
+                          (dict(kv_lora_rank=None), "--kv-lora-rank is not set")):
+        with pytest.raises(ConfigError, match=words):
+            ModelConfig(**{**mla, **change}).validate()
+    with pytest.raises(ConfigError, match="--num-attention-heads 4 is not divisible"):
+        ModelConfig(**mla).validate(3)
+    with pytest.raises(ConfigError, match="--moe-router-group-topk"):
+        ModelConfig(**mla, num_moe_experts=8, moe_router_score_function="sigmoid",
+                    moe_router_num_groups=4).validate()
+
+
+def test_planner_lists_the_mla_parameters(no_grid):
+    """planner/parameters.py's parameter list is the model's, names and sizes (with a
+    low-rank query and without), and ModelConfig.num_parameters counts them."""
+    import dataclasses
+
+    from models import GPTModel
+    from planner.parameters import chunk_parameters
+    from training.arguments import load_model_config
+
+    base = load_model_config("tiny-deepseek")
+    for q_lora_rank in (32, None):
+        c = dataclasses.replace(base, q_lora_rank=q_lora_rank)
+        model = GPTModel(c)
+        plan = chunk_parameters(c, 1, list(range(c.num_layers)), True, True, False)
+        assert [(p.name, p.count) for p in plan] == \
+            [(n, p.numel()) for n, p in model.named_parameters()]
+        assert c.num_parameters() == sum(p.numel() for p in model.parameters())
