@@ -268,25 +268,17 @@ def rank_chunks(config, pp_rank: int, base: bool = False) -> list[list[ParamShap
     pp, v = t.pipeline_model_parallel_size, t.virtual_pipeline_model_parallel_size or 1
     ep, etp, _ = expert_layout(config)
     lora = (t.lora_rank, t.lora_target_modules) if t.lora_rank and not base else None
-    key = ("chunks", repr(config.model), t.tensor_model_parallel_size, pp, v,
-           t.sequence_parallel, t.decoder_first_pipeline_num_layers,
-           t.decoder_last_pipeline_num_layers, pp_rank, ep, etp, lora)
-
-    def make():
-        chunks = rank_chunk_layers(config.stage_num_layers(), pp_rank,
-                                   t.virtual_pipeline_model_parallel_size)
-        if lora:
-            return [lora_parameters(config.model, t.tensor_model_parallel_size, layers,
-                                    t.sequence_parallel, *lora) for layers in chunks]
-
     v_shape = t.pipeline_schedule in V_SHAPED
     key = ("chunks", repr(config.model), t.tensor_model_parallel_size, pp, v,
            t.sequence_parallel, t.decoder_first_pipeline_num_layers,
-           t.decoder_last_pipeline_num_layers, pp_rank, ep, etp, v_shape)
+           t.decoder_last_pipeline_num_layers, pp_rank, ep, etp, lora, v_shape)
 
     def make():
         chunks = rank_chunk_layers(config.stage_num_layers(), pp_rank,
                                    t.virtual_pipeline_model_parallel_size, v_shape)
+        if lora:
+            return [lora_parameters(config.model, t.tensor_model_parallel_size, layers,
+                                    t.sequence_parallel, *lora) for layers in chunks]
         return [chunk_parameters(config.model, t.tensor_model_parallel_size, layers,
                                  pre_process=pre, post_process=post,
                                  sequence_parallel=t.sequence_parallel, ep=ep, etp=etp)
