@@ -23,6 +23,7 @@ import shutil
 import torch
 
 from layers.lora import LoRA, add_lora, lora_scale
+from models import hf as hfmap
 from models.hf import HFConversionError
 from models.hf.peft_adapter import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, PLAIN_LORA, AdapterError,
                                     lora_targets, peft_key)

@@ -485,8 +485,9 @@ def memory_line(config: Config, state: dict, act: dict, totals: list[int]) -> st
     if config.train.diloco_sync_every is not None:  # the wrappers' group is one rank
         group = (f"dp {config.data_parallel_size} (DiLoCo: each replica holds whole states, "
                  f"nothing reduced over dp between syncs)")
-    frozen = state["frozen_params"] + state["frozen_low_bit"]
-    low_bit = f" (low-bit {mib(state['frozen_low_bit'])})" if state["frozen_low_bit"] else ""
+    frozen_low_bit = state.get("frozen_low_bit", 0)  # 0 when a caller passes no frozen base
+    frozen = state.get("frozen_params", 0) + frozen_low_bit
+    low_bit = f" (low-bit {mib(frozen_low_bit)})" if frozen_low_bit else ""
     return (
         f"memory (rank 0, MiB): model states {mib(state['total'])} "
         f"({'adapters' if config.train.lora_rank else 'weights'} "
