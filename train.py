@@ -7,7 +7,7 @@
 With neither --config, --model nor --load the run file is configs/demo.yaml, the README's
 main job (a 6.8M-parameter Llama-style model on the embedded corpus); any flag overrides its
 keys. (`--load CKPT` alone takes the checkpoint's model and tokenizer instead.)
-Config: a YAML file (--config) plus Megatron-named flags that override it; see README.md.
+Config: a YAML file (--config) plus Megatron-named flags that override it; see docs/guide/configuration.md.
 
 A configuration, checkpoint or data error prints one line (`train.py: configuration error:
 ...`) on rank 0 and exits with 2, 1 or 2 before any training step; a run stopped by

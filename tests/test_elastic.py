@@ -23,7 +23,7 @@ def test_lose_a_node_then_grow_back(tmp_path, corpus_env):
     (min 1): world 2 -> 1, dp 2 -> 1, 2 -> 4 microbatches at global batch 8, resumed from
     iteration 2. After saving iteration 6 it waits (test hook SHARDZOO_TEST_HOLD_AT) and a
     third agent starts: the running agent sees a node waiting and restarts the group at world
-    2 from iteration 6 (the README's one-machine commands). Every agent has
+    2 from iteration 6 (the one-machine commands of docs/guide/clusters.md). Every agent has
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (without it both agents time out waiting for the new
     round's MASTER_ADDR: training/elastic.py). The curve 1-8 equals an uninterrupted dp-2 run
     to the derived float32 tolerance (another summation order only)."""

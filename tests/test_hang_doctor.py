@@ -374,7 +374,7 @@ def test_watchdog_dumps_a_call_stuck_past_the_timeout(layer):
 
 
 def test_readme_worked_example_call_sites_match_the_program():
-    """The README's worked example quotes call sites `tests/hang_programs.py:N (function)`
+    """The hang doctor guide's worked example quotes call sites `tests/hang_programs.py:N (function)`
     (they were off by one after an edit of the program): each N is a line of that function,
     and the line the collective is made on."""
     import ast
@@ -386,7 +386,7 @@ def test_readme_worked_example_call_sites_match_the_program():
     lines = source.splitlines()
     calls = {"next_batch": "broadcast", "sync_grads": "all_reduce"}
     sites = re.findall(r"tests/hang_programs\.py:(\d+) \((\w+)\)",
-                       (REPO / "README.md").read_text())
+                       (REPO / "docs" / "guide" / "hang-doctor.md").read_text())
     assert len(sites) >= 10
     for number, function in sites:
         first, last = spans[function]

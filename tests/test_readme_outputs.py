@@ -1,5 +1,6 @@
-"""The README's commands write their outputs where git does not see them: every relative
-folder its examples pass to --save, --out or --output-prefix is covered by .gitignore."""
+"""The commands of README.md and docs/guide/ write their outputs where git does not see them:
+every relative folder their examples pass to --save, --out or --output-prefix is covered by
+.gitignore."""
 from __future__ import annotations
 
 import re
@@ -9,7 +10,8 @@ from launch import REPO
 
 
 def test_readme_output_folders_are_ignored():
-    text = (REPO / "README.md").read_text()
+    text = "\n".join(p.read_text() for p in
+                     [REPO / "README.md", *sorted((REPO / "docs" / "guide").glob("*.md"))])
     outputs = {m.split("/")[0] for m in re.findall(
         r"--(?:save|out|output-prefix|log-dir) ([A-Za-z0-9_.][\w./-]*)", text)
         if not m.startswith("/")}

@@ -13,7 +13,7 @@ doctor's trace reports it.
 
 Cost: one all-gather of FINGERPRINT_BYTES per rank before each collective (latency-bound:
 it doubles the number of collectives) and one extra message per p2p message; measured in
-README's "When a job hangs" section. A debugging mode, off by default.
+docs/guide/hang-doctor.md. A debugging mode, off by default.
 
 Call sites are part of the check: SPMD code calls each collective from the same line on
 every rank of a group. Code that legitimately calls one collective from different lines on
