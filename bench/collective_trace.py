@@ -1,5 +1,5 @@
 """Overhead of the hang doctor's collective trace and of --debug-collectives, against the same
-run without them, measured in the same session.
+run without them, measured in the same run.
 
 1. Per call: the CPU time the trace (and --report-comm's counter) adds to one observed call
    (around a no-op, so no communication noise), and the wall time of an all-reduce on 2 gloo processes without and

@@ -1,4 +1,4 @@
-"""Activation bytes per rank at context-parallel sizes 1, 2 and 4 (issue 32's acceptance):
+"""Activation bytes per rank at context-parallel sizes 1, 2 and 4 (the acceptance check):
 measured by train.py's start-up meter (training/memory.py `measure_activation_bytes`: the
 bytes one microbatch saves for backward on a rank) beside the planner's prediction
 (planner/memory.py, the `planner_activation_bytes_per_microbatch` record), for one model at

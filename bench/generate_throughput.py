@@ -22,7 +22,7 @@ cache, in float32 (the vllm part: each of `--dtypes`):
   `Engine` vs transformers `generate` (same model, prompt, batch; its times taken by a
   streamer inside the one call), one process, torch threads = cores, at each `--batches`
   size; the two alternate `--repeats` times and the best of each counts (the machine may be
-  shared). Targets (issue 10): >= 2.0x at batch 8, >= 1.0x at batch 1, printed as MET / NOT
+  shared). Targets: >= 2.0x at batch 8, >= 1.0x at batch 1, printed as MET / NOT
   MET. Beside each: the floor, the time of the model's weight matmuls alone at that batch
   (`weight_matmul_floor`), and the best ratio any engine on these kernels could reach.
 - pipeline: pp=2 (two processes, torchrun), 16 requests in micro-batches of 8 rows: one in
@@ -66,6 +66,7 @@ import time
 
 import torch
 from llamacpp_worker import FTYPES
+from vllm_peer import OWN_PROCESS_GROUP
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -73,7 +74,7 @@ TEXT = "The history of the city begins with a small settlement on the river, whe
 # a prompt whose continuation repeats what it has seen (speculative decoding's good case)
 SPEC_TEXT = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
              "def mul(a, b):\n    return a * b\n\n\ndef div(a, b):\n    return a / b\n\n\n")
-TARGETS = {1: 1.0, 8: 2.0}  # batch -> decode tokens/s ratio vs transformers (issue 10)
+TARGETS = {1: 1.0, 8: 2.0}  # batch -> decode tokens/s ratio vs transformers
 
 
 def default_model() -> str:
@@ -299,7 +300,7 @@ def serve_throughput(args, ckpt, dp: int) -> float:
                     "--max-seq-length", "256"]
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, os.cpu_count() // dp))}
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env, start_new_session=True)
+                            text=True, env=env, **OWN_PROCESS_GROUP)
     log = []
     try:
         for line in proc.stdout:

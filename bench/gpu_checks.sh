@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# GPU checks of issue 16, ready to run unchanged on a machine with CUDA GPUs (one or more):
+# GPU checks of the training speed work, ready to run unchanged on a machine with CUDA GPUs (one or more):
 #   1. bf16 MFU of llama-style-1b on one GPU (train.py's own log line: measured against the
 #      data-sheet peak on H100/H200/A100, training/mfu.py), with and without --profile;
 #   2. the transformers comparison (bench/train_throughput.py) on the GPU, bf16 and fp32;
 #   3. with 2+ GPUs: NCCL tensor parallel and data parallel of the same model
 #      (tokens/s and MFU per layout, same global batch), plus the ZeRO bench.
 # Usage: bash bench/gpu_checks.sh [OUT_DIR]   (OUT_DIR default: runs/gpu-checks)
-# Every step has a time limit so a hang cannot eat the session; the summary is the last lines.
+# Every step has a time limit so a hang cannot eat the machine's time; the summary is the last lines.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/gpu-checks}

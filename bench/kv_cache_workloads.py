@@ -1,4 +1,4 @@
-"""The paged KV cache's workloads (issue 35 items 1-3), in one process, on our engine:
+"""The paged KV cache's workloads , in one process, on our engine:
 
     python bench/kv_cache_workloads.py [--hf PATH] [--parts memory prefix chunked]
         [--threads 2] [--repeats 2] [--dtype float32]
@@ -7,7 +7,7 @@
   heads) and the tokens a given --kv-cache-memory holds (the start-up line's numbers);
 - prefix: 16 requests with the same ~400-token system prompt and their own short question,
   16 new tokens each, all queued at once, with and without prefix caching: mean and max
-  time to first token and the total time (issue 35's shared-prefix workload);
+  time to first token and the total time (the shared-prefix workload);
 - chunked: 4 requests decoding when a 1,500-token prompt arrives, with prefill chunks of
   256 tokens (--max-num-batched-tokens 256) and without (one 2,048-token prefill): the p99
   and max inter-token latency of the 4 running requests, and the long prompt's TTFT.

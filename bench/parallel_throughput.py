@@ -1,6 +1,6 @@
 """Training tokens/s of our trainer at 1 process, tp2, pp2 (1F1B), dp2 and tp2 x pp2 on one
 model, its scaling over the 1-process figure, and each layout's communication share (from
-`train.py --profile`), measured in the same run (issue 16).
+`train.py --profile`), measured in the same run.
 
 Layouts: also pp2 with 3 layers on the first stage (`--decoder-first-pipeline-num-layers 3`),
 since the last stage's output layer and loss cost about 2.6 layers at this vocabulary. And the
@@ -21,16 +21,16 @@ collectives over the step's wall time, averaged over ranks; profiling slows thos
 which are not timed). Rounds visit the layouts in turn (ABCDE...) `--repeats` times to cancel
 drift on a shared machine; a layout's figure is the median over its rounds.
 
-Targets (issue 16, idle 2-core CPU): scaling >= 1.8x at dp2, >= 1.4x at pp2 (the 1F1B ideal
+Targets (idle 2-core CPU): scaling >= 1.8x at dp2, >= 1.4x at pp2 (the 1F1B ideal
 with 4 microbatches is 1.6x), >= 1.5x at tp2 and at tp2 x pp2; printed as MET / NOT MET.
 
-Mixture of experts (`--moe`, issue 30): tiny-moe (configs/models/tiny-moe.yaml, 8 experts top-2,
+Mixture of experts (`--moe`): tiny-moe (configs/models/tiny-moe.yaml, 8 experts top-2,
 dropless) at seq 256, micro batch 2, global batch 8, on 1 process (ep 1), at ep 2 (the experts
 split over the 2 ranks, tokens exchanged by all-to-all) and at dp 2 with ep 1 (every rank holds
 every expert: the same 2 processes without the all-to-all), beside the 2-process ceiling. No
 targets: the figures say what expert parallelism costs or saves on this machine.
 
-Context parallelism (`--cp`, issue 32): the same tiny Llama at seq 1024, micro batch 1, global
+Context parallelism (`--cp`): the same tiny Llama at seq 1024, micro batch 1, global
 batch 4 (the same global batch for every layout), on 1 process, at cp 2 (each sequence split
 over the 2 ranks, ring attention), at cp 2 with the all_gather type, and at dp 2 (the same 2
 processes splitting the batch instead of the sequence), beside the 2-process ceiling. No

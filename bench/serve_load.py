@@ -27,6 +27,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlparse
 
+from vllm_peer import OWN_PROCESS_GROUP
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
@@ -147,7 +149,7 @@ def main() -> None:
                     "--max-batch-size", "16", "--max-model-len", "1024"]
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world))}
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env, start_new_session=True)
+                            text=True, env=env, **OWN_PROCESS_GROUP)
     try:
         for line in proc.stdout:
             if "serving m on" in line:

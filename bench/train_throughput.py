@@ -52,7 +52,7 @@ from training.mfu import PeakFlops  # noqa: E402
 
 NOISY_SPREAD = 0.25  # (max - min) / median of per-round tokens/s above which a row is flagged
 VARIANTS = ("fp32", "bf16", "bf16-main", "compile")
-TARGET = 1.3  # issue 16: ours >= 1.3x transformers in every row
+TARGET = 1.3  # the goal: ours >= 1.3x transformers in every row
 
 
 # ---------------------------------------------------------------------------- configs

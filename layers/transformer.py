@@ -286,8 +286,8 @@ def compile_transformer_block(module: nn.Module, dynamic: bool | None = None) ->
     keeps no guard on them). Against one compiled call per layer
     (`compile_transformer_layers`) this saves per layer dynamo's guard checks and the
     compiled wrapper's entry (SmolLM2-135M on 2 CPU cores, ~100-300 us a layer): a
-    one-row decode step 10-20% faster, a one-row prefill ~10% (docs/PERFORMANCE.md,
-    "Sixteenth session"). The first compile of each variant takes ~2-3x as long (the
+    one-row decode step 10-20% faster, a one-row prefill ~10% (2026-12-04;
+    docs/PERFORMANCE.md). The first compile of each variant takes ~2-3x as long (the
     engine's layers are traced one by one: see `_LAYER_REGION`). A layer's Python
     attributes are read when a variant is compiled: one changed later (a window, a softcap)
     may not be seen, as torch keeps no guard on a layer that reused another's region.

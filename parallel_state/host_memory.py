@@ -5,11 +5,11 @@ torch allocates CPU tensors with the C library's `malloc`. glibc serves a reques
 mmap threshold with a fresh `mmap` and gives it back with `munmap` on free; the threshold
 adapts upwards only to 32 MB. A training step on CPU frees and reallocates its largest
 tensors every step: the logits and their gradient (`[s, b, v]` float32 is 64 MB for the
-bench model of issue 16), the loss's softmax. Each new mapping is zero-filled by the kernel
+training bench's model), the loss's softmax. Each new mapping is zero-filled by the kernel
 page by page on first touch, which costs more than the arithmetic done on it. On the 2-core
 development machine, cloning a 64 MB tensor took 20 ms with glibc's default and 3 ms
 with large blocks kept; a training step of the bench's Llama took 8% (float32) and 20%
-(bf16 autocast) less time (docs/PERFORMANCE.md, "Seventh session"). CPU PyTorch tuning
+(bf16 autocast) less time (2-core Zen 5, 2026-12-02). CPU PyTorch tuning
 guides get the same by preloading jemalloc or tcmalloc; this needs no extra library.
 
 `tune_host_allocator()` sets `M_MMAP_THRESHOLD` (requests served by mmap) and

@@ -1,4 +1,4 @@
-"""Mixture-of-experts accounting (issue 30): which layers are MoE, the expert-parallel sizes
+"""Mixture-of-experts accounting: which layers are MoE, the expert-parallel sizes
 of a layout, total vs active parameters, FLOPs of an MoE MLP, what one MoE layer saves for
 backward, and the collectives it makes. The rest of planner/ calls these where a layer is an
 MoE layer (`ModelConfig.is_moe_layer`); a dense model never reaches them.

@@ -25,10 +25,10 @@ def no_grid():
     assert not parallel_state.model_parallel_is_initialized(), "this test leaked a process grid"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def corpus_env(tmp_path_factory):
     """Environment for train.py subprocesses: the embedded stdlib corpus built once per test
-    session in a temporary cache (about 6 s), not in the user's ~/.cache."""
+    run in a temporary cache (about 6 s), not in the user's ~/.cache."""
     cache = tmp_path_factory.mktemp("shardzoo-cache")
     from data_pipeline import ensure_default_corpus
 

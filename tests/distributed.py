@@ -37,7 +37,7 @@ Nothing hangs: after `timeout` seconds (for the whole world) every worker is kil
 before the parent raises.
 
 Cost: the fork server's imports (torch, the project: about 5 s) are paid once per test
-session; a worker then costs its fork, the import of `fn`'s test module and the grid's set-up
+run; a worker then costs its fork, the import of `fn`'s test module and the grid's set-up
 (a spawned worker imported torch again: 2-3 s each on 2 cores). Still batch many checks into
 one world rather than starting a world per assertion.
 """

@@ -9,6 +9,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Popen keywords that put the child (torchrun, a server) at the head of a process group of its
+# own, so that os.killpg(proc.pid, ...) reaches it and every worker it started
+OWN_PROCESS_GROUP = ({"process_group": 0} if sys.version_info >= (3, 11)
+                     else {"preexec_fn": os.setpgrp})
+
 
 def run_train(nproc: int, args: list[str], log_dir: Path, timeout: int = 300,
               env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:

@@ -1,4 +1,4 @@
-"""Checkpoints are untrusted input (issue 27, item 4): on every load path (train.py --load,
+"""Checkpoints are untrusted input: on every load path (train.py --load,
 infer.py --load, tools/convert_hf.py export, tools/checkpoint_info.py) a crafted `.metadata`
 pickle is refused without running (a marker file it would create never appears), and a shard
 swapped for another checkpoint's, a flipped byte, a truncated shard and a metadata.json whose

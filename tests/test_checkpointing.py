@@ -1,4 +1,4 @@
-"""Checkpointing (issue 5): exact resume, resume on another layout (incl. ZeRO on/off and a
+"""Checkpointing: exact resume, resume on another layout (incl. ZeRO on/off and a
 vocab re-pad), kill -9 during a save, a damaged checkpoint's error, and checkpoint_info.
 
 Float32, dropout 0, tiny-llama (4 query groups so tp 4 works), 6 iterations resumed at 3.

@@ -1,4 +1,4 @@
-"""Context-parallel attention (issue 32): layers/context_parallel/.
+"""Context-parallel attention: layers/context_parallel/.
 
 - layout: the 2*cp-chunk split and its global positions are a partition of the sequence
   whose inverse restores it, at cp 1, 2, 4; the errors for a length not divisible by 2*cp

@@ -1,4 +1,4 @@
-"""Training with context parallelism (issue 32, the trainer's side): train.py's pretrain() at
+"""Training with context parallelism (the trainer's side): train.py's pretrain() at
 cp 2, cp 4, cp 2 x tp 2 (sequence parallel), cp 2 x pp 2 and cp 2 x dp 2 under ZeRO-3 gives
 the losses, gradient norms and final weights of one process, to tests/tolerances.py's derived
 bound; with hidden and attention dropout 0.1 in three of the six (masks keyed by global
@@ -173,7 +173,7 @@ def test_activation_bytes_per_rank_are_predicted(references, case_results):
         layers[case[0]] = a["activation_bytes_layers"]
     one = references["llama"]["activations"]["activation_bytes_layers"]
     assert layers["cp4"] < layers["cp2-all-gather"] < one, (layers, one)
-    # the issue's bound: cp 4 within 5% of a quarter of cp 1 (the same model, no dropout)
+    # the bound: cp 4 within 5% of a quarter of cp 1 (the same model, no dropout)
     assert abs(layers["cp4"] / (one / 4) - 1) < 0.05, (layers["cp4"], one)
     print(f"decoder-layer activation bytes per rank: cp 1 {one:,}, cp 2 "
           f"{layers['cp2-all-gather']:,}, cp 4 {layers['cp4']:,} "

@@ -1,4 +1,4 @@
-"""DiLoCo (issue 34, training/diloco.py): H 1 with outer lr 1 and momentum 0 is synchronous data
+"""DiLoCo (training/diloco.py): H 1 with outer lr 1 and momentum 0 is synchronous data
 parallelism, H 4 resumes bitwise mid-period, the counted dp bytes per step fall by H, and the
 combinations it cannot run with are refused before any work.
 

@@ -1,5 +1,4 @@
-"""Data-parallel sharding strategies (ZeRO-1/2/3), CPU offload and bf16 mixed precision
-(issues 4 and 13).
+"""Data-parallel sharding strategies (ZeRO-1/2/3), CPU offload and bf16 mixed precision.
 
 - Every `--data-parallel-sharding-strategy` (no_shard, optim, optim_grads,
   optim_grads_params), with `--optimizer-cpu-offload` too, with the optimizer on NVMe

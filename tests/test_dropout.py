@@ -1,4 +1,4 @@
-"""Dropout with masks keyed by (seed, global sample, site, position) (issue 27, layers/dropout.py).
+"""Dropout with masks keyed by (seed, global sample, site, position) (layers/dropout.py).
 
 - the masks: keep rate 1 - p, scaling, a sequence-parallel shard or a TP head shard is the
   slice of the full mask, different samples / sites / positions draw independent masks, a

@@ -1,4 +1,4 @@
-"""Elastic data parallelism (issue 34, training/elastic.py): a job under torchrun --nnodes 1:2
+"""Elastic data parallelism (training/elastic.py): a job under torchrun --nnodes 1:2
 (c10d rendezvous) loses a node and continues on one; then a new torchrun agent joins and the
 job grows back to two ranks; the loss curve is the uninterrupted one of the same global batch,
 and each restart says in one line what changed."""

@@ -1,4 +1,4 @@
-"""Expert parallelism's grid and collectives (issue 30): the etp x ep x edp groups of
+"""Expert parallelism's grid and collectives: the etp x ep x edp groups of
 Megatron-Core's expert layout at five layouts of 8 ranks (against hand-written group lists),
 the all-to-all with autograd against a reference built from all_gather (uneven and zero
 splits), what the comm counter, a trace-like consumer and --debug-collectives see of it, and

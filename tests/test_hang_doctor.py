@@ -1,4 +1,4 @@
-"""The hang doctor (issue 15): timeouts on every group, the collective trace, its dumps and
+"""The hang doctor: timeouts on every group, the collective trace, its dumps and
 report, and --debug-collectives.
 
 Broken programs (tests/hang_programs.py) run under torchrun with a 2 s operation timeout;
@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from launch import REPO
+from launch import OWN_PROCESS_GROUP, REPO
 
 PROGRAMS = REPO / "tests" / "hang_programs.py"
 TIMEOUT_S = 2.0
@@ -42,16 +42,16 @@ def line_of(text: str, path: Path = PROGRAMS) -> str:
 
 def start_program(case: str, log_dir: Path, *extra: str, nproc: int = 2,
                   timeout_s: float = TIMEOUT_S, **kw) -> subprocess.Popen:
-    """torchrun tests/hang_programs.py CASE in a session of its own (see `finish`)."""
+    """torchrun tests/hang_programs.py CASE in a process group of its own (see `finish`)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", str(PROGRAMS), case, str(log_dir),
            "--timeout-s", str(timeout_s), *extra]
     return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            text=True, start_new_session=True, **kw)
+                            text=True, **OWN_PROCESS_GROUP, **kw)
 
 
 def finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[str, str]:
-    """Wait for the launch; past `timeout`, kill torchrun and its workers (its session)."""
+    """Wait for the launch; past `timeout`, kill torchrun and its workers (its process group)."""
     try:
         return proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

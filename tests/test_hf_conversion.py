@@ -476,7 +476,7 @@ def _hostile_folders(hf_dir: str, root) -> dict[str, str]:
 
 
 def test_hostile_configs_are_refused_before_allocation(converted, tmp_path):
-    """config.json / index.json as untrusted input (issue 36): each hostile case is one
+    """config.json / index.json as untrusted input: each hostile case is one
     HFConversionError line naming the file and field, exit 2 from infer.py and 1 from
     convert_hf.py import (its documented code), before build_model (a tripwire here) and
     with the process's peak memory flat. Before: hidden 10^9 asked for 4 TB, 10^5 layers

@@ -1,4 +1,4 @@
-"""Hugging Face dense families of issue 31 (Qwen3, OLMo 2, Phi-3) against transformers' own
+"""Hugging Face dense families of 2025 (Qwen3, OLMo 2, Phi-3) against transformers' own
 models, tiny random ones built here (nothing downloads):
 
 - logits equal transformers' on a [2, 16] batch at tp 1, tp 2 and tp 2 x pp 2, to the

@@ -1,4 +1,4 @@
-"""`infer.py --serve --hf FOLDER` over a tiny random Hugging Face model of issue 31's families,
+"""`infer.py --serve --hf FOLDER` over a tiny random Hugging Face model of the 2025 families,
 with a trained 400-id BPE tokenizer in the folder, under torchrun on loopback, answering the
 official `openai` client with greedy output equal to transformers' `generate`:
 
@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from distributed import free_port
-from launch import REPO, read_until
+from launch import OWN_PROCESS_GROUP, REPO, read_until
 
 MAX_TOKENS = 24
 ID_PROMPTS = [[5, 17, 99, 3, 42, 8], [7, 31, 250], [200, 100, 9, 11]]
@@ -101,7 +101,7 @@ def served(request, tmp_path_factory):
            "--max-batch-size", "4"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            start_new_session=True)
+                            **OWN_PROCESS_GROUP)
     try:
         lines = []
         read_until(proc, lines, f"serving {name} on")

@@ -1,4 +1,4 @@
-"""Import from GGUF (transformers' `gguf_file=` reader, models/hf/files.py) of issue 31's
+"""Import from GGUF (transformers' `gguf_file=` reader, models/hf/files.py) of the 2025
 families, from tiny float32 files written here as llama.cpp writes them (tests/gguf_files.py):
 
 - Qwen3, Qwen3-MoE, Qwen2-MoE, Phi-3, Gemma 2 and Gemma 3 (the families transformers reads

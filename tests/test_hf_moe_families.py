@@ -245,7 +245,7 @@ def _local_experts(model) -> tuple[int, int]:
 @pytest.fixture(scope="module")
 def world(models, tmp_path_factory):
     refs, generated, gguf = {}, {}, None
-    if importlib.util.find_spec("gguf") is not None:  # Qwen3-MoE from GGUF (issue 31 item 4)
+    if importlib.util.find_spec("gguf") is not None:  # Qwen3-MoE from GGUF
         from gguf_files import tiny_gguf
 
         _, path, original = tiny_gguf("qwen3_moe", tmp_path_factory.mktemp("moe-gguf"))

@@ -56,7 +56,7 @@ TPS = (2, 4)
 S, B, H = 8, 2, 32  # sequence, micro batch, hidden: divisible by every TP size tested
 
 
-# ----------------------------------------------------------------------------- helpers
+# ----------------------------------------------------------------------------- shared pieces
 
 class Expect:
     """Collects mismatches instead of raising (keeps every rank's collectives in step)."""

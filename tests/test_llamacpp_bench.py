@@ -1,4 +1,4 @@
-"""bench/generate_throughput.py's `llamacpp` part without llama.cpp: its pure helpers (first
+"""bench/generate_throughput.py's `llamacpp` part without llama.cpp: its pure functions (first
 differing id, perplexity from logits, the job loop, memory, weight bytes, TTFT pairs, the
 acceptance lines) and that the part is skipped with its reason when llama.cpp is absent."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Long real runs (issue 11): extend, resize and preempt a job without repeating or skipping
+"""Long real runs: extend, resize and preempt a job without repeating or skipping
 data; the LR schedule and data config on resume; crash debris.
 
 One 2-process world (dp=2, tiny-llama, float32, dropout 0) runs every pretrain() of the data

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from distributed import free_port, run_distributed
-from launch import read_until
+from launch import OWN_PROCESS_GROUP, read_until
 from test_data import hf_tokenizer_dir
 
 pytest.importorskip("peft")
@@ -313,7 +313,7 @@ def test_server_picks_adapters_by_model_and_loads_at_run_time(folders):
            "--max-loras", "3", "--max-lora-rank", "8", "--allow-runtime-lora-updating"]
     proc = subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            start_new_session=True)
+                            **OWN_PROCESS_GROUP)
     lines = []
     try:
         read_until(proc, lines, "serving tiny on")

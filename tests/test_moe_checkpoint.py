@@ -1,4 +1,4 @@
-"""Checkpoints of mixture-of-experts models stay layout-free (issue 30, part 5).
+"""Checkpoints of mixture-of-experts models stay layout-free.
 
 An MoE layer's stacked expert weights are stored one key per expert under its global number
 (`...mlp.experts.<e>.linear_fc1.weight(.part<i>)`, checkpoint/keys.py), the router's

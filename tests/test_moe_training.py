@@ -1,4 +1,4 @@
-"""Training a mixture of experts at any layout (issue 30, the trainer's side): train.py's
+"""Training a mixture of experts at any layout (the trainer's side): train.py's
 pretrain() at ep 2, ep 4, ep 2 x tp 2 (sequence parallel), ep 2 x pp 2, ep 2 x dp 2 (world
 4: edp 2) under ZeRO-3 and ep 2 x cp 2 (ep carved out of dp x cp; dropless) gives the losses, gradient norms (with clipping active every step, so
 the exact global norm over dense and expert gradients enters every update) and final weights

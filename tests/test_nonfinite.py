@@ -1,4 +1,4 @@
-"""Non-finite steps and replica checks (issue 27; training/nonfinite.py, training/replicas.py).
+"""Non-finite steps and replica checks (training/nonfinite.py, training/replicas.py).
 
 - a NaN gradient (injected in the backward of the last rank, before the DP reduction) or a
   NaN loss skips the step on every rank: logged with the reason, the weights after a skipped

@@ -1,4 +1,4 @@
-"""ZeRO-Infinity's NVMe offload (issue 33): the scratch folder's checks and cleaning, and crash
+"""ZeRO-Infinity's NVMe offload: the scratch folder's checks and cleaning, and crash
 safety. The training equivalences (nvme optimizer offload at dp 2 with tp 2 and pp 2 against
 one process with torch AdamW; checkpoints across offload and layouts) are cases of
 tests/test_distributed_optimizer.py, in its spawned worlds.

@@ -1,4 +1,4 @@
-"""Packed documents (issue 11): --reset-position-ids, --reset-attention-mask, --eod-mask-loss.
+"""Packed documents: --reset-position-ids, --reset-attention-mask, --eod-mask-loss.
 
 A sample holding two documents gives each document's tokens the losses they get alone, and a
 training run with the three flags on short documents is layout-equivalent at tp 2 x pp 2 x

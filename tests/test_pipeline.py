@@ -1,4 +1,4 @@
-"""Pipeline parallelism (issue 3): losses of the first 5 iterations and the final parameters
+"""Pipeline parallelism: losses of the first 5 iterations and the final parameters
 equal the single-process run in float32 up to rounding (tests/tolerances.py: `k` = 5 training
 steps' chains), for 1F1B, interleaved 1F1B and an uneven split, tied and untied embeddings,
 also combined with TP, SP and DP; the tied embedding's two copies stay bit-identical."""

@@ -1,4 +1,4 @@
-"""The planner (planner/, tools/plan.py) against measurement (issue 14).
+"""The planner (planner/, tools/plan.py) against measurement.
 
 One spawned 4-process world trains one step of six layouts with `--report-comm`:
 
@@ -14,7 +14,7 @@ One spawned 4-process world trains one step of six layouts with `--report-comm`:
 - predicted activation bytes per microbatch are within 10% of measured (observed: ratio 1.000
   on every layout: the planner uses the layer's term-by-term model, training/memory.py).
 
-Two context-parallel layouts (issue 32) are held to the same standard: cp 2 x dp 2 under
+Two context-parallel layouts are held to the same standard: cp 2 x dp 2 under
 ZeRO-1 with the ring and full recompute (each recomputed layer's ring runs again; gradients
 over the dp-cp group), cp 2 x tp 2 with the all_gather type and selective recompute.
 

@@ -1,4 +1,4 @@
-"""The planner at context-parallel sizes (issue 32), in one process, no training run:
+"""The planner at context-parallel sizes, in one process, no training run:
 activation bytes per rank fall exactly by cp (the sequence-dependent part; what the
 start-up meter measures equals it at every cp layout: tests/test_context_parallel_training.py,
 and the counted traffic of a cp step equals step_communication's: tests/test_planner.py),

@@ -1,4 +1,4 @@
-"""The planner's mixture-of-experts accounting (issue 30 part 6, planner/moe.py), in one process:
+"""The planner's mixture-of-experts accounting (planner/moe.py), in one process:
 
 - FLOPs per token count active parameters only, equal to a hand count of the matmuls;
 - the planner's parameter list (names, order, local sizes) is the built model's, and total /

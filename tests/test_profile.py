@@ -1,4 +1,4 @@
-"""`train.py --profile` (issue 16): the categories an operator's time lands in, the flag
+"""`train.py --profile`: the categories an operator's time lands in, the flag
 checks, and one torchrun job (tp=2 with sequence parallel, both ranks profiled) whose table
 and Chrome traces are read back."""
 from __future__ import annotations

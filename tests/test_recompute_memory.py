@@ -1,4 +1,4 @@
-"""Activation recompute is exact and saves what the formulas say (issue 4, items 3 and 4).
+"""Activation recompute is exact and saves what the formulas say.
 
 Exactness: loss and every gradient under recompute (full uniform / block, selective) are
 *bitwise* equal (torch.equal) to no recompute in float32 on CPU, with hidden and attention

@@ -1,6 +1,6 @@
 """What a run tells its user: the log line's rates and ETA, MFU against the peak, the metrics
 file's run boundaries, the pipeline balance hint, the vocab notice, the entry point's demo
-default and its one-line errors under torchrun (issue 8). Pure functions are tested in this
+default and its one-line errors under torchrun. Pure functions are tested in this
 process; the torchrun case spawns one short job (the checkpoint tests cover resumes)."""
 from __future__ import annotations
 
@@ -209,7 +209,7 @@ def test_cpu_peak_shares_the_host_among_local_ranks(monkeypatch):
 
 
 def test_pipeline_balance_suggestion():
-    """The issue's case: the output layer of a large vocab at a small hidden size costs many
+    """The case: the output layer of a large vocab at a small hidden size costs many
     layers, so the last stage is slow; moving layers to the first stage balances it."""
     from training.timeline import suggest_split
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from distributed import free_port
+from launch import OWN_PROCESS_GROUP
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the [test] extra installs these; a missing one is a broken install, not a reason to skip
@@ -61,7 +62,7 @@ def server(tmp_path_factory):
            "--api-key", API_KEY]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            start_new_session=True)
+                            **OWN_PROCESS_GROUP)
     lines = []
     for line in proc.stdout:  # blocks until the server says it is up (or dies)
         lines.append(line)

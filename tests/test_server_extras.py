@@ -29,6 +29,7 @@ import jsonschema
 import pytest
 
 from distributed import free_port
+from launch import OWN_PROCESS_GROUP
 from test_server import _make_model, _post
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -100,7 +101,7 @@ def _serve(folder: str, *flags):
            "--served-model-name", "tiny", "--max-batch-size", "8", *flags]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            start_new_session=True)
+                            **OWN_PROCESS_GROUP)
     lines = []
     for line in proc.stdout:
         lines.append(line)

@@ -15,7 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from distributed import free_port
-from launch import read_until
+from launch import OWN_PROCESS_GROUP, read_until
 from test_server_limits import _chain_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -84,7 +84,7 @@ def test_replica_death_then_restart_then_drain(tmp_path):
            "--max-model-len", "4096", "--max-batch-size", "4", "--shutdown-timeout", "1"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            start_new_session=True)
+                            **OWN_PROCESS_GROUP)
     lines: list[str] = []
     try:
         read_until(proc, lines, "serving chain on")

@@ -1,7 +1,7 @@
 """`infer.py --serve` (one process) over a model whose tokenizer has byte fallback (Llama-2
 style) and whose greedy output is forced to spell multi-byte text: the official `openai`
 client's streamed and non-streamed text against the tokenizer's decode of the same ids, the
-limits and malformed inputs of issue 36 answered 4xx with OpenAI error bodies (413, 400, 401
+limits and malformed inputs answered 4xx with OpenAI error bodies (413, 400, 401
 with WWW-Authenticate), a non-streaming client that goes away, `max_completion_tokens: null`,
 `stream_options.include_usage`, and /metrics read by prometheus_client's own parser. One
 server for the module."""
@@ -282,7 +282,7 @@ def test_lingering_close_is_bounded():
     while not srv.started:
         time.sleep(0.02)
 
-    def session(feed) -> tuple[bytes, float]:
+    def exchange(feed) -> tuple[bytes, float]:
         """The answer read while `feed(socket)` sends the body in another thread, and the
         seconds until the server closed."""
         with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
@@ -316,10 +316,10 @@ def test_lingering_close_is_bounded():
 
     try:
         for feed, bound in ((lambda s: None, 0.5), (flood, 3.0), (trickle, 3.0)):
-            got, took = session(feed)
+            got, took = exchange(feed)
             assert got.startswith(b"HTTP/1.1 413") and got.endswith(b"no"), got
             assert took < bound + 20, (feed, took)  # generous: a busy 2-core machine
-        _, took = session(trickle)
+        _, took = exchange(trickle)
         assert took > 2.0, took  # the trickle is read on until the time bound
     finally:
         srv.should_exit = True

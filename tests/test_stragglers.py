@@ -1,4 +1,4 @@
-"""The straggler report (issue 34, training/stragglers.py): a rank slowed on purpose is named,
+"""The straggler report (training/stragglers.py): a rank slowed on purpose is named,
 with its phase, in the log line, metrics.jsonl, TensorBoard and the --straggler-threshold
 warning; the summary's arithmetic on made-up times."""
 from __future__ import annotations

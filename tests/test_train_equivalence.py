@@ -1,8 +1,8 @@
 """Layout equivalence of training: the first 5 losses and gradient norms at several (tp, dp, sp)
 layouts equal the
 single-process run up to float32 rounding (tests/tolerances.py: step t carries `t` training
-steps' chains of `k` terms), with dropout 0 (issue 2); also with every transformer layer
-compiled (`--compile`, issue 16, train.py under torchrun) against the eager single-process run.
+steps' chains of `k` terms), with dropout 0; also with every transformer layer
+compiled (`--compile`, train.py under torchrun) against the eager single-process run.
 The layouts run pretrain() in run_distributed worlds, the cases of one world size in one world
 (train.py's command line under torchrun: the compile test here, test_checkpointing.py)."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ COMMON = ["--train-iters", "5", "--log-interval", "1", "--eval-interval", "0",
           "--hidden-dropout", "0", "--attention-dropout", "0", "--micro-batch-size", "2",
           "--global-batch-size", "8"]
 
-# (tp, dp, sequence parallel) from the issue
+# (tp, dp, sequence parallel)
 LAYOUTS = [(2, 1, False), (4, 1, True), (2, 2, True), (1, 2, False)]
 
 FAMILIES = {

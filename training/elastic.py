@@ -1,4 +1,4 @@
-"""Elastic data parallelism (issue 34): what a restart at another world size changes.
+"""Elastic data parallelism: what a restart at another world size changes.
 
 Under `torchrun --nnodes MIN:MAX --rdzv-backend c10d` the elastic agent restarts the worker
 group when a node is lost or joins, and the new group may be smaller or larger. Nothing in

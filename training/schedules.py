@@ -197,7 +197,7 @@ class _InterleavedSchedule:
         """Microbatch that virtual microbatch `k` runs: (k // (pp*vpp)) * pp + k mod pp."""
         return (k // (self.pp * self.vpp)) * self.pp + k % self.pp
 
-    def forward_step_helper(self, k: int):
+    def forward_chunk_step(self, k: int):
         """Forward virtual microbatch `k` on the input last received for its chunk (None on
         the embedding chunk); returns its outputs (kept for backward unless forward-only)."""
         c = self.get_model_chunk_id(k, forward=True)
@@ -212,7 +212,7 @@ class _InterleavedSchedule:
             outputs_kept.pop()
         return outputs
 
-    def backward_step_helper(self, k: int):
+    def backward_chunk_step(self, k: int):
         """Backward the oldest kept forward of virtual microbatch `k`'s chunk; returns the
         gradients of its inputs."""
         c = self.get_model_chunk_id(k, forward=False)
@@ -240,7 +240,7 @@ class _InterleavedSchedule:
         ps.set_virtual_pipeline_model_parallel_rank(0)
         self.input_tensors[0].append(p2p.recv_forward(self.spec))
         for k in range(num_warmup_microbatches):
-            outputs = self.forward_step_helper(k)
+            outputs = self.forward_chunk_step(k)
             next_forward_model_chunk_id = self.get_model_chunk_id(k + 1, forward=True)
             # the first stage's chunk 0 reads tokens; after the last forward nothing follows
             recv_prev = (not (ps.is_pipeline_first_stage(ignore_virtual=True)
@@ -281,8 +281,8 @@ class _InterleavedSchedule:
         num_microbatches_remaining = self.total_num_microbatches - num_warmup_microbatches
         for backward_k in range(num_microbatches_remaining):
             forward_k = num_warmup_microbatches + backward_k
-            outputs = self.forward_step_helper(forward_k)
-            input_grads = self.backward_step_helper(backward_k)
+            outputs = self.forward_chunk_step(forward_k)
+            input_grads = self.backward_chunk_step(backward_k)
             outputs = self._activation_to_send(forward_k, outputs)
             input_grads = self._grad_to_send(backward_k, input_grads)
             recv_prev, next_forward_model_chunk_id = self._steady_recv_prev(forward_k)
@@ -305,7 +305,7 @@ class _InterleavedSchedule:
             ps.set_virtual_pipeline_model_parallel_rank(self.vpp - 1)
             self.output_tensor_grads[self.vpp - 1].append(p2p.recv_backward(self.spec))
         for k in range(num_microbatches_remaining, self.total_num_microbatches):
-            input_grads = self.backward_step_helper(k)
+            input_grads = self.backward_chunk_step(k)
             next_backward_model_chunk_id = self.get_model_chunk_id(k + 1, forward=False)
             # the last stage's last chunk holds the loss; after the last backward nothing follows
             recv_next = (not (ps.is_pipeline_last_stage(ignore_virtual=True)

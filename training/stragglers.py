@@ -1,4 +1,4 @@
-"""The straggler report (issue 34): which rank the others wait for, and in which phase.
+"""The straggler report: which rank the others wait for, and in which phase.
 
 Synchronous training runs at the pace of its slowest rank. Each rank splits every training step
 (`train_step`, wall time `step`) into

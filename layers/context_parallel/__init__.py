@@ -1,4 +1,4 @@
-"""Context parallelism (issue 32): the sequence split over a CP group of ranks.
+"""Context parallelism: the sequence split over a CP group of ranks.
 
 - layout.py: which tokens a rank holds (2*cp chunks, causal load balance) and their global
   positions;
