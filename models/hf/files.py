@@ -6,7 +6,8 @@ that reads one tensor at a time: safetensors through `safe_open` and `.bin` thro
 `torch.load(weights_only=True, mmap=True)` (never a full unpickle; user files are untrusted),
 so a 70B folder converts with about one tensor in memory. A folder quantized with GPTQ or AWQ
 (config.json's quantization_config) lists each quantized linear's packed tensors as its
-`.weight` (models/hf/quantized.py). `quantization` (`READ_MODES`) says how quantized weights
+`.weight` (models/hf/quantized.py); an FP8 folder's weights are read de-quantized
+(models/hf/fp8.py). `quantization` (`READ_MODES`) says how quantized weights
 are read:
 
 - "keep": as the files store them: a GPTQ/AWQ linear as an int4 `QuantizedWeight`; a GGUF
