@@ -413,6 +413,16 @@ def fp8_states(chunks) -> list[tuple[str, Fp8State]]:
             if isinstance(m, Fp8State)]
 
 
+def fp8_state_bytes(chunks) -> int:
+    """Bytes of this rank's FP8 state: every `Fp8State` buffer (under `delayed` the float32
+    amax history `[history_len, 3]` and the step's amaxes `[3]` of each FP8 linear). The other
+    recipes keep none (their scales are computed in each GEMM), and no recipe caches an FP8
+    copy of a weight between GEMMs (each GEMM quantizes its operands afresh; those copies,
+    1 byte per element plus scales, live only during the GEMM)."""
+    return sum(b.numel() * b.element_size() for _, s in fp8_states(chunks)
+               for b in s.buffers())
+
+
 @torch.no_grad()
 def clear_step_amaxes(chunks) -> None:
     """The start of a step under `delayed`: forget amaxes recorded outside training steps
