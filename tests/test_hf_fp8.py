@@ -152,7 +152,8 @@ def test_partial_blocks_and_every_scale_layout_dequantize_exactly(tmp_path):
     """One [200, 300] linear in each layout (128x128 blocks: the last row and column blocks
     partial, as DeepSeek-V3's kv_a_proj_with_mqa [576, 7168]; per tensor; per channel) reads
     back as exactly fp8 * scale (the float64 reference); activation scales are dropped; a
-    ue8m0 (float8_e8m0fnu) block scale reads like its float32 value."""
+    pytorch_model.bin folder reads like safetensors; a ue8m0 (float8_e8m0fnu) block scale
+    reads like its float32 value."""
     from models.hf.files import open_hf
 
     gen = torch.Generator().manual_seed(3)
@@ -168,6 +169,14 @@ def test_partial_blocks_and_every_scale_layout_dequantize_exactly(tmp_path):
         got = src.get("l.weight")
         assert got.dtype == torch.float32 and torch.equal(got, reference(q, scales, *grid(200, 300))), fmt
         assert (got - w).abs().max() <= w.abs().max() / 16, fmt  # e4m3: 3 mantissa bits
+    q, scales = quantize(w, 128, 128)  # a pytorch_model.bin folder reads the same
+    os.makedirs(tmp_path / "bin")
+    torch.save({"l.weight": q, "l.weight_scale_inv": scales}, tmp_path / "bin" /
+               "pytorch_model.bin")
+    with open(tmp_path / "bin" / "config.json", "w") as f:
+        json.dump({"model_type": "llama", "quantization_config": FORMATS["fp8-block"][0]}, f)
+    assert torch.equal(open_hf(str(tmp_path / "bin")).get("l.weight"),
+                       reference(q, scales, 128, 128))
     pow2 = torch.exp2(torch.randint(-8, 0, (2, 3), generator=gen).float())
     q = (w / pow2.repeat_interleave(128, 0)[:200].repeat_interleave(128, 1)[:, :300]).to(
         torch.float8_e4m3fn)
