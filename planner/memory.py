@@ -115,7 +115,8 @@ def pipeline_bubble(config) -> float:
 
 def rank_memory(config, pp_rank: int, base_formats: dict | None = None) -> dict:
     """Predicted device bytes of a rank of pipeline stage `pp_rank`: `{"model_states",
-    "frozen_base", "fp8_buffers" (`fp8_buffer_bytes`), "activations_per_microbatch", "activations", "in_flight", "transient" (of
+    "frozen_base", "fp8_buffers" (`fp8_buffer_bytes`), "activations_per_microbatch",
+    "activations", "in_flight", "transient" (of
     which "gathered_params"), "total", "host", "nvme"}` (host and NVMe: offloaded model
     states and the NVMe streaming buffers). Under --lora-rank the model states are the
     adapters' (weights, gradients, optimizer state) and `frozen_base` the base's bytes

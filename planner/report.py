@@ -25,7 +25,8 @@ def memory_prediction(config, pp_rank: int, measured: dict,
                       base_formats: dict | None = None) -> tuple[dict, str]:
     """The planner's bytes for this rank beside `measured` (trainer.log_memory's fields:
     `model_state_total_bytes`, `activation_bytes_per_microbatch`, a LoRA run's
-    `frozen_base_bytes`, an FP8 run's `fp8_buffer_bytes`): (record fields, line). `base_formats`: `rank_memory`'s."""
+    `frozen_base_bytes`, an FP8 run's `fp8_buffer_bytes`): (record fields, line).
+    `base_formats`: `rank_memory`'s."""
     pred = rank_memory(config, pp_rank, base_formats)
     states, act = measured["model_state_total_bytes"], measured["activation_bytes_per_microbatch"]
     frozen = measured.get("frozen_base_bytes", 0)

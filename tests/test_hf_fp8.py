@@ -78,7 +78,8 @@ FORMATS = {
 
 def fp8_pair(root, model, fmt: str, block=None):
     """(fp8 folder, float folder) of transformers `model`: every decoder linear (2-D weights
-    under `.layers.`, experts included, the MoE router not) quantized as `fmt` in the first, its exact de-quantization
+    under `.layers.`, experts included, the MoE router not) quantized as `fmt` in the first,
+    its exact de-quantization
     in the second; the other tensors equal. `block` overrides fp8-block's [128, 128]."""
     qcfg, scale_name, grid, store = FORMATS[fmt]
     if block is not None:
@@ -167,7 +168,8 @@ def test_partial_blocks_and_every_scale_layout_dequantize_exactly(tmp_path):
                                                      "quantization_config": qcfg}, t))
         assert sorted(src.names) == ["l.bias", "l.weight"], fmt
         got = src.get("l.weight")
-        assert got.dtype == torch.float32 and torch.equal(got, reference(q, scales, *grid(200, 300))), fmt
+        want = reference(q, scales, *grid(200, 300))
+        assert got.dtype == torch.float32 and torch.equal(got, want), fmt
         assert (got - w).abs().max() <= w.abs().max() / 16, fmt  # e4m3: 3 mantissa bits
     q, scales = quantize(w, 128, 128)  # a pytorch_model.bin folder reads the same
     os.makedirs(tmp_path / "bin")

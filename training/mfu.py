@@ -98,7 +98,8 @@ class PeakFlops:
     data sheet's dense bf16 peak (`GPU_PEAK_BF16_TFLOPS`; fp32 runs as TF32, half of it), as
     torchtitan does, and under FP8 training (`fp8_share`: the FP8 GEMMs' share of the model
     FLOPs, planner/flops.py `fp8_flops_share`) blended with the data sheet's dense FP8 peak
-    (`GPU_PEAK_FP8_TFLOPS`, `blended_peak`) where the GPU has one; else measured here: on a CPU one thread's best matmul rate in CPU time
+    (`GPU_PEAK_FP8_TFLOPS`, `blended_peak`) where the GPU has one; else measured here: on a
+    CPU one thread's best matmul rate in CPU time
     (`measured_matmul_peak`) times the threads the rank has (`cpu_threads_per_rank`); on a
     GPU missing from the table its best matmul rate. It is not measured again: every MFU of
     the run (log lines, the closing line) divides by the same figure. An achieved rate above

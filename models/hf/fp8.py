@@ -5,13 +5,14 @@ Each quantized linear `P` stores `P.weight` as float8_e4m3fn (safetensors `F8_E4
 in]` plus one scale tensor; the linears a checkpoint leaves unquantized (lm_head, routers,
 `modules_to_not_convert` / `ignore`) and every other tensor are plain floats:
 
-| quant_method                         | scale tensor          | scale shape                         |
-|--------------------------------------|-----------------------|-------------------------------------|
-| fp8, weight_block_size [b0, b1]      | `P.weight_scale_inv`  | `[ceil(out / b0), ceil(in / b1)]`   |
-| (DeepSeek-V3/R1, Qwen3-FP8)          |                       | F32, BF16 or F8_E8M0 (scale_fmt ue8m0) |
-| fp8, weight_block_size null / absent | `P.weight_scale_inv` (transformers) or `P.weight_scale` (AutoFP8, vLLM) | one value: `[]`, `[1]` |
-| fbgemm_fp8 (per output channel)      | `P.weight_scale`      | `[out, 1]`                          |
-| compressed-tensors, format float-quantized, weights num_bits 8 type float | `P.weight_scale` | strategy tensor `[1]`, channel `[out, 1]`, block `[ceil(out / b0), ceil(in / b1)]` |
+- quant_method fp8 with weight_block_size [b0, b1] (DeepSeek-V3/R1, Qwen3-FP8):
+  `P.weight_scale_inv` `[ceil(out / b0), ceil(in / b1)]`, F32, BF16 or F8_E8M0 (scale_fmt
+  ue8m0);
+- fp8 with weight_block_size null or absent: one value (`[]`, `[1]`), `P.weight_scale_inv`
+  (transformers) or `P.weight_scale` (AutoFP8, vLLM);
+- fbgemm_fp8 (per output channel): `P.weight_scale` `[out, 1]`;
+- compressed-tensors, format float-quantized, weights num_bits 8 type float: `P.weight_scale`,
+  strategy tensor `[1]`, channel `[out, 1]`, block `[ceil(out / b0), ceil(in / b1)]`.
 
 Weight[o, i] = fp8[o, i] * scale[o // b0, i // b1] (per tensor: b0 = out, b1 = in; per channel:
 b0 = 1, b1 = in), computed in float32 as transformers' `Fp8Dequantize` / vLLM's de-quantizers
@@ -69,15 +70,10 @@ class FP8Scheme:
         return (out, 1) if self.granularity == "channel" else None
 
 
-def _refusal(method, why: str) -> ValueError:
-    """What `fp8_scheme` raises for `method`; models/hf/quantized.py words it for the user."""
-    return ValueError(why)
-
-
-def _block(method, value) -> tuple[int, int]:
+def _block(value) -> tuple[int, int]:
     if (type(value) not in (list, tuple) or len(value) != 2
             or not all(type(b) is int and 0 < b < 2**31 for b in value)):
-        raise _refusal(method, f"weight_block_size {value!r} (two positive integers)")
+        raise ValueError(f"weight_block_size {value!r} (two positive integers)")
     return tuple(value)
 
 
@@ -85,38 +81,38 @@ def _compressed_tensors(q: dict) -> FP8Scheme:
     """The scheme of a compressed-tensors config (llm-compressor's float-quantized FP8)."""
     m = "compressed-tensors"
     if q.get("format") != "float-quantized":
-        raise _refusal(m, f"format {q.get('format')!r} (only float-quantized, FP8 weights, "
-                          f"is read)")
+        raise ValueError(f"format {q.get('format')!r} (only float-quantized, FP8 weights, "
+                         f"is read)")
     groups = q.get("config_groups")
     if type(groups) is not dict or not groups:
-        raise _refusal(m, "no config_groups object")
+        raise ValueError("no config_groups object")
     schemes = set()
     for name, g in groups.items():
         w = g.get("weights") if type(g) is dict else None
         if type(w) is not dict:
-            raise _refusal(m, f"config_groups {name!r} has no weights object")
+            raise ValueError(f"config_groups {name!r} has no weights object")
         if (w.get("num_bits"), w.get("type")) != (8, "float"):
-            raise _refusal(m, f"config_groups {name!r} weights num_bits {w.get('num_bits')!r} "
-                              f"type {w.get('type')!r} (8-bit float weights are read)")
+            raise ValueError(f"config_groups {name!r} weights num_bits {w.get('num_bits')!r} "
+                             f"type {w.get('type')!r} (8-bit float weights are read)")
         if w.get("symmetric", True) is not True or w.get("dynamic", False) is not False:
-            raise _refusal(m, f"config_groups {name!r} weights symmetric "
-                              f"{w.get('symmetric')!r} dynamic {w.get('dynamic')!r} "
-                              f"(symmetric, stored scales are read)")
+            raise ValueError(f"config_groups {name!r} weights symmetric "
+                             f"{w.get('symmetric')!r} dynamic {w.get('dynamic')!r} "
+                             f"(symmetric, stored scales are read)")
         strategy = w.get("strategy")
         if strategy not in ("tensor", "channel", "block"):
-            raise _refusal(m, f"config_groups {name!r} weights strategy {strategy!r} (tensor, "
-                              f"channel or block)")
-        block = _block(m, w.get("block_structure")) if strategy == "block" else None
+            raise ValueError(f"config_groups {name!r} weights strategy {strategy!r} (tensor, "
+                             f"channel or block)")
+        block = _block(w.get("block_structure")) if strategy == "block" else None
         act = g.get("input_activations")
         if act is not None and (type(act) is not dict or
                                 (act.get("num_bits"), act.get("type")) != (8, "float")):
-            raise _refusal(m, f"config_groups {name!r} input_activations {act!r} (8-bit float "
-                              f"or none)")
+            raise ValueError(f"config_groups {name!r} input_activations {act!r} (8-bit float "
+                             f"or none)")
         kind = "none" if act is None else "dynamic" if act.get("dynamic") else "static"
         schemes.add(FP8Scheme(m, strategy, block, kind))
     if len(schemes) != 1:
-        raise _refusal(m, f"{len(schemes)} different weight schemes in config_groups (one is "
-                          f"read)")
+        raise ValueError(f"{len(schemes)} different weight schemes in config_groups (one is "
+                         f"read)")
     return schemes.pop()
 
 
@@ -133,16 +129,16 @@ def fp8_scheme(q: dict) -> FP8Scheme:
         return FP8Scheme(method, "channel", None, "dynamic")
     fmt = q.get("fmt", "e4m3")
     if fmt != "e4m3":
-        raise _refusal(method, f"fmt {fmt!r} (float8_e4m3fn weights are read)")
+        raise ValueError(f"fmt {fmt!r} (float8_e4m3fn weights are read)")
     act = q.get("activation_scheme", "dynamic")
     if act not in ("dynamic", "static"):
-        raise _refusal(method, f"activation_scheme {act!r} (dynamic or static)")
+        raise ValueError(f"activation_scheme {act!r} (dynamic or static)")
     if q.get("scale_fmt", "float") not in ("float", "ue8m0", None):
-        raise _refusal(method, f"scale_fmt {q.get('scale_fmt')!r} (float or ue8m0)")
+        raise ValueError(f"scale_fmt {q.get('scale_fmt')!r} (float or ue8m0)")
     block = q.get("weight_block_size")
     if block is None:
         return FP8Scheme(method, "tensor", None, act)
-    return FP8Scheme(method, "block", _block(method, block), act)
+    return FP8Scheme(method, "block", _block(block), act)
 
 
 @dataclass(frozen=True)
