@@ -167,3 +167,20 @@ def test_start_up_records_the_fp8_share_and_buffers(tmp_path, corpus_env, capsys
                        dict(state, fp8_buffers=0), rec, rec["memory_bytes_per_rank"])
     assert "FP8 buffers 0.0 KiB (rowwise: scales computed per GEMM" in line
     assert "FP8" not in memory_line(_config(), state, rec, rec["memory_bytes_per_rank"])
+
+
+def test_plan_cli_takes_fp8_format_and_peak(no_grid):
+    """tools/plan.py --fp8-format sets the planned run's FP8 (the run file's otherwise),
+    --fp8-peak-tflops the FP8 peak (default 1979; 0: none); a negative one is refused."""
+    from tools import plan
+
+    def inputs(*extra):
+        return plan._inputs(plan.build_parser().parse_args(
+            ["--model", "tiny-llama", "--gpus", "2", *extra]))
+
+    _, train, hw, _ = inputs()
+    assert train.fp8_format is None and hw.fp8_peak_tflops == 1979.0
+    _, train, hw, _ = inputs("--fp8-format", "hybrid", "--fp8-peak-tflops", "0")
+    assert train.fp8_format == "hybrid" and hw.fp8_peak_tflops is None
+    with pytest.raises(plan.PlanError, match="--fp8-peak-tflops must be >= 0"):
+        inputs("--fp8-peak-tflops", "-1")
