@@ -37,6 +37,12 @@ Recipes (`--fp8-recipe`), each operand scaled along the GEMM's contraction dimen
   dimension, each scale a power of two (E8M0), rounded so the tile's amax does not
   saturate (`amax_to_scale`).
 
+Context parallelism: a rank holds 2 chunks of each sequence's tokens, so a per-tensor amax
+of `X` or `dY`, and a rowwise weight-gradient amax (along the tokens), is reduced (max) over
+the CP group as well; tiles along the tokens (blockwise, mxfp8 weight gradients) are a
+chunk's own when a chunk's `s / 2cp x b` rows hold whole tiles (run_config/fp8.py refuses
+the rest).
+
 Tensor parallelism: a scale is the one a single process computes for the whole tensor. A
 tensor-parallel shard's amax is reduced (max) over the TP group where the scale's group
 crosses the split: per tensor for `tensorwise` (a column layer's `W` and `dY`, a row layer's
@@ -193,10 +199,12 @@ class Operand:
 def make_operand(t: torch.Tensor, dtype: torch.dtype, rows: int | None, cols: int | None,
                  margin: int = 0, power_of_two: bool = False, group=None) -> Operand:
     """Quantize `t [r, k]` with scales from its current amax on the `rows x cols` grid;
-    `group`: the process group whose shards' amaxes are reduced (max) first, or None."""
+    `group`: the process group (or a tuple of groups, reduced one after the other) whose
+    shards' amaxes are reduced (max) first, or None."""
     amax = group_amax(t, rows, cols)
-    if group is not None:
-        collectives.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
+    for g in group if isinstance(group, tuple) else (group,):
+        if g is not None:
+            collectives.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=g)
     scale = amax_to_scale(amax, dtype, margin, power_of_two)
     return Operand(quantize(t, scale, dtype, rows, cols), scale, rows, cols)
 
@@ -258,6 +266,7 @@ class Fp8State(nn.Module):
             raise ValueError(f"parallel must be column or row, got {parallel!r}")
         self.recipe, self.parallel = recipe, parallel
         self.tp = ps.get_tensor_model_parallel_world_size()
+        self.cp = ps.get_context_parallel_world_size()
         if recipe.recipe == "delayed":
             self.register_buffer("amax_history",
                                  torch.zeros(recipe.amax_history_len, 3, dtype=torch.float32))
@@ -266,6 +275,12 @@ class Fp8State(nn.Module):
 
     def _tp_group(self, needed: bool):
         return ps.get_tensor_model_parallel_group() if needed and self.tp > 1 else None
+
+    def _groups(self, tp_split: bool, token_split: bool) -> tuple:
+        """The groups an amax is reduced over: TP where its scale's group crosses the TP
+        split, CP where it spans tokens (a CP rank holds part of each sequence)."""
+        cp = ps.get_context_parallel_group() if token_split and self.cp > 1 else None
+        return self._tp_group(tp_split), cp
 
     def split(self, role: int, transposed: bool = False) -> tuple[bool, bool]:
         """(rows split, columns split) over TP of operand `role` as `[rows, k]` forward
@@ -281,7 +296,7 @@ class Fp8State(nn.Module):
         (tensorwise, and delayed while its history is empty) or the history's (delayed); the
         current local amax is kept for the step's history update when `record`."""
         r, dtype = self.recipe, self.recipe.dtype(role)
-        group = self._tp_group(any(self.split(role)))
+        group = self._groups(any(self.split(role)), role != W)
         if r.recipe == "delayed":
             amax = group_amax(t, None, None)
             if record:
@@ -299,9 +314,10 @@ class Fp8State(nn.Module):
         its contraction dimension k: per row (rowwise; amaxes reduced over TP when k is
         split), in 1 x tile tiles (blockwise, mxfp8) or, `weight_block`, tile x tile blocks."""
         r, dtype = self.recipe, self.recipe.dtype(role)
-        if r.recipe == "rowwise":
+        if r.recipe == "rowwise":  # k is the tokens for X and dY transposed (weight gradient)
             return make_operand(t, dtype, 1, None, r.margin,
-                                group=self._tp_group(self.split(role, transposed)[1]))
+                                group=self._groups(self.split(role, transposed)[1],
+                                                   role != W and transposed))
         rows = r.tile if weight_block else 1
         return make_operand(t, dtype, rows, r.tile, r.margin,
                             power_of_two=r.recipe == "mxfp8")
@@ -411,6 +427,16 @@ def fp8_states(chunks) -> list[tuple[str, Fp8State]]:
     """`[(module name, Fp8State)]` of this rank's chunks, names with global layer numbers."""
     return [(name, m) for chunk in chunks for name, m in chunk.named_modules()
             if isinstance(m, Fp8State)]
+
+
+def fp8_state_bytes(chunks) -> int:
+    """Bytes of this rank's FP8 state: every `Fp8State` buffer (under `delayed` the float32
+    amax history `[history_len, 3]` and the step's amaxes `[3]` of each FP8 linear). The other
+    recipes keep none (their scales are computed in each GEMM), and no recipe caches an FP8
+    copy of a weight between GEMMs (each GEMM quantizes its operands afresh; those copies,
+    1 byte per element plus scales, live only during the GEMM)."""
+    return sum(b.numel() * b.element_size() for _, s in fp8_states(chunks)
+               for b in s.buffers())
 
 
 @torch.no_grad()

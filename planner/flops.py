@@ -21,6 +21,12 @@ of width `moe_ffn_hidden_size` and the shared experts, plus the router `2 h E`. 
 `s x s` score matrix, as in the paper (no discount for the causal mask). Embedding lookups,
 norms, activations, softmax and the loss are not matmuls and are not counted. T5 (encoder-
 decoder) is counted per encoder token by the same rules (`_t5_flops_per_encoder_token`).
+
+FP8 training (layers/fp8.py `apply_fp8`) runs some of these GEMMs in FP8: the QKV and output
+projections and the dense MLP of each transformer layer outside the first / last kept in
+higher precision, each in all three of its GEMMs (`fp8_flops_share`). A device with an FP8
+peak runs them against it, so MFU divides by the peak that time-weights both
+(`blended_peak`: the total FLOPs over the ideal time `(1 - f) / P + f / P_fp8`).
 """
 from __future__ import annotations
 
@@ -32,6 +38,10 @@ from .moe import mlp_forward_flops
 # ("NVIDIA H100 PCIe" before the SXM part, "NVIDIA H100 80GB HBM3").
 GPU_PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H800": 989.0,
                         "H200": 989.0, "A100": 312.0, "L40S": 362.0, "B200": 2250.0}
+# Dense FP8 tensor-core peak from the same data sheets, same keys; a GPU without FP8 tensor
+# cores (A100) is absent: its FP8 GEMMs count at the bf16 peak.
+GPU_PEAK_FP8_TFLOPS = {"H100 PCIe": 1513.0, "H100 NVL": 1671.0, "H100": 1979.0, "H800": 1979.0,
+                       "H200": 1979.0, "L40S": 733.0, "B200": 4500.0}
 
 
 def forward_flops_per_token(config, seq_length: int | None = None,
@@ -94,3 +104,40 @@ def training_flops_per_token(config, seq_length: int | None = None,
     `forward_flops_per_token`.
     """
     return 3.0 * forward_flops_per_token(config, seq_length, vocab_size)
+
+
+def layer_fp8_forward_flops(config, layer_number: int) -> float:
+    """Forward FLOPs per token of layer `layer_number`'s GEMMs that FP8 runs when the layer is
+    in FP8 (layers/fp8.py `apply_fp8`): the QKV and output projections and a dense MLP
+    (`layer_forward_flops` less the attention core `4 s q` and an MoE MLP, which stay in the
+    run's precision, as do the logits)."""
+    core = 2 * 2 * config.seq_length * config.query_projection_size
+    f = layer_forward_flops(config, layer_number) - core
+    if config.is_moe_layer(layer_number):
+        f -= mlp_forward_flops(config, layer_number)
+    return f
+
+
+def fp8_forward_flops_per_token(config, layers_at_start: int = 0,
+                                layers_at_end: int = 0) -> float:
+    """Forward FLOPs per token of the FP8 GEMMs (`layer_fp8_forward_flops`) of every layer
+    but the first `layers_at_start` and last `layers_at_end`."""
+    return float(sum(layer_fp8_forward_flops(config, n)
+                     for n in range(layers_at_start, config.num_layers - layers_at_end)))
+
+
+def fp8_flops_share(config, layers_at_start: int = 0, layers_at_end: int = 0) -> float:
+    """The share (0..1) of the model FLOPs (`forward_flops_per_token`; training's are 3x both)
+    that the FP8 GEMMs make (`fp8_forward_flops_per_token`)."""
+    return fp8_forward_flops_per_token(config, layers_at_start, layers_at_end) / \
+        forward_flops_per_token(config)
+
+
+def blended_peak(peak: float, fp8_peak: float, fp8_share: float) -> float:
+    """The peak MFU divides by when a share `fp8_share` of the FLOPs runs at `fp8_peak` and
+    the rest at `peak` (same units): FLOPs over the ideal time, `1 / ((1 - f) / peak + f /
+    fp8_peak)`; `peak` when f is 0. Raises ValueError for f outside [0, 1] or a peak <= 0."""
+    if not 0.0 <= fp8_share <= 1.0 or peak <= 0 or fp8_peak <= 0:
+        raise ValueError(f"fp8_share {fp8_share} must be in [0, 1] and the peaks {peak}, "
+                         f"{fp8_peak} positive")
+    return 1.0 / ((1.0 - fp8_share) / peak + fp8_share / fp8_peak)

@@ -115,7 +115,8 @@ def pipeline_bubble(config) -> float:
 
 def rank_memory(config, pp_rank: int, base_formats: dict | None = None) -> dict:
     """Predicted device bytes of a rank of pipeline stage `pp_rank`: `{"model_states",
-    "frozen_base", "activations_per_microbatch", "activations", "in_flight", "transient" (of
+    "frozen_base", "fp8_buffers" (`fp8_buffer_bytes`), "activations_per_microbatch",
+    "activations", "in_flight", "transient" (of
     which "gathered_params"), "total", "host", "nvme"}` (host and NVMe: offloaded model
     states and the NVMe streaming buffers). Under --lora-rank the model states are the
     adapters' (weights, gradients, optimizer state) and `frozen_base` the base's bytes
@@ -148,12 +149,37 @@ def rank_memory(config, pp_rank: int, base_formats: dict | None = None) -> dict:
                                             t.context_parallel_size, 2 if t.bf16 else 4,
                                             t.cp_comm_type)
     frozen = frozen_base_prediction(config, pp_rank, base_formats)
-    total = states["total"] + frozen + activations + transient
-    return {"model_states": states["total"], "frozen_base": frozen,
+    fp8 = fp8_buffer_bytes(config, chunks)
+    total = states["total"] + frozen + fp8 + activations + transient
+    return {"model_states": states["total"], "frozen_base": frozen, "fp8_buffers": fp8,
             "activations_per_microbatch": per_mb,
             "activations": int(activations), "in_flight": held, "transient": transient,
             "gathered_params": gathered,
             "total": int(total), "host": states["host_total"], "nvme": states["nvme_total"]}
+
+
+def fp8_buffer_bytes(config, chunks) -> int:
+    """Bytes of the FP8 state of a rank holding `chunks` (`rank_chunks`), which
+    layers/fp8.py `fp8_state_bytes` measures: under --fp8-recipe delayed a float32 amax history
+    `[--fp8-amax-history-len, 3]` and running amaxes `[3]` per FP8 linear (a transformer
+    layer's self-attention and dense-MLP linears outside the layers kept in higher precision,
+    run_config/fp8.py `fp8_layers_kept`); 0 for the other recipes and without FP8."""
+    from run_config.fp8 import fp8_layers_kept
+
+    t, m = config.train, config.model
+    if t.fp8_format is None or t.fp8_recipe != "delayed":
+        return 0
+    start, end = fp8_layers_kept(m, t)
+    count = 0
+    for p in (p for c in chunks for p in c):
+        if not (p.layer_linear and p.unit.startswith("layer ")) or p.expert_parallel:
+            continue
+        n = int(p.unit.split()[1])
+        in_fp8 = start <= n < m.num_layers - end
+        if in_fp8 and (".self_attention." in p.name or (".mlp." in p.name
+                                                       and not m.is_moe_layer(n))):
+            count += 1
+    return count * 4 * 3 * (t.fp8_amax_history_len + 1)
 
 
 def peak_memory(config) -> dict:

@@ -24,14 +24,18 @@ def _ratio(measured: float, predicted: float) -> float | None:
 def memory_prediction(config, pp_rank: int, measured: dict,
                       base_formats: dict | None = None) -> tuple[dict, str]:
     """The planner's bytes for this rank beside `measured` (trainer.log_memory's fields:
-    `model_state_total_bytes`, `activation_bytes_per_microbatch`, and a LoRA run's
-    `frozen_base_bytes`): (record fields, line). `base_formats`: `rank_memory`'s."""
+    `model_state_total_bytes`, `activation_bytes_per_microbatch`, a LoRA run's
+    `frozen_base_bytes`, an FP8 run's `fp8_buffer_bytes`): (record fields, line).
+    `base_formats`: `rank_memory`'s."""
     pred = rank_memory(config, pp_rank, base_formats)
     states, act = measured["model_state_total_bytes"], measured["activation_bytes_per_microbatch"]
     frozen = measured.get("frozen_base_bytes", 0)
+    fp8 = measured.get("fp8_buffer_bytes", 0)
     rec = {"planner_model_state_bytes": pred["model_states"],
            "planner_frozen_base_bytes": pred["frozen_base"],
            "planner_frozen_base_ratio": _ratio(frozen, pred["frozen_base"]),
+           "planner_fp8_buffer_bytes": pred["fp8_buffers"],
+           "planner_fp8_buffer_ratio": _ratio(fp8, pred["fp8_buffers"]),
            "planner_transient_bytes": pred["transient"],
            "planner_gathered_params_peak_bytes": pred["gathered_params"],
            "planner_activation_bytes_per_microbatch": pred["activations_per_microbatch"],
@@ -43,6 +47,9 @@ def memory_prediction(config, pp_rank: int, measured: dict,
             f"MiB (measured {_mib(states)}, ratio {rec['planner_model_state_ratio']:.3f}), "
             + (f"frozen base {_mib(pred['frozen_base'])} MiB (measured {_mib(frozen)}, ratio "
                f"{rec['planner_frozen_base_ratio']:.3f}), " if pred["frozen_base"] else "")
+            + (f"FP8 buffers {pred['fp8_buffers'] / 2**10:,.1f} KiB (measured "
+               f"{fp8 / 2**10:,.1f}, ratio {rec['planner_fp8_buffer_ratio']:.3f}), "
+               if pred["fp8_buffers"] else "")
             + f"activations {_mib(pred['activations_per_microbatch'])} MiB per microbatch "
             f"(measured {_mib(act)}, ratio {rec['planner_activation_ratio']:.3f}) x "
             f"{pred['in_flight']} in flight"

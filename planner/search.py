@@ -31,6 +31,10 @@ DP gradient reductions (over dp x cp; the expert gradients' over edp) overlap th
 microbatch's backward (2/3 of t_mb; ZeRO-2/3: every microbatch's), the ZeRO-1/2 parameter
 all-gather the next forward (1/3 of t_mb); what does not fit is exposed. MFU = model FLOPs of the step / (t_step x GPUs x peak).
 
+FP8 (--fp8-format in the run file or tools/plan.py): the FP8 GEMMs of the layers in FP8
+(planner/flops.py `layer_fp8_forward_flops`) run at `fp8_peak x matmul_efficiency` in t_mb,
+and MFU's peak is `blended_peak` of both by their share of the FLOPs (`mfu_peak_tflops`).
+
 Offload (ZeRO-Offload, Ren et al. 2021; ZeRO-Infinity, Rajbhandari et al. 2021) is searched
 only when no layout fits without it (`plan`): ZeRO-2/3 layouts with the optimizer in host
 memory or on NVMe, and ZeRO-3 layouts with the parameters there too. Its time, at the
@@ -57,11 +61,13 @@ from parallel_state.schedule_tables import V_SHAPED
 
 from data_parallel.ddp import STRATEGIES
 from run_config.config import Config
+from run_config.fp8 import fp8_layers_kept
 from run_config.train_config import TrainConfig
 
 from . import moe
 from .memory import pipeline_bubble
-from .flops import GPU_PEAK_BF16_TFLOPS, layer_forward_flops, training_flops_per_token
+from .flops import (GPU_PEAK_BF16_TFLOPS, GPU_PEAK_FP8_TFLOPS, blended_peak, fp8_flops_share,
+                    layer_forward_flops, layer_fp8_forward_flops, training_flops_per_token)
 from .communication import (attention_layers, communication_per_rank, communication_seconds,
                             context_parallel_communication, step_communication)
 from .memory import peak_memory
@@ -100,6 +106,8 @@ class Hardware:
     gpu_memory: float
     network: Network
     peak_tflops: float = GPU_PEAK_BF16_TFLOPS["H100"]
+    # dense FP8 peak per GPU, what an --fp8-format run's FP8 GEMMs reach; None: none (A100)
+    fp8_peak_tflops: float | None = GPU_PEAK_FP8_TFLOPS["H100"]
     matmul_efficiency: float = 0.7
     memory_headroom: float = 0.1
     host_bandwidth: float = 25e9  # bytes/s per GPU between device and host (PCIe)
@@ -290,6 +298,7 @@ def _compute_seconds_per_microbatch(config: Config, hw: Hardware) -> float:
     m, t = config.model, config.train
     tp, pp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size
     rate = hw.peak_tflops * 1e12 * hw.matmul_efficiency
+    fp8_rate, fp8_layers = _fp8_rate(config, hw)
     logits = 2.0 * m.hidden_size * m.padded_vocab_size(tp)
     attention_core = 2 * 2 * m.seq_length * m.query_projection_size
     tokens = t.micro_batch_size * m.seq_length // t.context_parallel_size  # a CP rank's
@@ -302,15 +311,38 @@ def _compute_seconds_per_microbatch(config: Config, hw: Hardware) -> float:
                                                     v_shape)
                    for n in chunk]
         layers = sum(layer_forward_flops(m, n) for n in numbers)
+        fp8 = sum(layer_fp8_forward_flops(m, n) for n in numbers if n in fp8_layers)
         loss_here = any(post for _, post in chunk_roles(
             pp, r, t.virtual_pipeline_model_parallel_size, v_shape))
-        flops = 3 * (layers + (logits if loss_here else 0))
+        flops = 3 * (layers - fp8 + (logits if loss_here else 0))
         if t.recompute_granularity == "full":
-            flops += layers
-        elif t.recompute_granularity == "selective":
+            flops, fp8 = flops + layers - fp8, 4 * fp8
+        else:
+            fp8 *= 3
+        if t.recompute_granularity == "selective":
             flops += len(numbers) * attention_core
-        t_mb = max(t_mb, flops * tokens / tp / rate)
+        t_mb = max(t_mb, (flops / rate + fp8 / fp8_rate) * tokens / tp)
     return t_mb
+
+
+def _fp8_rate(config: Config, hw: Hardware) -> tuple[float, range]:
+    """(FLOP/s the FP8 GEMMs run at, the layers in FP8): the FP8 peak x matmul efficiency
+    (the bf16 rate where the GPU has no FP8 peak) and no layer without --fp8-format."""
+    m, t = config.model, config.train
+    rate = (hw.fp8_peak_tflops or hw.peak_tflops) * 1e12 * hw.matmul_efficiency
+    if t.fp8_format is None:
+        return rate, range(0)
+    start, end = fp8_layers_kept(m, t)
+    return rate, range(start, m.num_layers - end)
+
+
+def mfu_peak_tflops(config: Config, hw: Hardware) -> float:
+    """The peak MFU divides by (planner/flops.py `blended_peak`): `hw.peak_tflops`, blended
+    with `hw.fp8_peak_tflops` by the FP8 GEMMs' share of the model FLOPs under --fp8-format."""
+    if config.train.fp8_format is None or not hw.fp8_peak_tflops:
+        return hw.peak_tflops
+    share = fp8_flops_share(config.model, *fp8_layers_kept(config.model, config.train))
+    return blended_peak(hw.peak_tflops, hw.fp8_peak_tflops, share)
 
 
 def _attention_core_seconds(config: Config, hw: Hardware) -> float:
@@ -383,7 +415,7 @@ def predict(config: Config, hw: Hardware) -> dict:
             "step_seconds": step, "pipeline_seconds": t_pipe, "exposed_dp_seconds": exposed,
             "offload_seconds": offload,
             "tokens_per_s": t.global_batch_size * m.seq_length / step,
-            "mfu": flops_step / (step * world * hw.peak_tflops * 1e12)}
+            "mfu": flops_step / (step * world * mfu_peak_tflops(config, hw) * 1e12)}
 
 
 def offload_seconds(config: Config, hw: Hardware, pp_rank: int, t_pipe: float) -> float:

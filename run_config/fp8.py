@@ -3,6 +3,8 @@ tensor-parallel split would cut, and what FP8 is not built with, refused with `C
 before any process-group work (called from run_config/checks.py)."""
 from __future__ import annotations
 
+import math
+
 from layers.fp8 import Fp8Recipe
 from models.config import ConfigError, ModelConfig
 
@@ -53,9 +55,7 @@ def check_fp8(m: ModelConfig, t: TrainConfig) -> None:
         raise ConfigError(f"--first-last-layers-bf16 keeps {start} + {end} of the "
                           f"{m.num_layers} layers in higher precision, leaving none in FP8; "
                           f"lower --num-layers-at-start-in-bf16 / --num-layers-at-end-in-bf16")
-    refused = [(t.context_parallel_size > 1, "--context-parallel-size > 1 is not built with "
-                "FP8 (a rank's tokens are a reordered part of the sequence); use --cp 1"),
-               (t.compile, "--compile is not built with FP8; drop --compile"),
+    refused = [(t.compile, "--compile is not built with FP8; drop --compile"),
                (t.pipeline_schedule == "zb-h1", "--pipeline-schedule zb-h1 defers weight "
                 "gradients, which the FP8 GEMMs compute in their backward; use 1f1b"),
                (t.lora_base_quantization != "none", "--lora-base-quantization holds the "
@@ -64,6 +64,26 @@ def check_fp8(m: ModelConfig, t: TrainConfig) -> None:
         if bad:
             raise ConfigError(f"--fp8-format {t.fp8_format}: {why}")
     _check_tiles(m, t, recipe)
+    _check_token_tiles(m, t, recipe)
+
+
+def _check_token_tiles(m: ModelConfig, t: TrainConfig, recipe: Fp8Recipe) -> None:
+    """blockwise / mxfp8 at cp > 1: the weight gradients' tiles run along the tokens (rows of
+    `[s, b]`, position-major), so each of a CP rank's chunks (`s / 2cp` positions x b
+    sequences) must hold whole tiles, or a tile would mix two chunks and its scale would
+    differ from one process's."""
+    cp, tile = t.context_parallel_size, recipe.tile
+    if tile is None or cp == 1:
+        return
+    rows = m.seq_length // (2 * cp) * t.micro_batch_size
+    if rows % tile:
+        need = tile // math.gcd(tile, t.micro_batch_size) * 2 * cp
+        raise ConfigError(
+            f"--fp8-recipe {recipe.recipe} scales the weight gradients in tiles of {tile} "
+            f"tokens; at --context-parallel-size {cp} a rank's chunk holds --seq-length "
+            f"{m.seq_length} / {2 * cp} x --micro-batch-size {t.micro_batch_size} = {rows} "
+            f"tokens, not a multiple of {tile}, so a tile would span two chunks; use a "
+            f"--seq-length that is a multiple of {need} or --cp 1")
 
 
 def _check_tiles(m: ModelConfig, t: TrainConfig, recipe: Fp8Recipe) -> None:

@@ -238,6 +238,79 @@ def test_fp8_layer_shards_at_tp2_compute_one_process_scales(no_grid):
         assert (wrong - ref[i][2]).abs().max() > 1e-3 * ref[i][2].abs().max()
 
 
+def _mlp_pair_cp(recipes, cp: int, local_scales: bool = False) -> list:
+    """Per recipe: (y, dx, dW1, dW2) of column -> gelu -> row in FP8 (hybrid) on this CP
+    rank's two chunks of a [256, 2] sequence batch (weight gradients summed over CP, as the
+    gradient reduction does), the grid rebuilt at `cp` (1: one process, the whole sequence).
+    `local_scales`: the CP amax reduction left out."""
+    import parallel_state as ps
+    from layers.context_parallel.layout import split_for_context_parallel
+    from layers.fp8 import Fp8Recipe, Fp8State
+    from layers.linear import ColumnParallelLinear, RowParallelLinear
+    from parallel_state import collectives
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(1, 1, device="cpu", context_parallel_size=cp)
+    if local_scales:
+        Fp8State._groups = lambda self, tp_split, token_split: (None, None)
+    r = ps.get_context_parallel_rank()
+    g = torch.Generator().manual_seed(0)
+    w1, w2 = torch.randn(F, H, generator=g) * 0.05, torch.randn(H, F, generator=g) * 0.05
+    x, dy = torch.randn(CP_S, MB, H, generator=g), torch.randn(CP_S, MB, H, generator=g)
+    x[5, 1] *= 8.0  # one token's amax on one rank only
+    out = []
+    for recipe in recipes:
+        col, row = ColumnParallelLinear(H, F, bias=False), RowParallelLinear(F, H, bias=False)
+        with torch.no_grad():
+            col.weight.copy_(w1)
+            row.weight.copy_(w2)
+        col.fp8 = Fp8State(Fp8Recipe(recipe, "hybrid"), "column")
+        row.fp8 = Fp8State(Fp8Recipe(recipe, "hybrid"), "row")
+        xi = split_for_context_parallel(x, 0, cp, r).clone().requires_grad_()
+        y = row(torch.nn.functional.gelu(col(xi)))
+        y.backward(split_for_context_parallel(dy, 0, cp, r))
+        dw = [col.weight.grad.clone(), row.weight.grad.clone()]
+        for t in dw:
+            collectives.all_reduce(t, group=ps.get_context_parallel_group())
+        out.append((y.detach(), xi.grad, *dw))
+    return out
+
+
+CP_S = 256  # a CP rank's chunk: 64 positions x MB 2 = 128 tokens, whole blockwise tiles
+
+
+def test_fp8_layer_chunks_at_cp2_compute_one_process_scales(no_grid):
+    """A column -> row pair at cp 2 (each rank the load-balanced chunks r and 3 - r of the
+    sequence) gives one process's output, input gradient and (CP-summed) weight gradients
+    for every recipe, to float32 rounding: per-tensor amaxes of X and dY and rowwise
+    weight-gradient amaxes are reduced over the CP group; tiles along the tokens lie inside
+    a chunk. Without the CP reduction tensorwise, delayed (its first step) and rowwise
+    differ by far more."""
+    from layers.context_parallel.layout import split_for_context_parallel
+    from tolerances import assert_fp32_close
+
+    one = run_distributed(_mlp_pair_cp, 1, RECIPES, 1)[0]
+    two = run_distributed(_mlp_pair_cp, 2, RECIPES, 2)
+    broken = run_distributed(_mlp_pair_cp, 2, ("tensorwise", "delayed", "rowwise"), 2, True)
+
+    def whole(parts):  # the two ranks' chunks back in sequence order
+        out = torch.empty(CP_S, *parts[0].shape[1:])
+        for rank, part in enumerate(parts):
+            idx = split_for_context_parallel(torch.arange(CP_S), 0, 2, rank)
+            out[idx] = part
+        return out
+
+    for i, recipe in enumerate(RECIPES):
+        got = [whole([w[i][0] for w in two]), whole([w[i][1] for w in two]),
+               two[0][i][2], two[0][i][3]]
+        for what, a, e in zip(("y", "dx", "dW1", "dW2"), got, one[i]):
+            assert_fp32_close(a, e, H + F, f"{recipe} {what} at cp 2")
+    for i in range(3):
+        wrong = [whole([w[i][0] for w in broken]), broken[0][i][2]]
+        assert any((a - e).abs().max() > 1e-3 * e.abs().max()
+                   for a, e in zip(wrong, (one[i][0], one[i][2]))), i
+
+
 def test_fp8_curves_track_float32_and_every_layout_gives_one_process_loss(tmp_path,
                                                                           corpus_env):
     """Tiny-llama (dropout 0.1 on hidden states and attention), 12 steps at a constant LR:
@@ -273,6 +346,36 @@ def test_fp8_curves_track_float32_and_every_layout_gives_one_process_loss(tmp_pa
         assert_losses_close(losses[:1], expected[:1], k, f"{recipe} at {name}")
         worst = max(abs(a - e) / e for a, e in zip(losses, expected))
         assert worst < 2e-3, f"{recipe} at {name}: {losses} vs one process's {expected}"
+
+
+def test_every_recipe_at_cp2_and_moe_ep2_gives_one_process_loss(tmp_path, corpus_env):
+    """Dropout on (hidden and attention 0.1), three steps per recipe: at cp 2 (sequence 256,
+    microbatch 2: a rank's chunk holds 64 positions x 2 = 128 tokens, whole blockwise tiles)
+    and on an MoE tiny-llama (8 experts, top-2, MoE every other layer: the attention linears
+    in FP8, the experts not) at ep 2 + dp 2, the losses are one process's: the first to
+    float32 rounding, the next within 2e-3 relative (as tp / pp / dp above). Per-tensor amaxes
+    of X and dY and rowwise weight-gradient amaxes are reduced over the CP group. Before:
+    --cp 2 with FP8 was refused."""
+    from tolerances import assert_losses_close, training_chain_terms
+
+    cache = corpus_env["SHARDZOO_CACHE"]
+    cp = BASE + ["--train-iters", "3", "--seq-length", "256"]
+    moe = BASE + ["--train-iters", "3", "--num-experts", "8", "--moe-router-topk", "2",
+                  "--moe-ffn-hidden-size", "32", "--moe-layer-freq", "2",
+                  "--moe-aux-loss-coeff", "0.01"]
+    ref = run_distributed(_train, 1, [cp + _fp8(r) for r in RECIPES]
+                          + [moe + _fp8(r) for r in RECIPES], str(tmp_path / "1"), cache,
+                          timeout=600)[0]
+    got = run_distributed(_train, 2, [cp + _fp8(r) + ["--context-parallel-size", "2"]
+                                      for r in RECIPES]
+                          + [moe + _fp8(r) + ["--expert-model-parallel-size", "2"]
+                             for r in RECIPES], str(tmp_path / "2"), cache, timeout=900)[0]
+    names = [f"{r} at cp 2" for r in RECIPES] + [f"{r} at ep 2 (MoE)" for r in RECIPES]
+    for name, args, losses, expected in zip(names, [cp] * 5 + [moe] * 5, got, ref):
+        assert len(losses) == 3, name
+        assert_losses_close(losses[:1], expected[:1], training_chain_terms(args), name)
+        worst = max(abs(a - e) / e for a, e in zip(losses, expected))
+        assert worst < 2e-3, f"{name}: {losses} vs one process's {expected}"
 
 
 def _train_or_error(runs: list[list[str]], cache: str) -> list:
@@ -344,7 +447,11 @@ def test_delayed_histories_agree_across_ranks_and_resume_exactly(tmp_path, corpu
     (["--fp8-format", "hybrid", "--fp8-margin", "-1"], "--fp8-margin must be >= 0"),
     (["--fp8-format", "hybrid", "--first-last-layers-bf16", "--num-layers-at-start-in-bf16",
       "2", "--num-layers-at-end-in-bf16", "2"], "leaving none in FP8"),
-    (["--fp8-format", "hybrid", "--cp", "2"], "--context-parallel-size > 1"),
+    (["--fp8-format", "hybrid", "--fp8-recipe", "blockwise", "--cp", "2", "--seq-length",
+      "128", "--micro-batch-size", "2"], r"a rank's chunk holds --seq-length 128 / 4 x "
+     r"--micro-batch-size 2 = 64 tokens, not a multiple of 128.*multiple of 256 or --cp 1"),
+    (["--fp8-format", "hybrid", "--fp8-recipe", "mxfp8", "--cp", "2", "--seq-length", "64",
+      "--micro-batch-size", "1"], r"= 16 tokens, not a multiple of 32.*multiple of 128 or"),
     (["--fp8-format", "hybrid", "--fp8-recipe", "blockwise", "--tp", "2"],
      r"QKV output .* = 128 / 2 .* not a multiple of 128.*use --tensor-model-parallel-size 1"),
     (["--fp8-format", "hybrid", "--fp8-recipe", "blockwise", "--tp", "4", "--hidden-size",

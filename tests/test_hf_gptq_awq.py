@@ -313,7 +313,8 @@ def test_hostile_and_unsupported_checkpoints_are_refused_in_one_line(tmp_path, m
             "bnb", quant={"quant_method": "bitsandbytes"}),
         "'compressed-tensors') is not supported": variant(
             "ct", quant={"quant_method": "compressed-tensors"}),
-        "'fp8') is not supported yet": variant("fp8", quant={"quant_method": "fp8"}),
+        "fp8 quantization_config but the weight files hold no float8_e4m3fn": variant(
+            "fp8", quant={"quant_method": "fp8"}),
         "version 'gemv' (only AWQ's gemm layout is read)": variant(
             "gemv", quant={"quant_method": "awq", "version": "gemv"}),
         "zero_point False": variant("awq_nozero", quant={"quant_method": "awq",

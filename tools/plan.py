@@ -120,6 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--latency-inter", default="20us")
     p.add_argument("--peak-tflops", type=float, default=989.0,
                    help="dense bf16 peak per GPU (default 989: H100/H200 data sheet)")
+    p.add_argument("--fp8-peak-tflops", type=float, default=1979.0,
+                   help="dense FP8 peak per GPU, what FP8 GEMMs reach (default 1979: H100/H200 "
+                        "data sheet; 0: the GPU has none, FP8 GEMMs at --peak-tflops)")
+    p.add_argument("--fp8-format", choices=("e4m3", "hybrid"), default=None,
+                   help="plan FP8 training (train.py's --fp8-format; the run file's otherwise)")
     p.add_argument("--matmul-efficiency", type=float, default=0.7,
                    help="share of the peak that the matmuls reach (default 0.7)")
     p.add_argument("--memory-headroom", type=float, default=0.1,
@@ -178,6 +183,9 @@ def _inputs(args):
             raise PlanError(f"--{name.replace('_', '-')} must be in (0, 1), got {value}")
     if not args.peak_tflops > 0:
         raise PlanError(f"--peak-tflops must be positive, got {args.peak_tflops}")
+    if not args.fp8_peak_tflops >= 0:
+        raise PlanError(f"--fp8-peak-tflops must be >= 0 (0: no FP8 peak), got "
+                        f"{args.fp8_peak_tflops}")
     config = parse_config(["--model", args.model] if args.model else ["--config", args.config])
     model = config.model
     if args.seq_length is not None:
@@ -191,6 +199,8 @@ def _inputs(args):
     _check_context_parallel(args, model)
     train = config.train
     _lora_inputs(args, train)
+    if args.fp8_format is not None:
+        train.fp8_format = args.fp8_format
     if args.cp_comm_type is not None:
         train.cp_comm_type = args.cp_comm_type
     gbs = args.global_batch_size or _search().global_batch_default(args.gpus)
@@ -203,6 +213,7 @@ def _inputs(args):
                       latency_inter=parse_seconds(args.latency_inter, "--latency-inter"))
     hw = Hardware(gpus=args.gpus, gpu_memory=parse_bytes(args.gpu_memory, "--gpu-memory"),
                   network=network, peak_tflops=args.peak_tflops,
+                  fp8_peak_tflops=args.fp8_peak_tflops or None,
                   matmul_efficiency=args.matmul_efficiency, memory_headroom=args.memory_headroom,
                   host_bandwidth=parse_bytes(args.host_bandwidth, "--host-bandwidth", True),
                   nvme_bandwidth=None if args.nvme_bandwidth is None else

@@ -230,7 +230,8 @@ def run_start_record(config, start_iteration: int, peak, flops_per_token: float,
                        "vpp": t.virtual_pipeline_model_parallel_size,
                        "dp": config.data_parallel_size},
             "num_parameters": config.model.num_parameters(), "flops_per_token": flops_per_token,
-            "peak_tflops": peak.tflops, "peak_source": peak.source, **memory,
+            "peak_tflops": peak.tflops, "peak_source": peak.source,
+            "fp8_flops_share": peak.fp8_share, **memory,
             "config": {"model": config.model.to_dict(), "train": dataclasses.asdict(t)}}
 
 

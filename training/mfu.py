@@ -11,7 +11,7 @@ import time
 import torch
 
 from layers import gemm
-from planner.flops import GPU_PEAK_BF16_TFLOPS
+from planner.flops import GPU_PEAK_BF16_TFLOPS, GPU_PEAK_FP8_TFLOPS, blended_peak
 
 
 def measured_matmul_peak(dtype: torch.dtype, device: torch.device, n: int = 2048,
@@ -96,7 +96,10 @@ class PeakFlops:
 
     Where it comes from (`source` says which): `--peak-tflops` when given; else on a GPU the
     data sheet's dense bf16 peak (`GPU_PEAK_BF16_TFLOPS`; fp32 runs as TF32, half of it), as
-    torchtitan does; else measured here: on a CPU one thread's best matmul rate in CPU time
+    torchtitan does, and under FP8 training (`fp8_share`: the FP8 GEMMs' share of the model
+    FLOPs, planner/flops.py `fp8_flops_share`) blended with the data sheet's dense FP8 peak
+    (`GPU_PEAK_FP8_TFLOPS`, `blended_peak`) where the GPU has one; else measured here: on a
+    CPU one thread's best matmul rate in CPU time
     (`measured_matmul_peak`) times the threads the rank has (`cpu_threads_per_rank`); on a
     GPU missing from the table its best matmul rate. It is not measured again: every MFU of
     the run (log lines, the closing line) divides by the same figure. An achieved rate above
@@ -104,12 +107,14 @@ class PeakFlops:
     and `note` says why and what to pass.
     """
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, given: float | None = None):
+    def __init__(self, device: torch.device, dtype: torch.dtype, given: float | None = None,
+                 fp8_share: float = 0.0):
         self.device, self.dtype = device, dtype
         self.key = "bf16" if dtype == torch.bfloat16 else "fp32"
         self.note: str | None = None
         self._said = False
         self.measured = False
+        self.fp8_share = fp8_share
         if given:
             self.tflops, self.source = float(given), "--peak-tflops"
             return
@@ -118,6 +123,14 @@ class PeakFlops:
             if device.type == "cuda" and key in name:
                 self.tflops = tflops / (1 if self.key == "bf16" else 2)
                 self.source = f"{key} data sheet, dense {'bf16' if self.key == 'bf16' else 'TF32'}"
+                fp8 = GPU_PEAK_FP8_TFLOPS.get(key)
+                if fp8_share and fp8 is not None:
+                    self.tflops = blended_peak(self.tflops, fp8, fp8_share)
+                    self.source += (f" {tflops / (1 if self.key == 'bf16' else 2):g} and "
+                                    f"FP8 {fp8:g} TFLOP/s, weighted by the FP8 GEMMs' "
+                                    f"{fp8_share:.1%} of the model FLOPs")
+                elif fp8_share:
+                    self.source += f"; {key} has no FP8 peak: the FP8 GEMMs count at it"
                 return
         self.measured = True
         if device.type == "cpu":
@@ -128,6 +141,9 @@ class PeakFlops:
             self.source = (f"measured at start-up: {rate / 1e12:.3g} TFLOP/s per thread, the "
                            f"best of {n}^3 {self.key} matmuls on one thread in CPU time, x "
                            f"{why}")
+            if fp8_share:
+                self.source += (f"; a CPU has no FP8 peak: the FP8 GEMMs ({fp8_share:.1%} of "
+                                f"the model FLOPs) count at it")
         else:
             rate, n = measured_matmul_peak(dtype, device, 8192)
             self.tflops = rate / 1e12

@@ -24,7 +24,7 @@ from checkpoint.lora_files import is_gguf
 from data_parallel.ddp import DistributedDataParallel, resolve_strategy
 from data_parallel.distributed_optimizer import DistributedOptimizer
 from layers import compile_transformer_layers, initial_value, parameters_on_meta
-from layers.fp8 import apply_fp8
+from layers.fp8 import apply_fp8, fp8_state_bytes
 from layers.lora import add_lora
 from layers.quantized import quantize_layer_linears, quantized_weights
 from layers.recompute import apply_recompute
@@ -35,7 +35,7 @@ from parallel_state import collectives
 from parallel_state.schedule_tables import V_SHAPED
 from parallel_state.hang_doctor import debug_collectives, trace
 from parallel_state.transport import shm
-from planner.flops import training_flops_per_token
+from planner.flops import fp8_flops_share, training_flops_per_token
 from planner.report import memory_prediction, run_end_summary
 from run_config.batch_schedule import BatchSchedule, rampup_of
 from run_config.fp8 import fp8_layers_kept, fp8_recipe
@@ -346,7 +346,9 @@ def _start_run(config: Config, device, run_start, tokenizer, train_ds, valid_ds,
     spec = pipeline_spec(config, device)
 
     flops_per_token = training_flops_per_token(m)
-    peak = PeakFlops(device, torch.bfloat16 if t.bf16 else torch.float32, t.peak_tflops)
+    fp8_share = 0.0 if t.fp8_format is None else fp8_flops_share(m, *fp8_layers_kept(m, t))
+    peak = PeakFlops(device, torch.bfloat16 if t.bf16 else torch.float32, t.peak_tflops,
+                     fp8_share)
     diloco = DiLoCo(params, t.diloco_sync_every, t.diloco_outer_lr, t.diloco_outer_momentum) \
         if t.diloco_sync_every else None
     if diloco is not None:
@@ -443,6 +445,7 @@ def log_memory(model, optimizer, dataset, config: Config, device) -> dict:
     and return the detailed accounting (beside the ZeRO and Korthikanti et al. formulas) for
     the run_start record of metrics.jsonl."""
     state = model_state_bytes(model, optimizer)
+    state["fp8_buffers"] = fp8_state_bytes(model)  # amax histories (delayed), not a model state
     act = log_activation_memory(model, dataset, config, device)
     if config.model.is_encoder_decoder:
         planner = {"planner_model_state_ratio": None, "planner_activation_ratio": None}
@@ -452,12 +455,13 @@ def log_memory(model, optimizer, dataset, config: Config, device) -> dict:
         planner, line = memory_prediction(config, ps.get_pipeline_model_parallel_rank(), {
             "model_state_total_bytes": state["total"],
             "frozen_base_bytes": state["frozen_params"] + state["frozen_low_bit"],
+            "fp8_buffer_bytes": state["fp8_buffers"],
             "activation_bytes_per_microbatch": act["activation_bytes_per_microbatch"]},
             base_formats(model, config))
     ranks = [None] * dist.get_world_size()  # (measured total, planner's two ratios) per rank
     collectives.all_gather_object(ranks, (
         state["total"] + state["frozen_params"] + state["frozen_low_bit"] +
-        act["activation_bytes_per_microbatch"],
+        state["fp8_buffers"] + act["activation_bytes_per_microbatch"],
         planner["planner_model_state_ratio"], planner["planner_activation_ratio"]))
     totals = [r[0] for r in ranks]
     planner["planner_model_state_ratio_per_rank"] = [r[1] for r in ranks]
@@ -470,7 +474,8 @@ def log_memory(model, optimizer, dataset, config: Config, device) -> dict:
 
 def memory_line(config: Config, state: dict, act: dict, totals: list[int]) -> str:
     """`log_memory`'s line: rank 0's model-state bytes (`model_state_bytes` `state`) with its
-    strategy and the group it shards over, its activations (`act`), the largest of the ranks'
+    strategy and the group it shards over, under FP8 its FP8 buffers (`state["fp8_buffers"]`,
+    layers/fp8.py `fp8_state_bytes`), its activations (`act`), the largest of the ranks'
     `totals`, in MiB. Under DiLoCo the replicas reduce over no group (each holds whole
     states): the line names the data-parallel size and says so."""
     mib = lambda x: f"{x / 2**20:,.1f}"  # noqa: E731
@@ -488,13 +493,18 @@ def memory_line(config: Config, state: dict, act: dict, totals: list[int]) -> st
     frozen_low_bit = state.get("frozen_low_bit", 0)  # 0 when a caller passes no frozen base
     frozen = state.get("frozen_params", 0) + frozen_low_bit
     low_bit = f" (low-bit {mib(frozen_low_bit)})" if frozen_low_bit else ""
+    t = config.train
+    fp8 = "" if t.fp8_format is None else (
+        f"FP8 buffers {state.get('fp8_buffers', 0) / 2**10:,.1f} KiB ({t.fp8_recipe}: "
+        + ("amax histories" if t.fp8_recipe == "delayed" else "scales computed per GEMM")
+        + ", no cached FP8 weight copies) + ")
     return (
         f"memory (rank 0, MiB): model states {mib(state['total'])} "
         f"({'adapters' if config.train.lora_rank else 'weights'} "
         f"{mib(state['params'])}, gradients {mib(state['grads'])}, optimizer "
         f"{mib(state['main_params'] + state['optimizer_states'])}; {state['strategy']} at "
         f"{group}, ZeRO formula {mib(state['predicted_total'])}{host}{gathered}) + "
-        + (f"frozen base {mib(frozen)}{low_bit} + " if frozen else "")
+        + (f"frozen base {mib(frozen)}{low_bit} + " if frozen else "") + fp8
         + ("activations not measured (T5)" if config.model.is_encoder_decoder else
            f"activations {mib(act['activation_bytes_per_microbatch'])} per microbatch (the "
            f"decoder layers' {mib(act['activation_bytes_layers'])}, predicted "

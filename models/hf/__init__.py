@@ -3,7 +3,8 @@ architecture, both directions, beside our model families (`GPTModel`, `T5Model`)
 
 - `config_from_hf(config_dict) -> ModelConfig`, refusing (with `HFConversionError`) every
   field we cannot represent: another model_type, MoE, unknown RoPE scaling, a quantization
-  config other than GGUF and 4-bit GPTQ / AWQ (models/hf/quantized.py), ...; and, config.json being untrusted, a missing field or a value
+  config other than GGUF, 4-bit GPTQ / AWQ (models/hf/quantized.py) and FP8
+  (models/hf/fp8.py), ...; and, config.json being untrusted, a missing field or a value
   of the wrong JSON type (`_field_problem`), before any family reads the dict.
 - `open_checked(path) -> (HFSource, ModelConfig)`: the above, plus `check_weights`: the
   model the config describes against the tensors the files hold (their number bounds the
@@ -153,7 +154,7 @@ def config_from_hf(d: dict, tensor_count: int | None = None) -> ModelConfig:
         if d.get(field):
             raise HFConversionError(f"config.json {field}={d[field]}: mixture-of-experts models "
                                     f"are not supported")
-    quant_scheme(d)  # GPTQ / AWQ 4-bit read (models/hf/quantized.py), others refused
+    quant_scheme(d)  # GPTQ / AWQ 4-bit and FP8 read (models/hf/quantized.py), others refused
     try:
         config = FAMILIES[mt].config_from_hf(d)
     except HFConversionError:

@@ -6,7 +6,8 @@ that reads one tensor at a time: safetensors through `safe_open` and `.bin` thro
 `torch.load(weights_only=True, mmap=True)` (never a full unpickle; user files are untrusted),
 so a 70B folder converts with about one tensor in memory. A folder quantized with GPTQ or AWQ
 (config.json's quantization_config) lists each quantized linear's packed tensors as its
-`.weight` (models/hf/quantized.py). `quantization` (`READ_MODES`) says how quantized weights
+`.weight` (models/hf/quantized.py); an FP8 folder's weights are read de-quantized
+(models/hf/fp8.py). `quantization` (`READ_MODES`) says how quantized weights
 are read:
 
 - "keep": as the files store them: a GPTQ/AWQ linear as an int4 `QuantizedWeight`; a GGUF
@@ -367,7 +368,9 @@ _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 # a .bin file's torch dtypes by safetensors' names (HFSource.dtype speaks one language)
 _BIN_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
                torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
-               torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+               torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+               torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+               torch.float8_e8m0fnu: "F8_E8M0"}
 
 
 def _read(handle, kind: str, name: str, where: str) -> torch.Tensor:

@@ -40,15 +40,17 @@ import torch
 from layers.quant import QuantizedWeight
 from layers.quant.formats import INT4_GROUP_SIZES
 
+from .fp8 import METHODS as FP8_METHODS
+from .fp8 import SUPPORTED as FP8_SUPPORTED
+from .fp8 import FP8Scheme, fp8_scheme, open_fp8
 from .rules import HFConversionError
 
 # how a GPTQ/AWQ folder's quantized linears are read (`open_quantized`, `files.open_hf`)
 MODES = ("none", "keep")
 SUPPORTED = ("gptq (bits 4; group_size 32, 64, 128, a multiple of 32 or -1; sym true or "
              "false; checkpoint_format gptq or gptq_v2; desc_act true is de-quantized exactly, "
-             "kept as int4 when its g_idx keeps columns in group order) and awq (version gemm, bits 4, zero_point true)")
-# methods another piece of work will read; each named "not yet" when refused
-NOT_YET = ("fp8", "fbgemm_fp8")
+             "kept as int4 when its g_idx keeps columns in group order), awq (version gemm, "
+             "bits 4, zero_point true), " + FP8_SUPPORTED)
 PACKED = ("qweight", "qzeros", "scales", "g_idx")
 _SCALE_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # value j of an int32 holds column 8c + AWQ_ORDER[j]
@@ -83,11 +85,12 @@ def _refusal(method, why: str) -> HFConversionError:
                              f"or convert the unquantized (or GGUF) model")
 
 
-def quant_scheme(d: dict) -> QuantScheme | None:
-    """The `QuantScheme` of config.json dict `d`; None when it has no quantization_config or
-    GGUF's marker (transformers' GGUF reader). Raises `HFConversionError` in one line naming
-    the method (or field) and what is supported, for anything else: another method (FP8:
-    "not yet"), bits other than 4, a kernel's repacked layout, AWQ without zero points, ..."""
+def quant_scheme(d: dict) -> QuantScheme | FP8Scheme | None:
+    """The `QuantScheme` of config.json dict `d` (an `FP8Scheme` for FP8 methods:
+    models/hf/fp8.py); None when it has no quantization_config or GGUF's marker
+    (transformers' GGUF reader). Raises `HFConversionError` in one line naming the method (or
+    field) and what is supported, for anything else: another method, bits other than 4, a
+    kernel's repacked layout, AWQ without zero points, ..."""
     q = d.get("quantization_config")
     if q is None:
         return None
@@ -96,10 +99,11 @@ def quant_scheme(d: dict) -> QuantScheme | None:
     method = q.get("quant_method")
     if method == "gguf":
         return None
-    if method in NOT_YET:
-        raise HFConversionError(
-            f"config.json quantization_config (quant_method {method!r}) is not supported yet: "
-            f"shardzoo reads {SUPPORTED} checkpoints; convert the unquantized (or GGUF) model")
+    if method in FP8_METHODS:
+        try:
+            return fp8_scheme(q)
+        except ValueError as e:
+            raise _refusal(method, str(e)) from None
     if method not in ("gptq", "awq"):
         raise _refusal(method, "a method shardzoo does not read")
     bits, group = q.get("bits", 4), q.get("group_size", 128)
@@ -298,6 +302,8 @@ def open_quantized(src, quantization: str = "none"):
         raise HFConversionError(f"{src.path}: {e}") from None
     if scheme is None:
         return src
+    if isinstance(scheme, FP8Scheme):
+        return open_fp8(src, scheme)  # de-quantized in either mode
     names = src.names
     name_set = set(names)
     prefixes = [n[:-len(".qweight")] for n in names if n.endswith(".qweight")]
