@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 
+from layers.mlp import GATED
 from models.config import ConfigError
 from run_config.checks import expert_layout as check_expert_parallel
 
@@ -37,12 +38,16 @@ def moe_layer_numbers(m) -> list[int]:
 
 
 def _gated(m) -> bool:
-    return m.activation in ("swiglu", "geglu")
+    return m.activation in GATED
 
 
 def mlp_parameters(m, ffn: int) -> int:
-    """Weights of one bias-free MLP of width `ffn` (an expert, or the shared experts)."""
-    return m.hidden_size * ffn * (3 if _gated(m) else 2)
+    """Weights of one MLP of width `ffn` (an expert, or the shared experts), with their
+    biases when the model has `add_bias_linear` (gpt-oss's experts)."""
+    n = m.hidden_size * ffn * (3 if _gated(m) else 2)
+    if m.add_bias_linear:
+        n += ffn * (2 if _gated(m) else 1) + m.hidden_size
+    return n
 
 
 def parameter_counts(m) -> dict:
@@ -157,7 +162,7 @@ def mlp_saved_bytes(m, rows: int, ffn_local: int, e: int) -> int:
     SwiGLU the fused fc1 output, silu(gate) and fc2's input (`4 f`), GeGLU the fused output,
     gelu(gate) and the product (`4 f`), GeLU its input and fc2's input (`2 f`), ReLU its
     output, which is fc2's input (`1 f`); `e` bytes per value."""
-    per_row = {"swiglu": 4, "geglu": 4, "relu": 1}.get(m.activation, 2)
+    per_row = {"swiglu": 4, "geglu": 4, "quick_geglu": 4, "relu": 1}.get(m.activation, 2)
     return e * rows * per_row * ffn_local
 
 

@@ -96,6 +96,10 @@ def quant_scheme(d: dict) -> QuantScheme | None:
     method = q.get("quant_method")
     if method == "gguf":
         return None
+    if method == "mxfp4":  # gpt-oss's experts, de-quantized on reading (models/hf/mxfp4.py)
+        if d.get("model_type") != "gpt_oss":
+            raise _refusal(method, "mxfp4 is read for gpt_oss checkpoints only")
+        return None
     if method in NOT_YET:
         raise HFConversionError(
             f"config.json quantization_config (quant_method {method!r}) is not supported yet: "
@@ -292,6 +296,12 @@ def open_quantized(src, quantization: str = "none"):
 
     if quantization not in MODES:
         raise ValueError(f"quantization {quantization!r} is not one of {MODES}")
+    q = src.config.get("quantization_config")
+    if type(q) is dict and q.get("quant_method") == "mxfp4" and \
+            src.config.get("model_type") == "gpt_oss":
+        from .mxfp4 import open_mxfp4
+
+        return open_mxfp4(src)
     try:
         scheme = quant_scheme(src.config)
     except HFConversionError as e:
