@@ -456,7 +456,8 @@ def _explicit_attention(q, k, v, mask, bias, scale, dropout_p, causal, dropout_s
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     # grouped-query heads without copies of k, v: the n/g query heads of a group as rows
     scores = torch.matmul(q.reshape(b, g, n // g * sq, d), k.transpose(-1, -2))
-    probs = _softmax(scores.view(b, n, sq, sk).float(), scale, softcap, bias, mask,
+    wide = torch.promote_types(q.dtype, torch.float32)  # float32, or float64 kept
+    probs = _softmax(scores.view(b, n, sq, sk).to(wide), scale, softcap, bias, mask,
                      sinks).to(q.dtype)
     if dropout_p > 0:
         probs = attention_dropout(probs, dropout_p, dropout_site)
@@ -464,22 +465,22 @@ def _explicit_attention(q, k, v, mask, bias, scale, dropout_p, causal, dropout_s
 
 
 def _softmax(scores, scale, softcap, bias, mask, sinks=None) -> torch.Tensor:
-    """The explicit softmax's probabilities `[b, n, sq, sk]` from float32 `scores` of that
-    shape: scaled, soft-capped, biased and masked (bool or additive, broadcastable), in that
-    order (transformers' eager attention); with `sinks [n]` each head's sink logit joins the
-    denominator (`core_attention`)."""
+    """The explicit softmax's probabilities `[b, n, sq, sk]` from float32 (or float64)
+    `scores` of that shape: scaled, soft-capped, biased and masked (bool or additive,
+    broadcastable), in that order (transformers' eager attention); with `sinks [n]` each
+    head's sink logit joins the denominator (`core_attention`)."""
     if scale != 1.0:
         scores = scores * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if bias is not None:
-        scores = scores + bias.float()
+        scores = scores + bias.to(scores.dtype)
     if mask is not None and mask.dtype == torch.bool:
         scores = scores.masked_fill(~mask, float("-inf"))
     elif mask is not None:
-        scores = scores + mask.float()
+        scores = scores + mask.to(scores.dtype)
     if sinks is not None:  # one more logit per row; its probability is dropped
-        sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
         return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     return torch.softmax(scores, dim=-1)
 

@@ -172,13 +172,14 @@ def chunk_parameters(m, tp: int, layer_numbers: list[int], pre_process: bool,
         if m.multi_latent_attention:
             out += _mla(f"{p}.self_attention", m, unit, tp, sp)
         else:
+            if m.softmax_type == "learnable":  # gpt-oss's sinks (the module's own parameter,
+                # listed before its submodules'): one logit per local head
+                out.append(ParamShape(f"{p}.self_attention.sinks", m.num_attention_heads // tp,
+                                      unit, tensor_model_parallel=True))
             out += _linear(f"{p}.self_attention.linear_qkv", q + 2 * kv, h, unit,
                            bias=m.add_qkv_bias, row=False, sp=sp)
             out += _linear(f"{p}.self_attention.linear_proj", h, q, unit,
                            bias=m.add_bias_linear, row=True, sp=sp)
-            if m.softmax_type == "learnable":  # gpt-oss's sinks: one logit per head
-                out.append(ParamShape(f"{p}.self_attention.sinks", m.num_attention_heads // tp,
-                                      unit, tensor_model_parallel=True))
             out += _qk_norms(f"{p}.self_attention", m, unit, tp)
         if m.pre_layernorm:
             out += _norm(f"{p}.pre_mlp_layernorm", m, unit, sp)
