@@ -10,6 +10,8 @@ biased router and experts with the clamped gated unit (a limit of 0.5, so the cl
   logits of transformers' model holding transformers' own de-quantization; bad packs refused;
 - the sink's gradient against autograd of a dense float64 reference; a sink is a
   per-head logit in the denominator (probabilities sum below 1);
+- tiny-gpt-oss trained 4 steps with hidden and attention dropout 0.1 gives one process's
+  losses and gradient norms at tp 2 with SP and at ep 2 (one spawned world of 2);
 - named configs: total / active parameters against the published ones and transformers';
 - refusals of what the family cannot represent.
 """
@@ -25,7 +27,8 @@ import torch
 
 import parallel_state as ps
 from distributed import run_distributed
-from tolerances import assert_fp32_close, forward_chain_terms, fp32_mismatch
+from tolerances import assert_fp32_close, assert_losses_close, forward_chain_terms, \
+    fp32_mismatch, training_chain_terms
 
 VOCAB, B, S, NEW = 128, 2, 12, 16
 PROMPT = [5, 17, 99, 3, 42, 8, 61, 2, 11, 50, 7, 30]
@@ -58,7 +61,7 @@ def model(tmp_path_factory):
             if "norm" in name:
                 p.normal_(1.0, 0.1)
             elif p.dim() == 1 or name.endswith("_bias"):
-                p.normal_(0.0, 0.5)
+                p.normal_(0.0, 1.0)
     root = tmp_path_factory.mktemp("gpt-oss")
     hf_dir, ckpt = str(root / "hf"), str(root / "ckpt")
     hf.save_pretrained(hf_dir)
@@ -434,3 +437,33 @@ def test_unsupported_fields_are_refused(model, tmp_path):
         torch.nn.Module.__init__(attn)
         attn.sinks, attn.cp_group = torch.nn.Parameter(torch.zeros(4)), object()
         attn._core_attention(*(torch.zeros(1, 4, 2, 8),) * 3)
+
+
+# ------------------------------------------------------------------ training layouts
+def _gpt_oss_runs():
+    from test_dropout import DROPOUT
+
+    return ["--config", "configs/tiny-llama.yaml", "--model", "tiny-gpt-oss",
+            "--peak-tflops", "1"] + DROPOUT
+
+
+TRAIN_LAYOUTS = [["--tp", "2", "--sequence-parallel"], ["--ep", "2"]]
+
+
+def test_training_with_dropout_matches_one_process_at_tp2_and_ep2(corpus_env, tmp_path):
+    from test_dropout import _train
+
+    base, cache = _gpt_oss_runs(), corpus_env["SHARDZOO_CACHE"]
+    off = base + ["--hidden-dropout", "0", "--attention-dropout", "0"]
+    (ref_losses, ref_norms), (off_losses, _) = run_distributed(
+        _train, 1, [base, off], str(tmp_path / "one"), cache, timeout=600)[0][:2]
+    assert ref_losses[-1] < ref_losses[0], ref_losses  # it learns
+    assert off_losses != ref_losses  # dropout is on: the layouts compare masks
+    runs = run_distributed(_train, 2, [base + f for f in TRAIN_LAYOUTS],
+                           str(tmp_path / "two"), cache, timeout=600)[0][:-1]
+    for flags, (losses, norms) in zip(TRAIN_LAYOUTS, runs, strict=True):
+        k_step = training_chain_terms(base + flags)
+        print(f"gpt-oss {flags}: losses {losses}")
+        assert len(losses) == 4, (flags, losses)
+        assert_losses_close(losses, ref_losses, k_step, f"losses at {flags}")
+        assert_losses_close(norms, ref_norms, k_step, f"grad norms at {flags}")

@@ -79,7 +79,8 @@ _REQUIRED = {gpt2: ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions"),
                      "intermediate_size"),
              moe: ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                    "intermediate_size")}
-_REQUIRED[olmo2] = _REQUIRED[deepseek] = _REQUIRED[gpt_oss] = _REQUIRED[llama]
+_REQUIRED[olmo2] = _REQUIRED[deepseek] = _REQUIRED[llama]
+_REQUIRED[gpt_oss] = _REQUIRED[llama] + ("num_local_experts",)
 _REQUIRED[phi3] = _REQUIRED[llama]
 
 

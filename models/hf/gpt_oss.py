@@ -117,7 +117,7 @@ def config_from_hf(d: dict) -> ModelConfig:
         untie_embeddings_and_output_weights=not d.get("tie_word_embeddings", False),
         init_method_std=float(d.get("initializer_range", 0.02)),
         attention_dropout=float(d.get("attention_dropout", 0.0)),
-        num_moe_experts=d.get("num_local_experts", 128), moe_router_topk=topk,
+        num_moe_experts=d["num_local_experts"], moe_router_topk=topk,
         moe_ffn_hidden_size=ffn,
         moe_aux_loss_coeff=float(d.get("router_aux_loss_coef", 0.0))
         if d.get("output_router_logits", False) else 0.0,
