@@ -37,7 +37,7 @@ from layers.mlp import QUICK_GELU_ALPHA
 from models.config import ModelConfig
 
 from . import llama
-from .deepseek import _yarn_fields
+from .deepseek import _yarn_fields, rope_parameters_to_hf
 from .rules import HFConversionError, Rule, same
 
 MODEL_TYPES = ("gpt_oss",)
@@ -155,14 +155,9 @@ def conditions(c: ModelConfig) -> list[str]:
 
 def config_to_hf(c: ModelConfig) -> dict:
     """transformers config kwargs (model_type included) for `c`."""
-    rope = {"rope_type": "default", "rope_theta": c.rotary_base}
+    rope = rope_parameters_to_hf(c)
     if c.rope_scaling_type == "yarn":
-        rope.update(rope_type="yarn", factor=c.rope_scaling_factor,
-                    original_max_position_embeddings=c.rope_original_max_position_embeddings,
-                    beta_fast=c.rope_beta_fast, beta_slow=c.rope_beta_slow,
-                    truncate=c.rope_yarn_truncate)
-    elif c.rope_scaling_type is not None:
-        rope.update(llama.rope_scaling_to_hf(c))
+        rope["truncate"] = c.rope_yarn_truncate
     slides = llama._sliding_layers(c)
     return dict(model_type="gpt_oss", architectures=[ARCHITECTURES["gpt_oss"]],
                 vocab_size=c.vocab_size, hidden_size=c.hidden_size,
