@@ -168,13 +168,14 @@ def model_chunk_bytes(config, num_layers: int, s: int, b: int, t: int = 1, sp: b
     """Predicted bytes of a chunk's decoder layers (the "layers" region of the meter): per-layer
     terms under the recompute policy, plus the RoPE cos/sin tables shared by all layers, plus
     the sliding-window mask (`[1, 1, s, s]`, activation dtype, made once per forward by
-    GPTModel) when a sliding layer outside a fully recomputed span keeps it: the flash kernel
-    and selective recompute's checkpoint keep one shared copy; the explicit (attention
-    sinks: always) and math softmaxes keep none. `layer_numbers`: the chunk's global layers (default 0..num_layers-1), which
-    say which layers slide (`ModelConfig.layer_window_size`) and which are MoE; `ep` the
-    expert-parallel size. `context_parallel`: `s` is a CP rank's part of the sequence (see
-    `model_layer_bytes`); no window mask is made, and the RoPE tables are per row
-    (`[s, b, 1, d]`: the tokens' global positions)."""
+    GPTModel) when a sliding layer outside a fully recomputed span keeps it: the flash
+    kernel and selective recompute's checkpoint keep one shared copy; the explicit
+    (attention sinks: always) and math softmaxes keep none. `layer_numbers`: the chunk's
+    global layers (default 0..num_layers-1), which say which layers slide
+    (`ModelConfig.layer_window_size`) and which are MoE; `ep` the expert-parallel size.
+    `context_parallel`: `s` is a CP rank's part of the sequence (see `model_layer_bytes`);
+    no window mask is made, and the RoPE tables are per row (`[s, b, 1, d]`: the tokens'
+    global positions)."""
     kw = dict(s=s, b=b, t=t, sp=sp, bytes_per_value=bytes_per_value, dropout=dropout,
               keyed_dropout=keyed_dropout, ep=ep, context_parallel=context_parallel)
     numbers = range(num_layers) if layer_numbers is None else layer_numbers

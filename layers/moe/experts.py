@@ -2,12 +2,12 @@
 tensors, each run on its contiguous slice of the permuted tokens.
 
 An expert is the dense MLP (layers/mlp.py: GeLU, ReLU, or SwiGLU / GeGLU / gpt-oss's
-quick_geglu with `[gate; up]` fused in fc1), with biases `[experts, out]` when the config has
-`add_bias_linear` (gpt-oss), else without. Its fc1 is split by output columns and its fc2 by input rows
-over the expert-tensor-parallel ranks (the TP ranks, or none: expert TP 1 keeps each expert
-whole), as in the dense MLP, so a TP rank computes a partial sum of every expert output (or
-whole outputs of its own experts) and the MoE layer reduces once, after combining
-(layers/moe/moe_layer.py).
+quick_geglu with `[gate; up]` fused in fc1), with biases `[experts, out]` when the config
+has `add_bias_linear` (gpt-oss), else without. Its fc1 is split by output columns and its
+fc2 by input rows over the expert-tensor-parallel ranks (the TP ranks, or none: expert TP 1
+keeps each expert whole), as in the dense MLP, so a TP rank computes a partial sum of every
+expert output (or whole outputs of its own experts) and the MoE layer reduces once, after
+combining (layers/moe/moe_layer.py).
 
 `GroupedLinear` loops over the experts (never over tokens): one GEMM per expert forward and
 two backward, the weight gradient of all experts written into one stacked tensor (autograd

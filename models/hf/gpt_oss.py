@@ -93,15 +93,7 @@ def config_from_hf(d: dict) -> ModelConfig:
     elif scaling is not None:
         rope = llama.rope_scaling_fields(scaling)
     layers, heads = d["num_hidden_layers"], d["num_attention_heads"]
-    slides = _layer_types(d, layers)
-    window = {}
-    if any(slides):
-        w = d.get("sliding_window", 128)
-        if type(w) is not int or w < 1:
-            raise HFConversionError(f"config.json sliding_window {w!r} must be a positive "
-                                    f"integer (tokens a query sees, itself included)")
-        window = dict(window_size=(w - 1, 0),
-                      window_attn_skip_freq=None if all(slides) else slides)
+    window = llama.window_fields(d.get("sliding_window", 128), _layer_types(d, layers))
     max_pos = int(d.get("max_position_embeddings", 131072))
     ffn = d["intermediate_size"]
     return ModelConfig(
