@@ -3,7 +3,8 @@ attention sinks, alternating sliding-window (4 < S) and full layers, YaRN unroun
 biased router and experts with the clamped gated unit (a limit of 0.5, so the clamps bite).
 
 - logits equal transformers' at tp 1, and in one world of 4 ranks at tp 2 (infer.py's
-  loader reading the HF folder), tp 2 x pp 2 (the imported checkpoint) and ep 2;
+  loader reading the HF folder; also with --enable-expert-parallel: whole experts over the
+  TP ranks), tp 2 x pp 2 (the imported checkpoint) and ep 2;
 - greedy generation through the Engine (paged cache) at tp 2 equals transformers' generate;
 - import -> export is bitwise, and transformers loads the export with nothing missing;
 - MXFP4 experts (packed here in transformers' layout) de-quantized on import give the
@@ -124,7 +125,7 @@ def _world(hf_dir: str, ckpt: str, ref: torch.Tensor) -> dict:
     from checkpoint.hf import load_hf_weights
     from checkpoint.model_io import load_model_weights
     from inference.engine import Engine, Request
-    from inference.loading import load
+    from inference.loading import initialize_serving_grid, load
     from inference.sampling import SamplingParams
     from models import GPTModel
     from models.hf import open_checked
@@ -140,6 +141,12 @@ def _world(hf_dir: str, ckpt: str, ref: torch.Tensor) -> dict:
     req = Request("0", PROMPT, SamplingParams(max_new_tokens=NEW))
     Engine(model, max_batch_size=2, max_seq_length=64).generate([req])
     out["generate"] = req.output
+    ps.destroy_model_parallel()  # infer.py --tp 2 --enable-expert-parallel: whole experts
+    initialize_serving_grid(2, 1, enable_expert_parallel=True)  # (and fc2 biases) per rank
+    model, _, _ = load(hf=hf_dir)
+    with torch.no_grad():
+        logits = ps.gather_from_tensor_model_parallel_region(model.eval()(_ids()))[..., :VOCAB]
+    out["tp2_expert_parallel"] = _mismatch(logits, ref, model.config)
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(2, 2, device="cpu")
     c = _config(ckpt)
@@ -177,7 +184,7 @@ def world(model):
     return merged, generated
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2pp2", "ep2"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2pp2", "ep2", "tp2_expert_parallel"])
 def test_logits_match_transformers_at_layouts(world, layout):
     merged, _ = world
     problem, diff = merged[layout][:2]
