@@ -31,7 +31,7 @@ from .yarn import yarn_inv_freq
 def rope_inv_freq(dim: int, base: float, scaling_type: str | None = None, factor: float = 1.0,
                   low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
                   original_max_position: int = 8192, beta_fast: float = 32.0,
-                  beta_slow: float = 1.0) -> torch.Tensor:
+                  beta_slow: float = 1.0, truncate: bool = True) -> torch.Tensor:
     """RoPE inverse frequencies `[d/2]` float64: `base^(-2i/d)`, optionally scaled.
 
     "linear" (position interpolation, Chen et al. 2023, eq. 3) divides every frequency by
@@ -39,7 +39,8 @@ def rope_inv_freq(dim: int, base: float, scaling_type: str | None = None, factor
     `_compute_llama3_parameters`) keeps wavelengths shorter than
     `original_max_position / high_freq_factor`, divides those longer than
     `original_max_position / low_freq_factor` by `factor`, and blends linearly in between.
-    "yarn" (Peng et al. 2023): layers/yarn.py `yarn_inv_freq` (with `beta_fast`, `beta_slow`).
+    "yarn" (Peng et al. 2023): layers/yarn.py `yarn_inv_freq` (with `beta_fast`, `beta_slow`,
+    `truncate`).
     """
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     if scaling_type is None:
@@ -48,7 +49,7 @@ def rope_inv_freq(dim: int, base: float, scaling_type: str | None = None, factor
         return inv_freq / factor
     if scaling_type == "yarn":
         return yarn_inv_freq(inv_freq, dim, base, factor, original_max_position, beta_fast,
-                             beta_slow)
+                             beta_slow, truncate)
     if scaling_type != "llama3":
         raise ValueError(f"unknown RoPE scaling {scaling_type!r}")
     wavelen = 2 * math.pi / inv_freq
@@ -119,7 +120,8 @@ class CoreAttention(nn.Module):
     context parallelism, causal and sliding-window masks, keyed dropout, and the checkpoint
     of selective recompute. A subclass sets `cp_group`, `cp_comm_type`, `causal`,
     `window_size`, `softmax_scale`, `softcap`, `attention_dropout`, `checkpoint_fn` and
-    calls `add_dropout_site(self)`."""
+    calls `add_dropout_site(self)`; `sinks` (a `[n/tp]` parameter, gpt-oss's attention sinks,
+    see `core_attention`) when it has them."""
 
     @property
     def window_size(self) -> tuple[int, int] | None:
@@ -152,7 +154,11 @@ class CoreAttention(nn.Module):
         layers/dropout.py. Under context parallelism q, k, v are this CP rank's parts and
         the ring (or all-gather) attention of layers/context_parallel runs instead.
         """
+        sinks = getattr(self, "sinks", None)
         if self.cp_group is not None:
+            if sinks is not None:
+                raise ValueError("attention sinks (softmax_type learnable) are not built into "
+                                 "context-parallel attention; run at --context-parallel-size 1")
             return context_parallel_attention(
                 q, k, v, group=self.cp_group, comm_type=self.cp_comm_type,
                 scale=self.softmax_scale,
@@ -162,13 +168,14 @@ class CoreAttention(nn.Module):
         mask = attention_mask
         # square, unbiased, full: the fused kernel's is_causal, no [sq, sk] mask to build
         causal = mask is None and self.causal and sq == sk and attention_bias is None and \
-            window is None
+            window is None and sinks is None
         if self.causal and (window is not None or (mask is None and sq > 1 and not causal)):
             band = causal_window_mask(torch.arange(sk - sq, sk, device=q.device), sk, window)
             mask = band if mask is None else _restrict(mask, band)
         return core_attention(q, k, v, mask, attention_bias, self.softmax_scale,
                               self.attention_dropout if self.training else 0.0, causal=causal,
-                              dropout_site=self.dropout_site, softcap=self.softcap)
+                              dropout_site=self.dropout_site, softcap=self.softcap,
+                              sinks=sinks)
 
 
 
@@ -205,6 +212,11 @@ class SelfAttention(CoreAttention):
     "p2p": ring; "all_gather"), causal over the whole sequence, with the sliding window,
     soft-cap and attention dropout of the layer. No `attention_mask`, `attention_bias` or
     `kv_cache` then (ValueError: training only, no packed-document masks).
+
+    Attention sinks (`config.softmax_type` "learnable", Megatron-Core's name; gpt-oss,
+    OpenAI 2025; Xiao et al. 2023 "StreamingLLM"): `sinks [n/tp]`, one learned logit per
+    head, split over TP with the heads, joins each query's softmax denominator
+    (`core_attention`).
 
     Raises `ValueError` when tp neither divides num_query_groups nor is a multiple of it.
     """
@@ -250,6 +262,9 @@ class SelfAttention(CoreAttention):
         self.linear_proj = RowParallelLinear(
             config.query_projection_size, config.hidden_size, bias=config.add_bias_linear,
             sequence_parallel=sequence_parallel, init="scaled_normal")
+        if getattr(config, "softmax_type", "vanilla") == "learnable":  # gpt-oss's sinks
+            self.sinks = nn.Parameter(torch.empty(self.num_heads))
+            set_tensor_parallel_attributes(self.sinks, partition_dim=0, init="normal")
         self.checkpoint_fn = None  # selective recompute of the core attention (layers/recompute.py)
         self.q_layernorm = self.k_layernorm = None
         if config.qk_layernorm and config.qk_norm_over_heads:  # OLMo 2: the whole projection
@@ -372,7 +387,8 @@ SHORT_PREFILL_KEYS = 128
 
 
 def core_attention(q, k, v, mask, bias, scale, dropout_p, causal=False,
-                   dropout_site: int = 0, softcap: float | None = None) -> torch.Tensor:
+                   dropout_site: int = 0, softcap: float | None = None,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`softmax(q k^T * scale + bias, masked) v` -> `[b, n, sq, d]`; with `softcap` (Gemma 2's
     attn_logit_softcapping) the scaled scores become `softcap * tanh(scores / softcap)`
     before bias and mask (transformers' eager Gemma attention), in the explicit softmax.
@@ -393,16 +409,22 @@ def core_attention(q, k, v, mask, bias, scale, dropout_p, causal=False,
     probabilities: `layers.dropout.attention_dropout` at `dropout_site`; its masks need the
     probabilities, so they go through the explicit softmax too (as SDPA's CPU math kernel
     does whenever it has dropout).
+
+    `sinks` `[n]` (attention sinks, gpt-oss): head j's logit `sinks[j]` joins every query's
+    softmax as one more key with no value, `p_ik = exp(s_ik) / (sum_k' exp(s_ik') +
+    exp(sinks[j]))` (transformers' `eager_attention_forward` of GptOss), so a row's
+    probabilities sum to less than 1. The explicit softmax computes it (SDPA has no sink).
     """
     compiled_inference = bias is None and dropout_p == 0 and torch.compiler.is_compiling() \
         and q.device.type == "cpu" and not torch.is_grad_enabled()
     if compiled_inference and q.shape[2] == 1 and not causal:
-        return _decode_attention(q, k, v, mask, scale, softcap)
+        return _decode_attention(q, k, v, mask, scale, softcap, sinks)
     if compiled_inference and k.shape[2] <= SHORT_PREFILL_KEYS:
         # a short prompt's prefill: float32 matmuls with inductor's fused softmax between
         return _explicit_attention(q.float(), k.float(), v.float(), mask, None, scale, 0.0,
-                                   causal, 0, softcap).to(q.dtype)
-    if bias is None and softcap is None and not (dropout_p > 0 and sample_keyed()):
+                                   causal, 0, softcap, sinks).to(q.dtype)
+    if bias is None and softcap is None and sinks is None and \
+            not (dropout_p > 0 and sample_keyed()):
         kwargs = dict(enable_gqa=q.shape[1] != k.shape[1], scale=scale)
         if causal:
             kwargs["is_causal"] = True
@@ -420,11 +442,11 @@ def core_attention(q, k, v, mask, bias, scale, dropout_p, causal=False,
         with get_rng_tracker().fork():  # Megatron's scheme: heads are sharded, the TP stream
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, **kwargs)
     return _explicit_attention(q, k, v, mask, bias, scale, dropout_p, causal, dropout_site,
-                               softcap)
+                               softcap, sinks)
 
 
 def _explicit_attention(q, k, v, mask, bias, scale, dropout_p, causal, dropout_site,
-                        softcap) -> torch.Tensor:
+                        softcap, sinks=None) -> torch.Tensor:
     """`core_attention` as two matmuls around `_softmax` (float32 probabilities): the path of
     a bias, dropout masks, softcap, and short compiled prefill. Same arguments and shapes."""
     b, n, sq, d = q.shape
@@ -434,30 +456,36 @@ def _explicit_attention(q, k, v, mask, bias, scale, dropout_p, causal, dropout_s
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     # grouped-query heads without copies of k, v: the n/g query heads of a group as rows
     scores = torch.matmul(q.reshape(b, g, n // g * sq, d), k.transpose(-1, -2))
-    probs = _softmax(scores.view(b, n, sq, sk).float(), scale, softcap, bias, mask).to(q.dtype)
+    wide = torch.promote_types(q.dtype, torch.float32)  # float32, or float64 kept
+    probs = _softmax(scores.view(b, n, sq, sk).to(wide), scale, softcap, bias, mask,
+                     sinks).to(q.dtype)
     if dropout_p > 0:
         probs = attention_dropout(probs, dropout_p, dropout_site)
     return torch.matmul(probs.view(b, g, n // g * sq, sk), v).view(b, n, sq, v.shape[-1])
 
 
-def _softmax(scores, scale, softcap, bias, mask) -> torch.Tensor:
-    """The explicit softmax's probabilities `[b, n, sq, sk]` from float32 `scores` of that
-    shape: scaled, soft-capped, biased and masked (bool or additive, broadcastable), in that
-    order (transformers' eager attention)."""
+def _softmax(scores, scale, softcap, bias, mask, sinks=None) -> torch.Tensor:
+    """The explicit softmax's probabilities `[b, n, sq, sk]` from float32 (or float64)
+    `scores` of that shape: scaled, soft-capped, biased and masked (bool or additive,
+    broadcastable), in that order (transformers' eager attention); with `sinks [n]` each
+    head's sink logit joins the denominator (`core_attention`)."""
     if scale != 1.0:
         scores = scores * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if bias is not None:
-        scores = scores + bias.float()
+        scores = scores + bias.to(scores.dtype)
     if mask is not None and mask.dtype == torch.bool:
         scores = scores.masked_fill(~mask, float("-inf"))
     elif mask is not None:
-        scores = scores + mask.float()
+        scores = scores + mask.to(scores.dtype)
+    if sinks is not None:  # one more logit per row; its probability is dropped
+        sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     return torch.softmax(scores, dim=-1)
 
 
-def _decode_attention(q, k, v, mask, scale, softcap) -> torch.Tensor:
+def _decode_attention(q, k, v, mask, scale, softcap, sinks=None) -> torch.Tensor:
     """`core_attention` of one query per row (decode) under `torch.compile` on CPU, written
     as broadcast products and sums that inductor fuses into a few loops over the keys: `q
     [b, n, 1, d]`, `k, v [b, g, sk, d]` (any strides: the paged cache's views), `mask` as
@@ -470,7 +498,7 @@ def _decode_attention(q, k, v, mask, scale, softcap) -> torch.Tensor:
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     qg = q.float().view(b, g, n // g, 1, d)  # the n/g query heads of group j share its keys
     scores = (qg * k.float()[:, :, None]).sum(-1)  # [b, g, n/g, sk]
-    probs = _softmax(scores.view(b, n, 1, sk), scale, softcap, None, mask)
+    probs = _softmax(scores.view(b, n, 1, sk), scale, softcap, None, mask, sinks)
     out = (probs.view(b, g, n // g, sk, 1) * v.float()[:, :, None]).sum(-2)  # [b, g, n/g, d]
     return out.reshape(b, n, 1, v.shape[-1]).to(q.dtype)
 

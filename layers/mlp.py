@@ -57,16 +57,42 @@ def geglu(fused: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
-GATED = ("swiglu", "geglu")  # activations whose fc1 is the fused [gate; up]
+QUICK_GELU_ALPHA = 1.702  # x * sigmoid(1.702 x) ~ gelu(x) (Hendrycks & Gimpel 2016, sec. 2)
 
 
-def activate(y: torch.Tensor, activation: str) -> torch.Tensor:
+def quick_geglu(fused: torch.Tensor, clamp: float | None = None,
+                offset: float = 0.0) -> torch.Tensor:
+    """gpt-oss's gated unit on a fused `[..., 2f]` tensor `[gate; up]` -> `[..., f]`:
+    `g * sigmoid(1.702 g) * (u + offset)` with, given `clamp`, `g = min(gate, clamp)` and
+    `u = clamp(up, -clamp, clamp)` (transformers' `GptOssExperts._apply_gate`: alpha 1.702,
+    limit 7.0, offset 1; Megatron-Core's quick_gelu with `activation_func_clamp_value` and
+    `glu_linear_offset`)."""
+    gate, up = fused.chunk(2, dim=-1)
+    if clamp is not None:
+        gate, up = gate.clamp(max=clamp), up.clamp(-clamp, clamp)
+    return gate * torch.sigmoid(gate * QUICK_GELU_ALPHA) * (up + offset)
+
+
+GATED = ("swiglu", "geglu", "quick_geglu")  # activations whose fc1 is the fused [gate; up]
+
+
+def gate_args(config) -> tuple[float | None, float]:
+    """`(clamp, offset)` of `activate` from a config (gpt-oss's fields; None, 0 elsewhere)."""
+    return (getattr(config, "activation_func_clamp_value", None),
+            getattr(config, "glu_linear_offset", 0.0))
+
+
+def activate(y: torch.Tensor, activation: str, clamp: float | None = None,
+             offset: float = 0.0) -> torch.Tensor:
     """fc1's output `[..., f]` (`[..., 2f]` fused `[gate; up]` for GATED) through
-    `activation` ("gelu": tanh approximation, "relu", "swiglu", "geglu") -> `[..., f]`."""
+    `activation` ("gelu": tanh approximation, "relu", "swiglu", "geglu", "quick_geglu" with
+    its `clamp` and `offset`) -> `[..., f]`."""
     if activation == "swiglu":
         return swiglu(y)
     if activation == "geglu":
         return geglu(y)
+    if activation == "quick_geglu":
+        return quick_geglu(y, clamp, offset)
     if activation == "relu":
         return F.relu(y)
     return F.gelu(y, approximate="tanh")
@@ -84,6 +110,7 @@ class MLP(nn.Module):
                  ffn_hidden_size: int | None = None):
         super().__init__()
         self.activation = config.activation
+        self.gate_args = gate_args(config)
         gated = self.activation in GATED
         ffn = ffn_hidden_size or config.ffn_hidden_size
         fc1_out = ffn * (2 if gated else 1)
@@ -95,4 +122,4 @@ class MLP(nn.Module):
             sequence_parallel=sequence_parallel, init="scaled_normal")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(activate(self.linear_fc1(x), self.activation))
+        return self.linear_fc2(activate(self.linear_fc1(x), self.activation, *self.gate_args))

@@ -40,14 +40,18 @@ def _correction_dim(rotations: float, dim: int, base: float, max_position: int) 
 
 def yarn_inv_freq(inv_freq: torch.Tensor, dim: int, base: float, factor: float,
                   original_max_position: int, beta_fast: float = 32.0,
-                  beta_slow: float = 1.0) -> torch.Tensor:
+                  beta_slow: float = 1.0, truncate: bool = True) -> torch.Tensor:
     """YaRN's frequencies `[dim/2]` (float64) from the unscaled `inv_freq [dim/2]`: pair i
     keeps `ramp_i` of the interpolated `inv_freq / factor` and `1 - ramp_i` of `inv_freq`,
     `ramp_i = clamp((i - low) / (high - low), 0, 1)` with `low = floor(correction dim of
     beta_fast rotations)`, `high = ceil(correction dim of beta_slow rotations)`, both clamped
-    to [0, dim - 1]."""
-    low = max(math.floor(_correction_dim(beta_fast, dim, base, original_max_position)), 0)
-    high = min(math.ceil(_correction_dim(beta_slow, dim, base, original_max_position)), dim - 1)
+    to [0, dim - 1]; `truncate` false (gpt-oss) keeps `low` and `high` unrounded
+    (transformers' `truncate`)."""
+    low = _correction_dim(beta_fast, dim, base, original_max_position)
+    high = _correction_dim(beta_slow, dim, base, original_max_position)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # a step instead of a division by zero
     ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)

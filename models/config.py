@@ -17,11 +17,12 @@ class ConfigError(ValueError):
 
 from .config_mla import (mla_parameters, validate_group_routing, validate_mla,  # noqa: E402
                          validate_mla_off, validate_yarn)  # (they raise ConfigError)
+from .config_oss import sink_parameters, validate_oss  # noqa: E402
 
 
 _POSITION_TYPES = ("learned_absolute", "rope", "relative", "none")
 _NORMS = ("LayerNorm", "RMSNorm")
-_ACTIVATIONS = ("gelu", "swiglu", "relu", "geglu")
+_ACTIVATIONS = ("gelu", "swiglu", "relu", "geglu", "quick_geglu")
 _MODEL_TYPES = ("gpt", "t5")
 _ROPE_SCALING = (None, "linear", "llama3", "yarn")
 # bounds of the counts a config may hold (files are untrusted): every size below 2**31, and
@@ -89,6 +90,17 @@ class ModelConfig:
     # RoPE base of the sliding-window layers when it differs from `rotary_base` (Gemma 3's
     # rope_local_base_freq: local layers 10^4, global ones 10^6); None: rotary_base everywhere
     rope_local_base_freq: float | None = None
+    # gpt-oss (OpenAI 2025; Megatron-Core's names; models/config_oss.py checks them):
+    # `softmax_type` "learnable" gives each attention head a learned sink logit in its softmax
+    # (layers/attention.py); the gated unit of `activation` "quick_geglu" is clamped at
+    # `activation_func_clamp_value` and its linear half offset by `glu_linear_offset`
+    # (layers/mlp.py `quick_geglu`); `rope_yarn_truncate` false keeps YaRN's correction range
+    # unrounded (layers/yarn.py). An MoE model with `add_bias_linear` has router and expert
+    # biases.
+    softmax_type: str = "vanilla"
+    glu_linear_offset: float = 0.0
+    activation_func_clamp_value: float | None = None
+    rope_yarn_truncate: bool = True
     normalization: str = "LayerNorm"
     layernorm_epsilon: float = 1e-5
     # Gemma: norms scale by (1 + weight), the weight stored zero-centred (Megatron's name)
@@ -246,6 +258,7 @@ class ModelConfig:
             attn += qkv_out
         if self.add_bias_linear:
             attn += h
+        attn += sink_parameters(self)
         if self.is_encoder_decoder:  # cross-attention: same projections; 3 norms a layer
             total = self.encoder_num_layers * (attn + mlp + 2 * norm) + \
                 self.decoder_num_layers * (2 * attn + mlp + 3 * norm) + 2 * norm
@@ -276,15 +289,17 @@ class ModelConfig:
 
     def _mlp_parameters(self, ffn: int) -> int:
         """Parameters of one dense MLP of width `ffn` (fused [gate; up] for gated units)."""
-        fc1_out = 2 * ffn if self.activation in ("swiglu", "geglu") else ffn
+        fc1_out = 2 * ffn if self.activation in ("swiglu", "geglu", "quick_geglu") else ffn
         n = self.hidden_size * fc1_out + ffn * self.hidden_size
         return n + fc1_out + self.hidden_size if self.add_bias_linear else n
 
     def _moe_parameters(self) -> int:
-        """Parameters of one MoE MLP, all experts counted: router `[E, h]`, E experts of
-        width moe_ffn_hidden_size (no biases), the shared experts and their gate `[1, h]`."""
+        """Parameters of one MoE MLP, all experts counted: router `[E, h]` (+ bias `[E]` with
+        add_bias_linear), E experts of width moe_ffn_hidden_size (with add_bias_linear their
+        biases), the shared experts and their gate `[1, h]`."""
         h, e = self.hidden_size, self.num_moe_experts
         n = e * h + e * self._mlp_parameters(self.moe_ffn_hidden_size)
+        n += e if self.add_bias_linear else 0
         if self.moe_shared_expert_intermediate_size:
             n += self._mlp_parameters(self.moe_shared_expert_intermediate_size)
             n += h if self.moe_shared_expert_gate else 0
@@ -372,6 +387,7 @@ class ModelConfig:
         self._validate_window()
         self._validate_layer_norms(tp, kv_replication)
         self._validate_gemma()
+        validate_oss(self)
         self._validate_moe(tp)
         if self.position_embedding_type == "rope" and self.rotary_dim % 2:
             raise ConfigError(f"RoPE needs an even head dim, got --kv-channels {self.kv_channels}")
@@ -585,10 +601,6 @@ class ModelConfig:
         if self.moe_token_dispatcher_type != "alltoall":
             raise ConfigError(f"--moe-token-dispatcher-type {self.moe_token_dispatcher_type!r} "
                               f"is not built; use alltoall")
-        if self.add_bias_linear:
-            raise ConfigError("--num-experts: the routed experts have no bias terms; add "
-                              "--disable-bias-linear (--add-qkv-bias keeps attention's QKV "
-                              "bias, as in Qwen2-MoE)")
         if self.is_encoder_decoder:
             raise ConfigError("--num-experts is for decoder-only models (--model-type gpt)")
         self._validate_moe_layer_freq()

@@ -40,6 +40,7 @@ def rope_scaling(config: ModelConfig) -> dict:
                original_max_position=config.rope_original_max_position_embeddings)
     if config.rope_scaling_type == "yarn":  # and RotaryEmbedding's factor on cos and sin
         out.update(beta_fast=config.rope_beta_fast, beta_slow=config.rope_beta_slow,
+                   truncate=config.rope_yarn_truncate,
                    attention_factor=yarn_attention_factor(
                        config.rope_scaling_factor, config.rope_mscale,
                        config.rope_mscale_all_dim))

@@ -107,6 +107,7 @@ def model_layer_bytes(config, s: int, b: int, t: int = 1, sp: bool = False,
            "qkv and fc1 inputs": 2 * e * sl * b * h}  # the sequence shard under SP
     mixed = e * s * b * (an + 2 * gn) * d  # fused QKV output: v (and q, k without RoPE) view it
     rope = config.position_embedding_type == "rope"
+    sinks = getattr(config, "softmax_type", "vanilla") == "learnable"  # gpt-oss: explicit
     q, kv_heads = e * s * b * an * d, e * s * b * gn * d
     if context_parallel:  # selective: the checkpoint keeps q, k, v and returns the output
         out["attention q, k, v"] = mixed + (q + kv_heads if rope else 0)
@@ -120,7 +121,11 @@ def model_layer_bytes(config, s: int, b: int, t: int = 1, sp: bool = False,
         # the projection reads without a copy (selective: the projection input).
         out["attention q, k, v"] = mixed + (q + kv_heads if rope else 0)
         out["attention output"] = q
-        if recompute != "selective":
+        if recompute != "selective" and sinks:  # the explicit softmax: its float32 output
+            # [s, s + 1] (the sink's column) and the causal mask's complement (bool s x s)
+            out["attention s^2 (softmax with sinks)"] = 4 * b * an * s * (s + 1) + \
+                (0 if sliding else s * s)
+        elif recompute != "selective":
             out["attention log-sum-exp"] = 4 * b * an * s
     elif keyed_dropout:  # the explicit softmax (layers/attention.py `core_attention`): q
         # reshaped for grouped heads (a copy under GQA, else a view of RoPE's q copy or of
@@ -130,8 +135,8 @@ def model_layer_bytes(config, s: int, b: int, t: int = 1, sp: bool = False,
         # additive mask, which keeps nothing); the projection reads a copy of the output
         own_q = rope or an != gn
         out["attention q, k, v"] = mixed + (q if own_q else 0) + (kv_heads if rope else 0)
-        out["attention s^2 (softmax, mask, dropped)"] = (4 + 2 * e) * b * an * s * s + \
-            (0 if sliding else s * s)
+        out["attention s^2 (softmax, mask, dropped)"] = 4 * b * an * s * (s + sinks) + \
+            2 * e * b * an * s * s + (0 if sliding else s * s)
         out["projection input"] = q
     else:  # math kernel with dropout, which on CPU computes in float32 (a bf16 input is
         # upcast): scaled q and k copies; v viewing the fused output in float32, else its
@@ -147,7 +152,8 @@ def model_layer_bytes(config, s: int, b: int, t: int = 1, sp: bool = False,
         out["qkv and fc1 inputs"] //= 2
         out.update(moe_layer_bytes(config, s, b, t, sp, e, ep))
     else:
-        out["mlp"] = e * s * b * (4 * f if config.activation == "swiglu" else 2 * f)
+        per_row = {"swiglu": 4, "quick_geglu": 7}.get(config.activation, 2)  # planner.moe's
+        out["mlp"] = e * s * b * per_row * f
     if hid_drop:
         out["hidden dropout masks"] = 2 * e * sl * b * h
     return out
@@ -162,13 +168,14 @@ def model_chunk_bytes(config, num_layers: int, s: int, b: int, t: int = 1, sp: b
     """Predicted bytes of a chunk's decoder layers (the "layers" region of the meter): per-layer
     terms under the recompute policy, plus the RoPE cos/sin tables shared by all layers, plus
     the sliding-window mask (`[1, 1, s, s]`, activation dtype, made once per forward by
-    GPTModel) when a sliding layer outside a fully recomputed span keeps it: the flash kernel
-    and selective recompute's checkpoint keep one shared copy; the explicit and math softmaxes
-    keep none. `layer_numbers`: the chunk's global layers (default 0..num_layers-1), which
-    say which layers slide (`ModelConfig.layer_window_size`) and which are MoE; `ep` the
-    expert-parallel size. `context_parallel`: `s` is a CP rank's part of the sequence (see
-    `model_layer_bytes`); no window mask is made, and the RoPE tables are per row
-    (`[s, b, 1, d]`: the tokens' global positions)."""
+    GPTModel) when a sliding layer outside a fully recomputed span keeps it: the flash
+    kernel and selective recompute's checkpoint keep one shared copy; the explicit
+    (attention sinks: always) and math softmaxes keep none. `layer_numbers`: the chunk's
+    global layers (default 0..num_layers-1), which say which layers slide
+    (`ModelConfig.layer_window_size`) and which are MoE; `ep` the expert-parallel size.
+    `context_parallel`: `s` is a CP rank's part of the sequence (see `model_layer_bytes`);
+    no window mask is made, and the RoPE tables are per row (`[s, b, 1, d]`: the tokens'
+    global positions)."""
     kw = dict(s=s, b=b, t=t, sp=sp, bytes_per_value=bytes_per_value, dropout=dropout,
               keyed_dropout=keyed_dropout, ep=ep, context_parallel=context_parallel)
     numbers = range(num_layers) if layer_numbers is None else layer_numbers
@@ -186,8 +193,9 @@ def model_chunk_bytes(config, num_layers: int, s: int, b: int, t: int = 1, sp: b
                                        else None, sliding=slides, moe=moe, **kw).values())
                  for slides, moe in kept)
     att_drop = config.attention_dropout > 0 if dropout is None else dropout
+    explicit = getattr(config, "softmax_type", "vanilla") == "learnable"  # sinks: no flash
     if any(slides for slides, _ in kept) and (granularity == "selective" or not att_drop) \
-            and not context_parallel:
+            and not context_parallel and (granularity == "selective" or not explicit):
         total += bytes_per_value * s * s
     if config.position_embedding_type == "rope" and num_layers:  # float32 cos, sin
         total += 2 * 4 * s * config.kv_channels * (b if context_parallel else 1)

@@ -30,6 +30,8 @@ peak runs them against it, so MFU divides by the peak that time-weights both
 """
 from __future__ import annotations
 
+from layers.mlp import GATED
+
 from .moe import mlp_forward_flops
 
 
@@ -62,7 +64,7 @@ def forward_flops_per_token(config, seq_length: int | None = None,
     h, ffn = config.hidden_size, config.ffn_hidden_size
     if getattr(config, "is_encoder_decoder", False):
         q, kv = config.query_projection_size, config.kv_projection_size
-        fc1_out = 2 * ffn if config.activation in ("swiglu", "geglu") else ffn
+        fc1_out = 2 * ffn if config.activation in GATED else ffn
         dense = 2 * (h * (q + 2 * kv) + q * h + h * fc1_out + ffn * h)
         return _t5_flops_per_encoder_token(config, s, dense, v)
     return float(sum(layer_forward_flops(config, n, s) for n in range(config.num_layers))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 
+from layers.mlp import GATED
 from models.config import ConfigError
 from run_config.checks import expert_layout as check_expert_parallel
 
@@ -37,12 +38,16 @@ def moe_layer_numbers(m) -> list[int]:
 
 
 def _gated(m) -> bool:
-    return m.activation in ("swiglu", "geglu")
+    return m.activation in GATED
 
 
 def mlp_parameters(m, ffn: int) -> int:
-    """Weights of one bias-free MLP of width `ffn` (an expert, or the shared experts)."""
-    return m.hidden_size * ffn * (3 if _gated(m) else 2)
+    """Weights of one MLP of width `ffn` (an expert, or the shared experts), with their
+    biases when the model has `add_bias_linear` (gpt-oss's experts)."""
+    n = m.hidden_size * ffn * (3 if _gated(m) else 2)
+    if m.add_bias_linear:
+        n += ffn * (2 if _gated(m) else 1) + m.hidden_size
+    return n
 
 
 def parameter_counts(m) -> dict:
@@ -156,8 +161,10 @@ def mlp_saved_bytes(m, rows: int, ffn_local: int, e: int) -> int:
     """What an MLP's activation and fc2 keep for `rows` rows of local width `ffn_local`:
     SwiGLU the fused fc1 output, silu(gate) and fc2's input (`4 f`), GeGLU the fused output,
     gelu(gate) and the product (`4 f`), GeLU its input and fc2's input (`2 f`), ReLU its
-    output, which is fc2's input (`1 f`); `e` bytes per value."""
-    per_row = {"swiglu": 4, "geglu": 4, "relu": 1}.get(m.activation, 2)
+    output, which is fc2's input (`1 f`), gpt-oss's clamped quick_geglu the fused output
+    (its clamps' inputs), the sigmoid, the clamped gate, their product, `up + offset` and
+    the result (`7 f`); `e` bytes per value."""
+    per_row = {"swiglu": 4, "geglu": 4, "quick_geglu": 7, "relu": 1}.get(m.activation, 2)
     return e * rows * per_row * ffn_local
 
 
@@ -183,7 +190,8 @@ def moe_layer_bytes(m, s: int, b: int, t: int, sp: bool, e: int, ep: int,
       (`e K h`: `index_copy` keeps its source); the local-expert order under EP (int64 `[R]`,
       `ep > 1` and more than one local expert);
     - experts: fc1's input `e R h` and the activation / fc2 input (`mlp_saved_bytes` over `R`
-      rows of `f / t`);
+      rows of `f / t`); with biases (`add_bias_linear`, gpt-oss) each linear's row-to-expert
+      index for the bias gather (int64 `[R]`, two);
     - combine: the expert outputs in float32 (`4 K h`, for the routing weights' gradient),
       the weights (float32 `[K]`), the weighted outputs (`4 K h`: `index_add` keeps its
       source), the inverse local-expert order under EP (int64 `[R]`);
@@ -212,7 +220,8 @@ def moe_layer_bytes(m, s: int, b: int, t: int, sp: bool, e: int, ep: int,
     padded = m.moe_expert_capacity_factor is not None and m.moe_pad_expert_input_to_capacity
     out["dispatch"] = 8 * kept * (2 + padded) + (e * kept * h if padded else 0) + \
         (8 * rows if local_order else 0)
-    out["experts"] = e * rows * h + mlp_saved_bytes(m, rows, m.moe_ffn_hidden_size // t, e)
+    out["experts"] = e * rows * h + mlp_saved_bytes(m, rows, m.moe_ffn_hidden_size // t, e) + \
+        (2 * 8 * rows if m.add_bias_linear else 0)
     out["combine"] = 8 * kept * h + 4 * kept + (8 * rows if local_order else 0)
     shared = m.moe_shared_expert_intermediate_size
     if shared:

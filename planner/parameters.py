@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from layers.mlp import GATED
 from models.pipeline import chunk_roles, rank_chunk_layers
 from parallel_state.schedule_tables import V_SHAPED
 
@@ -112,18 +113,25 @@ def _moe_mlp(p: str, m, unit: str, tp: int, sp: bool, ep: int, etp: int) -> list
     experts (a dense MLP) and their gate `[1, h]`."""
     h, local = m.hidden_size, m.num_moe_experts // ep
     f = m.moe_ffn_hidden_size // etp
-    fc1 = 2 * f if m.activation in ("swiglu", "geglu") else f
+    fc1 = 2 * f if m.activation in GATED else f
+    bias = m.add_bias_linear  # gpt-oss: router logit bias [E], expert biases [E/ep, out]
     out = [ParamShape(f"{p}.mlp.router.weight", m.num_moe_experts * h, unit,
-                      sequence_parallel=sp),
-           ParamShape(f"{p}.mlp.experts.linear_fc1.weight", local * fc1 * h, unit,
-                      tensor_model_parallel=True, expert_parallel=True, rows=local * fc1),
-           ParamShape(f"{p}.mlp.experts.linear_fc2.weight", local * h * f, unit,
-                      tensor_model_parallel=True, expert_parallel=True, rows=local * h)]
+                      sequence_parallel=sp)]
+    if bias:
+        out.append(ParamShape(f"{p}.mlp.router.bias", m.num_moe_experts, unit,
+                              sequence_parallel=sp))
+    for name, rows, cols, split in (("linear_fc1", fc1, h, True), ("linear_fc2", h, f, False)):
+        out.append(ParamShape(f"{p}.mlp.experts.{name}.weight", local * rows * cols, unit,
+                              tensor_model_parallel=True, expert_parallel=True,
+                              rows=local * rows))
+        if bias:
+            out.append(ParamShape(f"{p}.mlp.experts.{name}.bias", local * rows, unit,
+                                  tensor_model_parallel=split, expert_parallel=True))
     shared = m.moe_shared_expert_intermediate_size
     if shared:
         fs = shared // tp
-        out += _linear(f"{p}.mlp.shared_experts.linear_fc1", 2 * fs if m.activation in (
-            "swiglu", "geglu") else fs, h, unit, bias=False, row=False, sp=sp)
+        out += _linear(f"{p}.mlp.shared_experts.linear_fc1", 2 * fs if m.activation in
+                       GATED else fs, h, unit, bias=False, row=False, sp=sp)
         out += _linear(f"{p}.mlp.shared_experts.linear_fc2", h, fs, unit, bias=False, row=True,
                        sp=sp)
         if m.moe_shared_expert_gate:
@@ -156,7 +164,7 @@ def chunk_parameters(m, tp: int, layer_numbers: list[int], pre_process: bool,
                                   m.max_position_embeddings * h, emb_unit, sequence_parallel=sp))
     q, kv = m.query_projection_size // tp, m.kv_projection_size // tp
     f = m.ffn_hidden_size // tp
-    fc1 = 2 * f if m.activation in ("swiglu", "geglu") else f
+    fc1 = 2 * f if m.activation in GATED else f
     for n in layer_numbers:
         p, unit = f"decoder.layers.{n}", f"layer {n}"
         if m.pre_layernorm:
@@ -164,6 +172,10 @@ def chunk_parameters(m, tp: int, layer_numbers: list[int], pre_process: bool,
         if m.multi_latent_attention:
             out += _mla(f"{p}.self_attention", m, unit, tp, sp)
         else:
+            if m.softmax_type == "learnable":  # gpt-oss's sinks (the module's own parameter,
+                # listed before its submodules'): one logit per local head
+                out.append(ParamShape(f"{p}.self_attention.sinks", m.num_attention_heads // tp,
+                                      unit, tensor_model_parallel=True))
             out += _linear(f"{p}.self_attention.linear_qkv", q + 2 * kv, h, unit,
                            bias=m.add_qkv_bias, row=False, sp=sp)
             out += _linear(f"{p}.self_attention.linear_proj", h, q, unit,
@@ -205,7 +217,7 @@ def lora_parameters(m, tp: int, layer_numbers: list[int], sequence_parallel: boo
     sp = sequence_parallel and tp > 1
     h, q, kv = m.hidden_size, m.query_projection_size // tp, m.kv_projection_size // tp
     f = m.ffn_hidden_size // tp
-    gated = m.activation in ("swiglu", "geglu")
+    gated = m.activation in GATED
     hosts = [("self_attention.linear_qkv", False, h, [("q_proj", q), ("k_proj", kv),
                                                       ("v_proj", kv)]),
              ("self_attention.linear_proj", True, q, [("o_proj", h)])]

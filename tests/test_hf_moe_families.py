@@ -14,7 +14,7 @@ tiny random Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE models:
   export with no missing, unexpected or mismatched tensor;
 - one train.py --finetune step at tp 2 from an import of Mixtral, Qwen2-MoE, Qwen3-MoE and
   OLMoE, exported back bitwise (lr 0);
-- refusals: router jitter, the MoE families not built (gpt-oss, ...), MoE fields on a dense
+- refusals: router jitter, a gpt-oss config without its fields, MoE fields on a dense
   family's config, bad Qwen2-MoE layer fields, an MoE model with no HF equivalent.
 """
 from __future__ import annotations
@@ -425,7 +425,8 @@ def test_unsupported_moe_configs_are_refused(models, tmp_path):
          "num_local_experts=4: mixture-of-experts"),
         (dict(qwen, model_type="deepseek_v3", architectures=None),  # no MLA fields
          "has no kv_lora_rank, which a deepseek_v3 model needs"),
-        (dict(qwen, model_type="gpt_oss", architectures=None), "'gpt_oss'"),
+        (dict(qwen, model_type="gpt_oss", architectures=None),  # Qwen2-MoE's expert field
+         "has no num_local_experts, which a gpt_oss model needs"),
         (dict(mixtral, architectures=["Qwen2MoeForCausalLM"]), "architectures"),
         (dict(qwen3, attention_bias=True), "attention_bias=True"),
         (dict(qwen3, moe_intermediate_size=None), "has no moe_intermediate_size"),

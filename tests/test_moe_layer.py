@@ -322,7 +322,6 @@ def test_transformer_picks_moe_layers_by_freq(no_grid):
     (dict(moe_layer_freq=[1]), "--num-layers 2 entries"),
     (dict(moe_layer_freq="1"), "--moe-layer-freq must be"),
     (dict(moe_token_dispatcher_type="allgather"), "use alltoall"),
-    (dict(add_bias_linear=True), "--disable-bias-linear"),
     (dict(num_moe_experts=None, moe_router_topk=2, moe_aux_loss_coeff=0.1),
      "--moe-aux-loss-coeff configure mixture-of-experts layers, but --num-experts is not set"),
     (dict(num_moe_experts=True), "--num-experts must be a positive integer"),

@@ -161,6 +161,13 @@ def test_model_states_at_ep2_tp2_are_the_zero_formula():
                          moe_aux_loss_coeff=0.01)),
     (torch.float32, dict(moe_expert_capacity_factor=1.5, moe_pad_expert_input_to_capacity=True)),
     (torch.float32, dict(activation="gelu", moe_expert_capacity_factor=0.5)),  # C = 4 of 8 rows
+    (torch.float32, dict(activation="quick_geglu", activation_func_clamp_value=7.0,  # gpt-oss
+                         glu_linear_offset=1.0, add_bias_linear=True)),
+    (torch.float32, dict(activation="quick_geglu", activation_func_clamp_value=7.0,
+                         glu_linear_offset=1.0, add_bias_linear=True, softmax_type="learnable")),
+    (torch.float32, dict(activation="quick_geglu", activation_func_clamp_value=7.0,
+                         glu_linear_offset=1.0, add_bias_linear=True, softmax_type="learnable",
+                         window_size=(7, 0), window_attn_skip_freq=[1, 0, 1, 0])),  # 0, 2 slide
 ])
 def test_moe_layer_activations_equal_measured(dtype, overrides):
     from training.memory import measure_activation_bytes

@@ -138,8 +138,16 @@ FLAG_HELP = {
     "and itself (HF's sliding_window W is W-1,0; RIGHT must be 0)",
     "window_attn_skip_freq": "with --window-size: N (every Nth layer, 1-based, keeps full "
     "attention) or a 0/1 list per layer (1 = sliding, e.g. 1,1,0,1)",
+    # gpt-oss (models/config_oss.py)
+    "softmax_type": "vanilla | learnable (a learned sink logit per head in the softmax)",
+    "glu_linear_offset": "quick_geglu: added to the gated unit's linear half (gpt-oss: 1)",
+    "activation_func_clamp_value": "quick_geglu: gate clamped above, linear half both sides "
+    "(gpt-oss: 7)",
+    "rope_yarn_truncate": "yarn: round the correction range to whole dims (gpt-oss: false)",
     "normalization": "LayerNorm | RMSNorm",
-    "activation": "gelu | swiglu | relu | geglu", "add_bias_linear": "biases in linear layers",
+    "activation": "gelu | swiglu | relu | geglu | quick_geglu (gpt-oss's x sigmoid(1.702 x) "
+    "x (up + offset))", "add_bias_linear": "biases in linear layers (MoE: router and experts "
+    "too)",
     "untie_embeddings_and_output_weights": "separate output layer weight",
     "hidden_dropout": "dropout on residual branches", "attention_dropout": "dropout on scores",
     "init_method_std": "std of the normal init (output projections / sqrt(2 L))",

@@ -1,12 +1,13 @@
 """The routed experts: `num_local_experts` MLPs whose weights are stacked `[experts, ...]`
 tensors, each run on its contiguous slice of the permuted tokens.
 
-An expert is the dense MLP (layers/mlp.py: GeLU, ReLU, or SwiGLU / GeGLU with `[gate; up]`
-fused in fc1) without biases. Its fc1 is split by output columns and its fc2 by input rows
-over the expert-tensor-parallel ranks (the TP ranks, or none: expert TP 1 keeps each expert
-whole), as in the dense MLP, so a TP rank computes a partial sum of every expert output (or
-whole outputs of its own experts) and the MoE layer reduces once, after combining
-(layers/moe/moe_layer.py).
+An expert is the dense MLP (layers/mlp.py: GeLU, ReLU, or SwiGLU / GeGLU / gpt-oss's
+quick_geglu with `[gate; up]` fused in fc1), with biases `[experts, out]` when the config
+has `add_bias_linear` (gpt-oss), else without. Its fc1 is split by output columns and its
+fc2 by input rows over the expert-tensor-parallel ranks (the TP ranks, or none: expert TP 1
+keeps each expert whole), as in the dense MLP, so a TP rank computes a partial sum of every
+expert output (or whole outputs of its own experts) and the MoE layer reduces once, after
+combining (layers/moe/moe_layer.py).
 
 `GroupedLinear` loops over the experts (never over tokens): one GEMM per expert forward and
 two backward, the weight gradient of all experts written into one stacked tensor (autograd
@@ -25,7 +26,7 @@ from torch import nn
 from parallel_state import get_expert_tensor_parallel_world_size, weight_grads
 
 from .. import gemm
-from ..mlp import GATED, activate
+from ..mlp import GATED, activate, gate_args
 from ..quant import QuantizedWeight
 from ..sharding import set_tensor_parallel_attributes
 
@@ -98,7 +99,7 @@ class GroupedLinear(nn.Module):
     expert."""
 
     def __init__(self, num_local_experts: int, input_size: int, output_size: int, *,
-                 partition_dim: int, init: str, num_fused_parts: int = 1):
+                 partition_dim: int, init: str, num_fused_parts: int = 1, bias: bool = False):
         super().__init__()
         etp = get_expert_tensor_parallel_world_size()
         shape = [num_local_experts, output_size, input_size]
@@ -110,14 +111,37 @@ class GroupedLinear(nn.Module):
         set_tensor_parallel_attributes(self.weight, partition_dim=partition_dim, init=init,
                                        num_fused_parts=num_fused_parts)
         self.weight.expert_parallel = True
+        self.bias, self.bias_share = None, 1.0
+        if bias:  # [experts, out]: split with the weight's out (fc1), whole beside its in (fc2)
+            self.bias = nn.Parameter(torch.empty(num_local_experts, shape[1]))
+            set_tensor_parallel_attributes(self.bias, partition_dim=1 if partition_dim == 1
+                                           else None, init="zeros",
+                                           num_fused_parts=num_fused_parts)
+            self.bias.expert_parallel = True
+            # fc2's outputs are partial sums over expert TP: each rank adds 1/etp of the bias
+            self.bias_share = 1.0 / etp if partition_dim == 2 else 1.0
+
+    def _add_bias(self, y: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """`y [N, out]` plus each row's expert bias; under expert TP, fc2's share `b / etp`
+        whose gradient is that of the whole `b` (the partial sums add up to `b`; each rank's
+        gradient of the summed output is the whole output's)."""
+        bias = self.bias
+        if self.bias_share != 1.0:
+            bias = bias - bias.detach() * (1.0 - self.bias_share)
+        index = torch.repeat_interleave(torch.arange(len(counts), device=y.device),
+                                        torch.tensor(counts, device=y.device),
+                                        output_size=y.shape[0])
+        return y + bias.index_select(0, index).to(y.dtype)
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         if len(counts) != self.weight.shape[0] or sum(counts) != x.shape[0]:
             raise ValueError(f"counts {counts} do not split {x.shape[0]} rows over "
                              f"{self.weight.shape[0]} experts")
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
-            return _GroupedLinear.apply(x, self.weight, tuple(counts))
-        return _grouped_forward(x, self.weight, counts)
+            y = _GroupedLinear.apply(x, self.weight, tuple(counts))
+        else:
+            y = _grouped_forward(x, self.weight, counts)
+        return y if self.bias is None else self._add_bias(y, counts)
 
 
 class Experts(nn.Module):
@@ -128,14 +152,17 @@ class Experts(nn.Module):
     def __init__(self, config, num_local_experts: int):
         super().__init__()
         self.activation = config.activation
+        self.gate_args = gate_args(config)
         gated = self.activation in GATED
         ffn, h = config.moe_ffn_hidden_size, config.hidden_size
         self.num_local_experts = num_local_experts
+        bias = bool(config.add_bias_linear)
         self.linear_fc1 = GroupedLinear(num_local_experts, h, ffn * (2 if gated else 1),
                                         partition_dim=1, init="normal",
-                                        num_fused_parts=2 if gated else 1)
+                                        num_fused_parts=2 if gated else 1, bias=bias)
         self.linear_fc2 = GroupedLinear(num_local_experts, ffn, h, partition_dim=2,
-                                        init="scaled_normal")
+                                        init="scaled_normal", bias=bias)
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        return self.linear_fc2(activate(self.linear_fc1(x, counts), self.activation), counts)
+        y = activate(self.linear_fc1(x, counts), self.activation, *self.gate_args)
+        return self.linear_fc2(y, counts)

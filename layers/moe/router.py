@@ -78,7 +78,8 @@ def recording(module: nn.Module) -> bool:
 
 
 class TopKRouter(nn.Module):
-    """`x [n, h]` -> `Routing`. The weight `[num_experts, h]` is replicated over TP; under
+    """`x [n, h]` -> `Routing`. The weight `[num_experts, h]` (and, with the config's
+    `add_bias_linear`, gpt-oss's logit bias `[num_experts]`) is replicated over TP; under
     sequence parallelism `x` is this rank's sequence shard and the weight's gradient is
     partial (tagged `sequence_parallel`, summed over TP after backward like a norm's).
 
@@ -102,6 +103,11 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size))
         set_tensor_parallel_attributes(self.weight, partition_dim=None, init="normal",
                                        sequence_parallel=self.sequence_parallel)
+        self.bias = None  # gpt-oss: a learned logit bias `[E]` (config add_bias_linear)
+        if getattr(config, "add_bias_linear", False):
+            self.bias = nn.Parameter(torch.empty(self.num_experts))
+            set_tensor_parallel_attributes(self.bias, partition_dim=None, init="zeros",
+                                           sequence_parallel=self.sequence_parallel)
         if config.moe_router_enable_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(self.num_experts))
         else:
@@ -124,6 +130,8 @@ class TopKRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> Routing:
         with torch.autocast(x.device.type, enabled=False):
             logits = x.float() @ self.weight.float().t()  # [n, E]
+            if self.bias is not None:
+                logits = logits + self.bias.float()
         probs, indices = self._top_k(logits)
         loss = None
         if torch.is_grad_enabled() and self.training and \

@@ -20,7 +20,8 @@ Phi3ForCausalLM (phi3), T5ForConditionalGeneration (t5, v1.0 and v1.1), Gemma3Fo
 (gemma3_text), Gemma2ForCausalLM (gemma2), and the mixture-of-experts MixtralForCausalLM
 (mixtral), Qwen2MoeForCausalLM (qwen2_moe), Qwen3MoeForCausalLM (qwen3_moe) and
 OlmoeForCausalLM (olmoe), and DeepseekV3ForCausalLM (deepseek_v3: multi-head latent attention
-and sigmoid-routed MoE, models/hf/deepseek.py). File formats
+and sigmoid-routed MoE, models/hf/deepseek.py), GptOssForCausalLM (gpt_oss: attention sinks,
+biased MoE, MXFP4 experts: models/hf/gpt_oss.py, models/hf/mxfp4.py). File formats
 (safetensors, .bin, GGUF) are in models/hf/files.py.
 """
 from __future__ import annotations
@@ -34,12 +35,12 @@ import torch
 
 from models.config import MAX_COUNT, MAX_POSITIONS, ConfigError, ModelConfig
 
-from . import deepseek, gemma, gpt2, llama, moe, olmo2, phi3, t5
+from . import deepseek, gemma, gpt2, gpt_oss, llama, moe, olmo2, phi3, t5
 from .quantized import quant_scheme
 from .rules import HFConversionError, Rule  # noqa: F401
 
 FAMILIES = {mt: fam for fam in (gpt2, llama, t5, moe, gemma) for mt in fam.MODEL_TYPES}
-FAMILIES.update({mt: fam for fam in (olmo2, phi3, deepseek) for mt in fam.MODEL_TYPES})
+FAMILIES.update({mt: fam for fam in (olmo2, phi3, deepseek, gpt_oss) for mt in fam.MODEL_TYPES})
 # config.json fields that mean mixture-of-experts (refused for the dense families' types)
 _MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
 
@@ -61,11 +62,12 @@ _NUMBERS = ("layer_norm_epsilon", "rms_norm_eps", "initializer_range", "initiali
             "attn_pdrop", "factor", "low_freq_factor", "high_freq_factor",
             "router_jitter_noise", "router_aux_loss_coef", "query_pre_attn_scalar",
             "rope_local_base_freq", "attn_logit_softcapping", "final_logit_softcapping",
-            "routed_scaling_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+            "routed_scaling_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+            "swiglu_alpha", "swiglu_limit")
 _FLAGS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "scale_attn_weights",
           "scale_attn_by_inverse_layer_idx", "add_cross_attention", "scale_decoder_outputs",
           "norm_topk_prob", "output_router_logits", "qkv_bias", "use_bidirectional_attention",
-          "rope_interleave")
+          "rope_interleave", "truncate")
 _NAMES = ("model_type", "hidden_act", "activation_function", "feed_forward_proj",
           "hidden_activation")
 _ROPE_DICTS = ("rope_scaling", "rope_parameters")
@@ -79,6 +81,7 @@ _REQUIRED = {gpt2: ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions"),
              moe: ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                    "intermediate_size")}
 _REQUIRED[olmo2] = _REQUIRED[deepseek] = _REQUIRED[llama]
+_REQUIRED[gpt_oss] = _REQUIRED[llama] + ("num_local_experts",)
 _REQUIRED[phi3] = _REQUIRED[llama]
 
 
@@ -150,7 +153,7 @@ def config_from_hf(d: dict, tensor_count: int | None = None) -> ModelConfig:
     if bad:
         raise HFConversionError(f"config.json architectures {bad} is not supported for "
                                 f"model_type {mt!r} (supported: {sorted(known)})")
-    for field in _MOE_FIELDS if FAMILIES[mt] not in (moe, deepseek) else ():
+    for field in _MOE_FIELDS if FAMILIES[mt] not in (moe, deepseek, gpt_oss) else ():
         if d.get(field):
             raise HFConversionError(f"config.json {field}={d[field]}: mixture-of-experts models "
                                     f"are not supported")
@@ -266,6 +269,12 @@ def family_for(c: ModelConfig):
             raise HFConversionError(f"this multi-latent attention model has no Hugging Face "
                                     f"equivalent (DeepSeek-V3): {'; '.join(why)}")
         return deepseek
+    if c.softmax_type == "learnable":
+        why = gpt_oss.conditions(c)
+        if why:
+            raise HFConversionError(f"this model with attention sinks has no Hugging Face "
+                                    f"equivalent (gpt-oss): {'; '.join(why)}")
+        return gpt_oss
     if c.num_moe_experts:
         why = moe.conditions(c)
         if why:
@@ -310,6 +319,7 @@ def to_native(c: ModelConfig, model_type: str, get: Callable[[str], torch.Tensor
     fam = FAMILIES[model_type]
     spelled = {fam.normalize(n): n for n in names}
     out, used = {}, set()
+    get = _last_kept(get, getattr(fam, "STACKED", ()))
     for rule in fam.rules(c):
         missing = [n for n in rule.hf if n not in spelled]
         if missing:
@@ -328,8 +338,36 @@ def to_native(c: ModelConfig, model_type: str, get: Callable[[str], torch.Tensor
     return out
 
 
+def _last_kept(get: Callable[[str], torch.Tensor], suffixes: tuple[str, ...]):
+    """`get`, keeping the last tensor read whose name ends with one of `suffixes` (a family's
+    stacked experts, which one rule per expert slices: read once for all of them)."""
+    if not suffixes:
+        return get
+    last: dict = {}
+
+    def read(name: str):
+        if not name.endswith(suffixes):
+            return get(name)
+        if name not in last:
+            last.clear()
+            last[name] = get(name)
+        return last[name]
+    return read
+
+
 def to_hf(c: ModelConfig, get: Callable[[str], torch.Tensor]
           ) -> Iterator[tuple[str, torch.Tensor]]:
-    """`(HF name, tensor)` for every HF weight of `c`, reading our dense tensors with `get`."""
+    """`(HF name, tensor)` for every HF weight of `c`, reading our dense tensors with `get`.
+    Consecutive rules giving parts of one HF tensor (the slices of stacked experts, each
+    `[1, ...]`: models/hf/gpt_oss.py) are joined on dim 0 into it."""
+    name, parts = None, []
     for rule in family_for(c).rules(c):
-        yield from zip(rule.hf, rule.to_hf(get(rule.native)))
+        for hf, t in zip(rule.hf, rule.to_hf(get(rule.native))):
+            if hf == name:
+                parts.append(t)
+                continue
+            if parts:
+                yield name, parts[0] if len(parts) == 1 else torch.cat(parts)
+            name, parts = hf, [t]
+    if parts:
+        yield name, parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -71,6 +71,23 @@ def _yarn_fields(scaling: dict) -> dict:
     return out
 
 
+def rope_parameters_to_hf(c: ModelConfig) -> dict:
+    """HF's `rope_parameters` of `c`: theta, and YaRN's fields (`truncate` false when set so)
+    or another scaling's."""
+    rope = {"rope_type": "default", "rope_theta": c.rotary_base}
+    if c.rope_scaling_type == "yarn":
+        rope.update(rope_type="yarn", factor=c.rope_scaling_factor,
+                    original_max_position_embeddings=c.rope_original_max_position_embeddings,
+                    beta_fast=c.rope_beta_fast, beta_slow=c.rope_beta_slow)
+        rope.update({k: getattr(c, f"rope_{k}") for k in ("mscale", "mscale_all_dim")
+                     if getattr(c, f"rope_{k}") is not None})
+        if c.rope_yarn_truncate is False:
+            rope["truncate"] = False
+    elif c.rope_scaling_type is not None:
+        rope.update(llama.rope_scaling_to_hf(c))
+    return rope
+
+
 def _moe_fields(d: dict, num_layers: int) -> dict:
     """The MoE fields of a DeepSeek-V3 config dict (module docstring)."""
     k = d.get("first_k_dense_replace", 3)
@@ -185,15 +202,7 @@ def conditions(c: ModelConfig) -> list[str]:
 
 def config_to_hf(c: ModelConfig) -> dict:
     """transformers config kwargs (model_type included) for `c`."""
-    rope = {"rope_type": "default", "rope_theta": c.rotary_base}
-    if c.rope_scaling_type == "yarn":
-        rope.update(rope_type="yarn", factor=c.rope_scaling_factor,
-                    original_max_position_embeddings=c.rope_original_max_position_embeddings,
-                    beta_fast=c.rope_beta_fast, beta_slow=c.rope_beta_slow)
-        rope.update({k: getattr(c, f"rope_{k}") for k in ("mscale", "mscale_all_dim")
-                     if getattr(c, f"rope_{k}") is not None})
-    elif c.rope_scaling_type is not None:
-        rope.update(llama.rope_scaling_to_hf(c))
+    rope = rope_parameters_to_hf(c)
     d = dict(model_type="deepseek_v3", architectures=[ARCHITECTURES["deepseek_v3"]],
              vocab_size=c.vocab_size, hidden_size=c.hidden_size,
              intermediate_size=c.ffn_hidden_size, num_hidden_layers=c.num_layers,

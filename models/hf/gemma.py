@@ -32,7 +32,8 @@ from __future__ import annotations
 from layers.attention import LAYER_TYPES
 from models.config import ModelConfig
 
-from .llama import _sliding_layers, attention_rules, rope_scaling_fields, rope_scaling_to_hf
+from .llama import _sliding_layers, attention_rules, rope_scaling_fields, rope_scaling_to_hf, \
+    window_fields
 from .rules import HFConversionError, Rule, concat, same
 
 MODEL_TYPES = ("gemma3_text", "gemma2")
@@ -124,14 +125,9 @@ def config_from_hf(d: dict) -> ModelConfig:
         raise HFConversionError(f"config.json rope type {scaling['rope_type']!r} is not "
                                 f"supported for gemma2 (Gemma 2 has no RoPE scaling)")
     slides = _layer_types(d, mt, layers)
-    window = {}
-    if any(slides):
-        w = d.get("sliding_window", 4096)
-        if type(w) is not int or w < 1:
-            raise HFConversionError(f"config.json sliding_window {w!r} must be a positive "
-                                    f"integer (tokens a query sees, itself included)")
-        window = dict(window_size=(w - 1, 0), window_attn_skip_freq=None if all(slides)
-                      else slides, rope_local_base_freq=local_theta)
+    window = window_fields(d.get("sliding_window", 4096), slides)
+    if window:
+        window["rope_local_base_freq"] = local_theta
     max_pos = int(d.get("max_position_embeddings", 8192))
     qpas = d.get("query_pre_attn_scalar", 256)
     return ModelConfig(

@@ -107,9 +107,18 @@ def _window_from_hf(d: dict, mt: str, num_layers: int) -> dict:
             any(t not in LAYER_TYPES for t in types):
         raise HFConversionError(f"config.json layer_types must list {num_layers} entries "
                                 f"(num_hidden_layers), each one of {LAYER_TYPES}")
-    slides = [LAYER_TYPES.index(t) for t in types]
+    return window_fields(w, [LAYER_TYPES.index(t) for t in types])
+
+
+def window_fields(w, slides: list[int]) -> dict:
+    """`window_size` / `window_attn_skip_freq` of HF's `sliding_window` `w` on the layers
+    `slides` marks 1 (0: full attention); {} when none slides. `HFConversionError` for a `w`
+    that is not a positive integer."""
     if not any(slides):
         return {}
+    if type(w) is not int or w < 1:
+        raise HFConversionError(f"config.json sliding_window {w!r} must be a positive integer "
+                                f"(tokens a query sees, itself included)")
     return dict(window_size=(w - 1, 0), window_attn_skip_freq=None if all(slides) else slides)
 
 

@@ -104,6 +104,10 @@ def quant_scheme(d: dict) -> QuantScheme | FP8Scheme | None:
             return fp8_scheme(q)
         except ValueError as e:
             raise _refusal(method, str(e)) from None
+    if method == "mxfp4":  # gpt-oss's experts, de-quantized on reading (models/hf/mxfp4.py)
+        if d.get("model_type") != "gpt_oss":
+            raise _refusal(method, "mxfp4 is read for gpt_oss checkpoints only")
+        return None
     if method not in ("gptq", "awq"):
         raise _refusal(method, "a method shardzoo does not read")
     bits, group = q.get("bits", 4), q.get("group_size", 128)
@@ -296,6 +300,12 @@ def open_quantized(src, quantization: str = "none"):
 
     if quantization not in MODES:
         raise ValueError(f"quantization {quantization!r} is not one of {MODES}")
+    q = src.config.get("quantization_config")
+    if type(q) is dict and q.get("quant_method") == "mxfp4" and \
+            src.config.get("model_type") == "gpt_oss":
+        from .mxfp4 import open_mxfp4
+
+        return open_mxfp4(src)
     try:
         scheme = quant_scheme(src.config)
     except HFConversionError as e:
