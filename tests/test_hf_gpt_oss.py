@@ -427,7 +427,7 @@ def test_unsupported_fields_are_refused(model, tmp_path):
                           (dict(num_experts_per_tok=1), "num_experts_per_tok 1"),
                           (dict(layer_types=["full_attention"]), "layer_types"),
                           (dict(swiglu_limit="7"), "swiglu_limit"),
-                          (dict(quantization_config={"quant_method": "fp8"}), "fp8")):
+                          (dict(quantization_config={"quant_method": "bitsandbytes"}), "bitsandbytes")):
         with pytest.raises(HFConversionError, match=words):
             config_from_hf({**d, **change})
     c = _config(ckpt)
