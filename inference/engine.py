@@ -61,6 +61,7 @@ from parallel_state import p2p
 from .block_manager import BlockManager
 from .comm import broadcast_logprobs, broadcast_tokens
 from .detokenize import IncrementalDetokenizer
+from .limits import RequestLimits
 from .runner import ModelRunner
 from .scheduler import Scheduler, _Flight
 from .seq2seq import Seq2SeqRunner
@@ -216,6 +217,12 @@ class Engine(Scheduler):
         # statistics (tokens looked up in / found in the prefix cache, preemptions)
         self.prefix_queries = self.prefix_hits = self.num_preemptions = 0
         self.num_left = 0  # running requests that finished or were cancelled so far
+        # what a request may ask (plain data: the API server process checks with a copy)
+        self.limits = RequestLimits(
+            self.runner.config.vocab_size, max_seq_length, self.max_source_length,
+            self.encoder_decoder, self.blocks.block_size, self.blocks.capacity,
+            "this server has no tokenizer for structured outputs" if grammar is None
+            else grammar.unavailable)
 
     def cache_summary(self) -> str:
         """One line for the start-up log: the cache's blocks, tokens and bytes on this rank."""
@@ -239,42 +246,9 @@ class Engine(Scheduler):
 
     # ------------------------------------------------------------------ requests
     def check(self, prompt: list[int], params: SamplingParams) -> None:
-        """Raise `ValueError` (`SamplingError` for a sampling field) if the request cannot run."""
-        params.validate()
-        if params.grammar is not None:
-            from .structured import GrammarError
-
-            why = "this server has no tokenizer for structured outputs" \
-                if self.grammar is None else self.grammar.unavailable
-            if why:
-                raise GrammarError(why)
-        if not prompt:
-            raise ValueError("the prompt is empty; send at least one token")
-        vocab = self.runner.config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if self.encoder_decoder:
-            if len(prompt) > self.max_source_length:
-                raise ValueError(f"the prompt ({len(prompt)} tokens) is longer than the "
-                                 f"encoder's {self.max_source_length} tokens; shorten it")
-            if params.max_new_tokens > self.max_seq_length:
-                raise ValueError(f"max_tokens ({params.max_new_tokens}) exceeds the decoder's "
-                                 f"{self.max_seq_length} tokens; lower max_tokens")
-            return
-        if len(prompt) + params.max_new_tokens > self.max_seq_length:
-            raise ValueError(
-                f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_new_tokens}) "
-                f"exceeds the context of {self.max_seq_length} tokens; shorten the prompt or "
-                f"lower max_tokens")
-        bm = self.blocks  # the last id is sampled, never written: len + max - 1 positions
-        need = bm.blocks_for(len(prompt) + params.max_new_tokens - 1)
-        if need > bm.capacity:
-            raise ValueError(
-                f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_new_tokens}) "
-                f"needs {need} KV cache blocks of {bm.block_size} tokens, more than the whole "
-                f"cache holds ({bm.capacity} blocks, {bm.capacity * bm.block_size} tokens); "
-                f"shorten the prompt or lower max_tokens, or start the server with a larger "
-                f"--kv-cache-memory (or a --max-model-len the cache holds)")
+        """Raise `ValueError` (`SamplingError` for a sampling field) if the request cannot run
+        (`RequestLimits.check` of `self.limits`)."""
+        self.limits.check(prompt, params)
 
     def add(self, request: Request) -> None:
         """Queue `request` (checked with `check`); it joins the batch at the next step."""

@@ -1,9 +1,10 @@
-"""Rank 0's bridge between the HTTP layer (inference/api.py) and the control loop
-(inference/server.py): `Frontend` is the one place that owns a request's lifetime. `open`
+"""The API server process's bridge between the HTTP layer (inference/api.py) and the engine
+processes (inference/core_client.py carries its messages to rank 0's control loop,
+inference/server.py): `Frontend` is the one place that owns a request's lifetime. `open`
 registers and routes a request's choices, `Lifetime.close` cancels whatever has not finished
 whatever the transport did (stream dropped, non-streaming client gone, handler error), and
 `fail_all` ends every open request with an error body (drain deadline passed, a replica
-failed). Thread-safe: the HTTP thread and the control loop both call it.
+failed). Thread-safe: the HTTP thread and the threads that talk to the engine all call it.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-IDLE_S = 0.5  # while nothing runs, the control loop waits this long for requests
+IDLE_S = 0.5  # the longest the control loop and `collect` wait for something to do
 
 
 @dataclass
@@ -27,7 +28,7 @@ class Failure:
 
 @dataclass
 class _Choice:
-    """Rank 0's book-keeping of one choice in flight."""
+    """The book-keeping of one choice in flight."""
 
     replica: int
     budget: int  # tokens it may still generate
@@ -49,18 +50,20 @@ class Lifetime:
 
 
 class Frontend:
-    """Rank 0's side: the HTTP app's bridge to the control loop (thread-safe)."""
+    """The HTTP app's bridge to the engines' control loop (thread-safe). `limits`: the
+    engines' `RequestLimits` (inference/limits.py); `adapters`: the LoRA adapters served at
+    start, name -> folder."""
 
-    def __init__(self, engine, tokenizer, model_name: str, api_key: str | None, dp: int,
+    def __init__(self, limits, tokenizer, model_name: str, api_key: str | None, dp: int,
                  metrics=None, shutdown_timeout: float = 20.0,
                  sampling_defaults: dict | None = None, reasoning_parser: str | None = None,
                  tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
-                 allow_lora_updates: bool = False):
-        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
-        # LoRA adapters served (inference/lora.py): name -> folder, as rank 0 last saw them;
-        # run-time loads and unloads (--allow-runtime-lora-updating) wait for their ticket
-        lora = getattr(engine, "lora", None)
-        self.adapters = {n: a.path for n, a in lora.adapters.items()} if lora else {}
+                 allow_lora_updates: bool = False, adapters: dict | None = None):
+        self.limits, self.tokenizer, self.model_name = limits, tokenizer, model_name
+        # LoRA adapters served (inference/lora.py): name -> folder, as the engines last
+        # reported; run-time loads and unloads (--allow-runtime-lora-updating) wait for
+        # their ticket
+        self.adapters = dict(adapters or {})
         self.allow_lora_updates = allow_lora_updates
         self.lora_waiting: dict[int, tuple] = {}  # ticket -> (loop, future)
         self.tickets = 0
@@ -161,6 +164,7 @@ class Frontend:
         if level == 1 and not self.stopping:
             self.deadline = time.monotonic() + self.shutdown_timeout
         self.stopping = max(self.stopping, level)
+        self.inbox.put(("wake", []))
 
     def unavailable(self) -> str | None:
         """Why a new request is refused now (None: it is accepted)."""
@@ -170,10 +174,10 @@ class Frontend:
             return "the server is shutting down; retry on another server"
         return None
 
-    # ---------------------------------------------------------------- control loop side
+    # ---------------------------------------------------------------- engine side
     def collect(self) -> dict:
-        """The control message of the next iteration: requests to add, ids to cancel, and
-        whether to stop (blocks up to `IDLE_S` while nothing runs)."""
+        """The next control message for the engines: requests to add, ids to cancel, adapter
+        commands, and whether to stop (blocks up to `IDLE_S` until there is one)."""
         if self.stopping == 1 and self.deadline is not None and \
                 time.monotonic() > self.deadline:
             self.stopping = 2
@@ -185,8 +189,7 @@ class Frontend:
                                        "finished; retry on another server"))
         msg = {"add": [], "cancel": [], "lora": [], "stop": False}
         try:
-            idle = not self.choices and not self.stopping
-            items = [self.inbox.get(timeout=IDLE_S) if idle else self.inbox.get_nowait()]
+            items = [self.inbox.get(timeout=IDLE_S)]
         except queue.Empty:
             items = []
         while True:
@@ -195,7 +198,8 @@ class Frontend:
             except queue.Empty:
                 break
         for kind, payload in items:
-            msg[kind].extend(payload)
+            if kind != "wake":  # (stop, a choice finished while stopping): look again
+                msg[kind].extend(payload)
         msg["stop"] = self.stopping == 2 or bool(self.stopping and not self.choices)
         return msg
 
@@ -229,6 +233,8 @@ class Frontend:
                 if e.finish_reason is not None:
                     del self.choices[e.id]
                     self.served[c.replica] += 1
+                    if self.stopping and not self.choices:
+                        self.inbox.put(("wake", []))
                 last, c.last = c.last, (now if e.token_ids else c.last)
             if self.metrics is not None:
                 self.metrics.event(c.replica, e, c.arrival, last)
