@@ -60,7 +60,7 @@ from parallel_state import p2p
 
 from .block_manager import BlockManager
 from .comm import broadcast_logprobs, broadcast_tokens
-from .detokenize import IncrementalDetokenizer
+from .detokenize import OutputText
 from .limits import RequestLimits
 from .runner import ModelRunner
 from .scheduler import Scheduler, _Flight
@@ -77,9 +77,8 @@ class Request:
     prompt: list[int]
     params: SamplingParams
     output: list[int] = field(default_factory=list)
-    text: str = ""  # decoded output so far, whole characters only (stop strings cut off)
-    sent: int = 0  # characters of `text` already handed out by `step` events
-    detokenizer: IncrementalDetokenizer | None = None
+    # its text (inference/detokenize.py) when the engine decodes (offline generation)
+    out: OutputText | None = None
     arrival: float = 0.0  # time.monotonic() when `add` queued it
     queue_s: float | None = None  # seconds it waited for a slot (set at admission)
     ttft_s: float | None = None  # seconds from `add` to its first generated token
@@ -99,6 +98,12 @@ class Request:
     lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
     lora_slot: int = 0  # its adapter's slot (inference/lora.py; 0: the base), set by `add`
     cache_salt: bytes | None = None  # roots its prefix-cache block names (its adapter's)
+
+    @property
+    def text(self) -> str:
+        """Decoded output so far, whole characters only (stop strings cut off); "" when the
+        engine does not decode."""
+        return self.out.text if self.out is not None else ""
 
 
 @dataclass
@@ -476,46 +481,17 @@ class Engine(Scheduler):
             reason = "stop"
         elif len(r.output) >= r.params.max_new_tokens:
             reason = "length"
-        if self.decode is not None:
-            reason = self._extend_text(r, token, reason)
+        if self.decode is not None:  # the prompt is the first tokens' context (not for T5)
+            if r.out is None:
+                r.out = OutputText(self.decode, () if self.encoder_decoder else r.prompt,
+                                   r.params.stop)
+            reason = r.out.add(token, reason)
         if reason is not None:
             self._finish(r, reason)
-        return Event(r.id, [token], self._new_text(r), r.finish_reason, len(r.prompt),
+        text = r.out.new_text(reason is not None) if r.out is not None else ""
+        return Event(r.id, [token], text, r.finish_reason, len(r.prompt),
                      len(r.output), queue_s=r.queue_s if len(r.output) == 1 else None,
                      preemptions=r.preemptions if reason is not None else None)
-
-    def _extend_text(self, r: Request, token: int, reason: str | None) -> str | None:
-        """Add `token`'s text to `r.text` (inference/detokenize.py: whole characters only;
-        all that is left once the request ends), cut it at the first stop string, and return
-        the finish reason ("stop" when a stop string appeared)."""
-        if r.detokenizer is None:  # the prompt is the first tokens' context (not for T5)
-            r.detokenizer = IncrementalDetokenizer(
-                self.decode, () if self.encoder_decoder else r.prompt)
-        piece = r.detokenizer.add(token)
-        if reason is not None:
-            piece += r.detokenizer.finish()
-        if not piece:
-            return reason
-        r.text += piece
-        if r.params.stop:  # a new match starts at most len(stop) - 1 characters back
-            lo = max(0, len(r.text) - len(piece) - max(map(len, r.params.stop)) + 1)
-            cuts = [c for c in (r.text.find(s, lo) for s in r.params.stop) if c >= 0]
-            if cuts:
-                r.text, reason = r.text[:min(cuts)], "stop"
-        return reason
-
-    def _new_text(self, r: Request) -> str:
-        """Text not yet handed out; while running, hold back any tail that may still become
-        a stop string."""
-        end = len(r.text)
-        if r.finish_reason is None:
-            for s in r.params.stop:
-                for k in range(min(len(s) - 1, end), 0, -1):
-                    if r.text[:end].endswith(s[:k]):
-                        end -= k
-                        break
-        new, r.sent = r.text[r.sent:end], max(r.sent, end)
-        return new
 
     def _finish(self, r: Request, reason: str) -> None:
         r.finish_reason = reason

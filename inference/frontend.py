@@ -14,6 +14,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from .detokenize import OutputText
+
 IDLE_S = 0.5  # the longest the control loop and `collect` wait for something to do
 
 
@@ -36,6 +38,8 @@ class _Choice:
     queue: object  # (loop, asyncio.Queue)
     last: float | None = None  # time of its previous event with tokens
     lora: str | None = None  # the LoRA adapter it runs with (None: the base)
+    out: object = None  # its text (detokenize.OutputText; None without a tokenizer)
+    generated: int = 0  # tokens handed to its request so far
 
 
 class Lifetime:
@@ -103,8 +107,11 @@ class Frontend:
             for rid, prompt, params in items:
                 rep = min(range(self.dp), key=lambda r: self.work[r])
                 self.work[rep] += params.max_new_tokens
+                out = None if self.tokenizer is None else OutputText(
+                    self.tokenizer.decode, () if self.limits.encoder_decoder else prompt,
+                    params.stop)
                 self.choices[rid] = _Choice(rep, params.max_new_tokens, now, (loop, q),
-                                            lora=lora)
+                                            lora=lora, out=out)
                 adds.append((rep, rid, prompt, params, lora))
         self.inbox.put(("add", adds))
         return Lifetime(self, [rid for rid, _, _ in items], q)
@@ -227,6 +234,9 @@ class Frontend:
                 if c is None:  # cancelled by its client, or failed above
                     self._left(e)
                     continue
+                if self._text(c, e):  # a stop string ended it: the engine still runs it
+                    self.leaving[e.id] = (c.replica, False)
+                    self.inbox.put(("cancel", [e.id]))
                 done = c.budget if e.finish_reason is not None else len(e.token_ids)
                 c.budget -= done
                 self.work[c.replica] -= done
@@ -247,6 +257,26 @@ class Frontend:
             for r, s in enumerate(stats):
                 if s is not None:
                     self.metrics.replica_stats(r, s)
+
+    @staticmethod
+    def _text(c: _Choice, e) -> bool:
+        """Give engine event `e` of choice `c` its text (stop strings are applied here: the
+        engines send ids only): the ids after a stop string are dropped and the finish reason
+        becomes "stop". Returns whether a stop string ended a choice its engine still runs."""
+        running = e.finish_reason is None
+        if c.out is not None:
+            n = len(e.token_ids)
+            for i, token in enumerate(e.token_ids):
+                reason = c.out.add(token, e.finish_reason if i == n - 1 else None)
+                if reason is not None:
+                    e.token_ids, e.finish_reason = e.token_ids[:i + 1], reason
+                    if e.logprobs is not None:
+                        e.logprobs = e.logprobs[:i + 1]
+                    break
+            e.text = c.out.new_text(e.finish_reason is not None)
+        c.generated += len(e.token_ids)
+        e.completion_tokens = c.generated
+        return running and e.finish_reason is not None
 
     def _left(self, e) -> None:
         """Account an event of a cancelled choice (under `lock`)."""

@@ -65,6 +65,7 @@ def serve(engine, tokenizer, model_name: str, host: str = "127.0.0.1", port: int
     leader = replica_ranks()[0] == rank
     api = None
     signals = {"n": 0}
+    engine.decode = None  # events carry ids; the API process detokenises them
 
     def on_signal(signum, frame):
         signals["n"] += 1
