@@ -1,4 +1,4 @@
-"""The HTTP API of `infer.py --serve` (FastAPI, in rank 0's HTTP thread): POST /v1/completions,
+"""The HTTP API of `infer.py --serve` (FastAPI, in the API server process): POST /v1/completions,
 POST /v1/chat/completions, POST /tokenize, POST /detokenize, GET /v1/models, GET /health,
 GET /metrics, and with --enable-lora POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter.
 

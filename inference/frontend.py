@@ -4,7 +4,8 @@ inference/server.py): `Frontend` is the one place that owns a request's lifetime
 registers and routes a request's choices, `Lifetime.close` cancels whatever has not finished
 whatever the transport did (stream dropped, non-streaming client gone, handler error), and
 `fail_all` ends every open request with an error body (drain deadline passed, a replica
-failed). Thread-safe: the HTTP thread and the threads that talk to the engine all call it.
+failed). Thread-safe: the HTTP thread and the threads that talk to the engines all call
+it.
 """
 from __future__ import annotations
 

@@ -82,11 +82,11 @@ def serve(engine, tokenizer, model_name: str, host: str = "127.0.0.1", port: int
             reasoning_parser, tool_call_parser, enable_auto_tool_choice, allow_lora_updates,
             {n: a.path for n, a in lora.adapters.items()} if lora else {}))
         api.signals = signals["n"]
+        log(f"API server process {api.proc.pid}: HTTP, tokenisation, streaming", flush=True)
         ep = grid.expert_model_parallel_size  # --enable-expert-parallel: experts over tp
         log(f"serving {model_name} on http://{host}:{port}/v1 (dp={dp}, "
             f"tp={grid.tensor_model_parallel_size}, pp={grid.pipeline_model_parallel_size}"
-            f"{f', ep={ep}' if ep > 1 else ''}; API server process {api.proc.pid})",
-            flush=True)
+            f"{f', ep={ep}' if ep > 1 else ''})", flush=True)
     try:
         _loop(engine, api, my_replica, leader)
     except Exception as e:  # a collective failed: a rank of some replica is gone

@@ -50,7 +50,7 @@ def _start(folder: str):
                             start_new_session=True)
     lines: list[str] = []
     read_until(proc, lines, "serving chain on")
-    api = int(re.search(r"API server process (\d+)", lines[-1]).group(1))
+    api = int(re.search(r"API server process (\d+)", "".join(lines)).group(1))
     assert api != proc.pid and not _gone(api)
     threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout], daemon=True).start()
     return proc, port, api, lines
