@@ -97,6 +97,7 @@ class APIProcess:
                 kind, *rest = conn.recv()
                 why = rest[0] if kind == "error" else None
         except (EOFError, OSError):
+            proc.join(5)
             why = f"the API server process exited (exit code {proc.exitcode})"
         if why is not None:
             proc.kill()

@@ -153,6 +153,8 @@ def test_kill_api_process_stops_the_engine(tmp_path):
 class _Tokenizer:
     """ids are letters: 0 -> "a", 1 -> "b", ..."""
 
+    vocab_size = 26
+
     @staticmethod
     def decode(ids):
         return "".join(chr(97 + i) for i in ids)
@@ -183,3 +185,14 @@ def test_api_process_applies_stop_strings():
         assert fe.work == [0]
 
     asyncio.run(run())
+
+
+def test_tokenizers_cross_to_the_api_process():
+    """What `APIConfig` carries survives pickling (the spawned API process unpickles it): a
+    T5 prompt tokenizer, whose attribute look-ups go to the tokenizer it wraps."""
+    import pickle
+
+    from inference.seq2seq import SourceTokenizer
+
+    t5 = pickle.loads(pickle.dumps(SourceTokenizer(_Tokenizer(), 30)))
+    assert t5.model_vocab_size == 30 and t5.decode([0, 1]) == "ab"
