@@ -471,7 +471,7 @@ def lora_manager(args, model, log):
 
 def run_server(args, engine, tokenizer, name: str, generation_config: dict, rank: int) -> int:
     """Serve the OpenAI-compatible API until shut down; returns the exit code (1 when a rank
-    died, so that torchrun restarts the group)."""
+    or the API server process died, so that torchrun restarts the group)."""
     from inference.server import serve
 
     defaults = server_defaults(args, generation_config, rank)

@@ -1,4 +1,4 @@
-"""The HTTP API of `infer.py --serve` (FastAPI, in rank 0's HTTP thread): POST /v1/completions,
+"""The HTTP API of `infer.py --serve` (FastAPI, in the API server process): POST /v1/completions,
 POST /v1/chat/completions, POST /tokenize, POST /detokenize, GET /v1/models, GET /health,
 GET /metrics, and with --enable-lora POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter.
 
@@ -180,7 +180,7 @@ def _status_routes(app, fe: Frontend) -> None:
         folder, as vLLM lists them)."""
         base = {"id": fe.model_name, "object": "model", "created": 0, "owned_by": "shardzoo",
                 "root": fe.model_name, "parent": None,
-                "max_model_len": fe.engine.max_seq_length}
+                "max_model_len": fe.limits.max_seq_length}
         with fe.lock:
             adapters = sorted(fe.adapters.items())
         return {"object": "list", "data": [base] + [
@@ -211,7 +211,7 @@ def _generation_routes(app, fe: Frontend, limits: Limits, err, keep_alive: float
     from fastapi import Request as HTTPRequest
     from fastapi.responses import StreamingResponse
 
-    max_chars = protocol.max_prompt_chars(fe.tokenizer, fe.engine.max_seq_length)
+    max_chars = protocol.max_prompt_chars(fe.tokenizer, fe.limits.max_seq_length)
 
     class Stream(StreamingResponse):
         """A streamed answer whose `Lifetime` is closed however the response ends (also when
@@ -238,8 +238,8 @@ def _generation_routes(app, fe: Frontend, limits: Limits, err, keep_alive: float
                 raw = await _read_body(req, limits.max_request_bytes)
                 parsed = await asyncio.to_thread(
                     protocol.parse, raw, chat=chat, tokenizer=fe.tokenizer,
-                    model_names=[fe.model_name, *fe.adapters], check=fe.engine.check,
-                    max_seq_length=fe.engine.max_seq_length,
+                    model_names=[fe.model_name, *fe.adapters], check=fe.limits.check,
+                    max_seq_length=fe.limits.max_seq_length,
                     seed_source=lambda: secrets.randbits(62),
                     max_choices=limits.max_request_choices, max_prompt_chars=max_chars,
                     defaults=fe.sampling_defaults, tool_parser=fe.tool_call_parser,
@@ -277,8 +277,8 @@ def _tokenizer_routes(app, fe: Frontend, limits: Limits, err) -> None:
     """POST /tokenize and /detokenize (vLLM's): the server's own ids for a text or chat."""
     from fastapi import Request as HTTPRequest
 
-    max_chars = protocol.max_prompt_chars(fe.tokenizer, fe.engine.max_seq_length)
-    vocab = fe.engine.runner.config.vocab_size
+    max_chars = protocol.max_prompt_chars(fe.tokenizer, fe.limits.max_seq_length)
+    vocab = fe.limits.vocab_size
 
     async def run(req, work):
         try:
@@ -291,7 +291,7 @@ def _tokenizer_routes(app, fe: Frontend, limits: Limits, err) -> None:
     async def tokenize(req: HTTPRequest):
         return await run(req, lambda raw: protocol.tokenize(
             raw, tokenizer=fe.tokenizer, model_names=[fe.model_name],
-            max_seq_length=fe.engine.max_seq_length, max_prompt_chars=max_chars))
+            max_seq_length=fe.limits.max_seq_length, max_prompt_chars=max_chars))
 
     @app.post("/detokenize")
     async def detokenize(req: HTTPRequest):

@@ -64,3 +64,46 @@ class IncrementalDetokenizer:
         before, now = self._pending()
         self.prefix = self.read = len(self.ids)
         return now[len(before):] if len(now) > len(before) else ""
+
+
+class OutputText:
+    """The text of one request's output, cut at its first stop string: the engine's
+    (offline generation) and the API server process's (serving: the engines send ids only).
+
+    `add(token, reason)` appends one output id (`reason`: why the request ends with it, or
+    None) and returns the finish reason: "stop" when a stop string appeared (the text is cut
+    before it), else `reason`; once a request ends, the incomplete characters left are shown
+    as U+FFFD. `new_text(finished)` returns the text not yet handed out; while running it
+    holds back a tail that may still become a stop string. `text`: all the text so far."""
+
+    def __init__(self, decode: Callable[[list[int]], str], prompt: list[int] = (),
+                 stop: tuple[str, ...] = ()):
+        self.detokenizer = IncrementalDetokenizer(decode, prompt)
+        self.stop = tuple(stop)
+        self.text = ""
+        self.sent = 0  # characters of `text` already handed out
+
+    def add(self, token: int, reason: str | None) -> str | None:
+        piece = self.detokenizer.add(token)
+        if reason is not None:
+            piece += self.detokenizer.finish()
+        if not piece:
+            return reason
+        self.text += piece
+        if self.stop:  # a new match starts at most len(stop) - 1 characters back
+            lo = max(0, len(self.text) - len(piece) - max(map(len, self.stop)) + 1)
+            cuts = [c for c in (self.text.find(s, lo) for s in self.stop) if c >= 0]
+            if cuts:
+                self.text, reason = self.text[:min(cuts)], "stop"
+        return reason
+
+    def new_text(self, finished: bool) -> str:
+        end = len(self.text)
+        if not finished:
+            for s in self.stop:
+                for k in range(min(len(s) - 1, end), 0, -1):
+                    if self.text[:end].endswith(s[:k]):
+                        end -= k
+                        break
+        new, self.sent = self.text[self.sent:end], max(self.sent, end)
+        return new

@@ -60,7 +60,8 @@ from parallel_state import p2p
 
 from .block_manager import BlockManager
 from .comm import broadcast_logprobs, broadcast_tokens
-from .detokenize import IncrementalDetokenizer
+from .detokenize import OutputText
+from .limits import RequestLimits
 from .runner import ModelRunner
 from .scheduler import Scheduler, _Flight
 from .seq2seq import Seq2SeqRunner
@@ -76,9 +77,8 @@ class Request:
     prompt: list[int]
     params: SamplingParams
     output: list[int] = field(default_factory=list)
-    text: str = ""  # decoded output so far, whole characters only (stop strings cut off)
-    sent: int = 0  # characters of `text` already handed out by `step` events
-    detokenizer: IncrementalDetokenizer | None = None
+    # its text (inference/detokenize.py) when the engine decodes (offline generation)
+    out: OutputText | None = None
     arrival: float = 0.0  # time.monotonic() when `add` queued it
     queue_s: float | None = None  # seconds it waited for a slot (set at admission)
     ttft_s: float | None = None  # seconds from `add` to its first generated token
@@ -98,6 +98,12 @@ class Request:
     lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
     lora_slot: int = 0  # its adapter's slot (inference/lora.py; 0: the base), set by `add`
     cache_salt: bytes | None = None  # roots its prefix-cache block names (its adapter's)
+
+    @property
+    def text(self) -> str:
+        """Decoded output so far, whole characters only (stop strings cut off); "" when the
+        engine does not decode."""
+        return self.out.text if self.out is not None else ""
 
 
 @dataclass
@@ -216,6 +222,12 @@ class Engine(Scheduler):
         # statistics (tokens looked up in / found in the prefix cache, preemptions)
         self.prefix_queries = self.prefix_hits = self.num_preemptions = 0
         self.num_left = 0  # running requests that finished or were cancelled so far
+        # what a request may ask (plain data: the API server process checks with a copy)
+        self.limits = RequestLimits(
+            self.runner.config.vocab_size, max_seq_length, self.max_source_length,
+            self.encoder_decoder, self.blocks.block_size, self.blocks.capacity,
+            "this server has no tokenizer for structured outputs" if grammar is None
+            else grammar.unavailable)
 
     def cache_summary(self) -> str:
         """One line for the start-up log: the cache's blocks, tokens and bytes on this rank."""
@@ -239,42 +251,9 @@ class Engine(Scheduler):
 
     # ------------------------------------------------------------------ requests
     def check(self, prompt: list[int], params: SamplingParams) -> None:
-        """Raise `ValueError` (`SamplingError` for a sampling field) if the request cannot run."""
-        params.validate()
-        if params.grammar is not None:
-            from .structured import GrammarError
-
-            why = "this server has no tokenizer for structured outputs" \
-                if self.grammar is None else self.grammar.unavailable
-            if why:
-                raise GrammarError(why)
-        if not prompt:
-            raise ValueError("the prompt is empty; send at least one token")
-        vocab = self.runner.config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if self.encoder_decoder:
-            if len(prompt) > self.max_source_length:
-                raise ValueError(f"the prompt ({len(prompt)} tokens) is longer than the "
-                                 f"encoder's {self.max_source_length} tokens; shorten it")
-            if params.max_new_tokens > self.max_seq_length:
-                raise ValueError(f"max_tokens ({params.max_new_tokens}) exceeds the decoder's "
-                                 f"{self.max_seq_length} tokens; lower max_tokens")
-            return
-        if len(prompt) + params.max_new_tokens > self.max_seq_length:
-            raise ValueError(
-                f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_new_tokens}) "
-                f"exceeds the context of {self.max_seq_length} tokens; shorten the prompt or "
-                f"lower max_tokens")
-        bm = self.blocks  # the last id is sampled, never written: len + max - 1 positions
-        need = bm.blocks_for(len(prompt) + params.max_new_tokens - 1)
-        if need > bm.capacity:
-            raise ValueError(
-                f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_new_tokens}) "
-                f"needs {need} KV cache blocks of {bm.block_size} tokens, more than the whole "
-                f"cache holds ({bm.capacity} blocks, {bm.capacity * bm.block_size} tokens); "
-                f"shorten the prompt or lower max_tokens, or start the server with a larger "
-                f"--kv-cache-memory (or a --max-model-len the cache holds)")
+        """Raise `ValueError` (`SamplingError` for a sampling field) if the request cannot run
+        (`RequestLimits.check` of `self.limits`)."""
+        self.limits.check(prompt, params)
 
     def add(self, request: Request) -> None:
         """Queue `request` (checked with `check`); it joins the batch at the next step."""
@@ -502,46 +481,17 @@ class Engine(Scheduler):
             reason = "stop"
         elif len(r.output) >= r.params.max_new_tokens:
             reason = "length"
-        if self.decode is not None:
-            reason = self._extend_text(r, token, reason)
+        if self.decode is not None:  # the prompt is the first tokens' context (not for T5)
+            if r.out is None:
+                r.out = OutputText(self.decode, () if self.encoder_decoder else r.prompt,
+                                   r.params.stop)
+            reason = r.out.add(token, reason)
         if reason is not None:
             self._finish(r, reason)
-        return Event(r.id, [token], self._new_text(r), r.finish_reason, len(r.prompt),
+        text = r.out.new_text(reason is not None) if r.out is not None else ""
+        return Event(r.id, [token], text, r.finish_reason, len(r.prompt),
                      len(r.output), queue_s=r.queue_s if len(r.output) == 1 else None,
                      preemptions=r.preemptions if reason is not None else None)
-
-    def _extend_text(self, r: Request, token: int, reason: str | None) -> str | None:
-        """Add `token`'s text to `r.text` (inference/detokenize.py: whole characters only;
-        all that is left once the request ends), cut it at the first stop string, and return
-        the finish reason ("stop" when a stop string appeared)."""
-        if r.detokenizer is None:  # the prompt is the first tokens' context (not for T5)
-            r.detokenizer = IncrementalDetokenizer(
-                self.decode, () if self.encoder_decoder else r.prompt)
-        piece = r.detokenizer.add(token)
-        if reason is not None:
-            piece += r.detokenizer.finish()
-        if not piece:
-            return reason
-        r.text += piece
-        if r.params.stop:  # a new match starts at most len(stop) - 1 characters back
-            lo = max(0, len(r.text) - len(piece) - max(map(len, r.params.stop)) + 1)
-            cuts = [c for c in (r.text.find(s, lo) for s in r.params.stop) if c >= 0]
-            if cuts:
-                r.text, reason = r.text[:min(cuts)], "stop"
-        return reason
-
-    def _new_text(self, r: Request) -> str:
-        """Text not yet handed out; while running, hold back any tail that may still become
-        a stop string."""
-        end = len(r.text)
-        if r.finish_reason is None:
-            for s in r.params.stop:
-                for k in range(min(len(s) - 1, end), 0, -1):
-                    if r.text[:end].endswith(s[:k]):
-                        end -= k
-                        break
-        new, r.sent = r.text[r.sent:end], max(r.sent, end)
-        return new
 
     def _finish(self, r: Request, reason: str) -> None:
         r.finish_reason = reason

@@ -1,9 +1,11 @@
-"""Rank 0's bridge between the HTTP layer (inference/api.py) and the control loop
-(inference/server.py): `Frontend` is the one place that owns a request's lifetime. `open`
+"""The API server process's bridge between the HTTP layer (inference/api.py) and the engine
+processes (inference/core_client.py carries its messages to rank 0's control loop,
+inference/server.py): `Frontend` is the one place that owns a request's lifetime. `open`
 registers and routes a request's choices, `Lifetime.close` cancels whatever has not finished
 whatever the transport did (stream dropped, non-streaming client gone, handler error), and
 `fail_all` ends every open request with an error body (drain deadline passed, a replica
-failed). Thread-safe: the HTTP thread and the control loop both call it.
+failed). Thread-safe: the HTTP thread and the threads that talk to the engines all call
+it.
 """
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-IDLE_S = 0.5  # while nothing runs, the control loop waits this long for requests
+from .detokenize import OutputText
+
+IDLE_S = 0.5  # the longest the control loop and `collect` wait for something to do
 
 
 @dataclass
@@ -27,7 +31,7 @@ class Failure:
 
 @dataclass
 class _Choice:
-    """Rank 0's book-keeping of one choice in flight."""
+    """The book-keeping of one choice in flight."""
 
     replica: int
     budget: int  # tokens it may still generate
@@ -35,6 +39,8 @@ class _Choice:
     queue: object  # (loop, asyncio.Queue)
     last: float | None = None  # time of its previous event with tokens
     lora: str | None = None  # the LoRA adapter it runs with (None: the base)
+    out: object = None  # its text (detokenize.OutputText; None without a tokenizer)
+    generated: int = 0  # tokens handed to its request so far
 
 
 class Lifetime:
@@ -49,18 +55,20 @@ class Lifetime:
 
 
 class Frontend:
-    """Rank 0's side: the HTTP app's bridge to the control loop (thread-safe)."""
+    """The HTTP app's bridge to the engines' control loop (thread-safe). `limits`: the
+    engines' `RequestLimits` (inference/limits.py); `adapters`: the LoRA adapters served at
+    start, name -> folder."""
 
-    def __init__(self, engine, tokenizer, model_name: str, api_key: str | None, dp: int,
+    def __init__(self, limits, tokenizer, model_name: str, api_key: str | None, dp: int,
                  metrics=None, shutdown_timeout: float = 20.0,
                  sampling_defaults: dict | None = None, reasoning_parser: str | None = None,
                  tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
-                 allow_lora_updates: bool = False):
-        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
-        # LoRA adapters served (inference/lora.py): name -> folder, as rank 0 last saw them;
-        # run-time loads and unloads (--allow-runtime-lora-updating) wait for their ticket
-        lora = getattr(engine, "lora", None)
-        self.adapters = {n: a.path for n, a in lora.adapters.items()} if lora else {}
+                 allow_lora_updates: bool = False, adapters: dict | None = None):
+        self.limits, self.tokenizer, self.model_name = limits, tokenizer, model_name
+        # LoRA adapters served (inference/lora.py): name -> folder, as the engines last
+        # reported; run-time loads and unloads (--allow-runtime-lora-updating) wait for
+        # their ticket
+        self.adapters = dict(adapters or {})
         self.allow_lora_updates = allow_lora_updates
         self.lora_waiting: dict[int, tuple] = {}  # ticket -> (loop, future)
         self.tickets = 0
@@ -100,8 +108,11 @@ class Frontend:
             for rid, prompt, params in items:
                 rep = min(range(self.dp), key=lambda r: self.work[r])
                 self.work[rep] += params.max_new_tokens
+                out = None if self.tokenizer is None else OutputText(
+                    self.tokenizer.decode, () if self.limits.encoder_decoder else prompt,
+                    params.stop)
                 self.choices[rid] = _Choice(rep, params.max_new_tokens, now, (loop, q),
-                                            lora=lora)
+                                            lora=lora, out=out)
                 adds.append((rep, rid, prompt, params, lora))
         self.inbox.put(("add", adds))
         return Lifetime(self, [rid for rid, _, _ in items], q)
@@ -161,6 +172,7 @@ class Frontend:
         if level == 1 and not self.stopping:
             self.deadline = time.monotonic() + self.shutdown_timeout
         self.stopping = max(self.stopping, level)
+        self.inbox.put(("wake", []))
 
     def unavailable(self) -> str | None:
         """Why a new request is refused now (None: it is accepted)."""
@@ -170,10 +182,10 @@ class Frontend:
             return "the server is shutting down; retry on another server"
         return None
 
-    # ---------------------------------------------------------------- control loop side
+    # ---------------------------------------------------------------- engine side
     def collect(self) -> dict:
-        """The control message of the next iteration: requests to add, ids to cancel, and
-        whether to stop (blocks up to `IDLE_S` while nothing runs)."""
+        """The next control message for the engines: requests to add, ids to cancel, adapter
+        commands, and whether to stop (blocks up to `IDLE_S` until there is one)."""
         if self.stopping == 1 and self.deadline is not None and \
                 time.monotonic() > self.deadline:
             self.stopping = 2
@@ -185,8 +197,7 @@ class Frontend:
                                        "finished; retry on another server"))
         msg = {"add": [], "cancel": [], "lora": [], "stop": False}
         try:
-            idle = not self.choices and not self.stopping
-            items = [self.inbox.get(timeout=IDLE_S) if idle else self.inbox.get_nowait()]
+            items = [self.inbox.get(timeout=IDLE_S)]
         except queue.Empty:
             items = []
         while True:
@@ -195,7 +206,8 @@ class Frontend:
             except queue.Empty:
                 break
         for kind, payload in items:
-            msg[kind].extend(payload)
+            if kind != "wake":  # (stop, a choice finished while stopping): look again
+                msg[kind].extend(payload)
         msg["stop"] = self.stopping == 2 or bool(self.stopping and not self.choices)
         return msg
 
@@ -223,12 +235,17 @@ class Frontend:
                 if c is None:  # cancelled by its client, or failed above
                     self._left(e)
                     continue
+                if self._text(c, e):  # a stop string ended it: the engine still runs it
+                    self.leaving[e.id] = (c.replica, False)
+                    self.inbox.put(("cancel", [e.id]))
                 done = c.budget if e.finish_reason is not None else len(e.token_ids)
                 c.budget -= done
                 self.work[c.replica] -= done
                 if e.finish_reason is not None:
                     del self.choices[e.id]
                     self.served[c.replica] += 1
+                    if self.stopping and not self.choices:
+                        self.inbox.put(("wake", []))
                 last, c.last = c.last, (now if e.token_ids else c.last)
             if self.metrics is not None:
                 self.metrics.event(c.replica, e, c.arrival, last)
@@ -241,6 +258,26 @@ class Frontend:
             for r, s in enumerate(stats):
                 if s is not None:
                     self.metrics.replica_stats(r, s)
+
+    @staticmethod
+    def _text(c: _Choice, e) -> bool:
+        """Give engine event `e` of choice `c` its text (stop strings are applied here: the
+        engines send ids only): the ids after a stop string are dropped and the finish reason
+        becomes "stop". Returns whether a stop string ended a choice its engine still runs."""
+        running = e.finish_reason is None
+        if c.out is not None:
+            n = len(e.token_ids)
+            for i, token in enumerate(e.token_ids):
+                reason = c.out.add(token, e.finish_reason if i == n - 1 else None)
+                if reason is not None:
+                    e.token_ids, e.finish_reason = e.token_ids[:i + 1], reason
+                    if e.logprobs is not None:
+                        e.logprobs = e.logprobs[:i + 1]
+                    break
+            e.text = c.out.new_text(e.finish_reason is not None)
+        c.generated += len(e.token_ids)
+        e.completion_tokens = c.generated
+        return running and e.finish_reason is not None
 
     def _left(self, e) -> None:
         """Account an event of a cancelled choice (under `lock`)."""

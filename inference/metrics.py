@@ -47,8 +47,9 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 class ServerMetrics:
     """Observations of one server, `render()` in Prometheus text format (`content_type`).
 
-    The HTTP thread calls `arrived` / `error`; the control loop calls `event` (each engine
-    event, with the arrival time the frontend kept) and `replica_stats`. Raises ImportError
+    Lives in the API server process: the HTTP thread calls `arrived` / `error`; the thread
+    receiving the engines' messages calls `event` (each engine event, with the arrival time
+    the frontend kept) and `replica_stats`. Raises ImportError
     naming the extra when prometheus_client is not installed.
     """
 

@@ -160,6 +160,8 @@ class SourceTokenizer:
         self._tok, self.model_vocab_size = tokenizer, model_vocab_size
 
     def __getattr__(self, name):
+        if name == "_tok" or name.startswith("__"):  # unpickling (the API server process)
+            raise AttributeError(name)
         return getattr(self._tok, name)
 
     def encode(self, text: str) -> list[int]:
