@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from distributed import free_port
-from launch import read_until
+from launch import OWN_PROCESS_GROUP, read_until
 from test_server_faults import _ask
 from test_server_limits import _chain_model, _metric, _until
 
@@ -61,7 +61,7 @@ def _start(folder: str):
            "--max-batch-size", "1"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            start_new_session=True)
+                            **OWN_PROCESS_GROUP)
     lines: list[str] = []
     read_until(proc, lines, "serving chain on")
     api = int(re.search(r"API server process (\d+)", "".join(lines)).group(1))
