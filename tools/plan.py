@@ -116,8 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes-of", type=int, default=8, help="GPUs per node (default 8)")
     p.add_argument("--bandwidth-intra", default="450GB/s", help="per GPU inside a node")
     p.add_argument("--bandwidth-inter", default="50GB/s", help="per GPU across nodes")
-    p.add_argument("--latency-intra", default="5us")
-    p.add_argument("--latency-inter", default="20us")
+    p.add_argument("--latency-intra", default="5us", help="per message inside a node")
+    p.add_argument("--latency-inter", default="20us", help="per message across nodes")
     p.add_argument("--peak-tflops", type=float, default=989.0,
                    help="dense bf16 peak per GPU (default 989: H100/H200 data sheet)")
     p.add_argument("--fp8-peak-tflops", type=float, default=1979.0,
