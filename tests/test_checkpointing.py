@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import REPO, run_train, train_in_one_world, train_losses, train_main_worker
+from launch import REPO, run_main, run_train, train_in_one_world, train_losses, train_main_worker
 from tolerances import assert_losses_close, training_chain_terms
 
 COMMON = ["--config", "configs/tiny-llama.yaml", "--num-query-groups", "4", "--train-iters",
@@ -27,14 +27,19 @@ def _layout(tp=1, pp=1, distopt=False):
 
 
 def _info(path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "tools/checkpoint_info.py", str(path)], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+    """tools/checkpoint_info.py `path` in this process (tests/test_checkpoint_trust.py runs
+    its command line as a process)."""
+    from tools import checkpoint_info
+
+    return run_main(checkpoint_info.main, [path])
 
 
 def _saved_run(nproc: int, args: list[str], root: Path, env: dict) -> tuple[Path, list]:
-    """Train `args` (6 iterations, saved at 3 and 6) in `root`: (save folder, losses)."""
+    """Train `args` (6 iterations, saved at 3 and 6) in `root`, in a spawned world of
+    `nproc`: (save folder, losses)."""
     save = root / "save"
-    run_train(nproc, args + ["--save", str(save), "--save-interval", "3"], root / "a", env=env)
+    train_in_one_world(nproc, [args + ["--save", str(save), "--save-interval", "3",
+                                       "--log-dir", str(root / "a")]], env["SHARDZOO_CACHE"])
     return save, train_losses(root / "a")
 
 
@@ -119,8 +124,10 @@ def test_kill_during_save_keeps_previous(tmp_path, corpus_env):
     info = _info(save)
     assert info.returncode == 0 and "debris (interrupted saves" in info.stdout
     assert staging in info.stdout
-    proc = run_train(2, args, tmp_path / "b", env=corpus_env)  # same command: resumes from 3
-    assert f"removed 1 leftover(s) of interrupted saves at start-up: {staging}" in proc.stdout
+    # same command (in a spawned world: rank 0's stdout): resumes from 3
+    out, = train_in_one_world(2, [args + ["--log-dir", str(tmp_path / "b")]],
+                              corpus_env["SHARDZOO_CACHE"])
+    assert f"removed 1 leftover(s) of interrupted saves at start-up: {staging}" in out
     assert not any(".tmp-" in n for n in os.listdir(save))
     assert train_losses(tmp_path / "b") == ref[3:]
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "6"

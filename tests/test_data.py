@@ -1,4 +1,5 @@
 """Data pipeline: indexed dataset format, GPT sampling, blending, preprocessing, demo corpus."""
+import functools
 import json
 import os
 import re
@@ -13,6 +14,7 @@ from data_pipeline import (BlendedDataset, GPTDataset, IndexedDataset, IndexedDa
                            build_tokenizer, build_train_valid_test_datasets, train_sentencepiece)
 from data_pipeline import default_corpus
 from data_pipeline.default_corpus import ensure_default_corpus
+from launch import run_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi "
@@ -194,7 +196,26 @@ def test_blended_fractions_match_weights(tmp_path):
 
 # ---------------------------------------------------------------- tokenizer + preprocess_data
 
+@functools.cache
+def _preprocess_module():
+    """tools/preprocess_data.py as a module, loaded once."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("preprocess_data_cli",
+                                                  os.path.join(ROOT, "tools", "preprocess_data.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def run_preprocess(*args):
+    """tools/preprocess_data.py *args: its `cli` in this process (exit code, stdout, stderr;
+    no interpreter start per call)."""
+    return run_main(_preprocess_module().cli, list(args))
+
+
+def run_preprocess_process(*args):
+    """tools/preprocess_data.py *args as its own process (the command line itself)."""
     return subprocess.run([sys.executable, "tools/preprocess_data.py", *map(str, args)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
 
@@ -288,19 +309,13 @@ def test_preprocess_clear_errors(tmp_path, sp_model):
 @pytest.fixture(scope="module")
 def preprocess_cli():
     """tools/preprocess_data.py's `cli` in-process (no interpreter start per case)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("preprocess_data_cli",
-                                                  os.path.join(ROOT, "tools", "preprocess_data.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.cli
+    return _preprocess_module().cli
 
 
 def test_preprocess_binary_input_exits_2_without_traceback(tmp_path, sp_model):
     png = tmp_path / "img.txt"
     png.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)))
-    r = run_preprocess("--input", png, "--output-prefix", tmp_path / "x",
+    r = run_preprocess_process("--input", png, "--output-prefix", tmp_path / "x",
                        "--tokenizer-model", sp_model)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert f"{png} is a binary file" in r.stderr and len(r.stderr.strip().splitlines()) == 1

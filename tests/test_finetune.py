@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from launch import REPO, read_metrics, run_train
+from launch import read_metrics, run_main, train_in_one_world
+from tools import preprocess_data
 
 
 def _tokenizer(folder: str, text: str) -> None:
@@ -48,31 +47,32 @@ def test_finetune_imported_model_at_tp2_and_export(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     import_hf(hf, ckpt, log=lambda *a: None)
     assert os.path.isfile(os.path.join(ckpt, "tokenizer", "tokenizer.json"))
-    subprocess.run([sys.executable, "tools/preprocess_data.py", "--input",
-                    str(tmp_path / "corpus.txt"), "--output-prefix", str(tmp_path / "data"),
-                    "--tokenizer-dir", os.path.join(ckpt, "tokenizer"), "--text-unit", "line"],
-                   cwd=REPO, check=True, capture_output=True)
+    prep = run_main(preprocess_data.cli, ["--input", tmp_path / "corpus.txt", "--output-prefix",
+                                          tmp_path / "data", "--tokenizer-dir",
+                                          os.path.join(ckpt, "tokenizer"), "--text-unit", "line"])
+    assert prep.returncode == 0, prep.stderr
     save = str(tmp_path / "save")
-    # lr 0: the saved weights must be exactly the imported ones (AdamW moves nothing)
-    proc = run_train(2, ["--load", ckpt, "--finetune", "--tp", "2", "--train-iters", "2",
-                         "--lr", "0", "--min-lr", "0", "--seq-length", "32",
-                         "--micro-batch-size", "2", "--eval-interval", "0", "--log-interval", "1",
-                         "--data-path", str(tmp_path / "data_text_document"), "--save", save],
-                     tmp_path / "log")
-    assert "iteration, optimizer and RNG start fresh" in proc.stdout
-    assert "finetune defaults (not given): global batch 16, warm-up 2 iterations" in proc.stdout
-    assert "batch   global 16 = micro 2 x 8 microbatches x dp 1" in proc.stdout
+    # lr 0: the saved weights must be exactly the imported ones (AdamW moves nothing); in a
+    # spawned world of 2 (rank 0's stdout: the log lines below are rank 0's)
+    stdout, = train_in_one_world(2, [[
+        "--load", ckpt, "--finetune", "--tp", "2", "--train-iters", "2", "--lr", "0",
+        "--min-lr", "0", "--seq-length", "32", "--micro-batch-size", "2", "--eval-interval",
+        "0", "--log-interval", "1", "--data-path", str(tmp_path / "data_text_document"),
+        "--save", save, "--log-dir", str(tmp_path / "log")]])
+    assert "iteration, optimizer and RNG start fresh" in stdout
+    assert "finetune defaults (not given): global batch 16, warm-up 2 iterations" in stdout
+    assert "batch   global 16 = micro 2 x 8 microbatches x dp 1" in stdout
     records = read_metrics(tmp_path / "log")
     losses = [r["loss"] for r in records if "loss" in r]
     assert len(losses) == 2 and abs(losses[0] - losses[1]) < 0.5  # lr 0: no learning
     peak = records[0]["peak_tflops"]  # run_start: measured once, at start-up
-    assert proc.stdout.count("against a peak of") == 1 and "measured at start-up" in proc.stdout
+    assert stdout.count("against a peak of") == 1 and "measured at start-up" in stdout
     steps = [r for r in records if "loss" in r]
     assert all(r["mfu"] is None or r["mfu"] == pytest.approx(r["tflops"] / peak) for r in steps)
     end = records[-1]
     assert end["event"] == "run_end" and end["peak_tflops"] == peak
     assert end["mean_mfu"] is None or end["mean_mfu"] == pytest.approx(end["mean_tflops"] / peak)
-    assert f"of the peak {peak:.3g} TFLOP/s per device" in proc.stdout
+    assert f"of the peak {peak:.3g} TFLOP/s per device" in stdout
     saved = json.load(open(os.path.join(save, "iter_0000002", "metadata.json")))
     assert saved["layout"]["tp"] == 2 and saved["iteration"] == 2
     assert any(f["name"] == "tokenizer/tokenizer.json" for f in saved["files"])

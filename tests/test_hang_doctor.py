@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from launch import OWN_PROCESS_GROUP, REPO
+from launch import OWN_PROCESS_GROUP, REPO, run_main
 
 PROGRAMS = REPO / "tests" / "hang_programs.py"
 TIMEOUT_S = 2.0
@@ -70,10 +70,14 @@ def run_program(case: str, log_dir: Path, *extra: str, **kw) -> subprocess.Compl
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def report_of(log_dir: Path) -> tuple[str, list[str]]:
-    """tools/hang_report.py's output, and its findings' paragraphs."""
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "hang_report.py"),
-                           str(log_dir / "hang")], capture_output=True, text=True, timeout=60)
+def report_of(log_dir: Path, as_process: bool = False) -> tuple[str, list[str]]:
+    """tools/hang_report.py's output, and its findings' paragraphs: its `main` in this
+    process, or (`as_process`) the command started as a process."""
+    from tools import hang_report
+
+    proc = (subprocess.run([sys.executable, str(REPO / "tools" / "hang_report.py"),
+                            str(log_dir / "hang")], capture_output=True, text=True, timeout=60)
+            if as_process else run_main(hang_report.main, [log_dir / "hang"]))
     assert proc.returncode == 1, proc.stdout + proc.stderr  # 1: something disagrees
     text = proc.stdout.split("\nEvidence")[0]
     return proc.stdout, [p.strip() for p in text.split("\n\n")[1:]]
@@ -96,8 +100,8 @@ def check_bounded(log_dir: Path, proc: subprocess.CompletedProcess) -> None:
     assert max(dumped) - min(started) < TIMEOUT_S + MARGIN_S, (min(started), dumped)
 
 
-def first_finding(log_dir: Path) -> str:
-    out, findings = report_of(log_dir)
+def first_finding(log_dir: Path, as_process: bool = False) -> str:
+    out, findings = report_of(log_dir, as_process)
     assert findings, out
     return findings[0]
 
@@ -106,7 +110,7 @@ def first_finding(log_dir: Path) -> str:
 def test_skipped_all_reduce(tmp_path):
     proc = run_program("skip_all_reduce", tmp_path)
     check_bounded(tmp_path, proc)
-    f = first_finding(tmp_path)
+    f = first_finding(tmp_path, as_process=True)  # the command line once; in-process elsewhere
     sync, batch = line_of("collectives.all_reduce(flat"), line_of("collectives.broadcast(batch")
     assert "collective #4" in f and f"rank 0 calls all_reduce SUM float32[10] at {sync}" in f, f
     assert f"rank 1 calls broadcast src 0 float32[4, 4] at {batch}" in f, f

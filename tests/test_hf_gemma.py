@@ -21,14 +21,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from distributed import run_distributed
-from launch import REPO, read_metrics, train_in_one_world
+from launch import read_metrics, run_main, train_in_one_world
 from tolerances import assert_fp32_close, forward_chain_terms, fp32_mismatch
 
 B, S, W, VOCAB = 2, 16, 8, 400  # batch, tokens, HF sliding_window; test_finetune's tokenizer
@@ -368,6 +366,7 @@ def test_finetune_step_at_tp2_exports_back(models, tmp_path):
     gradients); each export loads in transformers with the Gemma fields kept, and its logits
     there equal the trained checkpoint's in GPTModel."""
     from test_finetune import _tokenizer
+    from tools import preprocess_data
 
     from checkpoint.format import read_metadata, resolve_checkpoint
     from checkpoint.hf import export_hf, import_hf
@@ -385,10 +384,10 @@ def test_finetune_step_at_tp2_exports_back(models, tmp_path):
         shutil.copytree(models[name][0], hf)
         _tokenizer(hf, text)
         import_hf(hf, ckpts[name], log=lambda *a: None)
-    subprocess.run([sys.executable, "tools/preprocess_data.py", "--input",
-                    str(tmp_path / "corpus.txt"), "--output-prefix", str(tmp_path / "data"),
-                    "--tokenizer-dir", os.path.join(ckpts["gemma3"], "tokenizer"),
-                    "--text-unit", "line"], cwd=REPO, check=True, capture_output=True)
+    prep = run_main(preprocess_data.cli, [
+        "--input", tmp_path / "corpus.txt", "--output-prefix", tmp_path / "data",
+        "--tokenizer-dir", os.path.join(ckpts["gemma3"], "tokenizer"), "--text-unit", "line"])
+    assert prep.returncode == 0, prep.stderr
     args = ["--finetune", "--train-iters", "1", "--lr", "1e-2", "--min-lr", "1e-2",
             "--adam-eps", "1e-4", "--seq-length", "32", "--micro-batch-size", "2",
             "--global-batch-size", "4", "--eval-interval", "0", "--log-interval", "1",

@@ -117,28 +117,43 @@ def test_pipeline_matches_single_process(case, references, case_results):
         assert pairs == len(lasts)
 
 
-@pytest.mark.parametrize("vpp", [1, 2])
-def test_profiled_schedule_has_theoretical_bubble(vpp, tmp_path, corpus_env):
+PROFILED_VPP = [1, 2]
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory, corpus_env):
+    """vpp -> log folder of train.py --profile-pipeline at pp 4 (m 8, 2 iterations); both
+    runs in one spawned world of 4 (one start-up; train.py's torchrun launch is covered by
+    the checkpointing and run-log tests)."""
+    from launch import train_in_one_world
+
+    root = tmp_path_factory.mktemp("profiled")
+    args = LLAMA + ["--pp", "4", "--num-layers", "8", "--micro-batch-size", "1",
+                    "--global-batch-size", "8", "--train-iters", "2", "--eval-interval", "0",
+                    "--profile-pipeline", "--no-tensorboard"]
+    train_in_one_world(4, [args + (["--vpp", str(vpp)] if vpp > 1 else [])
+                           + ["--log-dir", str(root / f"vpp{vpp}")] for vpp in PROFILED_VPP],
+                       corpus_env["SHARDZOO_CACHE"])
+    return {vpp: root / f"vpp{vpp}" for vpp in PROFILED_VPP}
+
+
+@pytest.mark.parametrize("vpp", PROFILED_VPP)
+def test_profiled_schedule_has_theoretical_bubble(vpp, profiled):
     """--profile-pipeline records the executed schedule; re-timed with uniform costs (F = 1,
     B = 2) the recorded order of every stage has exactly the bubble (p-1)/(v*m) of Narayanan et
     al. 2021 sec. 2.2, for 1F1B and interleaved 1F1B (pp = 4, m = 8)."""
     import json
 
-    from launch import read_metrics, run_train
+    from launch import read_metrics
     from training.timeline import Span, replay
 
-    args = LLAMA + ["--pp", "4", "--num-layers", "8", "--micro-batch-size", "1",
-                    "--global-batch-size", "8", "--train-iters", "2", "--eval-interval", "0",
-                    "--profile-pipeline", "--no-tensorboard"]
-    if vpp > 1:
-        args += ["--vpp", str(vpp)]
-    run_train(4, args, tmp_path, env=corpus_env)
-    record = [r for r in read_metrics(tmp_path) if "bubble_theory" in r][0]
+    log_dir = profiled[vpp]
+    record = [r for r in read_metrics(log_dir) if "bubble_theory" in r][0]
     assert record["bubble_theory"] == pytest.approx(3 / (vpp * 8))
     assert len(record["bubble_replay"]) == len(record["bubble_wall"]) == 4
     assert record["stage_layers"] == [2, 2, 2, 2] and sum(record["compute_share"]) == \
         pytest.approx(1.0) and min(record["compute_share"]) > 0
-    trace = json.loads((tmp_path / "pipeline_timeline.json").read_text())["traceEvents"]
+    trace = json.loads((log_dir / "pipeline_timeline.json").read_text())["traceEvents"]
     per_rank = [[] for _ in range(4)]
     for e in sorted(trace, key=lambda e: e["ts"]):
         if e["cat"] in "FB":

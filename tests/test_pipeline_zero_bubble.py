@@ -307,10 +307,29 @@ def test_zbv_matches_single_process(case, references, case_results):
     assert not weights_mismatch(v["state"], ref["state"], 5 * k_step)
 
 
-@pytest.mark.parametrize("schedule,chunks,bubble,peak", [("zb-h1", 1, 3 / (3 * 8), 4),
-                                                         ("zbv", 2, 1 / 16, 8)])
+PROFILED = [("zb-h1", 1, 3 / (3 * 8), 4), ("zbv", 2, 1 / 16, 8)]
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory, corpus_env):
+    """schedule -> log folder of train.py --profile-pipeline at pp 4 (m 8, 2 iterations);
+    both schedules in one spawned world of 4 (one start-up; train.py's torchrun launch is
+    covered by the checkpointing and run-log tests)."""
+    from launch import train_in_one_world
+
+    root = tmp_path_factory.mktemp("profiled")
+    args = ["--config", "configs/tiny-llama.yaml", "--pp", "4", "--num-layers", "8",
+            "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "2",
+            "--eval-interval", "0", "--profile-pipeline", "--no-tensorboard"]
+    schedules = [case[0] for case in PROFILED]
+    train_in_one_world(4, [args + ["--pipeline-schedule", name, "--log-dir", str(root / name)]
+                           for name in schedules], corpus_env["SHARDZOO_CACHE"])
+    return {name: root / name for name in schedules}
+
+
+@pytest.mark.parametrize("schedule,chunks,bubble,peak", PROFILED)
 def test_profiled_timeline_has_w_blocks_and_the_table_s_bubble(schedule, chunks, bubble, peak,
-                                                               tmp_path, corpus_env):
+                                                               profiled):
     """--profile-pipeline under ZB-H1 and ZBV (pp 4, m 8): every rank records 8 F, 8 B and
     8 W blocks per chunk; re-timed with equal costs the recorded order has the table's bubble
     on every rank ((p-1)/(3m) for ZB-H1, a third of 1F1B's; 1/16 for ZBV); the activations
@@ -318,20 +337,16 @@ def test_profiled_timeline_has_w_blocks_and_the_table_s_bubble(schedule, chunks,
     one chunk per rank for ZB-H1, 2 pp of half a stage each for ZBV)."""
     import json
 
-    from launch import read_metrics, run_train
+    from launch import read_metrics
     from training.timeline import Span, replay
 
-    args = ["--config", "configs/tiny-llama.yaml", "--pp", "4", "--num-layers", "8",
-            "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "2",
-            "--eval-interval", "0", "--profile-pipeline", "--no-tensorboard",
-            "--pipeline-schedule", schedule]
-    run_train(4, args, tmp_path, env=corpus_env)
-    record = [r for r in read_metrics(tmp_path) if "bubble_theory" in r][0]
+    log_dir = profiled[schedule]
+    record = [r for r in read_metrics(log_dir) if "bubble_theory" in r][0]
     assert record["schedule"] == schedule
     assert record["bubble_theory"] == pytest.approx(bubble)
     assert record["in_flight_peak"] == record["in_flight_peak_predicted"] == [peak] * 4
     assert len(record["bubble_predicted"]) == 4 and record["pass_costs"][2] > 0
-    trace = json.loads((tmp_path / "pipeline_timeline.json").read_text())["traceEvents"]
+    trace = json.loads((log_dir / "pipeline_timeline.json").read_text())["traceEvents"]
     per_rank = [[] for _ in range(4)]
     for e in sorted(trace, key=lambda e: e["ts"]):
         if e["cat"] in "FBW":
