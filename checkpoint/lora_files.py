@@ -56,6 +56,42 @@ def file_digest(path: str) -> str:
     return h.hexdigest()
 
 
+def _lora_model(config, lora: dict):
+    """`config`'s whole model (tp 1, meta device) with the adapters metadata.json `lora`
+    describes."""
+    model = _dense_model(config)
+    with torch.device("meta"):
+        add_lora(model, lora["rank"], lora["alpha"], 0.0, lora["target_modules"],
+                 lora["use_rslora"])
+    return model
+
+
+def adapter_tensors(model, config, fix: str):
+    """`(HF module, parameter name, parameter)` of each adapter tensor of LoRA `model` (a
+    `_lora_model` of `config`), A then B of each part, the HF module in peft's names
+    (`lora_targets`). Raises `HFConversionError` (ending with `fix`) for a part whose HF
+    form has no module of its own (a fused qkv_proj, GPT-2's Conv1D)."""
+    try:
+        targets = lora_targets(config)  # HF modules of each of our linears, peft's names
+    except AdapterError:  # a family without nn.Linear modules (GPT-2): said per module below
+        targets = {}
+    for prefix, module in model.named_modules():
+        if not isinstance(module, LoRA):
+            continue
+        host = prefix[: -len(".lora")]
+        hf_parts = targets[host].parts if host in targets else ()
+        for k, (part, _) in enumerate(module.parts):
+            if part not in module.A:
+                continue
+            hf = hf_parts[k] if len(hf_parts) == len(module.parts) else ""
+            if hf.rsplit(".", 1)[-1] != part:
+                raise HFConversionError(
+                    f"{host}: its HF form ({', '.join(hf_parts) or 'none'}) has no {part} "
+                    f"module for a peft adapter; {fix}")
+            for kind in ("A", "B"):
+                yield hf, f"{prefix}.{kind}.{part}", getattr(module, kind)[part]
+
+
 def read_adapters(load: str) -> tuple[object, dict, dict[str, torch.Tensor]]:
     """`(model config, metadata.json lora, {"<HF module>": (A [r, in], B [out, r])})` of the
     LoRA checkpoint `load` (a --save folder or iter_XXXXXXX, any layout), dense float32,
@@ -70,35 +106,15 @@ def read_adapters(load: str) -> tuple[object, dict, dict[str, torch.Tensor]]:
     from models.config import ModelConfig
 
     config = ModelConfig.from_dict(meta["model"])
-    model = _dense_model(config)
-    with torch.device("meta"):
-        add_lora(model, lora["rank"], lora["alpha"], 0.0, lora["target_modules"],
-                 lora["use_rslora"])
+    model = _lora_model(config, lora)
     expected = expected_tensors([model])
     meta, md = open_checkpoint(path, lambda _: expected)
-    try:
-        targets = lora_targets(config)  # HF modules of each of our linears, peft's names
-    except AdapterError:  # a family without nn.Linear modules (GPT-2): said per module below
-        targets = {}
     out = {}
-    for prefix, module in model.named_modules():
-        if not isinstance(module, LoRA):
-            continue
-        host = prefix[: -len(".lora")]
-        hf_parts = targets[host].parts if host in targets else ()
-        for k, (part, _) in enumerate(module.parts):
-            if part not in module.A:
-                continue
-            hf = hf_parts[k] if len(hf_parts) == len(module.parts) else ""
-            if hf.rsplit(".", 1)[-1] != part:
-                raise HFConversionError(
-                    f"{host}: its HF form ({', '.join(hf_parts) or 'none'}) has no {part} "
-                    f"module for a peft adapter; export the merged model instead (`merge`)")
-            tensors = []
-            for kind in ("A", "B"):
-                name, p = f"{prefix}.{kind}.{part}", getattr(module, kind)[part]
-                tensors.append(read_dense_tensor(path, md, part_keys("model", name, p), p))
-            out[hf] = tuple(tensors)
+    for hf, name, p in adapter_tensors(model, config, "export the merged model instead "
+                                                      "(`merge`)"):
+        out.setdefault(hf, []).append(read_dense_tensor(path, md, part_keys("model", name, p),
+                                                        p))
+    out = {hf: tuple(pair) for hf, pair in out.items()}
     return config, lora, out
 
 

@@ -97,19 +97,31 @@ def _lazy_state_dict(config: ModelConfig, tensors: dict[str, Callable[[], torch.
         shape = list(p.shape if j is None else p.shape[1:])
         if getattr(p, "full_rows", None):
             shape[0] = p.full_rows  # stored unpadded; every layout re-pads on load
-        fn = _checked(name, tensors[name], tuple(shape))
-        keys = part_keys("model", name, p)
-        n, d = len(keys), piece_dim(p)
-        part = list(shape)
-        if n > 1:
-            part[d] //= n
-        for i, key in enumerate(keys):
-            sd[key] = torch.empty(part, dtype=torch.float32, device="meta")
-            lazy[key] = fn if n == 1 else \
-                (lambda fn=fn, i=i, n=n, d=d: fn().chunk(n, d)[i].contiguous())
-    sd.update({"iteration": torch.tensor(0), "consumed_samples": torch.tensor(0),
-               "optim.step": torch.tensor(0)})
+        add_lazy_tensor(sd, lazy, name, p, tuple(shape), tensors[name])
+    sd.update(ZERO_COUNTERS)
     return sd, lazy
+
+
+def add_lazy_tensor(sd: dict, lazy: dict, name: str, p, shape: tuple,
+                    fn: Callable[[], torch.Tensor]) -> None:
+    """Put dense tensor `name` (of parameter `p`, dense `shape`, produced by `fn`) into the
+    state dict `sd` as float32 meta tensors under its checkpoint keys (`.part<i>` pieces of a
+    fused weight), each key's function in `lazy` returning its shape-checked piece."""
+    fn = _checked(name, fn, shape)
+    keys = part_keys("model", name, p)
+    n, d = len(keys), piece_dim(p)
+    part = list(shape)
+    if n > 1:
+        part[d] //= n
+    for i, key in enumerate(keys):
+        sd[key] = torch.empty(part, dtype=torch.float32, device="meta")
+        lazy[key] = fn if n == 1 else \
+            (lambda fn=fn, i=i, n=n, d=d: fn().chunk(n, d)[i].contiguous())
+
+
+# the training counters of a checkpoint written outside training (iteration 0)
+ZERO_COUNTERS = {"iteration": torch.tensor(0), "consumed_samples": torch.tensor(0),
+                 "optim.step": torch.tensor(0)}
 
 
 def _save_lazily(sd: dict, lazy: dict[str, Callable[[], torch.Tensor]], folder: str) -> None:
@@ -128,23 +140,27 @@ def _save_lazily(sd: dict, lazy: dict[str, Callable[[], torch.Tensor]], folder: 
 
 def _write_model_files(folder: str, config: ModelConfig,
                        tokenizer: Callable[[str], None] | None,
-                       generation_config: dict | None) -> None:
-    """Write config.yaml (the model's flags), the tokenizer and generation_config.json (when
-    given) into checkpoint folder `folder`."""
+                       generation_config: dict | None, run_flags: dict | None = None) -> None:
+    """Write config.yaml (the model's flags, then `run_flags`), the tokenizer and
+    generation_config.json (when given) into checkpoint folder `folder`."""
     model_flags = {k: v for k, v in config.to_dict().items() if k not in ("name", "extra")}
     with open(os.path.join(folder, CONFIG), "w") as f:
         f.write("# model of this checkpoint (usable as --config; every key is a --flag)\n")
         f.write(yaml.safe_dump(model_flags, sort_keys=False))
+        if run_flags:
+            f.write(yaml.safe_dump(run_flags, sort_keys=False))
     if tokenizer is not None:
         tokenizer(os.path.join(folder, TOKENIZER_DIR))
     if generation_config:
         write_generation_config(folder, generation_config)
 
 
-def _write_metadata(folder: str, config: ModelConfig, source: dict | None) -> None:
+def _write_metadata(folder: str, config: ModelConfig, source: dict | None,
+                    extra: dict | None = None, tensors=dense_tensors) -> None:
     """Write metadata.json for the files now in `folder` (a one-process, tp = pp = dp = 1
-    layout at iteration 0, with every file's size and sha256), then verify the folder
-    against it. Raises `CheckpointError` listing every problem found."""
+    layout at iteration 0, with every file's size and sha256, plus the fields of `extra`),
+    then verify the folder against it (`tensors(config)`: the stored tensors the model
+    reads). Raises `CheckpointError` listing every problem found."""
     names = [os.path.relpath(os.path.join(d, f), folder)
              for d, _, fs in os.walk(folder) for f in fs]
     meta = {"format_version": FORMAT_VERSION, "iteration": 0, "consumed_samples": 0,
@@ -152,10 +168,10 @@ def _write_metadata(folder: str, config: ModelConfig, source: dict | None) -> No
                        "distributed_optimizer": False, "bf16": False},
             "model": config.to_dict(), "torch_version": torch.__version__,
             "optimizer_state": False, "source": source or {},
-            "files": describe_files(folder, names)}
+            "files": describe_files(folder, names), **(extra or {})}
     with open(os.path.join(folder, METADATA), "w") as f:
         json.dump(meta, f, indent=1)
-    problems = verify_files(folder, meta, tensors=dense_tensors)
+    problems = verify_files(folder, meta, tensors=tensors)
     if problems:
         raise CheckpointError("the written checkpoint failed verification: " +
                               "; ".join(problems))
@@ -182,14 +198,32 @@ def write_weights_checkpoint(out: str, config: ModelConfig,
         raise CheckpointError(f"{out} already exists; pass a new --out folder (nothing was "
                               f"written, and nothing there was changed)")
     sd, lazy = _lazy_state_dict(config, tensors)
+    return write_checkpoint_folder(out, config, sd, lazy, tokenizer=tokenizer,
+                                   generation_config=generation_config, source=source)
+
+
+def write_checkpoint_folder(out: str, config: ModelConfig, sd: dict,
+                            lazy: dict[str, Callable[[], torch.Tensor]], *,
+                            tokenizer: Callable[[str], None] | None = None,
+                            generation_config: dict | None = None, source: dict | None = None,
+                            extra: dict | None = None, run_flags: dict | None = None,
+                            tensors=dense_tensors) -> str:
+    """Write checkpoint folder `out` from DCP state dict `sd` (meta tensors resolved by
+    `lazy`, plus `ZERO_COUNTERS`), config.yaml (+ `run_flags`), the tokenizer, the
+    generation config and metadata.json (+ `extra`), verified against `tensors(config)`.
+    Built as `out.tmp-*` and renamed when complete; removed on any failure. Raises
+    `CheckpointError` if `out` exists or the written folder fails verification."""
+    if os.path.exists(out):
+        raise CheckpointError(f"{out} already exists; pass a new --out folder (nothing was "
+                              f"written, and nothing there was changed)")
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
     tmp = f"{os.path.abspath(out)}.tmp-{secrets.token_hex(4)}"
     os.makedirs(tmp)
     try:
         _save_lazily(sd, lazy, tmp)
-        _write_model_files(tmp, config, tokenizer, generation_config)
-        _write_metadata(tmp, config, source)
+        _write_model_files(tmp, config, tokenizer, generation_config, run_flags)
+        _write_metadata(tmp, config, source, extra, tensors)
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -37,6 +37,18 @@ class LoadedAdapter:
     rank: int
 
 
+def _part_rows(target, layer) -> list[torch.Tensor] | None:
+    """This rank's output rows of each HF part of `target`'s fused linear `layer` (the rule's
+    row order, cut over TP as the base weight is); None for one part or a row-parallel
+    layer."""
+    if len(target.parts) == 1 or hasattr(layer, "input_size_per_partition"):
+        return None
+    ids = target.fuse([torch.full((out_f, 1), float(i)) for i, (out_f, _) in
+                       enumerate(target.shapes)])
+    local = shard_tensor(ids, layer.weight)[:, 0]
+    return [torch.nonzero(local == i).flatten() for i in range(len(target.parts))]
+
+
 class LoRAManager:
     """The adapters of one replica over this rank's `model` stage.
 
@@ -65,8 +77,8 @@ class LoRAManager:
         modules = dict(model.named_modules())
         for name, target in targets.items():
             if name in modules:  # this stage's layers only
-                self.layers[name] = MultiLoRA(modules[name], len(target.parts) * max_lora_rank,
-                                              max_loras, self.batch)
+                self.layers[name] = MultiLoRA(modules[name], max_lora_rank, max_loras,
+                                              self.batch, _part_rows(target, modules[name]))
         p = next(model.parameters())
         self.dtype = p.dtype if p.is_floating_point() else torch.float32
         self.adapters: dict[str, LoadedAdapter] = {}

@@ -53,7 +53,8 @@ class _LinearWithGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, sequence_parallel, grad_all_reduce, onednn):
-        ctx.save_for_backward(x, weight)
+        # X only serves the weight gradient: a frozen weight (a LoRA base) keeps none
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight)
         ctx.params = (weight, bias)  # leaves whose deferred gradients W accumulates
         ctx.has_bias, ctx.sequence_parallel = bias is not None, sequence_parallel
         ctx.grad_all_reduce, ctx.onednn = grad_all_reduce, onednn
@@ -74,7 +75,8 @@ class _LinearWithGrad(torch.autograd.Function):
             need_weight = need_bias = False  # a zero-bubble B: W computes them later
             total, gather = x, None
         else:
-            total, gather = all_gather_sequence_async(x) if ctx.sequence_parallel else (x, None)
+            total, gather = all_gather_sequence_async(x) if ctx.sequence_parallel and \
+                need_weight else (x, None)
         grad_2d = grad.reshape(-1, grad.shape[-1])
         grad_input = reduce = None
         if need_input:

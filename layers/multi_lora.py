@@ -1,21 +1,23 @@
 """Many LoRA adapters over one frozen linear layer, one adapter per batch row (serving:
 inference/lora.py).
 
-Each targeted linear holds `slots` stacked adapters, `A [slots, R, in]` and `B [out, slots,
-R]`; a forward's rows name their adapter in `LoRABatch` (or none: the base), and the deltas
-`B_k (A_k x)` of every row are computed at once with two GEMMs over the stacked ranks of the
-adapters the batch uses: `X [n, in] @ A_used^T -> [n, k R]`, each row's columns outside its
-own adapter's block zeroed by a mask, then `@ B_used^T -> [n, out]`. Each adapter in use is
-read once per step whatever the rows (the weights, not the FLOPs, bound decode); no pass per
-adapter and no per-row copy of the weights (Punica's BGMV gathers per row, Chen et al. 2023;
-S-LoRA's MBGMM, Sheng et al. 2023, reads each adapter once per segment). The adapters used
-are the contiguous range of slots from the lowest to the highest one named (slots are
-handed out lowest first, so this is usually exactly them): a view, never a copy. Against
-gathering each row's A and B and two `torch.bmm` (Punica's BGMV form), SmolLM2's linears
-at 8 decode rows over 3 adapters of rank 16 took 2-10x less time per hook (e.g. QKV ~0.1 ms
-against 0.6-1.2 ms; 2-core CPU, 24 GiB, a loaded machine, 2026-12-05), since the gathered
-form copies every row's weights each step; bench/lora_throughput.py's mixed batch decoded at
-0.66-0.67x of the base alone against 0.54x gathered (2026-12-06, a quiet moment).
+Each targeted linear holds `slots` stacked adapters, `A [slots, parts x R, in]` and, per HF
+part of a fused linear (QKV: q/k/v; SwiGLU's fc1: gate/up), `B_i [its rows, slots, R]`; a
+forward's rows name their adapter in `LoRABatch` (or none: the base), and the deltas
+`B_k (A_k x)` of every row are computed at once over the stacked ranks of the adapters the
+batch uses: `X [n, in] @ A_used^T -> [n, k parts R]`, each row's columns outside its own
+adapter's block zeroed by a mask, then per part `@ B_i,used^T -> [n, its rows]`, added into
+its rows of the output (a slice for SwiGLU's halves, `index_add_` for QKV's per-group rows).
+Each adapter in use is read once per step whatever the rows (the weights, not the FLOPs,
+bound decode), and no zero block: one B over all parts' ranks would read `parts` times the
+B bytes (QKV 3x, fc1 2x); no pass per adapter and no per-row copy of the weights (Punica's
+BGMV gathers per row, Chen et al. 2023; S-LoRA's MBGMM, Sheng et al. 2023, reads each adapter
+once per segment). The adapters used are the contiguous range of slots from the lowest to
+the highest one named (slots are handed out lowest first, so this is usually exactly them):
+a view, never a copy. Against gathering each row's A and B and two `torch.bmm` (Punica's
+BGMV form), SmolLM2's linears at 8 decode rows over 3 adapters of rank 16 took 2-10x less
+time per hook (2-core CPU, 24 GiB, a loaded machine, 2026-12-05), since the gathered form
+copies every row's weights each step.
 
 Tensor parallelism (as peft's tp_layer and Megatron-Bridge shard LoRA): over a
 column-parallel base the rank holds A whole and its rows of B (the base's output shard);
@@ -64,26 +66,16 @@ class LoRABatch:
         return self._masks[key]
 
 
-def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor,
-               reduce: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
-    """`delta[t] = (mask[t] * (A x[t])) B^T` for `x [..., in]` (n tokens), the used adapters'
-    `a [k R, in]` and `b [out, k R]`, `mask [n, k R]` -> `[n, out]`; `reduce`: the shrunk
-    `A x` summed over TP first (a row-parallel base). `out` `[n, out]`: added into it in place
-    (one fused GEMM + add, no new tensor) and returned."""
-    xa = x.reshape(-1, x.shape[-1]) @ a.t()  # [n, k R]
-    if reduce:
-        xa = reduce_from_tensor_model_parallel_region(xa)
-    xa = xa * mask
-    return xa @ b.t() if out is None else out.addmm_(xa, b.t())
-
-
 class MultiLoRA:
     """The stacked adapters of one linear `layer` (a `ColumnParallelLinear` without
-    gather_output, or a `RowParallelLinear`): `a [slots, R, in/tp or in]`, `b [out/tp or out,
-    slots, R]`, zeros until `set` fills a slot. Attaches a forward hook adding `lora_delta`
-    for the rows `batch` binds. Raises `ValueError` for another kind of layer."""
+    gather_output, or a `RowParallelLinear`): `a [slots, parts x R, in/tp or in]` and, per
+    part, `b[i] [its rows, slots, R]`, zeros until `set` fills a slot. `part_rows`: for a
+    fused column-parallel layer (QKV, SwiGLU's [gate; up]), the local output rows of each
+    part (a LongTensor each; None: one part, every row), so that each part's B multiplies
+    only its own rank block (no zero blocks are read). Attaches a forward hook adding the
+    deltas for the rows `batch` binds. Raises `ValueError` for another kind of layer."""
 
-    def __init__(self, layer, rank: int, slots: int, batch: LoRABatch):
+    def __init__(self, layer, rank: int, slots: int, batch: LoRABatch, part_rows=None):
         if isinstance(layer, ColumnParallelLinear) and not layer.gather_output:
             in_f, out_f, self.row = layer.input_size, layer.output_size_per_partition, False
         elif isinstance(layer, RowParallelLinear):
@@ -94,36 +86,55 @@ class MultiLoRA:
         w = layer.weight  # a float tensor, or a low-bit `QuantizedWeight` (then float32)
         dtype = w.dtype if isinstance(w, torch.Tensor) and w.is_floating_point() \
             else torch.float32
-        self.layer, self.batch = layer, batch
-        self.a = torch.zeros(slots, rank, in_f, dtype=dtype, device=w.device)
-        self.b = torch.zeros(out_f, slots, rank, dtype=dtype, device=w.device)
-        self.rank = rank
+        rows = [torch.arange(out_f)] if part_rows is None else list(part_rows)
+        self.layer, self.batch, self.rank = layer, batch, rank
+        self.a = torch.zeros(slots, len(rows) * rank, in_f, dtype=dtype, device=w.device)
+        self.b = [torch.zeros(len(r), slots, rank, dtype=dtype, device=w.device) for r in rows]
+        # where each part's rows go: a slice when contiguous (SwiGLU's halves), else indices
+        self.rows = [slice(int(r[0]), int(r[-1]) + 1) if len(r) and
+                     torch.equal(r, torch.arange(int(r[0]), int(r[0]) + len(r))) else
+                     r.to(w.device) for r in rows]
         self.handle = layer.register_forward_hook(self._hook)
 
     @property
     def nbytes(self) -> int:
-        return self.a.nbytes + self.b.nbytes
+        return self.a.nbytes + sum(b.nbytes for b in self.b)
 
     def set(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
-        """Slot `slot` holds `a [R, in local]`, `b [out local, R]` (this rank's shards; None:
-        zeros, the adapter does not target this layer)."""
+        """Slot `slot` holds `a [parts x R, in local]`, `b [out local, parts x R]` (this rank's
+        shards, part i's rank block in columns `i R .. (i + 1) R`, zero outside its rows;
+        None: zeros, the adapter does not target this layer)."""
         self.a[slot].zero_()
-        self.b[:, slot].zero_()
+        for i, part in enumerate(self.b):
+            part[:, slot].zero_()
+            if a is not None:
+                part[:, slot].copy_(b[self.rows[i], i * self.rank:(i + 1) * self.rank])
         if a is not None:
             self.a[slot].copy_(a)
-            self.b[:, slot].copy_(b)
 
     def _hook(self, layer, args, out):
         used = self.batch.used
         if used is None:
             return out
         x, (lo, hi) = args[0], used
-        a = self.a[lo:hi].flatten(0, 1)  # views: the slots are contiguous blocks
-        b = self.b[:, lo:hi].flatten(1)
-        mask = self.batch.mask(x.numel() // x.shape[-1] // self.batch.rows.numel(), self.rank,
-                               self.a.dtype)
-        x = x.to(self.a.dtype)
-        if out.dtype == self.a.dtype and not torch.is_grad_enabled():  # serving: in place
-            lora_delta(x, a, b, mask, self.row, out.view(-1, out.shape[-1]))
-            return out
-        return out + lora_delta(x, a, b, mask, self.row).view(out.shape).to(out.dtype)
+        a = self.a[lo:hi].flatten(0, 1)  # a view: the slots are contiguous blocks
+        parts = len(self.b)
+        mask = self.batch.mask(x.numel() // x.shape[-1] // self.batch.rows.numel(),
+                               parts * self.rank, self.a.dtype)
+        xa = x.to(self.a.dtype).reshape(-1, x.shape[-1]) @ a.t()  # [n, k parts R]
+        if self.row:
+            xa = reduce_from_tensor_model_parallel_region(xa)
+        xa = xa * mask
+        serving = out.dtype == self.a.dtype and not torch.is_grad_enabled()
+        y = out.view(-1, out.shape[-1]) if serving else \
+            torch.zeros(xa.shape[0], out.shape[-1], dtype=xa.dtype, device=xa.device)
+        if parts > 1:  # [n, k, parts, R]: part i's columns of every used slot
+            xa = xa.view(xa.shape[0], hi - lo, parts, self.rank)
+        for i, (b, rows) in enumerate(zip(self.b, self.rows)):
+            xi = xa if parts == 1 else xa[:, :, i].reshape(xa.shape[0], -1)
+            bi = b[:, lo:hi].flatten(1)  # [its rows, k R], a view
+            if isinstance(rows, slice):
+                y[:, rows].addmm_(xi, bi.t())
+            else:
+                y.index_add_(1, rows, xi @ bi.t())
+        return out if serving else out + y.view(out.shape).to(out.dtype)

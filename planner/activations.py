@@ -24,6 +24,9 @@ training/memory.py measures the same quantities on a real microbatch and reports
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from layers.mlp import GATED
 from layers.recompute import recompute_spans
 
 from .moe import moe_layer_bytes
@@ -48,17 +51,18 @@ def paper_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = Fal
     return replicated / (t if sp else 1) + (sharded + core) / t
 
 
-def norm_bytes(config, tokens: int, bytes_per_value: int) -> int:
+def norm_bytes(config, tokens: int, bytes_per_value: int, frozen: bool = False) -> int:
     """What one norm saves for backward over `tokens` rows of `config.hidden_size`, in bytes.
 
     RMSNorm: its float32 input copy and rstd (layers/norm.py computes in float32; in float32
     F.rms_norm keeps the same two) and the normalized input in the activation dtype, which the
-    weight's product keeps. LayerNorm (F.layer_norm on CPU): the input, and mean and rstd in
-    the activation dtype.
+    weight's product keeps (not when the weight is `frozen`, a LoRA base's). LayerNorm
+    (F.layer_norm on CPU): the input, and mean and rstd in the activation dtype.
     """
     h, e = config.hidden_size, bytes_per_value
     if config.normalization == "RMSNorm":
-        return tokens * (4 * h + 4 + e * h)
+        return tokens * (4 * h + 4 + (0 if frozen and not config.layernorm_zero_centered_gamma
+                                      else e * h))
     return e * tokens * (h + 2)
 
 
@@ -81,7 +85,8 @@ def model_layer_bytes(config, s: int, b: int, t: int = 1, sp: bool = False,
                       recompute: str | None = None, bytes_per_value: int = 4,
                       dropout: bool | None = None, keyed_dropout: bool = True,
                       sliding: bool = False, moe: bool = False, ep: int = 1,
-                      context_parallel: bool = False) -> dict:
+                      context_parallel: bool = False, lora: "FrozenBase | None" = None,
+                      live: bool = True) -> dict:
     """What one of our transformer layers saves for backward, term by term, in bytes (see the
     module docstring). `dropout`: whether dropout is active (default: from the config);
     `keyed_dropout`: masks keyed by sample (`--dropout-masks sample`: the attention takes the
@@ -92,6 +97,8 @@ def model_layer_bytes(config, s: int, b: int, t: int = 1, sp: bool = False,
     the sequence and the core attention is layers/context_parallel's, which saves q, k, v,
     its output and the float32 log-sum-exp (no `s x s` term, with or without dropout: its
     masks are redrawn in backward), and the projection reads a view of the output.
+    `lora`: the base is frozen and adapters train (`FrozenBase`; a dense layer's terms then
+    follow `_frozen_base_terms`, `live` saying whether the layer's input needs a gradient).
     Returns `{term: bytes}`; `sum(...values())` is the layer's total.
     """
     e, h, d = bytes_per_value, config.hidden_size, config.kv_channels
@@ -156,6 +163,70 @@ def model_layer_bytes(config, s: int, b: int, t: int = 1, sp: bool = False,
         out["mlp"] = e * s * b * per_row * f
     if hid_drop:
         out["hidden dropout masks"] = 2 * e * sl * b * h
+    if lora is not None and not moe:
+        out = _frozen_base_terms(config, out, lora, live, e=e, s=s, sl=sl, b=b, q=q, f=f,
+                                 hid_drop=hid_drop)
+    return out
+
+
+@dataclass(frozen=True)
+class FrozenBase:
+    """A LoRA run's layers (layers/lora.py `add_lora`): every base weight frozen, adapters of
+    `rank` on the HF `parts` (`layers.lora.resolve_targets`), `dropout` on their inputs."""
+
+    parts: tuple[str, ...]
+    rank: int
+    dropout: float = 0.0
+
+    @classmethod
+    def of(cls, train) -> "FrozenBase | None":
+        """The LoRA settings of TrainConfig `train` (None without --lora-rank)."""
+        from layers.lora import resolve_targets
+
+        return cls(resolve_targets(train.lora_target_modules), train.lora_rank,
+                   train.lora_dropout) if train.lora_rank else None
+
+
+def _frozen_base_terms(config, full: dict, lora: FrozenBase, live: bool, *, e: int, s: int,
+                       sl: int, b: int, q: int, f: int, hid_drop: bool) -> dict:
+    """`model_layer_bytes`' terms for a layer whose base is frozen (measured per module with
+    saved-tensor hooks, tests/test_lora_memory.py): a frozen linear keeps no input (layers/
+    linear.py: its input serves only the weight gradient); a frozen RMSNorm weight keeps
+    no normalized input (the float32 input copy and rstd stay); each adapted part keeps its
+    `u = A x` `[s, b, r]` (B's input; gathered under SP) and its input: the linear's input
+    itself, or with adapter dropout its own dropped copy plus the mask (the mask only where
+    the input needs a gradient). `live`: the layer's input needs a gradient (not the first
+    layer after a frozen embedding); until the first adapted module nothing in the layer
+    does, so nothing before it is kept."""
+    parts, gated = set(lora.parts), config.activation in GATED
+    n_qkv = sum(p in parts for p in ("q_proj", "k_proj", "v_proj"))
+    n_fc1 = sum(p in parts for p in (("gate_proj", "up_proj") if gated else ("up_proj",)))
+    proj, fc2 = "o_proj" in parts, "down_proj" in parts
+    att_live = live or n_qkv > 0  # q, k, v need a gradient
+    mid_live = att_live or proj  # the residual after attention
+    mlp_live = mid_live or n_fc1 > 0
+    h, rows = config.hidden_size, sl * b
+    out = {"norms": (live + mid_live) * norm_bytes(config, rows, e, frozen=True)}
+    selective = "attention log-sum-exp" not in full and "attention output" in full
+    if att_live:  # under selective recompute the attention's output is the projection's input
+        out.update({k: v for k, v in full.items() if (k.startswith("attention")
+                    or k == "q/k norms") and not (selective and k == "attention output")})
+    if mlp_live:  # SwiGLU keeps fc1's output and silu(gate); GeLU its input
+        out["mlp internals"] = e * s * b * (3 * f if config.activation == "swiglu" else f)
+    kept_output = att_live and "attention output" in out  # what the projection reads
+    inputs = 0
+    for n, size, needs_grad, saved in ((n_qkv, e * rows * h, live, False),
+                                       (n_fc1, e * rows * h, mid_live, False),
+                                       (int(proj), q, att_live, kept_output),
+                                       (int(fc2), e * s * b * f, mlp_live, False)):
+        if n and lora.dropout > 0:  # a dropped copy per part, and its mask
+            inputs += n * size * (1 + needs_grad)
+        elif n and not saved:
+            inputs += size
+    out["linear inputs (adapted)"] = inputs
+    out["adapters' A x"] = e * s * b * lora.rank * (n_qkv + n_fc1 + proj + fc2)
+    if hid_drop:
+        out["hidden dropout masks"] = e * rows * h * (mid_live + (mlp_live or fc2))
     return out
 
 
@@ -164,7 +235,8 @@ def model_chunk_bytes(config, num_layers: int, s: int, b: int, t: int = 1, sp: b
                       recompute_num_layers: int | None = None, bytes_per_value: int = 4,
                       dropout: bool | None = None, keyed_dropout: bool = True,
                       layer_numbers: list[int] | None = None, ep: int = 1,
-                      context_parallel: bool = False) -> int:
+                      context_parallel: bool = False, lora: FrozenBase | None = None,
+                      frozen_input: bool = False) -> int:
     """Predicted bytes of a chunk's decoder layers (the "layers" region of the meter): per-layer
     terms under the recompute policy, plus the RoPE cos/sin tables shared by all layers, plus
     the sliding-window mask (`[1, 1, s, s]`, activation dtype, made once per forward by
@@ -175,23 +247,27 @@ def model_chunk_bytes(config, num_layers: int, s: int, b: int, t: int = 1, sp: b
     (`ModelConfig.layer_window_size`) and which are MoE; `ep` the expert-parallel size.
     `context_parallel`: `s` is a CP rank's part of the sequence (see `model_layer_bytes`);
     no window mask is made, and the RoPE tables are per row (`[s, b, 1, d]`: the tokens'
-    global positions)."""
+    global positions). `lora`: a LoRA run's frozen base (`FrozenBase`); `frozen_input`: the
+    chunk's input needs no gradient (it follows the frozen embedding), so its first layer
+    keeps nothing before its first adapter."""
     kw = dict(s=s, b=b, t=t, sp=sp, bytes_per_value=bytes_per_value, dropout=dropout,
-              keyed_dropout=keyed_dropout, ep=ep, context_parallel=context_parallel)
+              keyed_dropout=keyed_dropout, ep=ep, context_parallel=context_parallel, lora=lora)
     numbers = range(num_layers) if layer_numbers is None else layer_numbers
     kinds = [(config.layer_window_size(n) is not None, config.is_moe_layer(n))
              for n in numbers]  # (slides, moe)
     if granularity == "full":
         spans = recompute_spans(num_layers, method or "uniform", recompute_num_layers or 1)
         inside = {i for start, stop in spans for i in range(start, stop)}
-        kept = [kind for i, kind in enumerate(kinds) if i not in inside]
+        kept = [(i, kind) for i, kind in enumerate(kinds) if i not in inside]
         total = len(spans) * sum(model_layer_bytes(config, recompute="full", **kw).values())
     else:
-        kept = kinds
+        kept = list(enumerate(kinds))
         total = 0
     total += sum(sum(model_layer_bytes(config, recompute=granularity if granularity != "full"
-                                       else None, sliding=slides, moe=moe, **kw).values())
-                 for slides, moe in kept)
+                                       else None, sliding=slides, moe=moe,
+                                       live=not (frozen_input and i == 0), **kw).values())
+                 for i, (slides, moe) in kept)
+    kept = [kind for _, kind in kept]
     att_drop = config.attention_dropout > 0 if dropout is None else dropout
     explicit = getattr(config, "softmax_type", "vanilla") == "learnable"  # sinks: no flash
     if any(slides for slides, _ in kept) and (granularity == "selective" or not att_drop) \

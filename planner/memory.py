@@ -12,7 +12,11 @@ Activations per microbatch, for a stage's chunks:
   embedding dropout's mask (`[s, b, h]`, the shard under SP, activation dtype);
 - the last stage: the final norm (as a layer's norm), the output layer's input (`[s, b, h]`,
   the shard `[s/t, b, h]` under SP), the cross entropy's float32 softmax `[b, s, V/t]` plus
-  its int64 target, two bool masks and the column mask, and the loss mask `[b, s]` float32.
+  its int64 target and two bool masks (the padding columns' mask is applied inside
+  the loss's own autograd function, which keeps none), and the loss mask `[b, s]` float32.
+- a LoRA run (`--lora-rank`): a frozen embedding keeps nothing, a frozen output layer no
+  input, the final norm no normalized input; the layers as `planner.activations.FrozenBase`
+  says (the first layer after the embedding keeps nothing before its first adapter).
 
 Microbatches in flight on pipeline rank `r`: the schedule table's peak
 (parallel_state/schedule_tables.py `simulate`, equal pass costs), which is Megatron's warm-up
@@ -35,7 +39,7 @@ import functools
 from models.pipeline import chunk_roles
 from parallel_state import schedule_tables
 
-from .activations import model_chunk_bytes, norm_bytes
+from .activations import FrozenBase, model_chunk_bytes, norm_bytes
 from .context_parallel import attention_buffer_bytes
 from .moe import expert_layout
 from .parameters import (chunk_layout, chunk_sets, frozen_base_prediction, model_state_prediction,
@@ -50,21 +54,25 @@ def chunk_activation_bytes(config, params, pre_process: bool, post_process: bool
     s, b, e = m.seq_length // cp, t.micro_batch_size, 2 if t.bf16 else 4  # a CP rank's tokens
     numbers = sorted({int(p.unit.split()[1]) for p in params if p.unit.startswith("layer ")})
     n = len(numbers)
+    lora = FrozenBase.of(t)
     layers = model_chunk_bytes(m, n, s, b, tp, sp, t.recompute_granularity, t.recompute_method,
                                t.recompute_num_layers, e,
                                keyed_dropout=t.dropout_masks == "sample",
                                layer_numbers=numbers, ep=expert_layout(config)[0],
-                               context_parallel=cp > 1) if n else 0
+                               context_parallel=cp > 1, lora=lora,
+                               frozen_input=pre_process) if n else 0
     s_local = s // tp if sp else s
     other = 0
-    if pre_process:  # the token ids, learned positions' ids, the embedding dropout's mask
+    if pre_process and lora is None:  # the token ids, learned positions' ids, the embedding
+        # dropout's mask (a frozen embedding keeps none: its output needs no gradient)
         other = 8 * b * s + (e * s_local * b * m.hidden_size if m.hidden_dropout > 0 else 0)
         if m.position_embedding_type == "learned_absolute":
             other += 8 * s * (b if t.reset_position_ids else 1)
-    if post_process:
+    if post_process:  # a frozen output layer keeps no input
         vt = m.padded_vocab_size(tp) // tp
-        other += norm_bytes(m, s_local * b, e) + e * s_local * b * m.hidden_size
-        other += 4 * b * s * vt + (8 + 1 + 1) * b * s + vt + 4 * b * s
+        other += norm_bytes(m, s_local * b, e, frozen=lora is not None) + \
+            (0 if lora else e * s_local * b * m.hidden_size)
+        other += 4 * b * s * vt + (8 + 1 + 1) * b * s + 4 * b * s
     return {"layers": layers, "other": other, "total": layers + other}
 
 

@@ -182,8 +182,9 @@ def moe_layer_bytes(m, s: int, b: int, t: int, sp: bool, e: int, ep: int,
     - router choice: softmax over the top-k logits keeps the indices (int64 `[Tl, k]`) and
       the weights (float32); pre-softmax or sigmoid the `[Tl, E]` scores, sigmoid with k > 1
       also the un-normalised weights and their sum; the auxiliary loss its own `[Tl, E]`
-      scores (+ the sums of the sigmoid's normalisation), the `[E]` counts and, with the
-      expert bias, the indices of its own unbiased top-k (int64 `[Tl, k]`), the z-loss the
+      scores (+ the sums of the sigmoid's normalisation) and the `[E]` counts (with the
+      expert bias, its own unbiased top-k keeps its indices only until its unused values
+      are dropped, during the forward: nothing at the peak), the z-loss the
       logits and their log-sum-exp (both only while training with a coefficient > 0);
     - dispatch: the token of each kept copy and the copies' order (int64 `[K]` each); under
       capacity padding their places in the padded rows (int64 `[K]`) and the unpadded rows
@@ -211,8 +212,7 @@ def moe_layer_bytes(m, s: int, b: int, t: int, sp: bool, e: int, ep: int,
     else:
         choice = 12 * tl * k
     if training and (m.moe_aux_loss_coeff or 0) > 0:
-        choice += 4 * tl * n_exp + (4 * tl if sigmoid else 0) + 4 * n_exp + \
-            (8 * tl * k if m.moe_router_enable_expert_bias else 0)
+        choice += 4 * tl * n_exp + (4 * tl if sigmoid else 0) + 4 * n_exp
     if training and (m.moe_z_loss_coeff or 0) > 0:
         choice += 4 * tl * n_exp + 4 * tl
     out["router scores"] = choice

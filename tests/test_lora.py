@@ -361,20 +361,31 @@ def _our_logits(base: str, adapters: str, ids: torch.Tensor) -> torch.Tensor:
         return model(ids)[..., :config.vocab_size]
 
 
-def _import_and_train(tmp_path, corpus_env, targets: str, *extra: str) -> list:
+def _import_and_train(tmp_path, corpus_env, targets: str, *extra: str,
+                      imported: str | None = None) -> list:
     """Import the HF model of `tmp_path/hf` into `tmp_path/base` and train 2 iterations of
-    rank-4 adapters on it at tp 2 into `tmp_path/lora`: `_runs_or_errors`' result."""
+    rank-4 adapters on it at tp 2 into `tmp_path/lora`: `_runs_or_errors`' result. With
+    `imported` (a peft adapter folder for that model, its r=4, alpha 16 and targets this
+    run's), also import-adapter it and continue training from it at tp 2 + SP, in the same
+    spawned processes (into `tmp_path/continued`)."""
     from tools.convert_hf import main as convert
 
     assert convert(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "base")]) == 0
-    return run_distributed(_runs_or_errors, 2, [
-        ["--config", str(tmp_path / "base" / "config.yaml"), "--load", str(tmp_path / "base"),
-         "--save", str(tmp_path / "lora"), "--seq-length", "32", "--micro-batch-size", "2",
-         "--global-batch-size", "4", "--eval-interval", "0", "--no-tensorboard",
-         "--peak-tflops", "1", "--tp", "2", "--train-iters", "2", "--lr", "2e-2",
-         "--lr-warmup-iters", "0", "--lora-rank", "4", "--lora-alpha", "16",
-         "--lora-target-modules", targets, "--log-dir", str(tmp_path / "log"), *extra]],
-        corpus_env["SHARDZOO_CACHE"], timeout=300)[0]
+    run = ["--config", str(tmp_path / "base" / "config.yaml"), "--seq-length", "32",
+           "--micro-batch-size", "2", "--global-batch-size", "4", "--eval-interval", "0",
+           "--no-tensorboard", "--peak-tflops", "1", "--tp", "2", "--train-iters", "2",
+           "--lr", "2e-2", "--lr-warmup-iters", "0", "--lora-rank", "4", "--lora-alpha", "16",
+           "--lora-target-modules", targets, *extra]
+    runs = [run + ["--load", str(tmp_path / "base"), "--save", str(tmp_path / "lora"),
+                   "--log-dir", str(tmp_path / "log")]]
+    if imported:
+        assert convert(["import-adapter", "--adapter", imported, "--base",
+                        str(tmp_path / "base"), "--out", str(tmp_path / "from-peft")]) == 0
+        runs.append(run + ["--load", str(tmp_path / "from-peft"), "--sequence-parallel",
+                           "--save", str(tmp_path / "continued"),
+                           "--log-dir", str(tmp_path / "log2")])
+    return run_distributed(_runs_or_errors, 2, runs, corpus_env["SHARDZOO_CACHE"],
+                           timeout=300)[0]
 
 
 @pytest.mark.parametrize("kind, targets", [("llama", "all-linear"),
@@ -388,12 +399,32 @@ def test_exported_adapter_loads_in_peft_and_merge_folds_it(kind, targets, tmp_pa
 
     from tools.convert_hf import main as convert
 
+    from peft import LoraConfig, get_peft_model
+
+    from checkpoint.lora_files import read_adapters
+    from layers.lora import resolve_targets
+
     hf = _hf_base(kind, tmp_path / "hf")
     ckpt = tmp_path / "lora"
-    run = _import_and_train(tmp_path, corpus_env, targets, "--use-rslora")
-    assert isinstance(run[0], list), run[0]
+    torch.manual_seed(2)  # peft's adapter with random A and B (import-adapter, then training)
+    get_peft_model(AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")), LoraConfig(
+        r=4, lora_alpha=16, use_rslora=True, target_modules=list(resolve_targets(targets)),
+        init_lora_weights=False)).save_pretrained(str(tmp_path / "peft"))
+    run = _import_and_train(tmp_path, corpus_env, targets, "--use-rslora",
+                            imported=str(tmp_path / "peft"))
+    assert isinstance(run[0], list) and isinstance(run[1], list), run
+    # the continued run starts from peft's adapters (not B = 0: the base's loss) and trains
+    assert abs(run[1][0] - run[0][0]) > 1e-3 and run[1][-1] < run[1][0], run
+    continued = json.loads((tmp_path / "continued" / "iter_0000002" / "metadata.json")
+                           .read_text())["lora"]["base"]
+    assert continued["path"] == str(tmp_path / "base"), continued
     out = tmp_path / "adapter"
     assert convert(["export-adapter", "--load", str(ckpt), "--out", str(out)]) == 0
+    assert convert(["import-adapter", "--adapter", str(out), "--base", str(tmp_path / "base"),
+                    "--out", str(tmp_path / "back")]) == 0
+    trained, back = read_adapters(str(ckpt))[2], read_adapters(str(tmp_path / "back"))[2]
+    assert trained.keys() == back.keys() and all(
+        torch.equal(trained[m][i], back[m][i]) for m in trained for i in (0, 1))
     cfg = json.loads((out / "adapter_config.json").read_text())
     assert cfg["r"] == 4 and cfg["use_rslora"] is True
     ids = torch.randint(0, 8192, (2, 12), generator=torch.Generator().manual_seed(4))

@@ -61,11 +61,17 @@ BASE = ["--config", "configs/tiny-llama.yaml", "--num-layers", "2", "--seq-lengt
         "--micro-batch-size", "2", "--global-batch-size", "4", "--no-tensorboard",
         "--peak-tflops", "1", "--lora-rank", "4", "--lora-alpha", "8", "--tp", "2"]
 RUNS = {"float base, tp 2 + SP, ZeRO-1": ["--sequence-parallel", "--use-distributed-optimizer"],
-        "int4 base, tp 2": ["--lora-base-quantization", "int4"],
+        "int4 base, tp 2, adapter dropout, full recompute": [
+            "--lora-base-quantization", "int4", "--lora-dropout", "0.1",
+            "--recompute-granularity", "full", "--recompute-method", "uniform",
+            "--recompute-num-layers", "1"],
         "q4_0 base, tp 2 + SP, q/v/down only": ["--sequence-parallel",
                                                 "--lora-base-quantization", "q4_0",
                                                 "--lora-target-modules",
-                                                "q_proj,v_proj,down_proj"]}
+                                                "q_proj,v_proj,down_proj"],
+        "float base, tp 2 + SP, o/down only, adapter dropout, selective recompute": [
+            "--sequence-parallel", "--lora-target-modules", "o_proj,down_proj",
+            "--lora-dropout", "0.1", "--recompute-granularity", "selective"]}
 
 
 def _start_records(runs: list[list[str]], log_dir: str, cache: str) -> list[dict]:
@@ -90,9 +96,11 @@ def _start_records(runs: list[list[str]], log_dir: str, cache: str) -> list[dict
 
 
 def test_planner_predicts_the_measured_lora_memory_at_tp2(tmp_path, corpus_env, no_grid):
-    """The start-up measurement of adapters' model states and the frozen base (float, int4,
-    q4_0) equals the planner's prediction exactly on both TP ranks; the adapters' states are
-    the ZeRO formula over the adapters alone, and a full fine-tune's prediction is larger."""
+    """The start-up measurement of adapters' model states, the frozen base (float, int4,
+    q4_0) and the activations (with and without recompute and adapter dropout, all or some
+    linears adapted) equals the planner's prediction exactly on both TP ranks; the adapters'
+    states are the ZeRO formula over the adapters alone, and a full fine-tune's prediction is
+    larger."""
     from planner.memory import rank_memory
     from training.arguments import parse_config
 
@@ -104,6 +112,9 @@ def test_planner_predicts_the_measured_lora_memory_at_tp2(tmp_path, corpus_env, 
         frozen = r["model_state_frozen_params_bytes"] + r["model_state_frozen_low_bit_bytes"]
         assert r["planner_frozen_base_bytes"] == frozen > 0, name
         assert r["planner_model_state_ratio_per_rank"] == [1.0, 1.0], name
+        # activations: what a frozen base keeps (planner/activations.py _frozen_base_terms)
+        assert r["planner_activation_ratio_per_rank"] == [1.0, 1.0], name
+        assert r["activation_bytes_layers"] == r["activation_bytes_layers_predicted"], name
         assert (r["model_state_frozen_low_bit_bytes"] > 0) == ("base," in name and
                                                                "float" not in name), name
         config = parse_config(BASE + flags)
@@ -156,3 +167,55 @@ def test_plan_searches_lora_fine_tunes(capsys):
         code, out, err = _plan(capsys, *common, *argv)
         assert code == 2 and out == "" and err.count("\n") == 1, (argv, err)
         assert message in err, (argv, err)
+
+
+ONE = ["--num-layers", "2", "--seq-length", "32", "--micro-batch-size", "2",
+       "--global-batch-size", "2", "--lora-rank", "4", "--lora-alpha", "8"]
+ACTIVATION_CASES = [
+    ("tiny-llama", ["--lora-dropout", "0.1"], None),
+    ("tiny-llama", ["--lora-target-modules", "q_proj,v_proj", "--recompute-granularity", "full",
+                    "--recompute-method", "uniform", "--recompute-num-layers", "1"], "int4"),
+    ("tiny-llama", ["--lora-target-modules", "o_proj", "--recompute-granularity",
+                    "selective", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"], None),
+    ("tiny-llama", ["--lora-target-modules", "down_proj", "--lora-dropout", "0.1",
+                    "--recompute-granularity", "selective"], "int4"),
+    ("tiny-gpt", ["--lora-target-modules", "o_proj,up_proj", "--hidden-dropout", "0.1",
+                  "--attention-dropout", "0.1", "--lora-dropout", "0.1"], None),
+]
+
+
+@pytest.mark.parametrize("model, flags, fmt", ACTIVATION_CASES)
+def test_planner_predicts_lora_activations_exactly(model, flags, fmt, no_grid):
+    """What one microbatch of a LoRA model saves for backward (the start-up measurement:
+    decoder layers and the rest) equals the planner's prediction to the byte: frozen linears
+    keep no input, frozen RMSNorms no normalized input, a frozen embedding and output layer
+    nothing, the first layer nothing before its first adapter; each adapted part keeps its
+    `A x` and its (dropped) input. Float and int4 bases, with and without recompute, model
+    and adapter dropout, all or some linears adapted."""
+    import parallel_state as ps
+    from layers.lora import add_lora
+    from layers.quantized import quantize_layer_linears
+    from layers.recompute import apply_recompute
+    from models import GPTModel
+    from planner.memory import chunk_activation_bytes
+    from planner.parameters import rank_chunks
+    from training.arguments import parse_config
+    from training.memory import measure_activation_bytes
+
+    config = parse_config(["--model", model] + ONE + flags)
+    config.validate(1)
+    m, t = config.model, config.train
+    ps.model_parallel_seed(11, 0, dropout_masks="sample")
+    net = GPTModel(m)
+    add_lora(net, t.lora_rank, t.lora_alpha, t.lora_dropout, t.lora_target_modules)
+    net.init_weights(7)
+    apply_recompute(net, t.recompute_granularity, t.recompute_method, t.recompute_num_layers)
+    net.train()
+    if fmt:
+        quantize_layer_linears(net, fmt)
+    ids = torch.randint(0, m.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    batch = {"tokens": ids, "labels": ids, "loss_mask": torch.ones(2, 32),
+             "sample_ids": torch.arange(2)}
+    got = measure_activation_bytes([net], batch, None)
+    want = chunk_activation_bytes(config, rank_chunks(config, 0, base=True)[0], True, True)
+    assert (got["layers"], got["total"]) == (want["layers"], want["total"]), (got, want)

@@ -257,7 +257,7 @@ def _hostile(folders: dict, tmp) -> None:
         with pytest.raises(LoRAError, match=why) as e:
             lora.load("x", path)
         assert "\n" not in str(e.value)
-    assert not lora.adapters and all(not m.a.any() and not m.b.any()
+    assert not lora.adapters and all(not m.a.any() and not any(b.any() for b in m.b)
                                      for m in lora.layers.values())
     # capacity, names, and an adapter in use
     lora.load("a", folders["a"])

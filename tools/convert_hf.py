@@ -4,6 +4,7 @@
     python tools/convert_hf.py export --load CKPT --out DIR [--dtype bfloat16|float32]
     python tools/convert_hf.py export-gguf --load CKPT --out FILE.gguf [--outtype f32|f16|q8_0|q4_0]
     python tools/convert_hf.py export-adapter --load LORA_CKPT --out DIR [--dtype ...]
+    python tools/convert_hf.py import-adapter --adapter PEFT_DIR --base CKPT|FILE.gguf --out DIR
     python tools/convert_hf.py merge --load LORA_CKPT --out DIR [--dtype ...]
 
 `import`: PATH is an HF model folder (config.json + model.safetensors, sharded safetensors with
@@ -25,6 +26,11 @@ output at q8_0), q/k rows in llama.cpp's order, the tokenizer and chat template 
 `export-adapter`: LORA_CKPT is a `train.py --lora-rank` run's checkpoint (adapters only, any
 layout); DIR gets peft's adapter_config.json + adapter_model.safetensors, which
 `peft.PeftModel.from_pretrained(<the exported base>, DIR)` loads (checkpoint/lora_files.py).
+`import-adapter`: PEFT_DIR is a peft LoRA adapter folder (adapter_config.json +
+adapter_model.safetensors; checked as every untrusted file) made for the base CKPT (a native
+checkpoint, e.g. from `import`) or FILE.gguf; DIR becomes a LoRA run's checkpoint recording
+that base's path and sha256 (checkpoint/lora_import.py), which `train.py --lora-rank R ...
+--load DIR` continues fine-tuning from at any layout (the flags are in DIR/config.yaml).
 `merge`: the base checkpoint the adapters were trained on (path and digest recorded in
 LORA_CKPT) exported as `export` does, each adapter folded into its weight (W + s B A).
 
@@ -44,6 +50,8 @@ from checkpoint.format import CheckpointError  # noqa: E402
 from checkpoint.hf import (DEFAULT_MAX_SHARD_BYTES, DTYPES, export_gguf, export_hf,  # noqa: E402
                            import_hf)
 from checkpoint.lora_files import export_adapter, merge_adapter  # noqa: E402
+from checkpoint.lora_import import import_adapter  # noqa: E402
+from run_config.checks import QLORA_FORMATS  # noqa: E402
 from models.hf.gguf_export import OUTTYPES  # noqa: E402
 from models.hf import HFConversionError  # noqa: E402
 
@@ -78,6 +86,14 @@ def main(argv=None) -> int:
     ad.add_argument("--load", required=True, help="a LoRA run's checkpoint or --save folder")
     ad.add_argument("--out", required=True, help="new adapter folder")
     ad.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    ia = sub.add_parser("import-adapter", help="peft adapter folder -> LoRA checkpoint")
+    ia.add_argument("--adapter", required=True, help="peft adapter folder (save_pretrained's)")
+    ia.add_argument("--base", required=True, help="the base's checkpoint (or --save folder) "
+                    "or .gguf file")
+    ia.add_argument("--out", required=True, help="new LoRA checkpoint folder")
+    ia.add_argument("--lora-base-quantization", choices=QLORA_FORMATS + ("gguf",),
+                    help="the format fine-tuning holds the base in (default none; gguf for a "
+                    ".gguf base)")
     mg = sub.add_parser("merge", help="LoRA checkpoint -> HF folder of its base, adapters "
                         "folded in")
     mg.add_argument("--load", required=True, help="a LoRA run's checkpoint or --save folder")
@@ -97,6 +113,9 @@ def main(argv=None) -> int:
             out = import_hf(args.hf, args.out)
         elif args.command == "export-adapter":
             out = export_adapter(args.load, args.out, args.dtype)
+        elif args.command == "import-adapter":
+            out = import_adapter(args.adapter, args.base, args.out,
+                                 args.lora_base_quantization)
         elif args.command == "merge":
             out = merge_adapter(args.load, args.out, args.dtype, args.max_shard_size)
         elif args.command == "export-gguf":

@@ -30,12 +30,24 @@ import torch.distributed as dist
 from checkpoint.format import SHAPE_FIELDS, CheckpointError, compare_model, read_metadata
 from checkpoint.lora_files import base_digest, file_digest, is_gguf
 from checkpoint.model_io import load_model_weights
+from layers.lora import resolve_targets
 
 def lora_settings(t) -> dict:
     """The adapter settings of TrainConfig `t`, as metadata.json `lora` records them."""
     return {"rank": t.lora_rank, "alpha": t.lora_alpha, "dropout": t.lora_dropout,
             "target_modules": t.lora_target_modules, "use_rslora": t.use_rslora,
             "base_quantization": t.lora_base_quantization}
+
+
+def _same_setting(key: str, saved, now) -> bool:
+    """Whether a LoRA checkpoint's setting `saved` is this run's `now` (target modules
+    compared as the parts they select: "q_proj,v_proj" is "v_proj,q_proj")."""
+    if key == "target_modules":
+        try:
+            return resolve_targets(saved) == resolve_targets(now)
+        except (ValueError, TypeError, AttributeError):
+            return False
+    return saved == now
 
 
 def refuse_lora_checkpoint(meta: dict, path: str) -> None:
@@ -65,7 +77,7 @@ def load_base(config, chunks, path: str, meta: dict) -> dict:
         load_model_weights(path, chunks, part="base")
         return {"path": os.path.abspath(path), "sha256": base_digest(meta)}
     diffs = [f"{k}: checkpoint {lora.get(k)!r}, this run {v!r}"
-             for k, v in lora_settings(t).items() if lora.get(k) != v]
+             for k, v in lora_settings(t).items() if not _same_setting(k, lora.get(k), v)]
     if diffs:
         raise CheckpointError(f"{path}: its adapters differ from this run's --lora-* flags "
                               f"({'; '.join(diffs)}); pass the checkpoint's values (see its "

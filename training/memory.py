@@ -10,7 +10,11 @@ Activations, measured: the bytes autograd keeps for backward during one microbat
 counted with `torch.autograd.graph.saved_tensors_hooks` over unique storages (a view, or a
 tensor saved by two ops, counts once; a view keeps its whole storage alive, so the storage is
 what is counted).
-Parameter storages are not activations and are skipped. Inside a recomputed region
+A storage counts when a graph still holds it as the meter closes (keep the outputs
+referenced until then): a region that saves its inputs but whose output needs no gradient (a
+checkpointed attention before a LoRA model's first adapter) drops them at once, and a later
+storage at the same address is a new one. Parameter storages are not activations and are
+skipped. Inside a recomputed region
 `torch.utils.checkpoint` installs its own hook, so only what it really keeps (the region's
 inputs) is seen, which is the point.
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import resource
+import weakref
 
 import torch
 
@@ -57,6 +62,8 @@ class SavedTensorMeter:
         self.params = self._param_storages()
         self.chunks = chunks
         self.storages: dict[int, tuple[int, str]] = {}
+        self.holders: dict[int, list] = {}  # weak references to the tensors saved on each
+        self.held: set[int] = set()  # the storages still saved when the context closed
         self.region = "other"
         self._handles = []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
@@ -67,11 +74,22 @@ class SavedTensorMeter:
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
+        if ptr and ptr in self.storages and not self._alive(ptr):
+            del self.storages[ptr]  # freed since (its graph was dropped): a new storage here
         if ptr and ptr not in self.storages and ptr not in self.params:
             self.params = self._param_storages()  # ZeRO-3 re-allocates gathered parameters
-        if ptr and ptr not in self.params and ptr not in self.storages:
-            self.storages[ptr] = (storage.nbytes(), self.region)
+        if ptr and ptr not in self.params:
+            if ptr not in self.storages:
+                self.storages[ptr] = (storage.nbytes(), self.region)
+                self.holders[ptr] = []
+            self.holders[ptr].append(weakref.ref(t))
         return t
+
+    def _alive(self, ptr: int) -> bool:
+        """Whether a graph still holds a tensor saved on storage `ptr` (a region that saves
+        its inputs but whose output needs no gradient, e.g. a checkpoint in a LoRA model's
+        first layer, drops them at once)."""
+        return any(ref() is not None for ref in self.holders[ptr])
 
     def _set(self, region: str):
         def hook(*_):
@@ -91,12 +109,16 @@ class SavedTensorMeter:
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
+        self.held = {ptr for ptr in self.storages if self._alive(ptr)}
         for h in self._handles:
             h.remove()
         self._handles = []
 
     def bytes(self, region: str | None = None) -> int:
-        return sum(n for n, r in self.storages.values() if region is None or r == region)
+        """Bytes of the saved storages (of `region`) that a graph held when the context
+        closed."""
+        return sum(n for ptr, (n, r) in self.storages.items()
+                   if (region is None or r == region) and ptr in self.held)
 
 
 @contextlib.contextmanager
@@ -121,8 +143,9 @@ def measure_activation_bytes(chunks, batch: dict, hidden_shape, dtype=torch.floa
     Each chunk runs forward (training mode) on `batch` (`tokens`, `labels`); a chunk without
     the embedding gets a zero `hidden_shape` input (`[s, b, h]`, `[s/tp, b, h]` under SP) of
     `dtype`, which is what it would receive from the previous stage. RNG states are restored.
-    Returns `{"total", "layers", "num_layers", "layer_numbers"}` (bytes, bytes in decoder
-    layers, layers, their global numbers).
+    Returns `{"total", "layers", "pre_process", "num_layers", "layer_numbers"}` (bytes,
+    bytes in decoder layers, whether the first chunk holds the embedding, layers, their
+    global numbers).
     """
     from .schedules import loss_from_batch
 
@@ -141,6 +164,7 @@ def measure_activation_bytes(chunks, batch: dict, hidden_shape, dtype=torch.floa
             outputs.append(loss_from_batch(chunk, batch, hidden_states=hidden))
     del outputs
     return {"total": meter.bytes(), "layers": meter.bytes("layers"),
+            "pre_process": bool(modules[0].pre_process),
             "num_layers": sum(len(m.decoder.layers) for m in modules),
             "layer_numbers": [int(n) for m in modules for n in m.decoder.layers]}
 
@@ -148,15 +172,18 @@ def measure_activation_bytes(chunks, batch: dict, hidden_shape, dtype=torch.floa
 def activation_report(config, measured: dict, *, micro_batch_size: int, tp: int, sp: bool,
                       granularity, method, recompute_num_layers, dtype=torch.float32,
                       dropout: bool | None = None, keyed_dropout: bool = True,
-                      cp: int = 1) -> dict:
+                      cp: int = 1, lora=None) -> dict:
     """Record of measured vs predicted activation bytes per microbatch on this rank (`cp`:
-    the context-parallel size; a rank holds `s / cp` tokens of each sequence)."""
+    the context-parallel size; a rank holds `s / cp` tokens of each sequence; `lora`: a
+    LoRA run's `planner.activations.FrozenBase`)."""
     s, b, n = config.seq_length // cp, micro_batch_size, measured["num_layers"]
     e = torch.tensor([], dtype=dtype).element_size()
     model = model_chunk_bytes(config, n, s, b, tp, sp, granularity, method, recompute_num_layers,
                               e, dropout, keyed_dropout, measured.get("layer_numbers"),
                               ep=ps.get_expert_model_parallel_world_size(),
-                              context_parallel=cp > 1)
+                              context_parallel=cp > 1, lora=lora,
+                              frozen_input=lora is not None and measured.get("pre_process",
+                                                                             False))
     per_layer = paper_layer_bytes(s, b, config.hidden_size, config.num_attention_heads, tp, sp,
                                   granularity, bytes_per_value=e)
     if granularity == "full":

@@ -35,6 +35,7 @@ from parallel_state import collectives
 from parallel_state.schedule_tables import V_SHAPED
 from parallel_state.hang_doctor import debug_collectives, trace
 from parallel_state.transport import shm
+from planner.activations import FrozenBase
 from planner.flops import fp8_flops_share, training_flops_per_token
 from planner.report import memory_prediction, run_end_summary
 from run_config.batch_schedule import BatchSchedule, rampup_of
@@ -549,7 +550,7 @@ def log_activation_memory(chunks, dataset, config: Config, device) -> dict:
                                granularity=t.recompute_granularity, method=t.recompute_method,
                                recompute_num_layers=t.recompute_num_layers, dtype=dtype,
                                keyed_dropout=t.dropout_masks == "sample",
-                               cp=t.context_parallel_size)
+                               cp=t.context_parallel_size, lora=FrozenBase.of(t))
     return {"activation_bytes_per_microbatch": report["activation_bytes_per_microbatch"],
             "activation_bytes_layers": report["activation_bytes_layers"],
             "activation_bytes_layers_predicted": report["activation_bytes_layers_model_predicted"],

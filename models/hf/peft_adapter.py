@@ -40,6 +40,11 @@ PEFT_PREFIX = "base_model.model."
 # another value (DoRA, biases, per-module ranks, ...) is not plain LoRA
 PLAIN_LORA = {"use_dora": False, "fan_in_fan_out": False, "bias": "none", "lora_bias": False,
               "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {}}
+# further adapter_config.json fields that change what the adapter is (replicated layers,
+# adapters on parameters or token rows, QA-LoRA, aLoRA, some layers only): refused when set
+NOT_PLAIN = {"layer_replication": None, "target_parameters": None,
+             "trainable_token_indices": None, "use_qalora": False,
+             "alora_invocation_tokens": None, "layers_to_transform": None}
 _FLOAT = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
@@ -99,8 +104,23 @@ class Adapter:
     weights: dict
 
 
-def _config(path: str, max_rank: int) -> tuple[int, float]:
-    """`(r, scaling)` of the adapter config in folder `path`, every field checked."""
+@dataclass(frozen=True)
+class AdapterSettings:
+    """The checked fields of a plain LoRA `adapter_config.json`: rank `r`, `lora_alpha`,
+    `lora_dropout`, `use_rslora`, and the scale they give (`scaling`, layers/lora.py)."""
+
+    r: int
+    lora_alpha: float
+    lora_dropout: float
+    use_rslora: bool
+
+    @property
+    def scaling(self) -> float:
+        return lora_scale(self.r, self.lora_alpha, self.use_rslora)
+
+
+def _config(path: str, max_rank: int) -> AdapterSettings:
+    """The adapter config in folder `path`, every field checked."""
     from .files import read_json
 
     where = os.path.join(path, ADAPTER_CONFIG)
@@ -111,8 +131,8 @@ def _config(path: str, max_rank: int) -> tuple[int, float]:
     if type(d) is not dict:
         raise AdapterError(f"{where} is not a JSON object; use the adapter's own config")
     if d.get("peft_type", "LORA") != "LORA":
-        raise AdapterError(f"{where}: peft_type {d.get('peft_type')!r} is not LORA; only LoRA "
-                           f"adapters are served")
+        raise AdapterError(f"{where}: peft_type {d.get('peft_type')!r} is not supported; only "
+                           f"plain LoRA adapters (peft_type LORA) are read")
     r, alpha = d.get("r"), d.get("lora_alpha", d.get("r"))
     if type(r) is not int or r < 1:
         raise AdapterError(f"{where}: r {r!r} must be a positive integer")
@@ -121,32 +141,37 @@ def _config(path: str, max_rank: int) -> tuple[int, float]:
                            f"{max_rank}; restart the server with --max-lora-rank {r} or more")
     if type(alpha) not in (int, float) or not math.isfinite(alpha):
         raise AdapterError(f"{where}: lora_alpha {alpha!r} must be a finite number")
-    for key, plain in PLAIN_LORA.items():
+    for key, plain in {**PLAIN_LORA, **NOT_PLAIN}.items():
         value = d.get(key, plain)
         if value not in (plain, None, [], {}, False, "none"):
-            raise AdapterError(f"{where}: {key}={value!r} is not supported for serving (plain "
-                               f"LoRA only); export the adapter without it")
+            raise AdapterError(f"{where}: {key}={value!r} is not supported; only plain LoRA "
+                               f"adapters are read (no DoRA, biases, per-module ranks or "
+                               f"modules_to_save): train or export the adapter without it")
     rslora = d.get("use_rslora", False)
     if type(rslora) is not bool:
         raise AdapterError(f"{where}: use_rslora {rslora!r} must be true or false")
-    return r, lora_scale(r, alpha, rslora)
+    dropout = d.get("lora_dropout", 0.0)
+    if type(dropout) not in (int, float) or not 0.0 <= dropout < 1.0:
+        raise AdapterError(f"{where}: lora_dropout {dropout!r} must be a number in [0, 1)")
+    return AdapterSettings(r, alpha, float(dropout), rslora)
 
 
-def read_peft_adapter(path: str, config: ModelConfig, max_rank: int,
-                      block_rank: int | None = None, dtype=torch.float32) -> Adapter:
-    """The PEFT adapter in folder `path` for a base of `config` (see the module docstring),
-    its blocks padded to `block_rank` (default its own r), in `dtype`. Raises `AdapterError`
-    (one line: the file, the problem, the fix) for a missing or pickle-only weights file, an
-    unreadable or truncated safetensors file, an unknown tensor or target module, a missing
-    lora_A / lora_B half, a dtype that is not floating, a shape other than the base needs,
-    a rank above `max_rank`, a non-finite value, or an unsupported config field."""
+def read_peft_tensors(path: str, config: ModelConfig, max_rank: int
+                      ) -> tuple[AdapterSettings, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """`(settings, {HF module: (A [r, in], B [out, r])})` of the PEFT adapter in folder
+    `path` for a base of `config`: the tensors as stored (float32, scaling not applied),
+    HF modules by their names in `lora_targets(config)`. Raises `AdapterError` (one line: the
+    file, the problem, the fix) for a missing or pickle-only weights file, an unreadable or
+    truncated safetensors file, an unknown tensor or target module, a missing lora_A /
+    lora_B half, a dtype that is not floating, a shape other than the base needs, a rank
+    above `max_rank`, a non-finite value, or an unsupported config field (DoRA, ...)."""
     from .files import _inside, _safetensors
 
     if not os.path.isdir(path):
         raise AdapterError(f"the LoRA adapter {path!r} is not a folder; pass the folder "
                            f"holding {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
-    r, scaling = _config(path, max_rank)
-    block = block_rank or r
+    settings = _config(path, max_rank)
+    r = settings.r
     if not os.path.exists(os.path.join(path, ADAPTER_WEIGHTS)):
         pickled = os.path.exists(os.path.join(path, "adapter_model.bin"))
         raise AdapterError(f"{path} has no {ADAPTER_WEIGHTS}" + (
@@ -154,9 +179,9 @@ def read_peft_adapter(path: str, config: ModelConfig, max_rank: int,
             "it with safe_serialization=True" if pickled else "; save the adapter with peft"))
     try:
         where = _inside(path, ADAPTER_WEIGHTS)
+        handle = _safetensors(where)
     except HFConversionError as e:
         raise AdapterError(str(e)) from None
-    handle = _safetensors(where)
     targets = lora_targets(config)
     part_of = {p: (t, i) for t in targets.values() for i, p in enumerate(t.parts)}
     found: dict[str, dict] = {}
@@ -185,8 +210,20 @@ def read_peft_adapter(path: str, config: ModelConfig, max_rank: int,
         if len(halves) != 2:
             raise AdapterError(f"{where}: {module} has lora_{next(iter(halves))} but not "
                                f"lora_{'B' if 'A' in halves else 'A'}; the file is incomplete")
+    return settings, {module: (_finite(handle, keys["A"], where),
+                               _finite(handle, keys["B"], where))
+                      for module, keys in found.items()}
+
+
+def read_peft_adapter(path: str, config: ModelConfig, max_rank: int,
+                      block_rank: int | None = None, dtype=torch.float32) -> Adapter:
+    """The PEFT adapter in folder `path` for a base of `config` (see the module docstring),
+    its blocks padded to `block_rank` (default its own r), in `dtype`. Raises `AdapterError`
+    as `read_peft_tensors`."""
+    settings, found = read_peft_tensors(path, config, max_rank)
+    r, block = settings.r, block_rank or settings.r
     weights = {}
-    for target in targets.values():
+    for target in lora_targets(config).values():
         if not any(p in found for p in target.parts):
             continue
         n = len(target.parts)
@@ -195,8 +232,8 @@ def read_peft_adapter(path: str, config: ModelConfig, max_rank: int,
         for i, (part, (out_f, _)) in enumerate(zip(target.parts, target.shapes)):
             b = torch.zeros(out_f, n * block, dtype=torch.float32)
             if part in found:
-                a[i * block:i * block + r] = _finite(handle, found[part]["A"], where)
-                b[:, i * block:i * block + r] = _finite(handle, found[part]["B"], where) * scaling
+                a[i * block:i * block + r] = found[part][0]
+                b[:, i * block:i * block + r] = found[part][1] * settings.scaling
             bs.append(b)
         weights[target.module] = (a.to(dtype), target.fuse(bs).to(dtype))
     return Adapter(path, r, weights)
