@@ -8,7 +8,7 @@
   mscale, interleaved RoPE weights, n_group 2, first layer dense; and a plain q_proj, default
   RoPE not interleaved, every layer MoE) imported gives its logits at tp 1 and tp 2, and
   exports back bitwise (transformers loads the export cleanly); infer.py's loader and the
-  Engine (generic paged cache of full K/V) generate transformers' greedy ids at tp 1 and 2;
+  Engine (latent cache) generate transformers' greedy ids at tp 1 and 2;
 - YaRN's frequencies and attention factor equal transformers', group-limited routing
   equals transformers' router;
 - refusals: DeepSeek-V3 fields not built, multi-token-prediction weights, MLA config
@@ -61,13 +61,12 @@ def _hf_configs() -> dict:
             n_shared_experts=2, tie_word_embeddings=True, **common)}
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """name -> (hf folder, native checkpoint folder)."""
-    from checkpoint.hf import import_hf
+def save_hf_models(root) -> dict:
+    """name -> folder of transformers' tiny random DeepseekV3ForCausalLM of each
+    `_hf_configs()` form, saved under `root`."""
     from transformers import AutoModelForCausalLM
 
-    root, out = tmp_path_factory.mktemp("deepseek"), {}
+    out = {}
     for i, (name, cfg) in enumerate(_hf_configs().items()):
         torch.manual_seed(50 + i)
         model = AutoModelForCausalLM.from_config(cfg)
@@ -78,8 +77,19 @@ def models(tmp_path_factory):
             for bname, b in model.named_buffers():
                 if bname.endswith("e_score_correction_bias"):
                     b.normal_(0.0, 0.1)
-        hf_dir, ckpt = str(root / name), str(root / f"{name}-ckpt")
-        model.save_pretrained(hf_dir)
+        out[name] = str(root / name)
+        model.save_pretrained(out[name])
+    return out
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """name -> (hf folder, native checkpoint folder)."""
+    from checkpoint.hf import import_hf
+
+    root, out = tmp_path_factory.mktemp("deepseek"), {}
+    for name, hf_dir in save_hf_models(root).items():
+        ckpt = str(root / f"{name}-ckpt")
         import_hf(hf_dir, ckpt, log=lambda *a: None)
         out[name] = (hf_dir, ckpt)
     return out
@@ -165,7 +175,8 @@ def test_logits_match_transformers(models, worlds, world):
 
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
 def test_greedy_generate_matches_transformers(models, worlds, world):
-    """The engine's generic paged cache (full K/V of every head, padded to one head dim)."""
+    """The engine's default cache for MLA: the compressed latents (test_mla_latent_cache.py
+    compares it with full K/V)."""
     from transformers import AutoModelForCausalLM
 
     for name, (hf_dir, _) in models.items():
