@@ -7,6 +7,7 @@
 - transformers' tiny random DeepseekV3ForCausalLM (two forms: low-rank query, YaRN with
   mscale, interleaved RoPE weights, n_group 2, first layer dense; and a plain q_proj, default
   RoPE not interleaved, every layer MoE) imported gives its logits at tp 1 and tp 2, and
+  at tp 2 x pp 2, ep 2 and ep 2 x tp 2 too, and
   exports back bitwise (transformers loads the export cleanly); infer.py's loader and the
   Engine (latent cache) generate transformers' greedy ids at tp 1 and 2;
 - YaRN's frequencies and attention factor equal transformers', group-limited routing
@@ -162,6 +163,75 @@ def worlds(models, tmp_path_factory, corpus_env):
             _world, world, ckpts, hf_dirs, [DEEPSEEK + f for f in flags],
             str(tmp_path_factory.mktemp("mla")), cache, tp=world, timeout=900)[0]
     return out
+
+
+def _layout_logits(ckpts: dict, hf_dirs: dict) -> dict:
+    """On 4 processes: {layout: {name: (full logits, HF and checkpoint loads equal, this
+    rank's (experts, fc1 rows) of the first MoE layer)}} (only on a last pipeline stage)
+    at tp 2 x pp 2 (the imported checkpoint), ep 2 and ep 2 x tp 2 (loaded from the HF folder
+    and from the checkpoint)."""
+    from test_hf_conversion import pipeline_logits
+    from test_hf_moe_families import _grid, _local_experts
+
+    from checkpoint.hf import load_hf_weights
+    from checkpoint.model_io import load_model_weights
+    from models import GPTModel
+    from models.hf import open_checked
+    from models.pipeline import build_model_chunks
+
+    out = {"tp2pp2": {}, "ep2": {}, "ep2tp2": {}}
+    _grid(2, 2)
+    for name, ckpt in ckpts.items():
+        c = _config(ckpt)
+        stages = [c.num_layers - c.num_layers // 2, c.num_layers // 2]
+        chunks = build_model_chunks(GPTModel, c, stages, ps.get_pipeline_model_parallel_rank(),
+                                    None)
+        load_model_weights(ckpt, chunks)
+        with torch.no_grad():
+            logits = pipeline_logits(chunks[0], _ids())
+        if logits is not None:
+            out["tp2pp2"][name] = (logits, True, None)
+    for layout, (tp, ep) in {"ep2": (1, 2), "ep2tp2": (2, 2)}.items():
+        _grid(tp, ep=ep)
+        for name, hf_dir in hf_dirs.items():
+            src, c = open_checked(hf_dir)
+            from_hf, from_ckpt = GPTModel(c).eval(), GPTModel(c)
+            load_hf_weights(src, c, [from_hf])
+            load_model_weights(ckpts[name], [from_ckpt])
+            same = all(torch.equal(a, b) for a, b in zip(from_hf.parameters(),
+                                                          from_ckpt.parameters()))
+            with torch.no_grad():
+                logits = ps.gather_from_tensor_model_parallel_region(from_hf(_ids()))
+            out[layout][name] = (logits[..., :VOCAB], same, _local_experts(from_hf))
+    return out
+
+
+@pytest.fixture(scope="module")
+def layouts(models):
+    ckpts = {name: ckpt for name, (_, ckpt) in models.items()}
+    hf_dirs = {name: hf_dir for name, (hf_dir, _) in models.items()}
+    merged = {}
+    for rank in run_distributed(_layout_logits, 4, ckpts, hf_dirs, timeout=600):
+        for layout, by_name in rank.items():
+            merged.setdefault(layout, {}).update(by_name)
+    return merged
+
+
+@pytest.mark.parametrize("layout", ["tp2pp2", "ep2", "ep2tp2"])
+def test_logits_match_transformers_at_pp_and_ep_layouts(models, layouts, layout):
+    """tp 2 x pp 2 from the imported checkpoint; ep 2 and ep 2 x tp 2 (half the routed
+    experts a rank, whole or TP-split) from the HF folder, equal to the checkpoint's load."""
+    assert set(layouts[layout]) == set(models)
+    for name, (logits, same, experts) in layouts[layout].items():
+        hf_dir, ckpt = models[name]
+        c, ref = _config(ckpt), _hf_logits(hf_dir)
+        print(f"{name} {layout}: max |logit - transformers| {(logits - ref).abs().max():.2e}")
+        assert_fp32_close(logits, ref, forward_chain_terms(c, S, "logits"),
+                          f"{name} at {layout}")
+        assert same, f"{name} at {layout}: HF and checkpoint loads differ"
+        if layout != "tp2pp2":
+            split = 2 if layout == "ep2tp2" else 1
+            assert experts == (c.num_moe_experts // 2, 2 * c.moe_ffn_hidden_size // split)
 
 
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
