@@ -423,3 +423,69 @@ def test_planner_lists_the_mla_parameters(no_grid):
         assert [(p.name, p.count) for p in plan] == \
             [(n, p.numel()) for n, p in model.named_parameters()]
         assert c.num_parameters() == sum(p.numel() for p in model.parameters())
+
+
+def test_planner_flops_equal_torch_flop_counter(no_grid, monkeypatch):
+    """planner/flops.py's forward FLOPs of tiny-deepseek (MLA with and without a low-rank
+    query, dense and MoE layers, the output layer) equal what torch's FlopCounterMode counts
+    in one forward of 16 tokens (torch's GEMMs: the counter does not see oneDNN's)."""
+    import dataclasses
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from layers import gemm
+    from models import GPTModel
+    from planner.flops import forward_flops_per_token
+    from training.arguments import load_model_config
+
+    monkeypatch.setattr(gemm, "_ONEDNN", False)
+    base, s = load_model_config("tiny-deepseek"), 16
+    for q_lora_rank in (32, None):
+        c = dataclasses.replace(base, q_lora_rank=q_lora_rank)
+        model = GPTModel(c).eval()
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            model(torch.randint(0, VOCAB, (1, s)))
+        assert counter.get_total_flops() == s * forward_flops_per_token(c, s), q_lora_rank
+
+
+@pytest.mark.parametrize("name, published_total, published_active, hf_fields", [
+    ("deepseek-v3-671b", 671, 37, dict(
+        vocab_size=129280, num_attention_heads=128, n_routed_experts=256, n_group=8,
+        topk_group=4, first_k_dense_replace=3, routed_scaling_factor=2.5)),
+    ("kimi-k2", 1040, 32, dict(
+        vocab_size=163840, num_attention_heads=64, n_routed_experts=384, n_group=1,
+        topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.827)),
+])
+def test_named_deepseek_shapes_match_transformers_and_published(no_grid, name, published_total,
+                                                               published_active, hf_fields):
+    """The parameters of the named configs equal transformers' DeepseekV3ForCausalLM of the
+    same config.json fields (built on the meta device, per layer kind), and the published
+    totals within 1.5% (DeepSeek-V3: 671B / 37B; Kimi K2: 1.04T / 32B of its technical
+    report) and active counts within 3% (whether the input embedding counts as active is
+    not said)."""
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    from planner import moe
+    from training.arguments import load_model_config
+
+    m = load_model_config(name)
+    m.validate(8)
+    dense = hf_fields["first_k_dense_replace"]
+
+    def count(layers):
+        cfg = DeepseekV3Config(
+            hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+            num_hidden_layers=layers, num_key_value_heads=hf_fields["num_attention_heads"],
+            n_shared_experts=1, num_experts_per_tok=8, kv_lora_rank=512, q_lora_rank=1536,
+            qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
+            tie_word_embeddings=False, **hf_fields)
+        with torch.device("meta"):
+            return sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    one_moe = count(dense + 1)
+    hf_total = one_moe + (m.num_layers - dense - 1) * (count(dense + 2) - one_moe)
+    counts = moe.parameter_counts(m)
+    print(f"{name}: {counts['total'] / 1e9:.1f}B parameters, {counts['active'] / 1e9:.2f}B "
+          f"active")
+    assert counts["total"] == hf_total == m.num_parameters()
+    assert abs(counts["total"] / 1e9 / published_total - 1) < 0.015
+    assert abs(counts["active"] / 1e9 / published_active - 1) < 0.03
