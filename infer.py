@@ -103,6 +103,11 @@ def _add_cache_args(p: argparse.ArgumentParser) -> None:
                          "that off): decode steps lose most of their Python and small-op "
                          "time; the first steps of each shape pay the compiling (tens of "
                          "seconds each; needs a C++ compiler on CPU; decoder-only models)")
+    kv.add_argument("--mla-full-kv-cache", action="store_true",
+                    help="multi-head latent attention (DeepSeek-V3): cache full keys and "
+                         "values instead of the compressed latents (vLLM's "
+                         "VLLM_MLA_DISABLE); for comparison, it takes ~n_heads x more "
+                         "memory")
     kv.add_argument("--max-num-batched-tokens", type=int, default=2048,
                     help="prompt tokens in one prefill forward, at most; longer prompts are "
                          "prefilled in chunks alternating with decode steps")
@@ -602,6 +607,7 @@ def main(argv=None) -> int:
                         kv_cache_memory=args.kv_cache_memory,
                         enable_prefix_caching=args.enable_prefix_caching,
                         max_num_batched_tokens=args.max_num_batched_tokens,
+                        mla_latent_cache=not args.mla_full_kv_cache,
                         speculative=speculative(args, model, tokenizer, max_len),
                         compile=args.compile, grammar=grammar_backend(args, tokenizer, cfg),
                         lora=lora)

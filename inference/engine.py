@@ -62,7 +62,7 @@ from .block_manager import BlockManager
 from .comm import broadcast_logprobs, broadcast_tokens
 from .detokenize import OutputText
 from .limits import RequestLimits
-from .runner import ModelRunner
+from .runner import ModelRunner, kv_bytes_per_token
 from .scheduler import Scheduler, _Flight
 from .seq2seq import Seq2SeqRunner
 from .sampling import SamplingParams, sample, token_logprobs, unpack_logprobs
@@ -159,6 +159,9 @@ class Engine(Scheduler):
             masks are computed on the last stage in a worker thread while the forward runs.
         lora: an `inference.lora.LoRAManager` (infer.py --enable-lora): a request's
             `lora_name` picks its adapter; rows of different adapters share a forward.
+        mla_latent_cache: a multi-head latent attention model (DeepSeek-V3) caches its
+            compressed latents (default), not full K/V (layers/mla.py; `runner.
+            kv_cache_geometry`); infer.py --mla-full-kv-cache turns it off.
     Raises `ValueError` for num_micro_batches, block_size or max_num_batched_tokens < 1, a
     cache too small to hold one block, or `compile` with an encoder-decoder model.
     """
@@ -168,7 +171,7 @@ class Engine(Scheduler):
                  num_micro_batches: int | None = None, max_source_length: int | None = None,
                  block_size: int = 16, kv_cache_memory: int | float | None = None,
                  enable_prefix_caching: bool = True, speculative=None, compile: bool = False,
-                 grammar=None, lora=None):
+                 grammar=None, lora=None, mla_latent_cache: bool = True):
         self.encoder_decoder = getattr(model.config, "is_encoder_decoder", False)
         self.max_source_length = max_source_length or max_seq_length
         budget = 2048 if max_num_batched_tokens is None else max_num_batched_tokens
@@ -184,7 +187,7 @@ class Engine(Scheduler):
             self.runner = ModelRunner(
                 model, max_batch_size, max_seq_length, block_size, kv_cache_memory,
                 compile=compile, shared_bytes_per_token=speculative.kv_bytes_per_token
-                if speculative is not None else 0)
+                if speculative is not None else 0, mla_latent_cache=mla_latent_cache)
             if speculative is not None:
                 speculative.attach(self.runner.cache.num_blocks, block_size)
             self.blocks = BlockManager(self.runner.cache.num_blocks, block_size,
@@ -244,6 +247,12 @@ class Engine(Scheduler):
                 f"{per_token:,} bytes per token), prefix caching "
                 f"{'on' if bm.enable_prefix_caching else 'off'}, prefill chunks of "
                 f"{self.max_num_batched_tokens} tokens")
+        if not r.cache.values:  # MLA's latents: the same model's full K/V for comparison
+            full = kv_bytes_per_token(r.model, mla_latent_cache=False)
+            line += (f"; multi-head latent attention caches kv_lora_rank + "
+                     f"qk_rope_head_dim values per token and layer: "
+                     f"{full / r.bytes_per_token:.1f}x fewer bytes than full K/V "
+                     f"({full:,} bytes per token)")
         if tokens < self.max_seq_length:
             line += (f"; requests over {tokens} tokens will be refused (--max-model-len "
                      f"{self.max_seq_length}): raise --kv-cache-memory")

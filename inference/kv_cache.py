@@ -92,15 +92,20 @@ class PagedKVCache:
     placement makes that the usual case), else gathered into a workspace shared by the
     layers (one `index_select` per layer and tensor). Entries past a row's own length are stale and
     must be masked by the caller; the pools start zeroed (stale memory may hold NaN).
+
+    `values=False`: one pool per layer, no values (multi-head latent attention's latent
+    cache, layers/mla.py: `groups` 1, `head_dim` kv_lora_rank + qk_rope_head_dim); a layer
+    then calls `update_latent(c)` on its handle.
     """
 
     def __init__(self, layer_numbers, num_blocks: int, block_size: int, groups: int,
-                 head_dim: int, dtype: torch.dtype, device):
+                 head_dim: int, dtype: torch.dtype, device, values: bool = True):
         shape = (num_blocks, block_size, groups, head_dim)
-        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_blocks, self.block_size, self.values = num_blocks, block_size, values
         self.k = {n: torch.zeros(shape, dtype=dtype, device=device) for n in layer_numbers}
-        self.v = {n: torch.zeros(shape, dtype=dtype, device=device) for n in layer_numbers}
-        self._work = (torch.empty(0, dtype=dtype, device=device),) * 2
+        self.v = {n: torch.zeros(shape, dtype=dtype, device=device) for n in layer_numbers} \
+            if values else {}
+        self._work = (torch.empty(0, dtype=dtype, device=device),) * (2 if values else 1)
         self._fresh, self._length, self._view = False, 0, None
         self._layers = {n: PagedLayerCache(self, n) for n in layer_numbers}
 
@@ -109,9 +114,12 @@ class PagedKVCache:
 
     @staticmethod
     def bytes_per_token(num_layers: int, groups: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
-        """Keys and values of one token position over `num_layers` layers, in bytes."""
-        return 2 * num_layers * groups * head_dim * torch.empty((), dtype=dtype).element_size()
+                        dtype: torch.dtype, values: bool = True) -> int:
+        """Keys and values (only the one pool with `values=False`) of one token position over
+        `num_layers` layers, in bytes."""
+        pools = 2 if values else 1
+        return pools * num_layers * groups * head_dim * \
+            torch.empty((), dtype=dtype).element_size()
 
     def bind(self, tables: torch.Tensor, positions: torch.Tensor, length: int,
              fresh: bool = False) -> None:
@@ -194,13 +202,19 @@ class PagedLayerCache:
 
     def __init__(self, cache: PagedKVCache, layer_number: int):
         self.cache = cache
-        self.k, self.v = cache.k[layer_number], cache.v[layer_number]
+        self.k, self.v = cache.k[layer_number], cache.v.get(layer_number)
+        self.latent = not cache.values  # MLA's latent pool (`update_latent`), no K/V
 
     def update(self, k: torch.Tensor, v: torch.Tensor):
         """Write the new keys / values `[b, g, s, d]` of this layer and return its keys /
         values `[b, g, L, d]` for positions 0..L-1 (see `PagedKVCache`)."""
         work = self.cache._work
         return self.cache._update(self.k, k, work[0]), self.cache._update(self.v, v, work[1])
+
+    def update_latent(self, c: torch.Tensor) -> torch.Tensor:
+        """A latent cache's (`values=False`) `update`: write the new `[b, 1, s, d]` latents
+        and return `[b, 1, L, d]` for positions 0..L-1."""
+        return self.cache._update(self.k, c, self.cache._work[0])
 
 
 def parse_memory(text: str) -> int | float:

@@ -59,12 +59,24 @@ def compile_for_inference(model) -> int:
         raise ValueError(str(e)) from None
 
 
-def kv_bytes_per_token(model) -> int:
-    """Bytes of keys and values one token position takes in the paged cache of decoder-only
-    `model`'s stage on this rank (its layers' local KV heads, in its parameters' dtype)."""
+def kv_cache_geometry(model, mla_latent_cache: bool = True) -> tuple[int, int, bool]:
+    """`(groups, head_dim, values)` of the paged cache (`PagedKVCache`) of decoder-only
+    `model`'s stage on this rank: keys and values of its layers' local KV heads, or, for
+    multi-head latent attention with `mla_latent_cache`, one latent of kv_lora_rank +
+    qk_rope_head_dim per token and layer, no values (layers/mla.py)."""
     attn = next(iter(model.decoder.layers.values())).self_attention
-    return PagedKVCache.bytes_per_token(len(model.layer_numbers), attn.num_groups,
-                                        attn.head_dim, next(model.parameters()).dtype)
+    latent_dim = getattr(attn, "latent_dim", None)
+    if mla_latent_cache and latent_dim:
+        return 1, latent_dim, False
+    return attn.num_groups, attn.head_dim, True
+
+
+def kv_bytes_per_token(model, mla_latent_cache: bool = True) -> int:
+    """Bytes one token position takes in the paged cache of decoder-only `model`'s stage on
+    this rank (`kv_cache_geometry`, in its parameters' dtype)."""
+    groups, head_dim, values = kv_cache_geometry(model, mla_latent_cache)
+    return PagedKVCache.bytes_per_token(len(model.layer_numbers), groups, head_dim,
+                                        next(model.parameters()).dtype, values)
 
 
 class ModelRunner:
@@ -90,11 +102,14 @@ class ModelRunner:
     `num_blocks` given: exactly that many (a draft model's pools, sized by its target's).
 
     `compile` (--compile): `compile_for_inference(model)`, before anything else.
+    `mla_latent_cache`: a multi-head latent attention model caches its latents, not full
+    K/V (`kv_cache_geometry`).
     """
 
     def __init__(self, model, max_batch_size: int, max_seq_length: int, block_size: int = 16,
                  kv_cache_memory: int | float | None = None, compile: bool = False,
-                 shared_bytes_per_token: int = 0, num_blocks: int | None = None):
+                 shared_bytes_per_token: int = 0, num_blocks: int | None = None,
+                 mla_latent_cache: bool = True):
         if compile:  # wraps the layers (compiling waits for the first step): refusals first
             compile_for_inference(model)
         self.model = model.eval()
@@ -108,6 +123,7 @@ class ModelRunner:
         self.dtype, self.device = p.dtype, p.device
         self.block_size, self.kv_cache_memory = block_size, kv_cache_memory
         self.shared_bytes_per_token, self.num_blocks = shared_bytes_per_token, num_blocks
+        self.mla_latent_cache = mla_latent_cache
         self.cache = self._make_cache(attn, max_batch_size, max_seq_length)
         self.first, self.last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         self.stage = ps.get_pipeline_model_parallel_rank()
@@ -120,7 +136,7 @@ class ModelRunner:
         bs = self.block_size
         if bs < 1:
             raise ValueError(f"--kv-block-size must be >= 1, got {bs}")
-        self.bytes_per_token = kv_bytes_per_token(self.model)
+        self.bytes_per_token = kv_bytes_per_token(self.model, self.mla_latent_cache)
         memory = self.kv_cache_memory
         if self.num_blocks is not None:
             blocks = self.num_blocks
@@ -133,8 +149,9 @@ class ModelRunner:
             per_block = (self.bytes_per_token + self.shared_bytes_per_token) * bs
             blocks = replica_min(memory // per_block)
         self.cache_bytes = blocks * bs * self.bytes_per_token
-        return PagedKVCache(self.model.layer_numbers, blocks, bs, attn.num_groups,
-                            attn.head_dim, self.dtype, self.device)
+        groups, head_dim, values = kv_cache_geometry(self.model, self.mla_latent_cache)
+        return PagedKVCache(self.model.layer_numbers, blocks, bs, groups, head_dim, self.dtype,
+                            self.device, values=values)
 
     def spec(self, ids: torch.Tensor) -> p2p.TensorSpec:
         """What a stage passes on for a micro-batch of `ids [b, s]`: `[s, b, h]`."""

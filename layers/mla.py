@@ -29,13 +29,32 @@ as they would gather `x`; the shared RoPE key is all-gathered over the sequence 
 Without sequence parallelism every rank computes the latents of the whole sequence, and the
 up-projections' input (and the RoPE key's copy) all-reduce the latents' gradients over TP.
 
-Context parallelism and inference: the ring / all-gather attention of layers/context_parallel
-and the engine's KV cache (`kv_cache`, SelfAttention's interface: `update(k, v)` of
-`[b, heads, s, d]`) take one head dim for keys and values; there q, k and v are zero-padded
-to `max(d_n + d_r, d_v)` (exact: zeros add nothing to a score, and the padded output columns
-are dropped). The cache then holds full K/V, `2 x heads x max(d_n + d_r, d_v)` values per
-token and layer, not MLA's compressed `d_c + d_r` (the latent cache with the up-projections
-absorbed, V2 sec. 2.1.2, is not built).
+Context parallelism: the ring / all-gather attention of layers/context_parallel takes one
+head dim for keys and values; there q, k and v are zero-padded to `max(d_n + d_r, d_v)`
+(exact: zeros add nothing to a score, and the padded output columns are dropped).
+
+Inference (the engine's paged cache, inference/kv_cache.py), two forms:
+
+- the latent cache (default; a handle with `latent` set, `update_latent`): per token and
+  layer only `[c_kv (normed), k_r (after RoPE)]`, `d_c + d_r` values, against
+  `2 x n x max(d_n + d_r, d_v)` for full K/V (DeepSeek-V3: 576 against 49,152). A step whose
+  tokens are all new (a fresh prefill) expands the latents with `W_UKV` and attends as in
+  training. Otherwise the up-projection is absorbed (V2 sec. 2.1.2 and appendix; vLLM's and
+  SGLang's MLA decode): head i's query becomes `[W_UK_i^T q_nope_i (d_c), q_rope_i (d_r)]`,
+  every head attends to the same cached `[c_kv, k_r]` as one shared key head (multi-query
+  attention over `d_c + d_r`, values `c_kv`, the same softmax scale, since
+  `q_nope_i . (W_UK_i c) = (W_UK_i^T q_nope_i) . c`), and `W_UV_i` maps head i's `d_c`
+  output to `d_v` before `W_O`: the latent is never expanded. Per query and cached key that
+  costs `2 d_c + d_r` multiply-adds against `d_n + d_r + d_v` after expanding each cached key
+  once (`d_c (d_n + d_v)`), so steps of more than `absorb_max_queries` new tokens per row
+  (`d_c (d_n + d_v) / (2 d_c - d_n - d_v)`: 170 for DeepSeek-V3; a long chunk of a chunked
+  prefill, a prompt after a prefix-cache hit) expand the cached latents instead, as vLLM's
+  MLA prefill does. Absorption needs the plain weight of `W_UKV`: with LoRA adapters, FP8 or
+  low-bit weights on it the cached latents are expanded at every step. Under TP each rank
+  holds its heads' slices of `W_UKV` and the whole latent: the cache is replicated on every
+  TP rank (it has no head dim to shard), so its bytes per token do not fall with tp.
+- full K/V (`Engine(mla_latent_cache=False)`; `update(k, v)` of `[b, n/tp, s, d]`, the
+  generic cache of SelfAttention): q, k, v zero-padded to one head dim as under CP.
 """
 from __future__ import annotations
 
@@ -76,7 +95,8 @@ class MultiLatentAttention(CoreAttention):
     the causal mask. Attention dropout is the keyed dropout of layers/dropout.py at this
     module's site; selective recompute checkpoints the core attention (`checkpoint_fn`).
 
-    `kv_cache`: the engine's per-layer handle (SelfAttention's), holding full padded K/V.
+    `kv_cache`: the engine's per-layer handle: a latent cache's (`latent` set;
+    `update_latent`) or the generic one of full padded K/V (module docstring).
     Raises `ValueError` for an `attention_bias`, a `kv_cache` or mask under context
     parallelism, and at construction for a tp that does not divide the heads.
     """
@@ -101,6 +121,10 @@ class MultiLatentAttention(CoreAttention):
         # the generic KV cache's view (inference/runner.py): every head its own K and V, both
         # zero-padded to one head dim
         self.num_groups, self.head_dim = self.num_heads, max(self.qk_dim, self.v_dim)
+        self.latent_dim = self.kv_lora_rank + self.rope_dim  # the latent cache's, per token
+        excess = 2 * self.kv_lora_rank - self.nope_dim - self.v_dim  # see the module docstring
+        self.absorb_max_queries = self.kv_lora_rank * (self.nope_dim + self.v_dim) // excess \
+            if excess > 0 else 2**31
         self.softmax_scale = mla_softmax_scale(config)
         self.attention_dropout = config.attention_dropout
         add_dropout_site(self)  # set from the module's name (layers/dropout.py)
@@ -144,7 +168,10 @@ class MultiLatentAttention(CoreAttention):
         s, b = q.shape[:2]
         latent = self.linear_kv_down_proj(x)  # [s(/tp), b, d_c + d_r]
         c_kv, k_rope = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = self.linear_kv_up_proj(self.kv_layernorm(c_kv))  # gathers c_kv under SP
+        c_kv = self.kv_layernorm(c_kv)
+        if getattr(kv_cache, "latent", False):
+            return self._latent_cache_forward(q, c_kv, k_rope, rotary, kv_cache, attention_mask)
+        kv = self.linear_kv_up_proj(c_kv)  # gathers c_kv under SP
         k_nope, v = kv.view(s, b, self.num_heads, -1).split([self.nope_dim, self.v_dim], -1)
         if self.sequence_parallel:  # the shared RoPE key of every token, on every rank
             k_rope = gather_from_sequence_parallel_region(k_rope)
@@ -172,6 +199,37 @@ class MultiLatentAttention(CoreAttention):
             out = out[..., :self.v_dim]
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.v_dim)
         return self.linear_proj(out)
+
+    def _latent_cache_forward(self, q, c_kv, k_rope, rotary, kv_cache, attention_mask):
+        """Inference with the latent cache (module docstring): q `[s, b, n/tp, d_n + d_r]`,
+        c_kv `[s, b, d_c]` normed, k_rope `[s, b, d_r]` before RoPE -> `[s, b, h]`."""
+        s, b = q.shape[:2]
+        cos, sin = rotary
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_rope = apply_rotary_pos_emb(q_rope, cos, sin).permute(1, 2, 0, 3)  # [b, n, s, d_r]
+        k_rope = apply_rotary_pos_emb(k_rope.unsqueeze(2), cos, sin)  # [s, b, 1, d_r]
+        new = torch.cat([c_kv.unsqueeze(2), k_rope.to(c_kv.dtype)], dim=-1)
+        cached = kv_cache.update_latent(new.permute(1, 2, 0, 3))  # [b, 1, L, d_c + d_r]
+        mask = attention_mask[LAYER_TYPES[0]] if isinstance(attention_mask, dict) \
+            else attention_mask
+        n, length = self.num_heads, cached.shape[2]
+        up = self.linear_kv_up_proj
+        if length > s and s <= self.absorb_max_queries and up.lora is None and \
+                up.fp8 is None and not up._forward_hooks and isinstance(up.weight, torch.Tensor):
+            w_uk, w_uv = up.weight.view(n, self.nope_dim + self.v_dim, self.kv_lora_rank) \
+                .split([self.nope_dim, self.v_dim], dim=1)  # [n, d_n, d_c], [n, d_v, d_c]
+            q_latent = torch.einsum("sbnd,ndc->bnsc", q_nope, w_uk.to(q_nope.dtype))
+            out = self._run_core(torch.cat([q_latent, q_rope], dim=-1), cached,
+                                 cached[..., :self.kv_lora_rank], mask, None, None)
+            out = torch.einsum("bnsc,nvc->bnsv", out, w_uv.to(out.dtype))  # [b, n, s, d_v]
+        else:  # expanded: every cached latent through W_UKV
+            c_all, k_rope_all = cached.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+            kv = up(c_all[:, 0]).view(b, length, n, -1).transpose(1, 2)  # [b, n, L, d_n + d_v]
+            k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+            k = torch.cat([k_nope, k_rope_all.expand(b, n, length, self.rope_dim)], dim=-1)
+            q = torch.cat([q_nope.permute(1, 2, 0, 3), q_rope], dim=-1)
+            out = self._run_core(q, k, v, mask, None, None)  # [b, n, s, d_v]
+        return self.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, n * self.v_dim))
 
     def extra_repr(self) -> str:
         return (f"heads {self.num_heads} per rank, q_lora_rank={self.q_lora_rank}, "

@@ -78,9 +78,38 @@ def layer_forward_flops(config, layer_number: int, seq_length: int | None = None
     and shared experts)."""
     s = seq_length or config.seq_length
     h = config.hidden_size
+    if config.multi_latent_attention:
+        return float(mla_forward_flops(config, s) + mlp_forward_flops(config, layer_number))
     q, kv = config.query_projection_size, config.kv_projection_size
-    attention = 2 * (h * (q + 2 * kv) + q * h) + 2 * 2 * s * q  # QK^T and AV: 2 s q each
+    attention = 2 * (h * (q + 2 * kv) + q * h) + core_attention_flops(config, s)
     return float(attention + mlp_forward_flops(config, layer_number))
+
+
+def core_attention_flops(config, seq_length: int) -> int:
+    """Forward FLOPs per token of one layer's core attention over `seq_length` keys: QK^T and
+    the weighted values, `2 s q` each (`q` = heads x head dim); under multi-head latent
+    attention `2 s n (d_n + d_r)` and `2 s n d_v`."""
+    s = seq_length
+    if config.multi_latent_attention:
+        n = config.num_attention_heads
+        return 2 * s * n * (config.qk_nope_head_dim + config.qk_rope_head_dim
+                            + config.v_head_dim)
+    return 2 * 2 * s * config.query_projection_size
+
+
+def mla_forward_flops(config, seq_length: int) -> int:
+    """Forward matmul FLOPs per token of one multi-head latent attention (layers/mla.py; the
+    MLA branch of Megatron-LM's `num_floating_point_operations`), n heads, `d_qk = d_n +
+    d_r`: the query `2 h n d_qk` (low-rank: `2 h d_c' + 2 d_c' n d_qk`), the KV down-projection
+    `2 h (d_c + d_r)`, its up-projection `2 d_c n (d_n + d_v)`, the output `2 n d_v h`, and
+    the attention over `s` keys: scores `2 s n d_qk`, weighted values `2 s n d_v`."""
+    h, n, s = config.hidden_size, config.num_attention_heads, seq_length
+    d_n, d_r, d_v, d_c = (config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim,
+                          config.kv_lora_rank)
+    d_qk, r_q = d_n + d_r, config.q_lora_rank
+    query = 2 * h * n * d_qk if r_q is None else 2 * h * r_q + 2 * r_q * n * d_qk
+    return (query + 2 * h * (d_c + d_r) + 2 * d_c * n * (d_n + d_v) + 2 * n * d_v * h
+            + core_attention_flops(config, s))
 
 
 def _t5_flops_per_encoder_token(config, se: int, dense: float, v: int) -> float:

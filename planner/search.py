@@ -66,8 +66,9 @@ from run_config.train_config import TrainConfig
 
 from . import moe
 from .memory import pipeline_bubble
-from .flops import (GPU_PEAK_BF16_TFLOPS, GPU_PEAK_FP8_TFLOPS, blended_peak, fp8_flops_share,
-                    layer_forward_flops, layer_fp8_forward_flops, training_flops_per_token)
+from .flops import (GPU_PEAK_BF16_TFLOPS, GPU_PEAK_FP8_TFLOPS, blended_peak, core_attention_flops,
+                    fp8_flops_share, layer_forward_flops, layer_fp8_forward_flops,
+                    training_flops_per_token)
 from .communication import (attention_layers, communication_per_rank, communication_seconds,
                             context_parallel_communication, step_communication)
 from .memory import peak_memory
@@ -142,7 +143,8 @@ def layout_fields(config: Config) -> dict:
             "zero_stage": ZERO_STAGE[t.data_parallel_sharding_strategy],
             "recompute": t.recompute_granularity or "none",
             "optimizer_offload": t.optimizer_offload_device if t.optimizer_cpu_offload else None,
-            "param_offload": t.param_offload_device}
+            "param_offload": t.param_offload_device,
+            "last_stage_layers": t.decoder_last_pipeline_num_layers}
 
 
 def flags(layout: dict) -> str:
@@ -158,6 +160,8 @@ def flags(layout: dict) -> str:
         out.append(f"--context-parallel-size {layout['cp']}")
         if layout.get("cp_comm_type", "p2p") != "p2p":
             out.append(f"--cp-comm-type {layout['cp_comm_type']}")
+    if layout.get("last_stage_layers"):
+        out.append(f"--decoder-last-pipeline-num-layers {layout['last_stage_layers']}")
     out.append(f"--micro-batch-size {layout['micro_batch_size']}")
     if layout["sequence_parallel"]:
         out.append("--sequence-parallel")
@@ -240,7 +244,8 @@ def _parallel_sizes(model, gpus: int, ep: int | None = None,
             vpps = [(None, "1f1b"), (None, "zb-h1")] + [
                 (v, "interleaved") for v in _divisors(per_stage) if 1 < v <= MAX_VPP] + (
                 [(2, "zbv")] if per_stage % 2 == 0 else []) \
-                if pp > 1 and per_stage else [(None, None)]
+                if pp > 1 and per_stage else [(None, "1f1b"), (None, "zb-h1")] \
+                if pp > 1 and uneven_last_stage_layers(model, pp) else [(None, None)]
             for c in context_parallel_sizes(model, gpus // (tp * pp)):
                 if cp is not None and c != cp:
                     continue
@@ -257,9 +262,25 @@ def layout_count(model, gpus: int, ep: int | None = None, cp: int | None = None)
         * len(STRATEGIES) * len(_RECOMPUTE)
 
 
+def uneven_last_stage_layers(model, pp: int) -> int | None:
+    """The last stage's layers when a decoder's `num_layers` does not split evenly over `pp`
+    stages: the other stages take `ceil(num_layers / pp)` each and the last (which also holds
+    the output layer and the loss) the rest (DeepSeek-V3's 61 layers over 2: 31 + 30; over
+    16: 15 x 4 + 1); None when the split is even, no such rest is left, or for T5."""
+    n = model.num_layers
+    each = -(-n // pp)
+    if pp < 2 or n % pp == 0 or model.is_encoder_decoder or n - (pp - 1) * each < 1:
+        return None
+    return n - (pp - 1) * each
+
+
 def _candidate(model, gpus, gbs, base, bf16, node_size, tp, pp, vpp, sp, mbs, strategy,
                recompute, ep=1, cp=1, optimizer_offload=None, param_offload=None,
                schedule=None):
+    uneven = base.decoder_first_pipeline_num_layers is None and \
+        base.decoder_last_pipeline_num_layers is None and uneven_last_stage_layers(model, pp)
+    if uneven:
+        base = dataclasses.replace(base, decoder_last_pipeline_num_layers=uneven)
     train = dataclasses.replace(
         base, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp, num_layers_per_virtual_pipeline_stage=None,
@@ -277,7 +298,8 @@ def _candidate(model, gpus, gbs, base, bf16, node_size, tp, pp, vpp, sp, mbs, st
               "vpp": vpp or 1, "schedule": schedule or "none", "dp": gpus // (tp * pp * cp),
               "micro_batch_size": mbs, "sequence_parallel": sp, "sharding": strategy,
               "zero_stage": ZERO_STAGE[strategy], "recompute": recompute or "none",
-              "optimizer_offload": optimizer_offload, "param_offload": param_offload}
+              "optimizer_offload": optimizer_offload, "param_offload": param_offload,
+              "last_stage_layers": uneven or None}
     if node_size and tp > node_size:
         return fields, (f"tensor parallel size {tp} exceeds the {node_size} GPUs of a node: "
                         f"its per-layer all-reduces would cross the inter-node network")
@@ -300,7 +322,7 @@ def _compute_seconds_per_microbatch(config: Config, hw: Hardware) -> float:
     rate = hw.peak_tflops * 1e12 * hw.matmul_efficiency
     fp8_rate, fp8_layers = _fp8_rate(config, hw)
     logits = 2.0 * m.hidden_size * m.padded_vocab_size(tp)
-    attention_core = 2 * 2 * m.seq_length * m.query_projection_size
+    attention_core = core_attention_flops(m, m.seq_length)
     tokens = t.micro_batch_size * m.seq_length // t.context_parallel_size  # a CP rank's
     stages = config.stage_num_layers()
     t_mb = 0.0
@@ -351,7 +373,7 @@ def _attention_core_seconds(config: Config, hw: Hardware) -> float:
     (forward and backward) plus a forward per recomputed layer, x `s b / cp` tokens / tp."""
     m, t = config.model, config.train
     rate = hw.peak_tflops * 1e12 * hw.matmul_efficiency
-    core = 2 * 2 * m.seq_length * m.query_projection_size
+    core = core_attention_flops(m, m.seq_length)
     tokens = t.micro_batch_size * m.seq_length // t.context_parallel_size
     worst = 0.0
     for r in range(t.pipeline_model_parallel_size):

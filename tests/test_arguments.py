@@ -275,7 +275,7 @@ NATURAL_TP = {
     "t5-small": 2, "t5-base": 2, "t5-large": 4, "t5-3b": 8, "t5-11b": 8, "t5-v1_1-small": 2,
     "t5-v1_1-base": 4, "t5-v1_1-large": 4, "t5-v1_1-xl": 8, "t5-v1_1-xxl": 8, "t5-tiny": 2,
     "tiny-moe": 2, "mixtral-8x7b": 8, "olmoe-1b-7b": 2, "qwen3-30b-a3b": 4, "tiny-deepseek": 2,
-    "tiny-gpt-oss": 2, "gpt-oss-20b": 8, "gpt-oss-120b": 8,
+    "tiny-gpt-oss": 2, "gpt-oss-20b": 8, "gpt-oss-120b": 8, "deepseek-v3-671b": 8, "kimi-k2": 8,
 }
 
 

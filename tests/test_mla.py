@@ -7,8 +7,9 @@
 - transformers' tiny random DeepseekV3ForCausalLM (two forms: low-rank query, YaRN with
   mscale, interleaved RoPE weights, n_group 2, first layer dense; and a plain q_proj, default
   RoPE not interleaved, every layer MoE) imported gives its logits at tp 1 and tp 2, and
+  at tp 2 x pp 2, ep 2 and ep 2 x tp 2 too, and
   exports back bitwise (transformers loads the export cleanly); infer.py's loader and the
-  Engine (generic paged cache of full K/V) generate transformers' greedy ids at tp 1 and 2;
+  Engine (latent cache) generate transformers' greedy ids at tp 1 and 2;
 - YaRN's frequencies and attention factor equal transformers', group-limited routing
   equals transformers' router;
 - refusals: DeepSeek-V3 fields not built, multi-token-prediction weights, MLA config
@@ -61,13 +62,12 @@ def _hf_configs() -> dict:
             n_shared_experts=2, tie_word_embeddings=True, **common)}
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """name -> (hf folder, native checkpoint folder)."""
-    from checkpoint.hf import import_hf
+def save_hf_models(root) -> dict:
+    """name -> folder of transformers' tiny random DeepseekV3ForCausalLM of each
+    `_hf_configs()` form, saved under `root`."""
     from transformers import AutoModelForCausalLM
 
-    root, out = tmp_path_factory.mktemp("deepseek"), {}
+    out = {}
     for i, (name, cfg) in enumerate(_hf_configs().items()):
         torch.manual_seed(50 + i)
         model = AutoModelForCausalLM.from_config(cfg)
@@ -78,8 +78,19 @@ def models(tmp_path_factory):
             for bname, b in model.named_buffers():
                 if bname.endswith("e_score_correction_bias"):
                     b.normal_(0.0, 0.1)
-        hf_dir, ckpt = str(root / name), str(root / f"{name}-ckpt")
-        model.save_pretrained(hf_dir)
+        out[name] = str(root / name)
+        model.save_pretrained(out[name])
+    return out
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """name -> (hf folder, native checkpoint folder)."""
+    from checkpoint.hf import import_hf
+
+    root, out = tmp_path_factory.mktemp("deepseek"), {}
+    for name, hf_dir in save_hf_models(root).items():
+        ckpt = str(root / f"{name}-ckpt")
         import_hf(hf_dir, ckpt, log=lambda *a: None)
         out[name] = (hf_dir, ckpt)
     return out
@@ -154,6 +165,75 @@ def worlds(models, tmp_path_factory, corpus_env):
     return out
 
 
+def _layout_logits(ckpts: dict, hf_dirs: dict) -> dict:
+    """On 4 processes: {layout: {name: (full logits, HF and checkpoint loads equal, this
+    rank's (experts, fc1 rows) of the first MoE layer)}} (only on a last pipeline stage)
+    at tp 2 x pp 2 (the imported checkpoint), ep 2 and ep 2 x tp 2 (loaded from the HF folder
+    and from the checkpoint)."""
+    from test_hf_conversion import pipeline_logits
+    from test_hf_moe_families import _grid, _local_experts
+
+    from checkpoint.hf import load_hf_weights
+    from checkpoint.model_io import load_model_weights
+    from models import GPTModel
+    from models.hf import open_checked
+    from models.pipeline import build_model_chunks
+
+    out = {"tp2pp2": {}, "ep2": {}, "ep2tp2": {}}
+    _grid(2, 2)
+    for name, ckpt in ckpts.items():
+        c = _config(ckpt)
+        stages = [c.num_layers - c.num_layers // 2, c.num_layers // 2]
+        chunks = build_model_chunks(GPTModel, c, stages, ps.get_pipeline_model_parallel_rank(),
+                                    None)
+        load_model_weights(ckpt, chunks)
+        with torch.no_grad():
+            logits = pipeline_logits(chunks[0], _ids())
+        if logits is not None:
+            out["tp2pp2"][name] = (logits, True, None)
+    for layout, (tp, ep) in {"ep2": (1, 2), "ep2tp2": (2, 2)}.items():
+        _grid(tp, ep=ep)
+        for name, hf_dir in hf_dirs.items():
+            src, c = open_checked(hf_dir)
+            from_hf, from_ckpt = GPTModel(c).eval(), GPTModel(c)
+            load_hf_weights(src, c, [from_hf])
+            load_model_weights(ckpts[name], [from_ckpt])
+            same = all(torch.equal(a, b) for a, b in zip(from_hf.parameters(),
+                                                          from_ckpt.parameters()))
+            with torch.no_grad():
+                logits = ps.gather_from_tensor_model_parallel_region(from_hf(_ids()))
+            out[layout][name] = (logits[..., :VOCAB], same, _local_experts(from_hf))
+    return out
+
+
+@pytest.fixture(scope="module")
+def layouts(models):
+    ckpts = {name: ckpt for name, (_, ckpt) in models.items()}
+    hf_dirs = {name: hf_dir for name, (hf_dir, _) in models.items()}
+    merged = {}
+    for rank in run_distributed(_layout_logits, 4, ckpts, hf_dirs, timeout=600):
+        for layout, by_name in rank.items():
+            merged.setdefault(layout, {}).update(by_name)
+    return merged
+
+
+@pytest.mark.parametrize("layout", ["tp2pp2", "ep2", "ep2tp2"])
+def test_logits_match_transformers_at_pp_and_ep_layouts(models, layouts, layout):
+    """tp 2 x pp 2 from the imported checkpoint; ep 2 and ep 2 x tp 2 (half the routed
+    experts a rank, whole or TP-split) from the HF folder, equal to the checkpoint's load."""
+    assert set(layouts[layout]) == set(models)
+    for name, (logits, same, experts) in layouts[layout].items():
+        hf_dir, ckpt = models[name]
+        c, ref = _config(ckpt), _hf_logits(hf_dir)
+        print(f"{name} {layout}: max |logit - transformers| {(logits - ref).abs().max():.2e}")
+        assert_fp32_close(logits, ref, forward_chain_terms(c, S, "logits"),
+                          f"{name} at {layout}")
+        assert same, f"{name} at {layout}: HF and checkpoint loads differ"
+        if layout != "tp2pp2":
+            split = 2 if layout == "ep2tp2" else 1
+            assert experts == (c.num_moe_experts // 2, 2 * c.moe_ffn_hidden_size // split)
+
+
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
 def test_logits_match_transformers(models, worlds, world):
     for name, (hf_dir, ckpt) in models.items():
@@ -165,7 +245,8 @@ def test_logits_match_transformers(models, worlds, world):
 
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
 def test_greedy_generate_matches_transformers(models, worlds, world):
-    """The engine's generic paged cache (full K/V of every head, padded to one head dim)."""
+    """The engine's default cache for MLA: the compressed latents (test_mla_latent_cache.py
+    compares it with full K/V)."""
     from transformers import AutoModelForCausalLM
 
     for name, (hf_dir, _) in models.items():
@@ -342,3 +423,69 @@ def test_planner_lists_the_mla_parameters(no_grid):
         assert [(p.name, p.count) for p in plan] == \
             [(n, p.numel()) for n, p in model.named_parameters()]
         assert c.num_parameters() == sum(p.numel() for p in model.parameters())
+
+
+def test_planner_flops_equal_torch_flop_counter(no_grid, monkeypatch):
+    """planner/flops.py's forward FLOPs of tiny-deepseek (MLA with and without a low-rank
+    query, dense and MoE layers, the output layer) equal what torch's FlopCounterMode counts
+    in one forward of 16 tokens (torch's GEMMs: the counter does not see oneDNN's)."""
+    import dataclasses
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from layers import gemm
+    from models import GPTModel
+    from planner.flops import forward_flops_per_token
+    from training.arguments import load_model_config
+
+    monkeypatch.setattr(gemm, "_ONEDNN", False)
+    base, s = load_model_config("tiny-deepseek"), 16
+    for q_lora_rank in (32, None):
+        c = dataclasses.replace(base, q_lora_rank=q_lora_rank)
+        model = GPTModel(c).eval()
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            model(torch.randint(0, VOCAB, (1, s)))
+        assert counter.get_total_flops() == s * forward_flops_per_token(c, s), q_lora_rank
+
+
+@pytest.mark.parametrize("name, published_total, published_active, hf_fields", [
+    ("deepseek-v3-671b", 671, 37, dict(
+        vocab_size=129280, num_attention_heads=128, n_routed_experts=256, n_group=8,
+        topk_group=4, first_k_dense_replace=3, routed_scaling_factor=2.5)),
+    ("kimi-k2", 1040, 32, dict(
+        vocab_size=163840, num_attention_heads=64, n_routed_experts=384, n_group=1,
+        topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.827)),
+])
+def test_named_deepseek_shapes_match_transformers_and_published(no_grid, name, published_total,
+                                                               published_active, hf_fields):
+    """The parameters of the named configs equal transformers' DeepseekV3ForCausalLM of the
+    same config.json fields (built on the meta device, per layer kind), and the published
+    totals within 1.5% (DeepSeek-V3: 671B / 37B; Kimi K2: 1.04T / 32B of its technical
+    report) and active counts within 3% (whether the input embedding counts as active is
+    not said)."""
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    from planner import moe
+    from training.arguments import load_model_config
+
+    m = load_model_config(name)
+    m.validate(8)
+    dense = hf_fields["first_k_dense_replace"]
+
+    def count(layers):
+        cfg = DeepseekV3Config(
+            hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+            num_hidden_layers=layers, num_key_value_heads=hf_fields["num_attention_heads"],
+            n_shared_experts=1, num_experts_per_tok=8, kv_lora_rank=512, q_lora_rank=1536,
+            qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
+            tie_word_embeddings=False, **hf_fields)
+        with torch.device("meta"):
+            return sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    one_moe = count(dense + 1)
+    hf_total = one_moe + (m.num_layers - dense - 1) * (count(dense + 2) - one_moe)
+    counts = moe.parameter_counts(m)
+    print(f"{name}: {counts['total'] / 1e9:.1f}B parameters, {counts['active'] / 1e9:.2f}B "
+          f"active")
+    assert counts["total"] == hf_total == m.num_parameters()
+    assert abs(counts["total"] / 1e9 / published_total - 1) < 0.015
+    assert abs(counts["active"] / 1e9 / published_active - 1) < 0.03

@@ -212,7 +212,7 @@ def test_plan_lists_only_valid_layouts(capsys):
     (["--model", "llama-70b", "--gpus", "12"], "--gpus 12 is not a multiple of --nodes-of 8"),
     (["--model", "llama-70b", "--gpus", "8", "--gpu-memory", "80 apples"], "--gpu-memory"),
     (["--model", "llama-7b", "--gpus", "1", "--gpu-memory", "16GB", "--seq-length", "1024",
-      "--global-batch-size", "8"], "at least 16 GPUs would fit"),
+      "--global-batch-size", "8"], "at least 11 GPUs would fit"),  # pp 11: 10 x 3 + 2 layers
 ])
 def test_plan_bad_input_one_line(capsys, argv, message):
     code, out, err = _plan(capsys, *argv)
@@ -340,3 +340,32 @@ def test_plan_searches_offload_when_nothing_fits(capsys, tmp_path):
     assert code == 0 and "No layout fits without offload" in out, out
     assert "4 GB/s device-host per GPU (--host-bandwidth)" in out
     assert "NVMe 2 GB/s per node (--nvme-bandwidth)" in out and "--optimizer-offload-device" in out
+
+
+def test_plan_splits_layers_unevenly_over_the_pipeline(capsys, tmp_path):
+    """A decoder whose layers do not divide over pp (DeepSeek-V3's 61) gets stages of
+    ceil(L / pp) and the rest on the last (`--decoder-last-pipeline-num-layers`): 5 layers
+    over pp 2 as 3 + 2, which train.py accepts; over pp 4 no such split (2 x 3 > 5)."""
+    import yaml
+
+    from training.arguments import parse_config
+
+    model = yaml.safe_load(open("configs/models/tiny-deepseek.yaml"))
+    model.update(num_layers=5, moe_layer_freq=[0, 1, 1, 1, 1])
+    path = tmp_path / "five.yaml"
+    path.write_text(yaml.safe_dump(model))
+    code, out, _ = _plan(capsys, "--model", str(path), "--gpus", "4", "--global-batch-size",
+                         "8", "--json")
+    assert code == 0
+    result = json.loads(out)
+    uneven = [p for p in result["fits"] if p["pp"] == 2]
+    assert uneven and all(p["last_stage_layers"] == 2 for p in uneven)
+    for p in uneven[:3]:
+        assert "--decoder-last-pipeline-num-layers 2" in p["flags"]
+        config = parse_config(["--model", str(path), "--global-batch-size", "8", "--bf16",
+                               "--log-dir", ""] + p["flags"].split())
+        config.validate(4)
+        assert config.stage_num_layers() == [3, 2]
+    assert not any(p["pp"] == 4 for p in result["fits"])
+    assert any(r["pp"] == 4 and "cannot be split evenly" in r["reason"]
+               for r in result["rejected"])
