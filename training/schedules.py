@@ -397,6 +397,17 @@ class _Neighbours:
         self.before, self.after = where(self.stage - 1), where(self.stage + 1)
 
 
+def _incoming(source, kind: str, stage: int, action, handed: dict, spec):
+    """What action `kind` ("F": activations, "B": their gradients) of `stage` receives from
+    `source`: nothing at the pipeline's end (None), the tensors this rank's other chunk handed
+    over ("local"), or a p2p receive from rank `source`."""
+    if source is None:
+        return None
+    if source == "local":
+        return handed.pop((kind, stage, action.microbatch))
+    return p2p.recv(spec, from_next=source, gradient=kind == "B", chunk=action.chunk)
+
+
 def _run_table(run: _Runner, spec, table, actions) -> None:
     """Run this rank's `actions` of `table`. Activations travel down the virtual stages and
     gradients up; between two chunks of this rank (the bottom of a V) they are handed over
@@ -411,12 +422,7 @@ def _run_table(run: _Runner, spec, table, actions) -> None:
             key, n = (a.chunk, a.microbatch), nb[a.chunk]
             p2p.wait_sends(sends, completed_only=True)
             if a.kind == "F":
-                if n.before is None:
-                    inputs = None
-                elif n.before == "local":
-                    inputs = handed.pop(("F", n.stage, a.microbatch))
-                else:
-                    inputs = p2p.recv(spec, from_next=n.before, gradient=False, chunk=a.chunk)
+                inputs = _incoming(n.before, "F", n.stage, a, handed, spec)
                 outputs = run.forward(a.chunk, a.microbatch, inputs)
                 if n.after == "local":
                     handed[("F", n.stage + 1, a.microbatch)] = tuple(
@@ -427,12 +433,7 @@ def _run_table(run: _Runner, spec, table, actions) -> None:
                 if not run.forward_only:
                     kept[key] = (inputs, outputs)
             elif a.kind == "B":
-                if n.after is None:
-                    grads = None
-                elif n.after == "local":
-                    grads = handed.pop(("B", n.stage, a.microbatch))
-                else:
-                    grads = p2p.recv(spec, from_next=n.after, gradient=True, chunk=a.chunk)
+                grads = _incoming(n.after, "B", n.stage, a, handed, spec)
                 inputs, outputs = kept.pop(key)
                 with weight_grads.input_gradients_only() as w:
                     input_grads = run.backward(a.chunk, a.microbatch, inputs, outputs, grads)
