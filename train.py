@@ -25,7 +25,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from checkpoint.format import CheckpointError
 from models.config import ConfigError
-from parallel_state import report_error
+from parallel_state import say_error
 from parallel_state.host_memory import tune_host_allocator
 from training.arguments import parse_config
 from training.trainer import DataError, NonFiniteError, ReplicaMismatchError, pretrain
@@ -44,10 +44,7 @@ def with_demo_default(argv: list[str]) -> list[str]:
 def _fail(kind: str, error: Exception, code: int) -> int:
     """Say `error` once (rank 0; every rank raised the same) and record it on every rank for
     torchrun, whichever rank it reports as the first failure."""
-    line = f"train.py: {kind} error: {error}"
-    if os.environ.get("RANK", "0") == "0":
-        print(line, file=sys.stderr, flush=True)
-    report_error(line)
+    say_error(f"train.py: {kind} error: {error}", int(os.environ.get("RANK", "0")))
     return code
 
 

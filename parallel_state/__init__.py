@@ -51,6 +51,7 @@ from .grid import (  # noqa: F401
     is_pipeline_last_stage,
     model_parallel_is_initialized,
     report_error,
+    say_error,
     set_virtual_pipeline_model_parallel_rank,
 )
 from .mappings import (  # noqa: F401

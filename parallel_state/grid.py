@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import sys
 from datetime import timedelta
 from dataclasses import dataclass, field
 
@@ -139,6 +140,47 @@ def initialize_distributed(device: torch.device | str | None = None,
                                 world_size=int(os.environ["WORLD_SIZE"]))
     collectives.apply_timeout(None)
     return device
+
+
+def say_error(line: str, rank: int, wait_s: float = 30.0) -> None:
+    """Print `line` to stderr once (rank 0) and make it every worker's elastic error file
+    (`report_error`), for an error every rank raised alike.
+
+    Under torchrun the first worker to exit makes the agent SIGTERM the others, so a rank
+    other than 0 that exits first could kill rank 0 before it prints, and the line would be
+    missing from the top of the output. Ranks other than 0 therefore wait (at most `wait_s`
+    seconds) for rank 0's mark in torchrun's agent store before they return; outside
+    torchrun, or if the store cannot be reached, nobody waits."""
+    if rank == 0:
+        print(line, file=sys.stderr, flush=True)
+    report_error(line)
+    store, key = _agent_store(wait_s), _said_key()
+    if store is None:
+        return
+    try:
+        if rank == 0:
+            store.set(key, "1")
+        else:
+            store.wait([key], timedelta(seconds=wait_s))
+    except (RuntimeError, dist.DistStoreError):  # rank 0 died or the agent left: go on
+        pass
+
+
+def _said_key() -> str:
+    return (f"shardzoo/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/error_said/"
+            f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+
+
+def _agent_store(timeout_s: float):
+    """A client of torchrun's agent store (None outside torchrun or when it cannot be
+    reached within `timeout_s` seconds)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    try:
+        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                             is_master=False, timeout=timedelta(seconds=timeout_s))
+    except (RuntimeError, KeyError, ValueError, dist.DistStoreError):
+        return None
 
 
 def report_error(line: str) -> None:

@@ -273,6 +273,35 @@ def test_torchrun_configuration_error_is_one_line_and_first(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+_LATE_RANK_0 = """
+import os, sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from parallel_state import say_error
+rank = int(os.environ["RANK"])
+if rank == 0:  # rank 1 says the error first (it writes its error file, then returns)
+    other = Path(os.environ["TORCHELASTIC_ERROR_FILE"].replace("/0/error.json", "/1/error.json"))
+    while not other.exists():
+        time.sleep(0.01)
+    time.sleep(1.0)  # long past torchrun's SIGTERM had rank 1 not waited for rank 0
+say_error("late.py: configuration error: the same on every rank", rank)
+sys.exit(2)
+"""
+
+
+def test_rank_0_says_a_uniform_error_even_when_it_comes_last(tmp_path):
+    """Another rank that reaches the error first waits for rank 0's line before it exits,
+    so torchrun does not kill rank 0 before it prints (a failure seen under load)."""
+    script = tmp_path / "late.py"
+    script.write_text(_LATE_RANK_0)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", str(script), str(REPO)],
+                          capture_output=True, text=True, timeout=120)
+    line = "late.py: configuration error: the same on every rank"
+    assert proc.returncode != 0
+    assert proc.stderr.splitlines()[0] == line, proc.stderr
+
+
 def test_metrics_curve_tool(tmp_path):
     rows = [{"event": "run_start", "resumed_from_iteration": None},
             {"iteration": 1, "loss": 3.0}, {"iteration": 2, "loss": 2.5},
