@@ -296,7 +296,8 @@ def test_rank_0_says_a_uniform_error_even_when_it_comes_last(tmp_path):
     script.write_text(_LATE_RANK_0)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node", "2", str(script), str(REPO)],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     line = "late.py: configuration error: the same on every rank"
     assert proc.returncode != 0
     assert proc.stderr.splitlines()[0] == line, proc.stderr
