@@ -120,6 +120,30 @@ def test_marks_are_found_and_checked(tmp_path):
 
 
 
+SECTIONS = {"what the log prints": re.compile(r"^## .*(what the log prints|its log)\b", re.I | re.M),
+            "limits": re.compile(r"^## .*\blimits\b", re.I | re.M)}
+
+
+def missing_sections(path: Path) -> list[str]:
+    """The sections a capability page lacks of the two every one carries (issue 55): a
+    `## ...` heading saying what the log prints, and one on its limits."""
+    text = path.read_text()
+    return [name for name, heading in SECTIONS.items() if not heading.search(text)]
+
+
+def test_capability_pages_say_what_the_log_prints_and_their_limits(tmp_path):
+    pages = sorted(p for p in (REPO / "docs" / "guide").glob("*.md")
+                   if p.name not in {"testing.md", "source-layout.md"})
+    missing = {p.name: m for p in pages if (m := missing_sections(p))}
+    assert not missing, f"guide pages without these sections: {missing}"
+
+    page = tmp_path / "page.md"
+    page.write_text("# A page\n\n## Try it\n\ntext about limits and the log\n")
+    assert missing_sections(page) == ["what the log prints", "limits"]
+    page.write_text("## Commands, flags and limits\n\n## What the log prints\n")
+    assert missing_sections(page) == []
+
+
 def test_guide_flag_tables_match_the_parsers():
     """Every capability page has a `## Flags and defaults` table, and each of its rows names a
     flag the program has, with the default the program's argument parser gives it."""
