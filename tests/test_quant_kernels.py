@@ -15,6 +15,7 @@ With 8-bit activations each x_k is first replaced by dx round(x_k / dx), dx = ma
 over its 32-block b: at most 0.5 dx (+ float rounding of x / dx: 0.51 dx) away, adding
 sum_b 0.51 dx_b sum_{k in b} |w_k| to the error. A bfloat16 result is then rounded once more
 to nearest (u_bf16 = 2^-8): + 2^-8 (|y| + the bound). `bound` computes that per output."""
+import os
 import warnings
 
 import pytest
@@ -181,3 +182,21 @@ def test_without_a_compiler_it_warns_once_and_falls_back(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check(qw, torch.randn(20, 64), torch.randn(9))
+
+
+def test_a_builder_killed_mid_build_does_not_stall_the_next_one():
+    """torch's FileBaton is a `lock` file that only its own builder removes: one killed while
+    compiling (a spawned rank stopped by its launcher) left it behind, and every later build
+    of the extension on the machine waited on it forever. The next build removes it under its
+    flock and finishes."""
+    import subprocess
+    import sys
+    assert kernels.extension() is not None, "the kernels do not build on this machine"
+    directory = kernels.build_directory(kernels.extension_name())
+    with kernels.build_lock(directory):  # as a killed builder leaves it
+        open(os.path.join(directory, "lock"), "w").close()
+    code = "from layers.quant import kernels; assert kernels._build() is not None; print('built')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert done.returncode == 0 and "built" in done.stdout, done.stderr[-2000:]
+    assert not os.path.exists(os.path.join(directory, "lock"))

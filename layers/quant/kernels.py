@@ -22,8 +22,12 @@ matmuls keep float activations").
 
 The extension is compiled by `torch.utils.cpp_extension.load` (g++ and ninja) into torch's
 extensions cache, once per machine: `-mavx2 -mfma -mf16c` when torch reports AVX2 or AVX-512,
-plain `-O3` else (the cache name carries the choice). If it cannot be built, every call falls
-back to the de-quantizing slabs of `reference_linear`, after one warning.
+plain `-O3` else (the cache name carries the choice and a hash of kernels.cpp, so checkouts of
+other versions keep their own builds). Builders take an exclusive `flock` on the build folder
+first: torch's own lock (a `lock` file that only its builder removes) outlives a builder that
+is killed mid-build, and every later `load` would wait on it forever; a `lock` found while the
+flock is held is such a leftover and is removed. If it cannot be built, every call falls back
+to the de-quantizing slabs of `reference_linear`, after one warning.
 
 Under `torch.compile` the product is one opaque op, `shardzoo::quant_linear` with a fake
 (meta) implementation, so inductor compiles the code around it (as layers/gemm.py does for
@@ -31,7 +35,10 @@ oneDNN's GEMM).
 """
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
+import sys
 import threading
 import warnings
 
@@ -67,14 +74,48 @@ _TRIED = False
 _LOCK = threading.Lock()
 
 
+def extension_name() -> str:
+    """The build's name: `shardzoo_quant_<avx2|generic>_<8 hex of sha256(kernels.cpp)>`."""
+    with open(os.path.join(os.path.dirname(__file__), "kernels.cpp"), "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:8]
+    return f"shardzoo_quant_{'avx2' if _simd() else 'generic'}_{digest}"
+
+
+def build_directory(name: str) -> str:
+    """torch's extensions cache folder for `name` ($TORCH_EXTENSIONS_DIR, else
+    ~/.cache/torch_extensions/py<major><minor>_cpu)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "torch_extensions",
+        f"py{sys.version_info.major}{sys.version_info.minor}_cpu")
+    return os.path.join(root, name)
+
+
+def build_lock(directory: str):
+    """An open file holding an exclusive flock on `directory` (blocks until it is free; the
+    kernel releases it when the holder exits, however it exits). Close it to release."""
+    os.makedirs(directory, exist_ok=True)
+    held = open(os.path.join(directory, "shardzoo.flock"), "a+")
+    fcntl.flock(held, fcntl.LOCK_EX)
+    return held
+
+
+def _simd() -> bool:
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
 def _build():
     from torch.utils import cpp_extension
-    simd = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-    flags = ["-O3", "-fopenmp"] + (["-mavx2", "-mfma", "-mf16c"] if simd else [])
-    return cpp_extension.load(
-        name="shardzoo_quant_" + ("avx2" if simd else "generic"),
-        sources=[os.path.join(os.path.dirname(__file__), "kernels.cpp")],
-        extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+    flags = ["-O3", "-fopenmp"] + (["-mavx2", "-mfma", "-mf16c"] if _simd() else [])
+    name = extension_name()
+    directory = build_directory(name)
+    with build_lock(directory):
+        leftover = os.path.join(directory, "lock")  # torch's FileBaton of a killed builder
+        if os.path.exists(leftover):
+            os.remove(leftover)
+        return cpp_extension.load(
+            name=name, sources=[os.path.join(os.path.dirname(__file__), "kernels.cpp")],
+            build_directory=directory, extra_cflags=flags, extra_ldflags=["-fopenmp"],
+            verbose=False)
 
 
 def extension():
