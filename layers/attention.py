@@ -152,18 +152,16 @@ class CoreAttention(nn.Module):
         None: keys before i - left are masked too (combined with `attention_mask`).
         `attention_bias` `[1 or b, n, sq, sk]` is added to the scores. Attention dropout:
         layers/dropout.py. Under context parallelism q, k, v are this CP rank's parts and
-        the ring (or all-gather) attention of layers/context_parallel runs instead.
+        the ring (or all-gather) attention of layers/context_parallel runs instead (with the sinks).
         """
         sinks = getattr(self, "sinks", None)
         if self.cp_group is not None:
-            if sinks is not None:
-                raise ValueError("attention sinks (softmax_type learnable) are not built into "
-                                 "context-parallel attention; run at --context-parallel-size 1")
             return context_parallel_attention(
                 q, k, v, group=self.cp_group, comm_type=self.cp_comm_type,
                 scale=self.softmax_scale,
                 dropout_p=self.attention_dropout if self.training else 0.0,
-                dropout_site=self.dropout_site, window_size=window, softcap=self.softcap)
+                dropout_site=self.dropout_site, window_size=window, softcap=self.softcap,
+                sinks=sinks)
         sq, sk = q.shape[2], k.shape[2]
         mask = attention_mask
         # square, unbiased, full: the fused kernel's is_causal, no [sq, sk] mask to build

@@ -11,6 +11,10 @@
   process's core_attention on the whole sequence to the float32 tolerance: MHA, GQA (g 2)
   and MQA (g 1), attention dropout 0.1 keyed by sample (the backward outside the sample ids'
   scope), a sliding window inside a chunk and one spanning chunks, soft-capping, a scale;
+  attention sinks (gpt-oss) with dropout and with a window: output and the gradients of q,
+  k, v and the sinks (summed over the group) against autograd of one process's float64
+  core_attention, whose sink is checked against a written-out softmax([scores, sink]) in
+  tests/test_hf_gpt_oss.py;
 - the argument errors, before any communication.
 """
 from __future__ import annotations
@@ -33,6 +37,8 @@ CASES = {  # name -> (KV heads g, keyword arguments)
     "mqa-window-in-chunk": (1, dict(window_size=(2, 0))),
     "gqa-window-spans-chunks-softcap": (2, dict(window_size=(11, 0), softcap=3.0)),
     "mha-all": (4, dict(window_size=(5, 0), softcap=2.0, dropout_p=0.1, scale=0.5)),
+    "gqa-sinks-dropout": (2, dict(sinks=True, dropout_p=0.1, dropout_site=777)),
+    "mha-sinks-window-softcap": (4, dict(sinks=True, window_size=(5, 0), softcap=3.0)),
 }
 SAMPLES = (torch.tensor([5, 9]), torch.tensor([11, 2]))  # the two cp-2 groups' batches
 
@@ -118,6 +124,7 @@ def test_argument_errors_before_communication(no_grid):
         (dict(dropout_p=1.0), r"\[0, 1\)"),
         (dict(softcap=0.0), "softcap must be positive"),
         (dict(dropout_p=0.1), "--dropout-masks sample"),  # no sample ids set
+        (dict(sinks=torch.zeros(2)), r"one logit per query head, \[4\]"),
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -135,26 +142,34 @@ def test_argument_errors_before_communication(no_grid):
 
 
 def _inputs(g: int, seed: int):
+    """q, k, v, dL/dout and the sinks `[N]` (logits around the scores' size, so the sink
+    takes a real share of each row)."""
     gen = torch.Generator().manual_seed(seed)
     q = 1.5 * torch.randn(B, N, S, D, generator=gen)
     k, v = (1.5 * torch.randn(B, g, S, D, generator=gen) for _ in range(2))
-    return q, k, v, torch.randn(B, N, S, D, generator=gen)  # last: dL/dout
+    return q, k, v, torch.randn(B, N, S, D, generator=gen), 2 * torch.randn(N, generator=gen)
 
 
-def _dense(q, k, v, w, kwargs, ids):
-    """One process: core_attention on the whole sequence, and the gradients of q, k, v."""
+def _dense(q, k, v, w, sinks, kwargs, ids):
+    """One process: core_attention on the whole sequence, and the gradients of q, k, v (and
+    of the sinks, when the case has them: then in float64, the reference of the sink's
+    merge and gradient)."""
     from layers.attention import causal_window_mask, core_attention
 
-    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    wide = torch.float64 if kwargs.get("sinks") else q.dtype
+    q, k, v, w, sinks = (t.to(wide) for t in (q, k, v, w, sinks))
+    q, k, v, sinks = (t.clone().requires_grad_() for t in (q, k, v, sinks))
     window = kwargs.get("window_size")
     mask = causal_window_mask(torch.arange(S), S, window) if window else None
     with ps.dropout_sample_ids(ids):
         out = core_attention(q, k, v, mask, None, kwargs.get("scale"),
                              kwargs.get("dropout_p", 0.0), causal=mask is None,
                              dropout_site=kwargs.get("dropout_site", 0),
-                             softcap=kwargs.get("softcap"))
+                             softcap=kwargs.get("softcap"),
+                             sinks=sinks if kwargs.get("sinks") else None)
     out.backward(w)
-    return out.detach(), q.grad, k.grad, v.grad
+    return [t.float() for t in (out.detach(), q.grad, k.grad, v.grad)] + \
+        [sinks.grad.float() if kwargs.get("sinks") else None]
 
 
 def _context_parallel_cases():
@@ -171,22 +186,30 @@ def _context_parallel_cases():
                                      (4, world, rank, 0)):
         ids = SAMPLES[half]
         for name, (g, kwargs) in CASES.items():
-            q, k, v, w = _inputs(g, seed=100 * half + len(name))
-            expected = _dense(q, k, v, w, kwargs, ids)
+            q, k, v, w, z = _inputs(g, seed=100 * half + len(name))
+            expected = _dense(q, k, v, w, z, kwargs, ids)
             part = [split_for_context_parallel(t, 2, cp, cp_rank) for t in (q, k, v, w)]
             for comm in ("p2p", "all_gather"):
-                ql, kl, vl = (t.clone().requires_grad_() for t in part[:3])
+                ql, kl, vl, zl = (t.clone().requires_grad_() for t in (*part[:3], z))
                 with ps.dropout_sample_ids(ids):
-                    out = context_parallel_attention(ql, kl, vl, group=group, comm_type=comm,
-                                                     **kwargs)
+                    out = context_parallel_attention(
+                        ql, kl, vl, group=group, comm_type=comm,
+                        **{**kwargs, "sinks": zl if kwargs.get("sinks") else None})
                 out.backward(part[3])  # outside the ids' scope: the saved keys redraw masks
                 k_forward = D + 2 * S  # scores over d, softmax and AV over s
                 k_grad = 2 * k_forward + N // g * S  # + dK/dV sum over the group's queries
+                names, actuals = ["out", "dq", "dk", "dv"], [out, ql.grad, kl.grad, vl.grad]
+                if kwargs.get("sinks"):  # each rank's queries' part, summed over the group
+                    dz = zl.grad.clone()
+                    dist.all_reduce(dz, group=group)
+                    names.append("dsinks")
+                    actuals.append(dz)
                 diffs, problems = {}, []
                 for what, actual, full, terms in zip(
-                        ("out", "dq", "dk", "dv"), (out, ql.grad, kl.grad, vl.grad), expected,
-                        (k_forward, k_grad, k_grad, k_grad)):
-                    ref = split_for_context_parallel(full, 2, cp, cp_rank)
+                        names, actuals, expected,
+                        (k_forward, k_grad, k_grad, k_grad, k_grad + B * S)):
+                    ref = full if what == "dsinks" else \
+                        split_for_context_parallel(full, 2, cp, cp_rank)
                     diffs[what] = float((actual.detach() - ref).abs().max())
                     problem = fp32_mismatch(actual, ref, terms)
                     if problem:
@@ -201,7 +224,7 @@ def test_context_parallel_attention_equals_one_process():
                 for case, (_, problems) in res.items() for p in problems]
     measured = []  # the largest differences over the ranks, shown only with a failure
     for case in per_rank[0]:
-        worst = {w: max(res[case][0][w] for res in per_rank) for w in ("out", "dq", "dk", "dv")}
+        worst = {w: max(res[case][0][w] for res in per_rank) for w in per_rank[0][case][0]}
         measured.append(f"{case}: " + " ".join(f"{w} {d:.2e}" for w, d in worst.items()))
     assert not failures, "\n".join(failures + ["measured:"] + measured)
     assert len(per_rank[0]) == 2 * 2 * len(CASES)

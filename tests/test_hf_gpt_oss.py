@@ -438,16 +438,6 @@ def test_unsupported_fields_are_refused(model, tmp_path):
                           (dict(rope_yarn_truncate="no"), "--rope-yarn-truncate")):
         with pytest.raises(ConfigError, match=words):
             dataclasses.replace(c, **change).validate()
-    from training.arguments import parse_config
-    with pytest.raises(ConfigError, match="--softmax-type learnable .* --context-parallel-size"):
-        parse_config(["--model", "tiny-gpt-oss", "--context-parallel-size", "2",
-                      "--log-dir", ""]).validate(2)
-    with pytest.raises(ValueError, match="context-parallel"):
-        from layers.attention import SelfAttention
-        attn = SelfAttention.__new__(SelfAttention)
-        torch.nn.Module.__init__(attn)
-        attn.sinks, attn.cp_group = torch.nn.Parameter(torch.zeros(4)), object()
-        attn._core_attention(*(torch.zeros(1, 4, 2, 8),) * 3)
 
 
 # ------------------------------------------------------------------ training layouts

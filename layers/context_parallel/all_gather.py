@@ -19,7 +19,7 @@ import torch.distributed as dist
 from parallel_state import collectives
 
 from .blocks import (AttentionSpec, OnlineSoftmax, backward_block, backward_inputs, plan_blocks,
-                     save_result)
+                     save_result, sink_gradient)
 from .layout import chunk_ranges, local_positions
 
 
@@ -58,20 +58,21 @@ def _blocks(q, group, spec):
 
 
 class AllGatherAttention(torch.autograd.Function):
-    """`apply(q [b, n, s/cp, d], k, v [b, g, s/cp, d], group, spec)` -> `[b, n, s/cp, d]`."""
+    """`apply(q [b, n, s/cp, d], k, v [b, g, s/cp, d], sinks [n] | None, group, spec)` ->
+    `[b, n, s/cp, d]`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, spec: AttentionSpec):
+    def forward(ctx, q, k, v, sinks, group, spec: AttentionSpec):
         kv = _gather(k, v, group)
         qpos, kpos, blocks = _blocks(q, group, spec)
         state = OnlineSoftmax(q)
         for block in blocks:
             state.update(q, kv[0], kv[1], qpos, kpos, block, spec)
-        return save_result(ctx, state, q, k, v, group, spec)
+        return save_result(ctx, state, q, k, v, sinks, group, spec)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, dout, lse, delta, dq, group, spec = backward_inputs(ctx, dout)
+        q, k, v, dout, lse, delta, dq, sinks, group, spec = backward_inputs(ctx, dout)
         kv = _gather(k, v, group)
         qpos, kpos, blocks = _blocks(q, group, spec)
         dkv = torch.zeros(kv.shape, device=q.device)
@@ -79,4 +80,5 @@ class AllGatherAttention(torch.autograd.Function):
             backward_block(q, kv[0], kv[1], dout, lse, delta, qpos, kpos, block, spec,
                            dq, dkv[0], dkv[1])
         dk, dv = _reduce_scatter(dkv, group)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
+                sink_gradient(sinks, lse, delta), None, None)

@@ -19,7 +19,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                comm_type: str = "p2p", scale: float | None = None,
                                dropout_p: float = 0.0, dropout_site: torch.Tensor | int = 0,
                                window_size: tuple[int, int] | None = None,
-                               softcap: float | None = None) -> torch.Tensor:
+                               softcap: float | None = None,
+                               sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal self-attention over a sequence split over the CP process group `group`.
 
     q `[b, n, s/cp, d]`, k and v `[b, g, s/cp, d]` (g divides n: grouped-query heads, only
@@ -34,6 +35,10 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     `query - left <= key <= query` (layers/attention.py causal_window_mask, HF
     sliding_window = left + 1); None: every earlier key. softcap: scores become
     `softcap * tanh(scores / softcap)` before the mask (Gemma 2, as core_attention).
+    sinks: `[n]` (this rank's heads) or None, attention sinks (gpt-oss model card; Xiao et al.
+    2023, sec. 3.2): head j's logit joins each query's softmax denominator once, with no
+    value (`layers.attention.core_attention`); folded into the merged blocks once
+    (blocks.OnlineSoftmax.add_sinks), differentiable (blocks.sink_gradient).
     dropout_p > 0 (training): attention dropout with layout-free masks keyed by the global
     (query, key) positions, the global key count and the sample ids of
     `parallel_state.dropout_sample_ids` (layers/dropout.py), so they equal one process's;
@@ -41,7 +46,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
     Raises ValueError (before any communication) for an unknown comm_type, shapes that do
     not fit together, an odd local length (two chunks per rank), a window with a right
-    side, dropout_p outside [0, 1), a non-positive softcap, or dropout without sample ids
+    side, dropout_p outside [0, 1), a non-positive softcap, sinks that are not one per query
+    head, or dropout without sample ids
     (`--dropout-masks rank-streams`: stream masks cannot be replayed by position).
     """
     if comm_type not in COMM_TYPES:
@@ -55,6 +61,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         raise ValueError(f"attention dropout must be in [0, 1), got {dropout_p}")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be positive (or None), got {softcap}")
+    if sinks is not None and tuple(sinks.shape) != (q.shape[1],):
+        raise ValueError(f"sinks must be one logit per query head, [{q.shape[1]}]; got "
+                         f"{tuple(sinks.shape)}: pass this rank's slice of the layer's sinks")
     keys = None
     if dropout_p > 0:
         keys = attention_dropout_keys(q.shape[1], dropout_site, q.device)
@@ -71,7 +80,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                          window_left=None if window_size is None else int(window_size[0]),
                          dropout_p=float(dropout_p), dropout_keys=keys,
                          num_keys=q.shape[2] * cp)
-    return COMM_TYPES[comm_type].apply(q, k, v, group, spec)
+    return COMM_TYPES[comm_type].apply(q, k, v, sinks, group, spec)
 
 
 def _check_shapes(q, k, v) -> None:

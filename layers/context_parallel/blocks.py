@@ -13,6 +13,14 @@ The backward recomputes each block's probabilities from the saved `lse`,
 Dao 2023, sec. 3.1 / alg. 2): `dS = P * (dP - D)`, which holds with dropout too, since
 `rowsum(P * dP) = dO . O` when `dP` carries the dropout mask.
 
+Attention sinks (gpt-oss model card, OpenAI 2025; Xiao et al. 2023, "Efficient Streaming
+Language Models with Attention Sinks", sec. 3.2): a per-head logit `z` joins each query's
+denominator once, `exp(z - m)` added to `l`, with no value. `OnlineSoftmax.add_sinks` folds it
+in after every key block is merged, so `lse` includes it and the backward's `P = exp(S -
+lse)` are the probabilities with the sink. Its gradient is that of one more softmax column
+whose `dP` is 0: `dz = sum over rows of P_sink (0 - D) = -sum_rows exp(z - lse) D`
+(`sink_gradient`).
+
 Positions: `query_positions` / `key_positions` are the global positions of the rows and
 columns, so masks (causal, sliding window) and dropout keys are those of one process holding
 the whole sequence. Shapes: q `[b, n, sq, d]`, k and v `[b, g, sk, d]` (g divides n,
@@ -170,6 +178,18 @@ class OnlineSoftmax:
         self.acc[:, :, rows] = self.acc[:, :, rows] * alpha[..., None] + pv
         self.m[:, :, rows] = m_new
 
+    def add_sinks(self, sinks: torch.Tensor) -> None:
+        """Fold the attention sinks `sinks [n]` (one logit per local head) into every row's
+        denominator once, after the last key block (module docstring): the maximum becomes
+        `max(m, z)` and `l` gains `exp(z - m)`; `acc` is only rescaled (a sink has no
+        value)."""
+        z = sinks.detach().float().view(1, -1, 1)
+        m_new = torch.maximum(self.m, z)
+        alpha = torch.exp(self.m - m_new)
+        self.l = self.l * alpha + torch.exp(z - m_new)
+        self.acc = self.acc * alpha[..., None]
+        self.m = m_new
+
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`out [b, n, sq, d]` in q's dtype and `lse [b, n, sq]` float32. `out` is laid out
         `[b, sq, n, d]` in memory (as the fused SDPA kernels return it), so the attention
@@ -207,19 +227,37 @@ def backward_block(q, k, v, dout, lse, delta, qpos, kpos, block: Block, spec: At
     dk[:, :, cols] += torch.matmul(_rows(ds, g).transpose(-1, -2), _rows(qb, g)).float()
 
 
-def save_result(ctx, state: OnlineSoftmax, q, k, v, group, spec: AttentionSpec) -> torch.Tensor:
-    """The output of an attention Function's forward; saves for its backward only q, k, v,
-    out and lse (no block's probabilities), the group and the spec."""
+def save_result(ctx, state: OnlineSoftmax, q, k, v, sinks, group,
+                spec: AttentionSpec) -> torch.Tensor:
+    """The output of an attention Function's forward, after folding in `sinks` `[n]` (or
+    None); saves for its backward only q, k, v, out, lse (no block's probabilities) and the
+    sinks, the group and the spec."""
+    if sinks is not None:
+        state.add_sinks(sinks)
     out, lse = state.result()
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, sinks)
     ctx.group, ctx.spec = group, spec
     return out
 
 
 def backward_inputs(ctx, dout: torch.Tensor):
-    """`(q, k, v, dout, lse, delta, dq, group, spec)` for a backward: `delta = rowsum(dout *
-    out)` `[b, n, sq]` and `dq` (zeros `[b, n, sq, d]`) float32."""
-    q, k, v, out, lse = ctx.saved_tensors
+    """`(q, k, v, dout, lse, delta, dq, sinks, group, spec)` for a backward: `delta =
+    rowsum(dout * out)` `[b, n, sq]` and `dq` (zeros `[b, n, sq, d]`) float32; `sinks` the
+    saved `[n]` or None. Reads `ctx.saved_tensors` once (selective recompute's checkpoint
+    allows one unpack)."""
+    q, k, v, out, lse, sinks = ctx.saved_tensors
     dout = dout.contiguous()
     delta = (dout.float() * out.float()).sum(-1)  # D = rowsum(dO * O)
-    return q, k, v, dout, lse, delta, torch.zeros(q.shape, device=q.device), ctx.group, ctx.spec
+    return (q, k, v, dout, lse, delta, torch.zeros(q.shape, device=q.device), sinks,
+            ctx.group, ctx.spec)
+
+
+def sink_gradient(sinks: torch.Tensor | None, lse: torch.Tensor,
+                  delta: torch.Tensor) -> torch.Tensor | None:
+    """The gradient of `sinks` `[n]` (None without sinks) from `lse`, `delta` `[b, n, sq]`:
+    `dz = -sum_{b, rows} exp(z - lse) D` (module docstring), this rank's queries only; the
+    data-parallel reduction over dp x cp sums the ranks' parts."""
+    if sinks is None:
+        return None
+    p_sink = torch.exp(sinks.detach().float().view(1, -1, 1) - lse)
+    return -(p_sink * delta).sum((0, 2)).to(sinks.dtype)

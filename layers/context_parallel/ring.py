@@ -25,7 +25,7 @@ import torch.distributed as dist
 from parallel_state import collectives
 
 from .blocks import (AttentionSpec, OnlineSoftmax, backward_block, backward_inputs, plan_blocks,
-                     save_result)
+                     save_result, sink_gradient)
 from .layout import chunk_ranges, local_positions
 
 # gloo matches messages by tag: the three streams of the ring on their own tags
@@ -65,10 +65,11 @@ def _layout(q, group):
 
 
 class RingAttention(torch.autograd.Function):
-    """`apply(q [b, n, s/cp, d], k, v [b, g, s/cp, d], group, spec)` -> `[b, n, s/cp, d]`."""
+    """`apply(q [b, n, s/cp, d], k, v [b, g, s/cp, d], sinks [n] | None, group, spec)` ->
+    `[b, n, s/cp, d]`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, spec: AttentionSpec):
+    def forward(ctx, q, k, v, sinks, group, spec: AttentionSpec):
         cp, r, s, qpos = _layout(q, group)
         kv = torch.stack([k, v])  # [2, b, g, s/cp, d]: one message per step
         state = OnlineSoftmax(q)
@@ -81,11 +82,11 @@ class RingAttention(torch.autograd.Function):
                 state.update(q, kv[0], kv[1], qpos, kpos, block, spec)
             if pending is not None:
                 kv = pending.wait()
-        return save_result(ctx, state, q, k, v, group, spec)
+        return save_result(ctx, state, q, k, v, sinks, group, spec)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, dout, lse, delta, dq, group, spec = backward_inputs(ctx, dout)
+        q, k, v, dout, lse, delta, dq, sinks, group, spec = backward_inputs(ctx, dout)
         cp, r, s, qpos = _layout(q, group)
         kv = torch.stack([k, v])
         grads = None  # the exchange bringing the dK, dV accumulated so far for the next block
@@ -104,4 +105,5 @@ class RingAttention(torch.autograd.Function):
             if pending is not None:
                 kv = pending.wait()
         dk, dv = grads.wait()  # this rank's own block, summed over every rank's queries
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
+                sink_gradient(sinks, lse, delta), None, None)
