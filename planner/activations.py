@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from layers.mlp import GATED
 from layers.recompute import recompute_spans
 
+from .mla import mla_attention_bytes
 from .moe import moe_layer_bytes
 
 
@@ -112,6 +113,35 @@ def model_layer_bytes(config, s: int, b: int, t: int = 1, sp: bool = False,
     norms = 2 * config.pre_layernorm + config.post_self_attn_layernorm + config.post_mlp_layernorm
     out = {"norms": norms * norm_bytes(config, sl * b, e),
            "qkv and fc1 inputs": 2 * e * sl * b * h}  # the sequence shard under SP
+    if config.multi_latent_attention:  # planner/mla.py
+        out.update(mla_attention_bytes(config, s, b, t, sp, recompute, e, att_drop,
+                                       keyed_dropout, context_parallel))
+    else:
+        out.update(_attention_terms(config, s, b, an, gn, d, e, recompute, att_drop,
+                                    keyed_dropout, sliding, context_parallel))
+    if config.qk_layernorm:
+        out["q/k norms"] = qk_norm_bytes(config, s * b, an, gn, d, e)
+    if moe:  # the MoE MLP's own terms; the pre-MLP norm's output is the router's input
+        out["qkv and fc1 inputs"] //= 2
+        out.update(moe_layer_bytes(config, s, b, t, sp, e, ep))
+    else:
+        per_row = {"swiglu": 4, "quick_geglu": 7}.get(config.activation, 2)  # planner.moe's
+        out["mlp"] = e * s * b * per_row * f
+    if hid_drop:
+        out["hidden dropout masks"] = 2 * e * sl * b * h
+    if lora is not None and not moe:
+        out = _frozen_base_terms(config, out, lora, live, e=e, s=s, sl=sl, b=b,
+                                 q=e * s * b * an * d, f=f,
+                                 hid_drop=hid_drop)
+    return out
+
+
+def _attention_terms(config, s: int, b: int, an: int, gn: int, d: int, e: int,
+                     recompute: str | None, att_drop: bool, keyed_dropout: bool,
+                     sliding: bool, context_parallel: bool) -> dict:
+    """`model_layer_bytes`' attention terms of a SelfAttention layer: `an` query and `gn` KV
+    heads of this rank, head dim `d`, `e` bytes a value (see that function)."""
+    out = {}
     mixed = e * s * b * (an + 2 * gn) * d  # fused QKV output: v (and q, k without RoPE) view it
     rope = config.position_embedding_type == "rope"
     sinks = getattr(config, "softmax_type", "vanilla") == "learnable"  # gpt-oss: explicit
@@ -153,19 +183,6 @@ def model_layer_bytes(config, s: int, b: int, t: int = 1, sp: bool = False,
         out["attention q, k, v"] = 2 * q32 + (mixed if e == 4 and an == gn else q32)
         out["attention s^2 (softmax, mask, dropped)"] = 3 * 4 * b * an * s * s
         out["projection input"] = q
-    if config.qk_layernorm:
-        out["q/k norms"] = qk_norm_bytes(config, s * b, an, gn, d, e)
-    if moe:  # the MoE MLP's own terms; the pre-MLP norm's output is the router's input
-        out["qkv and fc1 inputs"] //= 2
-        out.update(moe_layer_bytes(config, s, b, t, sp, e, ep))
-    else:
-        per_row = {"swiglu": 4, "quick_geglu": 7}.get(config.activation, 2)  # planner.moe's
-        out["mlp"] = e * s * b * per_row * f
-    if hid_drop:
-        out["hidden dropout masks"] = 2 * e * sl * b * h
-    if lora is not None and not moe:
-        out = _frozen_base_terms(config, out, lora, live, e=e, s=s, sl=sl, b=b, q=q, f=f,
-                                 hid_drop=hid_drop)
     return out
 
 
@@ -274,5 +291,6 @@ def model_chunk_bytes(config, num_layers: int, s: int, b: int, t: int = 1, sp: b
             and not context_parallel and (granularity == "selective" or not explicit):
         total += bytes_per_value * s * s
     if config.position_embedding_type == "rope" and num_layers:  # float32 cos, sin
-        total += 2 * 4 * s * config.kv_channels * (b if context_parallel else 1)
+        # MLA rotates its decoupled RoPE part only (ModelConfig.rotary_dim)
+        total += 2 * 4 * s * config.rotary_dim * (b if context_parallel else 1)
     return total

@@ -1,0 +1,129 @@
+"""The planner's activation bytes of multi-head latent attention (planner/mla.py) against the
+bytes a real training microbatch saves (training/memory.py's saved-tensor meter over the
+decoder layers, as tests/test_recompute_memory.py measures standard attention).
+
+tiny-deepseek (MLA with low-rank query, YaRN, a dense layer and three MoE layers) and
+variants of its shape: no low-rank query, `v_head_dim` equal to the query/key head dim (SDPA's
+fused kernel) and smaller than `qk_nope_head_dim`, a wider latent and RoPE part; micro batch 2,
+32 and 48 tokens; no recompute, selective and full; dropout off and 0.1 (keyed by sample:
+the explicit softmax); float32 and bf16 at tp 1, float32 at tp 2 with and without sequence
+parallelism; and train.py's start-up measurement at cp 2 (ring and all-gather: q, k, v
+zero-padded to one head dim). measured == predicted, to the byte.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed import run_distributed
+
+SHAPES = {  # name: ModelConfig changes to tiny-deepseek
+    "tiny-deepseek": {},
+    "no-q-lora": dict(q_lora_rank=None),
+    "v-equals-qk": dict(v_head_dim=24),
+    "small-v": dict(v_head_dim=8),
+    "wide-latent": dict(kv_lora_rank=48, qk_rope_head_dim=16, kv_channels=32),
+}
+POLICIES = [(None, None, None), ("selective", None, None), ("full", "uniform", 1)]
+
+
+def _measure(shape: str, policy, dropout: float, s: int = 32, b: int = 2, sp: bool = False,
+             dtype=torch.float32) -> tuple[int, int]:
+    """(measured, predicted) bytes of the decoder layers for one microbatch."""
+    from layers.recompute import apply_recompute
+    from models import GPTModel
+    from parallel_state import get_tensor_model_parallel_world_size
+    from planner.activations import model_chunk_bytes
+    from training.arguments import load_model_config
+    from training.memory import measure_activation_bytes
+
+    cfg = load_model_config("tiny-deepseek")
+    for k, v in SHAPES[shape].items():
+        setattr(cfg, k, v)
+    cfg.hidden_dropout = cfg.attention_dropout = dropout
+    cfg.vocab_size, cfg.seq_length = 256, s
+    model = GPTModel(cfg, sequence_parallel=sp)
+    model.init_weights(7)
+    apply_recompute(model, *policy)
+    model = model.to(dtype).train()
+    ids = torch.randint(0, 256, (b, s), generator=torch.Generator().manual_seed(1))
+    batch = {"tokens": ids, "labels": ids, "loss_mask": torch.ones(b, s),
+             "sample_ids": torch.arange(b)}
+    got = measure_activation_bytes([model], batch, None, dtype=dtype)
+    predicted = model_chunk_bytes(model.config, got["num_layers"], s, b,
+                                  get_tensor_model_parallel_world_size(),
+                                  model.sequence_parallel, *policy,
+                                  bytes_per_value=dtype.itemsize, keyed_dropout=True)
+    return got["layers"], predicted
+
+
+def _table(dtypes, seqs=(32,), sp=False) -> dict:
+    return {(shape, policy[0], dropout, str(dtype), s): _measure(shape, policy, dropout, s=s,
+                                                                  sp=sp, dtype=dtype)
+            for shape in SHAPES for policy in POLICIES for dropout in (0.0, 0.1)
+            for dtype in dtypes for s in seqs}
+
+
+def _assert_exact(rows: dict, what: str) -> None:
+    wrong = {k: v for k, v in rows.items() if v[0] != v[1]}
+    assert not wrong, f"{what}: (measured, predicted) differ at {wrong}"
+    assert len({v[0] for v in rows.values()}) > len(rows) // 2  # the cases do differ
+
+
+def test_mla_activation_bytes_at_tp1(no_grid):
+    rows = _table((torch.float32, torch.bfloat16), seqs=(32, 48))
+    _assert_exact(rows, "tp 1")
+    none, sel = rows[("tiny-deepseek", None, 0.0, "torch.float32", 32)][0], \
+        rows[("tiny-deepseek", "selective", 0.0, "torch.float32", 32)][0]
+    print(f"tiny-deepseek s 32 b 2 float32: {none} B without recompute, {sel} B selective")
+
+
+def _tp2_tables():
+    return {"tp": _table((torch.float32,)), "sp": _table((torch.float32,), sp=True)}
+
+
+def test_mla_activation_bytes_at_tp2_with_and_without_sequence_parallel():
+    for rank, tables in enumerate(run_distributed(_tp2_tables, 2, tp=2, timeout=600)):
+        for name, rows in tables.items():
+            _assert_exact(rows, f"rank {rank} tp 2 {name}")
+        assert all(tables["sp"][k][0] < v[0] for k, v in tables["tp"].items()
+                   if k[1] != "full"), "sequence parallelism shards the latents' rows"
+
+
+def _startup_activations(runs: list[list[str]], log_dir: str, cache: str) -> list[tuple]:
+    import os
+
+    import parallel_state as ps
+    from training.arguments import parse_config
+    from training.metrics import read_records
+    from training.trainer import pretrain
+
+    os.environ["SHARDZOO_CACHE"] = cache
+    out = []
+    for i, args in enumerate(runs):
+        ps.destroy_model_parallel()
+        pretrain(parse_config(args + ["--log-dir", f"{log_dir}/{i}"]))
+        start = next(r for r in read_records(f"{log_dir}/{i}")
+                     if "activation_bytes_layers" in r)
+        out.append((start["activation_bytes_layers"],
+                    start["activation_bytes_layers_predicted"]))
+    return out
+
+
+CP_RUNS = [["--cp", "2"], ["--cp", "2", "--cp-comm-type", "all_gather"],
+           ["--cp", "2", "--recompute-granularity", "selective"]]
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_mla_activation_bytes_at_cp2(corpus_env, tmp_path, dropout):
+    base = ["--config", "configs/tiny-llama.yaml", "--model", "tiny-deepseek",
+            "--peak-tflops", "1", "--train-iters", "1", "--lr-warmup-iters", "0",
+            "--log-interval", "1", "--eval-interval", "0", "--micro-batch-size", "2", "--global-batch-size", "2",
+            "--no-tensorboard", "--hidden-dropout", str(dropout), "--attention-dropout",
+            str(dropout)]
+    runs = run_distributed(_startup_activations, 2, [base + f for f in CP_RUNS],
+                           str(tmp_path), corpus_env["SHARDZOO_CACHE"], timeout=600)[0]
+    for flags, (measured, predicted) in zip(CP_RUNS, runs, strict=True):
+        print(f"tiny-deepseek {flags} dropout {dropout}: measured {measured} B, "
+              f"predicted {predicted} B")
+        assert measured == predicted, (flags, measured, predicted)
