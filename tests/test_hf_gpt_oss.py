@@ -14,7 +14,8 @@ biased router and experts with the clamped gated unit (a limit of 0.5, so the cl
 - tiny-gpt-oss trained 4 steps with hidden and attention dropout 0.1 gives one process's
   losses and gradient norms at tp 2 with SP and at ep 2 (one spawned world of 2);
 - named configs: total / active parameters against the published ones and transformers';
-- refusals of what the family cannot represent.
+- refusals of what the family cannot represent, and of a gpt-oss GGUF file (a tiny one
+  written by the `gguf` package) with the HF-checkpoint fix.
 """
 from __future__ import annotations
 
@@ -468,3 +469,29 @@ def test_training_with_dropout_matches_one_process_at_tp2_and_ep2(corpus_env, tm
         assert len(losses) == 4, (flags, losses)
         assert_losses_close(losses, ref_losses, k_step, f"losses at {flags}")
         assert_losses_close(norms, ref_norms, k_step, f"grad norms at {flags}")
+
+
+def test_gpt_oss_gguf_is_refused_with_the_fix(tmp_path):
+    """transformers' GGUF reader cannot read llama.cpp's gpt-oss files: `import_hf` refuses
+    one (architecture "gpt-oss", its metadata and an embedding tensor) in one line naming
+    the fix, and writes nothing."""
+    import gguf
+    import numpy as np
+
+    from checkpoint.hf import import_hf
+    from models.hf import HFConversionError
+
+    path, out = str(tmp_path / "tiny-gpt-oss.gguf"), str(tmp_path / "out")
+    w = gguf.GGUFWriter(path, "gpt-oss")
+    w.add_block_count(2)
+    w.add_uint32("gpt-oss.expert_count", 4)
+    w.add_tensor("token_embd.weight", np.zeros((VOCAB, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(HFConversionError) as info:
+        import_hf(path, out, log=lambda *a: None)
+    msg = str(info.value)
+    assert "GGUF architecture 'gpt-oss'" in msg and "convert from the HF checkpoint" in msg
+    assert "\n" not in msg and not os.path.exists(out)
