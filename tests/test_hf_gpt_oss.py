@@ -472,9 +472,9 @@ def test_training_with_dropout_matches_one_process_at_tp2_and_ep2(corpus_env, tm
 
 
 def test_gpt_oss_gguf_is_refused_with_the_fix(tmp_path):
-    """transformers' GGUF reader cannot read llama.cpp's gpt-oss files: `import_hf` refuses
-    one (architecture "gpt-oss", its metadata and an embedding tensor) in one line naming
-    the fix, and writes nothing."""
+    """A gpt-oss GGUF file (llama.cpp's architecture "gpt-oss"; its import through
+    transformers' GGUF reader is not checked): `import_hf` refuses one (its metadata and an
+    embedding tensor) in one line naming the fix, and writes nothing."""
     import gguf
     import numpy as np
 

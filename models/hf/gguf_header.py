@@ -246,10 +246,11 @@ def check_architecture(path: str, meta: dict, names: list[str]) -> None:
                                 f"file")
     if arch in ("gpt-oss", "gpt_oss"):
         raise HFConversionError(
-            f"{path}: GGUF architecture {arch!r} (gpt-oss) is not read: transformers' GGUF "
-            f"reader has no gpt-oss tensor map for llama.cpp's files, and --hf reads .gguf "
-            f"files through it; convert from the HF checkpoint instead (the "
-            f"GptOssForCausalLM safetensors folder, MXFP4 experts de-quantized on import)")
+            f"{path}: GGUF architecture {arch!r} (gpt-oss) is not imported: reading it "
+            f"through transformers' GGUF reader (MXFP4 expert blocks, sinks) is not checked "
+            f"against transformers' model, so the weights could differ; convert from the HF "
+            f"checkpoint instead (the GptOssForCausalLM safetensors folder, MXFP4 experts "
+            f"de-quantized on import)")
     if arch in _NOT_READ:
         raise HFConversionError(
             f"{path}: GGUF architecture {arch!r} ({_NOT_READ[arch]}) is not one transformers' "
