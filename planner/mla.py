@@ -71,11 +71,9 @@ def mla_attention_bytes(config, s: int, b: int, t: int = 1, sp: bool = False,
         r = config.q_lora_rank
         out["mla query latent"] = _latent_norm_bytes(config, rows, r, e) + e * rows * r
     kv_norm = _latent_norm_bytes(config, rows, d_c, e)
-    if config.normalization == "RMSNorm" and e == 4:  # the float32 input is a view of the
-        kv_norm += 4 * rows * d_r  # whole down-projection output [c_kv, k_r]
-    elif config.normalization == "RMSNorm":  # a float32 copy of c_kv: the output is not kept
-        kv_norm += 0
-    else:
+    # RMSNorm in float32: its input is a view of the whole down-projection output [c_kv,
+    # k_r]; in a lower precision it keeps a float32 copy of c_kv and the output is not kept
+    if config.normalization != "RMSNorm" or e == 4:
         kv_norm += e * rows * d_r
     out["mla kv latent"] = kv_norm + e * rows * d_c
     heads = s * b * n
