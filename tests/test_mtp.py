@@ -1,0 +1,153 @@
+"""Multi-token prediction (models/mtp.py; DeepSeek-V3 report sec. 2.2, eq. 21-25):
+
+- a dense float64 reference of eq. 21-25 written here (float32 cross entropy, as the
+  model's) gives the module's gradient (main loss
+  + lambda / D x the depths' mean losses), while the returned loss is the main loss exactly,
+  and the depths' logged losses;
+- training a two-layer tiny DeepSeek-V3 with one MTP depth and dropout 0.1 gives the one
+  process's losses, gradient norms and `mtp_1` losses at tp 2 with sequence parallelism,
+  pp 2 (the last stage's embedding copy), ep 2 and dp 2 with ZeRO-3, all in one spawned
+  world; a checkpoint saved at pp 2 resumes at tp 2 + SP with the uninterrupted losses;
+- cp 2 with MTP is refused at start with one line naming the fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import parallel_state as ps
+from distributed import run_distributed
+from tolerances import assert_losses_close, training_chain_terms
+
+TINY = ["--config", "configs/tiny-llama.yaml", "--model", "tiny-deepseek", "--num-layers", "2",
+        "--moe-layer-freq", "0,1", "--mtp-num-layers", "1", "--seq-length", "32",
+        "--train-iters", "3", "--log-interval", "1", "--eval-interval", "0",
+        "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--micro-batch-size", "2",
+        "--global-batch-size", "4", "--no-tensorboard", "--peak-tflops", "1"]
+LAYOUTS = [["--tp", "2", "--sequence-parallel"], ["--pp", "2"],
+           ["--expert-model-parallel-size", "2"],
+           ["--data-parallel-sharding-strategy", "optim_grads_params"]]
+
+
+def _rms(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _reference_objective(model, ids, labels, factor):
+    """Eq. 21-25 written out on the model's weights (its layers as TRM_k): the main mean
+    loss + lambda / D sum_k L^k, L^k the mean over the b x s tokens (the schedule's 1 /
+    tokens), with [embedding; hidden] into eh_proj (the checkpoints' order)."""
+    c, (b, s) = model.config, ids.shape
+    rotary = model.rotary(s, 0, device=ids.device)
+    h = model.decoder(model.embedding(ids), rotary=rotary)  # h^0 [s, b, h], final norm applied
+    w_out = model.output_weight()[:c.vocab_size]  # without the padding rows
+    emb = model.embedding.word_embeddings.weight
+    total = F.cross_entropy((h @ w_out.t()).reshape(-1, w_out.shape[0]),
+                            labels.t().reshape(-1), reduction="sum") / (b * s)
+    depth_means = []
+    for k, layer in enumerate(model.mtp.layers.values(), start=1):
+        nxt = emb[ids[:, k:]].transpose(0, 1)  # Emb(t_{i+k}) [s-k, b, h]
+        cat = torch.cat([_rms(nxt, layer.enorm.weight, c.layernorm_epsilon),
+                         _rms(h[:s - k], layer.hnorm.weight, c.layernorm_epsilon)], -1)
+        full = torch.zeros(s, b, cat.shape[-1], dtype=cat.dtype)
+        full[:s - k] = cat  # positions past T-k: the module's padding, never a target
+        h = layer.final_layernorm(layer.transformer_layer(layer.eh_proj(full), rotary=rotary))
+        logits = (h[:s - k] @ w_out.t()).reshape(-1, w_out.shape[0])
+        ce = F.cross_entropy(logits, labels[:, k:].t().reshape(-1), reduction="sum")
+        depth_means.append(ce / (b * s))
+        total = total + factor / len(model.mtp.layers) * ce / (b * s)
+    return total, depth_means
+
+
+def test_module_matches_dense_float64_reference_of_eq_21_to_25(no_grid):
+    from models import GPTModel
+    from training.arguments import load_model_config
+
+    c = dataclasses.replace(load_model_config("tiny-deepseek"), mtp_num_layers=2,
+                            mtp_loss_scaling_factor=0.3, vocab_size=96, num_layers=2,
+                            moe_layer_freq=[0, 1])
+    torch.manual_seed(0)
+    model = GPTModel(c).double().train()
+    model.init_weights(7)
+    ids = torch.randint(0, 96, (2, 12))
+    labels = torch.randint(0, 96, (2, 12))
+    out = model(ids, labels=labels)
+    plain = GPTModel(c).double().eval()
+    plain.load_state_dict(model.state_dict())
+    with torch.no_grad():  # the main loss alone, without the MTP path (eval runs none)
+        main = plain(ids, labels=labels)
+    assert torch.equal(out.detach(), main), "the returned loss must be the main loss exactly"
+    out.sum().div(ids.numel()).backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    ref, depth_means = _reference_objective(model, ids, labels, 0.3)
+    ref.backward()
+    for n, p in model.named_parameters():  # the cross entropy runs in float32
+        torch.testing.assert_close(got[n], p.grad, rtol=1e-5, atol=1e-5 * p.grad.abs().max(),
+                                   msg=n)
+    assert got["mtp.layers.1.eh_proj.weight"].abs().sum() > 0
+    model.mtp.record(torch.ones(2, 12))  # the log's sums: each depth's losses over tokens
+    torch.testing.assert_close(model.mtp.loss_sums / ids.numel(),
+                               torch.stack(depth_means).detach(), rtol=1e-6, atol=0)
+
+
+def _runs(argvs: list[list[str]], log_dir: str, cache: str) -> list[dict]:
+    """pretrain() once per argument list in this world: rank 0's {loss, grad_norm, mtp}."""
+    import os
+
+    from training.arguments import parse_config
+    from training.trainer import pretrain
+
+    os.environ["SHARDZOO_CACHE"] = cache
+    out = []
+    for i, args in enumerate(argvs):
+        ps.destroy_model_parallel()
+        records = [r for r in pretrain(parse_config(args + ["--log-dir", f"{log_dir}/{i}"]))
+                   if "loss" in r and "grad_norm" in r]
+        out.append({key: [r[name] for r in records] for key, name in (
+            ("loss", "loss"), ("grad_norm", "grad_norm"), ("mtp", "mtp_1_loss"))})
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(corpus_env, tmp_path_factory):
+    cache, root = corpus_env["SHARDZOO_CACHE"], tmp_path_factory.mktemp("mtp")
+    ckpt = str(root / "ckpt")
+    one = run_distributed(_runs, 1, [TINY], str(root / "one"), cache, timeout=600)[0]
+    two = [TINY + f for f in LAYOUTS] + [
+        TINY + ["--pp", "2", "--train-iters", "2", "--save", ckpt, "--save-interval", "2"],
+        TINY + ["--tp", "2", "--sequence-parallel", "--load", ckpt]]
+    return one[0], run_distributed(_runs, 2, two, str(root / "two"), cache, timeout=900)[0]
+
+
+@pytest.mark.parametrize("i", range(len(LAYOUTS)), ids=[" ".join(f) for f in LAYOUTS])
+def test_training_loss_equals_one_process_at_every_layout(runs, i):
+    ref, got = runs[0], runs[1][i]
+    assert ref["loss"][-1] < ref["loss"][0] and ref["mtp"][-1] < ref["mtp"][0], ref
+    k = training_chain_terms(TINY + LAYOUTS[i])
+    print(f"{LAYOUTS[i]}: loss diffs {[a - b for a, b in zip(got['loss'], ref['loss'])]}, "
+          f"mtp_1 diffs {[a - b for a, b in zip(got['mtp'], ref['mtp'])]}")
+    for key in ("loss", "grad_norm", "mtp"):
+        assert_losses_close(got[key], ref[key], k, f"{key} at {LAYOUTS[i]}")
+
+
+def test_checkpoint_resumes_at_another_layout(runs):
+    ref, saved, resumed = runs[0], runs[1][-2], runs[1][-1]
+    k = training_chain_terms(TINY)
+    assert_losses_close(saved["loss"], ref["loss"][:2], k, "losses before the save")
+    for key in ("loss", "mtp"):  # the MTP weights came back, not their initial values
+        assert len(resumed[key]) == 1, resumed
+        assert_losses_close(resumed[key], ref[key][2:], 3 * k, f"{key} after resuming")
+
+
+def test_context_parallelism_is_refused_with_one_line():
+    from models.config import ConfigError
+    from training.arguments import parse_config
+
+    with pytest.raises(ConfigError) as e:
+        parse_config(TINY + ["--context-parallel-size", "2"]).validate(2)
+    assert "--mtp-num-layers" in str(e.value) and "cp 1" in str(e.value)
+    assert "\n" not in str(e.value)
