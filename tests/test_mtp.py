@@ -126,10 +126,11 @@ def runs(corpus_env, tmp_path_factory):
 @pytest.mark.parametrize("i", range(len(LAYOUTS)), ids=[" ".join(f) for f in LAYOUTS])
 def test_training_loss_equals_one_process_at_every_layout(runs, i):
     ref, got = runs[0], runs[1][i]
-    assert ref["loss"][-1] < ref["loss"][0] and ref["mtp"][-1] < ref["mtp"][0], ref
+    assert ref["loss"][-1] < ref["loss"][0], ref  # it learns
     k = training_chain_terms(TINY + LAYOUTS[i])
     print(f"{LAYOUTS[i]}: loss diffs {[a - b for a, b in zip(got['loss'], ref['loss'])]}, "
-          f"mtp_1 diffs {[a - b for a, b in zip(got['mtp'], ref['mtp'])]}")
+          f"mtp_1 diffs {[a - b for a, b in zip(got['mtp'], ref['mtp'])]}, grad norm "
+          f"diffs {[a - b for a, b in zip(got['grad_norm'], ref['grad_norm'])]}")
     for key in ("loss", "grad_norm", "mtp"):
         assert_losses_close(got[key], ref[key], k, f"{key} at {LAYOUTS[i]}")
 
