@@ -12,8 +12,8 @@
   Engine (latent cache) generate transformers' greedy ids at tp 1 and 2;
 - YaRN's frequencies and attention factor equal transformers', group-limited routing
   equals transformers' router;
-- refusals: DeepSeek-V3 fields not built, multi-token-prediction weights, MLA config
-  mistakes.
+- refusals: DeepSeek-V3 fields not built, a partial multi-token-prediction layer (the whole
+  layer converts: tests/test_mtp.py), MLA config mistakes.
 """
 from __future__ import annotations
 
@@ -379,13 +379,13 @@ def test_unsupported_fields_and_bad_configs_are_refused(models, tmp_path):
     for key, (value, words) in bad.items():
         with pytest.raises(HFConversionError, match=words):
             config_from_hf({**base, key: value})
-    # multi-token-prediction weights (not built) are refused, not dropped
+    # a partial multi-token-prediction layer (eh_proj alone) is refused, not dropped
     folder = tmp_path / "mtp"
     shutil.copytree(hf_dir, folder)
     tensors = _tensors(str(folder))
     tensors["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(HFConversionError, match="does not use"):
+    with pytest.raises(HFConversionError, match="has no tensor 'model.layers.3."):
         import_hf(str(folder), str(tmp_path / "out"), log=lambda *a: None)
     assert not os.path.exists(tmp_path / "out")
     mla = dict(num_attention_heads=4, hidden_size=64, position_embedding_type="rope",

@@ -152,3 +152,74 @@ def test_context_parallelism_is_refused_with_one_line():
         parse_config(TINY + ["--context-parallel-size", "2"]).validate(2)
     assert "--mtp-num-layers" in str(e.value) and "cp 1" in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def _hf_with_mtp(folder, tie: bool) -> None:
+    """transformers' tiny random DeepseekV3ForCausalLM of 2 layers + 1 MTP depth in `folder`:
+    built with 3 decoder layers (the third is the MTP layer's decoder part), then given the
+    MTP tensors (random enorm, hnorm, eh_proj, shared_head.norm; copies of the embedding and
+    head) and num_hidden_layers 2, num_nextn_predict_layers 1, as DeepSeek's files are."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    cfg = DeepseekV3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+        num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=8,
+        num_experts_per_tok=2, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=16, q_lora_rank=24, num_hidden_layers=3, first_k_dense_replace=1,
+        n_group=2, topk_group=1, routed_scaling_factor=2.5, initializer_range=0.2,
+        tie_word_embeddings=tie, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(3)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    tensors = load_file(f"{folder}/model.safetensors")
+    g = torch.Generator().manual_seed(4)
+    for name, shape in (("enorm", [64]), ("hnorm", [64]), ("eh_proj", [64, 128]),
+                        ("shared_head.norm", [64])):
+        tensors[f"model.layers.2.{name}.weight"] = torch.randn(shape, generator=g)
+    tensors["model.layers.2.embed_tokens.weight"] = tensors["model.embed_tokens.weight"]
+    tensors["model.layers.2.shared_head.head.weight"] = tensors[
+        "model.embed_tokens.weight" if tie else "lm_head.weight"]
+    save_file({k: v.contiguous().clone() for k, v in tensors.items()},
+              f"{folder}/model.safetensors", metadata={"format": "pt"})
+    d = json.load(open(f"{folder}/config.json"))
+    d.update(num_hidden_layers=2, num_nextn_predict_layers=1)
+    json.dump(d, open(f"{folder}/config.json", "w"))
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_hf_round_trip_with_the_mtp_layer_is_bitwise(tmp_path, tie):
+    import warnings
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from checkpoint.format import read_metadata
+    from checkpoint.hf import export_hf, import_hf
+    from models.hf import HFConversionError
+
+    hf = tmp_path / "hf"
+    _hf_with_mtp(hf, tie)
+    import_hf(str(hf), str(tmp_path / "ckpt"), log=lambda *a: None)
+    assert read_metadata(str(tmp_path / "ckpt"))["model"]["mtp_num_layers"] == 1
+    export_hf(str(tmp_path / "ckpt"), str(tmp_path / "out"), log=lambda *a: None)
+    original, back = load_file(f"{hf}/model.safetensors"), load_file(
+        f"{tmp_path}/out/model.safetensors")
+    assert set(back) == set(original), sorted(set(back) ^ set(original))
+    for key, t in back.items():
+        assert torch.equal(t, original[key]), f"{key} differs after the round trip"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"),
+                                                       output_loading_info=True)
+    # transformers builds no MTP layer: its tensors are all it leaves unused
+    assert not info["missing_keys"] and not info["mismatched_keys"]
+    assert info["unexpected_keys"] and all(k.startswith("model.layers.2.")
+                                           for k in info["unexpected_keys"])
+    # a copy of the embedding that differs from it is refused, not dropped
+    original["model.layers.2.embed_tokens.weight"] = \
+        original["model.layers.2.embed_tokens.weight"] + 1
+    save_file(original, f"{hf}/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(HFConversionError, match="embed_tokens.weight differs"):
+        import_hf(str(hf), str(tmp_path / "ckpt2"), log=lambda *a: None)
