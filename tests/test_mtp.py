@@ -8,7 +8,9 @@
   process's losses, gradient norms and `mtp_1` losses at tp 2 with sequence parallelism,
   pp 2 (the last stage's embedding copy), ep 2 and dp 2 with ZeRO-3, all in one spawned
   world; a checkpoint saved at pp 2 resumes at tp 2 + SP with the uninterrupted losses;
-- cp 2 with MTP is refused at start with one line naming the fix.
+- cp 2 with MTP is refused at start with one line naming the fix;
+- HF DeepseekV3ForCausalLM with num_nextn_predict_layers 1 round-trips bitwise (tied and
+  untied); the planner lists the MTP parameters as the model holds them.
 """
 from __future__ import annotations
 
@@ -223,3 +225,22 @@ def test_hf_round_trip_with_the_mtp_layer_is_bitwise(tmp_path, tie):
     save_file(original, f"{hf}/model.safetensors", metadata={"format": "pt"})
     with pytest.raises(HFConversionError, match="embed_tokens.weight differs"):
         import_hf(str(hf), str(tmp_path / "ckpt2"), log=lambda *a: None)
+
+
+@pytest.mark.parametrize("pre_process", [True, False], ids=["one-stage", "last-stage"])
+def test_planner_lists_the_mtp_parameters(no_grid, pre_process):
+    """planner/parameters.py's list of a chunk with MTP is the model's, names and sizes (the
+    last stage's embedding copy included), and the FLOPs count one more layer and head."""
+    from models import GPTModel
+    from planner.flops import forward_flops_per_token
+    from planner.parameters import chunk_parameters
+    from training.arguments import load_model_config
+
+    c = dataclasses.replace(load_model_config("tiny-deepseek"), mtp_num_layers=2)
+    with torch.device("meta"):
+        model = GPTModel(c, pre_process=pre_process, layer_numbers=[3])
+    ours = [(n, p.numel()) for n, p in model.named_parameters()]
+    planned = [(p.name, p.numel()) for p in chunk_parameters(c, 1, [3], pre_process, True, False)]
+    assert planned == ours
+    plain = dataclasses.replace(c, mtp_num_layers=None)
+    assert forward_flops_per_token(c) > forward_flops_per_token(plain) * 1.3
