@@ -16,7 +16,9 @@ model with M_k's columns swapped). TRM_k is one transformer layer of the model's
 (an MoE layer when the model's last layer is one), numbered `num_layers + k - 1`. Each module
 ends with its own norm (HF's `shared_head.norm`), whose output is both h^k and the input of
 the shared output head; Emb and OutHead are the main model's (HF's checkpoints keep copies
-of both in the MTP layer; this module keeps none on a one-stage model).
+of both in the MTP layer; this module keeps none on a one-stage model). The lookup of
+t_{i+k} is the word embedding alone (no embedding dropout); the layer's own dropouts are
+keyed by its name `mtp.layers.{k-1}.transformer_layer`, the same at every layout.
 
 Sequence parallelism: norms, eh_proj (replicated over TP, `ReplicatedLinear`) and the
 layer run on sequence shards `[s/tp, b, h]` like the main layers. Under pipeline parallelism
