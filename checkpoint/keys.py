@@ -7,8 +7,9 @@
 - Vocab-padded tensors (`full_rows`) may be stored at any padded size >= the real vocabulary
   (the saving layout's, or unpadded); a reader at another padded size reads the dense tensor
   and re-pads it (`read_plan` / `rebuild`).
-- The tied embedding's last-stage copy (`output_layer.weight` tagged `shared_embedding`) is
-  never stored; it reads `embedding.word_embeddings.weight`.
+- The embedding's last-stage copies (the tied `output_layer.weight`, multi-token
+  prediction's `mtp.word_embeddings.weight`) are never stored; they read
+  `embedding.word_embeddings.weight`.
 - An MoE layer's stacked expert weights (`expert_parallel`: `experts.linear_fc1.weight
   [E_local, fc1_out/tp, h]`, dim 0 this EP rank's contiguous block of experts) are stored one
   key per expert under its global index: `...mlp.experts.<e>.linear_fc1.weight` `[fc1_out, h]`
@@ -34,7 +35,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 import parallel_state as ps
 from layers import shard_tensor
-from layers.sharding import full_shape, persistent_buffers, tensor_parallel_size_of
+from layers.sharding import (full_shape, is_embedding_copy, persistent_buffers,
+                             tensor_parallel_size_of)
 from models import model_class
 
 from .files import CONFIG, CheckpointError
@@ -161,7 +163,7 @@ def entries(chunks, part: str = "saved") -> list[tuple[str, torch.nn.Parameter, 
     for name, p in named:
         if lora and (".lora." in name) != (part == "saved"):
             continue
-        tied_copy = getattr(p, "shared_embedding", False) and name.startswith("output_layer")
+        tied_copy = is_embedding_copy(name, p)
         out.append((name, p, EMBEDDING if tied_copy else name, tied_copy))
     return out
 

@@ -63,6 +63,14 @@ def set_tensor_parallel_attributes(param: nn.Parameter, *, partition_dim: int | 
     return param
 
 
+def is_embedding_copy(name: str, param: torch.Tensor) -> bool:
+    """Whether parameter `name` is a later pipeline stage's copy of the word embedding (the
+    tied output layer's, multi-token prediction's `mtp.word_embeddings`): equal to the
+    embedding, so never stored or gathered on its own."""
+    return getattr(param, "shared_embedding", False) and \
+        name.startswith(("output_layer", "mtp.word_embeddings"))
+
+
 def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """`[(name, buffer)]` of the persistent buffers of `model` (model state saved beside the
     parameters, e.g. the MoE router's `expert_bias`; non-persistent counters are not)."""

@@ -18,6 +18,7 @@ class ConfigError(ValueError):
 from .config_mla import (mla_parameters, validate_group_routing, validate_mla,  # noqa: E402
                          validate_mla_off, validate_yarn)  # (they raise ConfigError)
 from .config_oss import sink_parameters, validate_oss  # noqa: E402
+from .config_mtp import mtp_extra_parameters, validate_mtp  # noqa: E402
 
 
 _POSITION_TYPES = ("learned_absolute", "rope", "relative", "none")
@@ -160,6 +161,10 @@ class ModelConfig:
     moe_expert_capacity_factor: float | None = None  # None: dropless
     moe_pad_expert_input_to_capacity: bool = False
     moe_token_dispatcher_type: str = "alltoall"
+    # DeepSeek-V3 multi-token prediction (models/mtp.py; Megatron-Core's names): depths
+    # D (None or 0: none) and the weight of their mean loss (the report's lambda)
+    mtp_num_layers: int | None = None
+    mtp_loss_scaling_factor: float = 0.1
     name: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -269,6 +274,12 @@ class ModelConfig:
             moe_layers = self.num_moe_layers()
             if moe_layers:
                 total += moe_layers * (self._moe_parameters() - mlp)
+            if self.mtp_num_layers:  # each depth: a layer like the last one, norms, eh_proj
+                one = attn + mlp + norms * norm + self._qk_norm_parameters() - \
+                    (0 if self.pre_layernorm else 2 * norm)
+                if self.is_moe_layer(self.num_layers - 1):
+                    one += self._moe_parameters() - mlp
+                total += self.mtp_num_layers * (one + mtp_extra_parameters(self, norm))
         if not self.is_encoder_decoder:
             total += L * self._qk_norm_parameters() - (0 if self.pre_layernorm else 2 * L * norm)
         if include_embedding:
@@ -321,6 +332,8 @@ class ModelConfig:
         `moe_layer_freq`: N makes layers 0, N, 2N, ... MoE; a list gives one 0/1 per layer)."""
         if self.num_moe_experts is None:
             return False
+        if layer_number >= self.num_layers:  # a multi-token-prediction layer: as the last
+            layer_number = self.num_layers - 1
         freq = self.moe_layer_freq
         return bool(freq[layer_number]) if isinstance(freq, list) else layer_number % freq == 0
 
@@ -389,6 +402,7 @@ class ModelConfig:
         self._validate_gemma()
         validate_oss(self)
         self._validate_moe(tp)
+        validate_mtp(self)
         if self.position_embedding_type == "rope" and self.rotary_dim % 2:
             raise ConfigError(f"RoPE needs an even head dim, got --kv-channels {self.kv_channels}")
         if self.max_position_embeddings < self.seq_length and \

@@ -26,6 +26,8 @@ from parallel_state import (get_context_parallel_group, get_context_parallel_wor
                             get_tensor_model_parallel_world_size)
 
 from .config import ModelConfig
+from .config_mtp import mtp_depths
+from .mtp import MultiTokenPrediction, mtp_labels, mtp_objective
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 
@@ -107,7 +109,17 @@ class GPTModel(nn.Module):
                 self.output_layer.weight.init_key = WORD_EMBEDDINGS
                 self.output_layer.weight.shared_embedding = True
                 self.output_layer.weight.pipeline_duplicate = True  # the norm counts it once
-        if pre_process and self.share_embeddings_and_output_weights and not post_process:
+        self.mtp = None
+        if post_process and mtp_depths(config):  # multi-token prediction (models/mtp.py)
+            self.mtp = MultiTokenPrediction(config, self.padded_vocab_size,
+                                            sequence_parallel=self.sequence_parallel,
+                                            own_embedding=not pre_process)
+            if not pre_process:  # the last stage's copy of the word embedding
+                copy = self.mtp.word_embeddings.weight
+                copy.init_key, copy.shared_embedding, copy.pipeline_duplicate = \
+                    WORD_EMBEDDINGS, True, True
+        if pre_process and not post_process and (self.share_embeddings_and_output_weights or
+                                                 mtp_depths(config)):
             self.embedding.word_embeddings.weight.shared_embedding = True
         assign_dropout_sites(self)
 
@@ -118,15 +130,19 @@ class GPTModel(nn.Module):
 
     def sharding_units(self) -> list[nn.Module]:
         """Submodules whose parameters ZeRO-3 gathers together, in forward order: the embedding
-        (unless its weight is also this chunk's output layer's), each transformer layer, and
-        the output layer when it has its own weight. The rest (final norm, a tied embedding)
-        is the chunk's root unit (data_parallel/fsdp.py)."""
+        (unless its weight is also this chunk's output layer's, or multi-token prediction
+        reads it after its forward), each transformer layer, the MTP depths, and the output
+        layer when it has its own weight. The rest (final norm, a tied embedding) is the
+        chunk's root unit (data_parallel/fsdp.py)."""
         units = []
         tied_here = self.share_embeddings_and_output_weights and self.pre_process \
             and self.post_process
-        if self.pre_process and not tied_here:
+        # MTP looks tokens up in this chunk's embedding after its forward: keep it in the root
+        if self.pre_process and not tied_here and not (self.post_process and self.mtp is not None):
             units.append(self.embedding)
         units += list(self.decoder.layers.values())
+        if self.post_process and self.mtp is not None:
+            units.append(self.mtp)
         if self.post_process and self.output_layer.weight is not None:
             units.append(self.output_layer)
         return units
@@ -203,6 +219,9 @@ class GPTModel(nn.Module):
         x = self.decoder(x, rotary=rotary, kv_cache=kv_cache, attention_mask=attention_mask)
         if not self.post_process:
             return x
+        if self.mtp is not None and labels is not None and self.training:
+            return self._loss_with_mtp(x, input_ids, labels, rotary, attention_mask,
+                                       label_smoothing)
         if output_positions is not None:
             if self.sequence_parallel or labels is not None:
                 raise ValueError("output_positions is for inference: no labels, no sequence "
@@ -217,3 +236,24 @@ class GPTModel(nn.Module):
         loss = vocab_parallel_cross_entropy(logits, labels.t(), vocab_size=self.config.vocab_size,
                                             label_smoothing=label_smoothing)
         return loss.t()
+
+    def _loss_with_mtp(self, x, input_ids, labels, rotary, attention_mask, label_smoothing):
+        """The per-token main loss `[b, s]` with the multi-token-prediction loss's gradient
+        attached (models/mtp.py `mtp_objective`): the depths' hidden states go through the
+        output layer with the main ones in one call, stacked along the batch (`[s, (1+D) b,
+        h]`, so sequence-parallel shards stay whole rows)."""
+        if self.cp_group is not None:
+            raise ValueError("multi-token prediction is not built with context parallelism")
+        embed = self.embedding.word_embeddings if self.pre_process else None
+        depths = self.mtp(x, input_ids, embed, rotary=rotary, attention_mask=attention_mask)
+        logits = self.output_layer(torch.cat([x] + depths, dim=1), weight=self.output_weight())
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        b = labels.shape[0]
+        loss = vocab_parallel_cross_entropy(logits, mtp_labels(labels, len(depths)).t(),
+                                            vocab_size=self.config.vocab_size,
+                                            label_smoothing=label_smoothing).t()  # [(1+D)b, s]
+        out, self.mtp.last_losses = mtp_objective(loss[:b], list(loss[b:].split(b)),
+                                                  self.config.mtp_loss_scaling_factor)
+        return out

@@ -16,7 +16,7 @@ import parallel_state as ps
 from parallel_state import collectives
 from layers import unshard_tensors
 from layers.quantized import refuse_quantized
-from layers.sharding import tensor_parallel_size_of
+from layers.sharding import is_embedding_copy, tensor_parallel_size_of
 
 
 @torch.no_grad()
@@ -24,7 +24,7 @@ def gather_full_state_dict(chunks) -> dict[str, torch.Tensor]:
     """`{name: dense float32 CPU tensor}` of all parameters of the model, on every rank.
 
     `chunks` are this rank's model chunks. The tied embedding's second copy on the last stage
-    (`output_layer.weight` tagged `shared_embedding`) is left out: it equals the embedding.
+    (`output_layer.weight`, `mtp.word_embeddings.weight`) is left out: it equals the embedding.
     Raises ValueError for low-bit weights (layers/quantized.py `refuse_quantized`).
     """
     local: dict[str, torch.Tensor] = {}
@@ -32,7 +32,7 @@ def gather_full_state_dict(chunks) -> dict[str, torch.Tensor]:
         refuse_quantized(chunk, "gathering the dense float weights")
     for chunk in chunks:
         for name, p in chunk.named_parameters():
-            if getattr(p, "shared_embedding", False) and name.startswith("output_layer"):
+            if is_embedding_copy(name, p):
                 continue
             t = p.detach().float().contiguous()
             split = tensor_parallel_size_of(p)  # tp, or expert TP for an expert weight

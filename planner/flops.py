@@ -57,7 +57,8 @@ def forward_flops_per_token(config, seq_length: int | None = None,
         vocab_size: columns of the output layer (default the real `config.vocab_size`; pass
             the padded size to count padding work as well).
     Returns:
-        FLOPs per token (a float; multiply by tokens/s for FLOP/s).
+        FLOPs per token (a float; multiply by tokens/s for FLOP/s), the multi-token-
+        prediction depths' included (training runs them; DeepSeek-V3 report sec. 2.2).
     """
     s = seq_length or config.seq_length
     v = vocab_size or config.vocab_size
@@ -67,8 +68,11 @@ def forward_flops_per_token(config, seq_length: int | None = None,
         fc1_out = 2 * ffn if config.activation in GATED else ffn
         dense = 2 * (h * (q + 2 * kv) + q * h + h * fc1_out + ffn * h)
         return _t5_flops_per_encoder_token(config, s, dense, v)
+    # multi-token prediction (models/mtp.py), per depth: eh_proj [2h -> h], a layer, the head
+    mtp = sum(4 * h * h + layer_forward_flops(config, config.num_layers + j, s) + 2 * h * v
+              for j in range(getattr(config, "mtp_num_layers", None) or 0))
     return float(sum(layer_forward_flops(config, n, s) for n in range(config.num_layers))
-                 + 2 * h * v)
+                 + 2 * h * v + mtp)
 
 
 def layer_forward_flops(config, layer_number: int, seq_length: int | None = None) -> float:

@@ -17,6 +17,8 @@ pipeline stage's `dp x tp` ranks are `etp x ep x edp` for the experts, so
 """
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 from layers.mlp import GATED
@@ -51,20 +53,24 @@ def mlp_parameters(m, ffn: int) -> int:
 
 
 def parameter_counts(m) -> dict:
-    """`{"total", "active", "routed_experts", "moe_layers"}` of model `m`: `total` is
+    """`{"total", "active", "routed_experts", "moe_layers", "mtp"}` of model `m`: `total` is
     `ModelConfig.num_parameters()` (every expert); `active` what one token uses: the total
     less the `E - k` routed experts it is not sent to in each MoE layer (router, shared
     experts, attention, norms, embedding and output layer all count, as in the published
     "active" figures: Mixtral 8x7B 12.9B of 46.7B, Jiang et al. 2024). `routed_experts`: the
     parameters of all routed experts of the model."""
     total = m.num_parameters()
+    # multi-token prediction's depths (models/mtp.py): in the total, not active (inference
+    # runs the main model; DeepSeek-V3's 37B active leave them out)
+    mtp = total - dataclasses.replace(m, mtp_num_layers=0).num_parameters()
     layers = moe_layer_numbers(m)
     if not layers:
-        return {"total": total, "active": total, "routed_experts": 0, "moe_layers": 0}
+        return {"total": total, "active": total - mtp, "routed_experts": 0, "moe_layers": 0,
+                "mtp": mtp}
     expert = mlp_parameters(m, m.moe_ffn_hidden_size)
     e, k = m.num_moe_experts, m.moe_router_topk
-    return {"total": total, "active": total - len(layers) * (e - k) * expert,
-            "routed_experts": len(layers) * e * expert, "moe_layers": len(layers)}
+    return {"total": total, "active": total - mtp - len(layers) * (e - k) * expert,
+            "routed_experts": len(layers) * e * expert, "moe_layers": len(layers), "mtp": mtp}
 
 
 def describe_parameters(m) -> str:

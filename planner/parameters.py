@@ -154,50 +154,79 @@ def chunk_parameters(m, tp: int, layer_numbers: list[int], pre_process: bool,
     tied = not m.untie_embeddings_and_output_weights
     tied_here = tied and pre_process and post_process
     out: list[ParamShape] = []
-    emb_unit = "root" if tied_here else "embedding"
+    # the root unit also holds an embedding that multi-token prediction reads (models/gpt.py)
+    emb_unit = "root" if tied_here or (post_process and m.mtp_num_layers) else "embedding"
     if pre_process:
         out.append(ParamShape("embedding.word_embeddings.weight", vocab * h, emb_unit,
-                              shared_embedding=tied and not post_process,
+                              shared_embedding=(tied or bool(m.mtp_num_layers)) and
+                              not post_process,
                               tensor_model_parallel=True, rows=vocab))
         if m.position_embedding_type == "learned_absolute":
             out.append(ParamShape("embedding.position_embeddings.weight",
                                   m.max_position_embeddings * h, emb_unit, sequence_parallel=sp))
-    q, kv = m.query_projection_size // tp, m.kv_projection_size // tp
-    f = m.ffn_hidden_size // tp
-    fc1 = 2 * f if m.activation in GATED else f
     for n in layer_numbers:
-        p, unit = f"decoder.layers.{n}", f"layer {n}"
-        if m.pre_layernorm:
-            out += _norm(f"{p}.input_layernorm", m, unit, sp)
-        if m.multi_latent_attention:
-            out += _mla(f"{p}.self_attention", m, unit, tp, sp)
-        else:
-            if m.softmax_type == "learnable":  # gpt-oss's sinks (the module's own parameter,
-                # listed before its submodules'): one logit per local head
-                out.append(ParamShape(f"{p}.self_attention.sinks", m.num_attention_heads // tp,
-                                      unit, tensor_model_parallel=True))
-            out += _linear(f"{p}.self_attention.linear_qkv", q + 2 * kv, h, unit,
-                           bias=m.add_qkv_bias, row=False, sp=sp)
-            out += _linear(f"{p}.self_attention.linear_proj", h, q, unit,
-                           bias=m.add_bias_linear, row=True, sp=sp)
-            out += _qk_norms(f"{p}.self_attention", m, unit, tp)
-        if m.pre_layernorm:
-            out += _norm(f"{p}.pre_mlp_layernorm", m, unit, sp)
-        if m.is_moe_layer(n):
-            out += _moe_mlp(p, m, unit, tp, sp, ep, tp if etp is None else etp)
-        else:
-            out += _linear(f"{p}.mlp.linear_fc1", fc1, h, unit, bias=m.add_bias_linear,
-                           row=False, sp=sp)
-            out += _linear(f"{p}.mlp.linear_fc2", h, f, unit, bias=m.add_bias_linear, row=True,
-                           sp=sp)
-        for name in ("post_self_attn_layernorm", "post_mlp_layernorm"):  # after the MLP
-            if getattr(m, name):
-                out += _norm(f"{p}.{name}", m, unit, sp)
+        out += _layer(m, f"decoder.layers.{n}", n, f"layer {n}", tp, sp, ep, etp)
     if post_process:
         out += _norm("decoder.final_layernorm", m, "root", sp)
         if not tied_here:
             out.append(ParamShape("output_layer.weight", vocab * h, "output",
                                   shared_embedding=tied, tensor_model_parallel=True, rows=vocab))
+    if post_process and m.mtp_num_layers:  # models/mtp.py, after the output layer
+        out += _mtp(m, vocab, tp, sp, ep, etp, own_embedding=not pre_process)
+    return out
+
+
+def _mtp(m, vocab: int, tp: int, sp: bool, ep: int, etp, own_embedding: bool
+         ) -> list[ParamShape]:
+    """The multi-token-prediction depths' parameters (one unit, "mtp"): per depth enorm,
+    hnorm, eh_proj `[h, 2h]` (replicated), a layer numbered after the model's, final norm;
+    then the last stage's copy of the word embedding when the chunk has none."""
+    h, out = m.hidden_size, []
+    for j in range(m.mtp_num_layers):
+        p = f"mtp.layers.{j}"
+        out += _norm(f"{p}.enorm", m, "mtp", sp) + _norm(f"{p}.hnorm", m, "mtp", sp)
+        out.append(ParamShape(f"{p}.eh_proj.weight", 2 * h * h, "mtp", sequence_parallel=sp))
+        out += _layer(m, f"{p}.transformer_layer", m.num_layers + j, "mtp", tp, sp, ep, etp)
+        out += _norm(f"{p}.final_layernorm", m, "mtp", sp)
+    if own_embedding:
+        out.append(ParamShape("mtp.word_embeddings.weight", vocab * h, "mtp",
+                              shared_embedding=True, tensor_model_parallel=True, rows=vocab))
+    return out
+
+
+def _layer(m, p: str, n: int, unit: str, tp: int, sp: bool, ep: int, etp
+           ) -> list[ParamShape]:
+    """One transformer layer's parameters (global number `n`, names under `p`)."""
+    h, out = m.hidden_size, []
+    q, kv = m.query_projection_size // tp, m.kv_projection_size // tp
+    f = m.ffn_hidden_size // tp
+    fc1 = 2 * f if m.activation in GATED else f
+    if m.pre_layernorm:
+        out += _norm(f"{p}.input_layernorm", m, unit, sp)
+    if m.multi_latent_attention:
+        out += _mla(f"{p}.self_attention", m, unit, tp, sp)
+    else:
+        if m.softmax_type == "learnable":  # gpt-oss's sinks (the module's own parameter,
+            # listed before its submodules'): one logit per local head
+            out.append(ParamShape(f"{p}.self_attention.sinks", m.num_attention_heads // tp,
+                                  unit, tensor_model_parallel=True))
+        out += _linear(f"{p}.self_attention.linear_qkv", q + 2 * kv, h, unit,
+                       bias=m.add_qkv_bias, row=False, sp=sp)
+        out += _linear(f"{p}.self_attention.linear_proj", h, q, unit,
+                       bias=m.add_bias_linear, row=True, sp=sp)
+        out += _qk_norms(f"{p}.self_attention", m, unit, tp)
+    if m.pre_layernorm:
+        out += _norm(f"{p}.pre_mlp_layernorm", m, unit, sp)
+    if m.is_moe_layer(n):
+        out += _moe_mlp(p, m, unit, tp, sp, ep, tp if etp is None else etp)
+    else:
+        out += _linear(f"{p}.mlp.linear_fc1", fc1, h, unit, bias=m.add_bias_linear,
+                       row=False, sp=sp)
+        out += _linear(f"{p}.mlp.linear_fc2", h, f, unit, bias=m.add_bias_linear, row=True,
+                       sp=sp)
+    for name in ("post_self_attn_layernorm", "post_mlp_layernorm"):  # after the MLP
+        if getattr(m, name):
+            out += _norm(f"{p}.{name}", m, unit, sp)
     return out
 
 

@@ -12,8 +12,8 @@
   Engine (latent cache) generate transformers' greedy ids at tp 1 and 2;
 - YaRN's frequencies and attention factor equal transformers', group-limited routing
   equals transformers' router;
-- refusals: DeepSeek-V3 fields not built, multi-token-prediction weights, MLA config
-  mistakes.
+- refusals: DeepSeek-V3 fields not built, a partial multi-token-prediction layer (the whole
+  layer converts: tests/test_mtp.py), MLA config mistakes.
 """
 from __future__ import annotations
 
@@ -379,13 +379,13 @@ def test_unsupported_fields_and_bad_configs_are_refused(models, tmp_path):
     for key, (value, words) in bad.items():
         with pytest.raises(HFConversionError, match=words):
             config_from_hf({**base, key: value})
-    # multi-token-prediction weights (not built) are refused, not dropped
+    # a partial multi-token-prediction layer (eh_proj alone) is refused, not dropped
     folder = tmp_path / "mtp"
     shutil.copytree(hf_dir, folder)
     tensors = _tensors(str(folder))
     tensors["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(HFConversionError, match="does not use"):
+    with pytest.raises(HFConversionError, match="has no tensor 'model.layers.3."):
         import_hf(str(folder), str(tmp_path / "out"), log=lambda *a: None)
     assert not os.path.exists(tmp_path / "out")
     mla = dict(num_attention_heads=4, hidden_size=64, position_embedding_type="rope",
@@ -449,7 +449,7 @@ def test_planner_flops_equal_torch_flop_counter(no_grid, monkeypatch):
 
 
 @pytest.mark.parametrize("name, published_total, published_active, hf_fields", [
-    ("deepseek-v3-671b", 671, 37, dict(
+    ("deepseek-v3-671b", 685, 37, dict(
         vocab_size=129280, num_attention_heads=128, n_routed_experts=256, n_group=8,
         topk_group=4, first_k_dense_replace=3, routed_scaling_factor=2.5)),
     ("kimi-k2", 1040, 32, dict(
@@ -460,9 +460,10 @@ def test_named_deepseek_shapes_match_transformers_and_published(no_grid, name, p
                                                                published_active, hf_fields):
     """The parameters of the named configs equal transformers' DeepseekV3ForCausalLM of the
     same config.json fields (built on the meta device, per layer kind), and the published
-    totals within 1.5% (DeepSeek-V3: 671B / 37B; Kimi K2: 1.04T / 32B of its technical
-    report) and active counts within 3% (whether the input embedding counts as active is
-    not said)."""
+    totals within 1.5% (DeepSeek-V3: 685B with its multi-token-prediction layer, 37B active;
+    Kimi K2: 1.04T / 32B of its technical report) and active counts within 3% (whether the
+    input embedding counts as active is not said). transformers builds no MTP layer: its
+    count is one MoE layer's + enorm, hnorm, final norm and eh_proj `[h, 2h]`."""
     from transformers import AutoModelForCausalLM, DeepseekV3Config
 
     from planner import moe
@@ -483,9 +484,12 @@ def test_named_deepseek_shapes_match_transformers_and_published(no_grid, name, p
             return sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
     one_moe = count(dense + 1)
     hf_total = one_moe + (m.num_layers - dense - 1) * (count(dense + 2) - one_moe)
+    mtp = (m.mtp_num_layers or 0) * (count(dense + 2) - one_moe + 3 * 7168 + 2 * 7168**2)
+    hf_total += mtp
     counts = moe.parameter_counts(m)
-    print(f"{name}: {counts['total'] / 1e9:.1f}B parameters, {counts['active'] / 1e9:.2f}B "
-          f"active")
+    assert counts["mtp"] == mtp
+    print(f"{name}: {counts['total'] / 1e9:.1f}B parameters ({mtp / 1e9:.2f}B MTP), "
+          f"{counts['active'] / 1e9:.2f}B active")
     assert counts["total"] == hf_total == m.num_parameters()
     assert abs(counts["total"] / 1e9 / published_total - 1) < 0.015
     assert abs(counts["active"] / 1e9 / published_active - 1) < 0.03

@@ -174,6 +174,11 @@ FLAG_HELP = {
     "routed tokens, dropping those of lowest probability (unset: dropless)",
     "moe_pad_expert_input_to_capacity": "pad every expert's input to exactly its capacity",
     "moe_token_dispatcher_type": "alltoall (the only one built)",
+    # multi-token prediction (models/mtp.py)
+    "mtp_num_layers": "DeepSeek-V3 multi-token prediction: depths D, each one more layer "
+    "predicting one token further (unset or 0: none)",
+    "mtp_loss_scaling_factor": "weight of the mean MTP loss added to the loss (the report's "
+    "lambda)",
     # layout
     "tensor_model_parallel_size": "TP ranks per layer (adjacent ranks)",
     "pipeline_model_parallel_size": "pipeline stages",

@@ -44,7 +44,9 @@ class ExpertLoadLog:
     def __init__(self, chunks: list, model_config):
         self.config = model_config
         self.layers = moe_layers(chunks)
-        self.moe_numbers = [n for n in range(model_config.num_layers)
+        # the multi-token-prediction layers are numbered after the model's (models/mtp.py)
+        self.moe_numbers = [n for n in range(model_config.num_layers +
+                                             (model_config.mtp_num_layers or 0))
                             if model_config.is_moe_layer(n)]
         self._reset()
         collect_expert_load(self.layers)
@@ -82,7 +84,8 @@ class ExpertLoadLog:
         if not self.moe_numbers:
             return {}, ""
         m, e = self.config, self.config.num_moe_experts
-        table = torch.zeros(m.num_layers, 2 * e + 2, dtype=torch.float64)
+        table = torch.zeros(m.num_layers + (m.mtp_num_layers or 0), 2 * e + 2,
+                            dtype=torch.float64)
         for n, row in self.window.items():
             table[n] = row
         if ps.get_pipeline_model_parallel_world_size() > 1:  # each layer lives on one stage

@@ -26,6 +26,7 @@ from data_parallel.distributed_optimizer import DistributedOptimizer
 from data_parallel.fsdp import peak_gathered_bytes
 from data_parallel.grad_norm import clip_grads
 from layers.fp8 import clear_step_amaxes, update_amax_histories
+from models.mtp import take_loss_sums
 from parallel_state import collectives
 from parallel_state.comm_counter import CommCounter
 from parallel_state.p2p import TensorSpec
@@ -176,6 +177,7 @@ class StepResult:
     counted: object | None  # --report-comm's counts, on the counted step
     data_s: float = 0.0  # seconds spent building the microbatches
     not_finite: str | None = None  # what was not finite (the same on every rank), else None
+    mtp_losses: list = dataclasses.field(default_factory=list)  # per MTP depth, as `loss`
 
 
 def train(run: TrainState) -> tuple[int, str | None]:
@@ -195,6 +197,7 @@ def train(run: TrainState) -> tuple[int, str | None]:
         ddp.zero_grad_buffer()  # ZeRO-3: frees what the measurements above left gathered
     peak_gathered_bytes(reset=True)
     run.moe = ExpertLoadLog(run.chunks, run.config.model)  # forgets the measurements' routing
+    take_loss_sums(run.chunks)  # and the MTP losses of the start-up's measuring forward
     print_rank_0(f"training iterations {run.start_iteration + 1}..{t.train_iters}; the first "
                  f"step also does one-time set-up (allocation, warm-up)")
     run.start = time.time()
@@ -306,8 +309,11 @@ def train_step(run: TrainState, iteration: int) -> StepResult:
             grad_norm = optimizer.clip_grad_norm(t.clip_grad)
         else:
             grad_norm = clip_grads(run.params, t.clip_grad)
-        # the same on every rank (DiLoCo: on every rank of the replica)
-        loss = float(global_loss_sum(loss_sum, batch_group(run.config)) / num_tokens)
+        # the same on every rank (DiLoCo: on every rank of the replica); with multi-token
+        # prediction its depths' losses ride along (models/mtp.py)
+        sums = torch.cat([loss_sum.reshape(1), mtp_loss_sums(run)])
+        means = (global_loss_sum(sums, batch_group(run.config)) / num_tokens).tolist()
+        loss, mtp_losses = means[0], means[1:]
         # agreed by every rank, also where the loss and norm are a replica's own (DiLoCo)
         not_finite = run.guard.not_finite(loss, grad_norm,
                                           grads_outside_norm(optimizer, run.params), loss_sum)
@@ -327,7 +333,17 @@ def train_step(run: TrainState, iteration: int) -> StepResult:
         if iteration == run.counted_step + run.counted_steps - 1:
             counted = {k: (c, b) for k, (c, b) in run.window_counts.items()}
     return StepResult(gbs, lr, data_start, loss, grad_norm, skipped, timeline, counted, data_s,
-                      not_finite)
+                      not_finite, mtp_losses)
+
+
+def mtp_loss_sums(run: TrainState) -> torch.Tensor:
+    """`[D]` float32: this rank's masked loss sums of the multi-token-prediction depths over
+    the step (zeros on a stage without them; empty for a model without MTP)."""
+    depths = run.config.model.mtp_num_layers or 0
+    sums = take_loss_sums(run.chunks) if depths else None
+    if sums is None:
+        return torch.zeros(depths, device=run.device)
+    return sums.to(device=run.device, dtype=torch.float32)
 
 
 def _after_step(run: TrainState, step: StepResult, iteration: int, step_start: float) -> None:
@@ -389,11 +405,13 @@ def training_log(run: TrainState, step: StepResult, it: int) -> None:
            "consumed_samples": run.position.consumed_samples,
            "global_batch_size": gbs,
            "samples_digest": batch_digest(run.train_ds, step.data_start, gbs)}
+    mtp = "".join(f"mtp_{k} loss {v:.4f} | " for k, v in enumerate(step.mtp_losses, 1))
+    rec.update({f"mtp_{k}_loss": v for k, v in enumerate(step.mtp_losses, 1)})
     moe, moe_line = run.moe.report()  # collective over the pipeline stages
     rec.update(moe)
     if run.is_logger:
         run.peak.say_note()
-    run.logger.log(rec, f"iter {it:6d}/{t.train_iters} | loss {loss:.4f} | lr {step.lr:.3e} | "
+    run.logger.log(rec, f"iter {it:6d}/{t.train_iters} | loss {loss:.4f} | {mtp}lr {step.lr:.3e} | "
                         f"grad norm {step.grad_norm:.3f} | {tps:,.0f} tok/s | "
                         f"{tflops:.3f} TFLOP/s/dev | mfu "
                         f"{'n/a' if mfu is None else f'{mfu:.1%}'} | "

@@ -53,6 +53,8 @@ def loss_from_batch(model, batch: dict, hidden_states=None):
     inner = getattr(model, "module", model)
     if not inner.post_process:
         return None, out
+    if getattr(inner, "mtp", None) is not None and inner.training:
+        inner.mtp.record(batch["loss_mask"])  # the depths' losses, for the log (models/mtp.py)
     return (out.float() * batch["loss_mask"]).sum(), None
 
 

@@ -196,6 +196,8 @@ def open_checked(path: str, check_config: Callable[[ModelConfig], None] | None =
         config = config_from_hf(src.config, None if src.kind == "gguf" else len(src.names))
     except HFConversionError as e:
         raise HFConversionError(f"{src.path}: {e}") from None
+    if FAMILIES[src.config["model_type"]] is deepseek:  # an MTP layer only if the files hold one
+        config = deepseek.settle_mtp(config, src.names)
     if check_config is not None:
         check_config(config)
     if log is not None:

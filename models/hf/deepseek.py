@@ -28,8 +28,17 @@ Refused: `attention_bias`, `num_key_value_heads` other than the heads, `norm_top
 false or one expert per token (our sigmoid router renormalises a top-k of two or more),
 `rms_norm_eps` other than 1e-6 (transformers' latent norms keep their default 1e-6 while
 ours use the model's epsilon), YaRN's explicit `attention_factor` or `truncate` false.
-Multi-token-prediction weights (`model.layers.<num_hidden_layers>.*`, not built) are refused
-as tensors the config does not use. A null `q_lora_rank` (or none) is the plain `q_proj`.
+A null `q_lora_rank` (or none) is the plain `q_proj`.
+
+Multi-token prediction (`num_nextn_predict_layers` D: models/mtp.py): depth k's layer is
+stored after the model's, `model.layers.{num_hidden_layers + k - 1}.`, a decoder layer's
+tensors plus `enorm`, `hnorm`, `eh_proj` and `shared_head.norm` (our `mtp.layers.{k-1}.`
+enorm, hnorm, eh_proj, final_layernorm; the decoder layer is its `transformer_layer`), and
+copies of the embedding (`embed_tokens`) and output head (`shared_head.head`), which import
+checks equal to the model's (HFConversionError otherwise: we keep one of each) and export
+writes again. transformers' config says 1 by default and its models hold no such layer:
+`settle_mtp` sets D from the files. transformers' model itself ignores the layer (its
+DeepSeek-V3 logits are those of the main model).
 """
 from __future__ import annotations
 
@@ -158,7 +167,29 @@ def config_from_hf(d: dict) -> ModelConfig:
         q_lora_rank=d.get("q_lora_rank"), kv_lora_rank=d["kv_lora_rank"],
         qk_nope_head_dim=d["qk_nope_head_dim"], qk_rope_head_dim=d["qk_rope_head_dim"],
         v_head_dim=d["v_head_dim"], extra={HINT: interleave},
-        **rope, **_moe_fields(d, layers))
+        mtp_num_layers=_mtp_layers(d, layers), **rope, **_moe_fields(d, layers))
+
+
+def _mtp_layers(d: dict, layers: int) -> int:
+    """num_nextn_predict_layers of a config dict (0 when absent)."""
+    n = d.get("num_nextn_predict_layers") or 0
+    if type(n) is not int or n < 0:
+        raise HFConversionError(f"config.json num_nextn_predict_layers {n!r} must be an "
+                                f"integer >= 0")
+    if n and d.get("first_k_dense_replace", 3) >= layers:
+        raise HFConversionError("config.json num_nextn_predict_layers with no MoE layer "
+                                "(first_k_dense_replace >= num_hidden_layers) is not supported: "
+                                "transformers makes the MTP layer MoE, ours follows the last "
+                                "layer; set num_nextn_predict_layers 0")
+    return n
+
+
+def settle_mtp(c: ModelConfig, names) -> ModelConfig:
+    """`c` with mtp_num_layers 0 when the files (tensor `names`) hold no MTP layer:
+    transformers' DeepseekV3Config says 1 by default, and the models it saves have none."""
+    if c.mtp_num_layers and f"model.layers.{c.num_layers}.eh_proj.weight" not in set(names):
+        return dataclasses.replace(c, mtp_num_layers=0)
+    return c
 
 
 def _interleaved(c: ModelConfig) -> bool:
@@ -215,7 +246,8 @@ def config_to_hf(c: ModelConfig) -> dict:
              kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=c.qk_nope_head_dim,
              qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
              rope_interleave=_interleaved(c), rope_parameters=rope,
-             first_k_dense_replace=_dense_layers(c), num_nextn_predict_layers=0)
+             first_k_dense_replace=_dense_layers(c),
+             num_nextn_predict_layers=c.mtp_num_layers or 0)
     if c.num_moe_experts is not None:
         d.update(n_routed_experts=c.num_moe_experts, num_experts_per_tok=c.moe_router_topk,
                  moe_intermediate_size=c.moe_ffn_hidden_size, norm_topk_prob=True,
@@ -289,6 +321,8 @@ def rules(c: ModelConfig) -> list[Rule]:
     """The conversion table of `c`: the Llama family's norms, embedding and dense MLPs, with
     MLA attention rules and, on MoE layers, the router, experts and shared expert rules."""
     out = []
+    if c.mtp_num_layers:
+        return _with_mtp_rules(c, rules(dataclasses.replace(c, mtp_num_layers=0)))
     for rule in llama.rules(dataclasses.replace(c, num_moe_experts=None)):
         parts = rule.native.split(".")
         if rule.native.startswith("decoder.layers.") and parts[3] == "self_attention":
@@ -302,4 +336,41 @@ def rules(c: ModelConfig) -> list[Rule]:
         if rule.native.endswith("input_layernorm.weight"):
             out += attention_rules(c, f"decoder.layers.{i}.self_attention.",
                                    f"model.layers.{i}.self_attn.")
+    return out
+
+
+def _copies(rule: Rule, copies: tuple[str, ...]) -> Rule:
+    """`rule` (one HF tensor) also written to `copies`; import checks they equal it."""
+    def to_native(ts):
+        for name, t in zip(copies, ts[1:]):
+            if not torch.equal(t, ts[0]):
+                raise HFConversionError(f"{name} differs from {rule.hf[0]}: the multi-token-"
+                                        f"prediction layer's copy is kept as one weight here")
+        return rule.to_native(ts[:1])
+    return Rule(rule.native, rule.hf + copies, to_native,
+                lambda t: rule.to_hf(t) + [rule.to_hf(t)[0].clone() for _ in copies])
+
+
+def _with_mtp_rules(c: ModelConfig, main: list[Rule]) -> list[Rule]:
+    """`main` (the model's rules) with the MTP depths' (module docstring)."""
+    d, n = c.mtp_num_layers, c.num_layers
+    freq = c.moe_layer_freq
+    if isinstance(freq, list):
+        freq = freq + [freq[-1]] * d
+    deeper = rules(dataclasses.replace(c, num_layers=n + d, moe_layer_freq=freq,
+                                       mtp_num_layers=0))
+    tied = not c.untie_embeddings_and_output_weights
+    emb = tuple(f"model.layers.{n + j}.{w}" for j in range(d) for w in (
+        ("embed_tokens.weight", "shared_head.head.weight") if tied else ("embed_tokens.weight",)))
+    head = tuple(f"model.layers.{n + j}.shared_head.head.weight" for j in range(d))
+    out = [_copies(r, emb) if r.native == "embedding.word_embeddings.weight" else
+           _copies(r, head) if r.native == "output_layer.weight" else r for r in main]
+    for j in range(d):
+        hf, ours = f"model.layers.{n + j}.", f"mtp.layers.{j}."
+        out += [same(ours + f"{w}.weight", hf + f"{w}.weight")
+                for w in ("enorm", "hnorm", "eh_proj")]
+        layer = f"decoder.layers.{n + j}."
+        out += [Rule(ours + "transformer_layer." + r.native[len(layer):], r.hf, r.to_native,
+                     r.to_hf) for r in deeper if r.native.startswith(layer)]
+        out.append(same(ours + "final_layernorm.weight", hf + "shared_head.norm.weight"))
     return out
