@@ -380,8 +380,13 @@ def test_resume_across_schedules_gives_the_uninterrupted_curve(tmp_path, corpus_
 def test_zbv_resumes_across_schedules(tmp_path, corpus_env):
     """Tied GPT at pp 2 with dropout: 1F1B saves at iteration 2 and ZBV (other layers on
     each stage, the output copy on stage 0) resumes to 5; ZBV saves and 1F1B resumes. Each
-    continues its uninterrupted run's losses bit for bit (layer numbers are global, the tied
-    copy reads the embedding), and the two uninterrupted runs agree."""
+    continues its uninterrupted run's curve (layer numbers are global, the tied copy reads
+    the embedding), and the two uninterrupted runs agree. ZBV and 1F1B are equal to rounding
+    only, not bit for bit: ZBV's chunks are other tensors, and oneDNN's float32 GEMM may sum
+    in another order for another memory alignment (seen: 44 tensors off by <= 7.5e-9 after
+    5 steps in some orders of runs in one process, none in others), so across the two
+    schedules the check is the training-chain bound of tolerances.py and a 1e-5 relative
+    band on the final weights."""
     base = GPT + COMMON + ["--pp", "2"]
     save_a, save_b = str(tmp_path / "a"), str(tmp_path / "b")
     runs = [base, base + ZBV,
@@ -394,6 +399,11 @@ def test_zbv_resumes_across_schedules(tmp_path, corpus_env):
     whole_1f1b, whole_zbv = out[0]["losses"], out[1]["losses"]
     assert len(whole_1f1b) == 5
     assert_losses_close(whole_zbv, whole_1f1b, training_chain_terms(base))
-    assert out[2]["losses"] + out[3]["losses"] == whole_zbv
-    assert out[4]["losses"] + out[5]["losses"] == whole_1f1b
-    assert all(torch.equal(out[3]["state"][k], out[1]["state"][k]) for k in out[1]["state"])
+    k = training_chain_terms(base)
+    assert_losses_close(out[2]["losses"] + out[3]["losses"], whole_zbv, k, "1f1b -> zbv resume")
+    assert_losses_close(out[4]["losses"] + out[5]["losses"], whole_1f1b, k, "zbv -> 1f1b resume")
+    for resumed, whole in ((out[3], out[1]), (out[5], out[0])):
+        assert set(resumed["state"]) == set(whole["state"])
+        for name, w in whole["state"].items():
+            torch.testing.assert_close(resumed["state"][name], w, rtol=1e-5, atol=1e-7,
+                                       msg=lambda m, name=name: f"{name}: {m}")
