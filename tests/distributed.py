@@ -67,8 +67,32 @@ class WorkerError(RuntimeError):
         super().__init__(f"rank {rank} failed:\n{traceback_text}")
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(v) for v in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    """A TCP port on 127.0.0.1 that was free a moment ago, drawn at random below the
+    kernel's ephemeral range: a port taken by `bind(0)` comes from that range, where every
+    torchrun rendezvous, TCPStore client and gloo connection of a busy machine takes its
+    ports too, so the moment between this check and the server's bind could lose it to
+    them (seen: "address already in use" for a test server while other jobs ran)."""
+    import random
+    lo, _ = _ephemeral_range()
+    pick = random.Random()  # not the tests' seeded global generator
+    for _ in range(200):
+        port = pick.randrange(max(1024, lo - 12000), lo)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
