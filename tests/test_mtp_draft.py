@@ -12,7 +12,7 @@ import torch
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [5, 6, 7, 8, 5, 6, 7, 8, 9, 10, 11],
            [1, 2, 3, 1, 2, 3, 1, 2], [9, 10, 11], [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]]
-MAX_NEW = 16
+MAX_NEW = 12
 
 
 @pytest.fixture(scope="module")
@@ -84,10 +84,11 @@ def _run(model, k: int | None, batch: int, prompts=PROMPTS, temperature: float =
 
 def test_greedy_equals_the_plain_engine_with_prefix_caching(one_rank):
     """Greedy ids with MTP drafts (k 1 and k 3: the depth reused recursively) equal the
-    plain engine's for five prompts (two sharing a prefix, one repeated) at batch sizes 1, 2
-    and 5, with prefix caching on; the drafts are accepted at a nonzero rate."""
+    plain engine's for five prompts (two sharing a prefix, one repeated) at batch sizes 1
+    and 5, with prefix caching on (one at a time, the later prompts hit the earlier ones'
+    blocks, whose MTP entries they read); the drafts are accepted at a nonzero rate."""
     model = _model()
-    for batch in (1, 2, 5):
+    for batch in (1, 5):
         plain, _ = _run(model, None, batch)
         assert all(len(o) == MAX_NEW for o in plain)
         for k in (1, 3):
@@ -95,6 +96,7 @@ def test_greedy_equals_the_plain_engine_with_prefix_caching(one_rank):
             assert got == plain, (batch, k)
             st = engine.spec.stats
             assert st.num_draft_tokens > 0 and st.num_accepted_tokens > 0, (batch, k)
+            assert batch > 1 or engine.prefix_hits > 0
             print(f"batch {batch} k {k}: {st.num_accepted_tokens} of {st.num_draft_tokens} "
                   f"accepted ({st.acceptance_rate:.2f})")
 
