@@ -477,7 +477,7 @@ def same_tokenizer(a, b) -> str | None:
 
 def build_speculative(config: SpeculativeConfig, target, tokenizer, *, max_seq_length: int,
                       dtype: str = "float32", compile: bool = False,
-                      quantization=None) -> SpecDecoder:
+                      quantization=None, mla_latent_cache: bool = True) -> SpecDecoder:
     """The `SpecDecoder` of `config` for the `target` model stage (infer.py): for a draft
     model, its stage on the current grid, loaded from `config.model` (a .gguf file or a
     folder with config.json: Hugging Face; else a native checkpoint) in `dtype`.
@@ -487,7 +487,8 @@ def build_speculative(config: SpeculativeConfig, target, tokenizer, *, max_seq_l
     target's. `compile`: the draft model's layers are compiled too
     (`runner.compile_for_inference`). `quantization` (layers/quantized.py `Quantization`,
     infer.py's --quantization): how a Hugging Face draft's weights load, as the target's;
-    a native checkpoint draft is served in float."""
+    a native checkpoint draft is served in float. `mla_latent_cache`: method "mtp" caches
+    its MLA layer's latents (else full K/V), as the engine's cache does."""
     import os
 
     config.validate()
@@ -499,7 +500,7 @@ def build_speculative(config: SpeculativeConfig, target, tokenizer, *, max_seq_l
     if config.method == "mtp":
         from .mtp_draft import MTPProposer
 
-        return SpecDecoder(config, MTPProposer(target, max_seq_length))
+        return SpecDecoder(config, MTPProposer(target, max_seq_length, mla_latent_cache))
     from .loading import load
 
     path = config.model
