@@ -137,3 +137,27 @@ def test_a_model_without_an_mtp_layer_is_refused(one_rank):
                           None, max_seq_length=64)
     with pytest.raises(ValueError, match="drop the model"):
         SpeculativeConfig(method="mtp", model="x").validate()
+
+
+def _tp2_run() -> dict:
+    """In a worker at tp 2: greedy ids of the plain engine and of MTP drafts (k 2) on
+    three prompts at batch 2, with the drafts' counts."""
+    model = _model()
+    plain, _ = _run(model, None, 2, prompts=PROMPTS[:3])
+    got, engine = _run(model, 2, 2, prompts=PROMPTS[:3])
+    return {"plain": plain, "mtp": got, "stats": engine.spec.stats.as_dict()}
+
+
+def test_tensor_parallel(one_rank):
+    """At tp 2 (a spawned world of 2 ranks; the MTP layer's heads split like the model's):
+    greedy ids with MTP drafts equal the plain engine's, the same on both ranks, with drafts
+    accepted."""
+    from distributed import run_distributed
+
+    ranks = run_distributed(_tp2_run, 2, tp=2, timeout=300)
+    assert ranks[0] == ranks[1], "ranks disagree"
+    got = ranks[0]
+    assert got["mtp"] == got["plain"]
+    assert got["stats"]["num_accepted_tokens"] > 0
+    print(f"tp 2: {got['stats']['num_accepted_tokens']} of {got['stats']['num_draft_tokens']} "
+          f"accepted")
