@@ -116,6 +116,10 @@ class MTPProposer:
                 self._verified[r.id] = (start, out[:, i].detach())
             else:
                 self._add(r.id, start, out[:int(flight.last[i]) + 1, i].detach())
+        if flight.drafts is None:  # the chunk's entries now, before a prefix hit reads them
+            ends = [int(s) + int(n) + 1 for s, n in zip(flight.starts, flight.last)]
+            self._write(flight.batch, [(r.prompt + r.output)[:e]
+                                       for r, e in zip(flight.batch, ends)])
 
     def _add(self, rid: str, start: int, h: torch.Tensor) -> None:
         """Append the target's hidden states `h [n, h]` of positions start.. of `rid`."""
@@ -147,6 +151,7 @@ class MTPProposer:
         b = len(batch)
         ids, h, starts, last = self._catch_up(batch, streams)
         drafts = torch.zeros(b, k, dtype=torch.int64)
+        self._consume(batch, streams)
         for j in range(k):
             logits, state = self._run(batch, ids, h, starts, last)
             picked = logits.argmax(dim=-1)
@@ -157,23 +162,35 @@ class MTPProposer:
             drafts[:, j] = broadcast_tokens(picked.cpu(), b)
             starts = starts + last + 1
             ids, h, last = drafts[:, j:j + 1].clone(), state[:, None], torch.zeros_like(last)
-        for r, s in zip(batch, streams):  # every known hidden state now has its entry
+        return drafts.tolist()
+
+    def _write(self, batch, streams: list[list[int]]) -> None:
+        """Write the entries of positions cached .. len(stream) - 1 of the rows that have
+        any (a prompt chunk's tokens after the first), without drafting."""
+        rows = [i for i, (r, s) in enumerate(zip(batch, streams)) if len(s) > self.cached[r.id]]
+        if rows:
+            batch, streams = [batch[i] for i in rows], [streams[i] for i in rows]
+            self._run(batch, *self._catch_up(batch, streams))
+            self._consume(batch, streams)
+
+    def _consume(self, batch, streams: list[list[int]]) -> None:
+        """Positions up to len(stream) - 1 have their entries: drop the hidden states used."""
+        for r, s in zip(batch, streams):
             self.hidden[r.id] = self.hidden[r.id][len(s) - self.cached[r.id]:]
             self.cached[r.id] = len(s)
-        return drafts.tolist()
 
     def _catch_up(self, batch, streams):
         """The first pass's right-padded inputs: per row the tokens t_j and hidden states
-        h_{j-1} of its positions j = cached .. L-1 (`ids [b, n]`, `h [b, n, h]`), the
-        first positions `[b]` and each row's last index `[b]`."""
+        h_{j-1} of its positions j = cached .. L-1, L = len(stream) (`ids [b, n]`,
+        `h [b, n, h]`), the first positions `[b]` and each row's last index `[b]`."""
         rows = []
         for r, s in zip(batch, streams):
             c = self.cached[r.id]
-            if c - 1 + len(self.hidden[r.id]) != len(s) - 1:
+            if c - 1 + len(self.hidden[r.id]) < len(s) - 1:
                 raise RuntimeError(f"request {r.id}: the MTP draft holds hidden states to "
                                    f"position {c - 2 + len(self.hidden[r.id])}, its stream "
                                    f"{len(s)} tokens")
-            rows.append((s[c:], self.hidden[r.id], c))
+            rows.append((s[c:], self.hidden[r.id][:len(s) - c], c))
         n = max(len(t) for t, _, _ in rows)
         ids = torch.zeros(len(batch), n, dtype=torch.int64)
         h = torch.zeros(len(batch), n, rows[0][1].shape[-1], dtype=self.dtype,
