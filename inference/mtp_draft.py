@@ -1,16 +1,21 @@
 """The model's own multi-token-prediction layer as the draft of speculative decoding
 (DeepSeek-V3 report, arXiv:2412.19437, sec. 2.2 and 5.4.3; vLLM's method "mtp" /
 "deepseek_mtp", an EAGLE-style proposer): the target's verification is
-inference/spec_decode.py's, unchanged.
+inference/spec_decode.py's, unchanged (greedy: its argmax; sampled: drafter-invariant
+verification, whose output is the plain engine's, in place of Leviathan et al. 2023's
+rejection rule); drafts are drawn with the request's keys as a draft model's are.
 
 MTP depth 1 (models/mtp.py) maps the main model's last hidden state h_i (after its final
 norm) and the embedding of token t_{i+1} to a state whose output head predicts t_{i+2}.
 Drafting for a stream t_0..t_{L-1} (t_{L-1} just sampled, not yet run by the target):
 - every position whose main hidden state is known gets its entry: the layer runs on
   (h_{j-1}, t_j) for the new j's, writing its keys/values (an MLA latent for DeepSeek) at
-  position j of the request's blocks; the output at j = L-1 gives draft 1 (t_L);
+  position j of the request's blocks (a prompt chunk's positions right after the chunk's
+  forward, `observe`; the decoded ones when drafting); the output at j = L-1 gives draft 1
+  (t_L);
 - drafts 2..K reuse the same depth recursively, as vLLM does for K > 1: (the layer's own
-  output state at the previous position, the embedding of the previous draft) at positions
+  output state after its final norm at the previous position, this repository's h^1, and
+  the embedding of the previous draft) at positions
   L, L+1, ... Those entries are provisional and written again once the target's hidden
   states there are known.
 An entry at position j depends only on t_0..t_j (h_{j-1} is a function of t_0..t_{j-1}),
@@ -26,7 +31,8 @@ The layer's pools are one more layer of the paged cache in the sense of vLLM's: 
 blocks as the target's, indexed by the target's block tables, and counted in the bytes per
 token the engine sizes its cache for (`kv_bytes_per_token`), so --kv-cache-memory bounds
 both. One pipeline stage only (the layer lives on the last stage, the embedding on the
-first); any tensor-parallel size (every rank runs the depth; drafts broadcast from rank 0).
+first); under tensor parallelism every rank runs the depth (its heads split like the
+model's) and the drafts are broadcast from rank 0 (tested at tp 2).
 """
 from __future__ import annotations
 

@@ -64,7 +64,8 @@ class SpeculativeConfig:
     """vLLM's `--speculative-config` fields this engine implements.
 
     method: "ngram" (prompt lookup), "draft_model" (`model`: a smaller checkpoint with the
-        target's tokenizer) or "mtp" (the target's multi-token-prediction layer). num_speculative_tokens: drafts per step (k >= 1).
+        target's tokenizer) or "mtp" (the target's multi-token-prediction layer).
+        num_speculative_tokens: drafts per step (k >= 1).
     prompt_lookup_max / prompt_lookup_min: n-gram sizes tried, longest first (ngram only).
     model: the draft model's path (draft_model only; an HF folder, a .gguf file or a native
         checkpoint, loaded as infer.py's --hf / --load).

@@ -85,8 +85,9 @@ def _run(model, k: int | None, batch: int, prompts=PROMPTS, temperature: float =
 def test_greedy_equals_the_plain_engine_with_prefix_caching(one_rank):
     """Greedy ids with MTP drafts (k 1 and k 3: the depth reused recursively; k 3 only at
     batch 5) equal the plain engine's for five prompts (two sharing a prefix, one repeated)
-    at batch sizes 1 and 5, with prefix caching on (one at a time, the later prompts hit the earlier ones'
-    blocks, whose MTP entries they read); the drafts are accepted at a nonzero rate."""
+    at batch sizes 1 and 5, with prefix caching on (one at a time, the later prompts hit
+    the earlier ones' blocks, whose MTP entries they read); the drafts are accepted at a
+    nonzero rate."""
     model = _model()
     for batch in (1, 5):
         plain, _ = _run(model, None, batch)
