@@ -127,6 +127,8 @@ def test_seeded_sampling_equals_the_plain_engine(one_rank):
 
 
 def test_a_model_without_an_mtp_layer_is_refused(one_rank):
+    """No MTP layer, a draft model path with method "mtp", a pipeline stage: one-line
+    errors naming the fix."""
     from inference.mtp_draft import MTPProposer
     from inference.spec_decode import SpeculativeConfig, build_speculative
 
@@ -138,6 +140,11 @@ def test_a_model_without_an_mtp_layer_is_refused(one_rank):
                           None, max_seq_length=64)
     with pytest.raises(ValueError, match="drop the model"):
         SpeculativeConfig(method="mtp", model="x").validate()
+    from models import GPTModel
+
+    last_stage = GPTModel(_model().config, pre_process=False, layer_numbers=[1])
+    with pytest.raises(ValueError, match="runs at --pp 1"):
+        MTPProposer(last_stage, 64)
 
 
 def _tp2_run() -> dict:
