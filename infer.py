@@ -120,9 +120,11 @@ def _add_speculative_args(p: argparse.ArgumentParser) -> None:
                     help="draft K tokens per step and verify them in one forward (greedy "
                          "output unchanged, sampled output of the same distribution); "
                          "default off")
-    sd.add_argument("--speculative-method", choices=["ngram", "draft_model"], default=None,
+    sd.add_argument("--speculative-method", choices=["ngram", "draft_model", "mtp"],
+                    default=None,
                     help="ngram: prompt lookup (default); draft_model: --speculative-model "
-                         "(the default when it is given)")
+                         "(the default when it is given); mtp: the model's own "
+                         "multi-token-prediction layer (DeepSeek-V3, --pp 1)")
     sd.add_argument("--speculative-model", default=None,
                     help="the draft model: an HF folder, a .gguf file or a native checkpoint "
                          "with the target's tokenizer, sharded like the target")
@@ -438,7 +440,8 @@ def speculative(args, model, tokenizer, max_len: int):
 
     return build_speculative(args.speculative, model, tokenizer, max_seq_length=max_len,
                              dtype=args.dtype, compile=args.compile,
-                             quantization=quantization(args))
+                             quantization=quantization(args),
+                             mla_latent_cache=not args.mla_full_kv_cache)
 
 
 def quantization(args):
@@ -464,7 +467,8 @@ def speculative_line(spec) -> str:
     """The start-up line of speculative decoding (`engine.spec`, a `SpecDecoder`)."""
     c = spec.config
     how = (f"prompt lookup of {c.prompt_lookup_min}..{c.prompt_lookup_max}-token suffixes"
-           if c.method == "ngram" else f"draft model {c.model}")
+           if c.method == "ngram" else "the model's MTP layer, depth 1 reused for every draft"
+           if c.method == "mtp" else f"draft model {c.model}")
     return f"speculative decoding on: {c.method}, k {spec.k} ({how})"
 
 

@@ -241,7 +241,8 @@ class Engine(Scheduler):
         tokens = bm.capacity * bm.block_size
         draft = self.spec.draft.cache_bytes if self.spec and self.spec.draft else 0
         per_token = r.bytes_per_token + (self.spec.kv_bytes_per_token if self.spec else 0)
-        of_draft = f", {draft / 2**20:,.1f} MiB of it the draft model's" if draft else ""
+        whose = "MTP layer" if self.spec and self.spec.config.method == "mtp" else "draft model"
+        of_draft = f", {draft / 2**20:,.1f} MiB of it the {whose}'s" if draft else ""
         line = (f"KV cache: {bm.capacity:,} blocks of {bm.block_size} tokens = {tokens:,} "
                 f"tokens ({(r.cache_bytes + draft) / 2**20:,.1f} MiB on this rank{of_draft}, "
                 f"{per_token:,} bytes per token), prefix caching "
@@ -358,6 +359,8 @@ class Engine(Scheduler):
             if self.lora is not None:
                 self.lora.bind([r.lora_slot for r in mine.batch], runner.device)
             out = runner.forward(mine.ids, mine.tables, mine.starts, mine.last, hidden, **extra)
+            if self.spec is not None and runner.last:  # MTP drafts keep its hidden states
+                self.spec.observe(mine)
         if runner.pp > 1:  # hand the output on, take the next tick's input
             ahead = self.in_flight.get(t + 1 - runner.stage)
             spec = runner.incoming(ahead) if ahead is not None else None

@@ -36,6 +36,10 @@ Proposers (`SpeculativeConfig.method`, vLLM's names):
   the last one or two emitted tokens). Its drafts are `draw`n from its `filtered_probs`
   under the request's sampling parameters and keys; they are broadcast from the last stage
   like sampled ids.
+- "mtp": the target's own multi-token-prediction layer (DeepSeek-V3; vLLM's "mtp"), from
+  the target's last hidden state and the embedding of the token after it
+  (inference/mtp_draft.py `MTPProposer`: its pools are indexed by the target's block
+  tables as the draft model's are); K > 1 drafts reuse depth 1 recursively.
 
 Each row drafts k_i tokens (at most `num_speculative_tokens` and the tokens it may still
 emit less one; n-gram: fewer when its match is short or missing). The rows of a micro-batch
@@ -52,15 +56,16 @@ import torch
 from .block_manager import block_tables
 from .sampling import SamplingParams, draw, filtered_probs
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "mtp")
 
 
 @dataclass
 class SpeculativeConfig:
     """vLLM's `--speculative-config` fields this engine implements.
 
-    method: "ngram" (prompt lookup) or "draft_model" (`model`: a smaller checkpoint with the
-        target's tokenizer). num_speculative_tokens: drafts per step (k >= 1).
+    method: "ngram" (prompt lookup), "draft_model" (`model`: a smaller checkpoint with the
+        target's tokenizer) or "mtp" (the target's multi-token-prediction layer).
+        num_speculative_tokens: drafts per step (k >= 1).
     prompt_lookup_max / prompt_lookup_min: n-gram sizes tried, longest first (ngram only).
     model: the draft model's path (draft_model only; an HF folder, a .gguf file or a native
         checkpoint, loaded as infer.py's --hf / --load).
@@ -87,6 +92,10 @@ class SpeculativeConfig:
             if self.model is not None:
                 raise ValueError("a speculative model was given with method 'ngram'; drop "
                                  "the model or use method 'draft_model'")
+        elif self.method == "mtp":
+            if self.model is not None:
+                raise ValueError("a speculative model was given with method 'mtp' (the "
+                                 "target's own MTP layer drafts); drop the model")
         elif not self.model:
             raise ValueError("method 'draft_model' needs the draft model's path "
                              "(--speculative-model)")
@@ -328,13 +337,14 @@ class SpecDecoder:
 
     Args:
         config: the checked `SpeculativeConfig`.
-        draft: the `DraftModelProposer` (method "draft_model"), else None.
+        draft: the `DraftModelProposer` (method "draft_model") or `MTPProposer` ("mtp"),
+            else None.
     """
 
     def __init__(self, config: SpeculativeConfig, draft: DraftModelProposer | None = None):
         self.config = config.validate()
-        if (config.method == "draft_model") != (draft is not None):
-            raise ValueError("method 'draft_model' runs a DraftModelProposer; 'ngram' none")
+        if (config.method != "ngram") != (draft is not None):
+            raise ValueError("methods 'draft_model' and 'mtp' run a proposer; 'ngram' none")
         self.k = config.num_speculative_tokens
         self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max) \
             if draft is None else None
@@ -352,6 +362,11 @@ class SpecDecoder:
         `block_size` positions (nothing for n-gram drafts)."""
         if self.draft is not None:
             self.draft.attach(num_blocks, block_size)
+
+    def observe(self, flight) -> None:
+        """After the target's forward of `flight` (MTP drafts keep its hidden states)."""
+        if hasattr(self.draft, "observe"):
+            self.draft.observe(flight)
 
     def micro_batches(self, encoder_decoder: bool, pp: int, asked: int | None,
                       default: int) -> int:
@@ -463,7 +478,7 @@ def same_tokenizer(a, b) -> str | None:
 
 def build_speculative(config: SpeculativeConfig, target, tokenizer, *, max_seq_length: int,
                       dtype: str = "float32", compile: bool = False,
-                      quantization=None) -> SpecDecoder:
+                      quantization=None, mla_latent_cache: bool = True) -> SpecDecoder:
     """The `SpecDecoder` of `config` for the `target` model stage (infer.py): for a draft
     model, its stage on the current grid, loaded from `config.model` (a .gguf file or a
     folder with config.json: Hugging Face; else a native checkpoint) in `dtype`.
@@ -473,7 +488,8 @@ def build_speculative(config: SpeculativeConfig, target, tokenizer, *, max_seq_l
     target's. `compile`: the draft model's layers are compiled too
     (`runner.compile_for_inference`). `quantization` (layers/quantized.py `Quantization`,
     infer.py's --quantization): how a Hugging Face draft's weights load, as the target's;
-    a native checkpoint draft is served in float."""
+    a native checkpoint draft is served in float. `mla_latent_cache`: method "mtp" caches
+    its MLA layer's latents (else full K/V), as the engine's cache does."""
     import os
 
     config.validate()
@@ -482,6 +498,10 @@ def build_speculative(config: SpeculativeConfig, target, tokenizer, *, max_seq_l
                          "encoder-decoder (T5): drop the speculative flags")
     if config.method == "ngram":
         return SpecDecoder(config)
+    if config.method == "mtp":
+        from .mtp_draft import MTPProposer
+
+        return SpecDecoder(config, MTPProposer(target, max_seq_length, mla_latent_cache))
     from .loading import load
 
     path = config.model
