@@ -9,27 +9,11 @@ import dataclasses
 
 import pytest
 import torch
+from test_spec_decode import one_rank  # noqa: F401  (the module's one-process world)
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [5, 6, 7, 8, 5, 6, 7, 8, 9, 10, 11],
            [1, 2, 3, 1, 2, 3, 1, 2], [9, 10, 11], [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]]
 MAX_NEW = 12
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    """A world of one process and its tp 1 grid, in this process, for the module."""
-    import os
-
-    import torch.distributed as dist
-
-    import parallel_state as ps
-
-    if dist.is_initialized() or "RANK" in os.environ:
-        pytest.skip("this process already runs a world")
-    ps.initialize_distributed("cpu")
-    ps.initialize_model_parallel(1, 1, device="cpu")
-    yield
-    ps.destroy_model_parallel()
 
 
 def _model(mtp_layers: int = 1, main_scale: float = 0.3, mtp_scale: float = 0.1):
