@@ -34,6 +34,22 @@ from test_hf_conversion import _batch, _hf_logits, pipeline_logits
 from test_hf_conversion import test_round_trip_is_bitwise as _round_trip
 from tolerances import assert_fp32_close, forward_chain_terms
 
+
+def export_and_load(save: str, out: str, name: str):
+    """Export checkpoint `save` to HF folder `out` and load it with transformers (float32),
+    asserting that no tensor is missing, unexpected or of another shape; the model."""
+    from checkpoint.hf import export_hf
+    from transformers import AutoModelForCausalLM
+
+    export_hf(save, out, log=lambda *a: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                        output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), \
+        (name, info)
+    return hf
+
 S, MAX_NEW = 16, 24
 PROMPT = [5, 17, 99, 3, 42, 8, 61, 2, 11]
 
@@ -338,8 +354,6 @@ def test_finetune_at_tp2_and_export(converted, tmp_path):
     moved (q/k norms, OLMo 2's post norms too: their gradients reached them), and its logits
     equal ours from the trained checkpoint."""
     from safetensors.torch import load_file
-    from checkpoint.hf import export_hf
-    from transformers import AutoModelForCausalLM
 
     text = open(os.path.join(os.path.dirname(os.__file__), "textwrap.py")).read()
     (tmp_path / "corpus.txt").write_text(text)
@@ -358,13 +372,7 @@ def test_finetune_at_tp2_and_export(converted, tmp_path):
         for name, (_, ckpt) in converted.items()])
     for name, (hf_dir, ckpt) in converted.items():
         save, out = str(tmp_path / f"{name}-save"), str(tmp_path / f"{name}-hf")
-        export_hf(save, out, log=lambda *a: None)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            hf, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
-                                                            output_loading_info=True)
-        assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), \
-            (name, info)
+        hf = export_and_load(save, out, name)
         arch = [json.load(open(os.path.join(d, "config.json")))["architectures"]
                 for d in (hf_dir, out)]
         assert arch[0] == arch[1], (name, arch)  # Phi-3 stays Phi-3 through train.py

@@ -11,11 +11,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import warnings
 
 import torch
 
 from launch import REPO, train_in_one_world
+from test_hf_dense_families import export_and_load
 from tolerances import assert_fp32_close, forward_chain_terms
 
 VOCAB, S = 512, 16  # the trained tokenizer has 400 tokens
@@ -61,9 +61,8 @@ def _native_logits(ckpt: str, ids: torch.Tensor) -> torch.Tensor:
 def test_finetune_at_tp2_exports_to_transformers_logits(tmp_path):
     from safetensors.torch import load_file
     from test_finetune import _tokenizer
-    from transformers import AutoModelForCausalLM
 
-    from checkpoint.hf import export_hf, import_hf
+    from checkpoint.hf import import_hf
 
     text = open(os.path.join(os.path.dirname(os.__file__), "textwrap.py")).read()
     (tmp_path / "corpus.txt").write_text(text)
@@ -87,13 +86,7 @@ def test_finetune_at_tp2_exports_to_transformers_logits(tmp_path):
     ids = torch.randint(0, VOCAB, (2, S), generator=torch.Generator().manual_seed(0))
     for name, hf_dir in folders.items():
         save, out = str(tmp_path / f"{name}-save"), str(tmp_path / f"{name}-hf")
-        export_hf(save, out, log=lambda *a: None)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            hf, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
-                                                            output_loading_info=True)
-        assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), \
-            (name, info)
+        hf = export_and_load(save, out, name)
         before = load_file(os.path.join(hf_dir, "model.safetensors"))
         after = load_file(os.path.join(out, "model.safetensors"))
         assert set(before) == set(after), name
