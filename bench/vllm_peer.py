@@ -27,8 +27,9 @@ that, our run right after theirs shared its two cores with that polling (our TTF
   machine's speed drifts by more than the gap between the engines from one minute to the
   next (the `decode` part's best-of-rounds TTFT swung 0.84x-1.18x between runs), so pairs
   taken a second apart compare like with like.
-- `server`: completion tokens/s of `--clients` concurrent streaming clients, vLLM's OpenAI
-  server vs `infer.py --serve`, loopback.
+- `server` (bench/server_peer.py): vLLM's OpenAI server vs `infer.py --serve`, both up at
+  once, at `--server-clients` concurrent streaming clients (1 8 32 64), rounds alternated:
+  completion tokens/s, TTFT p50 / p99 and inter-token latency p99, loopback.
 - `prefix`: 16 requests sharing one 400-token system prompt, prefix caching off / on.
 - `chunked`: a long prompt arrives while 4 requests decode: inter-token latency p99 of
   the running requests, chunked prefill off / on.
@@ -474,71 +475,3 @@ def compare_spec(args, model, exe, env, common, dtype, prompt, k: int) -> None:
           f" | speculative ours / vLLM {best[('ours', True)] / best[('vLLM', True)]:.2f}x | "
           f"greedy ids {'identical in all four' if same else 'DIFFER'} ({load_avg()})",
           flush=True)
-
-
-def compare_server(args, exe: str, folder: str, ckpt: str, dtype: str, clients_run) -> None:
-    """`--clients` concurrent streaming clients: vLLM's OpenAI server vs `infer.py --serve`
-    (`clients_run(port) -> tokens/s`, generate_throughput's client loop), loopback."""
-    import http.client
-    import signal
-    import socket
-    import sys
-    import tempfile
-
-    def port():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
-    def serve(cmd, env, p, wait_s=1800):
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, **OWN_PROCESS_GROUP)
-        t0 = time.time()
-        while time.time() - t0 < wait_s:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{cmd[:3]} exited {proc.returncode} before serving")
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", p, timeout=5)
-                conn.request("GET", "/v1/models")
-                if conn.getresponse().status == 200:
-                    return proc
-            except OSError:
-                time.sleep(2)
-        raise RuntimeError(f"{cmd[:3]} did not serve within {wait_s} s")
-
-    def stop(proc):
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-
-    scratch = tempfile.mkdtemp(prefix="vllm-serve-")
-    try:
-        rates = {}
-        for who in ("shardzoo", "vLLM"):
-            p = port()
-            if who == "vLLM":
-                cmd = [exe, "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
-                       "--served-model-name", "m", "--dtype", dtype, "--port", str(p),
-                       "--max-model-len", "512", "--max-num-seqs", str(args.clients)] + \
-                    (["--enforce-eager"] if args.vllm_enforce_eager else [])
-                env = vllm_env(args.threads, scratch)
-            else:
-                cmd = [sys.executable, os.path.join(os.path.dirname(HERE), "infer.py"),
-                       "--load", ckpt, "--serve", "--port", str(p), "--served-model-name",
-                       "m", "--dtype", dtype, "--max-batch-size", str(args.clients),
-                       "--max-seq-length", "512"] + (["--compile"] if args.compile else [])
-                env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-            proc = serve(cmd, env, p)
-            try:
-                clients_run(p, 4)  # warm-up
-                rates[who] = (clients_run(p, args.clients), os.getloadavg()[0])
-            finally:
-                stop(proc)
-        (ours, lo), (theirs, lv) = rates["shardzoo"], rates["vLLM"]
-        print(f"  {dtype} server, {args.clients} streaming clients x {args.new_tokens} tokens: "
-              f"ours {ours:.1f} tok/s (load {lo:.1f}) | vLLM {theirs:.1f} tok/s (load {lv:.1f})"
-              f" | {ours / theirs:.2f}x", flush=True)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
