@@ -102,6 +102,21 @@ def test_module_matches_dense_float64_reference_of_eq_21_to_25(no_grid):
                                torch.stack(depth_means).detach(), rtol=1e-6, atol=0)
 
 
+def test_shifts_before_the_cp_split_hold_each_positions_next_tokens():
+    """A CP rank's part of the depths' shifts (made on the whole sequence, then split) holds
+    at each of its positions p the token p + k of the whole sequence, across its chunks'
+    ends (where a shift of its own part would read its next chunk or nothing)."""
+    from layers.context_parallel import local_positions, split_for_context_parallel
+    from models.mtp import mtp_shifted
+
+    ids = torch.arange(100, 116).repeat(2, 1)  # [b 2, s 16]: the id of position p is 100 + p
+    for rank in range(2):
+        part = split_for_context_parallel(mtp_shifted(ids, 3, 0), 2, 2, rank)  # [2, 3, 8]
+        for k in range(1, 4):
+            want = [100 + p + k if p + k < 16 else 0 for p in local_positions(16, 2, rank)]
+            assert part[0, k - 1].tolist() == want, (rank, k)
+
+
 def _runs(argvs: list[list[str]], log_dir: str, cache: str) -> list[dict]:
     """pretrain() once per argument list in this world: rank 0's {loss, grad_norm, mtp}."""
     import os
