@@ -124,7 +124,7 @@ def _add_speculative_args(p: argparse.ArgumentParser) -> None:
                     default=None,
                     help="ngram: prompt lookup (default); draft_model: --speculative-model "
                          "(the default when it is given); mtp: the model's own "
-                         "multi-token-prediction layer (DeepSeek-V3, --pp 1)")
+                         "multi-token-prediction layer (DeepSeek-V3)")
     sd.add_argument("--speculative-model", default=None,
                     help="the draft model: an HF folder, a .gguf file or a native checkpoint "
                          "with the target's tokenizer, sharded like the target")

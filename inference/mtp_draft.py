@@ -30,9 +30,14 @@ in training (draft quality only; the output is the target's).
 The layer's pools are one more layer of the paged cache in the sense of vLLM's: as many
 blocks as the target's, indexed by the target's block tables, and counted in the bytes per
 token the engine sizes its cache for (`kv_bytes_per_token`), so --kv-cache-memory bounds
-both. One pipeline stage only (the layer lives on the last stage, the embedding on the
-first); under tensor parallelism every rank runs the depth (its heads split like the
-model's) and the drafts are broadcast from rank 0 (tested at tp 2).
+both. Under tensor parallelism every rank runs the depth (its heads split like the
+model's) and the drafts are broadcast from rank 0 (tested at tp 2). Under pipeline
+parallelism the layer lives on the last stage, which looks tokens up in its own copy of the
+word embedding (`mtp.word_embeddings`, as in training) and holds the main model's last
+hidden states; it drafts there, and every other stage only receives the drafts of the same
+`broadcast_tokens` calls (the verification forward needs them on the first stage), so the
+pools, the hidden states and the MTP passes are the last stage's alone (tested at pp 2).
+Drafting runs no pipeline pass, so the engine keeps its usual micro-batches in flight.
 """
 from __future__ import annotations
 
@@ -51,13 +56,10 @@ def mtp_refusal(model) -> str | None:
     if getattr(model.config, "is_encoder_decoder", False):
         return ("speculative decoding is for decoder-only models; this model is an "
                 "encoder-decoder (T5): drop the speculative flags")
-    if getattr(model, "mtp", None) is None or not len(model.mtp.layers):
+    if not getattr(model.config, "mtp_num_layers", None):  # (the last stage holds it)
         return ("--speculative-method mtp needs a model with a multi-token-prediction layer "
                 "(mtp_num_layers >= 1, e.g. a DeepSeek-V3 checkpoint with its MTP weights); "
                 "use --speculative-method ngram or draft_model")
-    if not (model.pre_process and model.post_process):
-        return ("--speculative-method mtp runs at --pp 1 (the MTP layer needs the embedding "
-                "and the output head on one stage); drop --pp or use --speculative-method ngram")
     if model.config.window_size is not None:
         return ("--speculative-method mtp is not built for sliding-window models; use "
                 "--speculative-method ngram")
@@ -67,7 +69,9 @@ def mtp_refusal(model) -> str | None:
 class MTPProposer:
     """Drafts of the target's MTP depth 1 (module docstring); the same interface as
     `DraftModelProposer` (`attach`, `propose`, `rewind`, `release`) plus `observe`, which the
-    engine calls after every forward of the target. Raises `ValueError` (`mtp_refusal`)."""
+    engine calls after every forward of the target on the last stage. On another pipeline
+    stage (`drafts_here` False) it holds nothing and `propose` receives the last stage's
+    drafts. Raises `ValueError` (`mtp_refusal`)."""
 
     def __init__(self, model, max_seq_length: int, mla_latent_cache: bool = True):
         from .runner import kv_cache_geometry
@@ -76,6 +80,14 @@ class MTPProposer:
         if why is not None:
             raise ValueError(why)
         self.model, self.max_len = model, max_seq_length
+        self.cached: dict[str, int] = {}  # request id -> its first position without an entry
+        self.hidden: dict[str, torch.Tensor] = {}  # request id -> h of positions cached-1..
+        self.hole: dict[str, int] = {}  # request id -> its masked position after position 0
+        self._verified: dict[str, tuple[int, torch.Tensor]] = {}
+        self.cache, self.cache_bytes, self.kv_bytes_per_token = None, 0, 0
+        self.drafts_here = model.post_process  # the last stage: the layer, the hidden states
+        if not self.drafts_here:
+            return
         self.depth = model.mtp.layers["0"]
         self.layer_number = self.depth.transformer_layer.layer_number
         self.geometry = kv_cache_geometry(model, mla_latent_cache)
@@ -83,21 +95,19 @@ class MTPProposer:
         self.dtype, self.device = p.dtype, p.device
         groups, head_dim, values = self.geometry
         self.kv_bytes_per_token = (2 if values else 1) * groups * head_dim * p.element_size()
-        self.cache, self.cache_bytes = None, 0  # `attach`
-        self.cached: dict[str, int] = {}  # request id -> its first position without an entry
-        self.hidden: dict[str, torch.Tensor] = {}  # request id -> h of positions cached-1..
-        self.hole: dict[str, int] = {}  # request id -> its masked position after position 0
         self._last_hidden = None
-        self._verified: dict[str, tuple[int, torch.Tensor]] = {}
         model.decoder.register_forward_hook(self._keep)
 
     def _keep(self, module, args, out) -> None:
         self._last_hidden = out
 
     def attach(self, num_blocks: int, block_size: int) -> None:
-        """Pools of `num_blocks` blocks of `block_size` positions for the MTP layer."""
+        """Pools of `num_blocks` blocks of `block_size` positions for the MTP layer (on the
+        last stage; nothing elsewhere)."""
         from .kv_cache import PagedKVCache
 
+        if not self.drafts_here:
+            return
         groups, head_dim, values = self.geometry
         self.block_size = block_size
         self.cache = PagedKVCache([self.layer_number], num_blocks, block_size, groups,
@@ -155,8 +165,12 @@ class MTPProposer:
         from .comm import broadcast_tokens
 
         b = len(batch)
-        ids, h, starts, last = self._catch_up(batch, streams)
         drafts = torch.zeros(b, k, dtype=torch.int64)
+        if not self.drafts_here:  # another pipeline stage: the last stage's drafts
+            for j in range(k):
+                drafts[:, j] = broadcast_tokens(None, b)
+            return drafts.tolist()
+        ids, h, starts, last = self._catch_up(batch, streams)
         self._consume(batch, streams)
         for j in range(k):
             logits, state = self._run(batch, ids, h, starts, last)
@@ -230,7 +244,10 @@ class MTPProposer:
             if model.rotary_local is not None:
                 rotary = rotary + model.rotary_local(s, 0, device=dev, position_ids=positions)
         d = self.depth
-        emb = model.embedding.word_embeddings(ids.t().to(dev))  # [s, b, h]
+        embed = model.mtp.word_embeddings  # pp > 1: the last stage's copy
+        if embed is None:
+            embed = model.embedding.word_embeddings
+        emb = embed(ids.t().to(dev))  # [s, b, h]
         x = d.eh_proj(torch.cat([d.enorm(emb), d.hnorm(h.transpose(0, 1))], dim=-1))
         x = d.transformer_layer(x, rotary=rotary, kv_cache=self.cache.layer(self.layer_number),
                                 attention_mask=mask)

@@ -372,11 +372,12 @@ class SpecDecoder:
                       default: int) -> int:
         """The micro-batches the engine keeps in flight (`default` unless): a draft model at
         pp > 1 runs its passes through the pipeline at launch, so one at a time (`asked` > 1
-        is refused). Raises `ValueError` for an encoder-decoder target (T5)."""
+        is refused); MTP drafts run on the last stage alone, so as many as without drafts.
+        Raises `ValueError` for an encoder-decoder target (T5)."""
         if encoder_decoder:
             raise ValueError("speculative decoding is for decoder-only models; this model "
                              "is an encoder-decoder (T5): drop the speculative flags")
-        if self.draft is None or pp == 1:
+        if self.draft is None or pp == 1 or self.config.method == "mtp":
             return default
         if asked is not None and asked > 1:
             raise ValueError(f"a speculative draft model at --pp {pp} runs one micro-batch "

@@ -27,7 +27,7 @@ from parallel_state import (get_context_parallel_group, get_context_parallel_wor
 
 from .config import ModelConfig
 from .config_mtp import mtp_depths
-from .mtp import MultiTokenPrediction, mtp_labels, mtp_objective
+from .mtp import MultiTokenPrediction, mtp_shifted
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 
@@ -113,7 +113,8 @@ class GPTModel(nn.Module):
         if post_process and mtp_depths(config):  # multi-token prediction (models/mtp.py)
             self.mtp = MultiTokenPrediction(config, self.padded_vocab_size,
                                             sequence_parallel=self.sequence_parallel,
-                                            own_embedding=not pre_process)
+                                            own_embedding=not pre_process,
+                                            cp_group=self.cp_group, cp_comm_type=cp_comm_type)
             if not pre_process:  # the last stage's copy of the word embedding
                 copy = self.mtp.word_embeddings.weight
                 copy.init_key, copy.shared_embedding, copy.pipeline_duplicate = \
@@ -159,7 +160,9 @@ class GPTModel(nn.Module):
                 hidden_states: torch.Tensor | None = None,
                 kv_cache=None, position_offset: int = 0,
                 attention_mask: torch.Tensor | None = None, label_smoothing: float = 0.0,
-                output_positions: torch.Tensor | None = None) -> torch.Tensor:
+                output_positions: torch.Tensor | None = None,
+                mtp_tokens: torch.Tensor | None = None,
+                mtp_labels: torch.Tensor | None = None) -> torch.Tensor:
         """Run this stage.
 
         Args:
@@ -176,6 +179,10 @@ class GPTModel(nn.Module):
             output_positions: `[b]` int64 (last stage, no labels): only token
                 output_positions[i] of row i goes through the output layer (inference: the
                 logits that are sampled; HF's `logits_to_keep`). Not with sequence parallel.
+            mtp_tokens, mtp_labels: `[b, D, s]` (last stage, training with multi-token
+                prediction): `input_ids` and `labels` shifted left by k for depth k on the
+                whole sequence (models/mtp.py `mtp_shifted`); made from `input_ids` and
+                `labels` when not given (not under context parallelism).
             Under context parallelism every `[b, s]` argument and result holds this CP rank's
             part `[b, s/cp]` of each sequence (hidden states `[s/cp, b, h]`); position_ids
             default to those tokens' global positions.
@@ -221,7 +228,7 @@ class GPTModel(nn.Module):
             return x
         if self.mtp is not None and labels is not None and self.training:
             return self._loss_with_mtp(x, input_ids, labels, rotary, attention_mask,
-                                       label_smoothing)
+                                       label_smoothing, mtp_tokens, mtp_labels)
         if output_positions is not None:
             if self.sequence_parallel or labels is not None:
                 raise ValueError("output_positions is for inference: no labels, no sequence "
@@ -237,23 +244,30 @@ class GPTModel(nn.Module):
                                             label_smoothing=label_smoothing)
         return loss.t()
 
-    def _loss_with_mtp(self, x, input_ids, labels, rotary, attention_mask, label_smoothing):
-        """The per-token main loss `[b, s]` with the multi-token-prediction loss's gradient
-        attached (models/mtp.py `mtp_objective`): the depths' hidden states go through the
-        output layer with the main ones in one call, stacked along the batch (`[s, (1+D) b,
-        h]`, so sequence-parallel shards stay whole rows)."""
-        if self.cp_group is not None:
-            raise ValueError("multi-token prediction is not built with context parallelism")
+    def _loss_with_mtp(self, x, input_ids, labels, rotary, attention_mask, label_smoothing,
+                       mtp_tokens, mtp_labels):
+        """The per-token main loss `[b, s]`; the depths' per-token losses `[D, b, s]` stay
+        in `self.mtp.last_losses` for the schedule's MTP term (models/mtp.py `objective`).
+        The depths' hidden states go through the output layer with the main ones in one
+        call, stacked along the batch (`[s, (1+D) b, h]`, so sequence-parallel shards stay
+        whole rows)."""
+        d = mtp_depths(self.config)
+        if mtp_tokens is None or mtp_labels is None:
+            if self.cp_group is not None:
+                raise ValueError("multi-token prediction under context parallelism needs "
+                                 "mtp_tokens and mtp_labels shifted on the whole sequence "
+                                 "before the split (training/batches.py makes them)")
+            mtp_tokens, mtp_labels = mtp_shifted(input_ids, d, 0), mtp_shifted(labels, d, -100)
         embed = self.embedding.word_embeddings if self.pre_process else None
-        depths = self.mtp(x, input_ids, embed, rotary=rotary, attention_mask=attention_mask)
+        depths = self.mtp(x, mtp_tokens, embed, rotary=rotary, attention_mask=attention_mask)
         logits = self.output_layer(torch.cat([x] + depths, dim=1), weight=self.output_weight())
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         b = labels.shape[0]
-        loss = vocab_parallel_cross_entropy(logits, mtp_labels(labels, len(depths)).t(),
+        targets = torch.cat([labels, *mtp_labels.unbind(1)])  # [(1+D)b, s]
+        loss = vocab_parallel_cross_entropy(logits, targets.t(),
                                             vocab_size=self.config.vocab_size,
                                             label_smoothing=label_smoothing).t()  # [(1+D)b, s]
-        out, self.mtp.last_losses = mtp_objective(loss[:b], list(loss[b:].split(b)),
-                                                  self.config.mtp_loss_scaling_factor)
-        return out
+        self.mtp.last_losses = loss[b:].reshape(d, b, -1)
+        return loss[:b]

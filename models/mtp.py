@@ -23,13 +23,21 @@ keyed by its name `mtp.layers.{k-1}.transformer_layer`, the same at every layout
 Sequence parallelism: norms, eh_proj (replicated over TP, `ReplicatedLinear`) and the
 layer run on sequence shards `[s/tp, b, h]` like the main layers. Under pipeline parallelism
 the last stage looks tokens up in its own copy of the word embedding (`word_embeddings`,
-tagged like the tied output layer's copy: same init, gradient summed with stage 0's). Not
-with context parallelism (the shift by k crosses the ranks' parts: run_config/checks.py).
+tagged like the tied output layer's copy: same init, gradient summed with stage 0's).
 
-The loss enters the model's per-token loss so that its value is unchanged and its gradient
-is lambda / D x the gradient of each depth's per-token loss, aligned at the position of its
-target token, so the schedule's loss mask and 1 / tokens apply to it as to the main loss
-(Megatron-Core's MTPLossAutoScaler, without an autograd function: `mtp_objective`).
+Shifts: depth k reads, at position i, token t_{i+k}, label t_{i+k+1} and loss mask i+k
+(`mtp_shifted`: `[b, D, s]`). Training rolls them on the whole sequence before it is split
+over context-parallel ranks (training/batches.py), so a rank's part holds the shifted
+values of its own positions, with no exchange between ranks; the depth's layer attends
+through the same CP attention (ring or all-gather) as the main layers (Megatron-Core rolls
+with a CP-aware `roll_tensor` inside the model instead). Without them the model shifts its
+own `[b, s]` (one CP rank only).
+
+The MTP loss adds to the schedule's loss a term whose value is 0 and whose gradient is
+lambda / D x the gradient of each depth's per-token loss under its shifted loss mask, so
+the schedule's 1 / tokens applies to it as to the main loss and the logged loss stays the
+main loss (Megatron-Core's MTPLossAutoScaler, without an autograd function:
+`MultiTokenPrediction.objective`).
 """
 from __future__ import annotations
 
@@ -51,14 +59,16 @@ class MultiTokenPredictionLayer(nn.Module):
     (eq. 21-22). `forward(hidden [s, b, h], embedded [s, b, h])` -> h^k `[s, b, h]` (all
     `[s/tp, b, h]` under sequence parallelism)."""
 
-    def __init__(self, config, depth: int, sequence_parallel: bool):
+    def __init__(self, config, depth: int, sequence_parallel: bool, cp_group=None,
+                 cp_comm_type: str = "p2p"):
         super().__init__()
         h = config.hidden_size
         self.enorm = build_norm(config, sequence_parallel=sequence_parallel)
         self.hnorm = build_norm(config, sequence_parallel=sequence_parallel)
         self.eh_proj = ReplicatedLinear(2 * h, h, sequence_parallel=sequence_parallel)
         self.transformer_layer = TransformerLayer(config, config.num_layers + depth - 1,
-                                                  sequence_parallel=sequence_parallel)
+                                                  sequence_parallel=sequence_parallel,
+                                                  cp_group=cp_group, cp_comm_type=cp_comm_type)
         self.final_layernorm = build_norm(config, sequence_parallel=sequence_parallel)
 
     def forward(self, hidden, embedded, rotary=None, attention_mask=None):
@@ -71,65 +81,62 @@ class MultiTokenPrediction(nn.Module):
     """The D depths of a model's last stage (`layers.0` .. `layers.{D-1}`), with a copy of
     the word embedding when the stage has none (`own_embedding`). Parameter names
     `mtp.layers.{k-1}.{enorm,hnorm,eh_proj,transformer_layer,final_layernorm}` are
-    Megatron-Core's."""
+    Megatron-Core's. `cp_group` / `cp_comm_type`: the layers' context-parallel attention,
+    as the main layers' (layers/transformer.py)."""
 
     def __init__(self, config, padded_vocab_size: int, *, sequence_parallel: bool,
-                 own_embedding: bool):
+                 own_embedding: bool, cp_group=None, cp_comm_type: str = "p2p"):
         super().__init__()
         sp = sequence_parallel and get_tensor_model_parallel_world_size() > 1
-        self.layers = nn.ModuleDict({str(k - 1): MultiTokenPredictionLayer(config, k, sp)
-                                     for k in range(1, mtp_depths(config) + 1)})
+        self.layers = nn.ModuleDict({str(k - 1): MultiTokenPredictionLayer(
+            config, k, sp, cp_group=cp_group, cp_comm_type=cp_comm_type)
+            for k in range(1, mtp_depths(config) + 1)})
         self.word_embeddings = VocabParallelEmbedding(
             padded_vocab_size, config.hidden_size, vocab_size=config.vocab_size,
             reduce_scatter_embeddings=sp) if own_embedding else None
         # per depth: the masked loss sums since the last `take_loss_sums` (for the log)
         self.register_buffer("loss_sums", torch.zeros(len(self.layers), dtype=torch.float64),
                              persistent=False)
-        self.last_losses: torch.Tensor | None = None  # [D, b, s] of the last forward
+        # [D, b, s] of the last training forward, with its graph (`objective` takes it)
+        self.last_losses: torch.Tensor | None = None
+        self.factor = config.mtp_loss_scaling_factor
 
-    def forward(self, hidden, input_ids, embed, rotary=None, attention_mask=None
+    def forward(self, hidden, mtp_tokens, embed, rotary=None, attention_mask=None
                 ) -> list[torch.Tensor]:
         """`hidden [s, b, h]` (SP: `[s/tp, b, h]`): h^0, the main model's normed output;
-        `input_ids [b, s]`; `embed(ids [s, b]) -> [s, b, h]` the word embedding (SP: its
-        reduce-scattered shard). Returns h^1..h^D, each shaped as `hidden`."""
+        `mtp_tokens [b, D, s]`: token t_{i+k} at position i for depth k (`mtp_shifted`);
+        `embed(ids [s, b]) -> [s, b, h]` the word embedding (SP: its reduce-scattered
+        shard). Returns h^1..h^D, each shaped as `hidden`."""
         if self.word_embeddings is not None:
             embed = self.word_embeddings
-        out, ids = [], input_ids
-        for layer in self.layers.values():
-            ids = F.pad(ids[:, 1:], (0, 1))  # token i+k at i; id 0 past the end (no target)
-            hidden = layer(hidden, embed(ids.t()), rotary=rotary, attention_mask=attention_mask)
+        out = []
+        for k, layer in enumerate(self.layers.values()):
+            hidden = layer(hidden, embed(mtp_tokens[:, k].t()), rotary=rotary,
+                           attention_mask=attention_mask)
             out.append(hidden)
         return out
 
-    def record(self, loss_mask: torch.Tensor) -> None:
-        """Add the last forward's per-depth losses under `loss_mask [b, s]` to `loss_sums`."""
-        if self.last_losses is not None:
-            self.loss_sums += (self.last_losses * loss_mask.to(self.last_losses)).sum(
-                dim=(1, 2)).to(self.loss_sums)
-            self.last_losses = None
+    def objective(self, mtp_loss_mask: torch.Tensor) -> torch.Tensor:
+        """The MTP term of the schedule's summed loss `[]` float32 from the last forward's
+        depth losses `[D, b, s]` (eq. 25): value exactly 0 (`x - x.detach()`), gradient that
+        of `factor / D x sum_k sum_i mask[:, k-1, i] L^k_i`; `mtp_loss_mask [b, D, s]` is the
+        loss mask shifted left by k for depth k (`mtp_shifted`). Adds the masked sums per
+        depth to `loss_sums` (the log). 0 when no training forward ran since the last call."""
+        losses, self.last_losses = self.last_losses, None
+        if losses is None:
+            return torch.zeros((), dtype=torch.float32, device=mtp_loss_mask.device)
+        masked = losses.float() * mtp_loss_mask.transpose(0, 1).to(torch.float32)
+        self.loss_sums += masked.detach().sum(dim=(1, 2)).to(self.loss_sums)
+        return (masked - masked.detach()).sum() * (self.factor / len(self.layers))
 
 
-def mtp_objective(main: torch.Tensor, depth_losses: list[torch.Tensor],
-                  factor: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(`main [b, s]` with the MTP loss's gradient attached, the depths' losses `[D, b, s]`
-    aligned at their targets, detached).
-
-    `depth_losses[k-1] [b, s]`: depth k's loss at position i (target t_{i+k+1}, 0 where it
-    is past the end). Each is moved k positions right, to the position of its target in the
-    main loss (whose label at j is t_{j+1}), so the loss mask at j masks both. The result's
-    value is `main` exactly (`x - x.detach()` is 0); its gradient is that of
-    `main + factor / D sum_k aligned_k` (eq. 25)."""
-    aligned = [F.pad(loss[:, :loss.shape[1] - k], (k, 0))
-               for k, loss in enumerate(depth_losses, start=1)]
-    extra = sum(a - a.detach() for a in aligned) * (factor / len(aligned))
-    return main + extra, torch.stack(aligned).detach()
-
-
-def mtp_labels(labels: torch.Tensor, depths: int) -> torch.Tensor:
-    """`[(1 + D) b, s]`: `labels [b, s]` then, for depth k, the labels shifted left by k
-    (position i holds t_{i+k+1}; -100, ignored, past the end)."""
-    rows = [labels] + [F.pad(labels[:, k:], (0, k), value=-100) for k in range(1, depths + 1)]
-    return torch.cat(rows)
+def mtp_shifted(x: torch.Tensor, depths: int, fill) -> torch.Tensor:
+    """`[b, D, s]`: row k-1 is `x [b, s]` shifted left by k (position i holds x[:, i+k];
+    `fill` past the end): tokens (fill 0, an id with no target), labels (fill -100,
+    ignored) and loss masks (fill 0) of the depths. Applied to whole sequences before a
+    context-parallel split, it is the shift of the global sequence on every rank."""
+    return torch.stack([F.pad(x[:, k:], (0, k), value=fill) for k in range(1, depths + 1)],
+                       dim=1)
 
 
 def take_loss_sums(modules) -> torch.Tensor | None:

@@ -137,7 +137,7 @@ def check_context_parallel(m: ModelConfig, t: TrainConfig) -> None:
     unknown --cp-comm-type; a --seq-length not divisible by 2 x cp (by 2 x cp x tp under
     sequence parallelism, which shards each rank's part over TP); and, at cp > 1, what is
     not built with it: T5, packed-document attention masks, MoE capacity dropping,
-    rank-stream dropout, multi-token prediction."""
+    rank-stream dropout."""
     cp = t.context_parallel_size
     _check_choice("cp_comm_type", t.cp_comm_type, ("p2p", "all_gather"))
     if cp == 1:
@@ -156,10 +156,6 @@ def check_context_parallel(m: ModelConfig, t: TrainConfig) -> None:
         raise ConfigError(f"--seq-length {m.seq_length} is not divisible by {why}; use "
                           f"--seq-length {max(1, round(m.seq_length / (2 * cp * tp))) * 2 * cp * tp}"
                           f" or another --context-parallel-size")
-    if m.mtp_num_layers:
-        raise ConfigError(f"--mtp-num-layers (multi-token prediction) is not built with "
-                          f"--context-parallel-size {cp}: its shift by k tokens crosses the "
-                          f"ranks' parts of a sequence; use cp 1 or drop --mtp-num-layers")
     if t.reset_attention_mask:
         raise ConfigError(f"--reset-attention-mask (attention inside each packed document) is "
                           f"not built with --context-parallel-size {cp}: the ring attends "

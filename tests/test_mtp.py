@@ -6,9 +6,10 @@
   and the depths' logged losses;
 - training a two-layer tiny DeepSeek-V3 with one MTP depth and dropout 0.1 gives the one
   process's losses, gradient norms and `mtp_1` losses at tp 2 with sequence parallelism,
-  pp 2 (the last stage's embedding copy), ep 2 and dp 2 with ZeRO-3, all in one spawned
-  world; a checkpoint saved at pp 2 resumes at tp 2 + SP with the uninterrupted losses;
-- cp 2 with MTP is refused at start with one line naming the fix;
+  pp 2 (the last stage's embedding copy), ep 2, dp 2 with ZeRO-3 and cp 2 (ring and
+  all-gather attention; keyed attention and hidden dropout on: the depths' shifts made on
+  the whole sequence before the CP split), all in one spawned world; a checkpoint saved at
+  pp 2 resumes at tp 2 + SP with the uninterrupted losses;
 - HF DeepseekV3ForCausalLM with num_nextn_predict_layers 1 round-trips bitwise (tied and
   untied); the planner lists the MTP parameters as the model holds them.
 """
@@ -31,7 +32,9 @@ TINY = ["--config", "configs/tiny-llama.yaml", "--model", "tiny-deepseek", "--nu
         "--global-batch-size", "4", "--no-tensorboard", "--peak-tflops", "1"]
 LAYOUTS = [["--tp", "2", "--sequence-parallel"], ["--pp", "2"],
            ["--expert-model-parallel-size", "2"],
-           ["--data-parallel-sharding-strategy", "optim_grads_params"]]
+           ["--data-parallel-sharding-strategy", "optim_grads_params"],
+           ["--context-parallel-size", "2"],
+           ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"]]
 
 
 def _rms(x, w, eps):
@@ -66,6 +69,7 @@ def _reference_objective(model, ids, labels, factor):
 
 def test_module_matches_dense_float64_reference_of_eq_21_to_25(no_grid):
     from models import GPTModel
+    from models.mtp import mtp_shifted
     from training.arguments import load_model_config
 
     c = dataclasses.replace(load_model_config("tiny-deepseek"), mtp_num_layers=2,
@@ -82,7 +86,9 @@ def test_module_matches_dense_float64_reference_of_eq_21_to_25(no_grid):
     with torch.no_grad():  # the main loss alone, without the MTP path (eval runs none)
         main = plain(ids, labels=labels)
     assert torch.equal(out.detach(), main), "the returned loss must be the main loss exactly"
-    out.sum().div(ids.numel()).backward()
+    term = model.mtp.objective(mtp_shifted(torch.ones(2, 12), 2, 0))  # the schedule's term
+    assert term.item() == 0.0, "the MTP term's value must be 0 exactly"
+    (out.sum() + term).div(ids.numel()).backward()
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     ref, depth_means = _reference_objective(model, ids, labels, 0.3)
@@ -91,9 +97,24 @@ def test_module_matches_dense_float64_reference_of_eq_21_to_25(no_grid):
         torch.testing.assert_close(got[n], p.grad, rtol=1e-5, atol=1e-5 * p.grad.abs().max(),
                                    msg=n)
     assert got["mtp.layers.1.eh_proj.weight"].abs().sum() > 0
-    model.mtp.record(torch.ones(2, 12))  # the log's sums: each depth's losses over tokens
+    # the log's sums (`objective` added them): each depth's losses over the tokens
     torch.testing.assert_close(model.mtp.loss_sums / ids.numel(),
                                torch.stack(depth_means).detach(), rtol=1e-6, atol=0)
+
+
+def test_shifts_before_the_cp_split_hold_each_positions_next_tokens():
+    """A CP rank's part of the depths' shifts (made on the whole sequence, then split) holds
+    at each of its positions p the token p + k of the whole sequence, across its chunks'
+    ends (where a shift of its own part would read its next chunk or nothing)."""
+    from layers.context_parallel import local_positions, split_for_context_parallel
+    from models.mtp import mtp_shifted
+
+    ids = torch.arange(100, 116).repeat(2, 1)  # [b 2, s 16]: the id of position p is 100 + p
+    for rank in range(2):
+        part = split_for_context_parallel(mtp_shifted(ids, 3, 0), 2, 2, rank)  # [2, 3, 8]
+        for k in range(1, 4):
+            want = [100 + p + k if p + k < 16 else 0 for p in local_positions(16, 2, rank)]
+            assert part[0, k - 1].tolist() == want, (rank, k)
 
 
 def _runs(argvs: list[list[str]], log_dir: str, cache: str) -> list[dict]:
@@ -144,16 +165,6 @@ def test_checkpoint_resumes_at_another_layout(runs):
     for key in ("loss", "mtp"):  # the MTP weights came back, not their initial values
         assert len(resumed[key]) == 1, resumed
         assert_losses_close(resumed[key], ref[key][2:], 3 * k, f"{key} after resuming")
-
-
-def test_context_parallelism_is_refused_with_one_line():
-    from models.config import ConfigError
-    from training.arguments import parse_config
-
-    with pytest.raises(ConfigError) as e:
-        parse_config(TINY + ["--context-parallel-size", "2"]).validate(2)
-    assert "--mtp-num-layers" in str(e.value) and "cp 1" in str(e.value)
-    assert "\n" not in str(e.value)
 
 
 def _hf_with_mtp(folder, tie: bool) -> None:

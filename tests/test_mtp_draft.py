@@ -2,7 +2,9 @@
 on a tiny DeepSeek-V3-style model (MLA latent cache, MoE, one MTP depth), greedy ids equal
 the plain engine's token for token for several prompts and batch sizes with prefix caching
 on, the acceptance rate is nonzero when the MTP layer is set to predict what the main model
-does, seeded sampling equals the plain engine, and a model without the layer is refused."""
+does, seeded sampling equals the plain engine, and a model without the layer is refused; at
+tp 2 and at pp 2 (the layer and the embedding's copy on the last stage, the drafts sent to
+the first) the greedy ids equal the plain engine's, at pp 2 with pp 1's acceptance counts."""
 from __future__ import annotations
 
 import dataclasses
@@ -44,8 +46,9 @@ def _model(mtp_layers: int = 1, main_scale: float = 0.3, mtp_scale: float = 0.1)
 
 
 def _run(model, k: int | None, batch: int, prompts=PROMPTS, temperature: float = 0.0,
-         prefix_caching: bool = True):
-    """(ids per request, engine) of one engine run (MTP drafts of `k` tokens, None: plain)."""
+         prefix_caching: bool = True, **engine_kw):
+    """(ids per request, engine) of one engine run (MTP drafts of `k` tokens, None: plain);
+    `engine_kw`: more `Engine` arguments."""
     from inference.engine import Engine, Request
     from inference.mtp_draft import MTPProposer
     from inference.sampling import SamplingParams
@@ -54,7 +57,7 @@ def _run(model, k: int | None, batch: int, prompts=PROMPTS, temperature: float =
     spec = None if k is None else SpecDecoder(
         SpeculativeConfig(method="mtp", num_speculative_tokens=k), MTPProposer(model, 64))
     engine = Engine(model, max_batch_size=batch, max_seq_length=64, block_size=4,
-                    speculative=spec, enable_prefix_caching=prefix_caching)
+                    speculative=spec, enable_prefix_caching=prefix_caching, **engine_kw)
     reqs = [Request(str(i), p, SamplingParams(max_new_tokens=MAX_NEW, temperature=temperature,
                                               seed=100 + i, ignore_eos=True))
             for i, p in enumerate(prompts)]
@@ -111,8 +114,7 @@ def test_seeded_sampling_equals_the_plain_engine(one_rank):
 
 
 def test_a_model_without_an_mtp_layer_is_refused(one_rank):
-    """No MTP layer, a draft model path with method "mtp", a pipeline stage: one-line
-    errors naming the fix."""
+    """No MTP layer, a draft model path with method "mtp": one-line errors naming the fix."""
     from inference.mtp_draft import MTPProposer
     from inference.spec_decode import SpeculativeConfig, build_speculative
 
@@ -124,32 +126,61 @@ def test_a_model_without_an_mtp_layer_is_refused(one_rank):
                           None, max_seq_length=64)
     with pytest.raises(ValueError, match="drop the model"):
         SpeculativeConfig(method="mtp", model="x").validate()
-    from models import GPTModel
-
-    last_stage = GPTModel(_model().config, pre_process=False, layer_numbers=[1])
-    with pytest.raises(ValueError, match="runs at --pp 1"):
-        MTPProposer(last_stage, 64)
 
 
-def _tp2_run() -> dict:
-    """In a worker at tp 2: greedy ids of the plain engine and of MTP drafts (k 2) on
-    three prompts at batch 2, with the drafts' counts."""
+def _pp_stage(model):
+    """This rank's stage of `model` on the current pipeline grid (inference/loading.py
+    `build_model`), with its weights; the last stage's embedding copy is the embedding's."""
+    from inference.loading import build_model
+
+    full = model.state_dict()
+    stage = build_model(model.config)
+    stage.load_state_dict({k: full[k if k in full else "embedding.word_embeddings.weight"]
+                           for k in stage.state_dict()})
+    return stage.eval()
+
+
+def _tp2_pp2_run() -> dict:
+    """In a worker: at tp 2, greedy ids of the plain engine and of MTP drafts (k 2) on three
+    prompts at batch 2, with the drafts' counts; then at pp 2 the same with one micro-batch
+    in flight (pp 1's schedule) and with two (the engine's default at pp 2)."""
+    import parallel_state as ps
+
     model = _model()
     plain, _ = _run(model, None, 2, prompts=PROMPTS[:3])
     got, engine = _run(model, 2, 2, prompts=PROMPTS[:3])
-    return {"plain": plain, "mtp": got, "stats": engine.spec.stats.as_dict()}
+    out = {"plain": plain, "mtp": got, "stats": engine.spec.stats.as_dict()}
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(1, 2, device="cpu")
+    stage = _pp_stage(_model())  # built at tp 1 (init is layout-independent), then cut
+    out["pp plain"], _ = _run(stage, None, 2, prompts=PROMPTS[:3], num_micro_batches=1)
+    for m in (1, 2):
+        out[f"pp mtp {m}"], engine = _run(stage, 2, 2, prompts=PROMPTS[:3],
+                                          num_micro_batches=m)
+        out[f"pp stats {m}"] = engine.spec.stats.as_dict()
+        out[f"pp in flight {m}"] = engine.max_in_flight
+    return out
 
 
-def test_tensor_parallel(one_rank):
-    """At tp 2 (a spawned world of 2 ranks; the MTP layer's heads split like the model's):
-    greedy ids with MTP drafts equal the plain engine's, the same on both ranks, with drafts
-    accepted."""
+def test_tensor_and_pipeline_parallel(one_rank):
+    """In a spawned world of 2 ranks: at tp 2 (the MTP layer's heads split like the
+    model's) greedy ids with MTP drafts equal the plain engine's with drafts accepted; at
+    pp 2 (the layer and the embedding's copy on the last stage, which drafts and sends the
+    drafts to the first) they equal the plain engine's and pp 1's, with pp 1's acceptance
+    counts at one micro-batch in flight, and with two in flight; the same on both ranks."""
     from distributed import run_distributed
 
-    ranks = run_distributed(_tp2_run, 2, tp=2, timeout=300)
+    ranks = run_distributed(_tp2_pp2_run, 2, tp=2, timeout=300)
     assert ranks[0] == ranks[1], "ranks disagree"
     got = ranks[0]
-    assert got["mtp"] == got["plain"]
+    one, engine = _run(_model(), 2, 2, prompts=PROMPTS[:3])  # pp 1, this process
+    one_stats = engine.spec.stats.as_dict()
+    assert got["mtp"] == got["plain"] == one
     assert got["stats"]["num_accepted_tokens"] > 0
-    print(f"tp 2: {got['stats']['num_accepted_tokens']} of {got['stats']['num_draft_tokens']} "
-          f"accepted")
+    assert got["pp plain"] == got["pp mtp 1"] == got["pp mtp 2"] == one
+    assert got["pp stats 1"] == one_stats, (got["pp stats 1"], one_stats)
+    assert got["pp in flight 2"] == 2 and got["pp stats 2"]["num_accepted_tokens"] > 0
+    for name in ("stats", "pp stats 1", "pp stats 2"):
+        print(f"{name}: {got[name]['num_accepted_tokens']} of {got[name]['num_draft_tokens']} "
+              f"accepted (pp 1: {one_stats['num_accepted_tokens']} of "
+              f"{one_stats['num_draft_tokens']})")

@@ -13,6 +13,8 @@ from parallel_state import collectives
 from .arguments import Config
 from data_pipeline.masks import ltor_masks_and_position_ids
 from layers.context_parallel import split_for_context_parallel
+from models.config_mtp import mtp_depths
+from models.mtp import mtp_shifted
 
 
 class DataError(ValueError):
@@ -120,13 +122,17 @@ def get_microbatches(dataset, base: int, config: Config, device,
     Under context parallelism (cp > 1) every `[mbs, s]` field (tokens, labels, loss mask,
     position ids) holds this CP rank's load-balanced part `[mbs, s/cp]`
     (`layers.context_parallel.split_for_context_parallel`); the model takes the global
-    positions of those tokens from the grid when the batch has no position ids.
+    positions of those tokens from the grid when the batch has no position ids. With
+    multi-token prediction (D = --mtp-num-layers) the microbatch also holds `mtp_tokens`,
+    `mtp_labels` and `mtp_loss_mask` `[mbs, D, s]` (models/mtp.py `mtp_shifted`), shifted on
+    the whole sequence before the CP split, so each rank's part needs nothing of another's.
     """
     t = config.train
     mbs, dp, dp_rank = t.micro_batch_size, config.data_parallel_size, ps.get_data_parallel_rank()
     gbs = global_batch_size or t.global_batch_size
     packed = t.reset_position_ids or t.reset_attention_mask or t.eod_mask_loss
     cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    depths = mtp_depths(config.model)
     out = []
     for m in range(gbs // (mbs * dp)):
         start = base + m * mbs * dp + dp_rank * mbs
@@ -150,9 +156,16 @@ def get_microbatches(dataset, base: int, config: Config, device,
                 t.eod_mask_loss)
             batch.update({k: v for k, v in (("attention_mask", mask),
                                              ("position_ids", positions)) if v is not None})
+        if depths:  # multi-token prediction: the depths' shifts of the whole sequences
+            batch.update(mtp_tokens=mtp_shifted(batch["tokens"], depths, 0),
+                         mtp_labels=mtp_shifted(batch["labels"], depths, -100),
+                         mtp_loss_mask=mtp_shifted(batch["loss_mask"], depths, 0))
         if cp > 1:  # this CP rank's chunks r and 2cp-1-r of every sequence
             for k in ("tokens", "labels", "loss_mask", "position_ids"):
                 if k in batch:
                     batch[k] = split_for_context_parallel(batch[k], 1, cp, cp_rank)
+            for k in ("mtp_tokens", "mtp_labels", "mtp_loss_mask"):
+                if k in batch:  # [mbs, D, s]
+                    batch[k] = split_for_context_parallel(batch[k], 2, cp, cp_rank)
         out.append({k: v.to(device) for k, v in batch.items()})
     return out

@@ -32,6 +32,7 @@ from typing import Callable
 import torch
 
 import parallel_state as ps
+from models.mtp import mtp_shifted
 from parallel_state import p2p, schedule_tables, weight_grads
 
 
@@ -47,15 +48,21 @@ def loss_from_batch(model, batch: dict, hidden_states=None):
     else:
         if isinstance(hidden_states, tuple):
             hidden_states = hidden_states[0]
+        shifted = {k: batch[k] for k in ("mtp_tokens", "mtp_labels") if k in batch}
         out = model(batch["tokens"], labels=batch["labels"], hidden_states=hidden_states,
                     position_ids=batch.get("position_ids"),
-                    attention_mask=batch.get("attention_mask"))
+                    attention_mask=batch.get("attention_mask"), **shifted)
     inner = getattr(model, "module", model)
     if not inner.post_process:
         return None, out
+    loss = (out.float() * batch["loss_mask"]).sum()
     if getattr(inner, "mtp", None) is not None and inner.training:
-        inner.mtp.record(batch["loss_mask"])  # the depths' losses, for the log (models/mtp.py)
-    return (out.float() * batch["loss_mask"]).sum(), None
+        # the MTP term: value 0, the depths' gradient under their shifted masks (models/mtp.py)
+        mask = batch.get("mtp_loss_mask")
+        if mask is None:
+            mask = mtp_shifted(batch["loss_mask"], len(inner.mtp.layers), 0)
+        loss = loss + inner.mtp.objective(mask)
+    return loss, None
 
 
 class _Runner:
