@@ -16,6 +16,8 @@ server:
 - ITL p99 (ms): the gaps between consecutive choice chunks of a request (inter-token
   latency as vLLM's `benchmark_serving` measures it: per streamed chunk).
 
+Below each line: the cores our API server process and our engine used during our rounds
+(whether one API process is the bottleneck, the case for vLLM's `--api-server-count`).
 Percentiles pool the samples of all rounds (nearest-rank). The ratio printed is ours / vLLM
 for tokens/s (above 1: ours faster) and vLLM / ours for the latencies (above 1: ours lower).
 """
@@ -45,8 +47,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def tree_cpu_ticks(root: int) -> int:
-    """User + system CPU ticks of process `root` and all its descendants (Linux /proc)."""
+def cpu_ticks() -> tuple[dict[int, list[int]], dict[int, int]]:
+    """({pid: child pids}, {pid: user + system CPU ticks}) of every process (Linux /proc)."""
     children: dict[int, list[int]] = {}
     ticks = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -57,12 +59,29 @@ def tree_cpu_ticks(root: int) -> int:
             ticks[int(pid)] = int(fields[11]) + int(fields[12])
         except (OSError, ValueError, IndexError):
             continue
+    return children, ticks
+
+
+def subtree(root: int, children: dict, ticks: dict) -> int:
     total, todo = 0, [root]
     while todo:
         p = todo.pop()
         total += ticks.get(p, 0)
         todo += children.get(p, [])
     return total
+
+
+def tree_cpu_ticks(root: int) -> int:
+    """User + system CPU ticks of process `root` and all its descendants."""
+    return subtree(root, *cpu_ticks())
+
+
+def api_and_engine_ticks(root: int) -> tuple[int, int]:
+    """(ticks of `root`'s child processes' trees, ticks of `root` itself): for `infer.py
+    --serve` at one rank, the API server process (rank 0 spawns it) and the engine."""
+    children, ticks = cpu_ticks()
+    return (sum(subtree(c, children, ticks) for c in children.get(root, [])),
+            ticks.get(root, 0))
 
 
 def settle(roots: list[int], window_s: float = 0.5, timeout_s: float = 30.0) -> None:
@@ -206,15 +225,23 @@ def compare_servers(args, exe: str, folder: str, ckpt: str, dtype: str, text: st
         for clients in args.server_clients:
             per_client = max(1, 16 // clients)
             got = {"shardzoo": [], "vLLM": []}
-            loads = []
+            loads, split = [], [0, 0, 0.0]  # our API process's ticks, engine's, seconds
             for r in range(args.server_rounds):
                 order = ["shardzoo", "vLLM"] if r % 2 == 0 else ["vLLM", "shardzoo"]
                 for name in order:
                     settle(roots)
+                    before, t0 = api_and_engine_ticks(procs["shardzoo"].pid), time.time()
                     got[name].append(run_round(ports[name], clients, per_client,
                                                args.new_tokens, text))
+                    if name == "shardzoo":
+                        after = api_and_engine_ticks(procs["shardzoo"].pid)
+                        split = [split[0] + after[0] - before[0],
+                                 split[1] + after[1] - before[1], split[2] + time.time() - t0]
                     loads.append(os.getloadavg()[0])
             print_line(dtype, clients, per_client, args.new_tokens, got, loads)
+            hz = os.sysconf("SC_CLK_TCK")
+            print(f"    ours: the API process used {split[0] / hz / split[2]:.2f} cores, the "
+                  f"engine {split[1] / hz / split[2]:.2f} cores", flush=True)
     finally:
         for p in procs.values():
             stop(p)
