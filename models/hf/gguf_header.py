@@ -246,11 +246,12 @@ def check_architecture(path: str, meta: dict, names: list[str]) -> None:
                                 f"file")
     if arch in ("gpt-oss", "gpt_oss"):
         raise HFConversionError(
-            f"{path}: GGUF architecture {arch!r} (gpt-oss) is not imported: reading it "
-            f"through transformers' GGUF reader (MXFP4 expert blocks, sinks) is not checked "
-            f"against transformers' model, so the weights could differ; convert from the HF "
-            f"checkpoint instead (the GptOssForCausalLM safetensors folder, MXFP4 experts "
-            f"de-quantized on import)")
+            f"{path}: GGUF architecture {arch!r} (gpt-oss) is not imported: transformers' "
+            f"GGUF reader cannot read llama.cpp's gpt-oss files (it fails on their "
+            f"rope.scaling keys and leaves the experts, their biases and the attention sinks "
+            f"unloaded), --quantization none included; convert from the HF checkpoint "
+            f"instead (the GptOssForCausalLM safetensors folder, MXFP4 experts de-quantized "
+            f"on import)")
     if arch in _NOT_READ:
         raise HFConversionError(
             f"{path}: GGUF architecture {arch!r} ({_NOT_READ[arch]}) is not one transformers' "
