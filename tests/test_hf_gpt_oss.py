@@ -510,7 +510,7 @@ def test_gpt_oss_gguf_transformers_cannot_read_is_refused_with_the_fix(model, tm
                                  (False, RuntimeError, "ignore_mismatched_sizes")):
         folder = tmp_path / f"scaling-{scaling}"
         folder.mkdir()
-        path = write_gpt_oss_gguf(hf, str(folder / "tiny-gpt-oss.gguf"), rope_scaling=scaling)
+        write_gpt_oss_gguf(hf, str(folder / "tiny-gpt-oss.gguf"), rope_scaling=scaling)
         with warnings.catch_warnings(), pytest.raises(error, match=what):
             warnings.simplefilter("ignore")
             AutoModelForCausalLM.from_pretrained(str(folder), gguf_file="tiny-gpt-oss.gguf")
