@@ -14,6 +14,9 @@ Activations per microbatch, for a stage's chunks:
   the shard `[s/t, b, h]` under SP), the cross entropy's float32 softmax `[b, s, V/t]` plus
   its int64 target and two bool masks (the padding columns' mask is applied inside
   the loss's own autograd function, which keeps none), and the loss mask `[b, s]` float32.
+- the last stage with multi-token prediction (--mtp-num-layers D): per depth the shifted
+  tokens' ids, three norms, eh_proj's input, one transformer layer (never recomputed) and one
+  more batch through the shared output head and its loss (planner/mtp.py);
 - a LoRA run (`--lora-rank`): a frozen embedding keeps nothing, a frozen output layer no
   input, the final norm no normalized input; the layers as `planner.activations.FrozenBase`
   says (the first layer after the embedding keeps nothing before its first adapter).
@@ -42,13 +45,16 @@ from parallel_state import schedule_tables
 from .activations import FrozenBase, model_chunk_bytes, norm_bytes
 from .context_parallel import attention_buffer_bytes
 from .moe import expert_layout
+from .mtp import mtp_activation_bytes
 from .parameters import (chunk_layout, chunk_sets, frozen_base_prediction, model_state_prediction,
                          rank_chunks)
 
 
 def chunk_activation_bytes(config, params, pre_process: bool, post_process: bool) -> dict:
     """Predicted saved-for-backward bytes of one microbatch through one chunk:
-    `{"layers", "other", "total"}` (the regions of training.memory.SavedTensorMeter)."""
+    `{"layers", "other", "total"}` (the regions of training.memory.SavedTensorMeter) and
+    `"mtp"`, the multi-token-prediction depths' share of "other" on the last stage
+    (planner/mtp.py; 0 elsewhere and without MTP)."""
     m, t = config.model, config.train
     tp, sp, cp = t.tensor_model_parallel_size, t.sequence_parallel, t.context_parallel_size
     s, b, e = m.seq_length // cp, t.micro_batch_size, 2 if t.bf16 else 4  # a CP rank's tokens
@@ -73,7 +79,9 @@ def chunk_activation_bytes(config, params, pre_process: bool, post_process: bool
         other += norm_bytes(m, s_local * b, e, frozen=lora is not None) + \
             (0 if lora else e * s_local * b * m.hidden_size)
         other += 4 * b * s * vt + (8 + 1 + 1) * b * s + 4 * b * s
-    return {"layers": layers, "other": other, "total": layers + other}
+    mtp = sum(mtp_activation_bytes(m, s, b, tp, sp, e, t.dropout_masks == "sample",
+                                   expert_layout(config)[0]).values()) if post_process else 0
+    return {"layers": layers, "other": other + mtp, "mtp": mtp, "total": layers + other + mtp}
 
 
 def gathered_peak_bytes(config, chunks) -> int:
