@@ -7,7 +7,8 @@ Activations per microbatch, for a stage's chunks:
 - decoder layers: `planner.activations.model_chunk_bytes`, our layer term by term (Korthikanti et
   al. 2022, sec. 4, adapted to SwiGLU/GQA/RMSNorm/SDPA as that module documents), under the
   run's recompute policy and sequence parallelism;
-- the first stage: the embedding keeps the token ids (int64 `[b, s]`), the position ids of
+- the first stage: the embedding keeps the token ids (int64 `[b, s]`; under TP also the
+  bool mask of the ids outside the rank's vocabulary shard), the position ids of
   learned positions (int64 `[s]`, `[b, s]` with --reset-position-ids) and, with dropout, the
   embedding dropout's mask (`[s, b, h]`, the shard under SP, activation dtype);
 - the last stage: the final norm (as a layer's norm), the output layer's input (`[s, b, h]`,
@@ -71,7 +72,9 @@ def chunk_activation_bytes(config, params, pre_process: bool, post_process: bool
     other = 0
     if pre_process and lora is None:  # the token ids, learned positions' ids, the embedding
         # dropout's mask (a frozen embedding keeps none: its output needs no gradient)
-        other = 8 * b * s + (e * s_local * b * m.hidden_size if m.hidden_dropout > 0 else 0)
+        # (under TP also the bool mask of the ids outside this rank's vocabulary shard)
+        other = (8 + (tp > 1)) * b * s + (e * s_local * b * m.hidden_size
+                                          if m.hidden_dropout > 0 else 0)
         if m.position_embedding_type == "learned_absolute":
             other += 8 * s * (b if t.reset_position_ids else 1)
     if post_process:  # a frozen output layer keeps no input

@@ -7,8 +7,9 @@ sequence parallelism, else `s`). What a training microbatch saves for backward b
 model without MTP, per depth k (measured with training.memory's saved-tensor meter, region
 "other": tests/test_planner_mla.py):
 
-- the word-embedding lookup of the shifted tokens t_{i+k} keeps its int64 ids `8 s b`
-  (as the first stage's embedding; no embedding dropout);
+- the word-embedding lookup of the shifted tokens t_{i+k} keeps its int64 ids `8 s b` and
+  under TP the bool mask of the ids outside the rank's vocabulary shard, `s b` (as the
+  first stage's embedding; no embedding dropout);
 - enorm, hnorm (eq. 21) and the depth's final norm: one norm each over `s_l b` rows
   (`planner.activations.norm_bytes`); hnorm's input is h^{k-1} itself, which the previous
   depth's final norm (or the model's) made, so nothing is counted twice;
@@ -47,7 +48,7 @@ def mtp_activation_bytes(config, s: int, b: int, t: int = 1, sp: bool = False,
         config, s, b, t, sp, None, e, keyed_dropout=keyed_dropout, ep=ep,
         moe=config.is_moe_layer(config.num_layers + k - 1)).values())
         for k in range(1, depths + 1))
-    return {"mtp token ids": depths * 8 * s * b,
+    return {"mtp token ids": depths * (8 + (t > 1)) * s * b,
             "mtp norms": depths * 3 * norm_bytes(config, rows, e),
             "mtp eh_proj input": depths * e * rows * 2 * h,
             "mtp transformer layers": layers,

@@ -127,3 +127,99 @@ def test_mla_activation_bytes_at_cp2(corpus_env, tmp_path, dropout):
         print(f"tiny-deepseek {flags} dropout {dropout}: measured {measured} B, "
               f"predicted {predicted} B")
         assert measured == predicted, (flags, measured, predicted)
+
+
+# ------------------------------------------ multi-token prediction (planner/mtp.py)
+MTP = ["--config", "configs/tiny-llama.yaml", "--model", "tiny-deepseek", "--num-layers", "2",
+       "--moe-layer-freq", "0,1", "--seq-length", "32", "--micro-batch-size", "2",
+       "--global-batch-size", "2", "--no-tensorboard", "--peak-tflops", "1"]
+MTP_CASES = [f"--mtp-num-layers {d}{extra}" for d in (1, 2)
+             for extra in ("", " --recompute-granularity selective",
+                           " --recompute-granularity full",
+                           " --hidden-dropout 0.1 --attention-dropout 0.1")]
+
+
+def _mtp_rows(layout: list[str], dtypes=("fp32",)) -> dict:
+    """(case, dtype) -> (measured, predicted) bytes of the last stage's chunk for one
+    microbatch, by region ("other": embedding, head, loss and the MTP depths) and the
+    predicted MTP share, under the grid this process holds (`layout`: its flags)."""
+    import parallel_state as ps
+    from layers.recompute import apply_recompute
+    from models import GPTModel
+    from models.pipeline import build_model_chunks
+    from planner.memory import chunk_activation_bytes
+    from planner.parameters import rank_chunks
+    from training.arguments import parse_config
+    from training.memory import measure_activation_bytes
+
+    grid = ps.model_parallel_is_initialized()
+    world = torch.distributed.get_world_size() if grid else 1
+    pp_rank = ps.get_pipeline_model_parallel_rank() if grid else 0
+    out = {}
+    for case in MTP_CASES + ["--mtp-num-layers 0"]:
+        for dtype in dtypes:
+            config = parse_config(MTP + layout + case.split() + (["--bf16"] if dtype == "bf16"
+                                                                  else []))
+            config.validate(world)
+            m, t = config.model, config.train
+            ps.model_parallel_seed(11, 0, dropout_masks="sample")
+            chunk = build_model_chunks(GPTModel, m, config.stage_num_layers(), pp_rank, None,
+                                       sequence_parallel=t.sequence_parallel)[0]
+            chunk.init_weights(7)
+            apply_recompute(chunk, t.recompute_granularity, t.recompute_method,
+                            t.recompute_num_layers)
+            torch_dtype = torch.bfloat16 if t.bf16 else torch.float32
+            chunk = chunk.to(torch_dtype).train()
+            ids = torch.randint(0, m.vocab_size, (2, 32),
+                                generator=torch.Generator().manual_seed(1))
+            batch = {"tokens": ids, "labels": ids, "loss_mask": torch.ones(2, 32),
+                     "sample_ids": torch.arange(2)}
+            tp = t.tensor_model_parallel_size
+            rows = 32 // tp if t.sequence_parallel else 32
+            got = measure_activation_bytes([chunk], batch, (rows, 2, m.hidden_size),
+                                           dtype=torch_dtype)
+            want = chunk_activation_bytes(config, rank_chunks(config, pp_rank, base=True)[0],
+                                          chunk.pre_process, chunk.post_process)
+            out[(case, dtype)] = ((got["layers"], got["total"] - got["layers"]),
+                                  (want["layers"], want["other"]), want["mtp"])
+    return out
+
+
+def _assert_mtp(rows: dict, what: str) -> None:
+    wrong = {k: v[:2] for k, v in rows.items() if v[0] != v[1]}
+    assert not wrong, f"{what}: ((layers, other) measured, predicted) differ at {wrong}"
+    for (case, dtype), (measured, _, mtp) in rows.items():
+        print(f"{what} {case} {dtype}: other measured {measured[1]} B = predicted, of which "
+              f"MTP {mtp} B")
+    depths = {d: rows[(f"--mtp-num-layers {d}", "fp32")] for d in (0, 1, 2)}
+    assert depths[0][2] == 0 < depths[1][2] and depths[2][2] == 2 * depths[1][2]
+    assert depths[2][0][1] - depths[1][0][1] == depths[1][2]  # each depth, as measured
+
+
+def test_mtp_activation_bytes_at_tp1(no_grid):
+    """tiny-deepseek with --mtp-num-layers 1 and 2 (its MTP layer an MoE layer, as the last
+    one): the last stage's bytes outside the decoder layers (embedding, final norm, head,
+    loss and the MTP depths) measured == predicted, float32 and bf16, without recompute,
+    selective and full (the MTP layer is never recomputed), dropout 0.1."""
+    _assert_mtp(_mtp_rows([], ("fp32", "bf16")), "tp 1")
+
+
+def _mtp_worlds(layouts: list[list[str]]) -> list[dict]:
+    return [_mtp_rows(layout) for layout in layouts]
+
+
+def test_mtp_activation_bytes_at_tp2_with_and_without_sp():
+    layouts = [["--tp", "2"], ["--tp", "2", "--sequence-parallel"]]
+    for rank, tables in enumerate(run_distributed(_mtp_worlds, 2, layouts, tp=2,
+                                                  timeout=600)):
+        for layout, rows in zip(layouts, tables, strict=True):
+            _assert_mtp(rows, f"rank {rank} {' '.join(layout)}")
+
+
+def test_mtp_activation_bytes_on_the_last_pipeline_stage():
+    """pp 2: the MTP depths sit on stage 1 (with their own copy of the word embedding);
+    stage 0's prediction has no MTP share."""
+    first, last = run_distributed(_mtp_worlds, 2, [["--pp", "2"]], pp=2, timeout=600)
+    _assert_mtp(last[0], "pp 2 stage 1")
+    wrong = {k: v[:2] for k, v in first[0].items() if v[0] != v[1] or v[2]}
+    assert not wrong, f"pp 2 stage 0: {wrong}"
