@@ -140,7 +140,8 @@ def pipeline_bubble(config) -> float:
 
 def rank_memory(config, pp_rank: int, base_formats: dict | None = None) -> dict:
     """Predicted device bytes of a rank of pipeline stage `pp_rank`: `{"model_states",
-    "frozen_base", "fp8_buffers" (`fp8_buffer_bytes`), "activations_per_microbatch",
+    "frozen_base", "fp8_buffers" (`fp8_buffer_bytes`), "activations_per_microbatch" (of
+    which "mtp_activations_per_microbatch": the multi-token-prediction depths', last stage),
     "activations", "in_flight", "transient" (of
     which "gathered_params"), "total", "host", "nvme"}` (host and NVMe: offloaded model
     states and the NVMe streaming buffers). Under --lora-rank the model states are the
@@ -153,9 +154,9 @@ def rank_memory(config, pp_rank: int, base_formats: dict | None = None) -> dict:
     chunks = rank_chunks(config, pp_rank, base=True)
     sets = chunk_sets(config, pp_rank)
     roles = chunk_roles(pp, pp_rank, v, t.pipeline_schedule in schedule_tables.V_SHAPED)
-    per_chunk = [chunk_activation_bytes(config, params, pre, post)["total"]
+    per_chunk = [chunk_activation_bytes(config, params, pre, post)
                  for (pre, post), params in zip(roles, chunks)]
-    per_mb = sum(per_chunk)
+    per_mb = sum(c["total"] for c in per_chunk)
     held = in_flight(pp, v, config.num_microbatches, pp_rank, t.pipeline_schedule)
     activations = per_mb * held / v
     transient = 0
@@ -178,6 +179,7 @@ def rank_memory(config, pp_rank: int, base_formats: dict | None = None) -> dict:
     total = states["total"] + frozen + fp8 + activations + transient
     return {"model_states": states["total"], "frozen_base": frozen, "fp8_buffers": fp8,
             "activations_per_microbatch": per_mb,
+            "mtp_activations_per_microbatch": sum(c["mtp"] for c in per_chunk),
             "activations": int(activations), "in_flight": held, "transient": transient,
             "gathered_params": gathered,
             "total": int(total), "host": states["host_total"], "nvme": states["nvme_total"]}
@@ -208,10 +210,13 @@ def fp8_buffer_bytes(config, chunks) -> int:
 
 
 def peak_memory(config) -> dict:
-    """`rank_memory` of the pipeline stage needing the most device memory, with `pp_rank`."""
-    best = None
+    """`rank_memory` of the pipeline stage needing the most device memory, with `pp_rank`
+    and "last_stage_mtp_per_microbatch" (the last stage's multi-token-prediction share of
+    a microbatch's activations, whichever stage peaks)."""
+    best, mtp = None, 0
     for r in range(config.train.pipeline_model_parallel_size):
         mem = rank_memory(config, r)
+        mtp = max(mtp, mem["mtp_activations_per_microbatch"])
         if best is None or mem["total"] > best["total"]:
             best = dict(mem, pp_rank=r)
-    return best
+    return dict(best, last_stage_mtp_per_microbatch=mtp)

@@ -223,3 +223,32 @@ def test_mtp_activation_bytes_on_the_last_pipeline_stage():
     _assert_mtp(last[0], "pp 2 stage 1")
     wrong = {k: v[:2] for k, v in first[0].items() if v[0] != v[1] or v[2]}
     assert not wrong, f"pp 2 stage 0: {wrong}"
+
+
+def test_plan_prints_the_mtp_share(capsys, tmp_path):
+    """tools/plan.py on a tiny-deepseek run file with --mtp-num-layers 2: every fitting
+    layout's last-stage MTP share is planner/mtp.py's for its tp, SP and micro batch (float32:
+    the run file has no --bf16), and the paragraph on the top choice says it."""
+    import json
+
+    from planner.mtp import mtp_activation_bytes
+    from test_planner import _plan
+    from training.arguments import parse_config
+
+    run = tmp_path / "mtp.yaml"
+    run.write_text("model: tiny-deepseek\nnum_layers: 2\nmoe_layer_freq: [0, 1]\n"
+                   "mtp_num_layers: 2\nseq_length: 32\n")
+    argv = ["--config", str(run), "--gpus", "2", "--gpu-memory", "2GB",
+            "--global-batch-size", "8"]
+    code, out, _ = _plan(capsys, *argv, "--json")
+    assert code == 0
+    model = parse_config(["--config", str(run)]).model
+    fits = json.loads(out)["fits"]
+    for p in fits:
+        want = sum(mtp_activation_bytes(model, 32, p["micro_batch_size"], p["tp"],
+                                        p["sequence_parallel"], 4, ep=p["ep"]).values())
+        assert p["memory"]["last_stage_mtp_per_microbatch"] == want, p["flags"]
+    code, out, _ = _plan(capsys, *argv, "--top", "1")
+    share = fits[0]["memory"]["last_stage_mtp_per_microbatch"]
+    assert code == 0 and f"Multi-token prediction (--mtp-num-layers) adds {share / 1e9:.3g} " \
+        f"GB of activations per microbatch on the last stage" in out, out
