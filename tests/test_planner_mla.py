@@ -9,6 +9,11 @@ fused kernel) and smaller than `qk_nope_head_dim`, a wider latent and RoPE part;
 the explicit softmax); float32 and bf16 at tp 1, float32 at tp 2 with and without sequence
 parallelism; and train.py's start-up measurement at cp 2 (ring and all-gather: q, k, v
 zero-padded to one head dim). measured == predicted, to the byte.
+
+Multi-token prediction (planner/mtp.py): tiny-deepseek with --mtp-num-layers 1 and 2, the last
+stage's bytes outside the decoder layers (embedding, head, loss and the MTP depths) against the
+meter's, at tp 1 (float32, bf16), tp 2 with and without SP and pp 2, without recompute,
+selective, full and with dropout; tools/plan.py's MTP share.
 """
 from __future__ import annotations
 

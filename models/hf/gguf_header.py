@@ -10,7 +10,8 @@ metadata and tensor names; the format of ggml's docs/gguf.md) and
 - `check_architecture` refuses, with one line naming the architecture and the fix, what
   transformers does not read (OLMo 2, OLMoE: import the safetensors folder), a Mixtral
   (llama.cpp writes it as architecture "llama" with experts, which transformers would read
-  as a dense Llama without them), and tensors transformers would drop (`rope_freqs`, Phi-3's
+  as a dense Llama without them), gpt-oss (transformers 5.25 cannot read llama.cpp's files:
+  docs/guide/hf-import-export.md), and tensors transformers would drop (`rope_freqs`, Phi-3's
   `rope_factors_long` / `_short`: RoPE scaling kept as tensors);
 - `dropped_fields` gives the HF config fields transformers leaves at a default although the
   file has them (`_DROPPED`): Qwen3's head_dim, the MoE expert widths, Phi-3's sliding
