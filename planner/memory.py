@@ -83,7 +83,8 @@ def chunk_activation_bytes(config, params, pre_process: bool, post_process: bool
             (0 if lora else e * s_local * b * m.hidden_size)
         other += 4 * b * s * vt + (8 + 1 + 1) * b * s + 4 * b * s
     mtp = sum(mtp_activation_bytes(m, s, b, tp, sp, e, t.dropout_masks == "sample",
-                                   expert_layout(config)[0]).values()) if post_process else 0
+                                   expert_layout(config)[0], cp > 1).values()) \
+        if post_process else 0
     return {"layers": layers, "other": other + mtp, "mtp": mtp, "total": layers + other + mtp}
 
 

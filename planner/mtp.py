@@ -21,8 +21,12 @@ model without MTP, per depth k (measured with training.memory's saved-tensor met
 - the shared output head (eq. 23) runs once on the main and the D depths' hidden states
   stacked along the batch, so its input (`[s_l, (1 + D) b, h]`, a copy) and the cross
   entropy's float32 softmax, int64 target and two bool masks grow by one batch per depth:
-  `e s_l b h + 4 b s V_t + 10 b s`. The loss (eq. 24-25, `mtp_objective`: shifts, sums
-  and scalings) keeps nothing more.
+  `e s_l b h + 4 b s V_t + 10 b s`;
+- the MTP term of the loss (eq. 24-25, `MultiTokenPrediction.objective`) keeps the depths'
+  shifted loss mask (float32 `[b, D, s]`: `4 b s` a depth).
+
+Under context parallelism `s` is a CP rank's part and the layer's attention is
+layers/context_parallel's (`model_layer_bytes(context_parallel=True)`).
 """
 from __future__ import annotations
 
@@ -33,11 +37,12 @@ from .activations import model_layer_bytes, norm_bytes
 
 def mtp_activation_bytes(config, s: int, b: int, t: int = 1, sp: bool = False,
                          bytes_per_value: int = 4, keyed_dropout: bool = True,
-                         ep: int = 1) -> dict:
+                         ep: int = 1, context_parallel: bool = False) -> dict:
     """`{term: bytes}` the `mtp_depths(config)` multi-token-prediction depths save for
     backward on one rank of the last stage (module docstring), beyond the model without
     them; `{}` without MTP. `s` tokens, micro batch `b`, TP `t`, `sp` sequence parallel,
-    `keyed_dropout` `--dropout-masks sample`, `ep` the expert-parallel size."""
+    `keyed_dropout` `--dropout-masks sample`, `ep` the expert-parallel size,
+    `context_parallel`: `s` is a CP rank's part of the sequence."""
     depths = mtp_depths(config)
     if not depths:
         return {}
@@ -46,6 +51,7 @@ def mtp_activation_bytes(config, s: int, b: int, t: int = 1, sp: bool = False,
     vocab = config.padded_vocab_size(t) // t
     layers = sum(sum(model_layer_bytes(
         config, s, b, t, sp, None, e, keyed_dropout=keyed_dropout, ep=ep,
+        context_parallel=context_parallel,
         moe=config.is_moe_layer(config.num_layers + k - 1)).values())
         for k in range(1, depths + 1))
     return {"mtp token ids": depths * (8 + (t > 1)) * s * b,
@@ -53,4 +59,5 @@ def mtp_activation_bytes(config, s: int, b: int, t: int = 1, sp: bool = False,
             "mtp eh_proj input": depths * e * rows * 2 * h,
             "mtp transformer layers": layers,
             "mtp output head and loss": depths * (e * rows * h + 4 * b * s * vocab +
-                                                  10 * b * s)}
+                                                  10 * b * s),
+            "mtp loss mask": depths * 4 * b * s}
