@@ -13,7 +13,8 @@ zero-padded to one head dim). measured == predicted, to the byte.
 Multi-token prediction (planner/mtp.py): tiny-deepseek with --mtp-num-layers 1 and 2, the last
 stage's bytes outside the decoder layers (embedding, head, loss and the MTP depths) against the
 meter's, at tp 1 (float32, bf16), tp 2 with and without SP and pp 2, without recompute,
-selective, full and with dropout; tools/plan.py's MTP share.
+selective, full and with dropout; the whole microbatch at cp 2 (train.py's start-up
+measurement); tools/plan.py's MTP share.
 """
 from __future__ import annotations
 
@@ -257,3 +258,39 @@ def test_plan_prints_the_mtp_share(capsys, tmp_path):
     share = fits[0]["memory"]["last_stage_mtp_per_microbatch"]
     assert code == 0 and f"Multi-token prediction (--mtp-num-layers) adds {share / 1e9:.3g} " \
         f"GB of activations per microbatch on the last stage" in out, out
+
+
+def _startup_totals(runs: list[list[str]], log_dir: str, cache: str) -> list[tuple]:
+    import os
+
+    import parallel_state as ps
+    from training.arguments import parse_config
+    from training.metrics import read_records
+    from training.trainer import pretrain
+
+    os.environ["SHARDZOO_CACHE"] = cache
+    out = []
+    for i, args in enumerate(runs):
+        ps.destroy_model_parallel()
+        pretrain(parse_config(args + ["--log-dir", f"{log_dir}/{i}"]))
+        start = next(r for r in read_records(f"{log_dir}/{i}")
+                     if "planner_activation_bytes_per_microbatch" in r)
+        out.append((start["activation_bytes_per_microbatch"],
+                    start["planner_activation_bytes_per_microbatch"]))
+    return out
+
+
+def test_mtp_activation_bytes_at_cp2(corpus_env, tmp_path):
+    """train.py's start-up measurement at cp 2 (the depths' shifted tokens, labels and loss
+    masks split with the sequence; the MTP layer's attention layers/context_parallel's):
+    the whole microbatch's bytes measured == the planner's, --mtp-num-layers 0, 1 and 2."""
+    base = MTP + ["--train-iters", "1", "--lr-warmup-iters", "0", "--log-interval", "1",
+                  "--eval-interval", "0", "--cp", "2"]
+    runs = [base + ["--mtp-num-layers", str(d)] for d in (0, 1, 2)]
+    got = run_distributed(_startup_totals, 2, runs, str(tmp_path),
+                          corpus_env["SHARDZOO_CACHE"], timeout=600)
+    for rank, rows in enumerate(got):
+        for d, (measured, predicted) in enumerate(rows):
+            print(f"cp 2 rank {rank} --mtp-num-layers {d}: measured {measured} B, "
+                  f"predicted {predicted} B")
+            assert measured == predicted, (rank, d, measured, predicted)
