@@ -96,7 +96,10 @@ def test_mla_activation_bytes_at_tp2_with_and_without_sequence_parallel():
                    if k[1] != "full"), "sequence parallelism shards the latents' rows"
 
 
-def _startup_activations(runs: list[list[str]], log_dir: str, cache: str) -> list[tuple]:
+def _startup_activations(runs: list[list[str]], log_dir: str, cache: str,
+                         keys=("activation_bytes_layers", "activation_bytes_layers_predicted")
+                         ) -> list[tuple]:
+    """(measured, predicted) `keys` of train.py's start-up record of each run in `runs`."""
     import os
 
     import parallel_state as ps
@@ -109,10 +112,8 @@ def _startup_activations(runs: list[list[str]], log_dir: str, cache: str) -> lis
     for i, args in enumerate(runs):
         ps.destroy_model_parallel()
         pretrain(parse_config(args + ["--log-dir", f"{log_dir}/{i}"]))
-        start = next(r for r in read_records(f"{log_dir}/{i}")
-                     if "activation_bytes_layers" in r)
-        out.append((start["activation_bytes_layers"],
-                    start["activation_bytes_layers_predicted"]))
+        start = next(r for r in read_records(f"{log_dir}/{i}") if keys[1] in r)
+        out.append((start[keys[0]], start[keys[1]]))
     return out
 
 
@@ -260,26 +261,6 @@ def test_plan_prints_the_mtp_share(capsys, tmp_path):
         f"GB of activations per microbatch on the last stage" in out, out
 
 
-def _startup_totals(runs: list[list[str]], log_dir: str, cache: str) -> list[tuple]:
-    import os
-
-    import parallel_state as ps
-    from training.arguments import parse_config
-    from training.metrics import read_records
-    from training.trainer import pretrain
-
-    os.environ["SHARDZOO_CACHE"] = cache
-    out = []
-    for i, args in enumerate(runs):
-        ps.destroy_model_parallel()
-        pretrain(parse_config(args + ["--log-dir", f"{log_dir}/{i}"]))
-        start = next(r for r in read_records(f"{log_dir}/{i}")
-                     if "planner_activation_bytes_per_microbatch" in r)
-        out.append((start["activation_bytes_per_microbatch"],
-                    start["planner_activation_bytes_per_microbatch"]))
-    return out
-
-
 def test_mtp_activation_bytes_at_cp2(corpus_env, tmp_path):
     """train.py's start-up measurement at cp 2 (the depths' shifted tokens, labels and loss
     masks split with the sequence; the MTP layer's attention layers/context_parallel's):
@@ -287,8 +268,10 @@ def test_mtp_activation_bytes_at_cp2(corpus_env, tmp_path):
     base = MTP + ["--train-iters", "1", "--lr-warmup-iters", "0", "--log-interval", "1",
                   "--eval-interval", "0", "--cp", "2"]
     runs = [base + ["--mtp-num-layers", str(d)] for d in (0, 1, 2)]
-    got = run_distributed(_startup_totals, 2, runs, str(tmp_path),
-                          corpus_env["SHARDZOO_CACHE"], timeout=600)
+    got = run_distributed(_startup_activations, 2, runs, str(tmp_path),
+                          corpus_env["SHARDZOO_CACHE"], ("activation_bytes_per_microbatch",
+                                                        "planner_activation_bytes_per_microbatch"),
+                          timeout=600)
     for rank, rows in enumerate(got):
         for d, (measured, predicted) in enumerate(rows):
             print(f"cp 2 rank {rank} --mtp-num-layers {d}: measured {measured} B, "
