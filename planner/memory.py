@@ -7,13 +7,17 @@ Activations per microbatch, for a stage's chunks:
 - decoder layers: `planner.activations.model_chunk_bytes`, our layer term by term (Korthikanti et
   al. 2022, sec. 4, adapted to SwiGLU/GQA/RMSNorm/SDPA as that module documents), under the
   run's recompute policy and sequence parallelism;
-- the first stage: the embedding keeps the token ids (int64 `[b, s]`), the position ids of
+- the first stage: the embedding keeps the token ids (int64 `[b, s]`; under TP also the
+  bool mask of the ids outside the rank's vocabulary shard), the position ids of
   learned positions (int64 `[s]`, `[b, s]` with --reset-position-ids) and, with dropout, the
   embedding dropout's mask (`[s, b, h]`, the shard under SP, activation dtype);
 - the last stage: the final norm (as a layer's norm), the output layer's input (`[s, b, h]`,
   the shard `[s/t, b, h]` under SP), the cross entropy's float32 softmax `[b, s, V/t]` plus
   its int64 target and two bool masks (the padding columns' mask is applied inside
   the loss's own autograd function, which keeps none), and the loss mask `[b, s]` float32.
+- the last stage with multi-token prediction (--mtp-num-layers D): per depth the shifted
+  tokens' ids, three norms, eh_proj's input, one transformer layer (never recomputed) and one
+  more batch through the shared output head and its loss (planner/mtp.py);
 - a LoRA run (`--lora-rank`): a frozen embedding keeps nothing, a frozen output layer no
   input, the final norm no normalized input; the layers as `planner.activations.FrozenBase`
   says (the first layer after the embedding keeps nothing before its first adapter).
@@ -42,13 +46,16 @@ from parallel_state import schedule_tables
 from .activations import FrozenBase, model_chunk_bytes, norm_bytes
 from .context_parallel import attention_buffer_bytes
 from .moe import expert_layout
+from .mtp import mtp_activation_bytes
 from .parameters import (chunk_layout, chunk_sets, frozen_base_prediction, model_state_prediction,
                          rank_chunks)
 
 
 def chunk_activation_bytes(config, params, pre_process: bool, post_process: bool) -> dict:
     """Predicted saved-for-backward bytes of one microbatch through one chunk:
-    `{"layers", "other", "total"}` (the regions of training.memory.SavedTensorMeter)."""
+    `{"layers", "other", "total"}` (the regions of training.memory.SavedTensorMeter) and
+    `"mtp"`, the multi-token-prediction depths' share of "other" on the last stage
+    (planner/mtp.py; 0 elsewhere and without MTP)."""
     m, t = config.model, config.train
     tp, sp, cp = t.tensor_model_parallel_size, t.sequence_parallel, t.context_parallel_size
     s, b, e = m.seq_length // cp, t.micro_batch_size, 2 if t.bf16 else 4  # a CP rank's tokens
@@ -65,7 +72,9 @@ def chunk_activation_bytes(config, params, pre_process: bool, post_process: bool
     other = 0
     if pre_process and lora is None:  # the token ids, learned positions' ids, the embedding
         # dropout's mask (a frozen embedding keeps none: its output needs no gradient)
-        other = 8 * b * s + (e * s_local * b * m.hidden_size if m.hidden_dropout > 0 else 0)
+        # (under TP also the bool mask of the ids outside this rank's vocabulary shard)
+        other = (8 + (tp > 1)) * b * s + (e * s_local * b * m.hidden_size
+                                          if m.hidden_dropout > 0 else 0)
         if m.position_embedding_type == "learned_absolute":
             other += 8 * s * (b if t.reset_position_ids else 1)
     if post_process:  # a frozen output layer keeps no input
@@ -73,7 +82,10 @@ def chunk_activation_bytes(config, params, pre_process: bool, post_process: bool
         other += norm_bytes(m, s_local * b, e, frozen=lora is not None) + \
             (0 if lora else e * s_local * b * m.hidden_size)
         other += 4 * b * s * vt + (8 + 1 + 1) * b * s + 4 * b * s
-    return {"layers": layers, "other": other, "total": layers + other}
+    mtp = sum(mtp_activation_bytes(m, s, b, tp, sp, e, t.dropout_masks == "sample",
+                                   expert_layout(config)[0], cp > 1).values()) \
+        if post_process else 0
+    return {"layers": layers, "other": other + mtp, "mtp": mtp, "total": layers + other + mtp}
 
 
 def gathered_peak_bytes(config, chunks) -> int:
@@ -129,7 +141,8 @@ def pipeline_bubble(config) -> float:
 
 def rank_memory(config, pp_rank: int, base_formats: dict | None = None) -> dict:
     """Predicted device bytes of a rank of pipeline stage `pp_rank`: `{"model_states",
-    "frozen_base", "fp8_buffers" (`fp8_buffer_bytes`), "activations_per_microbatch",
+    "frozen_base", "fp8_buffers" (`fp8_buffer_bytes`), "activations_per_microbatch" (of
+    which "mtp_activations_per_microbatch": the multi-token-prediction depths', last stage),
     "activations", "in_flight", "transient" (of
     which "gathered_params"), "total", "host", "nvme"}` (host and NVMe: offloaded model
     states and the NVMe streaming buffers). Under --lora-rank the model states are the
@@ -142,9 +155,9 @@ def rank_memory(config, pp_rank: int, base_formats: dict | None = None) -> dict:
     chunks = rank_chunks(config, pp_rank, base=True)
     sets = chunk_sets(config, pp_rank)
     roles = chunk_roles(pp, pp_rank, v, t.pipeline_schedule in schedule_tables.V_SHAPED)
-    per_chunk = [chunk_activation_bytes(config, params, pre, post)["total"]
+    per_chunk = [chunk_activation_bytes(config, params, pre, post)
                  for (pre, post), params in zip(roles, chunks)]
-    per_mb = sum(per_chunk)
+    per_mb = sum(c["total"] for c in per_chunk)
     held = in_flight(pp, v, config.num_microbatches, pp_rank, t.pipeline_schedule)
     activations = per_mb * held / v
     transient = 0
@@ -167,6 +180,7 @@ def rank_memory(config, pp_rank: int, base_formats: dict | None = None) -> dict:
     total = states["total"] + frozen + fp8 + activations + transient
     return {"model_states": states["total"], "frozen_base": frozen, "fp8_buffers": fp8,
             "activations_per_microbatch": per_mb,
+            "mtp_activations_per_microbatch": sum(c["mtp"] for c in per_chunk),
             "activations": int(activations), "in_flight": held, "transient": transient,
             "gathered_params": gathered,
             "total": int(total), "host": states["host_total"], "nvme": states["nvme_total"]}
@@ -197,10 +211,13 @@ def fp8_buffer_bytes(config, chunks) -> int:
 
 
 def peak_memory(config) -> dict:
-    """`rank_memory` of the pipeline stage needing the most device memory, with `pp_rank`."""
-    best = None
+    """`rank_memory` of the pipeline stage needing the most device memory, with `pp_rank`
+    and "last_stage_mtp_per_microbatch" (the last stage's multi-token-prediction share of
+    a microbatch's activations, whichever stage peaks)."""
+    best, mtp = None, 0
     for r in range(config.train.pipeline_model_parallel_size):
         mem = rank_memory(config, r)
+        mtp = max(mtp, mem["mtp_activations_per_microbatch"])
         if best is None or mem["total"] > best["total"]:
             best = dict(mem, pp_rank=r)
-    return best
+    return dict(best, last_stage_mtp_per_microbatch=mtp)

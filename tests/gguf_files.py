@@ -306,3 +306,57 @@ def tiny_gguf(name: str, root, tokenizer_dir: str | None = None):
     os.makedirs(os.path.join(str(root), f"{name}-gguf"))
     path = os.path.join(str(root), f"{name}-gguf", f"{name}.gguf")
     return hf_dir, write_gguf(hf_dir, path, tokenizer_dir), model
+
+
+def write_gpt_oss_gguf(model, path: str, rope_scaling: bool = True) -> str:
+    """Write transformers `GptOssForCausalLM` `model` as the float32 GGUF file `path` the way
+    llama.cpp's convert_hf_to_gguf.py (GptOssModel) writes a gpt-oss checkpoint whose experts
+    are not MXFP4: architecture "gpt-oss"; sinks as `blk.N.attn_sinks.weight`; the fused
+    `gate_up_proj` [E, H, 2F] (gate and up interleaved: even columns gate) transposed and split
+    into `ffn_gate_exps.weight` / `ffn_up_exps.weight` [E, F, H] and its bias into
+    `ffn_gate_exps.bias` / `ffn_up_exps.bias` [E, F]; `down_proj` [E, F, H] transposed into
+    `ffn_down_exps.weight` [E, H, F]; the router as `ffn_gate_inp`; metadata as
+    `_metadata` plus `attention.sliding_window`, `expert_feed_forward_length` and (when
+    `rope_scaling`: llama.cpp always writes them) YaRN's `rope.scaling.type` / `.factor` /
+    `.original_context_length`. Returns `path`."""
+    import gguf
+
+    cfg = model.config.to_dict()
+    w = gguf.GGUFWriter(path, "gpt-oss")
+    w.add_name("tiny-gpt-oss")
+    _metadata(w, cfg, "gpt-oss")
+    w.add_sliding_window(cfg["sliding_window"])
+    w.add_expert_feed_forward_length(cfg["intermediate_size"])
+    if rope_scaling:
+        rope = model.config.rope_parameters
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, cfg["num_hidden_layers"])
+
+    def add(hf_name: str, t: torch.Tensor) -> None:
+        base, _, suffix = hf_name.rpartition(".")
+        w.add_tensor(f"{names.get_name(base)}.{suffix}",
+                     np.ascontiguousarray(t.detach().float().numpy()))
+
+    for name, t in model.state_dict().items():
+        experts, _, proj = name.rpartition(".")
+        if proj == "gate_up_proj_bias":
+            add(f"{experts}.gate_proj.bias", t[..., ::2])
+            add(f"{experts}.up_proj.bias", t[..., 1::2])
+        elif proj == "gate_up_proj":
+            add(f"{experts}.gate_proj.weight", t.transpose(-1, -2)[:, ::2])
+            add(f"{experts}.up_proj.weight", t.transpose(-1, -2)[:, 1::2])
+        elif proj == "down_proj_bias":
+            add(f"{experts}.down_proj.bias", t)
+        elif proj == "down_proj":
+            add(f"{experts}.down_proj.weight", t.transpose(-1, -2))
+        else:
+            add(name + ".weight" if proj == "sinks" else name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -14,8 +14,8 @@ biased router and experts with the clamped gated unit (a limit of 0.5, so the cl
 - tiny-gpt-oss trained 4 steps with hidden and attention dropout 0.1 gives one process's
   losses and gradient norms at tp 2 with SP and at ep 2 (one spawned world of 2);
 - named configs: total / active parameters against the published ones and transformers';
-- refusals of what the family cannot represent, and of a gpt-oss GGUF file (a tiny one
-  written by the `gguf` package) with the HF-checkpoint fix.
+- refusals of what the family cannot represent, and of a gpt-oss GGUF file in llama.cpp's
+  layout (which the installed transformers cannot read: pinned) with the HF-checkpoint fix.
 """
 from __future__ import annotations
 
@@ -471,27 +471,58 @@ def test_training_with_dropout_matches_one_process_at_tp2_and_ep2(corpus_env, tm
         assert_losses_close(norms, ref_norms, k_step, f"grad norms at {flags}")
 
 
-def test_gpt_oss_gguf_is_refused_with_the_fix(tmp_path):
-    """A gpt-oss GGUF file (llama.cpp's architecture "gpt-oss"; its import through
-    transformers' GGUF reader is not checked): `import_hf` refuses one (its metadata and an
-    embedding tensor) in one line naming the fix, and writes nothing."""
-    import gguf
-    import numpy as np
+def _refusal(path: str, out: str, monkeypatch) -> str:
+    """`import_hf`'s one-line refusal of GGUF file `path`, checked to come from the header:
+    transformers' GGUF loader is never called and nothing is written."""
+    import transformers.modeling_gguf_pytorch_utils as reader
 
     from checkpoint.hf import import_hf
     from models.hf import HFConversionError
 
-    path, out = str(tmp_path / "tiny-gpt-oss.gguf"), str(tmp_path / "out")
-    w = gguf.GGUFWriter(path, "gpt-oss")
-    w.add_block_count(2)
-    w.add_uint32("gpt-oss.expert_count", 4)
-    w.add_tensor("token_embd.weight", np.zeros((VOCAB, 32), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    def called(*a, **k):
+        raise AssertionError("transformers' GGUF reader was called")
+
+    monkeypatch.setattr(reader, "load_gguf_checkpoint", called)
     with pytest.raises(HFConversionError) as info:
         import_hf(path, out, log=lambda *a: None)
     msg = str(info.value)
-    assert "GGUF architecture 'gpt-oss'" in msg and "convert from the HF checkpoint" in msg
     assert "\n" not in msg and not os.path.exists(out)
+    return msg
+
+
+def test_gpt_oss_gguf_transformers_cannot_read_is_refused_with_the_fix(model, tmp_path,
+                                                                        monkeypatch):
+    """A gpt-oss GGUF file in llama.cpp's layout (tests/gguf_files.py `write_gpt_oss_gguf`,
+    float32) is not read by the installed transformers (5.25): `from_pretrained(gguf_file=)`
+    fails on the rope.scaling keys llama.cpp always writes (its gpt-oss branch reads
+    `field.parts[0]`, the key's length, as the value: TypeError); without them it leaves the
+    experts (`gate_up_proj`, `down_proj`, their biases) and the sinks MISSING (its gpt_oss
+    tensor processor is registered under "gpt_oss", the file says "gpt-oss", and expects
+    `ffn_*_projs` names llama.cpp does not write). Pinned, so a transformers that reads it
+    fails here. `import_hf` refuses the file, and a truncated or lying one (the embedding's
+    declared rows doubled), in one line from the header, writing nothing."""
+    pytest.importorskip("gguf")
+    from gguf_files import write_gpt_oss_gguf
+    from transformers import AutoModelForCausalLM
+
+    hf = _hf(model[0])
+    for scaling, error, what in ((True, TypeError, "0-dimensional"),
+                                 (False, RuntimeError, "ignore_mismatched_sizes")):
+        folder = tmp_path / f"scaling-{scaling}"
+        folder.mkdir()
+        write_gpt_oss_gguf(hf, str(folder / "tiny-gpt-oss.gguf"), rope_scaling=scaling)
+        with warnings.catch_warnings(), pytest.raises(error, match=what):
+            warnings.simplefilter("ignore")
+            AutoModelForCausalLM.from_pretrained(str(folder), gguf_file="tiny-gpt-oss.gguf")
+    data = open(str(tmp_path / "scaling-True" / "tiny-gpt-oss.gguf"), "rb").read()
+    name = b"token_embd.weight"
+    at = data.index(len(name).to_bytes(8, "little") + name) + 8 + len(name) + 4
+    assert int.from_bytes(data[at + 8:at + 16], "little") == VOCAB  # dims: [32, VOCAB]
+    crafted = {"cut": data[:-4096], "lying": data[:at + 8] + (2 * VOCAB).to_bytes(8, "little")
+               + data[at + 16:]}
+    for case, content in crafted.items():
+        open(tmp_path / f"{case}.gguf", "wb").write(content)
+    for case in ("scaling-True/tiny-gpt-oss", "cut", "lying"):
+        msg = _refusal(str(tmp_path / f"{case}.gguf"), str(tmp_path / "out"), monkeypatch)
+        assert "GGUF architecture 'gpt-oss'" in msg and "convert from the HF checkpoint" in msg
+        assert "rope.scaling keys" in msg and "--quantization none" in msg

@@ -343,6 +343,10 @@ def explain(best: dict, runner: dict | None, hw, model_name: str) -> str:
                  + f"activations "
                  f"{_gb(mem['activations'])} for {mem['in_flight']} microbatch(es) in flight on "
                  f"stage {mem['pp_rank']}).")
+    if mem.get("last_stage_mtp_per_microbatch"):
+        parts.append(f"Multi-token prediction (--mtp-num-layers) adds "
+                     f"{mem['last_stage_mtp_per_microbatch'] / 1e9:.3g} GB of activations per "
+                     f"microbatch on the last stage (its layers, head and loss).")
     if best["tp"] > 1:
         parts.append(f"TP {best['tp']} stays {tp_where}, so its per-layer collectives cost "
                      f"{_s(secs('tp') + secs('sp'))} per step at "

@@ -10,7 +10,8 @@ metadata and tensor names; the format of ggml's docs/gguf.md) and
 - `check_architecture` refuses, with one line naming the architecture and the fix, what
   transformers does not read (OLMo 2, OLMoE: import the safetensors folder), a Mixtral
   (llama.cpp writes it as architecture "llama" with experts, which transformers would read
-  as a dense Llama without them), and tensors transformers would drop (`rope_freqs`, Phi-3's
+  as a dense Llama without them), gpt-oss (transformers 5.25 cannot read llama.cpp's files:
+  docs/guide/hf-import-export.md), and tensors transformers would drop (`rope_freqs`, Phi-3's
   `rope_factors_long` / `_short`: RoPE scaling kept as tensors);
 - `dropped_fields` gives the HF config fields transformers leaves at a default although the
   file has them (`_DROPPED`): Qwen3's head_dim, the MoE expert widths, Phi-3's sliding
@@ -246,11 +247,12 @@ def check_architecture(path: str, meta: dict, names: list[str]) -> None:
                                 f"file")
     if arch in ("gpt-oss", "gpt_oss"):
         raise HFConversionError(
-            f"{path}: GGUF architecture {arch!r} (gpt-oss) is not imported: reading it "
-            f"through transformers' GGUF reader (MXFP4 expert blocks, sinks) is not checked "
-            f"against transformers' model, so the weights could differ; convert from the HF "
-            f"checkpoint instead (the GptOssForCausalLM safetensors folder, MXFP4 experts "
-            f"de-quantized on import)")
+            f"{path}: GGUF architecture {arch!r} (gpt-oss) is not imported: transformers' "
+            f"GGUF reader cannot read llama.cpp's gpt-oss files (it fails on their "
+            f"rope.scaling keys and leaves the experts, their biases and the attention sinks "
+            f"unloaded), --quantization none included; convert from the HF checkpoint "
+            f"instead (the GptOssForCausalLM safetensors folder, MXFP4 experts de-quantized "
+            f"on import)")
     if arch in _NOT_READ:
         raise HFConversionError(
             f"{path}: GGUF architecture {arch!r} ({_NOT_READ[arch]}) is not one transformers' "
