@@ -353,6 +353,7 @@ async def _answer(req, life, rid: str, parsed, err):
     n = len(life.ids)
     texts, reasons, tokens = [""] * n, [None] * n, [0] * n
     logprobs = [[] for _ in range(n)]
+    prompt_lps = [None] * n
 
     async def gather():
         left = n
@@ -363,6 +364,8 @@ async def _answer(req, life, rid: str, parsed, err):
             i = index[e.id]
             texts[i] += e.text
             logprobs[i] += e.logprobs or []
+            if e.prompt_logprobs is not None:
+                prompt_lps[i] = e.prompt_logprobs
             reasons[i], tokens[i] = e.finish_reason, e.completion_tokens
             if e.finish_reason is not None:
                 left -= 1
@@ -383,7 +386,7 @@ async def _answer(req, life, rid: str, parsed, err):
     if failure is not None:
         return err(protocol.APIError(failure.status, failure.message, kind=failure.kind))
     usage = protocol.usage(sum(len(p) for p in parsed.prompts), sum(tokens))
-    return protocol.response(rid, parsed, texts, reasons, usage, logprobs)
+    return protocol.response(rid, parsed, texts, reasons, usage, logprobs, prompt_lps)
 
 
 async def _stream(life, rid: str, parsed, keep_alive: float = 0.0):
@@ -411,7 +414,7 @@ async def _stream(life, rid: str, parsed, keep_alive: float = 0.0):
         if parsed.chat:
             for i in range(len(life.ids)):
                 yield _sse(protocol.chunk(rid, parsed, i, None, None, first=True))
-        elif parsed.echo:  # the prompt's text comes first
+        elif parsed.echo and not parsed.echo_logprobs:  # the prompt's text comes first
             for i in range(len(life.ids)):
                 yield _sse(protocol.chunk(rid, parsed, i, parsed.echo[i // parsed.n], None))
         left = len(life.ids)
@@ -441,9 +444,13 @@ async def _stream(life, rid: str, parsed, keep_alive: float = 0.0):
                     rest, found = calls[i].finish()
                     text += rest
                     reason = "tool_calls" if found and reason == "stop" else reason
-            if text or thought or e.logprobs or found:
+            logprobs = e.logprobs
+            if parsed.echo_logprobs and e.prompt_logprobs is not None:  # the choice's first
+                text = parsed.echo[i // parsed.n] + text  # event: the prompt leads it
+                logprobs = protocol.echoed(parsed, i, e.prompt_logprobs) + (logprobs or [])
+            if text or thought or logprobs or found:
                 sent = clock()
-                yield _sse(protocol.chunk(rid, parsed, i, text, None, logprobs=e.logprobs,
+                yield _sse(protocol.chunk(rid, parsed, i, text, None, logprobs=logprobs,
                                           reasoning=thought, tool_calls=found))
             if e.finish_reason is not None:
                 left -= 1

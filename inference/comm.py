@@ -40,6 +40,12 @@ def broadcast_logprobs(values: torch.Tensor | None, rows: int, k: int) -> torch.
     return _from_last_stage(values, (rows, 1 + 2 * k), torch.float64)
 
 
+def broadcast_prompt_logprobs(values: torch.Tensor | None, rows: int, k: int) -> torch.Tensor:
+    """`[rows, 2 + 2k]` float64 (inference/sampling.py `prompt_token_logprobs`: one prompt
+    chunk's tokens), identical on every rank of the replica (source: last stage, tp 0)."""
+    return _from_last_stage(values, (rows, 2 + 2 * k), torch.float64)
+
+
 def _from_last_stage(t: torch.Tensor | None, shape: tuple, dtype) -> torch.Tensor:
     """`t` (given on the last stage's TP rank 0, None elsewhere) on every replica rank (CPU)."""
     g = ps.get_grid()

@@ -59,13 +59,14 @@ import torch
 from parallel_state import p2p
 
 from .block_manager import BlockManager
-from .comm import broadcast_logprobs, broadcast_tokens
+from .comm import broadcast_logprobs, broadcast_prompt_logprobs, broadcast_tokens
 from .detokenize import OutputText
 from .limits import RequestLimits
 from .runner import ModelRunner, kv_bytes_per_token
 from .scheduler import Scheduler, _Flight
 from .seq2seq import Seq2SeqRunner
-from .sampling import SamplingParams, sample, token_logprobs, unpack_logprobs
+from .sampling import (SamplingParams, prompt_token_logprobs, sample, token_logprobs,
+                       unpack_logprobs, unpack_prompt_logprobs)
 
 
 @dataclass(eq=False)  # requests compare by identity
@@ -98,6 +99,9 @@ class Request:
     lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
     lora_slot: int = 0  # its adapter's slot (inference/lora.py; 0: the base), set by `add`
     cache_salt: bytes | None = None  # roots its prefix-cache block names (its adapter's)
+    # params.prompt_logprobs: prompt tokens 1, 2, ... scored so far, each `(id, logprob,
+    # rank, [(id, logprob)] x N)` (inference/sampling.py `unpack_prompt_logprobs`)
+    prompt_lps: list = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -122,6 +126,9 @@ class Event:
     logprobs: list[tuple] | None = None
     queue_s: float | None = None  # on a request's first event: seconds it waited for a slot
     preemptions: int | None = None  # on its last event: times it was preempted
+    # on its first event when it asked (SamplingParams.prompt_logprobs): per prompt token,
+    # None for the first, then `(id, logprob, rank, [(id, logprob)] x N)`
+    prompt_logprobs: list | None = None
 
 
 class Engine(Scheduler):
@@ -358,7 +365,8 @@ class Engine(Scheduler):
             extra = {"sources": mine.sources} if self.encoder_decoder else {}
             if self.lora is not None:
                 self.lora.bind([r.lora_slot for r in mine.batch], runner.device)
-            out = runner.forward(mine.ids, mine.tables, mine.starts, mine.last, hidden, **extra)
+            out = runner.forward(mine.ids, mine.tables, mine.starts,
+                                 None if mine.scores_prompt else mine.last, hidden, **extra)
             if self.spec is not None and runner.last:  # MTP drafts keep its hidden states
                 self.spec.observe(mine)
         if runner.pp > 1:  # hand the output on, take the next tick's input
@@ -375,7 +383,10 @@ class Engine(Scheduler):
             return []
         if done.drafts is not None:  # speculative: 1 to k + 1 ids per row
             return self._verified(done, out if mine is done and runner.last else None)
-        tokens, logprobs = self._sample(done, out if mine is done and runner.last else None)
+        logits = out if mine is done and runner.last else None
+        if done.scores_prompt:
+            logits = self._score_prompt(done, logits)
+        tokens, logprobs = self._sample(done, logits)
         tokens = iter(tokens.tolist())
         events = []
         for r, sampled in zip(done.batch, done.sampled):
@@ -427,6 +438,25 @@ class Engine(Scheduler):
         values, ids = broadcast_logprobs(values, len(asked), k).tolist(), tokens.tolist()
         return tokens, {batch[i].id: unpack_logprobs(row, ids[i], batch[i].params.logprobs)
                         for i, row in zip(asked, values)}
+
+    def _score_prompt(self, done: _Flight, logits: torch.Tensor | None) -> torch.Tensor | None:
+        """Append to the one request of `done` (a prompt chunk that scores its tokens,
+        scheduler.py) the log-probabilities of the prompt tokens its logits `[1, n, V]` (last
+        stage, None elsewhere) predict and it lacks, on every rank; returns the logits
+        `[1, V]` of the chunk's last position, for sampling."""
+        r, k = done.batch[0], done.batch[0].params.prompt_logprobs
+        start, n = int(done.starts[0]), int(done.last[0]) + 1
+        # prompt token j is predicted at position j - 1; tokens 1..len(prompt_lps) are done
+        first, end = max(start, len(r.prompt_lps)) + 1, min(start + n, len(r.prompt) - 1)
+        if end >= first:
+            values = None
+            if logits is not None:
+                ids = torch.tensor(r.prompt[first:end + 1], device=logits.device)
+                values = prompt_token_logprobs(logits[0, first - 1 - start:end - start], ids, k)
+            values = broadcast_prompt_logprobs(values, end + 1 - first, k).tolist()
+            r.prompt_lps += [unpack_prompt_logprobs(row, t, k)
+                             for row, t in zip(values, r.prompt[first:end + 1])]
+        return None if logits is None else logits[:, n - 1]
 
     def _start_masks(self, tick: int, flight: _Flight) -> None:
         """Compute the grammar masks of `flight`'s sampled rows in the worker thread (the
@@ -501,9 +531,12 @@ class Engine(Scheduler):
         if reason is not None:
             self._finish(r, reason)
         text = r.out.new_text(reason is not None) if r.out is not None else ""
+        first = len(r.output) == 1
         return Event(r.id, [token], text, r.finish_reason, len(r.prompt),
-                     len(r.output), queue_s=r.queue_s if len(r.output) == 1 else None,
-                     preemptions=r.preemptions if reason is not None else None)
+                     len(r.output), queue_s=r.queue_s if first else None,
+                     preemptions=r.preemptions if reason is not None else None,
+                     prompt_logprobs=[None] + r.prompt_lps if first and
+                     r.params.prompt_logprobs is not None else None)
 
     def _finish(self, r: Request, reason: str) -> None:
         r.finish_reason = reason

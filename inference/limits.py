@@ -38,6 +38,9 @@ class RequestLimits:
         if any(not 0 <= t < self.vocab_size for t in prompt):
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
         if self.encoder_decoder:
+            if params.prompt_logprobs is not None:
+                raise ValueError("prompt_logprobs are not available for an encoder-decoder "
+                                 "model (its prompt is the encoder's input); leave it out")
             if len(prompt) > self.max_source_length:
                 raise ValueError(f"the prompt ({len(prompt)} tokens) is longer than the "
                                  f"encoder's {self.max_source_length} tokens; shorten it")

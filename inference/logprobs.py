@@ -41,6 +41,26 @@ def token_text(raw: bytes | None, token_id: int) -> str:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
+def prompt_logprobs_object(entries: list, top: int, token_bytes) -> list:
+    """vLLM's `prompt_logprobs` from an `Event.prompt_logprobs`: per prompt token None for
+    the first, then `{str(id): {"logprob", "rank", "decoded_token"}}` holding the token
+    itself (its rank in the vocabulary, 1 = most likely) and the `top` most likely ids
+    (ranks 1..top)."""
+    out = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        token, logprob, rank, alternatives = e
+        d = {str(token): {"logprob": _value(logprob), "rank": rank,
+                          "decoded_token": token_text(token_bytes(token), token)}}
+        for j, (i, lp) in enumerate(alternatives[:top]):
+            d.setdefault(str(i), {"logprob": _value(lp), "rank": j + 1,
+                                  "decoded_token": token_text(token_bytes(i), i)})
+        out.append(d)
+    return out
+
+
 def _value(logprob: float) -> float:
     return logprob if logprob >= LOWEST else LOWEST  # NaN compares False: LOWEST too
 
@@ -68,6 +88,13 @@ class LogprobsFormat:
             index, [0, codecs.getincrementaldecoder("utf-8")(errors="replace")])
         for token_id, logprob, top in entries:
             text, raw = self._token(token_id)
+            if logprob is None:  # an echoed prompt's first token: nothing predicts it
+                out["tokens"].append(text)
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                out["text_offset"].append(state[0])
+                state[0] += len(state[1].decode(raw or b""))
+                continue
             alternatives = {}
             for i, lp in top[:self.top]:
                 alternatives.setdefault(self._token(i)[0], _value(lp))

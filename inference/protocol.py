@@ -21,8 +21,7 @@ DEFAULT_CHAT_TOKENS = 512  # chat: at most this, or what is left of the context
 # OpenAI fields this server does not implement: refused when set to anything but an "off"
 # value (SDKs send those), never silently ignored. Field -> its own off values beyond
 # null / false / 0 / empty.
-UNSUPPORTED = {name: () for name in ("prompt_logprobs", "suffix", "logit_bias",
-                                     "functions", "function_call")}
+UNSUPPORTED = {name: () for name in ("suffix", "logit_bias", "functions", "function_call")}
 UNSUPPORTED.update(best_of=(1,))
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")  # vLLM's fields
 ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: OpenAI's newer system
@@ -55,6 +54,14 @@ class Parsed:
     reasoning_parser: str | None = None  # chat: --reasoning-parser (inference/reasoning.py)
     tool_parser: str | None = None  # chat with tools (inference/tool_calls.py): its format
     echo: list[str] | None = None  # /v1/completions `echo`: each prompt's text, put first
+    # vLLM's `prompt_logprobs`: alternatives per prompt token shown (None: not asked)
+    prompt_logprobs: int | None = None
+    token_bytes: object = None  # the tokenizer's `token_bytes(id)` (prompt_logprobs)
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """`echo` with `logprobs`: the prompt's tokens lead each choice's logprobs."""
+        return self.echo is not None and self.logprobs is not None
 
 
 def _field(body: dict, name: str, kinds, default):
@@ -112,28 +119,45 @@ def parse(raw: bytes, *, chat: bool, tokenizer, model_names: list[str], check,
     if any(not p for p in prompts):
         raise APIError(400, "the prompt is empty; send at least one token",
                        "messages" if chat else "prompt")
-    params, top = _sampling(body, chat, prompts, n, check, max_seq_length, seed_source,
-                            defaults or {}, forced)
     stream = _field(body, "stream", bool, False)
-    echo = _echo(body, chat, top, prompts, tokenizer)
+    shown = _prompt_logprobs(body, stream)
+    echo = _echo(body, chat, prompts, tokenizer)
+    params, top = _sampling(body, chat, prompts, n, check, max_seq_length, seed_source,
+                            defaults or {}, forced, shown, echo is not None)
     stream_options = body.get("stream_options") or {}
     return Parsed(chat, model, prompts, n, params, stream,
                   bool(isinstance(stream_options, dict) and stream_options.get("include_usage")),
                   None if top is None else LogprobsFormat(top, chat, tokenizer.token_bytes),
-                  tool_parser=parser, echo=echo)
+                  tool_parser=parser, echo=echo, prompt_logprobs=shown,
+                  token_bytes=tokenizer.token_bytes)
 
 
-def _echo(body: dict, chat: bool, top, prompts: list[list[int]], tokenizer):
+def _prompt_logprobs(body: dict, stream: bool) -> int | None:
+    """vLLM's `prompt_logprobs` (0..MAX_LOGPROBS alternatives per prompt token; None: not
+    asked). Not with `stream` (vLLM refuses it there too)."""
+    value = body.get("prompt_logprobs")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or \
+            not 0 <= value <= MAX_LOGPROBS:
+        raise APIError(400, f"'prompt_logprobs' must be an integer in [0, {MAX_LOGPROBS}] (-1, "
+                            f"the whole vocabulary, is above this server's limit), got "
+                            f"{value!r}", "prompt_logprobs")
+    if stream:
+        raise APIError(400, "'prompt_logprobs' is not available with 'stream': true; send the "
+                            "request without streaming", "prompt_logprobs")
+    return value
+
+
+def _echo(body: dict, chat: bool, prompts: list[list[int]], tokenizer):
     """/v1/completions `echo`: the prompts' texts (decoded from their ids, as vLLM echoes a
-    token-id prompt) put before each answer; None when not asked."""
+    token-id prompt) put before each answer; None when not asked. With `logprobs` the
+    prompt's tokens lead each choice's logprobs (the first one's value null, OpenAI's
+    form)."""
     if not _field(body, "echo", bool, False):
         return None
     if chat:
         raise APIError(400, "'echo' is a /v1/completions field", "echo")
-    if top is not None:
-        raise APIError(400, "'echo' with 'logprobs' needs the prompt's log-probabilities, "
-                            "which this server does not compute; leave one of them out",
-                       "echo")
     texts = body["prompt"] if isinstance(body["prompt"], list) and all(
         isinstance(p, str) for p in body["prompt"]) else [body["prompt"]] \
         if isinstance(body["prompt"], str) else None
@@ -283,10 +307,11 @@ def _completion_prompts(body: dict, tokenizer, n: int, max_choices: int,
 
 
 def _sampling(body: dict, chat: bool, prompts: list[list[int]], n: int, check,
-              max_seq_length: int, seed_source, d: dict,
-              forced: str | None = None) -> tuple[list, int | None]:
+              max_seq_length: int, seed_source, d: dict, forced: str | None = None,
+              shown: int | None = None, echo: bool = False) -> tuple[list, int | None]:
     """`SamplingParams` of every choice (prompt-major), each checked by the engine, and the
-    logprobs alternatives asked for (None: no logprobs)."""
+    logprobs alternatives asked for (None: no logprobs). The engine scores the prompt with
+    `shown` alternatives (`prompt_logprobs`), or with `logprobs`' under `echo`."""
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     longest = max(len(p) for p in prompts)
@@ -300,6 +325,8 @@ def _sampling(body: dict, chat: bool, prompts: list[list[int]], n: int, check,
     seed = body.get("seed")
     ignore_eos = _field(body, "ignore_eos", bool, False)  # vLLM's extra parameter
     top = _logprobs(body, chat)
+    if echo and top is not None:
+        shown = max(shown or 0, top)
     grammar = structured_grammar(body)
     if forced is not None:  # a forced tool call's grammar
         if grammar is not None:
@@ -314,7 +341,8 @@ def _sampling(body: dict, chat: bool, prompts: list[list[int]], n: int, check,
                 top_k=_or(body, "top_k", d, 0) or 0, top_p=_or(body, "top_p", d, 1.0),
                 seed=(seed + j if isinstance(seed, int) and not isinstance(seed, bool)
                       else seed if seed is not None else seed_source()),
-                stop=stop, ignore_eos=ignore_eos, logprobs=top, grammar=grammar)
+                stop=stop, ignore_eos=ignore_eos, logprobs=top, grammar=grammar,
+                prompt_logprobs=shown)
             try:
                 check(prompt, sp)
             except GrammarError as e:
@@ -511,9 +539,15 @@ def _logprobs_of(parsed: Parsed, index: int, entries: list | None) -> dict | Non
 
 
 def response(rid: str, parsed: Parsed, texts: list[str], reasons: list[str],
-             usage_: dict, logprobs: list[list] | None = None) -> dict:
+             usage_: dict, logprobs: list[list] | None = None,
+             prompt_logprobs: list[list | None] | None = None) -> dict:
     """The non-streaming response object; `logprobs[i]`: choice i's `Event.logprobs`, all
-    its tokens (when the request asked)."""
+    its tokens (when the request asked); `prompt_logprobs[i]`: its `Event.prompt_logprobs`
+    (when the engine scored its prompt)."""
+    prompt_lps = prompt_logprobs or [None] * len(texts)
+    if parsed.echo_logprobs:
+        logprobs = [echoed(parsed, i, prompt_lps[i]) + (logprobs[i] if logprobs else [])
+                    for i in range(len(texts))]
     lps = [_logprobs_of(parsed, i, logprobs[i] if logprobs else None)
            for i in range(len(texts))]
     if parsed.chat:
@@ -528,9 +562,30 @@ def response(rid: str, parsed: Parsed, texts: list[str], reasons: list[str],
         echo = parsed.echo or [""] * len(parsed.prompts)
         choices = [{"index": i, "text": echo[i // parsed.n] + t, "logprobs": lps[i],
                     "finish_reason": r} for i, (t, r) in enumerate(zip(texts, reasons))]
+        if parsed.prompt_logprobs is not None:  # vLLM's field, per choice
+            for i, c in enumerate(choices):
+                c["prompt_logprobs"] = _prompt_object(parsed, prompt_lps[i])
         obj = "text_completion"
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": parsed.model,
-            "choices": choices, "usage": usage_}
+    out = {"id": rid, "object": obj, "created": int(time.time()), "model": parsed.model,
+           "choices": choices, "usage": usage_}
+    if parsed.chat and parsed.prompt_logprobs is not None:  # vLLM's field: the one prompt's
+        out["prompt_logprobs"] = _prompt_object(parsed, prompt_lps[0])
+    return out
+
+
+def echoed(parsed: Parsed, index: int, entries: list | None) -> list:
+    """Choice `index`'s `Event.prompt_logprobs` as the leading `logprobs` entries under
+    `echo` (`(id, logprob, [(id, logprob)])`, the first token's logprob None)."""
+    prompt = parsed.prompts[index // parsed.n]
+    return [(t, None, None) if e is None else (t, e[1], e[3])
+            for t, e in zip(prompt, entries or [None] * len(prompt))]
+
+
+def _prompt_object(parsed: Parsed, entries: list | None) -> list | None:
+    from .logprobs import prompt_logprobs_object
+
+    return None if entries is None else prompt_logprobs_object(
+        entries, parsed.prompt_logprobs, parsed.token_bytes)
 
 
 def _message(parsed: Parsed, text: str) -> dict:

@@ -50,6 +50,9 @@ class SamplingParams:
     logprobs: None = no log-probabilities; N in [0, MAX_LOGPROBS] = each generated token's
     log-probability and the N most likely ids at its position (vLLM's field; see
     `token_logprobs` for the distribution).
+    prompt_logprobs: None = none; N in [0, MAX_LOGPROBS] = each prompt token's (after the
+    first) log-probability given the tokens before it, its rank in the vocabulary and the N
+    most likely ids at its position (vLLM's field; `prompt_token_logprobs`).
     """
 
     max_new_tokens: int = 16
@@ -61,6 +64,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     grammar: str | None = None
+    prompt_logprobs: int | None = None
 
     def validate(self) -> "SamplingParams":
         """Raise `SamplingError` naming the first bad field and its range."""
@@ -88,6 +92,11 @@ class SamplingParams:
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(
                 self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+                isinstance(self.prompt_logprobs, bool) or not isinstance(self.prompt_logprobs, int)
+                or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got "
+                                   f"{self.prompt_logprobs!r}")
         return self
 
 
@@ -174,6 +183,25 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Ten
     top = lp.topk(min(k, lp.shape[-1]), dim=-1) if k else None
     parts = [chosen] if top is None else [chosen, top.indices.to(lp.dtype), top.values]
     return torch.cat([t.double() for t in parts], dim=1)
+
+
+def prompt_token_logprobs(logits: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """`[m, 2 + 2k]` float64 for prompt tokens `ids [m]` read at `logits [m, V]` (row j: the
+    logits at the position before token j): `(logprob of ids[j], its rank, k ids in
+    decreasing probability, their k logprobs)`. The rank is 1 + the number of ids strictly
+    more likely (vLLM's `Logprob.rank`); the distribution is `token_logprobs`'."""
+    values = token_logprobs(logits, ids, k)
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, ids.to(lp.device).view(-1, 1))
+    rank = (lp > chosen).sum(dim=1, keepdim=True) + 1
+    return torch.cat([values[:, :1], rank.double(), values[:, 1:]], dim=1)
+
+
+def unpack_prompt_logprobs(row: list[float], token: int, n: int) -> tuple:
+    """One row of `prompt_token_logprobs` as `(token, logprob, rank, [(id, logprob)] x
+    min(n, k))`."""
+    token, logprob, top = unpack_logprobs([row[0]] + row[2:], token, n)
+    return token, logprob, int(row[1]), top
 
 
 def unpack_logprobs(row: list[float], token: int, n: int) -> tuple:

@@ -31,6 +31,9 @@ class _Flight:
     sampled: list
     sources: tuple | None = None  # encoder-decoder prefill: (prompts [b, se], lengths [b])
     drafts: list | None = None  # speculative: the drafted ids [b][k] the forward verifies
+    # one row whose request asked for prompt_logprobs and lacks some: the logits of every
+    # position of its chunk come back (Engine._score_prompt)
+    scores_prompt: bool = False
 
 
 class Scheduler:
@@ -43,6 +46,17 @@ class Scheduler:
 
     def _length(self, r: Request) -> int:
         return (1 if self.encoder_decoder else len(r.prompt)) + len(r.output)
+
+    def _scores_prompt(self, r: Request) -> bool:
+        """Whether `r` asked for prompt_logprobs and lacks some: its prompt chunks then run
+        alone in their micro-batch, at most `_score_chunk` tokens each, with the logits of
+        every position (a [chunk, vocab] float32 block: 64 MiB at most), and it takes no
+        prefix-cache hit (a cached position has no logits; vLLM does the same)."""
+        return r.params.prompt_logprobs is not None and not self.encoder_decoder and \
+            len(r.prompt_lps) < len(r.prompt) - 1
+
+    def _score_chunk(self) -> int:
+        return max(16, (1 << 24) // self.runner.config.vocab_size)
 
     def _launch(self, tick: int) -> _Flight | None:
         """The micro-batch the first stage starts at `tick` (the same on every rank): rows
@@ -77,14 +91,17 @@ class Scheduler:
             if r not in self.running:  # preempted for a row above
                 continue
             n = self._length(r) - r.num_computed
-            if len(rows) >= self.micro_batch_size or not fits(n):
+            scores = self._scores_prompt(r)
+            if len(rows) >= self.micro_batch_size or not fits(n) or (scores and rows):
                 break
-            chunk = min(n, budget)
+            chunk = min(n, budget, self._score_chunk() if scores else n)
             gone = self._make_room(r, r.num_computed + chunk)
             rows = [row for row in rows if row[0] not in gone]
             if r not in gone:
                 rows.append((r, r.num_computed, chunk))
                 longest = max(longest, chunk)
+                if scores:  # alone in its micro-batch
+                    return rows
         computing = set()  # names of the full blocks this forward computes
         while self.waiting and len(rows) < self.micro_batch_size and \
                 len(self.running) < self.max_batch_size:
@@ -93,15 +110,19 @@ class Scheduler:
                     any(q.seq < r.seq for q in self.running):
                 break  # preempted: back once a running request has left (_preempt)
             tokens, bs = self._tokens(r), self.blocks.block_size
-            cached = []
-            if self.blocks.enable_prefix_caching:  # at least the last token is computed
+            cached, scores = [], self._scores_prompt(r)
+            if scores and rows:
+                break
+            if self.blocks.enable_prefix_caching and scores:  # no hit, but name its blocks
+                token_block_hashes(tokens, bs, r.hashes, r.cache_salt)
+            elif self.blocks.enable_prefix_caching:  # at least the last token is computed
                 usable = (len(tokens) - 1) // bs
                 token_block_hashes(tokens, bs, r.hashes, r.cache_salt)
                 cached = self.blocks.match(r.hashes, usable)
                 if len(cached) < usable and r.hashes[len(cached)] in computing:
                     break  # a row above computes its next block: share it next step
             start = len(cached) * bs
-            chunk = min(len(tokens) - start, budget)
+            chunk = min(len(tokens) - start, budget, self._score_chunk() if scores else budget)
             work = len(r.prompt) if self.encoder_decoder else len(tokens) - start
             if not fits(work) or not self.blocks.allocate(r.blocks, start + chunk, cached):
                 break
@@ -116,6 +137,8 @@ class Scheduler:
             rows.append((r, start, chunk))
             longest = max(longest, work if self.encoder_decoder else chunk)
             computing.update(r.hashes[len(cached):(start + chunk) // bs])
+            if scores:  # alone in its micro-batch
+                break
         return rows
 
     def _decode_rows(self) -> list[tuple]:
@@ -180,6 +203,7 @@ class Scheduler:
         cache. Rows go in block order (the paged cache reads evenly spaced rows as a view)."""
         rows = sorted(rows, key=lambda row: row[0].blocks[0] if row[0].blocks else 0)
         batch = [r for r, _, _ in rows]
+        scores = prefill and len(rows) == 1 and self._scores_prompt(batch[0])
         width = max(n for _, _, n in rows)
         ids = torch.zeros(len(rows), width, dtype=torch.int64)
         sources = None
@@ -218,4 +242,4 @@ class Scheduler:
         if width > 1 and not prefill:  # speculative: the logits of every position
             return _Flight(batch, ids, tables, starts, None, tick, sampled, drafts=drafts)
         return _Flight(batch, ids, tables, starts, torch.tensor([n - 1 for _, _, n in rows]),
-                       tick, sampled, sources)
+                       tick, sampled, sources, scores_prompt=scores)

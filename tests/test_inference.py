@@ -13,7 +13,11 @@ heads replicated, pp=2, tp=2 x pp=2) and generates the same requests; the parent
   for the same ids, identical on every rank;
 - the paged KV cache at blocks of 4 with prefix caching (prompts sharing a prefix, run twice:
   the second pass hits), chunked prefill (4-token chunks) and preemption (a 6-block cache)
-  gives HF's greedy ids at every layout, and every block is free afterwards.
+  gives HF's greedy ids at every layout, and every block is free afterwards;
+- prompt_logprobs (the Llama): each prompt token's logprob, rank and top N equal HF's
+  log_softmax of the prompt's logits at every layout, scored in 4-token chunks beside rows
+  that did not ask, with prefix caching on (a repeated prompt still scores every token), the
+  greedy ids unchanged.
 """
 from __future__ import annotations
 
@@ -158,12 +162,37 @@ def _run_layouts(models: dict, eos: dict) -> dict:
                 assert engine.max_in_flight == 1
             if name == "llama_gqa":
                 out["paged"] = _paged_runs(model)
+                out["prompt_logprobs"] = _prompt_logprobs_run(model)
             results[(name, tp, pp)] = out
         if (tp, pp) == (2, 2):  # T5 (encoder | decoder stages, each split over tp) vs HF
             from test_t5 import _greedy_matches_hf
 
             results[("t5", 2, 2)] = _greedy_matches_hf()
     return results
+
+
+PROMPT_LOGPROBS = [2, 0, None, 3]  # per request of PROMPTS + [PROMPTS[1]] (None: not asked)
+
+
+def _prompt_logprobs_run(model) -> dict:
+    """PROMPTS and PROMPTS[1] again with PROMPT_LOGPROBS, blocks of 4 with prefix caching,
+    prompts scored in chunks of 4: {"scored": each request's first-event prompt_logprobs,
+    "outputs": ids}."""
+    from inference.engine import Engine, Request
+    from inference.sampling import SamplingParams
+
+    engine = Engine(model, max_batch_size=3, max_seq_length=32, block_size=4)
+    engine._score_chunk = lambda: 4
+    reqs = [Request(str(i), p, SamplingParams(max_new_tokens=3, prompt_logprobs=k))
+            for i, (p, k) in enumerate(zip(PROMPTS + [PROMPTS[1]], PROMPT_LOGPROBS))]
+    scored = {}
+    for r in reqs:
+        engine.add(r)
+    while engine.has_work():
+        for e in engine.step():
+            if len(e.token_ids) and e.completion_tokens == 1:
+                scored[e.id] = e.prompt_logprobs
+    return {"scored": [scored[r.id] for r in reqs], "outputs": [r.output for r in reqs]}
 
 
 def _paged_runs(model) -> dict:
@@ -230,6 +259,8 @@ def test_generation_matches_transformers_at_every_layout(models):
                            for r in ranks), f"{where}: {kind} logprobs differ between ranks"
         worst = _check_logprobs(name, models[name], results)
         print(f"{name}: max |logprob - HF log_softmax| {worst:.3g}")
+    worst = _check_prompt_logprobs(models["llama_gqa"], results, ranks, ref["llama_gqa"])
+    print(f"llama_gqa prompt_logprobs: max |logprob - HF log_softmax| {worst:.3g}")
     for ours, hf in results[("t5", 2, 2)]:  # T5 v1.0 and v1.1 at tp=2 x pp=2
         assert ours == hf, ("t5 tp=2 pp=2", ours, hf)
 
@@ -275,6 +306,52 @@ def _check_logprobs(name: str, folders: tuple, results: dict) -> float:
                 assert all(len(set(row)) == n for row in top_ids.tolist()), where
                 worst = max(worst, float((ours - want).abs().max()), float(
                     (top - ref.gather(1, top_ids)).abs().max()) if n else 0.0)
+    return worst
+
+
+def _check_prompt_logprobs(folders: tuple, results: dict, ranks: list, greedy: list) -> float:
+    """Every layout's prompt_logprobs against HF's log_softmax of each prompt's logits: the
+    token's value, its rank and the top N (each id's own value and the N largest), the same
+    on every rank, greedy ids as without scoring; the largest difference."""
+    from transformers import AutoModelForCausalLM
+
+    from checkpoint.format import read_metadata
+    from models import ModelConfig
+    from tolerances import assert_fp32_close, forward_chain_terms
+
+    hf_dir, ckpt = folders
+    cfg = ModelConfig.from_dict(read_metadata(ckpt)["model"])
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    prompts, worst = PROMPTS + [PROMPTS[1]], 0.0
+    for tp, pp in LAYOUTS:
+        got = results[("llama_gqa", tp, pp)]["prompt_logprobs"]
+        where = f"prompt_logprobs tp={tp} pp={pp}"
+        assert all(r[("llama_gqa", tp, pp)]["prompt_logprobs"] == got for r in ranks), where
+        assert got["outputs"] == [g[:3] for g in greedy + [greedy[1]]], where
+        for i, (prompt, n) in enumerate(zip(prompts, PROMPT_LOGPROBS)):
+            entries = got["scored"][i]
+            if n is None:
+                assert entries is None, where
+                continue
+            assert entries[0] is None and len(entries) == len(prompt), where
+            with torch.no_grad():
+                logits = hf(torch.tensor([prompt])).logits[0, :-1].float()
+            ref = torch.log_softmax(logits, -1)
+            assert [e[0] for e in entries[1:]] == prompt[1:], where
+            ours = torch.tensor([e[1] for e in entries[1:]])
+            want = ref.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+            for row, w, e in zip(ref, want, entries[1:]):  # 1 + the ids more likely (ties
+                lo, hi = int((row > w + 1e-4).sum()), int((row > w - 1e-4).sum())  # aside)
+                assert lo + 1 <= e[2] <= hi + 1, (where, i, e[2], lo, hi)
+            shape = (len(prompt) - 1, n)
+            top_ids = torch.tensor([[t for t, _ in e[3]] for e in entries[1:]]).view(shape)
+            top = torch.tensor([[lp for _, lp in e[3]] for e in entries[1:]]).view(shape)
+            assert_fp32_close(torch.cat([ours, top.flatten(), top.flatten()]),
+                              torch.cat([want, ref.gather(1, top_ids).flatten(),
+                                         ref.topk(n, dim=-1).values.flatten()]),
+                              forward_chain_terms(cfg, len(prompt)), where,
+                              scale=float(logits.abs().max()))
+            worst = max(worst, float((ours - want).abs().max()))
     return worst
 
 

@@ -1,7 +1,8 @@
 """`infer.py --serve` under torchrun (tp=2 x dp=2, `--api-key`) answering the official `openai`
 client on loopback: both endpoints, streaming and not, n and usage, 32 concurrent requests
-equal to their single answers and spread over both replicas, the bad inputs of the API (each
-followed by a good request), a missing or wrong API key (401), a client that drops a stream,
+equal to their single answers and spread over both replicas, logprobs, vLLM's prompt_logprobs
+and echo with logprobs against transformers, the bad inputs of the API (each followed by a
+good request), a missing or wrong API key (401), a client that drops a stream,
 and a clean stop on Ctrl-C. One server for the whole module."""
 from __future__ import annotations
 
@@ -211,9 +212,13 @@ def test_bad_inputs_then_good_request(server):
         ("/v1/completions", {**good, "model": 5}, None, 400),
         ("/v1/completions", {**good, "seed": 2**70}, None, 400),  # torch's generator: 64 bits
         ("/v1/completions", {**good, "seed": 2**63 - 1, "n": 2}, None, 400),  # seed + 1
-        ("/v1/completions", {**good, "echo": True, "logprobs": 1}, None, 400),  # no prompt
-        ("/v1/chat/completions", {**chat, "echo": True}, None, 400),  # logprobs; chat
-        ("/v1/completions", {**good, "prompt_logprobs": 1}, None, 400),
+        ("/v1/chat/completions", {**chat, "echo": True}, None, 400),  # a completions field
+        # prompt_logprobs: vLLM's range (-1, the whole vocabulary, is above the limit of 20)
+        # and not streamed
+        ("/v1/completions", {**good, "prompt_logprobs": -1}, None, 400),
+        ("/v1/completions", {**good, "prompt_logprobs": 21}, None, 400),
+        ("/v1/completions", {**good, "prompt_logprobs": True}, None, 400),
+        ("/v1/completions", {**good, "prompt_logprobs": 1, "stream": True}, None, 400),
         # logprobs: OpenAI's types and ranges per endpoint (vLLM's max, 20)
         ("/v1/completions", {**good, "logprobs": 21}, None, 400),
         ("/v1/completions", {**good, "logprobs": -1}, None, 400),
@@ -375,6 +380,82 @@ def test_logprobs_both_endpoints(server):
     assert code == 400 and obj["error"]["param"] == "top_logprobs", obj
     assert "'logprobs': true" in obj["error"]["message"], obj
     print(f"max |logprob - HF log_softmax| over the server's answers: {worst:.3g}")
+
+
+def test_prompt_logprobs_and_echo_with_logprobs(server):
+    """vLLM's prompt_logprobs through the openai client at tp=2 x dp=2 (completions: per
+    choice; chat: top level), and echo with logprobs (OpenAI's: the prompt's tokens lead, the
+    first one null), streamed and not: every value equals log_softmax of HF's logits of the
+    prompt, the ranks count the more likely ids."""
+    from transformers import AutoModelForCausalLM
+
+    from inference.logprobs import token_text
+    from models.hf import config_from_hf
+    from models.tokenizer import Tokenizer
+    from tolerances import assert_fp32_close, forward_chain_terms
+
+    folder, port, _, _ = server
+    client = _client(port)
+    tok = Tokenizer(folder)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    cfg = config_from_hf(json.load(open(os.path.join(folder, "config.json"))))
+
+    def check(prompt_ids, entries, n, where):
+        """`entries`: the server's prompt_logprobs (None, then {id: {logprob, rank,
+        decoded_token}} holding the token and the n most likely)."""
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt_ids])).logits[0, :-1].float()
+        ref, k = torch.log_softmax(logits, -1), forward_chain_terms(cfg, len(prompt_ids))
+        assert entries[0] is None and len(entries) == len(prompt_ids), where
+        got, want = [], []
+        for j, (d, t) in enumerate(zip(entries[1:], prompt_ids[1:])):
+            assert str(t) in d and n <= len(d) <= n + 1, (where, d)
+            for i, v in d.items():
+                got.append(v["logprob"])
+                want.append(float(ref[j, int(i)]))
+                assert v["decoded_token"] == token_text(tok.token_bytes(int(i)), int(i))
+            mine = d[str(t)]
+            more = int((ref[j] > ref[j, t] + 1e-4).sum()), int((ref[j] > ref[j, t] - 1e-4).sum())
+            assert more[0] + 1 <= mine["rank"] <= more[1] + 1, (where, j, mine, more)
+        assert_fp32_close(torch.tensor(got), torch.tensor(want), k, where,
+                          scale=float(logits.abs().max()))
+
+    prompt = "def wrap(text, width): héllo 日本"
+    prompt_ids = tok.encode(prompt)
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0,
+                                    n=2, extra_body={"prompt_logprobs": 2})
+    for c in out.choices:
+        check(prompt_ids, c.prompt_logprobs, 2, "completions prompt_logprobs")
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
+    assert out.choices[0].text == plain.choices[0].text  # scoring leaves the answer alone
+    assert not hasattr(plain.choices[0], "prompt_logprobs") or \
+        plain.choices[0].prompt_logprobs is None
+    # echo + logprobs: the prompt's tokens (first null) then the answer's, offsets run on
+    echo = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0,
+                                     echo=True, logprobs=1)
+    lp = echo.choices[0].logprobs
+    assert echo.choices[0].text == prompt + plain.choices[0].text
+    assert len(lp.tokens) == len(prompt_ids) + echo.usage.completion_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.tokens[:len(prompt_ids)] == [token_text(tok.token_bytes(i), i)
+                                           for i in prompt_ids]
+    scored = out.choices[0].prompt_logprobs
+    assert_fp32_close(torch.tensor(lp.token_logprobs[1:len(prompt_ids)]), torch.tensor(
+        [d[str(t)]["logprob"] for d, t in zip(scored[1:], prompt_ids[1:])]), 1,
+        "echo vs prompt_logprobs", scale=1.0)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=4,
+                                            temperature=0, echo=True, logprobs=1, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == echo.choices[0].text
+    parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for p in parts for t in p.tokens] == lp.tokens
+    assert [v for p in parts for v in p.token_logprobs] == lp.token_logprobs
+    # chat: one top-level prompt_logprobs for the templated prompt
+    messages = [{"role": "user", "content": "Wrap this text."}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=3,
+                                          temperature=0, extra_body={"prompt_logprobs": 0})
+    entries = chat.model_extra["prompt_logprobs"]
+    check(tok.apply_chat_template(messages), entries, 0, "chat prompt_logprobs")
 
 
 def test_logprobs_token_strings_bytes_and_offsets(tmp_path):
