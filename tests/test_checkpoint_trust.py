@@ -7,10 +7,10 @@ tokenizer with a flipped byte (before it is parsed), a tokenizer folder metadata
 list, and a link out of the folder. A metadata.json claiming 10^9 layers, nested 200,000
 deep or larger than its cap is refused in one line, in bounded time and memory.
 
-One tiny-llama run (1 process, saved at iterations 1 and 2) is trained once; each case damages
-its own copy of iteration 2. Every path is called in-process for every case (train.main in one
-spawned world of 1, the others in this process); each CLI also runs once as a subprocess on
-the crafted pickle.
+One tiny-llama run (saved at iterations 1 and 2) is trained once, in a spawned world of 1
+process; each case damages its own copy of iteration 2. Every path is called in-process for
+every case (train.main in one spawned world of 1, the others in this process); each CLI also
+runs once as a subprocess on the crafted pickle.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from launch import REPO, finish_measured, read_metrics, run_train, start_measured
+from launch import REPO, finish_measured, read_metrics, start_measured, train_in_one_world
 
 TRAIN = ["--config", "configs/tiny-llama.yaml", "--train-iters", "2", "--eval-interval", "0",
          "--log-interval", "1", "--peak-tflops", "1"]
@@ -105,8 +105,8 @@ def hostile(tmp_path_factory, corpus_env):
     """(cases {name: damaged copy of iteration 2}, the marker path, the intact save folder)."""
     root = tmp_path_factory.mktemp("trust")
     save = root / "save"
-    run_train(1, TRAIN + ["--save", str(save), "--save-interval", "1"], root / "log",
-              env=corpus_env)
+    train_in_one_world(1, [TRAIN + ["--save", str(save), "--save-interval", "1", "--log-dir",
+                                     str(root / "log")]], corpus_env["SHARDZOO_CACHE"])
     marker = root / "MARKER"
     cases = {}
     for case in CASES:

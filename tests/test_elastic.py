@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 from launch import REPO, read_metrics, read_until, train_in_one_world, train_losses
 from tolerances import assert_losses_close, training_chain_terms
@@ -50,7 +51,17 @@ def test_lose_a_node_then_grow_back(tmp_path, corpus_env):
     procs = [agent(0, env, subprocess.PIPE),
              agent(1, {**env, "SHARDZOO_TEST_KILL_NODE_AT": "*:3"}, files[0])]
     lines: list[str] = []
+    ref = tmp_path / "ref"
     try:
+        # once the first rendezvous has formed the world of 2, the uninterrupted reference
+        # trains in a world of its own meanwhile (the job's agents spend seconds waiting on
+        # the restarts)
+        read_until(procs[0], lines, f"saved checkpoint {save / 'iter_0000002'}")
+        pool = ThreadPoolExecutor(1)
+        reference_run = pool.submit(train_in_one_world, 2,
+                                    [ARGS + ["--train-iters", "8", "--log-dir", str(ref)]],
+                                    corpus_env["SHARDZOO_CACHE"])
+        pool.shutdown(wait=False)
         read_until(procs[0], lines, f"saved checkpoint {save / 'iter_0000006'}")
         procs.append(agent(2, env, files[1]))  # a node joins the shrunk job
         lines.append(procs[0].communicate(timeout=300)[0])
@@ -76,9 +87,7 @@ def test_lose_a_node_then_grow_back(tmp_path, corpus_env):
         [(2, None), (1, 2), (2, 6)]
     curve = [r["loss"] for r in latest_curve(read_metrics(log)) if "loss" in r]
     assert len(curve) == 8
-    ref = tmp_path / "ref"
-    train_in_one_world(2, [ARGS + ["--train-iters", "8", "--log-dir", str(ref)]],
-                       corpus_env["SHARDZOO_CACHE"])
+    reference_run.result()
     reference = train_losses(ref)
     assert_losses_close(curve, reference, training_chain_terms(ARGS + ["--train-iters", "8"]))
     assert reference[-1] < reference[0]

@@ -78,6 +78,19 @@ def converted(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def hf_logits(converted):
+    """name -> transformers' logits [B, S, vocab] of `_batch` for every tiny model, computed
+    here once (the workers then import no transformers)."""
+    out = {}
+    for name, (hf_dir, ckpt) in converted.items():
+        from checkpoint.format import read_metadata
+
+        vocab = read_metadata(ckpt)["model"]["vocab_size"]
+        out[name] = _hf_logits(hf_dir, _batch(vocab))
+    return out
+
+
 def _batch(vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (B, S), generator=torch.Generator().manual_seed(0))
 
@@ -110,9 +123,10 @@ def pipeline_logits(model, ids: torch.Tensor) -> torch.Tensor | None:
     return ps.gather_from_tensor_model_parallel_region(out)[..., :model.config.vocab_size]
 
 
-def _logit_diffs(converted: dict, pp: int) -> dict:
-    """In a worker: for every model, None when our logits equal transformers' up to float32
-    rounding of the forward chain (tests/tolerances.py), else the mismatch."""
+def _logit_diffs(converted: dict, expected: dict, pp: int) -> dict:
+    """In a worker: for every model, None when our logits equal transformers' (`expected`,
+    name -> logits) up to float32 rounding of the forward chain (tests/tolerances.py), else
+    the mismatch."""
     from checkpoint.model_io import load_model_weights
     from checkpoint.format import read_metadata
     from models import GPTModel, ModelConfig
@@ -129,12 +143,12 @@ def _logit_diffs(converted: dict, pp: int) -> dict:
         ids = _batch(config.vocab_size)
         ours = pipeline_logits(chunks[0], ids)
         if ours is not None:
-            out[name] = fp32_mismatch(ours, _hf_logits(hf_dir, ids),
+            out[name] = fp32_mismatch(ours, expected[name],
                                       forward_chain_terms(config, S, "logits"))
     return out
 
 
-def test_logits_match_transformers_tp1(converted):
+def test_logits_match_transformers_tp1(converted, hf_logits):
     from checkpoint.model_io import load_model_weights
     from checkpoint.format import read_metadata
     from models import GPTModel, ModelConfig
@@ -146,13 +160,14 @@ def test_logits_match_transformers_tp1(converted):
         ids = _batch(config.vocab_size)
         with torch.no_grad():
             ours = model(ids)[..., :config.vocab_size]
-        assert_fp32_close(ours, _hf_logits(hf_dir, ids), forward_chain_terms(config, S, "logits"),
+        assert_fp32_close(ours, hf_logits[name], forward_chain_terms(config, S, "logits"),
                           f"{name} at tp=1")
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (2, 2)])
-def test_logits_match_transformers_parallel(converted, tp, pp):
-    results = run_distributed(_logit_diffs, tp * pp, converted, pp, tp=tp, pp=pp, timeout=240)
+def test_logits_match_transformers_parallel(converted, hf_logits, tp, pp):
+    results = run_distributed(_logit_diffs, tp * pp, converted, hf_logits, pp, tp=tp, pp=pp,
+                              timeout=240)
     merged = {}
     for r in results:
         merged.update(r)
@@ -297,6 +312,13 @@ def test_smollm2_gguf_logits_and_round_trip(tmp_path):
     import_hf(gguf_path, ckpt, log=lambda *a: None)
     tok = AutoTokenizer.from_pretrained(os.path.join(ckpt, "tokenizer"))
     ids = torch.tensor([tok(SENTENCE)["input_ids"]])
+    # the tp 3 world runs in its processes while this one loads transformers' model (its
+    # GGUF reading is one core's work)
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(1)
+    world = pool.submit(run_distributed, _smol_logits_tp, 3, ckpt, ids, tp=3, timeout=300)
+    pool.shutdown(wait=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         reference = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
@@ -310,8 +332,8 @@ def test_smollm2_gguf_logits_and_round_trip(tmp_path):
     k = forward_chain_terms(ModelConfig.from_dict(read_metadata(ckpt)["model"]), ids.shape[1],
                             "logits")
     ours = _smol_logits_tp(ckpt, ids)
+    tp3 = world.result()[0]
     assert_fp32_close(ours, expected, k, "SmolLM2 at tp=1")
-    tp3 = run_distributed(_smol_logits_tp, 3, ckpt, ids, tp=3, timeout=300)[0]
     assert_fp32_close(tp3, expected, k, "SmolLM2 at tp=3")
     export_hf(ckpt, out, log=lambda *a: None)
     with warnings.catch_warnings():

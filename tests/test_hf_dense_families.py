@@ -18,6 +18,7 @@ models, tiny random ones built here (nothing downloads):
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -129,7 +130,7 @@ def test_logits_match_transformers_tp1(converted):
         ids = _batch(config.vocab_size)
         with torch.no_grad():
             ours = model(ids)[..., :config.vocab_size]
-        ref = _hf_logits(hf_dir, ids)
+        ref = _reference_logits(hf_dir, config.vocab_size)
         print(f"{name} tp=1: max |logit - transformers| {float((ours - ref).abs().max()):.2e}")
         assert_fp32_close(ours, ref, forward_chain_terms(config, S, "logits"), f"{name} tp=1")
 
@@ -180,13 +181,21 @@ def _check_logits(converted: dict, got: dict, where: str) -> None:
     assert set(got) == set(converted)
     for name, (hf_dir, ckpt) in converted.items():
         config = _config(ckpt)
-        ref = _hf_logits(hf_dir, _batch(config.vocab_size))
+        ref = _reference_logits(hf_dir, config.vocab_size)
         print(f"{name} {where}: max |logit - transformers| "
               f"{float((got[name] - ref).abs().max()):.2e}")
         assert_fp32_close(got[name], ref, forward_chain_terms(config, S, "logits"),
                           f"{name} at {where}")
 
 
+@functools.cache
+def _reference_logits(hf_dir: str, vocab: int) -> torch.Tensor:
+    """transformers' logits of `_batch(vocab)` for the model in `hf_dir`, read once per test
+    run (the tp 1, tp 2 and tp 2 x pp 2 checks compare with the same tensor)."""
+    return _hf_logits(hf_dir, _batch(vocab))
+
+
+@functools.cache
 def _hf_greedy(hf_dir: str) -> list[int]:
     from transformers import AutoModelForCausalLM
 

@@ -17,6 +17,7 @@
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -107,6 +108,7 @@ def _config(ckpt: str):
     return ModelConfig.from_dict(read_metadata(ckpt)["model"])
 
 
+@functools.cache  # read once per model: every layout compares with the same tensor
 def _hf_logits(hf_dir: str) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 

@@ -2,15 +2,16 @@
 layouts equal the
 single-process run up to float32 rounding (tests/tolerances.py: step t carries `t` training
 steps' chains of `k` terms), with dropout 0; also with every transformer layer
-compiled (`--compile`, train.py under torchrun) against the eager single-process run.
-The layouts run pretrain() in run_distributed worlds, the cases of one world size in one world
-(train.py's command line under torchrun: the compile test here, test_checkpointing.py)."""
+compiled (`--compile` at tp 2 with SP) against the eager single-process run.
+The layouts run pretrain() in run_distributed worlds, the cases of one world size in one world,
+the compiled run in the world of the other two-process cases (train.py's command line under
+torchrun: test_checkpointing.py, test_profile.py)."""
 from __future__ import annotations
 
 import pytest
 
 from distributed import batched_by_world, run_distributed
-from launch import read_metrics, run_train
+from launch import read_metrics
 from tolerances import assert_losses_close, training_chain_terms
 
 COMMON = ["--train-iters", "5", "--log-interval", "1", "--eval-interval", "0",
@@ -66,12 +67,16 @@ def _curves(log_dir):
 
 
 CASES = [(family, tp, dp, sp) for tp, dp, sp in LAYOUTS for family in sorted(FAMILIES)]
+# every transformer layer compiled at tp 2 with SP: collectives are graph breaks, inductor fuses
+# the elementwise chains between them
+COMPILED = ("llama", 2, 1, "compile")
 
 
 def _case_args(case) -> list[str]:
     family, tp, _, sp = case
-    return FAMILIES[family] + COMMON + ["--tp", str(tp),
-                                        "--sequence-parallel" if sp else "--no-sequence-parallel"]
+    flags = (["--sequence-parallel", "--compile"] if sp == "compile" else
+             ["--sequence-parallel"] if sp else ["--no-sequence-parallel"])
+    return FAMILIES[family] + COMMON + ["--tp", str(tp)] + flags
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +85,7 @@ def case_curves(tmp_path_factory, corpus_env):
     def run_cases(world, cases):
         return _run(world, [_case_args(c) for c in cases],
                     tmp_path_factory.mktemp(f"world{world}"), corpus_env)
-    return batched_by_world(CASES, lambda c: c[1] * c[2], run_cases)
+    return batched_by_world(CASES + [COMPILED], lambda c: c[1] * c[2], run_cases)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{tp}-{dp}-{sp}-{family}"
@@ -95,12 +100,11 @@ def test_layout_matches_single_process(case, reference, case_curves):
     assert ref[-1] < ref[0]  # it is training, not just agreeing
 
 
-def test_compiled_layers_match_eager_single_process(reference, tmp_path, corpus_env):
+def test_compiled_layers_match_eager_single_process(reference, case_curves):
     """--compile at tp=2 with sequence parallelism (collectives are graph breaks, inductor
     fuses the elementwise chains between them) against the eager 1-process run."""
-    args = FAMILIES["llama"] + COMMON + ["--tp", "2", "--sequence-parallel", "--compile"]
-    run_train(2, args, tmp_path, env=corpus_env)
-    (losses, norms), (ref, ref_norms) = _curves(tmp_path), reference["llama"]
+    args = _case_args(COMPILED)
+    (losses, norms), (ref, ref_norms) = case_curves(COMPILED), reference["llama"]
     assert len(losses) == len(ref) == 5
     k_step = training_chain_terms(args)
     assert_losses_close(losses, ref, k_step)
