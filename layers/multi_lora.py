@@ -36,44 +36,57 @@ from .linear import ColumnParallelLinear, RowParallelLinear
 
 
 class LoRABatch:
-    """The adapters of the rows of the forward in progress (`bind`); `used` None when no row
-    names one (the hooks then do nothing)."""
+    """The adapters of the rows of the forward in progress (`bind`, once per engine step);
+    `used` None when no row names one (the hooks then do nothing)."""
 
     def __init__(self):
         self.used: tuple[int, int] | None = None  # slot range [lo, hi) the rows use
-        self.rows: torch.Tensor | None = None  # [b] each row's slot - lo (-1: base)
-        self._masks: dict = {}
+        self.slots: list[int] = []  # each row's slot (-1: base)
+        self.device = None
+        self._plans: dict = {}
 
     def bind(self, slots: list[int], device) -> None:
         """Row i uses adapter slot `slots[i]` (0-based), or none (-1)."""
         used = [x for x in slots if x >= 0]
-        self._masks = {}
-        if not used:
-            self.used = self.rows = None
-            return
-        lo, hi = min(used), max(used) + 1
-        self.used = (lo, hi)
-        self.rows = torch.tensor([x - lo if x >= 0 else -1 for x in slots], device=device)
+        self.slots, self.device, self._plans = list(slots), device, {}
+        self.used = (min(used), max(used) + 1) if used else None
 
-    def mask(self, seq: int, rank: int, dtype) -> torch.Tensor:
-        """`[seq x b, (hi - lo) x rank]`: 1 where a token's row uses the column's slot (row
-        `t b + i` is position t of batch row i, as `[s, b, ...]` flattens)."""
-        key = (seq, rank, dtype)
-        if key not in self._masks:
+    def plan(self, n: int, dtype):
+        """`(k, m, take, valid)` for the `n = seq x b` tokens of a forward (token `t b + i` is
+        position t of batch row i, as `[s, b, ...]` flattens): the tokens of slot `lo + j`
+        are `take[j m:(j + 1) m]` (a LongTensor `[k m]`, k = hi - lo slots, m = the most
+        tokens any slot has), a slot with fewer padded with token 0 and `valid [k, m, 1]`
+        (0 on pads; None without pads) zeroing them. Built once per step and n, shared by
+        every layer."""
+        key = (n, dtype)
+        if key not in self._plans:
             lo, hi = self.used
-            cols = torch.arange(hi - lo, device=self.rows.device).repeat_interleave(rank)
-            self._masks[key] = (self.rows.repeat(seq)[:, None] == cols[None, :]).to(dtype)
-        return self._masks[key]
+            per: list[list[int]] = [[] for _ in range(hi - lo)]
+            b = len(self.slots)
+            for t in range(n // b):
+                for i, x in enumerate(self.slots):
+                    if x >= 0:
+                        per[x - lo].append(t * b + i)
+            m = max(len(p) for p in per)
+            take = torch.tensor([t for p in per for t in p + [0] * (m - len(p))],
+                                device=self.device)
+            valid = None
+            if any(len(p) < m for p in per):
+                valid = torch.tensor([[[float(i < len(p))] for i in range(m)] for p in per],
+                                     dtype=dtype, device=self.device)
+            self._plans[key] = (hi - lo, m, take, valid)
+        return self._plans[key]
 
 
 class MultiLoRA:
     """The stacked adapters of one linear `layer` (a `ColumnParallelLinear` without
     gather_output, or a `RowParallelLinear`): `a [slots, parts x R, in/tp or in]` and, per
-    part, `b[i] [its rows, slots, R]`, zeros until `set` fills a slot. `part_rows`: for a
-    fused column-parallel layer (QKV, SwiGLU's [gate; up]), the local output rows of each
-    part (a LongTensor each; None: one part, every row), so that each part's B multiplies
-    only its own rank block (no zero blocks are read). Attaches a forward hook adding the
-    deltas for the rows `batch` binds. Raises `ValueError` for another kind of layer."""
+    part, `b[i] [slots, R, its rows]` (B_i transposed), zeros until `set` fills a slot.
+    `part_rows`: for a fused column-parallel layer (QKV, SwiGLU's [gate; up]), the local
+    output rows of each part (a LongTensor each; None: one part, every row), so that each
+    part's B multiplies only its own rank block (no zero blocks are read). Attaches a forward
+    hook adding the deltas for the rows `batch` binds. Raises `ValueError` for another kind
+    of layer."""
 
     def __init__(self, layer, rank: int, slots: int, batch: LoRABatch, part_rows=None):
         if isinstance(layer, ColumnParallelLinear) and not layer.gather_output:
@@ -89,11 +102,16 @@ class MultiLoRA:
         rows = [torch.arange(out_f)] if part_rows is None else list(part_rows)
         self.layer, self.batch, self.rank = layer, batch, rank
         self.a = torch.zeros(slots, len(rows) * rank, in_f, dtype=dtype, device=w.device)
-        self.b = [torch.zeros(len(r), slots, rank, dtype=dtype, device=w.device) for r in rows]
-        # where each part's rows go: a slice when contiguous (SwiGLU's halves), else indices
-        self.rows = [slice(int(r[0]), int(r[-1]) + 1) if len(r) and
-                     torch.equal(r, torch.arange(int(r[0]), int(r[0]) + len(r))) else
-                     r.to(w.device) for r in rows]
+        self.b = [torch.zeros(slots, rank, len(r), dtype=dtype, device=w.device) for r in rows]
+        self.rows = [r.to(w.device) for r in rows]
+        # the parts' deltas side by side, as columns in output order (None: they are)
+        cols = torch.cat(rows)
+        if not torch.equal(cols.sort().values, torch.arange(out_f)):
+            raise ValueError(f"part_rows must split the {out_f} output rows among the parts")
+        self.order = None if torch.equal(cols, torch.arange(out_f)) else \
+            cols.argsort().to(w.device)
+        self.filled = [False] * slots  # slots holding an adapter that targets this layer
+        self._views: dict = {}  # (lo, hi) -> the used slots' A^T and B_i^T (views), or None
         self.handle = layer.register_forward_hook(self._hook)
 
     @property
@@ -102,39 +120,53 @@ class MultiLoRA:
 
     def set(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
         """Slot `slot` holds `a [parts x R, in local]`, `b [out local, parts x R]` (this rank's
-        shards, part i's rank block in columns `i R .. (i + 1) R`, zero outside its rows;
-        None: zeros, the adapter does not target this layer)."""
+        shards, part i's rank block in rows / columns `i R .. (i + 1) R`, zero outside its
+        rows; None: zeros, the adapter does not target this layer)."""
         self.a[slot].zero_()
         for i, part in enumerate(self.b):
-            part[:, slot].zero_()
+            part[slot].zero_()
             if a is not None:
-                part[:, slot].copy_(b[self.rows[i], i * self.rank:(i + 1) * self.rank])
+                part[slot].copy_(b[self.rows[i], i * self.rank:(i + 1) * self.rank].t())
         if a is not None:
             self.a[slot].copy_(a)
+        self.filled[slot] = a is not None
+        self._views = {}
+
+    def _used(self, lo: int, hi: int):
+        """`(A^T [k, in, parts x R], [B_i^T [k, R, its rows]])` of slots lo..hi-1 (k of
+        them), views (the slots are contiguous blocks); None when no adapter in those slots
+        targets this layer."""
+        key = (lo, hi)
+        if key not in self._views:
+            self._views[key] = (self.a[lo:hi].transpose(1, 2), [b[lo:hi] for b in self.b]) \
+                if any(self.filled[lo:hi]) else None
+        return self._views[key]
 
     def _hook(self, layer, args, out):
         used = self.batch.used
         if used is None:
             return out
-        x, (lo, hi) = args[0], used
-        a = self.a[lo:hi].flatten(0, 1)  # a view: the slots are contiguous blocks
-        parts = len(self.b)
-        mask = self.batch.mask(x.numel() // x.shape[-1] // self.batch.rows.numel(),
-                               parts * self.rank, self.a.dtype)
-        xa = x.to(self.a.dtype).reshape(-1, x.shape[-1]) @ a.t()  # [n, k parts R]
+        views = self._used(*used)
+        if views is None:
+            return out
+        (a_t, b_t), r = views, self.rank
+        x = args[0].reshape(-1, args[0].shape[-1])
+        k, m, take, valid = self.batch.plan(x.shape[0], self.a.dtype)
+        xs = x.index_select(0, take).view(k, m, -1)  # each used slot's tokens
+        if xs.dtype != self.a.dtype:
+            xs = xs.to(self.a.dtype)
+        xa = torch.bmm(xs, a_t)  # [k, m, parts x R]
         if self.row:
             xa = reduce_from_tensor_model_parallel_region(xa)
-        xa = xa * mask
+        if valid is not None:
+            xa = xa * valid
+        d = [torch.bmm(xa if len(b_t) == 1 else xa[..., i * r:(i + 1) * r], b)
+             for i, b in enumerate(b_t)]  # [k, m, its rows] each
+        d = (d[0] if len(d) == 1 else torch.cat(d, -1)).view(k * m, -1)
+        if self.order is not None:  # QKV: the parts' rows interleave per KV group
+            d = d.index_select(1, self.order)
         serving = out.dtype == self.a.dtype and not torch.is_grad_enabled()
         y = out.view(-1, out.shape[-1]) if serving else \
-            torch.zeros(xa.shape[0], out.shape[-1], dtype=xa.dtype, device=xa.device)
-        if parts > 1:  # [n, k, parts, R]: part i's columns of every used slot
-            xa = xa.view(xa.shape[0], hi - lo, parts, self.rank)
-        for i, (b, rows) in enumerate(zip(self.b, self.rows)):
-            xi = xa if parts == 1 else xa[:, :, i].reshape(xa.shape[0], -1)
-            bi = b[:, lo:hi].flatten(1)  # [its rows, k R], a view
-            if isinstance(rows, slice):
-                y[:, rows].addmm_(xi, bi.t())
-            else:
-                y.index_add_(1, rows, xi @ bi.t())
+            torch.zeros(x.shape[0], out.shape[-1], dtype=d.dtype, device=d.device)
+        y.index_add_(0, take, d)
         return out if serving else out + y.view(out.shape).to(out.dtype)
