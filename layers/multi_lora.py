@@ -149,8 +149,20 @@ class MultiLoRA:
         views = self._used(*used)
         if views is None:
             return out
-        (a_t, b_t), r = views, self.rank
-        x = args[0].reshape(-1, args[0].shape[-1])
+        threads = torch.get_num_threads()
+        if threads > 1:  # see the module docstring: small GEMMs, one thread
+            torch.set_num_threads(1)
+        try:
+            return self._add(args[0], out, *views)
+        finally:
+            if threads > 1:
+                torch.set_num_threads(threads)
+
+    def _add(self, x, out, a_t, b_t):
+        """`out [s, b, out local]` plus the deltas of the bound rows of `x [s, b, in local]`
+        (in place while serving: no grad, `out` of the slots' dtype)."""
+        r = self.rank
+        x = x.reshape(-1, x.shape[-1])
         k, m, take, valid = self.batch.plan(x.shape[0], self.a.dtype)
         xs = x.index_select(0, take).view(k, m, -1)  # each used slot's tokens
         if xs.dtype != self.a.dtype:
