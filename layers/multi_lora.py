@@ -2,29 +2,37 @@
 inference/lora.py).
 
 Each targeted linear holds `slots` stacked adapters, `A [slots, parts x R, in]` and, per HF
-part of a fused linear (QKV: q/k/v; SwiGLU's fc1: gate/up), `B_i [its rows, slots, R]`; a
-forward's rows name their adapter in `LoRABatch` (or none: the base), and the deltas
-`B_k (A_k x)` of every row are computed at once over the stacked ranks of the adapters the
-batch uses: `X [n, in] @ A_used^T -> [n, k parts R]`, each row's columns outside its own
-adapter's block zeroed by a mask, then per part `@ B_i,used^T -> [n, its rows]`, added into
-its rows of the output (a slice for SwiGLU's halves, `index_add_` for QKV's per-group rows).
-Each adapter in use is read once per step whatever the rows (the weights, not the FLOPs,
-bound decode), and no zero block: one B over all parts' ranks would read `parts` times the
-B bytes (QKV 3x, fc1 2x); no pass per adapter and no per-row copy of the weights (Punica's
-BGMV gathers per row, Chen et al. 2023; S-LoRA's MBGMM, Sheng et al. 2023, reads each adapter
-once per segment). The adapters used are the contiguous range of slots from the lowest to
-the highest one named (slots are handed out lowest first, so this is usually exactly them):
-a view, never a copy. Against gathering each row's A and B and two `torch.bmm` (Punica's
-BGMV form), SmolLM2's linears at 8 decode rows over 3 adapters of rank 16 took 2-10x less
-time per hook (2-core CPU, 24 GiB, a loaded machine, 2026-12-05), since the gathered form
-copies every row's weights each step.
+part of a fused linear (QKV: q/k/v; SwiGLU's fc1: gate/up), `B_i^T [slots, R, its rows]`; a
+forward's rows name their adapter in `LoRABatch` (or none: the base). As S-LoRA's MBGMM and
+Punica's SGMV (Sheng et al. 2023, sec. 5; Chen et al. 2023) the tokens are grouped by
+adapter: `LoRABatch.plan`, built once per step, lists each used slot's tokens, padded to the
+largest group (m tokens; pads zeroed). Per hook: `x [n, in]` gathered into `[k, m, in]` (k
+used slots, base rows left out), one `bmm` with the slots' `A^T` -> `[k, m, parts x R]`,
+one `bmm` per part with its `B_i^T` -> `[k, m, its rows]`, the parts side by side (QKV's
+columns put in output order, since its parts' rows interleave per KV group), and one
+`index_add_` into the rows of the output. Each adapter in use is read once per step (the
+used slots are the contiguous range from the lowest to the highest one named -- slots are
+handed out lowest first -- a view, never a copy), each token multiplies only its own
+adapter, and no zero block of B is read. Measured on SmolLM2-135M's shapes (30 layers x 4
+hooks, 8 decode rows over 3 adapters of rank 16 + base, 2-core CPU, 24 GiB, 2026-12-06,
+load average 4-9, one thread): 60 us a hook, against 78-98 us for the earlier form (`x @
+A_used^T` over every used adapter's ranks for every row, a mask zeroing the other adapters'
+columns, then per part `@ B_i^T`): that form did k times the FLOPs of this one (4x at this
+mix), and GEMMs of 8 rows on a CPU core are bound by FLOPs (about 40 GFLOP/s), not bytes.
+Gathering each row's A and B and two `bmm` (Punica's BGMV) copies every row's weights each
+step (8 x 331 KB for QKV against 331 KB read once): 0.54x end to end (docs/PERFORMANCE.md).
+
+The hook runs its GEMMs on one thread (`torch.set_num_threads(1)` for the hook, put back
+after: 0.1 us a call): each is a few tens of microseconds, less than an OpenMP fork / join
+costs on a shared host (the same hooks on both threads at load average 8-9: 1,100-3,300 us
+a hook against 88 on one; the base's large GEMMs keep every thread).
 
 Tensor parallelism (as peft's tp_layer and Megatron-Bridge shard LoRA): over a
 column-parallel base the rank holds A whole and its rows of B (the base's output shard);
 over a row-parallel base it holds its columns of A (the base's input shard) and B whole: the
-partial `A_i x_i` `[s, b, R]` are summed over TP before B (one all-reduce of R values per
-token). The delta is added to the layer's output by a forward hook, so the layers stay as
-they are.
+partial `A x_i` `[k, m, R]` are summed over TP before B (one all-reduce of R values per
+token and slot). The delta is added to the layer's output by a forward hook, so the layers
+stay as they are.
 """
 from __future__ import annotations
 
@@ -61,20 +69,17 @@ class LoRABatch:
         key = (n, dtype)
         if key not in self._plans:
             lo, hi = self.used
-            per: list[list[int]] = [[] for _ in range(hi - lo)]
-            b = len(self.slots)
-            for t in range(n // b):
-                for i, x in enumerate(self.slots):
-                    if x >= 0:
-                        per[x - lo].append(t * b + i)
+            token_slot = torch.tensor(self.slots).repeat(n // len(self.slots))
+            per = [torch.nonzero(token_slot == j).flatten() for j in range(lo, hi)]
             m = max(len(p) for p in per)
-            take = torch.tensor([t for p in per for t in p + [0] * (m - len(p))],
-                                device=self.device)
-            valid = None
-            if any(len(p) < m for p in per):
-                valid = torch.tensor([[[float(i < len(p))] for i in range(m)] for p in per],
-                                     dtype=dtype, device=self.device)
-            self._plans[key] = (hi - lo, m, take, valid)
+            take = torch.zeros(hi - lo, m, dtype=torch.long)
+            valid = torch.zeros(hi - lo, m, 1, dtype=dtype)
+            for j, p in enumerate(per):
+                take[j, :len(p)] = p
+                valid[j, :len(p)] = 1
+            pads = any(len(p) < m for p in per)
+            self._plans[key] = (hi - lo, m, take.flatten().to(self.device),
+                                valid.to(self.device) if pads else None)
         return self._plans[key]
 
 
