@@ -2,29 +2,37 @@
 inference/lora.py).
 
 Each targeted linear holds `slots` stacked adapters, `A [slots, parts x R, in]` and, per HF
-part of a fused linear (QKV: q/k/v; SwiGLU's fc1: gate/up), `B_i [its rows, slots, R]`; a
-forward's rows name their adapter in `LoRABatch` (or none: the base), and the deltas
-`B_k (A_k x)` of every row are computed at once over the stacked ranks of the adapters the
-batch uses: `X [n, in] @ A_used^T -> [n, k parts R]`, each row's columns outside its own
-adapter's block zeroed by a mask, then per part `@ B_i,used^T -> [n, its rows]`, added into
-its rows of the output (a slice for SwiGLU's halves, `index_add_` for QKV's per-group rows).
-Each adapter in use is read once per step whatever the rows (the weights, not the FLOPs,
-bound decode), and no zero block: one B over all parts' ranks would read `parts` times the
-B bytes (QKV 3x, fc1 2x); no pass per adapter and no per-row copy of the weights (Punica's
-BGMV gathers per row, Chen et al. 2023; S-LoRA's MBGMM, Sheng et al. 2023, reads each adapter
-once per segment). The adapters used are the contiguous range of slots from the lowest to
-the highest one named (slots are handed out lowest first, so this is usually exactly them):
-a view, never a copy. Against gathering each row's A and B and two `torch.bmm` (Punica's
-BGMV form), SmolLM2's linears at 8 decode rows over 3 adapters of rank 16 took 2-10x less
-time per hook (2-core CPU, 24 GiB, a loaded machine, 2026-12-05), since the gathered form
-copies every row's weights each step.
+part of a fused linear (QKV: q/k/v; SwiGLU's fc1: gate/up), `B_i^T [slots, R, its rows]`; a
+forward's rows name their adapter in `LoRABatch` (or none: the base). As S-LoRA's MBGMM and
+Punica's SGMV (Sheng et al. 2023, sec. 5; Chen et al. 2023) the tokens are grouped by
+adapter: `LoRABatch.plan`, built once per step, lists each used slot's tokens, padded to the
+largest group (m tokens; pads zeroed). Per hook: `x [n, in]` gathered into `[k, m, in]` (k
+used slots, base rows left out), one `bmm` with the slots' `A^T` -> `[k, m, parts x R]`,
+one `bmm` per part with its `B_i^T` -> `[k, m, its rows]`, the parts side by side (QKV's
+columns put in output order, since its parts' rows interleave per KV group), and one
+`index_add_` into the rows of the output. Each adapter in use is read once per step (the
+used slots are the contiguous range from the lowest to the highest one named -- slots are
+handed out lowest first -- a view, never a copy), each token multiplies only its own
+adapter, and no zero block of B is read. Measured on SmolLM2-135M's shapes (30 layers x 4
+hooks, 8 decode rows over 3 adapters of rank 16 + base, 2-core CPU, 24 GiB, 2026-12-06,
+load average 4-9, one thread): 60 us a hook, against 78-98 us for the earlier form (`x @
+A_used^T` over every used adapter's ranks for every row, a mask zeroing the other adapters'
+columns, then per part `@ B_i^T`): that form did k times the FLOPs of this one (4x at this
+mix), and GEMMs of 8 rows on a CPU core are bound by FLOPs (about 40 GFLOP/s), not bytes.
+Gathering each row's A and B and two `bmm` (Punica's BGMV) copies every row's weights each
+step (8 x 331 KB for QKV against 331 KB read once): 0.54x end to end (docs/PERFORMANCE.md).
+
+The hook runs its GEMMs on one thread (`torch.set_num_threads(1)` for the hook, put back
+after: 0.1 us a call): each is a few tens of microseconds, less than an OpenMP fork / join
+costs on a shared host (the same hooks on both threads at load average 8-9: 1,100-3,300 us
+a hook against 88 on one; the base's large GEMMs keep every thread).
 
 Tensor parallelism (as peft's tp_layer and Megatron-Bridge shard LoRA): over a
 column-parallel base the rank holds A whole and its rows of B (the base's output shard);
 over a row-parallel base it holds its columns of A (the base's input shard) and B whole: the
-partial `A_i x_i` `[s, b, R]` are summed over TP before B (one all-reduce of R values per
-token). The delta is added to the layer's output by a forward hook, so the layers stay as
-they are.
+partial `A x_i` `[k, m, R]` are summed over TP before B (one all-reduce of R values per
+token and slot). The delta is added to the layer's output by a forward hook, so the layers
+stay as they are.
 """
 from __future__ import annotations
 
@@ -36,44 +44,54 @@ from .linear import ColumnParallelLinear, RowParallelLinear
 
 
 class LoRABatch:
-    """The adapters of the rows of the forward in progress (`bind`); `used` None when no row
-    names one (the hooks then do nothing)."""
+    """The adapters of the rows of the forward in progress (`bind`, once per engine step);
+    `used` None when no row names one (the hooks then do nothing)."""
 
     def __init__(self):
         self.used: tuple[int, int] | None = None  # slot range [lo, hi) the rows use
-        self.rows: torch.Tensor | None = None  # [b] each row's slot - lo (-1: base)
-        self._masks: dict = {}
+        self.slots: list[int] = []  # each row's slot (-1: base)
+        self.device = None
+        self._plans: dict = {}
 
     def bind(self, slots: list[int], device) -> None:
         """Row i uses adapter slot `slots[i]` (0-based), or none (-1)."""
         used = [x for x in slots if x >= 0]
-        self._masks = {}
-        if not used:
-            self.used = self.rows = None
-            return
-        lo, hi = min(used), max(used) + 1
-        self.used = (lo, hi)
-        self.rows = torch.tensor([x - lo if x >= 0 else -1 for x in slots], device=device)
+        self.slots, self.device, self._plans = list(slots), device, {}
+        self.used = (min(used), max(used) + 1) if used else None
 
-    def mask(self, seq: int, rank: int, dtype) -> torch.Tensor:
-        """`[seq x b, (hi - lo) x rank]`: 1 where a token's row uses the column's slot (row
-        `t b + i` is position t of batch row i, as `[s, b, ...]` flattens)."""
-        key = (seq, rank, dtype)
-        if key not in self._masks:
+    def plan(self, n: int, dtype):
+        """`(k, m, take, valid)` for the `n = seq x b` tokens of a forward (token `t b + i` is
+        position t of batch row i, as `[s, b, ...]` flattens): the tokens of slot `lo + j`
+        are `take[j m:(j + 1) m]` (a LongTensor `[k m]`, k = hi - lo slots, m = the most
+        tokens any slot has), a slot with fewer padded with token 0 and `valid [k, m, 1]`
+        (0 on pads; None without pads) zeroing them. Built once per step and n, shared by
+        every layer."""
+        key = (n, dtype)
+        if key not in self._plans:
             lo, hi = self.used
-            cols = torch.arange(hi - lo, device=self.rows.device).repeat_interleave(rank)
-            self._masks[key] = (self.rows.repeat(seq)[:, None] == cols[None, :]).to(dtype)
-        return self._masks[key]
+            token_slot = torch.tensor(self.slots).repeat(n // len(self.slots))
+            per = [torch.nonzero(token_slot == j).flatten() for j in range(lo, hi)]
+            m = max(len(p) for p in per)
+            take = torch.zeros(hi - lo, m, dtype=torch.long)
+            valid = torch.zeros(hi - lo, m, 1, dtype=dtype)
+            for j, p in enumerate(per):
+                take[j, :len(p)] = p
+                valid[j, :len(p)] = 1
+            pads = any(len(p) < m for p in per)
+            self._plans[key] = (hi - lo, m, take.flatten().to(self.device),
+                                valid.to(self.device) if pads else None)
+        return self._plans[key]
 
 
 class MultiLoRA:
     """The stacked adapters of one linear `layer` (a `ColumnParallelLinear` without
     gather_output, or a `RowParallelLinear`): `a [slots, parts x R, in/tp or in]` and, per
-    part, `b[i] [its rows, slots, R]`, zeros until `set` fills a slot. `part_rows`: for a
-    fused column-parallel layer (QKV, SwiGLU's [gate; up]), the local output rows of each
-    part (a LongTensor each; None: one part, every row), so that each part's B multiplies
-    only its own rank block (no zero blocks are read). Attaches a forward hook adding the
-    deltas for the rows `batch` binds. Raises `ValueError` for another kind of layer."""
+    part, `b[i] [slots, R, its rows]` (B_i transposed), zeros until `set` fills a slot.
+    `part_rows`: for a fused column-parallel layer (QKV, SwiGLU's [gate; up]), the local
+    output rows of each part (a LongTensor each; None: one part, every row), so that each
+    part's B multiplies only its own rank block (no zero blocks are read). Attaches a forward
+    hook adding the deltas for the rows `batch` binds. Raises `ValueError` for another kind
+    of layer."""
 
     def __init__(self, layer, rank: int, slots: int, batch: LoRABatch, part_rows=None):
         if isinstance(layer, ColumnParallelLinear) and not layer.gather_output:
@@ -89,11 +107,16 @@ class MultiLoRA:
         rows = [torch.arange(out_f)] if part_rows is None else list(part_rows)
         self.layer, self.batch, self.rank = layer, batch, rank
         self.a = torch.zeros(slots, len(rows) * rank, in_f, dtype=dtype, device=w.device)
-        self.b = [torch.zeros(len(r), slots, rank, dtype=dtype, device=w.device) for r in rows]
-        # where each part's rows go: a slice when contiguous (SwiGLU's halves), else indices
-        self.rows = [slice(int(r[0]), int(r[-1]) + 1) if len(r) and
-                     torch.equal(r, torch.arange(int(r[0]), int(r[0]) + len(r))) else
-                     r.to(w.device) for r in rows]
+        self.b = [torch.zeros(slots, rank, len(r), dtype=dtype, device=w.device) for r in rows]
+        self.rows = [r.to(w.device) for r in rows]
+        # the parts' deltas side by side, as columns in output order (None: they are)
+        cols = torch.cat(rows)
+        if not torch.equal(cols.sort().values, torch.arange(out_f)):
+            raise ValueError(f"part_rows must split the {out_f} output rows among the parts")
+        self.order = None if torch.equal(cols, torch.arange(out_f)) else \
+            cols.argsort().to(w.device)
+        self.filled = [False] * slots  # slots holding an adapter that targets this layer
+        self._views: dict = {}  # (lo, hi) -> the used slots' A^T and B_i^T (views), or None
         self.handle = layer.register_forward_hook(self._hook)
 
     @property
@@ -102,39 +125,65 @@ class MultiLoRA:
 
     def set(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
         """Slot `slot` holds `a [parts x R, in local]`, `b [out local, parts x R]` (this rank's
-        shards, part i's rank block in columns `i R .. (i + 1) R`, zero outside its rows;
-        None: zeros, the adapter does not target this layer)."""
+        shards, part i's rank block in rows / columns `i R .. (i + 1) R`, zero outside its
+        rows; None: zeros, the adapter does not target this layer)."""
         self.a[slot].zero_()
         for i, part in enumerate(self.b):
-            part[:, slot].zero_()
+            part[slot].zero_()
             if a is not None:
-                part[:, slot].copy_(b[self.rows[i], i * self.rank:(i + 1) * self.rank])
+                part[slot].copy_(b[self.rows[i], i * self.rank:(i + 1) * self.rank].t())
         if a is not None:
             self.a[slot].copy_(a)
+        self.filled[slot] = a is not None
+        self._views = {}
+
+    def _used(self, lo: int, hi: int):
+        """`(A^T [k, in, parts x R], [B_i^T [k, R, its rows]])` of slots lo..hi-1 (k of
+        them), views (the slots are contiguous blocks); None when no adapter in those slots
+        targets this layer."""
+        key = (lo, hi)
+        if key not in self._views:
+            self._views[key] = (self.a[lo:hi].transpose(1, 2), [b[lo:hi] for b in self.b]) \
+                if any(self.filled[lo:hi]) else None
+        return self._views[key]
 
     def _hook(self, layer, args, out):
         used = self.batch.used
         if used is None:
             return out
-        x, (lo, hi) = args[0], used
-        a = self.a[lo:hi].flatten(0, 1)  # a view: the slots are contiguous blocks
-        parts = len(self.b)
-        mask = self.batch.mask(x.numel() // x.shape[-1] // self.batch.rows.numel(),
-                               parts * self.rank, self.a.dtype)
-        xa = x.to(self.a.dtype).reshape(-1, x.shape[-1]) @ a.t()  # [n, k parts R]
+        views = self._used(*used)
+        if views is None:
+            return out
+        threads = torch.get_num_threads()
+        if threads > 1:  # see the module docstring: small GEMMs, one thread
+            torch.set_num_threads(1)
+        try:
+            return self._add(args[0], out, *views)
+        finally:
+            if threads > 1:
+                torch.set_num_threads(threads)
+
+    def _add(self, x, out, a_t, b_t):
+        """`out [s, b, out local]` plus the deltas of the bound rows of `x [s, b, in local]`
+        (in place while serving: no grad, `out` of the slots' dtype)."""
+        r = self.rank
+        x = x.reshape(-1, x.shape[-1])
+        k, m, take, valid = self.batch.plan(x.shape[0], self.a.dtype)
+        xs = x.index_select(0, take).view(k, m, -1)  # each used slot's tokens
+        if xs.dtype != self.a.dtype:
+            xs = xs.to(self.a.dtype)
+        xa = torch.bmm(xs, a_t)  # [k, m, parts x R]
         if self.row:
             xa = reduce_from_tensor_model_parallel_region(xa)
-        xa = xa * mask
+        if valid is not None:
+            xa = xa * valid
+        d = [torch.bmm(xa if len(b_t) == 1 else xa[..., i * r:(i + 1) * r], b)
+             for i, b in enumerate(b_t)]  # [k, m, its rows] each
+        d = (d[0] if len(d) == 1 else torch.cat(d, -1)).view(k * m, -1)
+        if self.order is not None:  # QKV: the parts' rows interleave per KV group
+            d = d.index_select(1, self.order)
         serving = out.dtype == self.a.dtype and not torch.is_grad_enabled()
         y = out.view(-1, out.shape[-1]) if serving else \
-            torch.zeros(xa.shape[0], out.shape[-1], dtype=xa.dtype, device=xa.device)
-        if parts > 1:  # [n, k, parts, R]: part i's columns of every used slot
-            xa = xa.view(xa.shape[0], hi - lo, parts, self.rank)
-        for i, (b, rows) in enumerate(zip(self.b, self.rows)):
-            xi = xa if parts == 1 else xa[:, :, i].reshape(xa.shape[0], -1)
-            bi = b[:, lo:hi].flatten(1)  # [its rows, k R], a view
-            if isinstance(rows, slice):
-                y[:, rows].addmm_(xi, bi.t())
-            else:
-                y.index_add_(1, rows, xi @ bi.t())
+            torch.zeros(x.shape[0], out.shape[-1], dtype=d.dtype, device=d.device)
+        y.index_add_(0, take, d)
         return out if serving else out + y.view(out.shape).to(out.dtype)
