@@ -55,6 +55,10 @@ FORMAT_CODES = {"int8": 0, "int4": 1, "q8_0": 2, "q4_0": 3, "q4_1": 4, "q4_k": 5
 # the formats whose 32-element blocks the 8-bit-activation kernel multiplies
 Q8_FORMATS = ("int8", "int4", "q8_0", "q4_0", "q4_1")
 ENV_SWITCH = "SHARDZOO_QUANT_ACTIVATIONS"
+# kernels.cpp includes q8_tile.h (twice: AVX2 and AVX-512 VNNI)
+SOURCES = ("kernels.cpp", "q8_tile.h")
+# the 8-bit-activation tiles: 2 AVX-512 VNNI where the CPU has it (cpuid), 1 AVX2 only
+Q8_ISA = 2
 ACTIVATION_CHOICES = ("float", "int8")
 
 
@@ -75,9 +79,13 @@ _LOCK = threading.Lock()
 
 
 def extension_name() -> str:
-    """The build's name: `shardzoo_quant_<avx2|generic>_<8 hex of sha256(kernels.cpp)>`."""
-    with open(os.path.join(os.path.dirname(__file__), "kernels.cpp"), "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()[:8]
+    """The build's name: `shardzoo_quant_<avx2|generic>_<8 hex of sha256(kernels.cpp +
+    q8_tile.h)>`."""
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        with open(os.path.join(os.path.dirname(__file__), source), "rb") as f:
+            digest.update(f.read())
+    digest = digest.hexdigest()[:8]
     return f"shardzoo_quant_{'avx2' if _simd() else 'generic'}_{digest}"
 
 
@@ -149,7 +157,7 @@ def _kernel_linear(ext, x2, fmt, out_features, group, t0, t1, t2, bias):
     """float32 `[M, in]` -> float32 `[M, out]` by the compiled kernels."""
     code = FORMAT_CODES[fmt]
     if ACTIVATIONS == "int8" and ext.simd() and fmt in Q8_FORMATS and x2.shape[1] % 32 == 0:
-        return ext.gemv_q8(x2, code, out_features, group, t0, t1, t2, bias)
+        return ext.gemv_q8(x2, code, out_features, group, t0, t1, t2, bias, Q8_ISA)
     if x2.shape[0] <= GEMV_ROWS:
         return ext.gemv(x2, code, out_features, group, t0, t1, t2, bias)
     inp = x2.shape[1]
