@@ -3,12 +3,12 @@
 // per-32-bit-lane sum of four u8 x s8 products (AVX-512 VNNI's vpdpbusd, or AVX2's
 // vpmaddubsw + vpmaddwd), SZ_MR the most input rows a tile holds in registers.
 //
-// A tile is NR output rows x MR input rows: every 32-block of the NR weight rows is decoded
+// A tile is 4 output rows x MR input rows: every 32-block of the 4 weight rows is decoded
 // once into 32 bytes of integer values and multiplied with the MR rows' 8-bit blocks, so a
 // weight byte is read once per MR input rows (once per call for MR >= M), and each input
-// block once per NR weight rows. A block contributes a dx sum_i q_i xq_i + c sx
-// (formats' (a, c) as in kernels.cpp's nibble_block; dx, sx the input block's scale and
-// scaled sum), accumulated in float32 across blocks, in the block order of q8_row.
+// block once per 4 weight rows. A block contributes a dx sum_i q_i xq_i + c sx (formats'
+// (a, c) as in kernels.cpp's nibble_block; dx, sx the input block's scale and scaled sum),
+// accumulated in float32 across blocks.
 namespace SZ_NS {
 
 // the 32 integer values of block b of row n (u8: |q| for the signed formats), the signed
@@ -44,74 +44,77 @@ SZ_TARGET inline __m256i decode(const QW& w, int64_t n, int64_t b, __m256i* sgn,
   return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
 }
 
-SZ_TARGET inline float hsum8(__m256 v) {
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  return _mm_cvtss_f32(h);
+// the 4 int32 sums of p[0..3]'s 8 lanes each
+SZ_TARGET inline __m128i sum4(const __m256i* p) {
+  const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]),
+                                      _mm256_hadd_epi32(p[2], p[3]));
+  return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
 }
 
-// y[m, n + i] = tile dot + bias for i < NR, m < MR (y row stride ldy)
-template <int F, int NR, int MR>
-SZ_TARGET void tile(const QW& w, int64_t n, const int8_t* xq, int64_t K, const float* dx,
-                    const float* sx, int64_t nblk, const float* bias, float* y, int64_t ldy) {
+// y[m, n + i] = dot + bias for the 4 output rows rows[i] = n + i (the last one repeated
+// past n1, not stored) and MR input rows (y row stride ldy). A block's 4 x MR integer sums are
+// exact; each is scaled once (a dx, 4 output rows per float32 vector) and added to acc in
+// block order, c sx likewise.
+template <int F, int MR>
+SZ_TARGET void tile(const QW& w, int64_t n, int64_t n1, const int8_t* xq, int64_t K,
+                    const float* dx, const float* sx, int64_t nblk, const float* bias, float* y,
+                    int64_t ldy) {
   constexpr bool SIGNED = F == Q8_0 || F == INT8;
-  __m256 acc[NR][MR];
-  float cacc[NR][MR];
-  for (int i = 0; i < NR; ++i)
-    for (int r = 0; r < MR; ++r) { acc[i][r] = _mm256_setzero_ps(); cacc[i][r] = 0.f; }
+  int64_t row[4];
+  for (int i = 0; i < 4; ++i) row[i] = std::min<int64_t>(n + i, n1 - 1);
+  __m128 acc[MR], cacc[MR];
+  for (int r = 0; r < MR; ++r) { acc[r] = _mm_setzero_ps(); cacc[r] = _mm_setzero_ps(); }
   for (int64_t b = 0; b < nblk; ++b) {
-    __m256i u[NR], s[NR];
-    float a[NR], c[NR];
-    for (int i = 0; i < NR; ++i) u[i] = decode<F>(w, n + i, b, &s[i], &a[i], &c[i]);
+    __m256i u[4], s[4];
+    float a[4], c[4];
+    for (int i = 0; i < 4; ++i) u[i] = decode<F>(w, row[i], b, &s[i], &a[i], &c[i]);
+    const __m128 va = _mm_setr_ps(a[0], a[1], a[2], a[3]);
+    const __m128 vc = _mm_setr_ps(c[0], c[1], c[2], c[3]);
     for (int r = 0; r < MR; ++r) {
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + b * 32));
-      const float d = dx[r * nblk + b];
-      for (int i = 0; i < NR; ++i) {
-        const __m256i p = SZ_DOT(u[i], SIGNED ? _mm256_sign_epi8(xv, s[i]) : xv);
-        acc[i][r] = _mm256_fmadd_ps(_mm256_set1_ps(a[i] * d), _mm256_cvtepi32_ps(p), acc[i][r]);
-        if (!SIGNED) cacc[i][r] += c[i] * sx[r * nblk + b];
-      }
+      __m256i p[4];
+      for (int i = 0; i < 4; ++i) p[i] = SZ_DOT(u[i], SIGNED ? _mm256_sign_epi8(xv, s[i]) : xv);
+      const __m128 d = _mm_mul_ps(va, _mm_set1_ps(dx[r * nblk + b]));
+      acc[r] = _mm_fmadd_ps(d, _mm_cvtepi32_ps(sum4(p)), acc[r]);
+      if (!SIGNED) cacc[r] = _mm_fmadd_ps(vc, _mm_set1_ps(sx[r * nblk + b]), cacc[r]);
     }
   }
-  for (int i = 0; i < NR; ++i) {
-    const float rs = F == INT8 ? w.p1[(n + i) * w.s1] : 1.f;
-    const float bn = bias ? bias[n + i] : 0.f;
-    for (int r = 0; r < MR; ++r) y[r * ldy + n + i] = (hsum8(acc[i][r]) + cacc[i][r]) * rs + bn;
+  float rs[4] = {1.f, 1.f, 1.f, 1.f}, bn[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int i = 0; i < 4; ++i) {
+    if (F == INT8) rs[i] = w.p1[row[i] * w.s1];
+    if (bias) bn[i] = bias[row[i]];
+  }
+  for (int r = 0; r < MR; ++r) {
+    float out[4];
+    _mm_storeu_ps(out, _mm_add_ps(acc[r], cacc[r]));
+    for (int i = 0; i < 4 && n + i < n1; ++i) y[r * ldy + n + i] = out[i] * rs[i] + bn[i];
   }
 }
 
-// output rows [n0, n1) for every input row: tiles of 4 output rows (single rows at the end)
-// and SZ_MR, 2 or 1 input rows
+// output rows [n0, n1) for every input row: tiles of 4 output rows and SZ_MR, 2 or 1 input
+// rows
 template <int F>
 SZ_TARGET void rows(const QW& w, int64_t n0, int64_t n1, int64_t M, const int8_t* xq,
                     int64_t K, const float* dx, const float* sx, int64_t nblk,
                     const float* bias, float* y, int64_t N) {
-  int64_t n = n0;
-  for (; n < n1; n += 4) {
-    const bool four = n + 4 <= n1;
-    int64_t m = 0;
-    for (; m < M;) {
+  for (int64_t n = n0; n < n1; n += 4)
+    for (int64_t m = 0; m < M;) {
       const int64_t left = M - m;
       const int8_t* xm = xq + m * K;
       const float* dm = dx + m * nblk;
       const float* sm = sx + m * nblk;
       float* ym = y + m * N;
       if (left >= SZ_MR) {
-        if (four) tile<F, 4, SZ_MR>(w, n, xm, K, dm, sm, nblk, bias, ym, N);
-        else for (int64_t j = n; j < n1; ++j) tile<F, 1, SZ_MR>(w, j, xm, K, dm, sm, nblk, bias, ym, N);
+        tile<F, SZ_MR>(w, n, n1, xm, K, dm, sm, nblk, bias, ym, N);
         m += SZ_MR;
       } else if (left >= 2) {
-        if (four) tile<F, 4, 2>(w, n, xm, K, dm, sm, nblk, bias, ym, N);
-        else for (int64_t j = n; j < n1; ++j) tile<F, 1, 2>(w, j, xm, K, dm, sm, nblk, bias, ym, N);
+        tile<F, 2>(w, n, n1, xm, K, dm, sm, nblk, bias, ym, N);
         m += 2;
       } else {
-        if (four) tile<F, 4, 1>(w, n, xm, K, dm, sm, nblk, bias, ym, N);
-        else for (int64_t j = n; j < n1; ++j) tile<F, 1, 1>(w, j, xm, K, dm, sm, nblk, bias, ym, N);
+        tile<F, 1>(w, n, n1, xm, K, dm, sm, nblk, bias, ym, N);
         m += 1;
       }
     }
-  }
 }
 
 SZ_TARGET void run(const QW& w, int64_t n0, int64_t n1, int64_t M, const int8_t* xq,
