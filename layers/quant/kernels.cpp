@@ -295,7 +295,7 @@ void fused_row(const QW& w, int64_t n, const float* x, int64_t ldx, const float*
 // 8-bit-activation path (llama.cpp's scheme: ggml's vec_dot_q4_1_q8_1 and relatives): each
 // input row is quantized per 32-block to xq = round(x / dx), dx = max|x| / 127, and a block
 // contributes a dx sum_i q_i xq_i + c sx (sx = dx sum_i xq_i); q8_tile.h's tiles of 4 output
-// x up to 4 input rows, once with AVX2's u8 x s8 multiply-adds and, where the compiler knows
+// x up to 2 (AVX2) or 8 (AVX-512) input rows, once with AVX2's u8 x s8 multiply-adds and, where the compiler knows
 // them, once with AVX-512 VNNI's (chosen at run time by cpuid). (a, c) as for fused_row.
 #define SZ_NS avx2
 #define SZ_TARGET
@@ -310,7 +310,7 @@ void fused_row(const QW& w, int64_t n, const float* x, int64_t ldx, const float*
 #define SZ_VNNI 1
 #define SZ_NS vnni
 #define SZ_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
-#define SZ_MR 4
+#define SZ_MR 8  // 32 vector registers: 16 accumulators + a block of 4 rows
 #define SZ_DOT(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (s))
 #include "q8_tile.h"
 #undef SZ_NS

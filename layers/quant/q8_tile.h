@@ -91,8 +91,8 @@ SZ_TARGET void tile(const QW& w, int64_t n, int64_t n1, const int8_t* xq, int64_
   }
 }
 
-// output rows [n0, n1) for every input row: tiles of 4 output rows and SZ_MR, 2 or 1 input
-// rows
+// output rows [n0, n1) for every input row: tiles of 4 output rows and SZ_MR, 4, 2 or 1
+// input rows
 template <int F>
 SZ_TARGET void rows(const QW& w, int64_t n0, int64_t n1, int64_t M, const int8_t* xq,
                     int64_t K, const float* dx, const float* sx, int64_t nblk,
@@ -107,6 +107,9 @@ SZ_TARGET void rows(const QW& w, int64_t n0, int64_t n1, int64_t M, const int8_t
       if (left >= SZ_MR) {
         tile<F, SZ_MR>(w, n, n1, xm, K, dm, sm, nblk, bias, ym, N);
         m += SZ_MR;
+      } else if (SZ_MR > 4 && left >= 4) {
+        tile<F, 4>(w, n, n1, xm, K, dm, sm, nblk, bias, ym, N);
+        m += 4;
       } else if (left >= 2) {
         tile<F, 2>(w, n, n1, xm, K, dm, sm, nblk, bias, ym, N);
         m += 2;
