@@ -2,7 +2,8 @@
 oneDNN's float32 GEMM on the packed weight (layers/gemm.py) and, where they apply, aten's
 weight-only kernels (`_weight_int8pack_mm` with bf16 activations and scales,
 `_weight_int4pack_mm_for_cpu` with bf16 activations, group 32/128); "i8act" rows are the same
-format with 8-bit activations (SHARDZOO_QUANT_ACTIVATIONS=int8).
+format with 8-bit activations (SHARDZOO_QUANT_ACTIVATIONS=int8), "i8act avx2" those on the
+AVX2 tiles where the CPU also has AVX-512 VNNI.
 
     python bench/quant_matmul.py [--rows 1 8] [--rounds 7] [--calls 10] [--threads 2]
         [--shapes 960x576 576x576 3072x576 576x1536 49152x576] [--dtype float32|bfloat16]
@@ -66,6 +67,8 @@ def methods(out: int, inp: int, dtype: torch.dtype):
         make = found.get(fmt)
         if make is not None:
             found[fmt + " i8act"] = int8_activations(make)
+            if kernels.Q8_ISA == 2 and getattr(kernels.extension(), "q8_isa", lambda: 1)() == 2:
+                found[fmt + " i8act avx2"] = int8_activations(make, isa=1)
 
     def aten_int8():
         q = torch.randint(-127, 128, (out, inp), dtype=torch.int8)
@@ -89,17 +92,20 @@ def methods(out: int, inp: int, dtype: torch.dtype):
     return {k: v for k, v in found.items() if v is not None}
 
 
-def int8_activations(make):
-    """`make` with its calls under SHARDZOO_QUANT_ACTIVATIONS=int8."""
+def int8_activations(make, isa=None):
+    """`make` with its calls under SHARDZOO_QUANT_ACTIVATIONS=int8 (and `kernels.Q8_ISA =
+    isa`: 1 the AVX2 tiles where the CPU has AVX-512 VNNI)."""
     def made():
         fn, nbytes = make()
 
         def call(x):
             kernels.ACTIVATIONS = "int8"
+            kept = kernels.Q8_ISA
+            kernels.Q8_ISA = isa or kept
             try:
                 return fn(x)
             finally:
-                kernels.ACTIVATIONS = "float"
+                kernels.ACTIVATIONS, kernels.Q8_ISA = "float", kept
         return call, nbytes
     return made
 

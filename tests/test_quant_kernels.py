@@ -151,6 +151,25 @@ def test_8_bit_activations_stay_within_their_bound(fmt, monkeypatch):
     check(qw, torch.randn(64, 256)[:, ::2])
 
 
+@pytest.mark.parametrize("fmt", kernels.Q8_FORMATS)
+def test_the_vnni_tiles_equal_the_avx2_tiles(fmt):
+    """The 8-bit-activation tiles sum each block's integer products exactly, so the AVX-512
+    VNNI build (vpdpbusd) and the AVX2 one (vpmaddubsw + vpmaddwd) give the same bits, at
+    every tile remainder (output rows not a multiple of 4, input rows not of the tile's)."""
+    ext = kernels.extension()
+    if ext is None or ext.q8_isa() < 2:
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    g = torch.Generator().manual_seed(6)
+    for out in (1, 6, 13):
+        qw = make_weight(fmt, out, 128, seed=out)
+        fmt_, n, group, t0, t1, t2 = qw._product
+        code = kernels.FORMAT_CODES[fmt_]
+        for rows in (1, 2, 3, 5, 8, 9):
+            x, bias = torch.randn(rows, 128, generator=g), torch.randn(out, generator=g)
+            assert torch.equal(ext.gemv_q8(x, code, n, group, t0, t1, t2, bias, 2),
+                               ext.gemv_q8(x, code, n, group, t0, t1, t2, bias, 1))
+
+
 def test_a_bad_activation_switch_is_refused(monkeypatch):
     monkeypatch.setenv(kernels.ENV_SWITCH, "fp8")
     with pytest.raises(ValueError, match="SHARDZOO_QUANT_ACTIVATIONS='fp8': expected one of"):

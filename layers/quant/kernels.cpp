@@ -294,42 +294,86 @@ void fused_row(const QW& w, int64_t n, const float* x, int64_t ldx, const float*
 #if SZ_AVX2
 // 8-bit-activation path (llama.cpp's scheme: ggml's vec_dot_q4_1_q8_1 and relatives): each
 // input row is quantized per 32-block to xq = round(x / dx), dx = max|x| / 127, and a block
-// contributes a dx sum_i q_i xq_i + c sx (sx = dx sum_i xq_i), the integer sums by AVX2's
-// u8 x s8 multiply-adds. (a, c) as for fused_row.
-template <int R>
-void q8_row(const QW& w, int64_t n, const int8_t* xq, int64_t K, const float* dx,
-            const float* sx, int64_t nblk, float* out) {
-  __m256 acc[R];
-  float cacc[R];
-  for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); cacc[r] = 0.f; }
-  const uint8_t* row = w.p0 + n * w.s0;
-  const __m256i m4 = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
-  const bool is_signed = w.fmt == Q8_0 || w.fmt == INT8;
-  for (int64_t b = 0; b < nblk; ++b) {
-    __m256i bx;
-    float a, c;
-    if (is_signed) {
-      const uint8_t* q = w.fmt == Q8_0 ? row + b * 34 + 2 : row + b * 32;
-      bx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-      a = w.fmt == Q8_0 ? half_to_float(row + b * 34) : 1.f;
-      c = 0.f;
-    } else {
-      const uint8_t* q = nibble_block(w, n, b, &a, &c);
-      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-      bx = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), m4);
+// contributes a dx sum_i q_i xq_i + c sx (sx = dx sum_i xq_i); q8_tile.h's tiles of 4 output
+// x up to 2 (AVX2) or 8 (AVX-512) input rows, once with AVX2's u8 x s8 multiply-adds and, where the compiler knows
+// them, once with AVX-512 VNNI's (chosen at run time by cpuid). (a, c) as for fused_row.
+#define SZ_NS avx2
+#define SZ_TARGET
+#define SZ_MR 2
+#define SZ_DOT(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1))
+#include "q8_tile.h"
+#undef SZ_NS
+#undef SZ_TARGET
+#undef SZ_MR
+#undef SZ_DOT
+#if defined(__GNUC__) && (defined(__clang__) ? __clang_major__ >= 9 : __GNUC__ >= 9)
+#define SZ_VNNI 1
+#define SZ_NS vnni
+#define SZ_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+#define SZ_MR 8  // 32 vector registers: 16 accumulators + a block of 4 rows
+#define SZ_DOT(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (s))
+#include "q8_tile.h"
+#undef SZ_NS
+#undef SZ_TARGET
+#undef SZ_MR
+#undef SZ_DOT
+#else
+#define SZ_VNNI 0
+#endif
+
+// whether this CPU (and its OS) runs the AVX-512 VNNI tiles
+bool cpu_has_vnni() {
+#if SZ_VNNI
+  static const bool has = __builtin_cpu_supports("avx512f") &&
+                          __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") &&
+                          __builtin_cpu_supports("avx512vnni");
+  return has;
+#else
+  return false;
+#endif
+}
+
+// x's rows quantized per 32-block (int4: each block's even elements first, its nibbles):
+// xq [M, K] int8, dx [M, K/32] the scales, sx [M, K/32] dx times the block's integer sum
+void quantize_rows(const float* xp, int64_t ldx, int64_t M, int64_t K, bool int4,
+                   int8_t* xq, float* dx, float* sx) {
+  const int64_t nblk = K / 32;
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  float tmp[32];
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t bb = 0; bb < nblk; ++bb) {
+      const float* src = xp + m * ldx + bb * 32;
+      if (int4) {
+        for (int i = 0; i < 16; ++i) { tmp[i] = src[2 * i]; tmp[16 + i] = src[2 * i + 1]; }
+        src = tmp;
+      }
+      __m256 v[4], mx = _mm256_setzero_ps();
+      for (int j = 0; j < 4; ++j) {
+        v[j] = _mm256_loadu_ps(src + 8 * j);
+        mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[j]));
+      }
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_max_ss(h, _mm_movehdup_ps(h));
+      const float d = _mm_cvtss_f32(h) / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+      __m256i q[4];
+      for (int j = 0; j < 4; ++j)  // round half to even, as nearbyint
+        q[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], _mm256_set1_ps(id)),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      const __m256i s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]),
+                                         _mm256_add_epi32(q[2], q[3]));
+      __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+      // packs interleave 128-bit lanes: the permute puts the 32 bytes back in order
+      const __m256i p16a = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
+      const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b),
+                                                     _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + m * K + bb * 32), p8);
+      dx[m * nblk + bb] = d;
+      sx[m * nblk + bb] = d * static_cast<float>(_mm_cvtsi128_si32(t));
     }
-    const __m256i ax = is_signed ? _mm256_sign_epi8(bx, bx) : bx;
-    for (int r = 0; r < R; ++r) {
-      __m256i by = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + b * 32));
-      if (is_signed) by = _mm256_sign_epi8(by, bx);
-      const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, by), ones);
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(a * dx[r * nblk + b]), _mm256_cvtepi32_ps(p),
-                               acc[r]);
-      cacc[r] += c * sx[r * nblk + b];
-    }
-  }
-  finish_rows<R>(w, n, acc, cacc, out);
 }
 #endif
 
@@ -437,61 +481,44 @@ at::Tensor gemv(const at::Tensor& x, int64_t fmt, int64_t out_features, int64_t 
   return y;
 }
 
-// As gemv, with x quantized to 8 bits per 32-block first (q8_row). Only for the 32-block
-// formats with in % 32 == 0 on AVX2 (kernels.py checks).
+// As gemv, with x quantized to 8 bits per 32-block first (quantize_rows, the tiles of
+// q8_tile.h). Only for the 32-block formats with in % 32 == 0 on AVX2 (kernels.py checks).
+// isa: 2 the AVX-512 VNNI tiles where the CPU has them (else AVX2), 1 the AVX2 tiles.
 at::Tensor gemv_q8(const at::Tensor& x, int64_t fmt, int64_t out_features, int64_t group,
                    const at::Tensor& t0, const c10::optional<at::Tensor>& t1,
-                   const c10::optional<at::Tensor>& t2, const c10::optional<at::Tensor>& bias) {
+                   const c10::optional<at::Tensor>& t2, const c10::optional<at::Tensor>& bias,
+                   int64_t isa) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
               "low-bit kernel: x must be float32 [M, in] with unit column stride");
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
   TORCH_CHECK(K % 32 == 0, "8-bit activations need in % 32 == 0");
   const QW w = make_qw(fmt, K, group, t0, t1, t2);
+  TORCH_CHECK(w.fmt == INT8 || w.fmt == INT4 || w.fmt == Q8_0 || w.fmt == Q4_0 || w.fmt == Q4_1,
+              "8-bit activations: format code ", fmt, " has no 32-element blocks");
   at::Tensor y = at::empty({M, N}, x.options());
 #if SZ_AVX2
-  const float* xp = x.data_ptr<float>();
-  const int64_t ldx = x.stride(0), nblk = K / 32;
   float* yp = y.data_ptr<float>();
   at::Tensor b;
   const float* bp = nullptr;
   if (bias.has_value()) { b = bias->to(at::kFloat).contiguous(); bp = b.data_ptr<float>(); }
+  const int64_t nblk = K / 32;
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(M * nblk), sx(M * nblk);
-  float tmp[32];
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t bb = 0; bb < nblk; ++bb) {
-      const float* src = xp + m * ldx + bb * 32;
-      for (int i = 0; i < 32; ++i)  // int4: each block's even elements first (its nibbles)
-        tmp[i] = w.fmt == INT4 ? src[i < 16 ? 2 * i : 2 * (i - 16) + 1] : src[i];
-      float amax = 0.f;
-      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(tmp[i]));
-      const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-      int sum = 0;
-      for (int i = 0; i < 32; ++i) {
-        const int v = static_cast<int>(std::nearbyint(tmp[i] * id));
-        xq[m * K + bb * 32 + i] = static_cast<int8_t>(v);
-        sum += v;
-      }
-      dx[m * nblk + bb] = d;
-      sx[m * nblk + bb] = d * static_cast<float>(sum);
+  quantize_rows(x.data_ptr<float>(), x.stride(0), M, K, w.fmt == INT4, xq.data(), dx.data(),
+                sx.data());
+  const bool use_vnni = isa >= 2 && cpu_has_vnni();
+  // strips of 4 output rows; grain: enough strips that a thread's share is worth the fork
+  const int64_t strips = (N + 3) / 4;
+  const int64_t grain = std::max<int64_t>(1, 16384 / K);
+  at::parallel_for(0, strips, grain, [&](int64_t s0, int64_t s1) {
+    const int64_t n0 = s0 * 4, n1 = std::min(N, s1 * 4);
+#if SZ_VNNI
+    if (use_vnni) {
+      vnni::run(w, n0, n1, M, xq.data(), K, dx.data(), sx.data(), bp, yp, N);
+      return;
     }
-  const int64_t grain = std::max<int64_t>(1, 65536 / K);
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    float acc[4];
-    for (int64_t n = n0; n < n1; ++n) {
-      const float bn = bp ? bp[n] : 0.f;
-      int64_t m = 0;
-      for (; m + 4 <= M; m += 4) {
-        q8_row<4>(w, n, xq.data() + m * K, K, dx.data() + m * nblk, sx.data() + m * nblk,
-                  nblk, acc);
-        for (int r = 0; r < 4; ++r) yp[(m + r) * N + n] = acc[r] + bn;
-      }
-      for (; m < M; ++m) {
-        q8_row<1>(w, n, xq.data() + m * K, K, dx.data() + m * nblk, sx.data() + m * nblk,
-                  nblk, acc);
-        yp[m * N + n] = acc[0] + bn;
-      }
-    }
+#endif
+    avx2::run(w, n0, n1, M, xq.data(), K, dx.data(), sx.data(), bp, yp, N);
   });
 #else
   TORCH_CHECK(false, "8-bit activations need the AVX2 build");
@@ -514,9 +541,19 @@ at::Tensor dequant(int64_t fmt, int64_t in, int64_t group, int64_t start, int64_
 
 int64_t simd() { return SZ_AVX2; }
 
+// 2 where gemv_q8 runs AVX-512 VNNI tiles on this CPU, 1 AVX2, 0 none
+int64_t q8_isa() {
+#if SZ_AVX2
+  return cpu_has_vnni() ? 2 : 1;
+#else
+  return 0;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv);
   m.def("dequant", &dequant);
   m.def("simd", &simd);
   m.def("gemv_q8", &gemv_q8);
+  m.def("q8_isa", &q8_isa);
 }

@@ -55,6 +55,10 @@ FORMAT_CODES = {"int8": 0, "int4": 1, "q8_0": 2, "q4_0": 3, "q4_1": 4, "q4_k": 5
 # the formats whose 32-element blocks the 8-bit-activation kernel multiplies
 Q8_FORMATS = ("int8", "int4", "q8_0", "q4_0", "q4_1")
 ENV_SWITCH = "SHARDZOO_QUANT_ACTIVATIONS"
+# kernels.cpp includes q8_tile.h (twice: AVX2 and AVX-512 VNNI)
+SOURCES = ("kernels.cpp", "q8_tile.h")
+# the 8-bit-activation tiles: 2 AVX-512 VNNI where the CPU has it (cpuid), 1 AVX2 only
+Q8_ISA = 2
 ACTIVATION_CHOICES = ("float", "int8")
 
 
@@ -71,13 +75,18 @@ ACTIVATIONS = _activations()
 
 _EXT = None
 _TRIED = False
+_SIMD = [False]  # whether the built kernels have the AVX2 code (set with _EXT)
 _LOCK = threading.Lock()
 
 
 def extension_name() -> str:
-    """The build's name: `shardzoo_quant_<avx2|generic>_<8 hex of sha256(kernels.cpp)>`."""
-    with open(os.path.join(os.path.dirname(__file__), "kernels.cpp"), "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()[:8]
+    """The build's name: `shardzoo_quant_<avx2|generic>_<8 hex of sha256(kernels.cpp +
+    q8_tile.h)>`."""
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        with open(os.path.join(os.path.dirname(__file__), source), "rb") as f:
+            digest.update(f.read())
+    digest = digest.hexdigest()[:8]
     return f"shardzoo_quant_{'avx2' if _simd() else 'generic'}_{digest}"
 
 
@@ -133,11 +142,14 @@ def extension():
                                   f"(slower). Install g++ and ninja to build them.",
                                   stacklevel=3)
                     _EXT = None
+                _SIMD[0] = bool(_EXT is not None and _EXT.simd())
                 _TRIED = True
     return _EXT
 
 
-def _storage(fmt, tensors):
+def storage(fmt: str, tensors: dict[str, torch.Tensor]) -> tuple:
+    """The kernels' storage arguments (t0, t1, t2) of a weight in `fmt`: (qweight, scales,
+    None) int8, (qweight, scales, zeros) int4, (blocks, None, None) the GGUF formats."""
     if fmt == "int8":
         return tensors["qweight"], tensors["scales"], None
     if fmt == "int4":
@@ -148,8 +160,8 @@ def _storage(fmt, tensors):
 def _kernel_linear(ext, x2, fmt, out_features, group, t0, t1, t2, bias):
     """float32 `[M, in]` -> float32 `[M, out]` by the compiled kernels."""
     code = FORMAT_CODES[fmt]
-    if ACTIVATIONS == "int8" and ext.simd() and fmt in Q8_FORMATS and x2.shape[1] % 32 == 0:
-        return ext.gemv_q8(x2, code, out_features, group, t0, t1, t2, bias)
+    if ACTIVATIONS == "int8" and fmt in Q8_FORMATS and x2.shape[1] % 32 == 0 and _SIMD[0]:
+        return ext.gemv_q8(x2, code, out_features, group, t0, t1, t2, bias, Q8_ISA)
     if x2.shape[0] <= GEMV_ROWS:
         return ext.gemv(x2, code, out_features, group, t0, t1, t2, bias)
     inp = x2.shape[1]
@@ -165,10 +177,12 @@ def _kernel_linear(ext, x2, fmt, out_features, group, t0, t1, t2, bias):
 
 
 def _quant_linear_impl(x, fmt, out_features, group, t0, t1, t2, bias):
-    x2 = x.reshape(-1, x.shape[-1])
+    # a decode step calls this ~120 times: the common case (2-D float32 rows, kernels built)
+    # takes no reshape, copy or cast
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if x2.dtype != torch.float32 or x2.stride(-1) != 1:
         x2 = x2.float().contiguous()
-    ext = extension()
+    ext = _EXT if _TRIED else extension()
     if ext is None or x2.device.type != "cpu":
         from .weight import reference_linear
         tensors = {"int8": ("qweight", "scales"), "int4": ("qweight", "scales", "zeros")}.get(
@@ -177,7 +191,9 @@ def _quant_linear_impl(x, fmt, out_features, group, t0, t1, t2, bias):
                              dict(zip(tensors, (t0, t1, t2))), x2, bias)
     else:
         y = _kernel_linear(ext, x2, fmt, out_features, group, t0, t1, t2, bias)
-    return y.to(x.dtype).view(*x.shape[:-1], out_features)
+    if y.dtype != x.dtype:
+        y = y.to(x.dtype)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], out_features)
 
 
 def _quant_linear_fake(x, fmt, out_features, group, t0, t1, t2, bias):
@@ -197,7 +213,12 @@ def linear(fmt: str, shape: tuple[int, int], group: int, tensors: dict[str, torc
     """`x [..., in] @ w^T (+ bias)` -> `[..., out]` in x's dtype for a weight of `shape`
     `[out, in]` in `fmt` with storage `tensors` (formats.py) and block / group size `group`.
     Under torch.compile: the opaque op `shardzoo::quant_linear`."""
-    t0, t1, t2 = _storage(fmt, tensors)
+    return product((fmt, shape[0], group) + storage(fmt, tensors), x, bias)
+
+
+def product(stored: tuple, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear` with its weight as `(fmt, out, group, t0, t1, t2)` (`storage`), as
+    `QuantizedWeight` keeps it: `x [..., in]` -> `[..., out]` in x's dtype."""
     if torch.compiler.is_compiling():
-        return _OP(x, fmt, shape[0], group, t0, t1, t2, bias)
-    return _quant_linear_impl(x, fmt, shape[0], group, t0, t1, t2, bias)
+        return _OP(x, *stored, bias)
+    return _quant_linear_impl(x, *stored, bias)

@@ -26,7 +26,8 @@ class QuantizedWeight:
         if fmt not in FORMATS:
             raise ValueError(f"unknown weight format {fmt!r}; supported: {', '.join(FORMATS)}")
         out, inp = (int(s) for s in shape)
-        expected = storage_shapes(fmt, (out, inp), group_size_of(fmt, tensors, inp))
+        self._group = group_size_of(fmt, tensors, inp)
+        expected = storage_shapes(fmt, (out, inp), self._group)
         if set(tensors) != set(expected):
             raise ValueError(f"a {fmt} weight holds {sorted(expected)}, not {sorted(tensors)}")
         for name, (size, dtype) in expected.items():
@@ -38,12 +39,14 @@ class QuantizedWeight:
         tensors = {k: t if t.dim() < 2 or t.stride(-1) == 1 or t.shape[-1] == 1
                    else t.contiguous() for k, t in tensors.items()}
         self.format, self.shape, self.tensors = fmt, torch.Size((out, inp)), dict(tensors)
+        # what `linear` hands the kernels each call (a decode step makes ~120 calls)
+        self._product = (fmt, out, self._group) + kernels.storage(fmt, self.tensors)
 
     # ---- what it is
     @property
     def block_size(self) -> int:
         """Input elements per quantization block / group (int8: the whole row)."""
-        return group_size_of(self.format, self.tensors, self.shape[1])
+        return self._group
 
     @property
     def nbytes(self) -> int:
@@ -174,8 +177,7 @@ class QuantizedWeight:
         by the CPU kernels of kernels.py (never a float32 copy of the whole weight; under
         torch.compile the opaque op `shardzoo::quant_linear`). Float32 accumulation of the
         exact de-quantized weight times x widened to float32."""
-        return kernels.linear(self.format, tuple(self.shape), self.block_size, self.tensors,
-                              x, bias)
+        return kernels.product(self._product, x, bias)
 
     def input_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """`grad [..., out] @ w` -> `[..., in]` in grad's dtype: the input gradient of

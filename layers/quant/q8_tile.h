@@ -1,0 +1,136 @@
+// The 8-bit-activation tile kernel of kernels.cpp, included once per instruction set:
+// SZ_NS names the namespace, SZ_TARGET the functions' target attribute, SZ_DOT(u, s) the
+// per-32-bit-lane sum of four u8 x s8 products (AVX-512 VNNI's vpdpbusd, or AVX2's
+// vpmaddubsw + vpmaddwd), SZ_MR the most input rows a tile holds in registers.
+//
+// A tile is 4 output rows x MR input rows: every 32-block of the 4 weight rows is decoded
+// once into 32 bytes of integer values and multiplied with the MR rows' 8-bit blocks, so a
+// weight byte is read once per MR input rows (once per call for MR >= M), and each input
+// block once per 4 weight rows. A block contributes a dx sum_i q_i xq_i + c sx (formats'
+// (a, c) as in kernels.cpp's nibble_block; dx, sx the input block's scale and scaled sum),
+// accumulated in float32 across blocks.
+namespace SZ_NS {
+
+// the 32 integer values of block b of row n (u8: |q| for the signed formats), the signed
+// values for the sign trick (signed formats only), and (a, c)
+template <int F>
+SZ_TARGET inline __m256i decode(const QW& w, int64_t n, int64_t b, __m256i* sgn, float* a,
+                                float* c) {
+  const uint8_t* row = w.p0 + n * w.s0;
+  if (F == Q8_0 || F == INT8) {
+    const uint8_t* q = F == Q8_0 ? row + b * 34 + 2 : row + b * 32;
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+    *a = F == Q8_0 ? half_to_float(row + b * 34) : 1.f;
+    *c = 0.f;
+    *sgn = v;
+    return _mm256_sign_epi8(v, v);
+  }
+  const uint8_t* q;
+  if (F == INT4) {
+    const int64_t g = (b * 32) / w.group;
+    *a = w.p1[n * w.s1 + g];
+    *c = -*a * w.p2[n * w.s2 + g];
+    q = row + b * 16;
+  } else if (F == Q4_0) {
+    *a = half_to_float(row + b * 18);
+    *c = -8.f * *a;
+    q = row + b * 18 + 2;
+  } else {
+    *a = half_to_float(row + b * 20);
+    *c = half_to_float(row + b * 20 + 2);
+    q = row + b * 20 + 4;
+  }
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
+}
+
+// the 4 int32 sums of p[0..3]'s 8 lanes each
+SZ_TARGET inline __m128i sum4(const __m256i* p) {
+  const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]),
+                                      _mm256_hadd_epi32(p[2], p[3]));
+  return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+// y[m, n + i] = dot + bias for the 4 output rows rows[i] = n + i (the last one repeated
+// past n1, not stored) and MR input rows (y row stride ldy). A block's 4 x MR integer sums are
+// exact; each is scaled once (a dx, 4 output rows per float32 vector) and added to acc in
+// block order, c sx likewise.
+template <int F, int MR>
+SZ_TARGET void tile(const QW& w, int64_t n, int64_t n1, const int8_t* xq, int64_t K,
+                    const float* dx, const float* sx, int64_t nblk, const float* bias, float* y,
+                    int64_t ldy) {
+  constexpr bool SIGNED = F == Q8_0 || F == INT8;
+  int64_t row[4];
+  for (int i = 0; i < 4; ++i) row[i] = std::min<int64_t>(n + i, n1 - 1);
+  __m128 acc[MR], cacc[MR];
+  for (int r = 0; r < MR; ++r) { acc[r] = _mm_setzero_ps(); cacc[r] = _mm_setzero_ps(); }
+  for (int64_t b = 0; b < nblk; ++b) {
+    __m256i u[4], s[4];
+    float a[4], c[4];
+    for (int i = 0; i < 4; ++i) u[i] = decode<F>(w, row[i], b, &s[i], &a[i], &c[i]);
+    const __m128 va = _mm_setr_ps(a[0], a[1], a[2], a[3]);
+    const __m128 vc = _mm_setr_ps(c[0], c[1], c[2], c[3]);
+    for (int r = 0; r < MR; ++r) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + b * 32));
+      __m256i p[4];
+      for (int i = 0; i < 4; ++i) p[i] = SZ_DOT(u[i], SIGNED ? _mm256_sign_epi8(xv, s[i]) : xv);
+      const __m128 d = _mm_mul_ps(va, _mm_set1_ps(dx[r * nblk + b]));
+      acc[r] = _mm_fmadd_ps(d, _mm_cvtepi32_ps(sum4(p)), acc[r]);
+      if (!SIGNED) cacc[r] = _mm_fmadd_ps(vc, _mm_set1_ps(sx[r * nblk + b]), cacc[r]);
+    }
+  }
+  float rs[4] = {1.f, 1.f, 1.f, 1.f}, bn[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int i = 0; i < 4; ++i) {
+    if (F == INT8) rs[i] = w.p1[row[i] * w.s1];
+    if (bias) bn[i] = bias[row[i]];
+  }
+  for (int r = 0; r < MR; ++r) {
+    float out[4];
+    _mm_storeu_ps(out, _mm_add_ps(acc[r], cacc[r]));
+    for (int i = 0; i < 4 && n + i < n1; ++i) y[r * ldy + n + i] = out[i] * rs[i] + bn[i];
+  }
+}
+
+// output rows [n0, n1) for every input row: tiles of 4 output rows and SZ_MR, 4, 2 or 1
+// input rows
+template <int F>
+SZ_TARGET void rows(const QW& w, int64_t n0, int64_t n1, int64_t M, const int8_t* xq,
+                    int64_t K, const float* dx, const float* sx, int64_t nblk,
+                    const float* bias, float* y, int64_t N) {
+  for (int64_t n = n0; n < n1; n += 4)
+    for (int64_t m = 0; m < M;) {
+      const int64_t left = M - m;
+      const int8_t* xm = xq + m * K;
+      const float* dm = dx + m * nblk;
+      const float* sm = sx + m * nblk;
+      float* ym = y + m * N;
+      if (left >= SZ_MR) {
+        tile<F, SZ_MR>(w, n, n1, xm, K, dm, sm, nblk, bias, ym, N);
+        m += SZ_MR;
+      } else if (SZ_MR > 4 && left >= 4) {
+        tile<F, 4>(w, n, n1, xm, K, dm, sm, nblk, bias, ym, N);
+        m += 4;
+      } else if (left >= 2) {
+        tile<F, 2>(w, n, n1, xm, K, dm, sm, nblk, bias, ym, N);
+        m += 2;
+      } else {
+        tile<F, 1>(w, n, n1, xm, K, dm, sm, nblk, bias, ym, N);
+        m += 1;
+      }
+    }
+}
+
+SZ_TARGET void run(const QW& w, int64_t n0, int64_t n1, int64_t M, const int8_t* xq,
+                   int64_t K, const float* dx, const float* sx, const float* bias, float* y,
+                   int64_t N) {
+  const int64_t nblk = K / 32;
+  switch (w.fmt) {
+    case INT8: rows<INT8>(w, n0, n1, M, xq, K, dx, sx, nblk, bias, y, N); break;
+    case INT4: rows<INT4>(w, n0, n1, M, xq, K, dx, sx, nblk, bias, y, N); break;
+    case Q8_0: rows<Q8_0>(w, n0, n1, M, xq, K, dx, sx, nblk, bias, y, N); break;
+    case Q4_0: rows<Q4_0>(w, n0, n1, M, xq, K, dx, sx, nblk, bias, y, N); break;
+    default: rows<Q4_1>(w, n0, n1, M, xq, K, dx, sx, nblk, bias, y, N); break;
+  }
+}
+
+}  // namespace SZ_NS
