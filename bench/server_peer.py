@@ -2,9 +2,11 @@
 against vLLM's own (`vllm.entrypoints.openai.api_server`, in its own virtual environment) on
 the same HF folder, at several numbers of concurrent streaming clients.
 
-Both servers are started once and kept up; for each client count the load runs on one, then
-the other, then again in the other order (rounds alternated: AB, BA, ...), after the idle
-server's processes have settled (vLLM polls a core for ~1 s after answering; `settle`). Each
+Both servers are started once and kept up; for each client count an untimed warm-up round
+runs on each (a compiled engine meets that batch size's shapes there), then the load runs
+on one, then the other, then again in the other order (rounds alternated: AB, BA, ...),
+after the idle server's processes have settled (vLLM polls a core for ~1 s after
+answering; `settle`). Each
 client sends `requests_per_client` streaming /v1/completions requests one after the other
 (`max_tokens` = `--new-tokens`, greedy, `ignore_eos`, prompts that differ in their first
 token, so prefix caching cannot help either side; it is off on both). Per client count and
@@ -224,6 +226,9 @@ def compare_servers(args, exe: str, folder: str, ckpt: str, dtype: str, text: st
             run_round(ports[name], 4, 1, args.new_tokens, text)
         for clients in args.server_clients:
             per_client = max(1, 16 // clients)
+            for name in procs:  # untimed: shapes first seen here compile (--compile, vLLM)
+                settle(roots)
+                run_round(ports[name], clients, 1, args.new_tokens, text)
             got = {"shardzoo": [], "vLLM": []}
             loads, split = [], [0, 0, 0.0]  # our API process's ticks, engine's, seconds
             for r in range(args.server_rounds):
