@@ -138,3 +138,92 @@ def finish_measured(proc: subprocess.Popen, timeout: int = 180) -> tuple[int, st
         raise AssertionError(f"{proc.args[7:]} still ran after {timeout} s:\n{out[-2000:]}")
     body, _, peak = out.rpartition("peak_rss_kib ")
     return proc.returncode, body.rstrip(), int(peak) / 1024
+
+
+def start_measured_cases(argvs: list[list[str]], preload: list[str], timeout: int = 300,
+                         env: dict | None = None) -> subprocess.Popen:
+    """`python *argv` for each argument list, measured like `start_measured` but in one
+    interpreter started from a shell: it imports the `preload` modules (torch: 2-3 s on 2
+    cores) once, then forks one child per case that runs the script as `__main__` (its
+    `sys.exit(main())`, with `sys.argv` = argv) with stdout and stderr in a file of its own. A
+    forked child's getrusage ru_maxrss starts at the parent's resident size, not at the peak
+    its imports reached: a case's peak is the larger of the child's and the imports' (what
+    a fresh interpreter that imported the same modules reaches, measured per case); a case
+    still running after `timeout` seconds is killed by SIGALRM (a hang).
+    `finish_measured_cases` waits for them."""
+    import json
+
+    proc = subprocess.Popen(["/bin/sh", "-c", '"$@"; exit $?', "sh", sys.executable, "-c",
+                             _MEASURED_CASES, json.dumps(preload),
+                             json.dumps([[str(a) for a in argv] for argv in argvs]),
+                             str(timeout)],
+                            cwd=REPO, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc.case_timeout = timeout * len(argvs) + 120  # the imports and every case
+    return proc
+
+
+def finish_measured_cases(proc: subprocess.Popen) -> list[tuple[int, str, float]]:
+    """Per case of a `start_measured_cases` process: (exit code, output, peak resident
+    memory of its child in MiB); AssertionError naming the case that ran past its timeout."""
+    import json
+
+    try:
+        out = proc.communicate(timeout=proc.case_timeout)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out = proc.communicate()[0]
+    _, found, tail = out.rpartition("\nmeasured_cases ")
+    assert proc.returncode == 0 and found, f"the cases' process failed:\n{out[-3000:]}"
+    results = []
+    for argv, code, text, imports_peak in json.loads(tail):
+        if code == -14:  # SIGALRM
+            raise AssertionError(f"{argv} still ran after its timeout:\n{text[-2000:]}")
+        body, _, peak = text.rpartition("peak_rss_kib ")
+        results.append((code, body.rstrip(), max(int(peak), imports_peak) / 1024))
+    return results
+
+
+_MEASURED_CASES = """import atexit, json, os, resource, runpy, signal, sys, tempfile, traceback
+preload, cases, timeout = json.loads(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
+for name in preload:
+    __import__(name)
+parent_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # the imports' transient peak
+
+
+def child(argv):
+    sys.argv, sys.path[0] = argv, os.path.dirname(os.path.abspath(argv[0]))
+    signal.alarm(timeout)
+    code = 0
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    print(f"\\npeak_rss_kib {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}", file=sys.stderr,
+          flush=True)
+    os._exit(code)
+
+
+results = []
+for argv in cases:
+    with tempfile.TemporaryFile() as f:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            os.dup2(f.fileno(), 1)
+            os.dup2(f.fileno(), 2)
+            child(argv)
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        f.seek(0)
+        results.append([argv, code, f.read().decode(errors="replace"), parent_peak])
+print("\\nmeasured_cases " + json.dumps(results))
+"""

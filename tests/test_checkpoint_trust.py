@@ -10,7 +10,9 @@ deep or larger than its cap is refused in one line, in bounded time and memory.
 One tiny-llama run (saved at iterations 1 and 2) is trained once, in a spawned world of 1
 process; each case damages its own copy of iteration 2. Every path is called in-process for
 every case (train.main in one spawned world of 1, the others in this process); each CLI also
-runs once as a subprocess on the crafted pickle.
+runs as its command line (the script as `__main__`) on the crafted pickle, and infer.py and
+tools/checkpoint_info.py on the oversized metadata.json files, each case in a child forked
+from one measured interpreter that imported torch once (launch.start_measured_cases).
 """
 from __future__ import annotations
 
@@ -19,21 +21,22 @@ import json
 import os
 import pickle
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from launch import REPO, finish_measured, read_metrics, start_measured, train_in_one_world
+from launch import (finish_measured_cases, read_metrics, start_measured_cases,
+                    train_in_one_world)
 
 TRAIN = ["--config", "configs/tiny-llama.yaml", "--train-iters", "2", "--eval-interval", "0",
          "--log-interval", "1", "--peak-tflops", "1"]
 CASES = ("pickle", "swapped", "flipped", "truncated", "num_layers", "tokenizer", "unlisted",
          "link")
 SHARD = "__0_0.distcp"
+# imported once by the measured process whose forked children run the command lines
+PRELOAD = ["torch", "inference.loading", "training.trainer", "checkpoint.hf"]
 # the file each case must be refused by, and a word of its problem
 NAMED = {"pickle": (".metadata", "refused"), "swapped": (SHARD, "sha256"),
          "flipped": (SHARD, "sha256"), "truncated": (SHARD, "truncated"),
@@ -202,7 +205,6 @@ def test_every_cli_refuses_a_crafted_metadata_pickle(hostile, tmp_path, corpus_e
     its size and sha256, so only the restricted unpickler stands in the way)."""
     cases, marker, _ = hostile
     folder = cases["pickle"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **corpus_env}
     commands = {
         "train": ["train.py", "--load", str(folder), "--train-iters", "3", "--eval-interval",
                   "0", "--peak-tflops", "1", "--log-dir", str(tmp_path / "log")],
@@ -211,15 +213,12 @@ def test_every_cli_refuses_a_crafted_metadata_pickle(hostile, tmp_path, corpus_e
                    str(tmp_path / "hf")],
         "info": ["tools/checkpoint_info.py", str(folder)],
     }
-    procs = {k: subprocess.Popen([sys.executable, *cmd], cwd=REPO, env=env, text=True,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for k, cmd in commands.items()}
-    outs = {k: p.communicate(timeout=240)[0] for k, p in procs.items()}
+    proc = start_measured_cases(commands.values(), PRELOAD, 240, corpus_env)
     missed = []
-    for k, p in procs.items():
-        missed += [f"{k}: {m}" for m in _missed("pickle", folder, outs[k], marker)] + (
-            [] if p.returncode in (1, 2) and "Traceback" not in outs[k] else
-            [f"{k}: exit {p.returncode}, or a traceback"])
+    for k, (code, out, _) in zip(commands, finish_measured_cases(proc)):
+        missed += [f"{k}: {m}" for m in _missed("pickle", folder, out, marker)] + (
+            [] if code in (1, 2) and "Traceback" not in out else
+            [f"{k}: exit {code}, or a traceback"])
     assert not missed, "\n".join(missed)
 
 
@@ -408,17 +407,17 @@ def test_metadata_sizes_and_nesting_are_bounded(hostile, tmp_path):
     _, _, save = hostile
     expect = {"layers": "1000000000 layers", "moe_layers": "1000000000 layers",
               "nested": "RecursionError", "large": "more than the 16,777,216 accepted"}
-    procs = {}
+    argvs = {}
     for case in expect:
         folder = tmp_path / case / "iter_0000002"
         shutil.copytree(save / "iter_0000002", folder)
         _metadata_case(case, folder)
-        procs[case, "info"] = start_measured(["tools/checkpoint_info.py", str(folder)])
-        procs[case, "infer"] = start_measured(["infer.py", "--load", str(folder), "--prompt",
-                                               "hi", "--max-new-tokens", "1"])
+        argvs[case, "info"] = ["tools/checkpoint_info.py", folder]
+        argvs[case, "infer"] = ["infer.py", "--load", folder, "--prompt", "hi",
+                                "--max-new-tokens", "1"]
+    proc = start_measured_cases(argvs.values(), PRELOAD)
     missed = []
-    for (case, tool), proc in procs.items():
-        code, out, peak = finish_measured(proc, timeout=300)
+    for (case, tool), (code, out, peak) in zip(argvs, finish_measured_cases(proc)):
         line = next((x for x in out.splitlines() if "metadata.json" in x), "")
         if code not in (1, 2) or "Traceback" in out or expect[case] not in line or \
                 str(tmp_path / case / "iter_0000002" / "metadata.json") not in line:
