@@ -55,10 +55,8 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -268,28 +266,11 @@ def part_pipeline(args, ckpt) -> None:
           flush=True)
 
 
-def _stream_completion(port, prompt, n, out, i) -> None:
-    import http.client
-
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    conn.request("POST", "/v1/completions", body=json.dumps({
-        "model": "m", "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
-        "ignore_eos": True, "stream_options": {"include_usage": True}}),
-        headers={"content-type": "application/json"})
-    r = conn.getresponse()
-    tokens = 0
-    for line in r:
-        if line.startswith(b"data: {"):
-            obj = json.loads(line[6:])
-            if obj.get("usage"):
-                tokens = obj["usage"]["completion_tokens"]
-    conn.close()
-    out[i] = tokens
-
-
 def serve_throughput(args, ckpt, dp: int) -> float:
     """Completion tokens/s of `args.clients` concurrent streaming clients at `dp` replicas."""
     import socket
+
+    import server_peer
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -311,28 +292,14 @@ def serve_throughput(args, ckpt, dp: int) -> float:
         else:
             raise RuntimeError("server did not start:\n" + "".join(log[-30:]))
         threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-        prompts = [f"{TEXT} {i}" for i in range(args.clients)]
-        _stream_completion(port, prompts[0], 4, [0], 0)  # warm-up
-        got = [0] * args.clients
-        threads = [threading.Thread(target=_stream_completion,
-                                    args=(port, p, args.new_tokens, got, i))
-                   for i, p in enumerate(prompts)]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - t0
-        if sum(got) != args.clients * args.new_tokens:
-            raise RuntimeError(f"expected {args.clients * args.new_tokens} tokens, got {sum(got)}")
-        return sum(got) / wall
+        server_peer.run_round(port, 1, 1, 4, TEXT)  # warm-up
+        got = server_peer.run_round(port, args.clients, 1, args.new_tokens, TEXT)
+        if got["tokens"] != args.clients * args.new_tokens:
+            raise RuntimeError(f"expected {args.clients * args.new_tokens} tokens, got "
+                               f"{got['tokens']}")
+        return got["tps"]
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        server_peer.stop(proc)
 
 
 def part_server(args, ckpt) -> None:

@@ -38,9 +38,9 @@ import threading
 import time
 import shutil
 
+from vllm_peer import OWN_PROCESS_GROUP
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-OWN_PROCESS_GROUP = ({"process_group": 0} if sys.version_info >= (3, 11)
-                     else {"preexec_fn": os.setpgrp})
 
 
 def free_port() -> int:
