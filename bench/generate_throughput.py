@@ -386,6 +386,16 @@ def main() -> None:
     tune_host_allocator()  # as infer.py does; process-wide, so transformers gets it too
     if args.pipeline_worker:
         return pipeline_worker(args)
+    for part, module, finder, flag in (("vllm", "vllm_peer", "find_vllm", args.vllm_python),
+                                       ("llamacpp", "llamacpp_peer", "find_llamacpp",
+                                        args.llamacpp_python)):
+        if part in args.parts:  # a peer that is absent: say so before loading anything
+            exe, why = getattr(__import__(module), finder)(flag)
+            if exe is None:
+                print(f"{part} part skipped: {why}", flush=True)
+                args.parts = [p for p in args.parts if p != part]
+    if not args.parts:
+        return
     path = args.hf or default_model()
     from models.tokenizer import Tokenizer
     from models.hf.files import open_hf
