@@ -27,6 +27,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlparse
 
+from server_peer import proc_table, subtree
 from vllm_peer import OWN_PROCESS_GROUP
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,22 +36,8 @@ sys.path.insert(0, REPO)
 
 def rss_mib(root: int) -> float:
     """Resident memory (MiB) of process `root` and all its descendants (Linux /proc)."""
-    children: dict[int, list[int]] = {}
-    rss = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(pid))
-            rss[int(pid)] = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError, IndexError):
-            continue
-    total, todo = 0, [root]
-    while todo:
-        p = todo.pop()
-        total += rss.get(p, 0)
-        todo += children.get(p, [])
-    return total / 2**20
+    page = os.sysconf("SC_PAGE_SIZE")
+    return subtree(root, *proc_table(lambda fields: int(fields[21]) * page)) / 2**20
 
 
 def one_request(base: str, model: str, i: int, max_tokens: int) -> tuple[str, int]:

@@ -49,26 +49,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def cpu_ticks() -> tuple[dict[int, list[int]], dict[int, int]]:
-    """({pid: child pids}, {pid: user + system CPU ticks}) of every process (Linux /proc)."""
+def proc_table(value) -> tuple[dict[int, list[int]], dict[int, int]]:
+    """({pid: child pids}, {pid: value(fields)}) of every process, `fields` the split
+    /proc/PID/stat after the command name (Linux)."""
     children: dict[int, list[int]] = {}
-    ticks = {}
+    values = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
             children.setdefault(int(fields[1]), []).append(int(pid))
-            ticks[int(pid)] = int(fields[11]) + int(fields[12])
+            values[int(pid)] = value(fields)
         except (OSError, ValueError, IndexError):
             continue
-    return children, ticks
+    return children, values
 
 
-def subtree(root: int, children: dict, ticks: dict) -> int:
+def cpu_ticks() -> tuple[dict[int, list[int]], dict[int, int]]:
+    """({pid: child pids}, {pid: user + system CPU ticks}) of every process."""
+    return proc_table(lambda fields: int(fields[11]) + int(fields[12]))
+
+
+def subtree(root: int, children: dict, values: dict) -> int:
+    """The sum of `values` over process `root` and all its descendants."""
     total, todo = 0, [root]
     while todo:
         p = todo.pop()
-        total += ticks.get(p, 0)
+        total += values.get(p, 0)
         todo += children.get(p, [])
     return total
 

@@ -88,19 +88,14 @@ class LogprobsFormat:
             index, [0, codecs.getincrementaldecoder("utf-8")(errors="replace")])
         for token_id, logprob, top in entries:
             text, raw = self._token(token_id)
-            if logprob is None:  # an echoed prompt's first token: nothing predicts it
-                out["tokens"].append(text)
-                out["token_logprobs"].append(None)
-                out["top_logprobs"].append(None)
-                out["text_offset"].append(state[0])
-                state[0] += len(state[1].decode(raw or b""))
-                continue
-            alternatives = {}
-            for i, lp in top[:self.top]:
-                alternatives.setdefault(self._token(i)[0], _value(lp))
-            alternatives.setdefault(text, _value(logprob))
+            alternatives = None  # an echoed prompt's first token: nothing predicts it
+            if logprob is not None:
+                alternatives = {}
+                for i, lp in top[:self.top]:
+                    alternatives.setdefault(self._token(i)[0], _value(lp))
+                alternatives.setdefault(text, _value(logprob))
             out["tokens"].append(text)
-            out["token_logprobs"].append(_value(logprob))
+            out["token_logprobs"].append(None if logprob is None else _value(logprob))
             out["top_logprobs"].append(alternatives)
             out["text_offset"].append(state[0])
             state[0] += len(state[1].decode(raw or b""))

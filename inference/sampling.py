@@ -178,10 +178,18 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Ten
     temperature / top-k / top-p (vLLM's default `raw_logprobs`; OpenAI documents its values
     as the model's). -inf stays -inf (a logit of -inf); a NaN logit gives NaN.
     """
-    lp = torch.log_softmax(logits.float(), dim=-1)
+    return _logprob_table(torch.log_softmax(logits.float(), dim=-1), ids, k)
+
+
+def _logprob_table(lp: torch.Tensor, ids: torch.Tensor, k: int, rank: bool = False):
+    """`[b, 1 (+ 1) + 2k]` float64 from log-probabilities `lp [b, V]`: the logprob of `ids`,
+    (with `rank`: 1 + the number of ids strictly more likely), the k most likely ids and
+    their logprobs."""
     chosen = lp.gather(1, ids.to(lp.device).view(-1, 1))
-    top = lp.topk(min(k, lp.shape[-1]), dim=-1) if k else None
-    parts = [chosen] if top is None else [chosen, top.indices.to(lp.dtype), top.values]
+    parts = [chosen, (lp > chosen).sum(dim=1, keepdim=True) + 1] if rank else [chosen]
+    if k:
+        top = lp.topk(min(k, lp.shape[-1]), dim=-1)
+        parts += [top.indices, top.values]
     return torch.cat([t.double() for t in parts], dim=1)
 
 
@@ -190,11 +198,7 @@ def prompt_token_logprobs(logits: torch.Tensor, ids: torch.Tensor, k: int) -> to
     logits at the position before token j): `(logprob of ids[j], its rank, k ids in
     decreasing probability, their k logprobs)`. The rank is 1 + the number of ids strictly
     more likely (vLLM's `Logprob.rank`); the distribution is `token_logprobs`'."""
-    values = token_logprobs(logits, ids, k)
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(1, ids.to(lp.device).view(-1, 1))
-    rank = (lp > chosen).sum(dim=1, keepdim=True) + 1
-    return torch.cat([values[:, :1], rank.double(), values[:, 1:]], dim=1)
+    return _logprob_table(torch.log_softmax(logits.float(), dim=-1), ids, k, rank=True)
 
 
 def unpack_prompt_logprobs(row: list[float], token: int, n: int) -> tuple:
