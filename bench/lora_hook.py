@@ -8,8 +8,10 @@ The model, adapters and row mix of bench/lora_throughput.py (SmolLM2-135M-Instru
 rank-16 adapters on every linear, rows round-robin over the adapters and the base): each
 step binds the rows (`LoRAManager.bind`, as the engine does once per step) and runs every
 targeted linear's hook on a decode input `[1, batch, in]`, adding into a `[1, batch, out]`
-output. Prints the mean per hook (us) and per step (ms), best of `--repeats` rounds of
-`--steps` steps, with the load average before and after (the machine may be shared).
+output. Both forms of the hook, alternated: the SGMV kernels (layers/lora_kernels.py) and the
+`torch.bmm` form they fall back to. Prints the mean per hook (us) and per step (ms) of each,
+best of `--repeats` rounds of `--steps` steps, their largest difference, with the load
+average before and after (the machine may be shared).
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ def main() -> None:
     import parallel_state as ps
     from inference.loading import load
     from inference.lora import LoRAManager
+    from layers import lora_kernels
 
     torch.set_num_threads(os.cpu_count())
     ps.initialize_distributed("cpu")
@@ -54,22 +57,39 @@ def main() -> None:
     slots = [(i % (args.adapters + 1) + 1) % (args.adapters + 1) for i in range(args.batch)]
     hooks = []
     for m in lora.layers.values():
-        in_f = m.a.shape[-1]
+        in_f = m.a.shape[1]
         out_f = m.layer.output_size if m.row else m.layer.output_size_per_partition
         hooks.append((m, torch.randn(1, args.batch, in_f), torch.zeros(1, args.batch, out_f)))
     print(f"load average before {os.getloadavg()[0]:.2f}", flush=True)
-    best = float("inf")
+    ext = lora_kernels.extension()
+    forms = {"sgmv": ext, "bmm": None} if ext is not None else {"bmm": None}
+    best = {form: float("inf") for form in forms}
+    deltas = {}
     for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            lora.bind(slots, "cpu")
-            for m, x, out in hooks:
-                m._hook(m.layer, (x,), out)
-        best = min(best, (time.perf_counter() - t0) / args.steps)
+        for form, module in forms.items():  # alternated
+            lora_kernels._EXT = module
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                lora.bind(slots, "cpu")
+                for m, x, out in hooks:
+                    m._hook(m.layer, (x,), out)
+            best[form] = min(best[form], (time.perf_counter() - t0) / args.steps)
+            deltas[form] = []
+            for m, x, out in hooks:  # one step's deltas, from zero outputs
+                y = torch.zeros_like(out)
+                m._hook(m.layer, (x,), y)
+                deltas[form].append(y)
+    lora_kernels._EXT = ext
     print(f"{len(hooks)} hooks, batch {args.batch} (slots {slots}), {args.adapters} adapters "
-          f"of rank {args.rank}, {os.cpu_count()} cores: {best * 1e3:.2f} ms a step, "
-          f"{best / len(hooks) * 1e6:.1f} us a hook (best of {args.repeats} x {args.steps} "
-          f"steps); load average after {os.getloadavg()[0]:.2f}")
+          f"of rank {args.rank}, {os.cpu_count()} cores, best of {args.repeats} x "
+          f"{args.steps} steps; load average after {os.getloadavg()[0]:.2f}")
+    for form, t in best.items():
+        print(f"  {form}: {t * 1e3:.2f} ms a step, {t / len(hooks) * 1e6:.1f} us a hook")
+    if len(deltas) == 2:
+        diff = max((a - b).abs().max().item() for a, b in zip(deltas["sgmv"], deltas["bmm"]))
+        size = max(b.abs().max().item() for b in deltas["bmm"])
+        print(f"  sgmv / bmm: {best['bmm'] / best['sgmv']:.2f}x faster; deltas differ by at "
+              f"most {diff:.2e} (largest delta {size:.2e})")
 
 
 if __name__ == "__main__":

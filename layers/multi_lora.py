@@ -1,31 +1,31 @@
 """Many LoRA adapters over one frozen linear layer, one adapter per batch row (serving:
 inference/lora.py).
 
-Each targeted linear holds `slots` stacked adapters, `A [slots, parts x R, in]` and, per HF
-part of a fused linear (QKV: q/k/v; SwiGLU's fc1: gate/up), `B_i^T [slots, R, its rows]`; a
+Each targeted linear holds `slots` stacked adapters, `A^T [slots, in, parts x R]` and every
+HF part's `B_i^T` side by side, `[slots, R, out]` (a fused linear's parts: QKV's q/k/v,
+SwiGLU's fc1 gate/up; part i's columns are its own rows of the output, its rank block i); a
 forward's rows name their adapter in `LoRABatch` (or none: the base). As S-LoRA's MBGMM and
 Punica's SGMV (Sheng et al. 2023, sec. 5; Chen et al. 2023) the tokens are grouped by
-adapter: `LoRABatch.plan`, built once per step, lists each used slot's tokens, padded to the
-largest group (m tokens; pads zeroed). Per hook: `x [n, in]` gathered into `[k, m, in]` (k
-used slots, base rows left out), one `bmm` with the slots' `A^T` -> `[k, m, parts x R]`,
-one `bmm` per part with its `B_i^T` -> `[k, m, its rows]`, the parts side by side (QKV's
-columns put in output order, since its parts' rows interleave per KV group), and one
-`index_add_` into the rows of the output. Each adapter in use is read once per step (the
-used slots are the contiguous range from the lowest to the highest one named -- slots are
-handed out lowest first -- a view, never a copy), each token multiplies only its own
-adapter, and no zero block of B is read. Measured on SmolLM2-135M's shapes (30 layers x 4
-hooks, 8 decode rows over 3 adapters of rank 16 + base, 2-core CPU, 24 GiB, 2026-12-06,
-load average 4-9, one thread): 60 us a hook, against 78-98 us for the earlier form (`x @
-A_used^T` over every used adapter's ranks for every row, a mask zeroing the other adapters'
-columns, then per part `@ B_i^T`): that form did k times the FLOPs of this one (4x at this
-mix), and GEMMs of 8 rows on a CPU core are bound by FLOPs (about 40 GFLOP/s), not bytes.
-Gathering each row's A and B and two `bmm` (Punica's BGMV) copies every row's weights each
-step (8 x 331 KB for QKV against 331 KB read once): 0.54x end to end (docs/PERFORMANCE.md).
+adapter, once per step: each adapter in use is read once per hook (the used slots are the
+contiguous range from the lowest to the highest one named -- slots are handed out lowest
+first), each token multiplies only its own adapter, and no zero block of B is read.
 
-The hook runs its GEMMs on one thread (`torch.set_num_threads(1)` for the hook, put back
-after: 0.1 us a call): each is a few tens of microseconds, less than an OpenMP fork / join
-costs on a shared host (the same hooks on both threads at load average 8-9: 1,100-3,300 us
-a hook against 88 on one; the base's large GEMMs keep every thread).
+Float32 rows on a CPU (serving's case) go through the C++ kernels of layers/lora_kernels.py:
+one call a hook, shrink `x A^T` then expand into the output rows in place, in register tiles
+on one thread; a row's delta is the same bits alone as in any batch. Anything else (bfloat16,
+autograd, no compiler) takes the `torch.bmm` form: the tokens gathered into `[k, m, in]`
+(`LoRABatch.plan`: k used slots, groups padded to the largest, m, pads zeroed), one `bmm`
+with the slots' `A^T` -> `[k, m, parts x R]`, one per part with its `B_i^T`, the parts put
+in output order (QKV's rows interleave per KV group) and one `index_add_`, on one thread
+(`torch.set_num_threads(1)` for the hook: its GEMMs take tens of microseconds, less than an
+OpenMP fork / join costs on a shared host, where both threads took 1,100-3,300 us a hook at
+load average 8-9 against 88 on one). SmolLM2-135M's shapes (30 layers x 4 hooks, 8 decode
+rows over 3 adapters of rank 16 + base; bench/lora_hook.py, docs/PERFORMANCE.md): the
+kernels against the `bmm` form, whose GEMMs of 8 rows are bound by dispatch and one FMA
+chain's latency, not by bytes. Forms measured and dropped: `x @ A_used^T` over every used
+adapter's ranks for every row with a mask (k times the FLOPs), each row's A and B gathered
+and two `bmm` (Punica's BGMV: every row's weights copied each step, 0.54x end to end), a
+block-diagonal B (reads the zero blocks).
 
 Tensor parallelism (as peft's tp_layer and Megatron-Bridge shard LoRA): over a
 column-parallel base the rank holds A whole and its rows of B (the base's output shard);
@@ -38,8 +38,10 @@ from __future__ import annotations
 
 import torch
 
-from parallel_state import reduce_from_tensor_model_parallel_region
+from parallel_state import (get_tensor_model_parallel_world_size,
+                            reduce_from_tensor_model_parallel_region)
 
+from . import lora_kernels
 from .linear import ColumnParallelLinear, RowParallelLinear
 
 
@@ -82,11 +84,42 @@ class LoRABatch:
                                 valid.to(self.device) if pads else None)
         return self._plans[key]
 
+    def segments(self, n: int):
+        """`(tokens, seg)` for the SGMV kernels (layers/lora_kernels.py): the ids of the `n`
+        tokens that use slots lo..hi-1, grouped by slot (LongTensor `[tokens]`), the group of
+        slot `lo + j` in `tokens[seg[j]:seg[j + 1]]` (`seg` LongTensor `[k + 1]`). Built once
+        per step and n, on the CPU."""
+        key = ("segments", n)
+        if key not in self._plans:
+            lo, hi = self.used
+            token_slot = torch.tensor(self.slots).repeat(n // len(self.slots))
+            per = [torch.nonzero(token_slot == j).flatten() for j in range(lo, hi)]
+            seg = torch.tensor([0] + [len(p) for p in per]).cumsum(0)
+            self._plans[key] = (torch.cat(per), seg)
+        return self._plans[key]
+
+
+def _runs(rows: list[torch.Tensor]) -> torch.Tensor:
+    """`[n, 4]` LongTensor of (part, first column of `b_all`, first output row, length): the
+    parts' columns cut into runs of consecutive output rows (one run a part, except for QKV,
+    whose parts' rows interleave per KV group)."""
+    runs, col = [], 0
+    for part, r in enumerate(rows):
+        r = r.tolist()
+        for w, row in enumerate(r):
+            if w and row == r[w - 1] + 1:
+                runs[-1][3] += 1
+            else:
+                runs.append([part, col + w, row, 1])
+        col += len(r)
+    return torch.tensor(runs, dtype=torch.long).reshape(-1, 4)
+
 
 class MultiLoRA:
     """The stacked adapters of one linear `layer` (a `ColumnParallelLinear` without
-    gather_output, or a `RowParallelLinear`): `a [slots, parts x R, in/tp or in]` and, per
-    part, `b[i] [slots, R, its rows]` (B_i transposed), zeros until `set` fills a slot.
+    gather_output, or a `RowParallelLinear`): `a [slots, in/tp or in, parts x R]` (A
+    transposed) and `b_all [slots, R, out local]` (each part's B_i transposed, side by side;
+    `b[i]` the view of part i), zeros until `set` fills a slot.
     `part_rows`: for a fused column-parallel layer (QKV, SwiGLU's [gate; up]), the local
     output rows of each part (a LongTensor each; None: one part, every row), so that each
     part's B multiplies only its own rank block (no zero blocks are read). Attaches a forward
@@ -105,14 +138,21 @@ class MultiLoRA:
         dtype = w.dtype if isinstance(w, torch.Tensor) and w.is_floating_point() \
             else torch.float32
         rows = [torch.arange(out_f)] if part_rows is None else list(part_rows)
-        self.layer, self.batch, self.rank = layer, batch, rank
-        self.a = torch.zeros(slots, len(rows) * rank, in_f, dtype=dtype, device=w.device)
-        self.b = [torch.zeros(slots, rank, len(r), dtype=dtype, device=w.device) for r in rows]
-        self.rows = [r.to(w.device) for r in rows]
-        # the parts' deltas side by side, as columns in output order (None: they are)
         cols = torch.cat(rows)
         if not torch.equal(cols.sort().values, torch.arange(out_f)):
             raise ValueError(f"part_rows must split the {out_f} output rows among the parts")
+        self.layer, self.batch, self.rank = layer, batch, rank
+        # A transposed, [slots, in, parts x R]: what the shrink kernel and `bmm` read
+        self.a = torch.zeros(slots, in_f, len(rows) * rank, dtype=dtype, device=w.device)
+        # every part's B^T side by side, [slots, R, out local]; `b` its parts (views)
+        self.b_all = torch.zeros(slots, rank, out_f, dtype=dtype, device=w.device)
+        widths = [len(r) for r in rows]
+        self.b = list(self.b_all.split(widths, dim=2))
+        self.rows = [r.to(w.device) for r in rows]
+        self.runs = _runs(rows)
+        # the SGMV kernels' case (serving float32 on a CPU; layers/lora_kernels.py)
+        self._sgmv = dtype == torch.float32 and w.device.type == "cpu"
+        # the parts' deltas side by side, as columns in output order (None: they are)
         self.order = None if torch.equal(cols, torch.arange(out_f)) else \
             cols.argsort().to(w.device)
         self.filled = [False] * slots  # slots holding an adapter that targets this layer
@@ -121,7 +161,7 @@ class MultiLoRA:
 
     @property
     def nbytes(self) -> int:
-        return self.a.nbytes + sum(b.nbytes for b in self.b)
+        return self.a.nbytes + self.b_all.nbytes
 
     def set(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
         """Slot `slot` holds `a [parts x R, in local]`, `b [out local, parts x R]` (this rank's
@@ -133,7 +173,7 @@ class MultiLoRA:
             if a is not None:
                 part[slot].copy_(b[self.rows[i], i * self.rank:(i + 1) * self.rank].t())
         if a is not None:
-            self.a[slot].copy_(a)
+            self.a[slot].copy_(a.t())
         self.filled[slot] = a is not None
         self._views = {}
 
@@ -143,7 +183,7 @@ class MultiLoRA:
         targets this layer."""
         key = (lo, hi)
         if key not in self._views:
-            self._views[key] = (self.a[lo:hi].transpose(1, 2), [b[lo:hi] for b in self.b]) \
+            self._views[key] = (self.a[lo:hi], [b[lo:hi] for b in self.b]) \
                 if any(self.filled[lo:hi]) else None
         return self._views[key]
 
@@ -154,6 +194,12 @@ class MultiLoRA:
         views = self._used(*used)
         if views is None:
             return out
+        x = args[0]
+        if (self._sgmv and x.dtype == out.dtype == torch.float32 and
+                not torch.is_grad_enabled() and out.is_contiguous()):
+            ext = lora_kernels.extension()
+            if ext is not None:
+                return self._add_sgmv(ext, x, out, used[0])
         threads = torch.get_num_threads()
         if threads > 1:  # see the module docstring: small GEMMs, one thread
             torch.set_num_threads(1)
@@ -162,6 +208,19 @@ class MultiLoRA:
         finally:
             if threads > 1:
                 torch.set_num_threads(threads)
+
+    def _add_sgmv(self, ext, x, out, lo: int):
+        """`out [s, b, out local]` (float32, contiguous) plus, in place, the deltas of the
+        bound rows of `x [s, b, in local]` by the SGMV kernels (serving, no grad)."""
+        tokens, seg = self.batch.segments(x.numel() // x.shape[-1])
+        if self.row and get_tensor_model_parallel_world_size() > 1:
+            x = x.reshape(-1, x.shape[-1]).contiguous()
+            xa = ext.shrink(x, self.a, lo, tokens, seg)  # [tokens, parts x R], partial sums
+            ext.expand(reduce_from_tensor_model_parallel_region(xa), self.b_all, self.runs, lo,
+                       tokens, seg, out.view(-1, out.shape[-1]))
+        else:
+            ext.add(x, self.a, self.b_all, self.runs, lo, tokens, seg, out)
+        return out
 
     def _add(self, x, out, a_t, b_t):
         """`out [s, b, out local]` plus the deltas of the bound rows of `x [s, b, in local]`

@@ -211,8 +211,9 @@ def test_a_builder_killed_mid_build_does_not_stall_the_next_one():
     import subprocess
     import sys
     assert kernels.extension() is not None, "the kernels do not build on this machine"
-    directory = kernels.build_directory(kernels.extension_name())
-    with kernels.build_lock(directory):  # as a killed builder leaves it
+    from layers import cpu_extension
+    directory = cpu_extension.build_directory(kernels.extension_name())
+    with cpu_extension.build_lock(directory):  # as a killed builder leaves it
         open(os.path.join(directory, "lock"), "w").close()
     code = "from layers.quant import kernels; assert kernels._build() is not None; print('built')"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -20,14 +20,10 @@ integer dot products run on AVX2's u8 x s8 multiply-adds, about twice as fast at
 with an added error of at most half a step per input element (docs/DECISIONS.md, "Low-bit
 matmuls keep float activations").
 
-The extension is compiled by `torch.utils.cpp_extension.load` (g++ and ninja) into torch's
-extensions cache, once per machine: `-mavx2 -mfma -mf16c` when torch reports AVX2 or AVX-512,
-plain `-O3` else (the cache name carries the choice and a hash of kernels.cpp, so checkouts of
-other versions keep their own builds). Builders take an exclusive `flock` on the build folder
-first: torch's own lock (a `lock` file that only its builder removes) outlives a builder that
-is killed mid-build, and every later `load` would wait on it forever; a `lock` found while the
-flock is held is such a leftover and is removed. If it cannot be built, every call falls back
-to the de-quantizing slabs of `reference_linear`, after one warning.
+The extension is compiled at first use by layers/cpu_extension.py (g++ and ninja, torch's
+extensions cache, once per machine and version of kernels.cpp + q8_tile.h). If it cannot be
+built, every call falls back to the de-quantizing slabs of `reference_linear`, after one
+warning.
 
 Under `torch.compile` the product is one opaque op, `shardzoo::quant_linear` with a fake
 (meta) implementation, so inductor compiles the code around it (as layers/gemm.py does for
@@ -35,16 +31,12 @@ oneDNN's GEMM).
 """
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import os
-import sys
 import threading
-import warnings
 
 import torch
 
-from .. import gemm
+from .. import cpu_extension, gemm
 
 # input rows up to which the row-by-row kernel beats de-quantized slabs + GEMM (bench/
 # quant_matmul.py; docs/PERFORMANCE.md)
@@ -82,49 +74,12 @@ _LOCK = threading.Lock()
 def extension_name() -> str:
     """The build's name: `shardzoo_quant_<avx2|generic>_<8 hex of sha256(kernels.cpp +
     q8_tile.h)>`."""
-    digest = hashlib.sha256()
-    for source in SOURCES:
-        with open(os.path.join(os.path.dirname(__file__), source), "rb") as f:
-            digest.update(f.read())
-    digest = digest.hexdigest()[:8]
-    return f"shardzoo_quant_{'avx2' if _simd() else 'generic'}_{digest}"
-
-
-def build_directory(name: str) -> str:
-    """torch's extensions cache folder for `name` ($TORCH_EXTENSIONS_DIR, else
-    ~/.cache/torch_extensions/py<major><minor>_cpu)."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "torch_extensions",
-        f"py{sys.version_info.major}{sys.version_info.minor}_cpu")
-    return os.path.join(root, name)
-
-
-def build_lock(directory: str):
-    """An open file holding an exclusive flock on `directory` (blocks until it is free; the
-    kernel releases it when the holder exits, however it exits). Close it to release."""
-    os.makedirs(directory, exist_ok=True)
-    held = open(os.path.join(directory, "shardzoo.flock"), "a+")
-    fcntl.flock(held, fcntl.LOCK_EX)
-    return held
-
-
-def _simd() -> bool:
-    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    return cpu_extension.extension_name("shardzoo_quant", os.path.dirname(__file__), SOURCES)
 
 
 def _build():
-    from torch.utils import cpp_extension
-    flags = ["-O3", "-fopenmp"] + (["-mavx2", "-mfma", "-mf16c"] if _simd() else [])
-    name = extension_name()
-    directory = build_directory(name)
-    with build_lock(directory):
-        leftover = os.path.join(directory, "lock")  # torch's FileBaton of a killed builder
-        if os.path.exists(leftover):
-            os.remove(leftover)
-        return cpp_extension.load(
-            name=name, sources=[os.path.join(os.path.dirname(__file__), "kernels.cpp")],
-            build_directory=directory, extra_cflags=flags, extra_ldflags=["-fopenmp"],
-            verbose=False)
+    return cpu_extension.build(extension_name(),
+                               os.path.join(os.path.dirname(__file__), "kernels.cpp"))
 
 
 def extension():
@@ -133,15 +88,9 @@ def extension():
     if not _TRIED:
         with _LOCK:
             if not _TRIED:
-                try:
-                    _EXT = _build()
-                except Exception as e:  # no compiler, no ninja, a failed build
-                    warnings.warn(f"shardzoo's low-bit matmul kernels could not be built "
-                                  f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else e});"
-                                  f" quantized linears de-quantize slabs of rows instead "
-                                  f"(slower). Install g++ and ninja to build them.",
-                                  stacklevel=3)
-                    _EXT = None
+                _EXT = cpu_extension.build_or_warn(
+                    _build, "low-bit matmul kernels",
+                    "quantized linears de-quantize slabs of rows instead (slower)")
                 _SIMD[0] = bool(_EXT is not None and _EXT.simd())
                 _TRIED = True
     return _EXT
