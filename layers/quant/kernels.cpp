@@ -246,6 +246,28 @@ inline void finish_rows(const QW& w, int64_t n, const __m256* acc, const float* 
   for (int r = 0; r < R; ++r) out[r] = (hsum(acc[r]) + cacc[r]) * rs;
 }
 
+// bytes of one 32-element block of a 32-block format
+inline int64_t block_bytes(int fmt) {
+  return fmt == Q8_0 ? 34 : fmt == INT8 ? 32 : fmt == INT4 ? 16 : fmt == Q4_0 ? 18 : 20;
+}
+
+// Software prefetch distance of q8_tile.h's tiles, bytes ahead of each of their 4 weight row
+// streams: the hardware prefetchers lose 4 streams a few hundred bytes apart, so cold weights
+// were read at 14 GB/s for q8_0's 34-byte blocks. bench/quant_matmul.py's 3072 x 576 at 1
+// row, cold, 8-bit activations, 2026-12-07 (2-core Zen 4): q8_0 133 -> 62 us, q4_1 58 -> 45,
+// int8 61 -> 49; 512 was the best of 512 / 640 / 768 / 1024 for q8_0. fused_row reads one
+// row at a time, one stream the hardware follows: a prefetch there made it 5-15% slower.
+constexpr int64_t PREFETCH_BYTES = 512;
+
+// prefetch `off` bytes into the row at `row` (row_bytes long), or past its end into the row
+// `next` (the next one this thread reads); a prefetch never faults, whatever the address
+inline void prefetch_row(const uint8_t* row, const uint8_t* next, int64_t off,
+                         int64_t row_bytes) {
+  _mm_prefetch(reinterpret_cast<const char*>(off < row_bytes ? row + off
+                                                             : next + (off - row_bytes)),
+               _MM_HINT_T0);
+}
+
 template <int R>
 void fused_row(const QW& w, int64_t n, const float* x, int64_t ldx, const float* xs,
                int64_t nblk, float* out) {

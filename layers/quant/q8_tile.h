@@ -64,9 +64,14 @@ SZ_TARGET void tile(const QW& w, int64_t n, int64_t n1, const int8_t* xq, int64_
   for (int i = 0; i < 4; ++i) row[i] = std::min<int64_t>(n + i, n1 - 1);
   __m128 acc[MR], cacc[MR];
   for (int r = 0; r < MR; ++r) { acc[r] = _mm_setzero_ps(); cacc[r] = _mm_setzero_ps(); }
+  const int64_t bytes = block_bytes(F);
+  const uint8_t* base[4];
+  for (int i = 0; i < 4; ++i) base[i] = w.p0 + row[i] * w.s0;
   for (int64_t b = 0; b < nblk; ++b) {
     __m256i u[4], s[4];
     float a[4], c[4];
+    for (int i = 0; i < 4; ++i)  // the 4 row streams, then the next tile's 4 rows
+      prefetch_row(base[i], base[i] + 4 * w.s0, b * bytes + PREFETCH_BYTES, nblk * bytes);
     for (int i = 0; i < 4; ++i) u[i] = decode<F>(w, row[i], b, &s[i], &a[i], &c[i]);
     const __m128 va = _mm_setr_ps(a[0], a[1], a[2], a[3]);
     const __m128 vc = _mm_setr_ps(c[0], c[1], c[2], c[3]);
