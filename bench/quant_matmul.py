@@ -26,7 +26,9 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "tests"))  # q4_k / q6_k: tests/test_quant_formats.py
 from layers import gemm  # noqa: E402
 from layers.quant import QuantizedWeight, kernels  # noqa: E402
 
@@ -53,7 +55,7 @@ def methods(out: int, inp: int, dtype: torch.dtype):
 
         def make():
             if name in ("q4_k", "q6_k"):  # random blocks with small half-float scales
-                from tests.test_quant_formats import random_blocks
+                from test_quant_formats import random_blocks
                 qw = QuantizedWeight.from_gguf(name.upper(), random_blocks(name, out, inp),
                                                (out, inp))
             else:
