@@ -290,9 +290,12 @@ def compile_transformer_block(module: nn.Module, dynamic: bool | None = None) ->
     compiled wrapper's entry (SmolLM2-135M on 2 CPU cores, ~100-300 us a layer): a
     one-row decode step 10-20% faster, a one-row prefill ~10% (2026-12-04;
     docs/PERFORMANCE.md). The first compile of each variant takes ~2-3x as long (the
-    engine's layers are traced one by one: see `_LAYER_REGION`). A layer's Python
-    attributes are read when a variant is compiled: one changed later (a window, a softcap)
-    may not be seen, as torch keeps no guard on a layer that reused another's region.
+    engine's layers are traced one by one: see `_LAYER_REGION`). Each block is compiled from
+    its own copy of `_forward` (`_own_code`) and keeps dynamo's guards on the call's inputs,
+    global state and `training` flags only (`_inputs_and_mode_guards`: the ~5,800 guards on
+    its modules cost ~4 ms a one-row decode step). So a layer's Python attributes and hooks
+    are read when a variant is compiled: one changed later (a window, a softcap, a hook) is
+    not seen.
 
     A layer must trace without a graph break (a nested region cannot hold one). A block
     with a mixture-of-experts layer (its token counts per expert are Python ints: a break)
@@ -341,7 +344,7 @@ def _inputs_and_mode_guards(guards) -> list[bool]:
     guards on the block's own modules only `training`. The ~5,800 others (SmolLM2-135M: each
     parameter's size and stride, each module's empty hook dicts, each Python attribute)
     re-check, every step, a structure that does not change while serving; evaluating them
-    took ~2 ms of a ~11 ms one-row decode step (2-core Zen 4, 2026-12-07). So, as with nested
+    took ~4 ms of a ~11 ms one-row decode step (2-core Zen 4, 2026-12-07). So, as with nested
     regions, a layer attribute or hook changed after compiling is not seen."""
     return [not g.orig_guard.source.is_unspecialized_nn_module() or g.name.endswith(".training")
             for g in guards]
