@@ -899,3 +899,45 @@ def test_block_compiled_whole_matches_eager_and_falls_back_per_layer(no_grid):
                            [0, 1]).eval()
     assert compile_transformer_block(moe) == 2 and moe.compiled_forward is None
     assert all(getattr(m, "_compiled_call_impl", None) for m in moe.layers.values())
+
+
+def test_compiled_blocks_keep_their_own_graphs_with_few_guards(no_grid):
+    """compile_transformer_block keeps dynamo's guards on the inputs and `training` only: two
+    blocks of other depths and widths of ffn compiled in one process, called with the same
+    input, each give their own eager result (no block runs another's graph); weights
+    changed in place are read (they are graph inputs); switching a block to training
+    re-traces it (dropout applied), and back to eval gives the eval result again."""
+    from layers import compile_transformer_block
+
+    x = torch.randn(5, 2, 16)
+
+    def block(layers: int, ffn: int, seed: int) -> TransformerBlock:
+        config = ModelConfig(num_layers=layers, hidden_size=16, num_attention_heads=2,
+                             vocab_size=32, ffn_hidden_size=ffn, hidden_dropout=0.5)
+        b = TransformerBlock(config, list(range(layers))).eval()
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for w in b.parameters():
+                w.copy_(torch.rand(w.shape, generator=g) + 0.5 if w.dim() == 1 else
+                        torch.randn(w.shape, generator=g) * 0.3)
+        return b
+
+    with torch.no_grad():
+        blocks = [block(2, 24, 1), block(3, 24, 2), block(3, 40, 3)]
+        eager = [b(x) for b in blocks]
+        for b in blocks:
+            compile_transformer_block(b)
+        for b, want in zip(blocks, eager):
+            torch.testing.assert_close(b(x), want, rtol=1e-5, atol=1e-5)
+        first = blocks[0]
+        first.layers["1"].mlp.linear_fc2.weight.mul_(2.0)
+        doubled = first._forward(x, None, None, None, None, None, None)  # eager
+        assert not torch.allclose(doubled, eager[0])
+        torch.testing.assert_close(first(x), doubled, rtol=1e-5, atol=1e-5)
+        import parallel_state as ps
+        ps.model_parallel_seed(1234, 0, dropout_masks="rank-streams")
+        first.train()
+        trained = first(x)
+        assert not torch.allclose(trained, doubled, rtol=1e-3, atol=1e-3)
+        first.eval()
+        torch.testing.assert_close(first(x), doubled, rtol=1e-5, atol=1e-5)
