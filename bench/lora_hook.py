@@ -67,7 +67,7 @@ def main() -> None:
     deltas = {}
     for _ in range(args.repeats):
         for form, module in forms.items():  # alternated
-            lora_kernels._EXT = module
+            lora_kernels._LAZY.module = module
             t0 = time.perf_counter()
             for _ in range(args.steps):
                 lora.bind(slots, "cpu")
@@ -79,7 +79,7 @@ def main() -> None:
                 y = torch.zeros_like(out)
                 m._hook(m.layer, (x,), y)
                 deltas[form].append(y)
-    lora_kernels._EXT = ext
+    lora_kernels._LAZY.module = ext
     print(f"{len(hooks)} hooks, batch {args.batch} (slots {slots}), {args.adapters} adapters "
           f"of rank {args.rank}, {os.cpu_count()} cores, best of {args.repeats} x "
           f"{args.steps} steps; load average after {os.getloadavg()[0]:.2f}")

@@ -15,6 +15,7 @@ import fcntl
 import hashlib
 import os
 import sys
+import threading
 import warnings
 
 import torch
@@ -77,3 +78,23 @@ def build_or_warn(builder, what: str, fallback: str):
         warnings.warn(f"shardzoo's {what} could not be built ({type(e).__name__}: {first}); "
                       f"{fallback}. Install g++ and ninja to build them.", stacklevel=4)
         return None
+
+
+class LazyExtension:
+    """A C++ extension built at first use, once per process: `get()` returns the module, or
+    None where it cannot be built (after one warning, `build_or_warn`); thread-safe.
+    `module` and `tried` may be read directly on a hot path once `tried` is set."""
+
+    def __init__(self, builder, what: str, fallback: str):
+        self.builder, self.what, self.fallback = builder, what, fallback
+        self.module = None
+        self.tried = False
+        self._lock = threading.Lock()
+
+    def get(self):
+        if not self.tried:
+            with self._lock:
+                if not self.tried:
+                    self.module = build_or_warn(self.builder, self.what, self.fallback)
+                    self.tried = True
+        return self.module

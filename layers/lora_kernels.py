@@ -7,14 +7,10 @@ form instead.
 from __future__ import annotations
 
 import os
-import threading
 
 from . import cpu_extension
 
 SOURCES = ("lora_kernels.cpp",)
-_EXT = None
-_TRIED = False
-_LOCK = threading.Lock()
 
 
 def extension_name() -> str:
@@ -27,14 +23,12 @@ def _build():
                                os.path.join(os.path.dirname(__file__), SOURCES[0]))
 
 
+_LAZY = cpu_extension.LazyExtension(
+    lambda: _build(), "LoRA serving kernels",
+    "mixed-adapter batches run batched matmuls instead (slower)")
+
+
 def extension():
-    """The compiled module (`shrink`, `expand`), or None when it cannot be built here."""
-    global _EXT, _TRIED
-    if not _TRIED:
-        with _LOCK:
-            if not _TRIED:
-                _EXT = cpu_extension.build_or_warn(
-                    _build, "LoRA serving kernels",
-                    "mixed-adapter batches run batched matmuls instead (slower)")
-                _TRIED = True
-    return _EXT
+    """The compiled module (`shrink`, `expand`, `add`), or None when it cannot be built
+    here."""
+    return _LAZY.get()

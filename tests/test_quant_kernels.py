@@ -193,8 +193,9 @@ def test_without_a_compiler_it_warns_once_and_falls_back(monkeypatch):
     def no_compiler():
         raise RuntimeError("g++: command not found")
     monkeypatch.setattr(kernels, "_build", no_compiler)
-    monkeypatch.setattr(kernels, "_EXT", None)
-    monkeypatch.setattr(kernels, "_TRIED", False)
+    monkeypatch.setattr(kernels._LAZY, "module", None)
+    monkeypatch.setattr(kernels._LAZY, "tried", False)
+    monkeypatch.setattr(kernels, "_SIMD", [False])
     qw = make_weight("q8_0", 9, 64)
     with pytest.warns(UserWarning, match="could not be built.*g\\+\\+: command not found"):
         check(qw, torch.randn(2, 64))

@@ -32,7 +32,6 @@ oneDNN's GEMM).
 from __future__ import annotations
 
 import os
-import threading
 
 import torch
 
@@ -65,10 +64,7 @@ def _activations() -> str:
 
 ACTIVATIONS = _activations()
 
-_EXT = None
-_TRIED = False
-_SIMD = [False]  # whether the built kernels have the AVX2 code (set with _EXT)
-_LOCK = threading.Lock()
+_SIMD = [False]  # whether the built kernels have the AVX2 code (set by `extension`)
 
 
 def extension_name() -> str:
@@ -82,18 +78,16 @@ def _build():
                                os.path.join(os.path.dirname(__file__), "kernels.cpp"))
 
 
+_LAZY = cpu_extension.LazyExtension(
+    lambda: _build(), "low-bit matmul kernels",
+    "quantized linears de-quantize slabs of rows instead (slower)")
+
+
 def extension():
     """The compiled kernels, or None when they cannot be built here (warned once)."""
-    global _EXT, _TRIED
-    if not _TRIED:
-        with _LOCK:
-            if not _TRIED:
-                _EXT = cpu_extension.build_or_warn(
-                    _build, "low-bit matmul kernels",
-                    "quantized linears de-quantize slabs of rows instead (slower)")
-                _SIMD[0] = bool(_EXT is not None and _EXT.simd())
-                _TRIED = True
-    return _EXT
+    ext = _LAZY.get()
+    _SIMD[0] = bool(ext is not None and ext.simd())
+    return ext
 
 
 def storage(fmt: str, tensors: dict[str, torch.Tensor]) -> tuple:
@@ -131,7 +125,7 @@ def _quant_linear_impl(x, fmt, out_features, group, t0, t1, t2, bias):
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if x2.dtype != torch.float32 or x2.stride(-1) != 1:
         x2 = x2.float().contiguous()
-    ext = _EXT if _TRIED else extension()
+    ext = _LAZY.module if _LAZY.tried else extension()
     if ext is None or x2.device.type != "cpu":
         from .weight import reference_linear
         tensors = {"int8": ("qweight", "scales"), "int4": ("qweight", "scales", "zeros")}.get(
