@@ -71,8 +71,7 @@ class LoRABatch:
         key = (n, dtype)
         if key not in self._plans:
             lo, hi = self.used
-            token_slot = torch.tensor(self.slots).repeat(n // len(self.slots))
-            per = [torch.nonzero(token_slot == j).flatten() for j in range(lo, hi)]
+            per = self._groups(n)
             m = max(len(p) for p in per)
             take = torch.zeros(hi - lo, m, dtype=torch.long)
             valid = torch.zeros(hi - lo, m, 1, dtype=dtype)
@@ -91,11 +90,18 @@ class LoRABatch:
         per step and n, on the CPU."""
         key = ("segments", n)
         if key not in self._plans:
-            lo, hi = self.used
-            token_slot = torch.tensor(self.slots).repeat(n // len(self.slots))
-            per = [torch.nonzero(token_slot == j).flatten() for j in range(lo, hi)]
+            per = self._groups(n)
             seg = torch.tensor([0] + [len(p) for p in per]).cumsum(0)
             self._plans[key] = (torch.cat(per), seg)
+        return self._plans[key]
+
+    def _groups(self, n: int) -> list[torch.Tensor]:
+        """For each slot lo..hi-1, the ids of the `n` tokens that use it (LongTensors, CPU)."""
+        key = ("groups", n)
+        if key not in self._plans:
+            lo, hi = self.used
+            token_slot = torch.tensor(self.slots).repeat(n // len(self.slots))
+            self._plans[key] = [torch.nonzero(token_slot == j).flatten() for j in range(lo, hi)]
         return self._plans[key]
 
 
