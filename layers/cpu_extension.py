@@ -53,8 +53,8 @@ def build_lock(directory: str):
     return held
 
 
-def build(name: str, source: str):
-    """Compile (or load the cached build of) the C++ file `source` as the module `name`.
+def build(name: str, sources: list[str]):
+    """Compile (or load the cached build of) the C++ files `sources` as the module `name`.
     Raises what `cpp_extension.load` raises (no compiler, no ninja, a compile error)."""
     from torch.utils import cpp_extension
     flags = ["-O3", "-fopenmp"] + (["-mavx2", "-mfma", "-mf16c"] if simd() else [])
@@ -63,9 +63,9 @@ def build(name: str, source: str):
         leftover = os.path.join(directory, "lock")  # torch's FileBaton of a killed builder
         if os.path.exists(leftover):
             os.remove(leftover)
-        return cpp_extension.load(name=name, sources=[source], build_directory=directory,
-                                  extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                                  verbose=False)
+        return cpp_extension.load(name=name, sources=list(sources),
+                                  build_directory=directory, extra_cflags=flags,
+                                  extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def build_or_warn(builder, what: str, fallback: str):

@@ -20,7 +20,7 @@ def extension_name() -> str:
 
 def _build():
     return cpu_extension.build(extension_name(),
-                               os.path.join(os.path.dirname(__file__), SOURCES[0]))
+                               [os.path.join(os.path.dirname(__file__), SOURCES[0])])
 
 
 _LAZY = cpu_extension.LazyExtension(

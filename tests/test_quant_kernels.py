@@ -189,6 +189,31 @@ def test_the_compiled_op_matches_eager():
         torch.testing.assert_close(compiled(x), f(x), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_the_ops_cpu_kernel_takes_the_python_route(fmt):
+    """`shardzoo::quant_linear`'s C++ CPU kernel (quant_op.cpp, what compiled code calls)
+    chooses the kernel `_kernel_linear` chooses: the same bits on each route (8-bit
+    activations, the row-by-row kernel, the slabs + GEMM beyond `GEMV_ROWS`), with a bias,
+    in bfloat16, over leading dims and for a strided input."""
+    if kernels.extension() is None:
+        pytest.skip("the low-bit kernels cannot be built here")
+    assert "quant_op.cpp" in torch._C._dispatch_dump_table("shardzoo::quant_linear")
+    qw = make_weight(fmt, 37, 256, seed=3)
+    g = torch.Generator().manual_seed(8)
+    bias = torch.randn(37, generator=g)
+    isas = (0, kernels.Q8_ISA) if fmt in kernels.Q8_FORMATS else (0,)
+    for rows in (1, 5, kernels.GEMV_ROWS + 1, 70):
+        for x in (torch.randn(rows, 256, generator=g),
+                  torch.randn(2, rows, 256, generator=g).to(torch.bfloat16),
+                  torch.randn(rows, 512, generator=g)[:, ::2]):
+            for isa in isas:
+                for b in (None, bias):
+                    want = kernels._quant_linear_impl(x, *qw._product, b, isa)
+                    got = kernels._OP(x, *qw._product, b, isa)
+                    assert got.dtype == x.dtype and got.shape == want.shape
+                    assert torch.equal(got, want), (rows, x.dtype, isa, b is None)
+
+
 def test_without_a_compiler_it_warns_once_and_falls_back(monkeypatch):
     def no_compiler():
         raise RuntimeError("g++: command not found")

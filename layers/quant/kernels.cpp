@@ -6,7 +6,7 @@
 // weight byte is read once per call whatever the row count. Parallel over output rows.
 // AVX2 + FMA + F16C code where the compiler targets them (-mavx2 -mfma -mf16c), portable
 // scalar code otherwise; the de-quantization loops are plain loops the compiler vectorizes.
-#include <torch/extension.h>
+#include "kernels.h"
 #include <ATen/Parallel.h>
 #include <cstdint>
 #include <cmath>
@@ -572,10 +572,13 @@ int64_t q8_isa() {
 #endif
 }
 
+void configure_op(int64_t gemv_rows, int64_t slab_bytes, bool onednn);  // quant_op.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv);
   m.def("dequant", &dequant);
   m.def("simd", &simd);
   m.def("gemv_q8", &gemv_q8);
   m.def("q8_isa", &q8_isa);
+  m.def("configure_op", &configure_op);
 }

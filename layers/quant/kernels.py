@@ -46,8 +46,10 @@ FORMAT_CODES = {"int8": 0, "int4": 1, "q8_0": 2, "q4_0": 3, "q4_1": 4, "q4_k": 5
 # the formats whose 32-element blocks the 8-bit-activation kernel multiplies
 Q8_FORMATS = ("int8", "int4", "q8_0", "q4_0", "q4_1")
 ENV_SWITCH = "SHARDZOO_QUANT_ACTIVATIONS"
-# kernels.cpp includes q8_tile.h (twice: AVX2 and AVX-512 VNNI)
-SOURCES = ("kernels.cpp", "q8_tile.h")
+# compiled into one extension: the kernels and the op's CPU kernel (quant_op.cpp)
+COMPILED = ("kernels.cpp", "quant_op.cpp")
+# what the build's name hashes: kernels.cpp includes q8_tile.h twice (AVX2 and AVX-512 VNNI)
+SOURCES = COMPILED + ("kernels.h", "q8_tile.h")
 # the 8-bit-activation tiles: 2 AVX-512 VNNI where the CPU has it (cpuid), 1 AVX2 only
 Q8_ISA = 2
 ACTIVATION_CHOICES = ("float", "int8")
@@ -74,8 +76,12 @@ def extension_name() -> str:
 
 
 def _build():
-    return cpu_extension.build(extension_name(),
-                               os.path.join(os.path.dirname(__file__), "kernels.cpp"))
+    folder = os.path.dirname(__file__)
+    ext = cpu_extension.build(extension_name(), [os.path.join(folder, source)
+                                                 for source in COMPILED])
+    # quant_op.cpp's choices, the ones `_kernel_linear` makes
+    ext.configure_op(GEMV_ROWS, SLAB_BYTES, gemm.available())
+    return ext
 
 
 _LAZY = cpu_extension.LazyExtension(
@@ -100,11 +106,19 @@ def storage(fmt: str, tensors: dict[str, torch.Tensor]) -> tuple:
     return tensors["blocks"], None, None
 
 
-def _kernel_linear(ext, x2, fmt, out_features, group, t0, t1, t2, bias):
-    """float32 `[M, in]` -> float32 `[M, out]` by the compiled kernels."""
+def q8_isa(fmt: str, in_features: int) -> int:
+    """The op's `q8_isa` argument for a weight in `fmt` with `in_features` columns, from the
+    switch (`ACTIVATIONS`): `Q8_ISA` where its products take 8-bit activations, else 0."""
+    return Q8_ISA if ACTIVATIONS == "int8" and fmt in Q8_FORMATS and in_features % 32 == 0 \
+        else 0
+
+
+def _kernel_linear(ext, x2, fmt, out_features, group, t0, t1, t2, bias, isa):
+    """float32 `[M, in]` -> float32 `[M, out]` by the compiled kernels (quant_op.cpp makes
+    the same choice for the op's CPU kernel)."""
     code = FORMAT_CODES[fmt]
-    if ACTIVATIONS == "int8" and fmt in Q8_FORMATS and x2.shape[1] % 32 == 0 and _SIMD[0]:
-        return ext.gemv_q8(x2, code, out_features, group, t0, t1, t2, bias, Q8_ISA)
+    if isa and _SIMD[0]:
+        return ext.gemv_q8(x2, code, out_features, group, t0, t1, t2, bias, isa)
     if x2.shape[0] <= GEMV_ROWS:
         return ext.gemv(x2, code, out_features, group, t0, t1, t2, bias)
     inp = x2.shape[1]
@@ -119,7 +133,7 @@ def _kernel_linear(ext, x2, fmt, out_features, group, t0, t1, t2, bias):
     return y
 
 
-def _quant_linear_impl(x, fmt, out_features, group, t0, t1, t2, bias):
+def _quant_linear_impl(x, fmt, out_features, group, t0, t1, t2, bias, isa=0):
     # a decode step calls this ~120 times: the common case (2-D float32 rows, kernels built)
     # takes no reshape, copy or cast
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
@@ -133,19 +147,19 @@ def _quant_linear_impl(x, fmt, out_features, group, t0, t1, t2, bias):
         y = reference_linear(fmt, (out_features, x2.shape[1]),
                              dict(zip(tensors, (t0, t1, t2))), x2, bias)
     else:
-        y = _kernel_linear(ext, x2, fmt, out_features, group, t0, t1, t2, bias)
+        y = _kernel_linear(ext, x2, fmt, out_features, group, t0, t1, t2, bias, isa)
     if y.dtype != x.dtype:
         y = y.to(x.dtype)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], out_features)
 
 
-def _quant_linear_fake(x, fmt, out_features, group, t0, t1, t2, bias):
+def _quant_linear_fake(x, fmt, out_features, group, t0, t1, t2, bias, isa=0):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
 _LIB = torch.library.Library("shardzoo", "FRAGMENT")
 _LIB.define("quant_linear(Tensor x, str fmt, int out_features, int group, Tensor t0, "
-            "Tensor? t1, Tensor? t2, Tensor? bias) -> Tensor")
+            "Tensor? t1, Tensor? t2, Tensor? bias, int q8_isa=0) -> Tensor")
 _LIB.impl("quant_linear", _quant_linear_impl, "CompositeExplicitAutograd")
 torch.library.register_fake("shardzoo::quant_linear", _quant_linear_fake, lib=_LIB)
 _OP = torch.ops.shardzoo.quant_linear.default
@@ -162,6 +176,7 @@ def linear(fmt: str, shape: tuple[int, int], group: int, tensors: dict[str, torc
 def product(stored: tuple, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`linear` with its weight as `(fmt, out, group, t0, t1, t2)` (`storage`), as
     `QuantizedWeight` keeps it: `x [..., in]` -> `[..., out]` in x's dtype."""
+    isa = q8_isa(stored[0], x.shape[-1])
     if torch.compiler.is_compiling():
-        return _OP(x, *stored, bias)
-    return _quant_linear_impl(x, *stored, bias)
+        return _OP(x, *stored, bias, isa)
+    return _quant_linear_impl(x, *stored, bias, isa)
