@@ -11,37 +11,69 @@
 // accumulated in float32 across blocks.
 namespace SZ_NS {
 
-// the 32 integer values of block b of row n (u8: |q| for the signed formats), the signed
-// values for the sign trick (signed formats only), and (a, c)
+// the 32 integer values of block b of row n (u8: |q| for the signed formats) and the signed
+// values for the sign trick (signed formats only)
 template <int F>
-SZ_TARGET inline __m256i decode(const QW& w, int64_t n, int64_t b, __m256i* sgn, float* a,
-                                float* c) {
+SZ_TARGET inline __m256i decode(const QW& w, int64_t n, int64_t b, __m256i* sgn) {
   const uint8_t* row = w.p0 + n * w.s0;
   if (F == Q8_0 || F == INT8) {
     const uint8_t* q = F == Q8_0 ? row + b * 34 + 2 : row + b * 32;
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-    *a = F == Q8_0 ? half_to_float(row + b * 34) : 1.f;
-    *c = 0.f;
     *sgn = v;
     return _mm256_sign_epi8(v, v);
   }
-  const uint8_t* q;
-  if (F == INT4) {
-    const int64_t g = (b * 32) / w.group;
-    *a = w.p1[n * w.s1 + g];
-    *c = -*a * w.p2[n * w.s2 + g];
-    q = row + b * 16;
-  } else if (F == Q4_0) {
-    *a = half_to_float(row + b * 18);
-    *c = -8.f * *a;
-    q = row + b * 18 + 2;
-  } else {
-    *a = half_to_float(row + b * 20);
-    *c = half_to_float(row + b * 20 + 2);
-    q = row + b * 20 + 4;
-  }
+  const uint8_t* q = F == INT4 ? row + b * 16 : F == Q4_0 ? row + b * 18 + 2 : row + b * 20 + 4;
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
   return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
+}
+
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+// (a, c) of block b of the 4 rows base[i] (= row rows[i]) as two float32 vectors, the fp16
+// ones converted 4 or 8 at a time (the same values as one at a time: fp16 -> fp32 is exact)
+template <int F>
+SZ_TARGET inline void scales(const QW& w, const uint8_t* const* base, const int64_t* rows,
+                             int64_t b, __m128* va, __m128* vc) {
+  if (F == Q4_1) {  // each block starts with its two halves d, m: one 32-bit load per row
+    const __m128i h = _mm_setr_epi32(
+        static_cast<int>(load_u32(base[0] + b * 20)), static_cast<int>(load_u32(base[1] + b * 20)),
+        static_cast<int>(load_u32(base[2] + b * 20)), static_cast<int>(load_u32(base[3] + b * 20)));
+    const __m256 f = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(h),
+                                              _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+    *va = _mm256_castps256_ps128(f);
+    *vc = _mm256_extractf128_ps(f, 1);
+  } else if (F == Q8_0 || F == Q4_0) {
+    const int64_t stride = F == Q8_0 ? 34 : 18;
+    const __m128i h = _mm_setr_epi16(
+        static_cast<short>(load_u16(base[0] + b * stride)),
+        static_cast<short>(load_u16(base[1] + b * stride)),
+        static_cast<short>(load_u16(base[2] + b * stride)),
+        static_cast<short>(load_u16(base[3] + b * stride)), 0, 0, 0, 0);
+    *va = _mm_cvtph_ps(h);
+    *vc = F == Q4_0 ? _mm_mul_ps(*va, _mm_set1_ps(-8.f)) : _mm_setzero_ps();
+  } else if (F == INT8) {
+    *va = _mm_set1_ps(1.f);
+    *vc = _mm_setzero_ps();
+  } else {  // INT4: group g's scale s and zero z: (a, c) = (s, -s z)
+    float a[4], c[4];
+    const int64_t g = (b * 32) / w.group;
+    for (int i = 0; i < 4; ++i) {
+      a[i] = w.p1[rows[i] * w.s1 + g];
+      c[i] = -a[i] * w.p2[rows[i] * w.s2 + g];
+    }
+    *va = _mm_loadu_ps(a);
+    *vc = _mm_loadu_ps(c);
+  }
 }
 
 // the 4 int32 sums of p[0..3]'s 8 lanes each
@@ -69,12 +101,11 @@ SZ_TARGET void tile(const QW& w, int64_t n, int64_t n1, const int8_t* xq, int64_
   for (int i = 0; i < 4; ++i) base[i] = w.p0 + row[i] * w.s0;
   for (int64_t b = 0; b < nblk; ++b) {
     __m256i u[4], s[4];
-    float a[4], c[4];
+    __m128 va, vc;
     for (int i = 0; i < 4; ++i)  // the 4 row streams, then the next tile's 4 rows
       prefetch_row(base[i], base[i] + 4 * w.s0, b * bytes + PREFETCH_BYTES, nblk * bytes);
-    for (int i = 0; i < 4; ++i) u[i] = decode<F>(w, row[i], b, &s[i], &a[i], &c[i]);
-    const __m128 va = _mm_setr_ps(a[0], a[1], a[2], a[3]);
-    const __m128 vc = _mm_setr_ps(c[0], c[1], c[2], c[3]);
+    for (int i = 0; i < 4; ++i) u[i] = decode<F>(w, row[i], b, &s[i]);
+    scales<F>(w, base, row, b, &va, &vc);
     for (int r = 0; r < MR; ++r) {
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + b * 32));
       __m256i p[4];
