@@ -79,6 +79,8 @@ class RotaryEmbedding(nn.Module):
         self.dim, self.base, self.scaling = dim, base, dict(scaling or {})
         self.attention_factor = float(self.scaling.pop("attention_factor", 1.0))
         self._table = None  # ((seq_len, offset, device), cos, sin) of the last contiguous call
+        self._rows = None  # (cos, sin) `[P, d]` of positions 0..P-1 (CPU, position_ids)
+        self._inv_freq = {}  # device -> rope_inv_freq
 
     def forward(self, seq_len: int, offset: int = 0, device=None,
                 position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,10 +89,29 @@ class RotaryEmbedding(nn.Module):
             if self._table is None or self._table[0] != key:
                 self._table = (key, *self._compute(seq_len, offset, device, None))
             return self._table[1], self._table[2]
+        if position_ids.device.type == "cpu" and torch.device(device or "cpu").type == "cpu" \
+                and position_ids.numel():
+            return self._lookup(position_ids)
         return self._compute(seq_len, offset, device, position_ids)
 
+    def _lookup(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` with `position_ids [b, s]` on CPU (inference: a decode step asks for new
+        positions every step) as rows of a table of positions 0..P-1, P doubled as positions
+        grow: the same values as `_compute` (each row is that position's cos / sin, computed
+        the same way), in 2 ops instead of ~10."""
+        top = int(position_ids.max()) + 1
+        if self._rows is None or self._rows[0].shape[0] < top:
+            size = max(256, 1 << (top - 1).bit_length())
+            cos, sin = self._compute(size, 0, "cpu", None)  # [P, 1, 1, d]
+            self._rows = (cos[:, 0, 0], sin[:, 0, 0])
+        pos = position_ids.t()  # [s, b]
+        return self._rows[0][pos][:, :, None], self._rows[1][pos][:, :, None]
+
     def _compute(self, seq_len, offset, device, position_ids):
-        inv_freq = rope_inv_freq(self.dim, self.base, **self.scaling).to(device)
+        key = torch.device(device) if device is not None else None
+        if key not in self._inv_freq:
+            self._inv_freq[key] = rope_inv_freq(self.dim, self.base, **self.scaling).to(device)
+        inv_freq = self._inv_freq[key]
         if position_ids is None:
             pos = torch.arange(offset, offset + seq_len, device=device, dtype=torch.float64)
             freqs = torch.outer(pos, inv_freq)[:, None, None, :]  # [s, 1, 1, d/2]

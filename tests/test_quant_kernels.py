@@ -21,7 +21,7 @@ import warnings
 import pytest
 import torch
 
-from layers.quant import FORMATS, QuantizedWeight, kernels
+from layers.quant import FORMATS, QuantizedWeight, formats, kernels
 from test_quant_formats import random_blocks
 
 U32, U16 = 2.0 ** -24, 2.0 ** -8
@@ -212,6 +212,19 @@ def test_the_ops_cpu_kernel_takes_the_python_route(fmt):
                     got = kernels._OP(x, *qw._product, b, isa)
                     assert got.dtype == x.dtype and got.shape == want.shape
                     assert torch.equal(got, want), (rows, x.dtype, isa, b is None)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_rows_are_dequantized_bit_for_bit(fmt):
+    """An embedding's rows (`dequantize_rows`, by kernels.cpp's de-quantization where it is
+    built) are formats.dequantize's values exactly, in any order, repeated."""
+    qw = make_weight(fmt, 40, 256, seed=2)
+    rows = torch.tensor([3, 0, 39, 3, 17])
+    want = formats.dequantize(fmt, {k: v[rows] for k, v in qw.tensors.items()}, (5, 256))
+    assert torch.equal(qw.dequantize_rows(rows), want)
+    if kernels.extension() is not None:
+        assert kernels.dequantize(fmt, 256, qw._group,
+                                  {k: v[rows] for k, v in qw.tensors.items()}) is not None
 
 
 def test_without_a_compiler_it_warns_once_and_falls_back(monkeypatch):

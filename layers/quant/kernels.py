@@ -133,6 +133,18 @@ def _kernel_linear(ext, x2, fmt, out_features, group, t0, t1, t2, bias, isa):
     return y
 
 
+def dequantize(fmt: str, in_features: int, group: int, tensors: dict[str, torch.Tensor]
+               ) -> torch.Tensor | None:
+    """The float32 rows `[n, in]` of the weight storage `tensors` (n rows, formats.py), by
+    kernels.cpp's de-quantization (formats.dequantize's values, bit for bit), or None where
+    the kernels are not built or the storage is not on CPU."""
+    ext = _LAZY.module if _LAZY.tried else extension()
+    t0, t1, t2 = storage(fmt, tensors)
+    if ext is None or t0.device.type != "cpu":
+        return None
+    return ext.dequant(FORMAT_CODES[fmt], in_features, group, 0, t0.shape[0], t0, t1, t2)
+
+
 def _quant_linear_impl(x, fmt, out_features, group, t0, t1, t2, bias, isa=0):
     # a decode step calls this ~120 times: the common case (2-D float32 rows, kernels built)
     # takes no reshape, copy or cast

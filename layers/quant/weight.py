@@ -70,7 +70,9 @@ class QuantizedWeight:
         """The float32 weight rows `rows` (int64 `[n]`) -> `[n, in]`: an embedding lookup
         from a quantized table reads only the rows it needs."""
         picked = {k: v.index_select(0, rows) for k, v in self.tensors.items()}
-        return formats.dequantize(self.format, picked, (rows.numel(), self.shape[1]))
+        fast = kernels.dequantize(self.format, self.shape[1], self._group, picked)
+        return fast if fast is not None else \
+            formats.dequantize(self.format, picked, (rows.numel(), self.shape[1]))
 
     # ---- sharding
     def narrow(self, dim: int, start: int, length: int) -> "QuantizedWeight":
