@@ -170,6 +170,31 @@ def test_the_vnni_tiles_equal_the_avx2_tiles(fmt):
                                ext.gemv_q8(x, code, n, group, t0, t1, t2, bias, 1))
 
 
+@pytest.mark.parametrize("fmt", kernels.Q8_FORMATS)
+def test_a_row_alone_gets_the_bits_it_gets_in_a_batch(fmt):
+    """With 8-bit activations one input row takes its own kernel for the 8-bit formats (one
+    weight row after another, q8_tile.h `row_stream`) and the tiles otherwise; each output
+    is the same bits alone as at any place in a batch of 2 to 9 rows, with and without a
+    bias, on both instruction sets (so greedy decoding does not depend on the batch)."""
+    ext = kernels.extension()
+    if ext is None or not ext.simd():
+        pytest.skip("the 8-bit-activation kernels need the AVX2 build")
+    g = torch.Generator().manual_seed(9)
+    for out, inp in ((1, 32), (7, 96), (45, 256)):
+        qw = make_weight(fmt, out, inp, seed=out)
+        fmt_, n, group, t0, t1, t2 = qw._product
+        code = kernels.FORMAT_CODES[fmt_]
+        for bias in (None, torch.randn(out, generator=g)):
+            for isa in sorted({1, ext.q8_isa()}):
+                batch = torch.randn(9, inp, generator=g)
+                for rows in (2, 5, 9):
+                    together = ext.gemv_q8(batch[:rows], code, n, group, t0, t1, t2, bias, isa)
+                    for m in range(rows):
+                        alone = ext.gemv_q8(batch[m:m + 1], code, n, group, t0, t1, t2, bias,
+                                            isa)
+                        assert torch.equal(alone[0], together[m]), (out, rows, m, isa)
+
+
 def test_a_bad_activation_switch_is_refused(monkeypatch):
     monkeypatch.setenv(kernels.ENV_SWITCH, "fp8")
     with pytest.raises(ValueError, match="SHARDZOO_QUANT_ACTIVATIONS='fp8': expected one of"):

@@ -127,12 +127,81 @@ SZ_TARGET void tile(const QW& w, int64_t n, int64_t n1, const int8_t* xq, int64_
   }
 }
 
+// (a, c) of block b of row n, as `scales` gives them for 4 rows
+template <int F>
+SZ_TARGET inline void scale1(const QW& w, int64_t n, int64_t b, float* a, float* c) {
+  const uint8_t* row = w.p0 + n * w.s0;
+  if (F == Q4_1) {
+    *a = half_to_float(row + b * 20);
+    *c = half_to_float(row + b * 20 + 2);
+  } else if (F == Q8_0 || F == Q4_0) {
+    *a = half_to_float(row + b * (F == Q8_0 ? 34 : 18));
+    *c = F == Q4_0 ? *a * -8.f : 0.f;
+  } else if (F == INT8) {
+    *a = 1.f;
+    *c = 0.f;
+  } else {
+    const int64_t g = (b * 32) / w.group;
+    *a = w.p1[n * w.s1 + g];
+    *c = -*a * w.p2[n * w.s2 + g];
+  }
+}
+
+// One input row (decode at batch 1): output rows [n0, n1) one after the other, each row's
+// blocks in order, so a thread reads its rows as one sequential stream, which the hardware
+// prefetchers follow (the tiles read 4 rows' streams at once). Per output row the tiles'
+// own arithmetic, in their order: a block's integer sum exact, then acc = fma(a dx, sum,
+// acc) and cacc = fma(c, sx, cacc) block after block, out = acc + cacc: the same bits as
+// tile<F, 1>, so a row's result does not depend on the batch it is in.
+template <int F>
+SZ_TARGET void row_stream(const QW& w, int64_t n0, int64_t n1, const int8_t* xq,
+                          const float* dx, const float* sx, int64_t nblk, const float* bias,
+                          float* y) {
+  constexpr bool SIGNED = F == Q8_0 || F == INT8;
+  for (int64_t n = n0; n < n1; ++n) {
+    __m128 acc = _mm_setzero_ps(), cacc = _mm_setzero_ps();
+    for (int64_t b0 = 0; b0 < nblk; b0 += 4) {
+      const int nb = static_cast<int>(std::min<int64_t>(4, nblk - b0));
+      __m256i p[4];
+      for (int j = 0; j < 4; ++j) {
+        if (j < nb) {
+          __m256i sg;
+          const __m256i u = decode<F>(w, n, b0 + j, &sg);
+          const __m256i xv =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (b0 + j) * 32));
+          p[j] = SZ_DOT(u, SIGNED ? _mm256_sign_epi8(xv, sg) : xv);
+        } else {
+          p[j] = _mm256_setzero_si256();
+        }
+      }
+      alignas(16) int32_t sums[4];
+      _mm_store_si128(reinterpret_cast<__m128i*>(sums), sum4(p));  // block j's exact sum
+      for (int j = 0; j < nb; ++j) {
+        float a, c;
+        scale1<F>(w, n, b0 + j, &a, &c);
+        const __m128 d = _mm_mul_ss(_mm_set_ss(a), _mm_set_ss(dx[b0 + j]));
+        acc = _mm_fmadd_ss(d, _mm_cvtsi32_ss(_mm_setzero_ps(), sums[j]), acc);
+        if (!SIGNED) cacc = _mm_fmadd_ss(_mm_set_ss(c), _mm_set_ss(sx[b0 + j]), cacc);
+      }
+    }
+    float out[4], rs = 1.f, bn = 0.f;
+    _mm_storeu_ps(out, _mm_add_ps(acc, cacc));
+    if (F == INT8) rs = w.p1[n * w.s1];
+    if (bias) bn = bias[n];
+    y[n] = out[0] * rs + bn;
+  }
+}
+
 // output rows [n0, n1) for every input row: tiles of 4 output rows and SZ_MR, 4, 2 or 1
 // input rows
 template <int F>
 SZ_TARGET void rows(const QW& w, int64_t n0, int64_t n1, int64_t M, const int8_t* xq,
                     int64_t K, const float* dx, const float* sx, int64_t nblk,
                     const float* bias, float* y, int64_t N) {
+  if (M == 1 && (F == Q8_0 || F == INT8)) {  // the 4-bit formats: the tiles were faster
+    row_stream<F>(w, n0, n1, xq, dx, sx, nblk, bias, y);
+    return;
+  }
   for (int64_t n = n0; n < n1; n += 4)
     for (int64_t m = 0; m < M;) {
       const int64_t left = M - m;
