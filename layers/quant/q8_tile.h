@@ -103,7 +103,7 @@ SZ_TARGET void tile(const QW& w, int64_t n, int64_t n1, const int8_t* xq, int64_
     __m256i u[4], s[4];
     __m128 va, vc;
     for (int i = 0; i < 4; ++i)  // the 4 row streams, then the next tile's 4 rows
-      prefetch_row(base[i], base[i] + 4 * w.s0, b * bytes + PREFETCH_BYTES, nblk * bytes);
+      prefetch_row(base[i], base[i] + 4 * w.s0, b * bytes + (bytes < 32 ? PREFETCH_BYTES_4BIT : PREFETCH_BYTES), nblk * bytes);
     for (int i = 0; i < 4; ++i) u[i] = decode<F>(w, row[i], b, &s[i]);
     scales<F>(w, base, row, b, &va, &vc);
     for (int r = 0; r < MR; ++r) {
