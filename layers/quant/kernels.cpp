@@ -258,11 +258,12 @@ inline int64_t block_bytes(int fmt) {
 // int8 61 -> 49; 512 was the best of 512 / 640 / 768 / 1024 for q8_0. fused_row reads one
 // row at a time, one stream the hardware follows: a prefetch there made it 5-15% slower.
 constexpr int64_t PREFETCH_BYTES = 512;
-// The 4-bit formats' blocks (16-20 bytes) go further: 4096 bytes ahead (past the tile's 4
-// rows, into the next tiles': rows lie one after another). 3072 x 576 at 1 row, cold,
-// interleaved A/B (2026-12-07): q4_1 512 -> 1024 bytes 0.91x the time, -> 2048 0.87x of
-// that, -> 4096 0.83x of that (31 us: 35 GB/s), 8192 no better; q4_0 alike.
-constexpr int64_t PREFETCH_BYTES_4BIT = 4096;
+// The 4-bit formats' tiles (blocks of 16-20 bytes) and the one-row stream of q8_tile.h
+// `row_stream` prefetch further ahead: past the tile's 4 rows, into the rows after them (rows
+// lie one after another). 3072 x 576 at 1 row, cold, interleaved A/B (2026-12-07): q4_1 512
+// -> 1024 bytes 0.91x the time, -> 2048 0.87x of that, -> 4096 0.83x of that (31 us: 35
+// GB/s), 8192 no better; q4_0 alike.
+constexpr int64_t PREFETCH_FAR_BYTES = 4096;
 
 // prefetch `off` bytes into the row at `row` (row_bytes long), or past its end into the row
 // `next` (the next one this thread reads); a prefetch never faults, whatever the address
