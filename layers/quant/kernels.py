@@ -27,7 +27,11 @@ warning.
 
 Under `torch.compile` the product is one opaque op, `shardzoo::quant_linear` with a fake
 (meta) implementation, so inductor compiles the code around it (as layers/gemm.py does for
-oneDNN's GEMM).
+oneDNN's GEMM). Its CPU kernel is C++ (quant_op.cpp, registered when the kernels load: the
+same choice of kernel as `_kernel_linear`, without a Python frame per call); the Python
+implementation here serves before that, where the kernels cannot be built, and on other
+devices. Whether the product takes 8-bit activations is decided when tracing (`q8_isa`)
+and passed with each call.
 """
 from __future__ import annotations
 
