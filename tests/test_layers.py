@@ -616,6 +616,26 @@ def _hf_rope(q, positions, dim, base=10000.0):
     return q * emb.cos() + _hf_rotate_half(q) * emb.sin()
 
 
+def test_rotary_position_ids_read_from_a_table_equal_the_computed_ones(no_grid):
+    """Per-row positions on CPU (decode) come from a table of positions 0..P-1, grown as
+    positions pass P: the same values, shapes and dtype as computing them, for plain, YaRN
+    (attention factor) and llama3-scaled frequencies, at the table's edges."""
+    scalings = (None, {"scaling_type": "yarn", "factor": 4.0, "original_max_position": 64,
+                       "attention_factor": 1.3},
+                {"scaling_type": "llama3", "factor": 8.0, "original_max_position": 128})
+    for scaling in scalings:
+        rope = RotaryEmbedding(16, 10000.0, scaling)
+        for pos in ([[0]], [[5], [255]], [[256, 257]], list(map(list, zip(range(40)))),
+                    [[1000], [3], [4095]], [[4096, 9000]]):
+            ids = torch.tensor(pos)
+            want = rope._compute(ids.shape[1], 0, None, ids)
+            got = rope(ids.shape[1], 0, None, ids)
+            for w, g in zip(want, got):
+                assert g.shape == w.shape == (ids.shape[1], ids.shape[0], 1, 16)
+                assert g.dtype == w.dtype and torch.equal(g, w), (scaling, pos)
+        assert rope._rows[0].shape[0] == 16384  # grown to the next power of two
+
+
 def test_rotary_matches_hf_llama(no_grid):
     s, b, n, d = 16, 2, 3, 8
     q = _randn(s, b, n, d, seed=1)
