@@ -145,7 +145,8 @@ def ours_main(config: dict) -> None:
             if "quantization" not in inspect.signature(load).parameters:
                 raise ValueError("inference.loading.load takes no `quantization` in this "
                                  "checkout; drop --quantization (the engine's default is used)")
-            kw["quantization"] = config["quantization"]
+            from layers.quantized import Quantization
+            kw["quantization"] = Quantization(method=config["quantization"])
         t0 = time.perf_counter()
         model, _, _ = load(hf=config["model"], **kw)
         model.eval()
