@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from layers.dropout import MASK32, mix32, mix32_int
+from layers.dropout import MASK32, MIX32_MULTIPLIERS, mix32, mix32_int
+
+from . import sampling_kernels
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20  # alternatives per token at most (vLLM's --max-logprobs default)
@@ -148,9 +150,19 @@ def uniforms(seed: int, position: int, ids: torch.Tensor) -> torch.Tensor:
     one key never share a value (the mixer is a bijection)."""
     key = mix32_int(mix32_int((seed & MASK32) ^ _K_SEED) ^ ((seed >> 32) & MASK32))
     key = mix32_int(key ^ (position & MASK32) ^ _K_POS)
+    khi, klo = mix32_int(key ^ _K_HI), mix32_int(key ^ _K_LO)
+    ext = sampling_kernels.extension() if ids.device.type == "cpu" and ids.dim() == 1 \
+        and ids.dtype == torch.int64 else None
+    if ext is not None:  # the same values in one pass (sampling_kernels.cpp)
+        return ext.keyed_uniforms(ids, key, khi, klo, *MIX32_MULTIPLIERS)
+    return _torch_uniforms(ids, key, khi, klo)
+
+
+def _torch_uniforms(ids: torch.Tensor, key: int, khi: int, klo: int) -> torch.Tensor:
+    """`uniforms` by torch ops (any device), from the row's key and its two stream keys."""
     h = mix32(ids ^ key)  # distinct per id; two keyed rounds more give 21 + 32 bits
-    hi = mix32(h ^ mix32_int(key ^ _K_HI)).bitwise_right_shift_(11)
-    lo = mix32(h.bitwise_xor_(mix32_int(key ^ _K_LO)))
+    hi = mix32(h ^ khi).bitwise_right_shift_(11)
+    lo = mix32(h.bitwise_xor_(klo))
     return hi.double().mul_(2.0 ** 32).add_(lo).add_(0.5).mul_(2.0 ** -53)
 
 

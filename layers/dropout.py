@@ -45,6 +45,7 @@ MASK32 = 0xFFFFFFFF
 # Odd multipliers below 2^31, so that `x * M` of a 32-bit `x` stays below 2^63 (no overflow
 # in int64); the xor-shift-multiply rounds are those of Wellons' 32-bit "lowbias32" mixer.
 _M1, _M2 = 0x7FEB352D, 0x5BD1E995
+MIX32_MULTIPLIERS = (_M1, _M2)  # for C++ forms of `mix32` (inference/sampling_kernels.cpp)
 # Sub-sites of one module (a transformer layer has three residual dropouts)
 SITE_ATTENTION_RESIDUAL, SITE_CROSS_ATTENTION_RESIDUAL, SITE_MLP_RESIDUAL = 0, 1, 2
 
