@@ -10,20 +10,8 @@ import os
 from layers import cpu_extension
 
 SOURCES = ("sampling_kernels.cpp",)
-
-
-def extension_name() -> str:
-    """`shardzoo_sampling_<avx2|generic>_<8 hex of sha256(sampling_kernels.cpp)>`."""
-    return cpu_extension.extension_name("shardzoo_sampling", os.path.dirname(__file__), SOURCES)
-
-
-def _build():
-    return cpu_extension.build(extension_name(),
-                               [os.path.join(os.path.dirname(__file__), SOURCES[0])])
-
-
-_LAZY = cpu_extension.LazyExtension(
-    lambda: _build(), "sampling kernel",
+_LAZY = cpu_extension.lazy_source(
+    "shardzoo_sampling", os.path.dirname(__file__), SOURCES, "sampling kernel",
     "sampled rows draw their uniforms with torch ops instead (slower)")
 
 

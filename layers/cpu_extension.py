@@ -98,3 +98,13 @@ class LazyExtension:
                     self.module = build_or_warn(self.builder, self.what, self.fallback)
                     self.tried = True
         return self.module
+
+
+def lazy_source(prefix: str, folder: str, sources: tuple[str, ...], what: str,
+                fallback: str) -> LazyExtension:
+    """A `LazyExtension` compiling `folder/sources[0]` (the rest of `sources`: headers it
+    includes, hashed into the name) as `extension_name(prefix, folder, sources)`; `what`
+    and `fallback` for the warning where it cannot be built."""
+    return LazyExtension(
+        lambda: build(extension_name(prefix, folder, sources),
+                      [os.path.join(folder, sources[0])]), what, fallback)

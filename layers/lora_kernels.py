@@ -11,20 +11,8 @@ import os
 from . import cpu_extension
 
 SOURCES = ("lora_kernels.cpp",)
-
-
-def extension_name() -> str:
-    """`shardzoo_lora_<avx2|generic>_<8 hex of sha256(lora_kernels.cpp)>`."""
-    return cpu_extension.extension_name("shardzoo_lora", os.path.dirname(__file__), SOURCES)
-
-
-def _build():
-    return cpu_extension.build(extension_name(),
-                               [os.path.join(os.path.dirname(__file__), SOURCES[0])])
-
-
-_LAZY = cpu_extension.LazyExtension(
-    lambda: _build(), "LoRA serving kernels",
+_LAZY = cpu_extension.lazy_source(
+    "shardzoo_lora", os.path.dirname(__file__), SOURCES, "LoRA serving kernels",
     "mixed-adapter batches run batched matmuls instead (slower)")
 
 
