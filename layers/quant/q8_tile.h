@@ -128,46 +128,29 @@ SZ_TARGET void tile(const QW& w, int64_t n, int64_t n1, const int8_t* xq, int64_
   }
 }
 
-// (a, c) of block b of row n, as `scales` gives them for 4 rows
-template <int F>
-SZ_TARGET inline void scale1(const QW& w, int64_t n, int64_t b, float* a, float* c) {
-  const uint8_t* row = w.p0 + n * w.s0;
-  if (F == Q4_1) {
-    *a = half_to_float(row + b * 20);
-    *c = half_to_float(row + b * 20 + 2);
-  } else if (F == Q8_0 || F == Q4_0) {
-    *a = half_to_float(row + b * (F == Q8_0 ? 34 : 18));
-    *c = F == Q4_0 ? *a * -8.f : 0.f;
-  } else if (F == INT8) {
-    *a = 1.f;
-    *c = 0.f;
-  } else {
-    const int64_t g = (b * 32) / w.group;
-    *a = w.p1[n * w.s1 + g];
-    *c = -*a * w.p2[n * w.s2 + g];
-  }
-}
-
-// One input row (decode at batch 1): output rows [n0, n1) one after the other, each row's
-// blocks in order, so a thread reads its rows as one sequential stream, which the hardware
-// prefetchers follow (the tiles read 4 rows' streams at once), helped by a software
-// prefetch PREFETCH_FAR_BYTES ahead (SmolLM2's q8_0 weights in a model's order 0.92x the
-// time with it: each matrix starts a stream the hardware takes a few lines to find). Per
-// output row the tiles' own arithmetic, in their order: a block's integer sum exact, then
-// acc = fma(a dx, sum, acc) and cacc = fma(c, sx, cacc) block after block, out = acc +
-// cacc: the same bits as tile<F, 1>, so a row's result does not depend on the batch it is in.
+// One input row (decode at batch 1) of the 8-bit formats (q8_0, int8): output rows [n0, n1)
+// one after the other, each row's blocks in order, so a thread reads its rows as one
+// sequential stream, which the hardware prefetchers follow (the tiles read 4 rows' streams
+// at once), helped by a software prefetch PREFETCH_FAR_BYTES ahead (SmolLM2's q8_0 weights
+// in a model's order 0.92x the time with it: each matrix starts a stream the hardware takes
+// a few lines to find). Per output row the tiles' own arithmetic, in their order: a block's
+// integer sum exact, then acc = fma(a dx, sum, acc) block after block (these formats have no
+// offset term: c = 0): the same bits as tile<F, 1>, so a row's result does not depend on the
+// batch it is in. The 4-bit formats keep the tiles (their per-block scale work, once per 4
+// rows in a tile, made this stream 2-12% slower).
 template <int F>
 SZ_TARGET void row_stream(const QW& w, int64_t n0, int64_t n1, const int8_t* xq,
-                          const float* dx, const float* sx, int64_t nblk, const float* bias,
-                          float* y) {
-  constexpr bool SIGNED = F == Q8_0 || F == INT8;
+                          const float* dx, int64_t nblk, const float* bias, float* y) {
+  static_assert(F == Q8_0 || F == INT8, "row_stream: the signed 8-bit formats only");
+  constexpr int64_t bytes = F == Q8_0 ? 34 : 32;
   for (int64_t n = n0; n < n1; ++n) {
-    __m128 acc = _mm_setzero_ps(), cacc = _mm_setzero_ps();
+    const uint8_t* row = w.p0 + n * w.s0;
+    __m128 acc = _mm_setzero_ps();
     for (int64_t b0 = 0; b0 < nblk; b0 += 4) {
       const int nb = static_cast<int>(std::min<int64_t>(4, nblk - b0));
       // the stream PREFETCH_FAR_BYTES ahead (into the next rows), one line at a time
-      const uint8_t* ahead = w.p0 + n * w.s0 + b0 * block_bytes(F) + PREFETCH_FAR_BYTES;
-      for (int64_t off = 0; off < 4 * block_bytes(F); off += 64)
+      const uint8_t* ahead = row + b0 * bytes + PREFETCH_FAR_BYTES;
+      for (int64_t off = 0; off < 4 * bytes; off += 64)
         _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T0);
       __m256i p[4];
       for (int j = 0; j < 4; ++j) {
@@ -176,7 +159,7 @@ SZ_TARGET void row_stream(const QW& w, int64_t n0, int64_t n1, const int8_t* xq,
           const __m256i u = decode<F>(w, n, b0 + j, &sg);
           const __m256i xv =
               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (b0 + j) * 32));
-          p[j] = SZ_DOT(u, SIGNED ? _mm256_sign_epi8(xv, sg) : xv);
+          p[j] = SZ_DOT(u, _mm256_sign_epi8(xv, sg));
         } else {
           p[j] = _mm256_setzero_si256();
         }
@@ -184,18 +167,15 @@ SZ_TARGET void row_stream(const QW& w, int64_t n0, int64_t n1, const int8_t* xq,
       alignas(16) int32_t sums[4];
       _mm_store_si128(reinterpret_cast<__m128i*>(sums), sum4(p));  // block j's exact sum
       for (int j = 0; j < nb; ++j) {
-        float a, c;
-        scale1<F>(w, n, b0 + j, &a, &c);
+        const float a = F == Q8_0 ? half_to_float(row + (b0 + j) * bytes) : 1.f;
         const __m128 d = _mm_mul_ss(_mm_set_ss(a), _mm_set_ss(dx[b0 + j]));
         acc = _mm_fmadd_ss(d, _mm_cvtsi32_ss(_mm_setzero_ps(), sums[j]), acc);
-        if (!SIGNED) cacc = _mm_fmadd_ss(_mm_set_ss(c), _mm_set_ss(sx[b0 + j]), cacc);
       }
     }
-    float out[4], rs = 1.f, bn = 0.f;
-    _mm_storeu_ps(out, _mm_add_ps(acc, cacc));
-    if (F == INT8) rs = w.p1[n * w.s1];
-    if (bias) bn = bias[n];
-    y[n] = out[0] * rs + bn;
+    // the tile's out = acc + cacc with cacc = +0: acc starts at +0 and round-to-nearest
+    // never makes it -0 again, so acc itself
+    const float rs = F == INT8 ? w.p1[n * w.s1] : 1.f, bn = bias ? bias[n] : 0.f;
+    y[n] = _mm_cvtss_f32(acc) * rs + bn;
   }
 }
 
@@ -205,9 +185,11 @@ template <int F>
 SZ_TARGET void rows(const QW& w, int64_t n0, int64_t n1, int64_t M, const int8_t* xq,
                     int64_t K, const float* dx, const float* sx, int64_t nblk,
                     const float* bias, float* y, int64_t N) {
-  if (M == 1 && (F == Q8_0 || F == INT8)) {  // the 4-bit formats: the tiles were faster
-    row_stream<F>(w, n0, n1, xq, dx, sx, nblk, bias, y);
-    return;
+  if constexpr (F == Q8_0 || F == INT8) {
+    if (M == 1) {
+      row_stream<F>(w, n0, n1, xq, dx, nblk, bias, y);
+      return;
+    }
   }
   for (int64_t n = n0; n < n1; n += 4)
     for (int64_t m = 0; m < M;) {
