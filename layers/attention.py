@@ -108,7 +108,7 @@ class RotaryEmbedding(nn.Module):
         return self._rows[0][pos][:, :, None], self._rows[1][pos][:, :, None]
 
     def _compute(self, seq_len, offset, device, position_ids):
-        key = torch.device(device) if device is not None else None
+        key = torch.device(device if device is not None else "cpu")  # None: the CPU
         if key not in self._inv_freq:
             self._inv_freq[key] = rope_inv_freq(self.dim, self.base, **self.scaling).to(device)
         inv_freq = self._inv_freq[key]

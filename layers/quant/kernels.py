@@ -100,6 +100,11 @@ def extension():
     return ext
 
 
+def _loaded():
+    """`extension()` for the hot paths: the module without a call once it was tried."""
+    return _LAZY.module if _LAZY.tried else extension()
+
+
 def storage(fmt: str, tensors: dict[str, torch.Tensor]) -> tuple:
     """The kernels' storage arguments (t0, t1, t2) of a weight in `fmt`: (qweight, scales,
     None) int8, (qweight, scales, zeros) int4, (blocks, None, None) the GGUF formats."""
@@ -142,7 +147,7 @@ def dequantize(fmt: str, in_features: int, group: int, tensors: dict[str, torch.
     """The float32 rows `[n, in]` of the weight storage `tensors` (n rows, formats.py), by
     kernels.cpp's de-quantization (formats.dequantize's values, bit for bit), or None where
     the kernels are not built or the storage is not on CPU."""
-    ext = _LAZY.module if _LAZY.tried else extension()
+    ext = _loaded()
     t0, t1, t2 = storage(fmt, tensors)
     if ext is None or t0.device.type != "cpu":
         return None
@@ -155,7 +160,7 @@ def _quant_linear_impl(x, fmt, out_features, group, t0, t1, t2, bias, isa=0):
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if x2.dtype != torch.float32 or x2.stride(-1) != 1:
         x2 = x2.float().contiguous()
-    ext = _LAZY.module if _LAZY.tried else extension()
+    ext = _loaded()
     if ext is None or x2.device.type != "cpu":
         from .weight import reference_linear
         tensors = {"int8": ("qweight", "scales"), "int4": ("qweight", "scales", "zeros")}.get(
