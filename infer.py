@@ -17,6 +17,10 @@ import os
 import sys
 import time
 
+from run_config.openmp_env import set_openmp_wait_defaults
+
+set_openmp_wait_defaults()  # before torch loads libgomp (run_config/openmp_env.py)
+
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     """--load / --hf (exactly one), --tokenizer, --dtype."""

@@ -21,6 +21,10 @@ import os
 import sys
 from pathlib import Path
 
+from run_config.openmp_env import set_openmp_wait_defaults
+
+set_openmp_wait_defaults()  # before torch loads libgomp (run_config/openmp_env.py)
+
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from checkpoint.format import CheckpointError
