@@ -624,6 +624,14 @@ def main(argv=None) -> int:
             if engine.spec is not None:
                 log(speculative_line(engine.spec))
         if args.serve:
+            if args.compile:  # no variant compiled in the middle of serving
+                from inference.warm_up import warm_up
+
+                t0 = time.monotonic()
+                ran = warm_up(engine)
+                if log is not None:
+                    log(f"compiled the serving shapes with {ran} warm-up requests in "
+                        f"{time.monotonic() - t0:.0f} s")
             return run_server(args, engine, tokenizer, name, model.generation_config, rank)
         requests = make_requests(args, prompts, tokenizer, cfg.is_encoder_decoder, max_len)
         generate_and_print(engine, requests, prompts, tokenizer, rank)

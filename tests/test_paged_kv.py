@@ -158,10 +158,32 @@ def _worker(folders: dict) -> dict:
             _run(engine, reqs)
             out[(name, label)]["sampled"] = [r.output for r in reqs]
     model, _, _ = load(hf=folders["llama"][0])
+    out["warm_up"] = _warm_up_leaves_no_trace(model)
     out["chunks"] = _chunk_bound(model)
     out["leaks"] = _many_requests(model)
     out["refusals"] = _refusals(model)
     return out
+
+
+def _warm_up_leaves_no_trace(model) -> dict:
+    """inference/warm_up.py on an engine with prefix caching and a small cache, then the
+    prompts: their outputs and the engine's counters are those of an engine without it."""
+    from inference.engine import Request
+    from inference.sampling import SamplingParams
+    from inference.warm_up import warm_up
+
+    got = {}
+    for warm in (False, True):
+        engine = _engine(model, block_size=4, blocks=12)
+        ran = warm_up(engine) if warm else 0
+        check_blocks(engine)
+        free = engine.blocks.num_free == engine.blocks.capacity
+        reqs = [Request(str(i), p, SamplingParams(max_new_tokens=MAX_NEW))
+                for i, p in enumerate(PROMPTS)]
+        _run(engine, reqs)
+        got[warm] = {"ran": ran, "free": free, "outputs": [r.output for r in reqs],
+                     "stats": engine.stats()}
+    return got
 
 
 def _chunk_bound(model) -> dict:
@@ -245,6 +267,11 @@ def test_paged_cache_prefix_caching_chunks_and_preemption(models):
                 dyn = run["dynamo"]
                 assert dyn["graphs"] > 0 and dyn["graph_breaks"] == 0, (where, dyn)
                 assert dyn["frames"]["ok"] == dyn["frames"]["total"], (where, dyn)
+    cold, warm = got["warm_up"][False], got["warm_up"][True]
+    assert warm["ran"] >= 9 and warm["free"], warm
+    llama = [_hf_generate(models["llama"][0], p, MAX_NEW, None) for p in PROMPTS]
+    assert warm["outputs"] == cold["outputs"] == llama, (warm, cold)
+    assert warm["stats"] == cold["stats"], (warm, cold)
     chunks = got["chunks"]
     assert chunks["widest"] == 8 and chunks["gap"] <= 2, chunks
     want = [_hf_generate(models["llama"][0], p, n, None)
