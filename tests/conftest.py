@@ -1,6 +1,7 @@
 """Shared test setup: the repo root and tests/ on sys.path (so `import layers` and
 `from distributed import run_distributed` work under plain `pytest` too, and in spawned
-workers, which inherit sys.path), and a guard that single-process tests see no grid."""
+workers, which inherit sys.path), a guard that single-process tests see no grid, and the
+dropout key restored after each test."""
 from __future__ import annotations
 
 import os
@@ -23,6 +24,18 @@ def no_grid():
     assert not parallel_state.model_parallel_is_initialized(), "a test leaked a process grid"
     yield
     assert not parallel_state.model_parallel_is_initialized(), "this test leaked a process grid"
+
+
+@pytest.fixture(autouse=True)
+def dropout_key_restored():
+    """Every test starts from the dropout key it found and leaves it so: a test that sets
+    `--dropout-masks rank-streams` (ps.model_parallel_seed) in the pytest process would
+    otherwise turn keyed dropout off for the tests run after it in the same worker."""
+    from parallel_state.random import _DropoutKey
+
+    saved = (_DropoutKey.seed, _DropoutKey.scheme, _DropoutKey.sample_ids)
+    yield
+    _DropoutKey.seed, _DropoutKey.scheme, _DropoutKey.sample_ids = saved
 
 
 @pytest.fixture(scope="package")
