@@ -15,7 +15,10 @@ waiting requests admitted first come, first served while their blocks fit) or on
 step of running requests. When both are pending they alternate, so a running request waits
 at most one prefill of at most `max_num_batched_tokens` tokens between two of its tokens
 (chunked prefill, Agrawal et al. 2023, Sarathi; vLLM's --max-num-batched-tokens): a longer
-prompt is prefilled in chunks, each starting where the cache ends. A request leaves as soon
+prompt is prefilled in chunks, each starting where the cache ends. The one exception is a
+burst of arrivals: a second prefill may follow the first when it admits more requests than
+the decode would advance, so a decode waits at most two prefills (scheduler.py
+`_may_prefill`). A request leaves as soon
 as it finishes (EOS, a stop string, max_new_tokens, or cancel) and its blocks are freed.
 
 KV cache (decoder-only models): blocks of `block_size` positions (PagedKVCache); a request
@@ -228,7 +231,7 @@ class Engine(Scheduler):
         self.max_in_flight = 0  # most micro-batches in flight at once (statistics)
         self._received: tuple | None = None  # this stage's input for the next tick
         self._arrivals = 0  # requests added so far (their `seq`)
-        self._last_prefill = False  # the last micro-batch started was a prefill
+        self._prefills_in_a_row = 0  # prefill micro-batches started since the last decode
         # statistics (tokens looked up in / found in the prefix cache, preemptions)
         self.prefix_queries = self.prefix_hits = self.num_preemptions = 0
         self.num_left = 0  # running requests that finished or were cancelled so far
@@ -346,7 +349,7 @@ class Engine(Scheduler):
 
         The first stage starts a micro-batch: a prefill (chunks of running and newly
         admitted requests), else a decode of running requests not already in flight (the
-        two alternate while both are pending). Every stage runs the micro-batch that reached
+        two alternate while both are pending, but for a burst: `_may_prefill`). Every stage runs the micro-batch that reached
         it (stage s: the one started s ticks ago), then passes its output on; the last stage
         samples, and the micro-batch started pp - 1 ticks ago returns its ids to every rank.
         With `num_micro_batches` >= pp the stages never wait for each other between tokens.

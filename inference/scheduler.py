@@ -64,16 +64,32 @@ class Scheduler:
         if len(self.in_flight) >= self.num_micro_batches:
             return None
         ready = [r for r in self.running if r.id not in self.busy]
-        decodable = any(r.num_computed == self._length(r) - 1 for r in ready)
+        decodable = sum(r.num_computed == self._length(r) - 1 for r in ready)
         rows = []
-        if not (decodable and self._last_prefill):  # decodes never wait two prefills
+        if self._may_prefill(decodable):
             rows = self._prefill_rows(ready)
-        self._last_prefill = bool(rows)
+        self._prefills_in_a_row = self._prefills_in_a_row + 1 if rows else 0
         if not rows:
             rows = self._decode_rows()
             if not rows:
                 return None
-        return self._flight(rows, tick, prefill=self._last_prefill)
+        return self._flight(rows, tick, prefill=self._prefills_in_a_row > 0)
+
+    def _may_prefill(self, decodable: int) -> bool:
+        """Whether the next micro-batch may be a prefill while `decodable` running requests
+        wait for a decode step. Prefills and decodes alternate, except that one prefill may
+        follow another when it admits more waiting requests than the decode would advance
+        (a burst of arrivals: the few requests admitted by the first prefill would take a
+        decode step before all the others get their first token; vLLM puts those few
+        decodes into the burst's prefill forward, so their next token waits for that
+        prefill there too). A decode never waits three prefills."""
+        if not decodable or self._prefills_in_a_row == 0:
+            return True
+        if self._prefills_in_a_row >= 2:
+            return False
+        admittable = min(len(self.waiting), self.micro_batch_size,
+                         self.max_batch_size - len(self.running))
+        return admittable > decodable
 
     def _prefill_rows(self, ready: list[Request]) -> list[tuple]:
         """Prompt chunks for one forward: running requests not yet prefilled first, then

@@ -10,7 +10,9 @@ grouped KV heads and a Mistral with a sliding window of 6); the parent compares:
 - seeded sampling gives the same ids with chunks and preemption as without (an id is keyed
   by the request's seed and its output position);
 - chunked prefill: no forward holds more prompt tokens than the budget, and a running
-  request waits at most one prefill between two of its tokens;
+  request waits at most one prefill between two of its tokens; prefills and decodes
+  alternate but for a burst of arrivals (a second prefill that admits more requests than
+  the decode would advance goes first; never a third);
 - block accounting after 200 requests of mixed lengths with shared prefixes, cancels at
   random steps and preemptions: at every step each block's reference count is the number of
   tables holding it, shared blocks are named full blocks, and in the end every block is free;
@@ -160,6 +162,7 @@ def _worker(folders: dict) -> dict:
     model, _, _ = load(hf=folders["llama"][0])
     out["warm_up"] = _warm_up_leaves_no_trace(model)
     out["chunks"] = _chunk_bound(model)
+    out["burst"] = _burst(model)
     out["leaks"] = _many_requests(model)
     out["refusals"] = _refusals(model)
     return out
@@ -198,6 +201,34 @@ def _chunk_bound(model) -> dict:
     long = Request("long", list(range(10, 50)), SamplingParams(max_new_tokens=4))
     seen = _run(engine, reqs, arrive=lambda step: [long] if step == 3 else [])
     return {**seen, "outputs": [r.output for r in reqs + [long]]}
+
+
+def _burst(model) -> dict:
+    """The kinds of forwards (P: prefill, D: decode) as requests arrive: one, then a burst
+    of five, then two more after those two prefills, then one more right after a prefill,
+    while eight decode."""
+    from inference.engine import Engine, Request
+    from inference.sampling import SamplingParams
+
+    engine = Engine(model, max_batch_size=10, max_seq_length=48)
+    prompts = [[3 + i, 40 + i, 7, 9] for i in range(9)]
+    reqs = [Request(str(i), p, SamplingParams(max_new_tokens=8)) for i, p in enumerate(prompts)]
+    arrive = {0: reqs[:1], 1: reqs[1:6], 2: reqs[6:8], 4: reqs[8:]}
+    kinds, launch = [], engine._launch
+
+    def recorded(tick):
+        flight = launch(tick)
+        if flight is not None:
+            kinds.append(("P" if flight.ids.shape[1] > 1 else "D") + str(len(flight.batch)))
+        return flight
+    engine._launch = recorded
+    step = 0
+    while engine.has_work() or step < 6:
+        for r in arrive.get(step, ()):
+            engine.add(r)
+        engine.step()
+        step += 1
+    return {"kinds": kinds[:7], "outputs": [r.output for r in reqs], "prompts": prompts}
 
 
 def _many_requests(model) -> dict:
@@ -277,6 +308,13 @@ def test_paged_cache_prefix_caching_chunks_and_preemption(models):
     want = [_hf_generate(models["llama"][0], p, n, None)
             for p, n in (([1, 2, 3], 20), ([4, 5], 20), (list(range(10, 50)), 4))]
     assert chunks["outputs"] == want
+    # a burst: the second prefill goes before the one admitted request's decode (five
+    # admitted > one decoding), never a third; one arrival right after a prefill, with
+    # eight decoding, waits for the decode (alternation)
+    burst = got["burst"]
+    assert burst["kinds"] == ["P1", "P5", "D6", "P2", "D8", "P1", "D9"], burst["kinds"]
+    assert burst["outputs"] == [_hf_generate(models["llama"][0], p, 8, None)
+                                for p in burst["prompts"]]
     leaks = got["leaks"]
     assert leaks["finished"] == 200 and leaks["cancelled"] > 0, leaks
     assert leaks["stats"]["num_preemptions"] > 0 and leaks["stats"]["prefix_cache_hits"] > 0
