@@ -376,6 +376,48 @@ def _overload(prefix_caching: bool) -> dict:
             "wrong_victims": wrong_victims, "disorder": disorder, "steps": step}
 
 
+def _compiled_after_warm_up(hf_dir: str) -> dict:
+    """A compiled engine (a process of its own: no graph compiled before), warmed up, then
+    requests that leave and arrive at different steps: a decode of several rows and of one
+    row starting at a later block than the first, a late arrival's prefill beside them.
+    Returns the graphs dynamo compiled after the warm-up and the outputs."""
+    from torch._dynamo.utils import counters
+
+    from inference.engine import Engine, Request
+    from inference.loading import load
+    from inference.sampling import SamplingParams
+    from inference.warm_up import warm_up
+
+    model, _, _ = load(hf=hf_dir)
+    engine = Engine(model, max_batch_size=4, max_seq_length=48, block_size=4, compile=True)
+    warm_up(engine)
+    before = counters["stats"]["unique_graphs"]
+    plan = [(PROMPTS[0], 2, 0), (PROMPTS[2], 7, 0), (PROMPTS[3], 6, 0), (PROMPTS[4], 4, 3),
+            (PROMPTS[5], 3, 5)]  # (prompt, new tokens, arrival step)
+    reqs = [Request(str(i), p, SamplingParams(max_new_tokens=n)) for i, (p, n, _) in
+            enumerate(plan)]
+    step = 0
+    while engine.has_work() or step < 6:
+        for r, (_, _, at) in zip(reqs, plan):
+            if at == step:
+                engine.add(r)
+        engine.step()
+        step += 1
+    return {"graphs": counters["stats"]["unique_graphs"] - before,
+            "outputs": [r.output for r in reqs], "plan": [(p, n) for p, n, _ in plan]}
+
+
+def test_warm_up_leaves_nothing_to_compile(models):
+    """After inference/warm_up.py a serving-like sequence compiles no new graph (a variant met
+    in serving stalled a request 5-8 s on SmolLM2), and its outputs equal transformers'."""
+    from test_inference import _hf_generate
+
+    hf_dir = models["llama"][0]
+    got = run_distributed(_compiled_after_warm_up, 1, hf_dir, timeout=600)[0]
+    assert got["graphs"] == 0, got["graphs"]
+    assert got["outputs"] == [_hf_generate(hf_dir, p, n, None) for p, n in got["plan"]]
+
+
 def test_preemption_is_first_come_first_served_and_bounded():
     """Under a load the cache holds a quarter of, with and without prefix caching: the
     victim is always the running request that arrived last, a preempted request keeps its
