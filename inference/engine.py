@@ -18,8 +18,8 @@ at most one prefill of at most `max_num_batched_tokens` tokens between two of it
 prompt is prefilled in chunks, each starting where the cache ends. The one exception is a
 burst of arrivals: a second prefill may follow the first when it admits more requests than
 the decode would advance, so a decode waits at most two prefills (scheduler.py
-`_may_prefill`). A request leaves as soon
-as it finishes (EOS, a stop string, max_new_tokens, or cancel) and its blocks are freed.
+`_may_prefill`). A request leaves as soon as it finishes (EOS, a stop string,
+max_new_tokens, or cancel) and its blocks are freed.
 
 KV cache (decoder-only models): blocks of `block_size` positions (PagedKVCache); a request
 holds the blocks of the positions it has computed. With prefix caching a new request first
@@ -349,9 +349,10 @@ class Engine(Scheduler):
 
         The first stage starts a micro-batch: a prefill (chunks of running and newly
         admitted requests), else a decode of running requests not already in flight (the
-        two alternate while both are pending, but for a burst: `_may_prefill`). Every stage runs the micro-batch that reached
-        it (stage s: the one started s ticks ago), then passes its output on; the last stage
-        samples, and the micro-batch started pp - 1 ticks ago returns its ids to every rank.
+        two alternate while both are pending, but for a burst: `_may_prefill`). Every stage
+        runs the micro-batch that reached it (stage s: the one started s ticks ago), then
+        passes its output on; the last stage samples, and the micro-batch started pp - 1
+        ticks ago returns its ids to every rank.
         With `num_micro_batches` >= pp the stages never wait for each other between tokens.
         Returns the events of the returned micro-batch (none while the pipeline fills)."""
         runner, t = self.runner, self.tick

@@ -16,9 +16,10 @@ rows of a decode start at a later block once the request before them has left), 
 prompts, prompts past the short-prefill attention's 128 keys (fresh and in chunks), a
 prompt cut into chunks (prefill over cached keys), with prefix caching a prompt that
 hits the cache, and requests that arrive and leave at different steps (gathered cache
-reads; with prefix caching, prefills of several rows over shared cached blocks). The requests leave through the engine's normal release (their blocks are
-free; with prefix caching their full blocks stay cached like any finished request's) and
-the engine's counters are reset. Every rank of a replica runs the same requests (their
+reads; with prefix caching, prefills of several rows over shared cached blocks). The
+requests leave through the engine's normal release (their blocks are free; with prefix
+caching their full blocks stay cached like any finished request's) and the engine's
+counters are reset. Every rank of a replica runs the same requests (their
 steps are collective).
 """
 from __future__ import annotations

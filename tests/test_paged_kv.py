@@ -100,16 +100,19 @@ def check_blocks(engine) -> None:
 def _run(engine, reqs, cancel=None, arrive=None) -> dict:
     """Step `reqs` to the end, checking the blocks each step; `cancel(step)` -> ids to
     cancel, `arrive(step)` -> requests to add. Returns {"widest": most token positions in one
-    forward, "gap": most steps between two tokens of a request}."""
+    forward, "gap": most steps between two tokens of a request, "kinds": each forward's kind
+    and rows, e.g. "P5" (a prefill of five rows) or "D8" (a decode of eight)}."""
     for r in reqs:
         engine.add(r)
-    last, gap, widest, step = {}, 0, 0, 0
+    last, gap, widest, step, kinds = {}, 0, 0, 0, []
     launch = engine._launch
 
     def recorded(tick):
         nonlocal widest
         flight = launch(tick)
         widest = max(widest, flight.ids.numel() if flight is not None else 0)
+        if flight is not None:
+            kinds.append(("P" if flight.ids.shape[1] > 1 else "D") + str(len(flight.batch)))
         return flight
     engine._launch = recorded
     while engine.has_work() or (arrive and step < 10):
@@ -125,7 +128,7 @@ def _run(engine, reqs, cancel=None, arrive=None) -> dict:
         step += 1
     engine._launch = launch
     assert engine.blocks.num_free == engine.blocks.capacity
-    return {"gap": gap, "widest": widest}
+    return {"gap": gap, "widest": widest, "kinds": kinds}
 
 
 def _worker(folders: dict) -> dict:
@@ -214,20 +217,7 @@ def _burst(model) -> dict:
     prompts = [[3 + i, 40 + i, 7, 9] for i in range(9)]
     reqs = [Request(str(i), p, SamplingParams(max_new_tokens=8)) for i, p in enumerate(prompts)]
     arrive = {0: reqs[:1], 1: reqs[1:6], 2: reqs[6:8], 4: reqs[8:]}
-    kinds, launch = [], engine._launch
-
-    def recorded(tick):
-        flight = launch(tick)
-        if flight is not None:
-            kinds.append(("P" if flight.ids.shape[1] > 1 else "D") + str(len(flight.batch)))
-        return flight
-    engine._launch = recorded
-    step = 0
-    while engine.has_work() or step < 6:
-        for r in arrive.get(step, ()):
-            engine.add(r)
-        engine.step()
-        step += 1
+    kinds = _run(engine, [], arrive=lambda step: arrive.get(step, []))["kinds"]
     return {"kinds": kinds[:7], "outputs": [r.output for r in reqs], "prompts": prompts}
 
 
@@ -396,13 +386,7 @@ def _compiled_after_warm_up(hf_dir: str) -> dict:
             (PROMPTS[5], 3, 5)]  # (prompt, new tokens, arrival step)
     reqs = [Request(str(i), p, SamplingParams(max_new_tokens=n)) for i, (p, n, _) in
             enumerate(plan)]
-    step = 0
-    while engine.has_work() or step < 6:
-        for r, (_, _, at) in zip(reqs, plan):
-            if at == step:
-                engine.add(r)
-        engine.step()
-        step += 1
+    _run(engine, [], arrive=lambda step: [r for r, (_, _, at) in zip(reqs, plan) if at == step])
     return {"graphs": counters["stats"]["unique_graphs"] - before,
             "outputs": [r.output for r in reqs], "plan": [(p, n) for p, n, _ in plan]}
 
