@@ -213,3 +213,49 @@ def test_api_app_has_no_buffering_middleware():
     kinds = [m.cls for m in app.user_middleware]
     assert kinds == [LingeringClose, APIKeyCheck], kinds  # outermost first
     assert BaseHTTPMiddleware not in kinds
+
+
+class _ScriptedPipe:
+    """A `multiprocessing.Connection` stand-in on a clock of its own: `poll(t)` says whether
+    a scripted message has arrived by now + t (moving the clock there), `recv` takes it."""
+
+    def __init__(self, arrivals: list[tuple[float, str]]):
+        self.now, self.todo = 0.0, sorted(arrivals)
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        if self.todo and self.todo[0][0] <= self.now + timeout:
+            self.now = max(self.now, self.todo[0][0])
+            return True
+        self.now += timeout
+        return False
+
+    def recv(self):
+        _, rid = self.todo.pop(0)
+        return ("control", {"add": [(0, rid, [1], None, None)], "cancel": [], "lora": [],
+                            "stop": False})
+
+
+def test_an_idle_engine_gathers_a_burst(monkeypatch):
+    """An idle engine takes the requests that come less than ARRIVAL_GAP_S apart, for at most
+    ARRIVAL_WINDOW_S (one prefill for the burst); a busy one takes only what has arrived."""
+    from inference import core_client
+
+    gap, window = core_client.ARRIVAL_GAP_S, core_client.ARRIVAL_WINDOW_S
+
+    def collect(arrivals, busy):
+        pipe = _ScriptedPipe(arrivals)
+        monkeypatch.setattr(core_client.time, "monotonic", lambda: pipe.now)
+        api = core_client.APIProcess(pipe, None)
+        return [rid for _, rid, *_ in api.collect(busy)["add"]], pipe
+
+    burst = [(0.1 + i * gap * 0.9, f"r{i}") for i in range(3)] + [(0.1 + 2 * gap * 0.9 + gap * 1.5,
+                                                                      "late")]
+    got, pipe = collect(burst, busy=False)
+    assert got == ["r0", "r1", "r2"]  # "late" came more than a gap after r2
+    assert pipe.now == pytest.approx(0.1 + 2 * gap * 0.9 + gap)  # waited one gap past r2
+    assert collect(burst, busy=True)[0] == []  # busy: nothing had arrived at time 0
+    ready = [(0.0, "r0"), (0.0, "r1")] + burst[1:]
+    assert collect(ready, busy=True)[0] == ["r0", "r1"]  # busy: no wait for the next one
+    steady = [(i * gap * 0.5, f"s{i}") for i in range(int(3 * window / gap))]
+    got, pipe = collect(steady, busy=False)
+    assert 0 < len(got) < len(steady) and pipe.now <= window + 1e-9  # the window bounds it
