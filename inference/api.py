@@ -142,7 +142,27 @@ def _install_errors_and_auth(app, fe: Frontend, err) -> None:
         return err(protocol.APIError(500, f"internal error ({type(exc).__name__}); the "
                                           f"server log has the details", kind="server_error"))
 
+    app.add_middleware(Arrivals, fe=fe)  # inside the key check: refused ones do not count
     app.add_middleware(APIKeyCheck, fe=fe, err=err)
+
+
+class Arrivals:
+    """Counts each POST request in `Frontend.arriving` from its arrival until the engines get
+    it (`Frontend.open`) or it is answered, so that an idle engine waits for a burst's
+    requests the HTTP layer still parses (core_client.APIProcess.collect). Plain ASGI, like
+    `APIKeyCheck`."""
+
+    def __init__(self, app, fe: Frontend):
+        self.app, self.fe = app, fe
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        ticket = self.fe.arrive()
+        try:
+            return await self.app(scope, receive, send)
+        finally:
+            self.fe.settle(ticket)
 
 
 class APIKeyCheck:

@@ -9,8 +9,8 @@ tool / reasoning parsing, streaming and the metrics. The two processes exchange 
 messages over one `multiprocessing.Pipe`:
 
 - API -> engine: `("control", {"add": [(replica, id, prompt ids, SamplingParams, adapter)],
-  "cancel": [ids], "lora": [(ticket, op, name, path)], "stop": bool})`, sent as soon as there
-  is something (a pump thread blocks on the Frontend's inbox). The engine's control loop
+  "cancel": [ids], "lora": [(ticket, op, name, path)], "stop": bool, "arriving": count})`,
+  sent as soon as there is something (a pump thread blocks on the Frontend's inbox). The engine's control loop
   reads whatever has arrived at the top of each iteration (waiting up to `IDLE_S` only while
   it has nothing to run, then briefly for the rest of a burst: `APIProcess.collect`) and
   broadcasts it to every rank as before.
@@ -115,11 +115,12 @@ class APIProcess:
         """The control messages that have arrived, merged (waiting up to `IDLE_S` for one
         unless `busy`); a stop message once the API process is gone.
 
-        An idle engine that gets a request waits for the requests right behind it: it
-        takes what arrives with less than `ARRIVAL_GAP_S` between two messages, for at
-        most `ARRIVAL_WINDOW_S` after the first, so that a burst starts with one prefill of
-        all its rows instead of one of the first and one of the rest (docs/DECISIONS.md).
-        A busy engine never waits."""
+        An idle engine that gets a request waits for the requests right behind it: those
+        the API process said are `arriving` (in its HTTP layer, not yet sent), and those
+        that come less than `ARRIVAL_GAP_S` after the previous message, for at most
+        `ARRIVAL_WINDOW_S` after the first, so that a burst starts with one prefill of all
+        its rows instead of one of the first and one of the rest (docs/DECISIONS.md). A
+        busy engine never waits."""
         msg = {"add": [], "cancel": [], "lora": [], "stop": False}
         try:
             if self.signals != self._sent_signals:
@@ -136,7 +137,8 @@ class APIProcess:
                 if not ready and not busy and msg["add"] and not msg["stop"]:
                     window_end = window_end or time.monotonic() + ARRIVAL_WINDOW_S
                     left = window_end - time.monotonic()
-                    ready = left > 0 and self.conn.poll(min(ARRIVAL_GAP_S, left))
+                    wait = left if m.get("arriving") else min(ARRIVAL_GAP_S, left)
+                    ready = left > 0 and self.conn.poll(wait)
         except (EOFError, OSError):
             self.lost = msg["stop"] = True
         return msg

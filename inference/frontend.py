@@ -10,6 +10,7 @@ it.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import queue
 import threading
 import time
@@ -18,6 +19,9 @@ from dataclasses import dataclass
 from .detokenize import OutputText
 
 IDLE_S = 0.5  # the longest the control loop and `collect` wait for something to do
+# the request being handled in this context, while it counts in `Frontend.arriving`
+# (set by `Frontend.arrive`, cleared by `Frontend.open` or `Frontend.settle`)
+ARRIVING: contextvars.ContextVar = contextvars.ContextVar("arriving", default=None)
 
 
 @dataclass
@@ -92,6 +96,9 @@ class Frontend:
         self.failed: str | None = None  # why the service failed (a replica died)
         self.deadline: float | None = None  # drain deadline (time.monotonic())
         self.handlers = 0  # HTTP handlers still answering (the exit waits for them)
+        # POST requests in the HTTP app not yet handed to the engines nor answered: an idle
+        # engine that gets one request waits for these (core_client.APIProcess.collect)
+        self.arriving = 0
 
     # ---------------------------------------------------------------- HTTP thread side
     def open(self, items: list[tuple[str, list[int], object]], lora: str | None = None
@@ -114,14 +121,34 @@ class Frontend:
                 self.choices[rid] = _Choice(rep, params.max_new_tokens, now, (loop, q),
                                             lora=lora, out=out)
                 adds.append((rep, rid, prompt, params, lora))
-        self.inbox.put(("add", adds))
+            self._settle(ARRIVING.get())
+            self.inbox.put(("add", adds))  # with the count: `collect` reads both at once
         return Lifetime(self, [rid for rid, _, _ in items], q)
+
+    def arrive(self) -> list:
+        """Count the request handled in this context in `arriving` until it is opened or
+        `settle`d; returns its ticket."""
+        ticket = [True]
+        with self.lock:
+            self.arriving += 1
+        ARRIVING.set(ticket)
+        return ticket
+
+    def settle(self, ticket: list) -> None:
+        """The request of `ticket` was answered: it no longer counts in `arriving`."""
+        with self.lock:
+            self._settle(ticket)
+
+    def _settle(self, ticket: list | None) -> None:
+        if ticket is not None and ticket[0]:
+            ticket[0] = False
+            self.arriving -= 1
 
     def lora_command(self, op: str, name: str, path: str | None = None):
         """Queue a run-time adapter command ("load" name from path, "unload" name) for every
-        rank; returns an asyncio future of its error, (HTTP status, message), or None: done. An unload of an
-        adapter some open request uses is refused here (`ValueError`), and once accepted no
-        new request may name it."""
+        rank; returns an asyncio future of its error, (HTTP status, message), or None: done.
+        An unload of an adapter some open request uses is refused here (`ValueError`), and
+        once accepted no new request may name it."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         with self.lock:
@@ -185,7 +212,8 @@ class Frontend:
     # ---------------------------------------------------------------- engine side
     def collect(self) -> dict:
         """The next control message for the engines: requests to add, ids to cancel, adapter
-        commands, and whether to stop (blocks up to `IDLE_S` until there is one)."""
+        commands, whether to stop (blocks up to `IDLE_S` until there is one), and how many
+        requests are `arriving` behind these."""
         if self.stopping == 1 and self.deadline is not None and \
                 time.monotonic() > self.deadline:
             self.stopping = 2
@@ -195,16 +223,18 @@ class Frontend:
         if self.stopping == 2:
             self.fail_all(Failure(503, "the server was stopped before this request "
                                        "finished; retry on another server"))
-        msg = {"add": [], "cancel": [], "lora": [], "stop": False}
+        msg = {"add": [], "cancel": [], "lora": [], "stop": False, "arriving": 0}
         try:
             items = [self.inbox.get(timeout=IDLE_S)]
         except queue.Empty:
             items = []
-        while True:
-            try:
-                items.append(self.inbox.get_nowait())
-            except queue.Empty:
-                break
+        with self.lock:  # `open` puts under the lock: the count matches what was taken
+            while True:
+                try:
+                    items.append(self.inbox.get_nowait())
+                except queue.Empty:
+                    break
+            msg["arriving"] = self.arriving
         for kind, payload in items:
             if kind != "wake":  # (stop, a choice finished while stopping): look again
                 msg[kind].extend(payload)
