@@ -10,10 +10,10 @@ messages over one `multiprocessing.Pipe`:
 
 - API -> engine: `("control", {"add": [(replica, id, prompt ids, SamplingParams, adapter)],
   "cancel": [ids], "lora": [(ticket, op, name, path)], "stop": bool, "arriving": count})`,
-  sent as soon as there is something (a pump thread blocks on the Frontend's inbox). The engine's control loop
-  reads whatever has arrived at the top of each iteration (waiting up to `IDLE_S` only while
-  it has nothing to run, then briefly for the rest of a burst: `APIProcess.collect`) and
-  broadcasts it to every rank as before.
+  sent as soon as there is something (a pump thread blocks on the Frontend's inbox). The
+  engine's control loop reads whatever has arrived at the top of each iteration (waiting up
+  to `IDLE_S` only while it has nothing to run, then briefly for the rest of a burst:
+  `APIProcess.collect`) and broadcasts it to every rank as before.
 - engine -> API: `("events", [Event], [stats per replica])` after every step with news
   (new token ids, log-probabilities, finish reasons; no text), `("lora", ticket, op, name,
   path, error)`, `("signal", count)` (rank 0 got SIGTERM / SIGINT: the API process ignores

@@ -3,7 +3,8 @@ loopback: a stream whose client disconnects frees its slot in the engine process
 the engine process gives every open client an error body and the API process exits; kill -9
 of the API process stops the engine process (exit 1), leaving no process behind. And the
 API process's own stop strings (the engine sends ids only): ids after a stop string are
-dropped and the engine is told to cancel."""
+dropped and the engine is told to cancel. And an idle engine's wait for the rest of a
+burst: the requests the API process counts as arriving, and those right behind."""
 from __future__ import annotations
 
 import asyncio
@@ -200,9 +201,9 @@ def test_tokenizers_cross_to_the_api_process():
 
 def test_api_app_has_no_buffering_middleware():
     """The app's middleware are plain ASGI callables (the lingering close, the API key check,
-    the arrivals count): none is Starlette's `BaseHTTPMiddleware`, which passes every streamed chunk
-    through a memory stream and a task of its own (the API process's time per streamed
-    request: 2.0 -> 1.3 ms on 2 CPU cores)."""
+    the arrivals count): none is Starlette's `BaseHTTPMiddleware`, which passes every
+    streamed chunk through a memory stream and a task of its own (the API process's time
+    per streamed request: 2.0 -> 1.3 ms on 2 CPU cores)."""
     from starlette.middleware.base import BaseHTTPMiddleware
 
     from inference.api import APIKeyCheck, Arrivals, LingeringClose, build_app
@@ -294,4 +295,42 @@ def test_arriving_counts_requests_until_handed_over():
         return first, error
 
     assert asyncio.run(main()) == ((1, 1), (2, 2))
+    assert fe.arriving == 0
+
+
+def test_arriving_ends_when_the_http_app_opens_a_request(tmp_path):
+    """Through the app's middleware and routes: a streamed completion counts in `arriving`
+    only until its handler opens it, not for as long as it streams (the engine would then
+    wait its whole window for every request that follows)."""
+    from starlette.testclient import TestClient
+
+    from inference.api import build_app
+    from inference.frontend import Failure, Frontend
+    from inference.limits import RequestLimits
+
+    from models.tokenizer import build_tokenizer
+    from test_detokenize import llama2_style_tokenizer
+
+    llama2_style_tokenizer().save_pretrained(str(tmp_path))
+    tok = build_tokenizer(str(tmp_path))
+    fe = Frontend(RequestLimits(tok.vocab_size, 64, 64), tok, "m", None, 1)
+    seen = {}
+
+    def client():
+        with TestClient(build_app(fe)) as c:
+            with c.stream("POST", "/v1/completions", json={
+                    "model": "m", "prompt": [1, 2, 3], "max_tokens": 4, "stream": True}) as r:
+                seen["status"] = r.status_code
+                seen["body"] = "".join(r.iter_text())
+
+    t = threading.Thread(target=client, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 60
+    while not fe.choices:  # opened: the add is in the inbox, the stream is open
+        assert time.monotonic() < deadline and t.is_alive(), seen
+        time.sleep(0.01)
+    assert fe.collect()["arriving"] == 0 and fe.arriving == 0
+    fe.fail_all(Failure(503, "test over"))  # ends the stream
+    t.join(60)
+    assert seen["status"] == 200 and "test over" in seen["body"], seen
     assert fe.arriving == 0
