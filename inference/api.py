@@ -142,27 +142,7 @@ def _install_errors_and_auth(app, fe: Frontend, err) -> None:
         return err(protocol.APIError(500, f"internal error ({type(exc).__name__}); the "
                                           f"server log has the details", kind="server_error"))
 
-    app.add_middleware(Arrivals, fe=fe)  # inside the key check: refused ones do not count
     app.add_middleware(APIKeyCheck, fe=fe, err=err)
-
-
-class Arrivals:
-    """Counts each POST request in `Frontend.arriving` from its arrival until the engines get
-    it (`Frontend.open`) or it is answered, so that an idle engine waits for a burst's
-    requests the HTTP layer still parses (core_client.APIProcess.collect). Plain ASGI, like
-    `APIKeyCheck`."""
-
-    def __init__(self, app, fe: Frontend):
-        self.app, self.fe = app, fe
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] != "POST":
-            return await self.app(scope, receive, send)
-        ticket = self.fe.arrive()
-        try:
-            return await self.app(scope, receive, send)
-        finally:
-            self.fe.settle(ticket)
 
 
 class APIKeyCheck:
@@ -268,6 +248,7 @@ def _generation_routes(app, fe: Frontend, limits: Limits, err, keep_alive: float
         if why:
             return err(protocol.APIError(503, why, kind="server_error"))
         fe.handlers += 1
+        ticket = fe.arrive()  # an idle engine waits for it (core_client.APIProcess.collect)
         try:
             try:
                 raw = await _read_body(req, limits.max_request_bytes)
@@ -288,7 +269,7 @@ def _generation_routes(app, fe: Frontend, limits: Limits, err, keep_alive: float
             ids = [f"{rid}-{i}" for i in range(len(prompts))]
             try:
                 life = fe.open(list(zip(ids, prompts, parsed.params)),
-                               None if parsed.model == fe.model_name else parsed.model)
+                               None if parsed.model == fe.model_name else parsed.model, ticket)
             except LookupError as e:  # unloaded between parsing and here
                 return err(protocol.APIError(404, f"{e}; list the models with GET /v1/models",
                                              "model", "model_not_found"))
@@ -297,6 +278,7 @@ def _generation_routes(app, fe: Frontend, limits: Limits, err, keep_alive: float
                 return Stream(life, _stream(life, rid, parsed, keep_alive))
             return await _answer(req, life, rid, parsed, err)
         finally:
+            fe.settle(ticket)
             fe.handlers -= 1
 
     @app.post("/v1/completions")

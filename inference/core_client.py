@@ -137,7 +137,7 @@ class APIProcess:
                 if not ready and not busy and msg["add"] and not msg["stop"]:
                     window_end = window_end or time.monotonic() + ARRIVAL_WINDOW_S
                     left = window_end - time.monotonic()
-                    wait = left if m.get("arriving") else min(ARRIVAL_GAP_S, left)
+                    wait = left if m["arriving"] else min(ARRIVAL_GAP_S, left)
                     ready = left > 0 and self.conn.poll(wait)
         except (EOFError, OSError):
             self.lost = msg["stop"] = True

@@ -10,7 +10,6 @@ it.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import queue
 import threading
 import time
@@ -19,9 +18,6 @@ from dataclasses import dataclass
 from .detokenize import OutputText
 
 IDLE_S = 0.5  # the longest the control loop and `collect` wait for something to do
-# the request being handled in this context, while it counts in `Frontend.arriving`
-# (set by `Frontend.arrive`, cleared by `Frontend.open` or `Frontend.settle`)
-ARRIVING: contextvars.ContextVar = contextvars.ContextVar("arriving", default=None)
 
 
 @dataclass
@@ -96,16 +92,17 @@ class Frontend:
         self.failed: str | None = None  # why the service failed (a replica died)
         self.deadline: float | None = None  # drain deadline (time.monotonic())
         self.handlers = 0  # HTTP handlers still answering (the exit waits for them)
-        # POST requests in the HTTP app not yet handed to the engines nor answered: an idle
-        # engine that gets one request waits for these (core_client.APIProcess.collect)
+        # generation requests the HTTP handlers are parsing (`arrive` .. `open` or `settle`):
+        # an idle engine that gets one request waits for these (core_client.APIProcess.collect)
         self.arriving = 0
 
     # ---------------------------------------------------------------- HTTP thread side
-    def open(self, items: list[tuple[str, list[int], object]], lora: str | None = None
-             ) -> Lifetime:
+    def open(self, items: list[tuple[str, list[int], object]], lora: str | None = None,
+             ticket: list | None = None) -> Lifetime:
         """Register and route each choice `(id, prompt ids, SamplingParams)` to the replica
         with the least work: tokens it still has to generate at most. `lora`: the adapter
-        the choices run with (None: the base); `LookupError` when it is no longer served."""
+        the choices run with (None: the base); `ticket`: the request's from `arrive` (it no
+        longer counts as arriving); `LookupError` when the adapter is no longer served."""
         loop, q = asyncio.get_running_loop(), asyncio.Queue()
         now = time.monotonic()
         with self.lock:
@@ -121,21 +118,20 @@ class Frontend:
                 self.choices[rid] = _Choice(rep, params.max_new_tokens, now, (loop, q),
                                             lora=lora, out=out)
                 adds.append((rep, rid, prompt, params, lora))
-            self._settle(ARRIVING.get())
+            self._settle(ticket)
             self.inbox.put(("add", adds))  # with the count: `collect` reads both at once
         return Lifetime(self, [rid for rid, _, _ in items], q)
 
     def arrive(self) -> list:
-        """Count the request handled in this context in `arriving` until it is opened or
-        `settle`d; returns its ticket."""
-        ticket = [True]
+        """Count a request an HTTP handler starts parsing in `arriving` until `open` or
+        `settle` gets the ticket returned."""
         with self.lock:
             self.arriving += 1
-        ARRIVING.set(ticket)
-        return ticket
+        return [True]
 
     def settle(self, ticket: list) -> None:
-        """The request of `ticket` was answered: it no longer counts in `arriving`."""
+        """The request of `ticket` was handled: it no longer counts in `arriving` (a no-op
+        once `open` took it)."""
         with self.lock:
             self._settle(ticket)
 

@@ -200,19 +200,19 @@ def test_tokenizers_cross_to_the_api_process():
 
 
 def test_api_app_has_no_buffering_middleware():
-    """The app's middleware are plain ASGI callables (the lingering close, the API key check,
-    the arrivals count): none is Starlette's `BaseHTTPMiddleware`, which passes every
-    streamed chunk through a memory stream and a task of its own (the API process's time
-    per streamed request: 2.0 -> 1.3 ms on 2 CPU cores)."""
+    """The app's middleware are plain ASGI callables (the API key check, the lingering
+    close): none is Starlette's `BaseHTTPMiddleware`, which passes every streamed chunk
+    through a memory stream and a task of its own (the API process's time per streamed
+    request: 2.0 -> 1.3 ms on 2 CPU cores)."""
     from starlette.middleware.base import BaseHTTPMiddleware
 
-    from inference.api import APIKeyCheck, Arrivals, LingeringClose, build_app
+    from inference.api import APIKeyCheck, LingeringClose, build_app
     from inference.frontend import Frontend
     from inference.limits import RequestLimits
 
     app = build_app(Frontend(RequestLimits(26, 64, 64), None, "m", "sk-key", 1))
     kinds = [m.cls for m in app.user_middleware]
-    assert kinds == [LingeringClose, APIKeyCheck, Arrivals], kinds  # outermost first
+    assert kinds == [LingeringClose, APIKeyCheck], kinds  # outermost first
     assert BaseHTTPMiddleware not in kinds
 
 
@@ -268,8 +268,9 @@ def test_an_idle_engine_gathers_a_burst(monkeypatch):
 
 
 def test_arriving_counts_requests_until_handed_over():
-    """`Frontend.arriving`: POST requests between their arrival and `open` (or their answer),
-    reported with the control message that carries what was opened before."""
+    """`Frontend.arriving`: requests between `arrive` and `open` (or `settle`: answered
+    without opening), reported with the control message that carries what was opened
+    before."""
     from inference.frontend import Frontend
     from inference.sampling import SamplingParams
 
@@ -280,7 +281,8 @@ def test_arriving_counts_requests_until_handed_over():
         ticket = fe.arrive()
         try:
             if opens:
-                fe.open([(f"r{len(fe.choices)}", [1, 2], SamplingParams(max_new_tokens=2))])
+                fe.open([(f"r{len(fe.choices)}", [1, 2], SamplingParams(max_new_tokens=2))],
+                        ticket=ticket)
             else:
                 fe.inbox.put(("wake", []))  # so that `collect` does not wait for a message
             return fe.collect()["arriving"], fe.arriving
@@ -288,7 +290,7 @@ def test_arriving_counts_requests_until_handed_over():
             fe.settle(ticket)
 
     async def main():
-        other = fe.arrive()  # a request still being parsed in another context
+        other = fe.arrive()  # a request another handler still parses
         first = await asyncio.create_task(handler(True))
         error = await asyncio.create_task(handler(False))  # answered without opening
         fe.settle(other)
@@ -298,10 +300,12 @@ def test_arriving_counts_requests_until_handed_over():
     assert fe.arriving == 0
 
 
-def test_arriving_ends_when_the_http_app_opens_a_request(tmp_path):
-    """Through the app's middleware and routes: a streamed completion counts in `arriving`
-    only until its handler opens it, not for as long as it streams (the engine would then
-    wait its whole window for every request that follows)."""
+@pytest.mark.parametrize("stream", [True, False])
+def test_arriving_ends_when_the_http_app_opens_a_request(tmp_path, stream):
+    """Through the app's routes: a completion counts in `arriving` only until its handler
+    opens it, not for as long as it generates (a non-streamed one's handler waits for the
+    whole answer; the engine would then wait its whole window for every request that
+    follows)."""
     from starlette.testclient import TestClient
 
     from inference.api import build_app
@@ -319,18 +323,18 @@ def test_arriving_ends_when_the_http_app_opens_a_request(tmp_path):
     def client():
         with TestClient(build_app(fe)) as c:
             with c.stream("POST", "/v1/completions", json={
-                    "model": "m", "prompt": [1, 2, 3], "max_tokens": 4, "stream": True}) as r:
+                    "model": "m", "prompt": [1, 2, 3], "max_tokens": 4, "stream": stream}) as r:
                 seen["status"] = r.status_code
                 seen["body"] = "".join(r.iter_text())
 
     t = threading.Thread(target=client, daemon=True)
     t.start()
     deadline = time.monotonic() + 60
-    while not fe.choices:  # opened: the add is in the inbox, the stream is open
+    while not fe.choices:  # opened: the add is in the inbox, the answer not yet given
         assert time.monotonic() < deadline and t.is_alive(), seen
         time.sleep(0.01)
     assert fe.collect()["arriving"] == 0 and fe.arriving == 0
-    fe.fail_all(Failure(503, "test over"))  # ends the stream
+    fe.fail_all(Failure(503, "test over"))  # ends the stream, or answers with the error
     t.join(60)
-    assert seen["status"] == 200 and "test over" in seen["body"], seen
+    assert seen["status"] == (200 if stream else 503) and "test over" in seen["body"], seen
     assert fe.arriving == 0
