@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 import parallel_state as ps
-from layers import compile_transformer_block
+from layers import attention_kernels, compile_transformer_block
 from layers.attention import LAYER_TYPES, causal_window_mask
 from layers.linear import pack_weights
 from parallel_state import p2p
@@ -32,8 +32,9 @@ def compile_for_inference(model) -> int:
     adds into generated kernels and the layers' Python runs once per compile instead of
     once per layer and step; the GEMMs stay oneDNN's calls on the packed weights
     (layers/gemm.py), prefill attention torch's SDPA (over at most 128 keys: float32
-    matmuls around inductor's fused softmax) and decode attention inductor's own loops
-    (layers/attention.py `core_attention`). Every layer shares one compiled region per
+    matmuls around inductor's fused softmax) and decode attention a C++ kernel
+    (layers/attention_kernels.py; inductor's own loops where it cannot be built or does not
+    apply: layers/attention.py `core_attention`). Every layer shares one compiled region per
     variant: each layer reads its own cache through a handle (`PagedKVCache.layer`), and a
     size that changes (batch, lengths, block offsets) becomes symbolic at its first change
     (dynamo's automatic dynamic shapes; the hidden sizes stay static, which gave SmolLM2
@@ -54,9 +55,11 @@ def compile_for_inference(model) -> int:
                          "--compile")
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
     try:
-        return compile_transformer_block(model)
+        compiled = compile_transformer_block(model)
     except RuntimeError as e:  # no C++ compiler: a usage error here, before any request
         raise ValueError(str(e)) from None
+    attention_kernels.prepare()  # decode attention's C++ kernel, built before any tracing
+    return compiled
 
 
 def kv_cache_geometry(model, mla_latent_cache: bool = True) -> tuple[int, int, bool]:

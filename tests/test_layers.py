@@ -753,13 +753,23 @@ def test_additive_mask_equals_bool_mask(with_bias, no_grid):
     assert not torch.allclose(got, core_attention(q, k, v, None, bias, None, 0.0))  # it masks
 
 
-def test_compiled_decode_attention_matches_sdpa(no_grid):
-    """Under torch.compile on CPU without grad, one query per row (decode) takes the fused
-    broadcast-and-sum attention (`_decode_attention`, not SDPA: the recorded graph has no
-    SDPA call) and gives eager `core_attention`'s result to float rounding: grouped-query
-    heads, keys / values as strided views of a paged pool, additive and bool masks, softcap,
-    a scale, bf16 (one bf16 rounding of the float32 result)."""
+@pytest.mark.parametrize("kernel", [True, False], ids=["c++ kernel", "inductor loops"])
+def test_compiled_decode_attention_matches_sdpa(no_grid, kernel, monkeypatch):
+    """Under torch.compile on CPU without grad, one query per row (decode) takes
+    `_decode_attention`, not SDPA (the recorded graph has no SDPA call), and gives eager
+    `core_attention`'s result to float rounding: grouped-query heads, keys / values as
+    strided views of a paged pool, additive and bool masks, softcap, a scale, bf16 (one bf16
+    rounding of the float32 result). With the C++ kernel loaded, the cases it takes (no
+    softcap, an additive mask or none) are one `shardzoo::decode_attention` call; without
+    it (or for the others) inductor's loops."""
+    from layers import attention_kernels
     from layers.attention import core_attention
+
+    if kernel and not attention_kernels.prepare():
+        pytest.skip("the C++ decode attention kernel cannot be built here (no g++ or ninja)")
+    if not kernel:
+        monkeypatch.setattr(attention_kernels, "supports", lambda *args: False)
+    torch._dynamo.reset()  # `attend` below compiles 6 times per run: within dynamo's limit
 
     g = torch.Generator().manual_seed(11)
     b, sk, d = 3, 37, 16
@@ -791,6 +801,8 @@ def test_compiled_decode_attention_matches_sdpa(no_grid):
             got = torch.compile(attend, fullgraph=True)(q, k, v, mask)
             torch.compile(attend, backend=record, fullgraph=True)(q, k, v, mask)
         assert seen and not any("scaled_dot_product" in t for t in seen), seen
+        takes = kernel and softcap is None and kind != "bool"
+        assert any("decode_attention" in t for t in seen) == takes, seen
         assert got.dtype == dtype and got.shape == (b, n, 1, d)
         tol = 1e-5 if dtype == torch.float32 else 8e-3
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
@@ -835,6 +847,7 @@ def test_compiled_short_prefill_attention_matches_sdpa(no_grid):
             got = torch.compile(attend, fullgraph=True)(q, k, v, mask)
             seen = graph_targets(attend, q, k, v, mask)
         assert seen and not any("scaled_dot_product" in t for t in seen), seen
+        assert not any("decode_attention" in t for t in seen), seen  # one query per row only
         assert got.dtype == dtype and got.shape == (b, n, sq, 16)
         tol = 1e-5 if dtype == torch.float32 else 8e-3
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
