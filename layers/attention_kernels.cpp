@@ -2,11 +2,11 @@
 // `_decode_attention` calls it): one query per row, its keys and values read in place through
 // any strides (the paged cache's strided view or its gathered copy), float32 accumulation.
 //
-// One task per (row, KV group): the group's query heads share each key and value row, so K
-// and V are read once per step (decode attention is bound by reading them: SmolLM2 at 64 rows
-// x 130 keys reads 6.4 MB a layer in bf16). Per task: the scores of every unmasked key for
-// each head (a dot product of 4 independent FMA chains), a float32 softmax, then the value
-// rows weighted into the heads' outputs. Keys whose additive mask is -inf are skipped, so a
+// One task per row (per row and KV group when there are fewer rows than threads): a KV
+// group's query heads share each key and value row, widened to float32 once for them, so K
+// and V are read once per step (SmolLM2 at 64 rows x 130 keys reads 6.4 MB a layer in bf16).
+// Per task: the scores of every unmasked key for each head (a dot product of 4 independent
+// FMA chains), a float32 softmax, then the value rows weighted into the heads' outputs. Keys whose additive mask is -inf are skipped, so a
 // stale or non-finite cache entry past a row's length never reaches the result. A row with
 // no unmasked key gets zeros (torch's softmax would give NaN; such rows are padding).
 #include <torch/extension.h>
@@ -16,12 +16,7 @@
 #include <cstdint>
 #include <limits>
 #include <vector>
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define SZ_AVX2 1
-#else
-#define SZ_AVX2 0
-#endif
+#include "cpu_simd.h"
 
 namespace {
 
@@ -110,53 +105,55 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const fl
   const float ninf = -std::numeric_limits<float>::infinity();
   // one task per row: a position's keys of all g groups lie side by side in the cache
   // ([block, position, group, d]), so walking the positions reads each block's keys (and then
-  // values) as one run of memory, which the hardware prefetcher streams
-  at::parallel_for(0, b, 1, [&](int64_t begin, int64_t end) {
+  // values) as one run of memory, which the hardware prefetcher streams. Fewer rows than
+  // threads (one long prompt's decode): one task per (row, group), so every thread works.
+  const int64_t parts = b < at::get_num_threads() ? g : 1, span = g / parts;
+  at::parallel_for(0, b * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(n * d), scores(n * sk), acc(n * dv), row(std::max(d, dv));
     std::vector<int64_t> keys(sk);
-    for (int64_t i = begin; i < end; ++i) {
-      for (int64_t h = 0; h < n; ++h) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t i = task / parts, j0 = task % parts * span, j1 = j0 + span;
+      const int64_t h0 = j0 * hq, h1 = j1 * hq;  // this task's query heads
+      for (int64_t h = h0; h < h1; ++h) {
         const T* qh = qp + i * qs0 + h * qs1;
         for (int64_t x = 0; x < d; ++x) qf[h * d + x] = widen(qh[x]) * scale;
       }
       int64_t m = 0;  // the unmasked keys
       for (int64_t t = 0; t < sk; ++t)
         if (mask == nullptr || mask[i * mask_b + t * mask_t] != ninf) keys[m++] = t;
-      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(acc.begin() + h0 * dv, acc.begin() + h1 * dv, 0.f);
       const T* ki = kp + i * ks0;
       const T* vi = vp + i * vs0;
-      if (m > 0) {
-        for (int64_t c = 0; c < m; ++c) {
-          const int64_t t = keys[c];
-          if (c + ahead < m)
-            for (int64_t j = 0; j < g; ++j) prefetch(ki + keys[c + ahead] * ks2 + j * ks1, d * sizeof(T));
-          const float add = mask == nullptr ? 0.f : mask[i * mask_b + t * mask_t];
-          for (int64_t j = 0; j < g; ++j) {
-            const float* kt = widened(ki + t * ks2 + j * ks1, row.data(), d);
-            for (int64_t h = j * hq; h < (j + 1) * hq; ++h)
-              scores[h * sk + c] = dot(qf.data() + h * d, kt, d) + add;
-          }
+      for (int64_t c = 0; c < m; ++c) {
+        const int64_t t = keys[c];
+        if (c + ahead < m)
+          for (int64_t j = j0; j < j1; ++j) prefetch(ki + keys[c + ahead] * ks2 + j * ks1, d * sizeof(T));
+        const float add = mask == nullptr ? 0.f : mask[i * mask_b + t * mask_t];
+        for (int64_t j = j0; j < j1; ++j) {
+          const float* kt = widened(ki + t * ks2 + j * ks1, row.data(), d);
+          for (int64_t h = j * hq; h < (j + 1) * hq; ++h)
+            scores[h * sk + c] = dot(qf.data() + h * d, kt, d) + add;
         }
-        for (int64_t h = 0; h < n; ++h) {  // softmax over the m unmasked keys
-          float* sc = scores.data() + h * sk;
-          const float top = *std::max_element(sc, sc + m);
-          float total = 0.f;
-          for (int64_t c = 0; c < m; ++c) total += (sc[c] = std::exp(sc[c] - top));
-          const float inv = 1.f / total;
-          for (int64_t c = 0; c < m; ++c) sc[c] *= inv;
-        }
-        for (int64_t c = 0; c < m; ++c) {
-          if (c + ahead < m)
-            for (int64_t j = 0; j < g; ++j) prefetch(vi + keys[c + ahead] * vs2 + j * vs1, dv * sizeof(T));
-          for (int64_t j = 0; j < g; ++j) {
-            const float* vt = widened(vi + keys[c] * vs2 + j * vs1, row.data(), dv);
-            for (int64_t h = j * hq; h < (j + 1) * hq; ++h)
-              axpy(scores[h * sk + c], vt, acc.data() + h * dv, dv);
-          }
+      }
+      for (int64_t h = h0; h < h1 && m > 0; ++h) {  // softmax over the m unmasked keys
+        float* sc = scores.data() + h * sk;
+        const float top = *std::max_element(sc, sc + m);
+        float total = 0.f;
+        for (int64_t c = 0; c < m; ++c) total += (sc[c] = std::exp(sc[c] - top));
+        const float inv = 1.f / total;
+        for (int64_t c = 0; c < m; ++c) sc[c] *= inv;
+      }
+      for (int64_t c = 0; c < m; ++c) {
+        if (c + ahead < m)
+          for (int64_t j = j0; j < j1; ++j) prefetch(vi + keys[c + ahead] * vs2 + j * vs1, dv * sizeof(T));
+        for (int64_t j = j0; j < j1; ++j) {
+          const float* vt = widened(vi + keys[c] * vs2 + j * vs1, row.data(), dv);
+          for (int64_t h = j * hq; h < (j + 1) * hq; ++h)
+            axpy(scores[h * sk + c], vt, acc.data() + h * dv, dv);
         }
       }
       T* o = op + i * n * dv;  // out [b, n, 1, dv], contiguous
-      for (int64_t x = 0; x < n * dv; ++x) o[x] = static_cast<T>(acc[x]);
+      for (int64_t x = h0 * dv; x < h1 * dv; ++x) o[x] = static_cast<T>(acc[x]);
     }
   });
 }

@@ -16,7 +16,7 @@ import torch
 
 from . import cpu_extension
 
-SOURCES = ("attention_kernels.cpp",)
+SOURCES = ("attention_kernels.cpp", "cpu_simd.h")
 _LAZY = cpu_extension.lazy_source(
     "shardzoo_attention", os.path.dirname(__file__), SOURCES, "decode attention kernel",
     "compiled decode attention runs inductor's loops instead (slower)")

@@ -18,13 +18,8 @@
 #include <cstring>
 #include <vector>
 #include <algorithm>
-// AVX2 + FMA tiles where the compiler targets them (layers/cpu_extension.py), plain loops else
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define SZ_AVX2 1
-#else
-#define SZ_AVX2 0
-#endif
+// AVX2 + FMA tiles where the compiler targets them, plain loops else
+#include "cpu_simd.h"
 
 namespace {
 

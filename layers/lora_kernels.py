@@ -10,7 +10,7 @@ import os
 
 from . import cpu_extension
 
-SOURCES = ("lora_kernels.cpp",)
+SOURCES = ("lora_kernels.cpp", "cpu_simd.h")
 _LAZY = cpu_extension.lazy_source(
     "shardzoo_lora", os.path.dirname(__file__), SOURCES, "LoRA serving kernels",
     "mixed-adapter batches run batched matmuls instead (slower)")

@@ -29,9 +29,11 @@ def reference(q, k, v, mask, scale):
     return torch.softmax(scores, dim=-1) @ vv
 
 
-def paged(b, g, sk, d, dv, dtype, gen, block=16, region=4):
+def paged(b, g, sk, d, dv, dtype, gen, block=16):
     """Keys / values `[b, g, sk, *]` as strided views of pools `[blocks, block, g, *]` (row i
-    in region i, as the block manager places rows), and the pools."""
+    in region i of one block more than it needs, as the block manager places rows), and the
+    pools."""
+    region = -(-sk // block) + 1
     blocks = b * region + 1
     pools = [torch.randn(blocks, block, g, e, generator=gen).to(dtype) for e in (d, dv)]
     views = [p.as_strided((b, g, sk, e), (region * block * g * e, e, g * e, 1), block * g * e)
@@ -43,14 +45,16 @@ def paged(b, g, sk, d, dv, dtype, gen, block=16, region=4):
 def test_decode_attention_matches_float64(kernel, dtype):
     """Heads x KV groups (9/3, 4/1, 8/8), head sizes 64, 20 (a tail past the vector width)
     and values of another size (multi-latent attention's v_head_dim), strided pool views and
-    contiguous gathered copies, an additive mask per row or none, a scale: the result
-    matches float64 to float32 rounding (bf16: one rounding of the output)."""
+    contiguous gathered copies, an additive mask per row or none, a scale, one row (split
+    over its KV groups between the threads) and several: the result matches float64 to
+    float32 rounding (bf16: one rounding of the output)."""
     gen = torch.Generator().manual_seed(3)
-    for n, g, d, dv, sk, strided, masked in [(9, 3, 64, 64, 37, True, True),
-                                             (4, 1, 20, 20, 50, True, False),
-                                             (8, 8, 32, 48, 19, False, True),
-                                             (6, 2, 64, 64, 64, False, False)]:
-        b = 5
+    for b, n, g, d, dv, sk, strided, masked in [(5, 9, 3, 64, 64, 37, True, True),
+                                                (5, 4, 1, 20, 20, 50, True, False),
+                                                (5, 8, 8, 32, 48, 19, False, True),
+                                                (5, 6, 2, 64, 64, 64, False, False),
+                                                (1, 9, 3, 64, 64, 90, True, True),
+                                                (1, 6, 2, 16, 16, 33, False, False)]:
         (k, v), _ = paged(b, g, sk, d, dv, dtype, gen)
         if not strided:
             k, v = k.contiguous(), v.contiguous()
