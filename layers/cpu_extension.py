@@ -1,5 +1,5 @@
-"""Building shardzoo's C++ CPU kernels (layers/quant/kernels.cpp, layers/lora_kernels.cpp)
-at first use, with `torch.utils.cpp_extension.load` (g++ and ninja) into torch's extensions
+"""Building shardzoo's C++ CPU kernels (layers/quant/kernels.cpp, layers/lora_kernels.cpp,
+layers/attention_kernels.cpp, inference/sampling_kernels.cpp) at first use, with `torch.utils.cpp_extension.load` (g++ and ninja) into torch's extensions
 cache, once per machine and source version.
 
 A build's name carries the instruction set it targets (`avx2`: `-mavx2 -mfma -mf16c` when
