@@ -6,9 +6,10 @@
 // group's query heads share each key and value row, widened to float32 once for them, so K
 // and V are read once per step (SmolLM2 at 64 rows x 130 keys reads 6.4 MB a layer in bf16).
 // Per task: the scores of every unmasked key for each head (a dot product of 4 independent
-// FMA chains), a float32 softmax, then the value rows weighted into the heads' outputs. Keys whose additive mask is -inf are skipped, so a
-// stale or non-finite cache entry past a row's length never reaches the result. A row with
-// no unmasked key gets zeros (torch's softmax would give NaN; such rows are padding).
+// FMA chains), a float32 softmax, then the value rows weighted into the heads' outputs. Keys
+// whose additive mask is -inf are skipped, so a stale or non-finite cache entry past a row's
+// length never reaches the result. A row with no unmasked key gets zeros (torch's softmax
+// would give NaN; such rows are padding).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -36,8 +37,9 @@ inline float hsum(__m256 v) {
 }
 #endif
 
-// the cache lines of row[0..bytes) on their way to L1 (rows `ahead` keys on: the keys of one
-// task sit a KV-group stride apart, which the hardware prefetcher does not follow across pages)
+// the cache lines of row[0..bytes) on their way to L1, `ahead` positions before they are read
+// (a row's positions lie in blocks scattered over the pool; the hardware prefetcher does not
+// follow a stream across pages)
 inline void prefetch(const void* row, int64_t bytes) {
 #if SZ_AVX2
   const char* p = static_cast<const char*>(row);
@@ -46,9 +48,8 @@ inline void prefetch(const void* row, int64_t bytes) {
 }
 constexpr int64_t ahead = 4;
 
-// sum_x q[x] * k[x] over x < d
-template <typename T>
-inline float dot(const float* __restrict q, const T* __restrict k, int64_t d) {
+// sum_x q[x] * k[x] over x < d (k widened already: `widened`)
+inline float dot(const float* __restrict q, const float* __restrict k, int64_t d) {
   int64_t x = 0;
   float s = 0.f;
 #if SZ_AVX2
@@ -62,7 +63,7 @@ inline float dot(const float* __restrict q, const T* __restrict k, int64_t d) {
   for (; x + 8 <= d; x += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + x), load8(k + x), a0);
   s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
 #endif
-  for (; x < d; ++x) s += q[x] * widen(k[x]);
+  for (; x < d; ++x) s += q[x] * k[x];
   return s;
 }
 
@@ -78,16 +79,15 @@ inline const float* widened(const T* __restrict row, float* __restrict out, int6
 }
 inline const float* widened(const float* row, float*, int64_t) { return row; }
 
-// out[x] += p * v[x] over x < d
-template <typename T>
-inline void axpy(float p, const T* __restrict v, float* __restrict out, int64_t d) {
+// out[x] += p * v[x] over x < d (v widened already)
+inline void axpy(float p, const float* __restrict v, float* __restrict out, int64_t d) {
   int64_t x = 0;
 #if SZ_AVX2
   const __m256 pv = _mm256_set1_ps(p);
   for (; x + 8 <= d; x += 8)
     _mm256_storeu_ps(out + x, _mm256_fmadd_ps(pv, load8(v + x), _mm256_loadu_ps(out + x)));
 #endif
-  for (; x < d; ++x) out[x] += p * widen(v[x]);
+  for (; x < d; ++x) out[x] += p * v[x];
 }
 
 template <typename T>
@@ -127,7 +127,8 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const fl
       for (int64_t c = 0; c < m; ++c) {
         const int64_t t = keys[c];
         if (c + ahead < m)
-          for (int64_t j = j0; j < j1; ++j) prefetch(ki + keys[c + ahead] * ks2 + j * ks1, d * sizeof(T));
+          for (int64_t j = j0; j < j1; ++j)
+            prefetch(ki + keys[c + ahead] * ks2 + j * ks1, d * sizeof(T));
         const float add = mask == nullptr ? 0.f : mask[i * mask_b + t * mask_t];
         for (int64_t j = j0; j < j1; ++j) {
           const float* kt = widened(ki + t * ks2 + j * ks1, row.data(), d);
@@ -145,7 +146,8 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const fl
       }
       for (int64_t c = 0; c < m; ++c) {
         if (c + ahead < m)
-          for (int64_t j = j0; j < j1; ++j) prefetch(vi + keys[c + ahead] * vs2 + j * vs1, dv * sizeof(T));
+          for (int64_t j = j0; j < j1; ++j)
+            prefetch(vi + keys[c + ahead] * vs2 + j * vs1, dv * sizeof(T));
         for (int64_t j = j0; j < j1; ++j) {
           const float* vt = widened(vi + keys[c] * vs2 + j * vs1, row.data(), dv);
           for (int64_t h = j * hq; h < (j + 1) * hq; ++h)
