@@ -231,39 +231,41 @@ def write_checkpoint_folder(out: str, config: ModelConfig, sd: dict,
     return out
 
 
-def verify_checkpoint(path: str, meta: dict, tensors=None) -> None:
+def verify_checkpoint(path: str, meta: dict, tensors=None, group=None) -> None:
     """Check checkpoint folder `path` against its metadata.json `meta` before any tensor is
     read (`format.verify_files`: sizes, sha256, `.metadata` as untrusted input, with
     `tensors` the stored tensors against the model), its files split over the ranks of the
-    world when there is one (then collective). Raises the same `CheckpointError` on every
-    rank, listing every problem with its file."""
+    world when there is one (then collective, gathered over `group`, a group of the whole
+    world; None: the world group). Raises the same `CheckpointError` on every rank, listing
+    every problem with its file."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     problems = verify_files(path, meta, rank=rank, world=world, tensors=tensors)
     if world > 1:
         everyone = [None] * world
-        collectives.all_gather_object(everyone, problems)
+        collectives.all_gather_object(everyone, problems, group=group)
         problems = [p for part in everyone for p in part]
     if problems:
         raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(problems))
 
 
-def model_tensors(chunks, part: str = "saved") -> dict:
+def model_tensors(chunks, part: str = "saved", group=None) -> dict:
     """`keys.expected_tensors` of the model whose chunks the ranks of the world hold (each
-    rank passes its own; gathered, so collective when there is a process group)."""
+    rank passes its own; gathered over `group`, a group of the whole world, None: the world
+    group; so collective when there is a process group)."""
     mine = expected_tensors(chunks, part)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return mine
     everyone = [None] * dist.get_world_size()
-    collectives.all_gather_object(everyone, mine)
+    collectives.all_gather_object(everyone, mine, group=group)
     return {k: v for part in everyone for k, v in part.items()}
 
 
-def open_checkpoint(path: str, tensors) -> tuple[dict, "safe_dcp.Metadata"]:
+def open_checkpoint(path: str, tensors, group=None) -> tuple[dict, "safe_dcp.Metadata"]:
     """`(metadata.json, checked DCP metadata)` of checkpoint folder `path`, verified first
-    (`verify_checkpoint` with `tensors`; collective when there is a process group). Raises
-    `CheckpointError`."""
+    (`verify_checkpoint` with `tensors` and `group`; collective when there is a process
+    group). Raises `CheckpointError`."""
     meta = read_metadata(path)
-    verify_checkpoint(path, meta, tensors)
+    verify_checkpoint(path, meta, tensors, group)
     return meta, safe_dcp.read_dcp_metadata(path, meta)
 
 
@@ -308,18 +310,28 @@ def load_model_weights(path: str, chunks, part: str = "saved") -> dict:
     model `chunks` (any tp/pp/ep layout; `part` "base": a LoRA model's frozen base, from its
     base checkpoint; keys.entries), verified first (`open_checkpoint`); returns its
     metadata. Collective: every rank of the world calls it (the verification's gather,
-    DCP's load)."""
-    expected = model_tensors(chunks, part)
-    meta, md = open_checkpoint(path, lambda config: expected)
-    items = entries(chunks, part)
-    sd, plan = read_plan(path, md.state_dict_metadata, items, ("model",), buffer_entries(chunks))
-    with _single_process():
-        safe_dcp.load(sd, path, md, no_dist=not dist.is_initialized())
+    DCP's load), over a group made for it (`collectives.in_transient_group`: the world
+    group's worker threads would keep OpenMP teams of their copies, and the model's every
+    parallel region would then wait the short way)."""
+    meta, items, sd, plan = collectives.in_transient_group(
+        "checkpoint load", lambda group: _read_weights(path, chunks, part, group))
     values = rebuild(sd, plan)
     for _, p, _, _ in items:
         p.copy_(values[id(p)]["model"].to(p.device, p.dtype))
     load_buffers(values, chunks)
     return meta
+
+
+def _read_weights(path: str, chunks, part: str, group) -> tuple:
+    """`load_model_weights`' collective part over `group` (None: alone): `(metadata, the
+    parameters' entries, the loaded state dict, its plan)`."""
+    expected = model_tensors(chunks, part, group)
+    meta, md = open_checkpoint(path, lambda config: expected, group)
+    items = entries(chunks, part)
+    sd, plan = read_plan(path, md.state_dict_metadata, items, ("model",), buffer_entries(chunks))
+    with _single_process():
+        safe_dcp.load(sd, path, md, no_dist=group is None, process_group=group)
+    return meta, items, sd, plan
 
 
 def find_tokenizer(path: str) -> str | None:

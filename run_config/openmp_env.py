@@ -16,9 +16,13 @@ its GGUF ran no collective), and the OpenAI server at 32 streaming clients decod
 tokens/s instead of 568-594 (docs/DECISIONS.md "OpenMP wait policy").
 
 `set_openmp_wait_defaults()` sets `OMP_WAIT_POLICY=ACTIVE` with `GOMP_SPINCOUNT=300000`:
-libgomp then spins the default 300,000 iterations (~3 ms) in every case before sleeping, so
-an idle server still sleeps. Nothing is set when the user set either variable, or off Linux
-(other OpenMP runtimes, e.g. LLVM's on macOS, read ACTIVE as "never sleep").
+libgomp then spins the default 300,000 iterations (~3 ms) before sleeping, so an idle server
+still sleeps, and a throttled process 1,000 instead of 100 (libgomp's env.c keeps the
+throttled count apart: GOMP_SPINCOUNT can only lower it). That softens the throttle without
+removing it, so checkpoint loads also keep their gathers out of the world group's threads
+(parallel_state/collectives.py `in_transient_group`). Nothing is set when the user set
+either variable, or off Linux (other OpenMP runtimes, e.g. LLVM's on macOS, read ACTIVE as
+"never sleep").
 """
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from run_config.openmp_env import SPIN_COUNT, WAIT_POLICY, set_openmp_wait_defaults
 
@@ -40,3 +41,50 @@ def test_entry_points_set_it_before_torch_loads(entry):
              if line.startswith("import time:") and "|" in line]
     first_torch = next(i for i, n in enumerate(names) if n == "torch" or n.startswith("torch."))
     assert names.index("run_config.openmp_env") < first_torch
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _load_keeps_teams(ckpt: str) -> tuple[int, int, int]:
+    """(threads before, after a checkpoint load, after one gather of a large object over the
+    world group) of this rank with 2 intra-op threads: a gloo worker thread that copies more
+    than 32K elements starts an OpenMP team of its own (one more thread), which would throttle
+    libgomp's spinning for the whole process (parallel_state/collectives.py
+    `in_transient_group`)."""
+    import torch.distributed as dist
+
+    from inference.loading import load
+
+    torch.set_num_threads(2)
+    torch.ones(1 << 20).add_(1)  # this thread's own team first
+    before = _threads()
+    load(load=ckpt)
+    after = _threads()
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, list(range(300_000)))  # the control: the world group
+    return before, after, _threads()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
+def test_checkpoint_load_leaves_no_openmp_team_in_gloo_threads(tmp_path):
+    """A native checkpoint loaded in a world of 1 and of 2 (tp 2) leaves the process with the
+    threads it had: the load's gathers ran in a group of their own, ended with its threads;
+    the same gather over the world group does add a team's thread (so the count can see it)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from checkpoint.hf import import_hf
+    from distributed import run_distributed
+
+    hf, ckpt = str(tmp_path / "hf"), str(tmp_path / "ckpt")
+    # 32 layers (290 tensors): DCP's pickled load plans pass gloo's 32K-element copy grain
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                 num_hidden_layers=32, num_attention_heads=2,
+                                 num_key_value_heads=1, max_position_embeddings=64)
+                     ).save_pretrained(hf)
+    import_hf(hf, ckpt, log=lambda *a: None)
+    for world in (1, 2):
+        for before, after, control in run_distributed(_load_keeps_teams, world, ckpt, tp=world):
+            assert after == before, (world, before, after)
+            assert control > after, (world, after, control)
