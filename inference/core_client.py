@@ -28,6 +28,7 @@ it has --max-restarts left).
 """
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import signal
 import threading
@@ -175,6 +176,22 @@ class APIProcess:
         self.conn.close()
 
 
+def freeze_heap() -> int:
+    """Collect, then move every object the process holds into the garbage collector's
+    permanent generation (`gc.freeze`, as vLLM does after start-up); returns how many.
+
+    A compiled engine holds ~930,000 objects tracked by the collector (SmolLM2-135M after
+    the warm-up: dynamo's and inductor's graphs, guards and caches, the model), and a full
+    collection walked all of them: ~600 ms on a 2-core Xeon (2026-12-07). Python runs one
+    whenever the objects that survived younger collections reach a quarter of the old ones,
+    so every few thousand requests a step stalled for that long. Frozen objects are never
+    walked again; one of them that later becomes cyclic garbage is not freed (plain
+    reference counting still frees the rest)."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 def api_main(conn, config: APIConfig) -> None:
     """The API server process: serve HTTP until the engine side says exit or is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 forwards the signals it gets
@@ -203,6 +220,7 @@ def api_main(conn, config: APIConfig) -> None:
                                  f"the port in use? pass another --port)"))
             return
         time.sleep(0.05)
+    freeze_heap()  # the imports' objects (FastAPI, the tokenizer) out of full collections
     conn.send(("started",))
     threading.Thread(target=_pump, args=(fe, conn), name="to-engine", daemon=True).start()
     _receive(fe, conn)

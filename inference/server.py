@@ -34,7 +34,7 @@ import torch.distributed as dist
 import parallel_state as ps
 
 from .comm import broadcast_control, gather_to_rank0, replica_ranks
-from .core_client import APIConfig, APIProcess
+from .core_client import APIConfig, APIProcess, freeze_heap
 from .engine import Event, Request
 
 
@@ -87,6 +87,10 @@ def serve(engine, tokenizer, model_name: str, host: str = "127.0.0.1", port: int
         log(f"serving {model_name} on http://{host}:{port}/v1 (dp={dp}, "
             f"tp={grid.tensor_model_parallel_size}, pp={grid.pipeline_model_parallel_size}"
             f"{f', ep={ep}' if ep > 1 else ''})", flush=True)
+    frozen = freeze_heap()
+    if rank == 0:
+        log(f"{frozen:,} objects of the start-up moved out of the garbage collector's "
+            f"generations (gc.freeze)", flush=True)
     try:
         _loop(engine, api, my_replica, leader)
     except Exception as e:  # a collective failed: a rank of some replica is gone

@@ -7,6 +7,7 @@ and a clean stop on Ctrl-C. One server for the whole module."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -538,6 +539,10 @@ def test_ctrl_c_stops_every_rank_cleanly(server):
     proc.wait(timeout=60)
     out = "".join(lines) + rest
     assert "server stopped" in out, out[-3000:]
+    # the start-up's objects left the collector's generations (inference/core_client.py
+    # `freeze_heap`): a full collection of them stalled a step for ~0.6 s
+    frozen = re.search(r"([\d,]+) objects of the start-up moved out", out)
+    assert frozen and int(frozen.group(1).replace(",", "")) > 10_000, out[-3000:]
     # torchrun itself reports the signal it got; no worker may fail or print a traceback
     assert REPO + "/inference" not in out and REPO + "/infer.py" not in out, out[-3000:]
     assert "ChildFailedError" not in out and "exitcode" not in out, out[-3000:]
