@@ -184,7 +184,7 @@ def freeze_heap() -> int:
     the warm-up: dynamo's and inductor's graphs, guards and caches, the model), and a full
     collection walked all of them: ~600 ms on a 2-core Xeon (2026-12-07). Python runs one
     whenever the objects that survived younger collections reach a quarter of the old ones,
-    so every few thousand requests a step stalled for that long. Frozen objects are never
+    so now and then a step stalled for that long. Frozen objects are never
     walked again; one of them that later becomes cyclic garbage is not freed (plain
     reference counting still frees the rest)."""
     gc.collect()
