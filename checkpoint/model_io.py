@@ -23,8 +23,6 @@ import json
 import os
 import secrets
 import shutil
-import warnings
-from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -47,14 +45,6 @@ from .keys import (buffer_entries, dense_logical_tensors, dense_tensors, entries
 
 TOKENIZER_DIR = "tokenizer"  # an HF tokenizer folder inside a checkpoint
 TOKENIZER_MODEL = "tokenizer.model"  # or a SentencePiece model file
-
-
-@contextmanager
-def _single_process():
-    """DCP warns on every no_dist call that it assumes a single process: that is the intent."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
 
 
 class _LazySavePlanner(DefaultSavePlanner):
@@ -129,7 +119,7 @@ def _save_lazily(sd: dict, lazy: dict[str, Callable[[], torch.Tensor]], folder: 
     function just before it is written. Re-raises what a tensor function raised (DCP wraps
     it in a CheckpointException)."""
     try:
-        with _single_process():
+        with safe_dcp.single_process():
             dcp.save(sd, storage_writer=dcp.FileSystemWriter(folder),
                      planner=_LazySavePlanner(lazy), no_dist=True)
     except CheckpointException as e:  # DCP wraps what the tensor functions raised
@@ -297,7 +287,7 @@ def read_dense_tensor(path: str, md, keys: list[str], p) -> torch.Tensor:
     metadata is `md`; one process."""
     saved = md.state_dict_metadata
     sd = {k: torch.empty(saved[k].size, dtype=torch.float32) for k in keys}
-    with _single_process():
+    with safe_dcp.single_process():
         safe_dcp.load(sd, path, md, no_dist=True)
     t = sd[keys[0]] if len(keys) == 1 else torch.cat([sd[k] for k in keys], piece_dim(p))
     rows = getattr(p, "full_rows", None)
@@ -329,8 +319,7 @@ def _read_weights(path: str, chunks, part: str, group) -> tuple:
     meta, md = open_checkpoint(path, lambda config: expected, group)
     items = entries(chunks, part)
     sd, plan = read_plan(path, md.state_dict_metadata, items, ("model",), buffer_entries(chunks))
-    with _single_process():
-        safe_dcp.load(sd, path, md, no_dist=group is None, process_group=group)
+    safe_dcp.load(sd, path, md, no_dist=group is None, process_group=group)
     return meta, items, sd, plan
 
 

@@ -27,6 +27,8 @@ import math
 import os
 import pathlib
 import pickle
+import warnings
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -37,6 +39,8 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
                                                    Metadata, MetadataIndex, StorageMeta,
                                                    TensorProperties, TensorStorageMetadata)
+
+from parallel_state import collectives
 
 from .files import (DCP_METADATA, METADATA, SHARD, CheckpointError, damage_fix,
                     file_problem)
@@ -232,14 +236,29 @@ class LoadPlanner(DefaultLoadPlanner):
                               f"checkpoint objects")
 
 
+@contextmanager
+def single_process():
+    """DCP warns on every no_dist call that it assumes a single process: that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def load(sd: dict, path: str, md: Metadata, *, no_dist: bool = False,
          process_group=None) -> None:
     """`dcp.load(sd)` from checkpoint folder `path` whose checked metadata is `md`
-    (`read_dcp_metadata`), through `Reader` and `LoadPlanner`. Collective unless `no_dist`.
-    Raises `CheckpointError` naming the folder for anything DCP raises."""
+    (`read_dcp_metadata`), through `Reader` and `LoadPlanner`. Collective unless `no_dist`:
+    over `process_group`, by default over a gloo group made for this load, or alone in a
+    world of one (`collectives.in_transient_group`: DCP's planning gathers in the world
+    group's threads would leave libgomp throttled for the rest of the process). Raises
+    `CheckpointError` naming the folder for anything DCP raises."""
+    if not no_dist and process_group is None:
+        return collectives.in_transient_group("checkpoint load", lambda group: load(
+            sd, path, md, no_dist=group is None, process_group=group))
     try:
-        dcp.load(sd, storage_reader=Reader(path, md), planner=LoadPlanner(),
-                 process_group=process_group, no_dist=no_dist)
+        with single_process():
+            dcp.load(sd, storage_reader=Reader(path, md), planner=LoadPlanner(),
+                     process_group=process_group, no_dist=no_dist)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - name the checkpoint, the fix

@@ -1,6 +1,7 @@
 """Building shardzoo's C++ CPU kernels (layers/quant/kernels.cpp, layers/lora_kernels.cpp,
-layers/attention_kernels.cpp, inference/sampling_kernels.cpp) at first use, with `torch.utils.cpp_extension.load` (g++ and ninja) into torch's extensions
-cache, once per machine and source version.
+layers/attention_kernels.cpp, inference/sampling_kernels.cpp) at first use, with
+`torch.utils.cpp_extension.load` (g++ and ninja) into torch's extensions cache, once per
+machine and source version.
 
 A build's name carries the instruction set it targets (`avx2`: `-mavx2 -mfma -mf16c` when
 torch reports AVX2 or AVX-512; `generic`: plain `-O3`) and 8 hex digits of the sources'

@@ -251,12 +251,12 @@ def test_pickled_object_entries_are_refused(tmp_path):
     from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
     from checkpoint.format import CheckpointError, describe_files
-    from checkpoint.model_io import _single_process
+    from checkpoint.safe_dcp import single_process
     from checkpoint.safe_dcp import LoadPlanner, read_dcp_metadata
 
     marker = tmp_path / "MARKER"
     folder = tmp_path / "ckpt"
-    with _single_process():
+    with single_process():
         dcp.save({"x": torch.ones(3), "obj": _Payload(str(marker))},
                  storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
     meta = {"files": describe_files(str(folder), os.listdir(folder))}

@@ -210,13 +210,13 @@ def _stored(folder: Path) -> dict[str, torch.Tensor]:
     """Every tensor of checkpoint `folder` by key (one process, read as untrusted input)."""
     from checkpoint import safe_dcp
     from checkpoint.format import read_metadata
-    from checkpoint.model_io import _single_process
+    from checkpoint.safe_dcp import single_process
 
     meta = read_metadata(str(folder))
     md = safe_dcp.read_dcp_metadata(str(folder), meta)
     sd = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype)
           for k, v in md.state_dict_metadata.items()}
-    with _single_process():
+    with single_process():
         safe_dcp.load(sd, str(folder), md, no_dist=True)
     return sd
 
@@ -227,12 +227,12 @@ def _rewrite(src: Path, dst: Path, edit) -> None:
     import torch.distributed.checkpoint as dcp
 
     from checkpoint.format import describe_files
-    from checkpoint.model_io import _single_process
+    from checkpoint.safe_dcp import single_process
 
     sd = _stored(src)
     edit(sd)
     dst.mkdir()
-    with _single_process():
+    with single_process():
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(dst)), no_dist=True)
     shutil.copy(src / "config.yaml", dst / "config.yaml")
     meta = json.loads((src / "metadata.json").read_text())

@@ -497,8 +497,11 @@ def load_checkpoint(config, chunks, model, optimizer, diloco=None) -> ResumeStat
         refuse_lora_checkpoint(meta, path)
     weights_only = t.finetune or meta.get("optimizer_state", True) is False
     restart_data = not weights_only and check_data_config(meta, config, path)
-    expected = model_tensors(chunks)  # this run's model, which is metadata.json's
-    verify_checkpoint(path, meta, lambda _: expected)
+    def verify(group):  # over a group of its own, as the loads (safe_dcp.load)
+        expected = model_tensors(chunks, group=group)  # this run's model, metadata.json's
+        verify_checkpoint(path, meta, lambda _: expected, group)
+
+    collectives.in_transient_group("checkpoint verify", verify)
     md = safe_dcp.read_dcp_metadata(path, meta)  # on every rank (rank 0 checked it above)
     if weights_only:
         why = ("--finetune" if t.finetune else
